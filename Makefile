@@ -1,0 +1,69 @@
+# tokenbridge — every target does its own setup; `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV    := .venv
+PY      := $(VENV)/bin/python
+SETUP   := $(VENV)/.stamp-setup
+ART     := artifacts
+MODELS  := $(ART)/.stamp-models
+
+# shipped defaults: the real pair and the shipped corpus
+TEACHER ?= $(ART)/models/gemma-3-270m
+STUDENT ?= $(ART)/models/smollm2-135m
+DATA    ?= $(ART)/corpus/shakespeare/*.txt
+K       ?= 8
+OUT     ?=
+TASKS   ?=
+LIMIT   ?=
+MODEL   ?=
+
+export PYTHONUNBUFFERED := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help setup models test lint format demo projection align train eval bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+setup: $(SETUP)  ## create .venv with the pinned dependencies (idempotent)
+$(SETUP): pyproject.toml requirements.lock
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -c requirements.lock -e '.[dev]'
+	touch $@
+
+models: $(SETUP)  ## fetch + convert teacher/student, tokenizer fixtures and corpora into artifacts/
+	$(PY) -m pipelines.assets all
+
+lint: $(SETUP)  ## ruff lint + format check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(SETUP)  ## ruff autoformat
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: $(SETUP) models lint  ## the whole test suite, from a fresh clone
+	$(PY) -m pytest tests
+
+projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=)
+	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k $(K) $(if $(OUT),--out $(OUT))
+
+align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER=, STUDENT=, OUT=)
+	$(PY) -m pipelines.align_job --data '$(DATA)' --teacher $(TEACHER) --student $(STUDENT) $(if $(OUT),--out $(OUT))
+
+train: models  ## one-process training run on the demo config (see README for torchrun)
+	$(PY) trainer/main.py conf=demo
+
+eval: models  ## evaluation suite: MODEL=a[,b] TASKS= LIMIT=
+	$(PY) -m trainer.eval --model '$(MODEL)' $(if $(TASKS),--tasks $(TASKS)) $(if $(LIMIT),--limit $(LIMIT))
+
+demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU)
+	$(PY) -m pipelines.pair_report $(TEACHER) $(STUDENT)
+
+bench: models  ## run the benchmarks and write BENCHMARKS.md
+	$(PY) -m bench.run_all
+
+clean:  ## remove run outputs (keeps .venv and artifacts/)
+	rm -rf outputs runs .pytest_cache .ruff_cache
