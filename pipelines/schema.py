@@ -4,13 +4,16 @@ One row is one training window of one document. Both sides of a window end at th
 character position (a chunk boundary), so the student's and each teacher's tokens cover exactly
 the same text.
 
-Chunk columns: for every token, the index of the aligned chunk it belongs to, counted from 0
-within the window and non-decreasing along the row; -1 marks special tokens (BOS/EOS/pad/chat
-markers), which are paired by role and never take part in a chunk. Chunk c of the student and
-chunk c of a teacher cover identical text; every chunk id in [0, n_chunks) appears on the
-student side and on every teacher side.
+Chunk columns: every teacher is aligned to the student on its own, so each teacher i has a pair
+of chunk columns: ``teacher{i}_chunk`` (per teacher token) and ``teacher{i}_student_chunk`` (per
+student token), plus ``teacher{i}_n_chunks``. A value is the index of the aligned chunk the token
+belongs to, counted from 0 within the window and non-decreasing along the row; -1 marks special
+tokens (BOS/EOS/pad/chat markers), which are paired by role and never take part in a chunk. Chunk
+c of the student and chunk c of teacher i cover identical text; every chunk id in [0, n_chunks)
+appears on both sides. (One shared chunking for all teachers would coarsen every pair to the
+common refinement of all tokenizers; per-pair columns keep each pair's chunks minimal.)
 
-Teachers are numbered 0..K-1; their column names are ``teacher{i}_ids`` / ``teacher{i}_chunk``.
+Teachers are numbered 0..K-1.
 The file metadata stores the schema version, the tokenizer fingerprints and the teacher names, so
 a reader can refuse shards made with other tokenizers.
 """
@@ -39,7 +42,6 @@ PROVENANCE_FIELDS = [
     pa.field("char_start", pa.int64(), nullable=False),  # span of the window in the document
     pa.field("char_end", pa.int64(), nullable=False),
     pa.field("text", pa.string(), nullable=False),  # the window text, [char_start, char_end)
-    pa.field("n_chunks", pa.int32(), nullable=False),
 ]
 
 
@@ -49,6 +51,14 @@ def teacher_ids_column(i: int) -> str:
 
 def teacher_chunk_column(i: int) -> str:
     return f"teacher{i}_chunk"
+
+
+def teacher_student_chunk_column(i: int) -> str:
+    return f"teacher{i}_student_chunk"
+
+
+def teacher_n_chunks_column(i: int) -> str:
+    return f"teacher{i}_n_chunks"
 
 
 @dataclass(frozen=True)
@@ -73,12 +83,13 @@ def shard_schema(student: TokenizerInfo, teachers: list[TokenizerInfo]) -> pa.Sc
     fields = list(PROVENANCE_FIELDS)
     fields += [
         pa.field("student_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("student_chunk", pa.list_(pa.int32()), nullable=False),
     ]
     for i in range(len(teachers)):
         fields += [
             pa.field(teacher_ids_column(i), pa.list_(pa.int32()), nullable=False),
             pa.field(teacher_chunk_column(i), pa.list_(pa.int32()), nullable=False),
+            pa.field(teacher_student_chunk_column(i), pa.list_(pa.int32()), nullable=False),
+            pa.field(teacher_n_chunks_column(i), pa.int32(), nullable=False),
         ]
     meta = {
         META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
