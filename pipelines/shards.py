@@ -1,0 +1,330 @@
+"""Aligned shard directories: write Arrow IPC shards atomically, read them back only when complete.
+
+A shard directory holds ``shard-XXXXX-of-YYYYY.arrow`` files (Arrow IPC *file* format, so a
+reader can memory-map them and jump to any record batch), ``dead_letter.jsonl``, ``stats.json``
+and ``COMPLETED``, written last. Every file is first written under a hidden temporary name and
+then renamed, so a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker:
+a directory that looks complete is complete. ``COMPLETED`` lists the shard files and their row
+counts, so stale files from an earlier crashed run are never picked up.
+
+The reader (`open_shards`) refuses a directory without the marker, a schema version it does not
+know, and shards made with tokenizers other than the ones the caller is about to train with
+(compared by fingerprint, the hash of the vocabulary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines import schema as S
+
+if TYPE_CHECKING:
+    from pipelines.windows import Window
+
+COMPLETED_VERSION = 1
+
+
+class IncompleteShardsError(RuntimeError):
+    """The directory has no COMPLETED marker (a run still going, or one that crashed)."""
+
+
+class FingerprintMismatchError(ValueError):
+    """The shards were made with other tokenizers than the ones the caller uses."""
+
+
+def shard_name(index: int, num_shards: int) -> str:
+    return f"shard-{index:05d}-of-{num_shards:05d}{S.SHARD_SUFFIX}"
+
+
+def window_to_row(doc_id: str, w: Window) -> dict:
+    """One `Window` -> one row of the shard schema (column name -> value)."""
+    row = {
+        "doc_id": doc_id,
+        "window": int(w.window),
+        "char_start": int(w.char_start),
+        "char_end": int(w.char_end),
+        "text": w.text,
+        "student_ids": np.asarray(w.student_ids, dtype=np.int32),
+    }
+    for i, ids in enumerate(w.teacher_ids):
+        row[S.teacher_ids_column(i)] = np.asarray(ids, dtype=np.int32)
+        row[S.teacher_chunk_column(i)] = np.asarray(w.teacher_chunk[i], dtype=np.int32)
+        row[S.teacher_student_chunk_column(i)] = np.asarray(
+            w.teacher_student_chunk[i], dtype=np.int32
+        )
+        row[S.teacher_n_chunks_column(i)] = int(w.teacher_n_chunks[i])
+    return row
+
+
+def _list_array(values: list[np.ndarray]) -> pa.Array:
+    """list<int32> from many int32 arrays in one copy (no per-element Python conversion)."""
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(values).astype(np.int32, copy=False) if values else np.zeros(0, np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int32()))
+
+
+def rows_to_batch(rows: list[dict], schema: pa.Schema) -> pa.RecordBatch:
+    """Rows as made by `window_to_row` -> one RecordBatch of `schema` (missing column = error)."""
+    arrays = []
+    for field in schema:
+        try:
+            values = [r[field.name] for r in rows]
+        except KeyError:
+            raise ValueError(f"row is missing column {field.name!r} of the shard schema") from None
+        if pa.types.is_list(field.type):
+            arrays.append(_list_array(values))
+        else:
+            arrays.append(pa.array(values, type=field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def batch_to_bytes(batch: pa.RecordBatch) -> bytes:
+    """A RecordBatch as an Arrow IPC stream: a compact value to shuffle between Beam stages."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def batch_from_bytes(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(data).read_all()
+
+
+def _tmp_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file + fsync + rename."""
+    final = Path(path)
+    tmp = _tmp_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """Writes one Arrow IPC file atomically: rows go to a hidden temporary file, renamed on
+    `close()`; an exception inside ``with`` (or `abort()`) removes the temporary file.
+
+    ``with ShardWriter(path, schema) as w: w.write_rows(rows)`` or ``w.write_table(table)``.
+    """
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema):
+        self.path = Path(path)
+        self.schema = schema
+        self.num_rows = 0
+        self._tmp = _tmp_path(self.path)
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._writer = pa.ipc.new_file(self._file, schema)
+
+    def write_rows(self, rows: list[dict]) -> None:
+        if rows:
+            self.write_batch(rows_to_batch(rows, self.schema))
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        if not batch.schema.equals(self.schema, check_metadata=False):
+            raise ValueError(
+                f"{self.path}: batch schema differs from the shard schema:\n"
+                f"{batch.schema}\nexpected\n{self.schema}"
+            )
+        self._writer.write_batch(batch)
+        self.num_rows += batch.num_rows
+
+    def write_table(self, table: pa.Table, *, max_chunksize: int = 1024) -> None:
+        for batch in table.to_batches(max_chunksize=max_chunksize):
+            self.write_batch(batch)
+
+    def close(self) -> Path:
+        self._writer.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):  # best effort: the file is being thrown away
+            self._writer.close()
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_dead_letters(out_dir: str | os.PathLike, records: Iterable[dict]) -> int:
+    """All dead-letter records as one JSON line each, sorted for a stable file; returns count."""
+    lines = sorted(json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records)
+    atomic_write_bytes(
+        Path(out_dir) / S.DEAD_LETTER_FILE, "".join(x + "\n" for x in lines).encode("utf-8")
+    )
+    return len(lines)
+
+
+def write_completed(
+    out_dir: str | os.PathLike, stats: dict, *, files: dict[str, int] | None = None
+) -> None:
+    """Write stats.json, then the COMPLETED marker (last, atomically).
+
+    `files` maps shard file name -> row count; by default every ``*.arrow`` file in the directory.
+    Every listed file must exist: the marker promises the directory is whole.
+    """
+    out = Path(out_dir)
+    if files is None:
+        files = {p.name: _count_rows(p) for p in sorted(out.glob(f"*{S.SHARD_SUFFIX}"))}
+    missing = [f for f in files if not (out / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out}: COMPLETED would list missing shard files {missing}")
+    atomic_write_bytes(
+        out / S.STATS_FILE, (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
+    )
+    marker = {
+        "version": COMPLETED_VERSION,
+        "schema_version": S.SCHEMA_VERSION,
+        "files": dict(sorted(files.items())),
+        "num_rows": int(sum(files.values())),
+    }
+    atomic_write_bytes(out / S.COMPLETED_MARKER, (json.dumps(marker, indent=2) + "\n").encode())
+
+
+def _count_rows(path: Path) -> int:
+    with pa.memory_map(str(path), "r") as src:
+        r = pa.ipc.open_file(src)
+        return sum(r.get_batch(i).num_rows for i in range(r.num_record_batches))
+
+
+def _check_tokenizer(role: str, found: S.TokenizerInfo, want: S.TokenizerInfo, where: str) -> None:
+    if found.fingerprint != want.fingerprint:
+        raise FingerprintMismatchError(
+            f"{where}: {role} tokenizer fingerprint {found.fingerprint[:16]}... "
+            f"({found.name}, vocab {found.vocab_size}) but the caller uses "
+            f"{want.fingerprint[:16]}... ({want.name}, vocab {want.vocab_size}); "
+            "re-run the align job with these tokenizers"
+        )
+
+
+@dataclass
+class ShardSet:
+    """A complete shard directory: its metadata, files and row count."""
+
+    dir: Path
+    meta: S.ShardMeta
+    files: list[Path]
+    num_rows: int
+    file_rows: list[int]
+
+    def iter_batches(self, *, files: list[Path] | None = None) -> Iterator[pa.RecordBatch]:
+        """Record batches of `files` (default: all), memory-mapped, in file order."""
+        for path in self.files if files is None else files:
+            with pa.memory_map(str(path), "r") as src:
+                reader = pa.ipc.open_file(src)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+
+    def table(self) -> pa.Table:
+        batches = list(self.iter_batches())
+        return pa.Table.from_batches(batches, schema=self.schema)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return S.shard_schema(self.meta.student, self.meta.teachers)
+
+    def stats(self) -> dict:
+        return json.loads((self.dir / S.STATS_FILE).read_text())
+
+
+def open_shards(
+    dir: str | os.PathLike,
+    *,
+    student: S.TokenizerInfo | None = None,
+    teachers: list[S.TokenizerInfo] | None = None,
+) -> ShardSet:
+    """Open a complete shard directory, refusing what the trainer must not read.
+
+    Raises `IncompleteShardsError` without COMPLETED (or when a listed file is missing),
+    ValueError on a schema version mismatch or an unreadable shard, and
+    `FingerprintMismatchError` when `student` / `teachers` (in order) differ from the ones
+    recorded in the shards.
+    """
+    d = Path(dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such shard directory")
+    marker_path = d / S.COMPLETED_MARKER
+    if not marker_path.is_file():
+        raise IncompleteShardsError(
+            f"{d}: no {S.COMPLETED_MARKER} marker; the align job that writes it did not finish "
+            "(still running or crashed): re-run it"
+        )
+    try:
+        marker = json.loads(marker_path.read_text())
+        listed = marker["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise IncompleteShardsError(f"{marker_path}: unreadable marker ({e})") from None
+    if int(marker.get("schema_version", -1)) != S.SCHEMA_VERSION:
+        raise ValueError(
+            f"{marker_path}: shard schema version {marker.get('schema_version')}, "
+            f"this code reads version {S.SCHEMA_VERSION}"
+        )
+    files = [d / name for name in sorted(listed)]
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        raise IncompleteShardsError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
+    meta: S.ShardMeta | None = None
+    file_rows = []
+    for path in files:
+        try:
+            with pa.memory_map(str(path), "r") as src:
+                reader = pa.ipc.open_file(src)
+                m = S.read_meta(reader.schema, where=str(path))
+                rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from None
+        if rows != int(listed[path.name]):
+            raise ValueError(f"{path}: {rows} rows, {S.COMPLETED_MARKER} says {listed[path.name]}")
+        if meta is None:
+            meta = m
+        elif m != meta:
+            raise ValueError(f"{path}: tokenizer metadata differs from {files[0].name}")
+        file_rows.append(rows)
+    if meta is None:  # an empty run: nothing aligned, metadata from stats.json
+        stats = json.loads((d / S.STATS_FILE).read_text())
+        meta = S.ShardMeta(
+            S.SCHEMA_VERSION,
+            S.TokenizerInfo.from_json(stats["student"]),
+            [S.TokenizerInfo.from_json(t) for t in stats["teachers"]],
+        )
+    if student is not None:
+        _check_tokenizer("student", meta.student, student, str(d))
+    if teachers is not None:
+        if len(teachers) != len(meta.teachers):
+            raise FingerprintMismatchError(
+                f"{d}: shards have {len(meta.teachers)} teacher(s) "
+                f"({[t.name for t in meta.teachers]}), the caller uses {len(teachers)}"
+            )
+        for i, (found, want) in enumerate(zip(meta.teachers, teachers)):
+            _check_tokenizer(f"teacher {i}", found, want, str(d))
+    return ShardSet(d, meta, files, int(sum(file_rows)), file_rows)

@@ -1,0 +1,187 @@
+"""Shard directories: atomic writes, COMPLETED last, and a reader that refuses what it must."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pipelines import schema as S
+from pipelines import shards
+
+STUDENT = S.TokenizerInfo("student-tok", "a" * 64, 100)
+TEACHERS = [S.TokenizerInfo("teacher-a", "b" * 64, 300), S.TokenizerInfo("teacher-b", "c" * 64, 50)]
+
+
+def _row(doc: int, window: int, n_s: int, n_t: list[int]) -> dict:
+    rng = np.random.default_rng(doc * 100 + window)
+    row = {
+        "doc_id": f"doc{doc}",
+        "window": window,
+        "char_start": 10 * window,
+        "char_end": 10 * window + 10,
+        "text": f"text of {doc}/{window} ü",
+        "student_ids": rng.integers(0, 100, n_s, dtype=np.int32),
+    }
+    for i, n in enumerate(n_t):
+        row[S.teacher_ids_column(i)] = rng.integers(0, 50, n, dtype=np.int32)
+        row[S.teacher_chunk_column(i)] = np.arange(n, dtype=np.int32) // 2
+        row[S.teacher_student_chunk_column(i)] = np.arange(n_s, dtype=np.int32)
+        row[S.teacher_n_chunks_column(i)] = n
+    return row
+
+
+def _rows(n: int) -> list[dict]:
+    return [_row(d, w, 3 + d % 4, [2 + w, 5]) for d in range(n) for w in range(2)]
+
+
+def _write_dir(tmp_path, rows, *, per_file=4, complete=True):
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    files = {}
+    chunks = [rows[i : i + per_file] for i in range(0, len(rows), per_file)]
+    for i, part in enumerate(chunks):
+        name = shards.shard_name(i, len(chunks))
+        with shards.ShardWriter(tmp_path / name, schema) as w:
+            w.write_rows(part)
+        files[name] = len(part)
+    if complete:
+        stats = {"student": STUDENT.to_json(), "teachers": [t.to_json() for t in TEACHERS]}
+        shards.write_completed(tmp_path, stats, files=files)
+    return files
+
+
+def test_roundtrip_rows_and_metadata(tmp_path):
+    rows = _rows(5)
+    files = _write_dir(tmp_path, rows)
+    ss = shards.open_shards(tmp_path, student=STUDENT, teachers=TEACHERS)
+    assert ss.num_rows == len(rows) and [p.name for p in ss.files] == sorted(files)
+    assert ss.meta.student == STUDENT and ss.meta.teachers == TEACHERS
+    table = ss.table()
+    assert table.schema.equals(S.shard_schema(STUDENT, TEACHERS), check_metadata=True)
+    for got, want in zip(table.to_pylist(), rows):
+        for key, value in want.items():
+            if isinstance(value, np.ndarray):
+                assert got[key] == value.tolist(), key
+            else:
+                assert got[key] == value, key
+    # iter_batches over a subset of files reads only those
+    n_first = sum(b.num_rows for b in ss.iter_batches(files=ss.files[:1]))
+    assert n_first == files[ss.files[0].name]
+    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    assert marker["num_rows"] == len(rows)
+
+
+def test_empty_list_rows_and_batch_bytes_roundtrip():
+    schema = S.shard_schema(STUDENT, TEACHERS[:1])
+    rows = [_row(0, 0, 0, [0]), _row(1, 0, 4, [3])]
+    batch = shards.rows_to_batch(rows, schema)
+    back = shards.batch_from_bytes(shards.batch_to_bytes(batch))
+    assert back.column("student_ids").to_pylist() == [[], rows[1]["student_ids"].tolist()]
+    assert back.schema.metadata == schema.metadata
+
+
+def test_missing_column_is_a_clear_error():
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    row = _row(0, 0, 3, [2])  # only one teacher's columns
+    with pytest.raises(ValueError, match="teacher1_ids"):
+        shards.rows_to_batch([row], schema)
+
+
+def test_writer_is_atomic_on_error(tmp_path):
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    path = tmp_path / shards.shard_name(0, 1)
+    with pytest.raises(RuntimeError, match="boom"), shards.ShardWriter(path, schema) as w:
+        w.write_rows(_rows(2))
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []  # neither the shard nor its temporary file
+
+
+def test_writer_rejects_a_foreign_schema(tmp_path):
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    other = S.shard_schema(STUDENT, TEACHERS[:1])
+    batch = shards.rows_to_batch([_row(0, 0, 2, [2])], other)
+    with (
+        pytest.raises(ValueError, match="schema differs"),
+        shards.ShardWriter(tmp_path / "x.arrow", schema) as w,
+    ):
+        w.write_batch(batch)
+
+
+def test_refuses_dir_without_completed(tmp_path):
+    _write_dir(tmp_path, _rows(2), complete=False)
+    with pytest.raises(shards.IncompleteShardsError, match="COMPLETED"):
+        shards.open_shards(tmp_path)
+
+
+def test_refuses_missing_listed_file_and_ignores_stale_ones(tmp_path):
+    files = _write_dir(tmp_path, _rows(4))
+    # a stale shard of an earlier run is not listed, hence not read
+    stale = tmp_path / shards.shard_name(7, 9)
+    (tmp_path / next(iter(files))).rename(stale)
+    with pytest.raises(shards.IncompleteShardsError, match="missing"):
+        shards.open_shards(tmp_path)
+    stale.rename(tmp_path / next(iter(files)))
+    (tmp_path / shards.shard_name(8, 9)).write_bytes(stale.name.encode())
+    assert shards.open_shards(tmp_path).num_rows == 8
+
+
+def test_refuses_other_fingerprints(tmp_path):
+    _write_dir(tmp_path, _rows(2))
+    other = S.TokenizerInfo("student-tok", "d" * 64, 100)
+    with pytest.raises(shards.FingerprintMismatchError, match="student tokenizer fingerprint"):
+        shards.open_shards(tmp_path, student=other)
+    with pytest.raises(shards.FingerprintMismatchError, match="teacher 1"):
+        shards.open_shards(tmp_path, teachers=[TEACHERS[0], other])
+    with pytest.raises(shards.FingerprintMismatchError, match="2 teacher"):
+        shards.open_shards(tmp_path, teachers=TEACHERS[:1])
+
+
+def test_refuses_other_schema_version(tmp_path):
+    _write_dir(tmp_path, _rows(2))
+    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    marker["schema_version"] = S.SCHEMA_VERSION + 1
+    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ValueError, match="schema version"):
+        shards.open_shards(tmp_path)
+
+
+def test_row_count_mismatch_and_garbage_file(tmp_path):
+    files = _write_dir(tmp_path, _rows(2), per_file=10)
+    name = next(iter(files))
+    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    marker["files"][name] += 1
+    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ValueError, match="rows"):
+        shards.open_shards(tmp_path)
+    (tmp_path / name).write_bytes(b"not arrow at all")
+    with pytest.raises(ValueError, match="not a readable Arrow IPC file"):
+        shards.open_shards(tmp_path)
+
+
+def test_write_completed_refuses_missing_files_and_counts_by_default(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        shards.write_completed(tmp_path, {}, files={"shard-00000-of-00001.arrow": 3})
+    assert not (tmp_path / S.COMPLETED_MARKER).exists()
+    _write_dir(tmp_path, _rows(3), complete=False)
+    shards.write_completed(tmp_path, {"x": 1})
+    assert shards.open_shards(tmp_path).num_rows == 6
+    assert shards.open_shards(tmp_path).stats() == {"x": 1}
+
+
+def test_empty_run_reads_metadata_from_stats(tmp_path):
+    stats = {"student": STUDENT.to_json(), "teachers": [t.to_json() for t in TEACHERS]}
+    shards.write_completed(tmp_path, stats, files={})
+    assert shards.write_dead_letters(tmp_path, [{"reason": "empty"}, {"reason": "a"}]) == 2
+    ss = shards.open_shards(tmp_path, student=STUDENT, teachers=TEACHERS)
+    assert ss.num_rows == 0 and ss.table().num_rows == 0
+    lines = (tmp_path / S.DEAD_LETTER_FILE).read_text().splitlines()
+    assert [json.loads(x)["reason"] for x in lines] == ["a", "empty"]
+
+
+def test_list_array_offsets_are_exact():
+    values = [np.array([1, 2], np.int32), np.zeros(0, np.int32), np.array([7], np.int32)]
+    arr = shards._list_array(values)
+    assert arr.type == pa.list_(pa.int32())
+    assert arr.to_pylist() == [[1, 2], [], [7]]
