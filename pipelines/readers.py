@@ -1,0 +1,294 @@
+"""Documents out of text files: ``.txt`` (one per file or per blank-line block), ``.jsonl`` (a
+named field) and ``.parquet`` (a named column), optionally compressed (``.gz``, ``.bz2``, ...).
+
+Readers are plain generators over one file, so the Beam job, tests and benchmarks share them.
+They never raise on bad input: a file that cannot be opened, bytes that are not UTF-8, an empty
+document, a JSON line that does not parse or lacks the field, a value that is not text — each
+becomes a *dead letter*, a small dict naming the file, the record (``row``, 0-based; ``line``,
+1-based, for text formats), the field and the reason, so the job can count it, write it to
+``dead_letter.jsonl`` and go on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+# dead-letter reasons (stable strings: they are counter names and stats keys)
+UNREADABLE_FILE = "unreadable_file"
+UNKNOWN_FORMAT = "unknown_format"
+UNDECODABLE = "undecodable_utf8"
+EMPTY_DOCUMENT = "empty_document"
+BAD_JSON = "bad_json"
+MISSING_FIELD = "missing_field"
+BAD_FIELD_TYPE = "bad_field_type"
+
+TXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma", ".xz")
+TXT_MODES = ("file", "blocks")
+
+# a blank line: a line break, optional spaces/tabs, another line break (and any run of them)
+_BLOCK_SEP = re.compile(rb"\r?\n(?:[ \t]*\r?\n)+")
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    text_field: str = "text"  # jsonl field (dotted path for nested objects) / parquet column
+    txt_mode: str = "file"  # "file": one document per .txt file; "blocks": per blank-line block
+
+    def __post_init__(self):
+        if self.txt_mode not in TXT_MODES:
+            raise ValueError(f"txt_mode must be one of {TXT_MODES}, got {self.txt_mode!r}")
+        if not self.text_field:
+            raise ValueError("text_field must be a non-empty field name")
+
+
+@dataclass(frozen=True)
+class Doc:
+    doc_id: str  # unique within a run: relative file name [+ ":" record index]
+    text: str
+
+
+def dead_letter(
+    file: str,
+    reason: str,
+    detail: str,
+    *,
+    row: int | None = None,
+    line: int | None = None,
+    field: str | None = None,
+    doc_id: str | None = None,
+) -> dict:
+    return {
+        "file": file,
+        "row": row,
+        "line": line,
+        "field": field,
+        "doc_id": doc_id,
+        "reason": reason,
+        "detail": detail,
+    }
+
+
+def file_format(path: str) -> str | None:
+    """ "txt" / "jsonl" / "parquet" from the file name (after a compression suffix), or None."""
+    name = PurePosixPath(path).name.lower()
+    for c in COMPRESSION_SUFFIXES:
+        if name.endswith(c):
+            name = name[: -len(c)]
+            break
+    for fmt, suffixes in (
+        ("txt", TXT_SUFFIXES),
+        ("jsonl", JSONL_SUFFIXES),
+        ("parquet", PARQUET_SUFFIXES),
+    ):
+        if name.endswith(suffixes):
+            return fmt
+    return None
+
+
+def _open(path: str, *, binary_seekable: bool = False):
+    """Open through Beam's FileSystems (local, gs://, s3://, hdfs:// ... alike)."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    kind = CompressionTypes.UNCOMPRESSED if binary_seekable else CompressionTypes.AUTO
+    return FileSystems.open(path, compression_type=kind)
+
+
+def _decode(data: bytes, *, file: str, doc_id: str, row: int | None, line: int | None):
+    """-> (text, None) or (None, dead letter) naming the first bad byte."""
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        where = f"byte {e.start}" + (f" of the block at line {line}" if line else "")
+        return None, dead_letter(
+            file,
+            UNDECODABLE,
+            f"invalid UTF-8 at {where}: {data[e.start : e.start + 4]!r}",
+            row=row,
+            line=line,
+            doc_id=doc_id,
+        )
+
+
+def _doc_or_empty(file, doc_id, text, *, row=None, line=None, field=None):
+    if not text.strip():
+        return dead_letter(
+            file,
+            EMPTY_DOCUMENT,
+            f"document has no non-whitespace text ({len(text)} chars)",
+            row=row,
+            line=line,
+            field=field,
+            doc_id=doc_id,
+        )
+    return Doc(doc_id, text)
+
+
+def read_txt(path: str, doc_id: str, *, mode: str = "file") -> Iterator[Doc | dict]:
+    with _open(path) as f:
+        data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark is not text
+        data = data[3:]
+    if mode == "file":
+        text, bad = _decode(data, file=path, doc_id=doc_id, row=None, line=None)
+        yield bad if bad is not None else _doc_or_empty(path, doc_id, text)
+        return
+    start, line, index, any_block = 0, 1, 0, False
+    for sep in [*_BLOCK_SEP.finditer(data), None]:
+        end = sep.start() if sep is not None else len(data)
+        block = data[start:end]
+        if block.strip():
+            any_block = True
+            bid = f"{doc_id}:{index}"
+            text, bad = _decode(block, file=path, doc_id=bid, row=index, line=line)
+            yield bad if bad is not None else Doc(bid, text)
+            index += 1
+        if sep is not None:
+            line += data.count(b"\n", start, sep.end())
+            start = sep.end()
+    if not any_block:
+        yield _doc_or_empty(path, doc_id, data.decode("utf-8", errors="replace"))
+
+
+def _get_field(obj, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            raise KeyError(part)
+        obj = obj[part]
+    return obj
+
+
+def read_jsonl(path: str, doc_id: str, *, field: str = "text") -> Iterator[Doc | dict]:
+    with _open(path) as f:
+        # readline, not iteration: Beam's CompressedFile (for .gz etc.) is not iterable
+        for row, raw in enumerate(iter(f.readline, b"")):
+            line = row + 1
+            did = f"{doc_id}:{row}"
+            if not raw.strip():
+                continue  # a blank line between records is not a record
+            text, bad = _decode(raw, file=path, doc_id=did, row=row, line=line)
+            if bad is not None:
+                yield bad
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield dead_letter(path, BAD_JSON, str(e), row=row, line=line, doc_id=did)
+                continue
+            try:
+                value = _get_field(obj, field)
+            except KeyError:
+                keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+                yield dead_letter(
+                    path,
+                    MISSING_FIELD,
+                    f"no field {field!r} (found {keys})",
+                    row=row,
+                    line=line,
+                    field=field,
+                    doc_id=did,
+                )
+                continue
+            if not isinstance(value, str):
+                yield dead_letter(
+                    path,
+                    BAD_FIELD_TYPE,
+                    f"field {field!r} is {type(value).__name__}, expected a string",
+                    row=row,
+                    line=line,
+                    field=field,
+                    doc_id=did,
+                )
+                continue
+            yield _doc_or_empty(path, did, value, row=row, line=line, field=field)
+
+
+def read_parquet(path: str, doc_id: str, *, column: str = "text") -> Iterator[Doc | dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with _open(path, binary_seekable=True) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        if column not in names:
+            yield dead_letter(
+                path, MISSING_FIELD, f"no column {column!r} (found {names[:10]})", field=column
+            )
+            return
+        ctype = pf.schema_arrow.field(column).type
+        if not (pa.types.is_string(ctype) or pa.types.is_large_string(ctype)) and not (
+            pa.types.is_binary(ctype) or pa.types.is_large_binary(ctype)
+        ):
+            yield dead_letter(
+                path, BAD_FIELD_TYPE, f"column {column!r} is {ctype}, expected string", field=column
+            )
+            return
+        row = 0
+        for batch in pf.iter_batches(columns=[column], batch_size=4096):
+            for value in batch.column(0).to_pylist():
+                did = f"{doc_id}:{row}"
+                if value is None:
+                    yield dead_letter(
+                        path, EMPTY_DOCUMENT, "null value", row=row, field=column, doc_id=did
+                    )
+                else:
+                    if isinstance(value, bytes):
+                        value, bad = _decode(value, file=path, doc_id=did, row=row, line=None)
+                        if bad is not None:
+                            yield {**bad, "field": column}
+                            row += 1
+                            continue
+                    yield _doc_or_empty(path, did, value, row=row, field=column)
+                row += 1
+
+
+def read_file(path: str, doc_id: str, config: ReaderConfig) -> Iterator[Doc | dict]:
+    """All documents (and dead letters) of one file. Never raises on bad input: an error while
+    opening or reading it (after some documents, perhaps) ends the file with a dead letter."""
+    fmt = file_format(path)
+    if fmt is None:
+        yield dead_letter(
+            path,
+            UNKNOWN_FORMAT,
+            "unknown file type: expected "
+            f"{TXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES} (optionally compressed)",
+            doc_id=doc_id,
+        )
+        return
+    if fmt == "txt":
+        gen = read_txt(path, doc_id, mode=config.txt_mode)
+    elif fmt == "jsonl":
+        gen = read_jsonl(path, doc_id, field=config.text_field)
+    else:
+        gen = read_parquet(path, doc_id, column=config.text_field)
+    try:
+        yield from gen
+    except Exception as e:  # noqa: BLE001 - any failure to read a file is that file's dead letter
+        yield dead_letter(path, UNREADABLE_FILE, f"{type(e).__name__}: {e}", doc_id=doc_id)
+
+
+def doc_ids_for(paths: list[str], bases: list[str]) -> dict[str, str]:
+    """Short, unique document id prefixes: each path relative to its pattern's base directory,
+    or the full path where two relative names would collide."""
+    rel = {}
+    for p, base in zip(paths, bases):
+        b = base.rstrip("/")
+        rel[p] = p[len(b) + 1 :] if b and p.startswith(b + "/") else p
+    seen: dict[str, int] = {}
+    for r in rel.values():
+        seen[r] = seen.get(r, 0) + 1
+    return {p: (r if seen[r] == 1 else p) for p, r in rel.items()}
+
+
+def glob_base(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: "data/*/x.jsonl" -> "data"."""
+    cut = min((i for i, c in enumerate(pattern) if c in "*?["), default=len(pattern))
+    head = pattern[:cut]
+    return head.rsplit("/", 1)[0] if "/" in head else ""

@@ -1,0 +1,135 @@
+"""Readers: documents out of txt/jsonl/parquet, and a dead letter for every kind of bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import readers as R
+
+
+def _split(items):
+    docs = [x for x in items if isinstance(x, R.Doc)]
+    dead = [x for x in items if not isinstance(x, R.Doc)]
+    return docs, dead
+
+
+def _read(path, **kw):
+    return _split(list(R.read_file(str(path), path.name, R.ReaderConfig(**kw))))
+
+
+def test_txt_file_mode_strips_bom_only(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_bytes(b"\xef\xbb\xbfHello\n\nworld \xc3\xbc\n")
+    docs, dead = _read(p)
+    assert dead == [] and docs == [R.Doc("a.txt", "Hello\n\nworld ü\n")]
+
+
+def test_txt_blocks_mode_ids_lines_and_bad_block(tmp_path):
+    p = tmp_path / "b.txt"
+    p.write_bytes(b"\n\nfirst block\nstill first\n\n \t\n\nsecond \xff block\r\n\r\nthird\n")
+    docs, dead = _read(p, txt_mode="blocks")
+    assert docs == [R.Doc("b.txt:0", "first block\nstill first"), R.Doc("b.txt:2", "third\n")]
+    assert len(dead) == 1
+    d = dead[0]
+    assert (d["reason"], d["row"], d["line"], d["doc_id"]) == (R.UNDECODABLE, 1, 8, "b.txt:1")
+    assert "byte 7" in d["detail"] and "\\xff" in d["detail"]
+
+
+def test_txt_undecodable_and_empty_files(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok text \xc3\x28 more")
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b" \n\n\t\n")
+    assert _read(bad)[1][0]["reason"] == R.UNDECODABLE
+    assert _read(bad)[1][0]["file"] == str(bad)
+    for mode in R.TXT_MODES:
+        docs, dead = _read(empty, txt_mode=mode)
+        assert docs == [] and [d["reason"] for d in dead] == [R.EMPTY_DOCUMENT]
+
+
+def test_jsonl_every_bad_record_kind(tmp_path):
+    p = tmp_path / "c.jsonl"
+    lines = [
+        json.dumps({"text": "one"}).encode(),
+        b"",  # blank line: not a record
+        json.dumps({"body": "no text"}).encode(),
+        b"{not json",
+        json.dumps({"text": 5}).encode(),
+        json.dumps({"text": "   "}).encode(),
+        b'{"text": "caf\xe9"}',  # latin-1 byte
+        json.dumps({"text": "two"}).encode(),
+    ]
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    docs, dead = _read(p)
+    assert docs == [R.Doc("c.jsonl:0", "one"), R.Doc("c.jsonl:7", "two")]
+    got = [(d["reason"], d["row"], d["line"], d["field"]) for d in dead]
+    assert got == [
+        (R.MISSING_FIELD, 2, 3, "text"),
+        (R.BAD_JSON, 3, 4, None),
+        (R.BAD_FIELD_TYPE, 4, 5, "text"),
+        (R.EMPTY_DOCUMENT, 5, 6, "text"),
+        (R.UNDECODABLE, 6, 7, None),
+    ]
+    assert "found ['body']" in dead[0]["detail"]
+
+
+def test_jsonl_nested_field_and_gzip(tmp_path):
+    p = tmp_path / "d.jsonl.gz"
+    with gzip.open(p, "wb") as f:
+        f.write(json.dumps({"meta": {"body": "nested"}}).encode() + b"\n")
+    docs, dead = _read(p, text_field="meta.body")
+    assert dead == [] and docs == [R.Doc("d.jsonl.gz:0", "nested")]
+
+
+def test_corrupt_gzip_and_unknown_format_are_dead_letters(tmp_path):
+    p = tmp_path / "e.jsonl.gz"
+    p.write_bytes(b"\x1f\x8b this is not gzip data at all")
+    docs, dead = _read(p)
+    assert docs == [] and [d["reason"] for d in dead] == [R.UNREADABLE_FILE]
+    q = tmp_path / "f.csv"
+    q.write_text("a,b\n")
+    assert [d["reason"] for d in _read(q)[1]] == [R.UNKNOWN_FORMAT]
+
+
+def test_missing_file_is_unreadable(tmp_path):
+    docs, dead = _read(tmp_path / "gone.txt")
+    assert docs == [] and dead[0]["reason"] == R.UNREADABLE_FILE
+    assert "gone.txt" in dead[0]["file"]
+
+
+def test_parquet_string_and_binary_columns(tmp_path):
+    p = tmp_path / "g.parquet"
+    pq.write_table(pa.table({"text": ["alpha", None, "", "beta"], "n": [1, 2, 3, 4]}), p)
+    docs, dead = _read(p)
+    assert docs == [R.Doc("g.parquet:0", "alpha"), R.Doc("g.parquet:3", "beta")]
+    assert [(d["reason"], d["row"]) for d in dead] == [(R.EMPTY_DOCUMENT, 1), (R.EMPTY_DOCUMENT, 2)]
+    assert [d["reason"] for d in _read(p, text_field="n")[1]] == [R.BAD_FIELD_TYPE]
+    assert [d["reason"] for d in _read(p, text_field="body")[1]] == [R.MISSING_FIELD]
+    b = tmp_path / "h.parquet"
+    pq.write_table(pa.table({"text": pa.array([b"ok", b"\xff\xfe"], pa.binary())}), b)
+    docs, dead = _read(b)
+    assert docs == [R.Doc("h.parquet:0", "ok")]
+    assert [(d["reason"], d["row"], d["field"]) for d in dead] == [(R.UNDECODABLE, 1, "text")]
+    c = tmp_path / "i.parquet"
+    c.write_bytes(b"PAR1 garbage")
+    assert [d["reason"] for d in _read(c)[1]] == [R.UNREADABLE_FILE]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="txt_mode"):
+        R.ReaderConfig(txt_mode="lines")
+    with pytest.raises(ValueError, match="text_field"):
+        R.ReaderConfig(text_field="")
+
+
+def test_doc_ids_and_glob_base():
+    assert R.glob_base("data/*/x.jsonl") == "data"
+    assert R.glob_base("/a/b/c*.txt") == "/a/b"
+    assert R.glob_base("*.txt") == ""
+    ids = R.doc_ids_for(["/d/a/x.txt", "/d/b/x.txt", "/d/a/y.txt"], ["/d/a", "/d/b", "/d/a"])
+    assert ids == {"/d/a/x.txt": "/d/a/x.txt", "/d/b/x.txt": "/d/b/x.txt", "/d/a/y.txt": "y.txt"}
