@@ -1,0 +1,393 @@
+"""The teacher worker process: loads a teacher next to a student rank and fills the channel's slots.
+
+Why a process: the teacher's forward for microbatch i+1 overlaps the student's step on
+microbatch i, the teacher may be sharded differently from the student (its own process group),
+and a teacher that crashes or hangs must not take the student down silently. The student side
+(``WorkerProcess``) spawns the worker, sends it per microbatch only ``(seq, slot, shapes)`` over a
+pipe, and while waiting polls both the pipe and the process's liveness, so a dead worker is an
+error within ``poll_s`` and a hung one within ``timeout_s``.
+
+What the worker computes is a ``TeacherProgram``: a picklable recipe, light until ``setup`` (which
+runs in the worker and loads the model), with the input/output specs that size the ring.
+``HFTeacher`` is the one the trainer uses: a local HF causal LM + an outputs recipe (e.g.
+``teacher_compute.TopKRecipe``) that turns logits into what the loss needs.
+
+Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init_method`` and
+``world_size`` on every rank, ``rank`` = the student rank) and the workers call
+``init_process_group`` among themselves. Inside a worker that group is the default group
+(``dist.group.WORLD``); it is handed to ``TeacherProgram.setup`` as ``ctx.group`` so the program
+can build its own device mesh / TP layout (``HFTeacher.parallelize``), independent of the
+student's mesh. The workers are daemonic, so they cannot start processes of their own.
+
+Failure and cleanup: errors inside the worker come back with its traceback text; it ignores
+SIGINT (Ctrl-C reaches the whole process group; the student decides), dies with its parent on
+Linux (``PR_SET_PDEATHSIG``; the parent is the *thread* that started it, so start channels from
+the main thread), and exits when the pipe closes.
+
+Legend: B = microbatch rows, T = tokens per row, V = teacher vocabulary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp  # registers the reductions that send CUDA tensors/events as IPC handles
+
+from trainer.channel import (
+    ChannelConfig,
+    ChannelError,
+    SlotRing,
+    TeacherTimeoutError,
+    TeacherWorkerError,
+    TensorSpec,
+)
+
+
+@dataclass(frozen=True)
+class TeacherGroup:
+    """Rendezvous for the teachers' own process group (one entry per student rank)."""
+
+    init_method: str  # e.g. "tcp://127.0.0.1:29510" or "file:///tmp/teachers.rdzv"
+    world_size: int
+    rank: int
+    backend: str = "gloo"  # "nccl" for GPU teachers
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"TeacherGroup: rank {self.rank} not in [0, {self.world_size})")
+
+
+@dataclass
+class TeacherContext:
+    """Where a teacher program runs: its device and (optionally) the teachers' process group."""
+
+    device: torch.device
+    group: Any = None  # torch.distributed.ProcessGroup of the teachers, or None
+    rank: int = 0
+    world_size: int = 1
+
+
+class TeacherProgram(Protocol):
+    """What a worker runs. Picklable and light until ``setup`` (called once, in the worker)."""
+
+    def input_spec(self) -> dict[str, TensorSpec]: ...
+
+    def output_spec(self) -> dict[str, TensorSpec]: ...
+
+    def setup(self, ctx: TeacherContext) -> None: ...
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+class OutputsRecipe(Protocol):
+    """Teacher logits -> the named tensors the loss needs (see trainer.teacher_compute)."""
+
+    def spec(self, *, max_batch: int, max_len: int) -> dict[str, TensorSpec]: ...
+
+    def __call__(
+        self, logits_BTV: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class HFTeacher:
+    """A local HF causal LM as a teacher program: inputs ``input_ids``/``attention_mask`` [B, T].
+
+    parallelize: optional ``"module:function"`` called as ``fn(model, ctx) -> model`` after
+    loading, to shard the teacher over ``ctx.group`` (its own TP layout).
+    """
+
+    model_dir: str
+    recipe: OutputsRecipe
+    max_batch: int
+    max_len: int
+    dtype: str = "float32"
+    parallelize: str | None = None
+    _model: Any = field(default=None, init=False, repr=False)
+
+    def input_spec(self) -> dict[str, TensorSpec]:
+        shape = (self.max_batch, self.max_len)
+        return {
+            "input_ids": TensorSpec(shape, torch.int64),
+            "attention_mask": TensorSpec(shape, torch.int64),
+        }
+
+    def output_spec(self) -> dict[str, TensorSpec]:
+        return self.recipe.spec(max_batch=self.max_batch, max_len=self.max_len)
+
+    def setup(self, ctx: TeacherContext) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(self.model_dir), dtype=getattr(torch, self.dtype)
+        )
+        model = model.to(ctx.device).eval().requires_grad_(False)
+        if self.parallelize:
+            module, _, fn = self.parallelize.partition(":")
+            model = getattr(importlib.import_module(module), fn)(model, ctx)
+        self._model = model
+
+    @torch.inference_mode()
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._model is None:
+            raise RuntimeError("HFTeacher called before setup()")
+        out = self._model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
+        )
+        return self.recipe(out.logits, inputs)
+
+    def __getstate__(self) -> dict:
+        # Only the recipe travels to the worker; the model is loaded there.
+        return {**self.__dict__, "_model": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Student side.
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is not responding"
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class WorkerProcess:
+    """The student's handle on one worker: spawn, talk, watch, stop."""
+
+    def __init__(self, proc, conn, *, device: torch.device, config: ChannelConfig, events):
+        self._proc, self._conn = proc, conn
+        self.device, self.config = device, config
+        self._free_events = events  # CUDA: recorded by the student when a slot may be written
+        self._ready_events = None  # CUDA: recorded by the worker when a slot's outputs are done
+        self.info: dict | None = None
+
+    @classmethod
+    def start(
+        cls,
+        ring: SlotRing,
+        program: TeacherProgram,
+        *,
+        device: torch.device,
+        config: ChannelConfig,
+        group: TeacherGroup | None,
+    ) -> WorkerProcess:
+        events = None
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                events = [torch.cuda.Event(interprocess=True) for _ in range(config.depth)]
+        # spawn, not fork: the student may hold threads, CUDA contexts and process groups.
+        ctx = tmp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=worker_main,
+            args=(child_conn, ring.handle(), program, str(device), group),
+            kwargs={"threads": config.worker_threads, "parent_pid": os.getpid(), "events": events},
+            name=f"teacher-worker-{group.rank if group else 0}",
+            daemon=True,  # killed by multiprocessing's atexit if the student forgets close()
+        )
+        proc.start()
+        child_conn.close()
+        return cls(proc, parent_conn, device=device, config=config, events=events)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def _died(self, what: str) -> TeacherWorkerError:
+        self._proc.join(timeout=1.0)
+        return TeacherWorkerError(
+            f"teacher worker (pid {self.pid}) {_exit_text(self._proc.exitcode)} while {what}"
+        )
+
+    def _wait(self, timeout: float, what: str) -> tuple:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if self._conn.poll(max(0.0, min(self.config.poll_s, left))):
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    raise self._died(what) from None
+                if msg[0] == "error":
+                    _, phase, tb = msg
+                    raise TeacherWorkerError(
+                        f"teacher worker (pid {self.pid}) failed while {phase}; its traceback:\n{tb}"
+                    )
+                return msg
+            if not self._proc.is_alive():
+                if self._conn.poll(0):
+                    continue  # it wrote a last message (its traceback) before exiting
+                raise self._died(what)
+            if left <= 0:
+                raise TeacherTimeoutError(
+                    f"teacher worker (pid {self.pid}) gave no answer in {timeout:.1f} s while "
+                    f"{what}; it was killed (raise ChannelConfig.timeout_s if it is only slow)"
+                )
+
+    def wait_ready(self, timeout: float) -> None:
+        if self.info is not None:
+            return
+        msg = self._wait(timeout, "loading the teacher")
+        if msg[0] != "ready":
+            raise ChannelError(f"teacher worker protocol: expected 'ready', got {msg[0]!r}")
+        self.info = msg[1]
+        self._ready_events = self.info.pop("ready_events", None)
+
+    def run(self, seq: int, slot: int, shapes: dict) -> None:
+        if self._free_events is not None:
+            # The worker's stream waits for everything the student queued on this slot so far
+            # (its reads of the previous outputs, the copy of these inputs).
+            self._free_events[slot].record(torch.cuda.current_stream(self.device))
+        try:
+            self._conn.send(("run", seq, slot, shapes))
+        except OSError:
+            raise self._died(f"receiving microbatch {seq}") from None
+
+    def wait_done(self, seq: int, slot: int, timeout: float) -> tuple:
+        msg = self._wait(timeout, f"computing microbatch {seq}")
+        if msg[:3] != ("done", seq, slot):
+            raise ChannelError(
+                f"teacher worker protocol: expected done {seq}/{slot}, got {msg[:3]}"
+            )
+        if self._ready_events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready_events[slot])
+        return msg[1:]
+
+    def kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=5.0)
+
+    def stop(self) -> None:
+        """Ask politely, then SIGTERM, then SIGKILL; always reap the process."""
+        try:
+            if self._proc.is_alive():
+                try:
+                    self._conn.send(("stop",))
+                except OSError:
+                    pass
+                self._proc.join(timeout=5.0)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout=2.0)
+            self.kill()
+        finally:
+            self._conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side.
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the student died before we could ask to follow it
+
+
+def _join_group(group: TeacherGroup, device: torch.device) -> tuple[TeacherContext, float]:
+    dist.init_process_group(
+        group.backend,
+        init_method=group.init_method,
+        world_size=group.world_size,
+        rank=group.rank,
+        timeout=timedelta(seconds=group.timeout_s),
+    )
+    # A handshake proves the group works before the first microbatch depends on it.
+    probe = torch.ones(1, device=device if group.backend == "nccl" else "cpu")
+    dist.all_reduce(probe)
+    ctx = TeacherContext(device, dist.group.WORLD, group.rank, group.world_size)
+    return ctx, float(probe.item())
+
+
+def worker_main(
+    conn,
+    ring_handle: tuple,
+    program: TeacherProgram,
+    device: str,
+    group: TeacherGroup | None,
+    *,
+    threads: int | None,
+    parent_pid: int,
+    events: list | None,
+) -> None:
+    """Entry point of the worker process (spawned by ``WorkerProcess.start``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    ring = None
+    phase = "starting"
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        phase = "mapping the slot ring"
+        ring = SlotRing.attach(ring_handle)
+        ctx, handshake = TeacherContext(dev), None
+        if group is not None:
+            phase = f"joining the teacher group at {group.init_method}"
+            ctx, handshake = _join_group(group, dev)
+        phase = "loading the teacher"
+        program.setup(ctx)
+        ready = None
+        if dev.type == "cuda":
+            ready = [torch.cuda.Event(interprocess=True) for _ in range(ring.layout.depth)]
+        info = {
+            "pid": os.getpid(),
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "group_rank": ctx.rank,
+            "group_size": ctx.world_size,
+            "group_handshake": handshake,
+            "ready_events": ready,
+        }
+        conn.send(("ready", info))
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return  # the student is gone
+            if msg[0] == "stop":
+                return
+            _, seq, slot, shapes = msg
+            phase = f"computing microbatch {seq}"
+            t0 = time.perf_counter()
+            if events is not None:
+                torch.cuda.current_stream().wait_event(events[slot])
+            outs = program(ring.views(slot, "in", shapes))
+            out_shapes = ring.write(slot, "out", outs, where=f"teacher output (seq={seq})")
+            if ready is not None:
+                ready[slot].record()
+            conn.send(("done", seq, slot, out_shapes, time.perf_counter() - t0))
+    except BaseException:
+        try:
+            conn.send(("error", phase, traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        if ring is not None:
+            ring.close()
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group()
