@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 # dead-letter reasons (stable strings: they are counter names and stats keys)
@@ -52,6 +52,7 @@ class ReaderConfig:
 class Doc:
     doc_id: str  # unique within a run: relative file name [+ ":" record index]
     text: str
+    file: str = field(default="", compare=False)  # the file it came from, for dead letters
 
 
 def dead_letter(
@@ -128,7 +129,7 @@ def _doc_or_empty(file, doc_id, text, *, row=None, line=None, field=None):
             field=field,
             doc_id=doc_id,
         )
-    return Doc(doc_id, text)
+    return Doc(doc_id, text, file)
 
 
 def read_txt(path: str, doc_id: str, *, mode: str = "file") -> Iterator[Doc | dict]:
@@ -148,7 +149,7 @@ def read_txt(path: str, doc_id: str, *, mode: str = "file") -> Iterator[Doc | di
             any_block = True
             bid = f"{doc_id}:{index}"
             text, bad = _decode(block, file=path, doc_id=bid, row=index, line=line)
-            yield bad if bad is not None else Doc(bid, text)
+            yield bad if bad is not None else Doc(bid, text, path)
             index += 1
         if sep is not None:
             line += data.count(b"\n", start, sep.end())
