@@ -1,0 +1,385 @@
+"""The DoFns of the align job (`pipelines.align_job` assembles them into the pipeline).
+
+They live in the package, not next to the pipeline or in tests, because Beam's multi-process
+workers and Dask workers unpickle them by module path. Each one is a thin shell around pure
+functions (`readers`, `tokenizer`, `alignment`, `windows`, `shards`): tokenizers are loaded once
+per worker process in `setup()` (shared between DoFns through a per-process cache), every drop
+and fallback bumps a `Metrics` counter and sends a dead letter to the tagged output ``DEAD``,
+and the time spent per stage goes into `Metrics` distributions (microseconds) for the benchmark.
+
+No DoFn emits from ``finish_bundle``: Beam's DaskRunner drops what is emitted there (seen with
+Beam 2.77), so batching is done with a keyed GroupByKey instead of ``BatchElements``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+from apache_beam.metrics import Metrics
+
+from pipelines import readers, shards
+from pipelines.alignment import Alignment, align_batch
+from pipelines.tokenizer import Encoding, Tokenizer, load_tokenizer
+from pipelines.windows import WindowConfig, WindowError, cut_windows
+
+NAMESPACE = "tokenbridge"
+DEAD = "dead_letter"  # tag of the dead-letter outputs
+STATS = "stats"  # tag of the per-batch statistics outputs
+
+# dead-letter reasons added by the job (the readers define theirs)
+UNCUTTABLE = "uncuttable_document"
+TOKENIZER_ERROR = "tokenizer_error"
+ALIGN_ERROR = "align_error"
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def cached_tokenizer(path: str) -> Tokenizer:
+    """One tokenizer object per worker process and path (DoFn.setup calls this)."""
+    with _TOKENIZERS_LOCK:
+        if path not in _TOKENIZERS:
+            _TOKENIZERS[path] = load_tokenizer(path)
+        return _TOKENIZERS[path]
+
+
+def count(name: str, n: int = 1) -> None:
+    Metrics.counter(NAMESPACE, name).inc(n)
+
+
+class _Timer:
+    """``with _Timer("tokenize"):`` adds the elapsed microseconds to ``stage_us.<name>``."""
+
+    def __init__(self, name: str):
+        self.dist = Metrics.distribution(NAMESPACE, f"stage_us.{name}")
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.dist.update(int((time.perf_counter() - self.t0) * 1e6))
+
+
+def dead(record: dict) -> beam.pvalue.TaggedOutput:
+    count(f"dead_letter.{record['reason']}")
+    return beam.pvalue.TaggedOutput(DEAD, record)
+
+
+def shard_of(doc_id: str, num_shards: int) -> int:
+    """Stable across processes and runs (unlike hash()): all windows of a doc in one shard."""
+    return zlib.crc32(doc_id.encode("utf-8")) % num_shards
+
+
+def merge_stats(a: dict, b: dict) -> dict:
+    """Sum two statistics dicts: numbers add, dicts merge by key, lists add elementwise."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = merge_stats(out[k], v)
+        elif isinstance(v, list):
+            out[k] = [
+                merge_stats(x, y) if isinstance(x, dict) else x + y for x, y in zip(out[k], v)
+            ]
+        else:
+            out[k] = out[k] + v
+    return out
+
+
+@dataclass(frozen=True)
+class AlignedDoc:
+    doc_id: str
+    file: str
+    text: str
+    student: Encoding
+    teachers: list[tuple[Encoding, Alignment]]  # per teacher: its encoding, alignment to student
+
+
+class ReadFileDoFn(beam.DoFn):
+    """(path, doc id prefix) -> `readers.Doc` per document; dead letters on ``DEAD``."""
+
+    def __init__(self, config: readers.ReaderConfig):
+        self.config = config
+
+    def process(self, item):
+        path, doc_id = item
+        count("files_read")
+        for x in readers.read_file(path, doc_id, self.config):
+            if isinstance(x, readers.Doc):
+                count("documents_read")
+                yield x
+            else:
+                yield dead(x)
+
+
+class SplitBatchesDoFn(beam.DoFn):
+    """(group key, docs) -> lists of docs of at most `max_chars` characters (or one doc), in
+    doc id order so a rerun cuts the same batches."""
+
+    def __init__(self, max_chars: int = 1 << 20, max_docs: int = 1024):
+        self.max_chars, self.max_docs = max_chars, max_docs
+
+    def process(self, item):
+        _, docs = item
+        batch, chars = [], 0
+        for d in sorted(docs, key=lambda d: d.doc_id):
+            if batch and (chars + len(d.text) > self.max_chars or len(batch) >= self.max_docs):
+                yield batch
+                batch, chars = [], 0
+            batch.append(d)
+            chars += len(d.text)
+        if batch:
+            yield batch
+
+
+class TokenizeAlignDoFn(beam.DoFn):
+    """A batch of docs -> a list of `AlignedDoc`: one ``encode_batch`` per tokenizer for the whole
+    batch, then one ``align_batch`` per teacher. A doc the tokenizer or aligner fails on goes to
+    the dead letters (the batch is redone one doc at a time to find it)."""
+
+    def __init__(self, student_path: str, teacher_paths: list[str]):
+        self.student_path, self.teacher_paths = student_path, list(teacher_paths)
+
+    def setup(self):
+        self.student = cached_tokenizer(self.student_path)
+        self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
+        self.student_bytes = self.student.token_bytes()
+        self.teacher_bytes = [t.token_bytes() for t in self.teachers]
+
+    def _aligned(self, docs: list[readers.Doc]) -> list[AlignedDoc]:
+        texts = [d.text for d in docs]
+        try:
+            with _Timer("tokenize"):
+                s = self.student.encode_batch(texts)
+                ts = [t.encode_batch(texts) for t in self.teachers]
+        except Exception as e:
+            raise _StageError(TOKENIZER_ERROR, e) from e
+        try:
+            with _Timer("align"):
+                als = [
+                    align_batch(s, t, student_bytes=self.student_bytes, teacher_bytes=tb)
+                    for t, tb in zip(ts, self.teacher_bytes)
+                ]
+        except Exception as e:
+            raise _StageError(ALIGN_ERROR, e) from e
+        for i, al in enumerate(als):
+            count(f"align_fallback_documents.teacher{i}", sum(a.used_fallback for a in al))
+        return [
+            AlignedDoc(
+                d.doc_id, d.file, d.text, s.row(b), [(t.row(b), al[b]) for t, al in zip(ts, als)]
+            )
+            for b, d in enumerate(docs)
+        ]
+
+    def process(self, docs: list[readers.Doc]):
+        try:
+            aligned = self._aligned(docs)
+        except _StageError:
+            # redo one document at a time so only the culprit is dropped
+            count("batches_redone_per_document")
+            aligned = []
+            for d in docs:
+                try:
+                    aligned += self._aligned([d])
+                except _StageError as e:
+                    yield dead(readers.dead_letter(d.file, e.reason, e.detail, doc_id=d.doc_id))
+        count("documents_aligned", len(aligned))
+        if aligned:
+            yield aligned
+
+
+class _StageError(Exception):
+    def __init__(self, reason: str, cause: Exception):
+        super().__init__(reason)
+        self.reason, self.detail = reason, f"{type(cause).__name__}: {cause}"
+
+
+def doc_stats(a: AlignedDoc, windows) -> dict:
+    """What one document adds to stats.json."""
+    return {
+        "documents": 1,
+        "windows": len(windows),
+        "student_tokens": int(sum(len(w.student_ids) for w in windows)),
+        "teacher_tokens": [
+            int(sum(len(w.teacher_ids[i]) for w in windows)) for i in range(len(a.teachers))
+        ],
+        "chunk_kinds": [
+            np.bincount(al.chunk_kind.astype(np.int64), minlength=4)[:4].tolist()
+            for _, al in a.teachers
+        ],
+        "exact_chunks": [int(np.count_nonzero(al.chunk_exact)) for _, al in a.teachers],
+        "fallback_documents": [int(al.used_fallback) for _, al in a.teachers],
+    }
+
+
+class CutWindowsDoFn(beam.DoFn):
+    """A list of `AlignedDoc` -> (shard index, Arrow IPC bytes of that shard's window rows);
+    per-batch statistics on ``STATS``; uncuttable documents on ``DEAD``."""
+
+    def __init__(
+        self,
+        student_path: str,
+        teacher_paths: list[str],
+        *,
+        config: WindowConfig,
+        schema: pa.Schema,
+        num_shards: int,
+    ):
+        self.student_path, self.teacher_paths = student_path, list(teacher_paths)
+        self.config, self.schema, self.num_shards = config, schema, num_shards
+
+    def setup(self):
+        self.student = cached_tokenizer(self.student_path)
+        self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
+
+    def process(self, batch: list[AlignedDoc]):
+        rows: dict[int, list[dict]] = defaultdict(list)
+        stats: dict = {}
+        with _Timer("windows"):
+            for a in batch:
+                try:
+                    windows = cut_windows(
+                        a.text,
+                        student=(self.student, a.student),
+                        teachers=[(t, enc, al) for t, (enc, al) in zip(self.teachers, a.teachers)],
+                        config=self.config,
+                    )
+                except WindowError as e:
+                    yield dead(readers.dead_letter(a.file, UNCUTTABLE, str(e), doc_id=a.doc_id))
+                    continue
+                count("windows", len(windows))
+                stats = merge_stats(stats, doc_stats(a, windows))
+                shard = shard_of(a.doc_id, self.num_shards)
+                rows[shard] += [shards.window_to_row(a.doc_id, w) for w in windows]
+        with _Timer("to_arrow"):
+            for shard, shard_rows in sorted(rows.items()):
+                yield shard, shards.batch_to_bytes(shards.rows_to_batch(shard_rows, self.schema))
+        if stats:
+            yield beam.pvalue.TaggedOutput(STATS, ("stats", stats))
+
+
+class WriteShardDoFn(beam.DoFn):
+    """(shard index, Arrow IPC blobs) -> one shard file, rows sorted by (doc_id, window) so the
+    file does not depend on how the runner split the work; -> ("file", name, rows)."""
+
+    def __init__(self, out_dir: str, *, schema: pa.Schema, num_shards: int):
+        self.out_dir, self.schema, self.num_shards = out_dir, schema, num_shards
+
+    def process(self, item):
+        shard, blobs = item
+        with _Timer("write"):
+            tables = [shards.batch_from_bytes(b) for b in blobs]
+            table = pa.concat_tables(tables).sort_by(
+                [("doc_id", "ascending"), ("window", "ascending")]
+            )
+            name = shards.shard_name(shard, self.num_shards)
+            with shards.ShardWriter(Path(self.out_dir) / name, self.schema) as w:
+                w.write_table(table)
+        count("rows_written", table.num_rows)
+        count("shards_written")
+        yield ("file", name, table.num_rows)
+
+
+class WriteDeadLettersDoFn(beam.DoFn):
+    """(None, all dead letters) -> dead_letter.jsonl; -> ("dead", {reason: count})."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def process(self, item):
+        _, records = item
+        records = list(records)
+        shards.write_dead_letters(self.out_dir, records)
+        yield ("dead", dict(Counter(r["reason"] for r in records)))
+
+
+class SummaryCombineFn(beam.CombineFn):
+    """Everything the final step needs, in one element: written files, stats, drops by reason."""
+
+    def create_accumulator(self):
+        return {"files": {}, "stats": {}, "dead": {}}
+
+    def add_input(self, acc, item):
+        if item[0] == "file":
+            acc["files"][item[1]] = item[2]
+        elif item[0] == "stats":
+            acc["stats"] = merge_stats(acc["stats"], item[1])
+        else:
+            acc["dead"] = merge_stats(acc["dead"], item[1])
+        return acc
+
+    def merge_accumulators(self, accs):
+        out = self.create_accumulator()
+        for a in accs:
+            out["files"].update(a["files"])
+            out["stats"] = merge_stats(out["stats"], a["stats"])
+            out["dead"] = merge_stats(out["dead"], a["dead"])
+        return out
+
+    def extract_output(self, acc):
+        return acc
+
+
+class FinalizeDoFn(beam.DoFn):
+    """The single last step: empty files for shard indices that got no rows, an empty dead-letter
+    file if nothing was dropped, then stats.json and COMPLETED. It runs only once every shard
+    and the dead-letter file are written, because its input is a global combine over them."""
+
+    def __init__(self, out_dir: str, *, schema: pa.Schema, num_shards: int, header: dict):
+        self.out_dir, self.schema, self.num_shards = out_dir, schema, num_shards
+        self.header = header
+
+    def process(self, summary):
+        out = Path(self.out_dir)
+        files = dict(summary["files"])
+        for i in range(self.num_shards):
+            name = shards.shard_name(i, self.num_shards)
+            if name not in files:
+                with shards.ShardWriter(out / name, self.schema):
+                    pass
+                files[name] = 0
+        if not summary["dead"]:
+            shards.write_dead_letters(out, [])
+        stats = final_stats(self.header, summary["stats"], summary["dead"], files)
+        shards.write_completed(out, stats, files=files)
+        yield stats
+
+
+CHUNK_KIND_NAMES = ("1:1", "1:N", "N:1", "N:M")  # student:teacher tokens, CHUNK_* order
+
+
+def final_stats(header: dict, stats: dict, dropped: dict, files: dict[str, int]) -> dict:
+    """stats.json: the run's header (tokenizers, config) plus totals over all documents."""
+    n_t = len(header["teachers"])
+    docs = int(stats.get("documents", 0))
+    kinds = stats.get("chunk_kinds", [[0] * 4 for _ in range(n_t)])
+    chunks = [int(sum(k)) for k in kinds]
+    exact = stats.get("exact_chunks", [0] * n_t)
+    fallback = stats.get("fallback_documents", [0] * n_t)
+    return {
+        **header,
+        "documents": docs,
+        "windows": int(stats.get("windows", 0)),
+        "rows": int(sum(files.values())),
+        "shards": len(files),
+        "tokens": {
+            "student": int(stats.get("student_tokens", 0)),
+            "teachers": [int(x) for x in stats.get("teacher_tokens", [0] * n_t)],
+        },
+        "chunks": chunks,
+        "chunk_kinds": [dict(zip(CHUNK_KIND_NAMES, map(int, k))) for k in kinds],
+        "exact_chunk_fraction": [e / c if c else 0.0 for e, c in zip(exact, chunks)],
+        "fallback_documents": [int(f) for f in fallback],
+        "fallback_rate": [f / docs if docs else 0.0 for f in fallback],
+        "dead_letters": int(sum(dropped.values())),
+        "drops_by_reason": dict(sorted((k, int(v)) for k, v in dropped.items())),
+    }
