@@ -1,0 +1,171 @@
+"""Process groups and the autograd-aware collectives every distributed loss op is built from.
+
+Why two conventions: the three kinds of groups mean different things for the objective.
+
+- **TP (tensor parallel)**: every rank of a TP group holds the same rows (tokens) and a different
+  slice of the vocabulary. Every TP rank computes the same, *replicated* objective. A forward
+  all-reduce therefore has an **identity** backward (`reduce_from_tp`): each rank's gradient of
+  the replicated objective with respect to its own shard is already complete.
+- **CP (context parallel) and DP (data parallel)**: each rank holds different tokens; the
+  objective is the **sum over ranks** of each rank's local term ("local SUM / global count").
+  A forward all-reduce has an all-reduce backward (`all_reduce_sum`), an all-gather has a
+  reduce-scatter backward (see `context_parallel.cp_all_gather`).
+
+`global_count` is the one divisor of the loss: counts all-reduced over DP and CP ranks only. TP
+ranks hold copies of the same tokens, so summing counts over TP would under-weight the loss by
+1/TP (a known bug of NeMo RL's KD path, which all-reduces over the whole world).
+
+A group of `None` (or torch.distributed not initialised) means world size 1: every helper is then
+a plain local op, so single-process code runs the very same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+Group = ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """World size of `group`; 1 for `None` or when torch.distributed is not initialised."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank inside `group`; 0 for `None`."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def all_reduce_(tensor: torch.Tensor, group: Group, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce outside autograd; a no-op for world size 1."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather_stack(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather outside autograd: returns [world, *tensor.shape] in rank order."""
+    size = group_size(group)
+    if size == 1:
+        return tensor.unsqueeze(0)
+    out = torch.empty((size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_single(out, tensor.contiguous(), group=group)
+    return out
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose objective is itself summed over ranks (CP, DP): backward all-reduces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce_(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sum over TP ranks whose objective is replicated: backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable sum over a CP/DP group (objective = sum of the ranks' local terms).
+
+    Forward: every rank gets sum_r x_r. Backward: dL/dx_r = sum over ranks of the incoming
+    gradients (an all-reduce), because every rank's local term may depend on the sum.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable sum over a TP group (objective replicated on every TP rank).
+
+    Forward: every rank gets sum_r x_r. Backward: the identity (each rank's copy of the
+    replicated objective already carries the whole gradient for its own partial term).
+    """
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def global_count(
+    count: torch.Tensor | int | float, *, dp_group: Group, cp_group: Group
+) -> torch.Tensor:
+    """The loss divisor: `count` summed over the DP and CP ranks, never over TP ranks.
+
+    Returns a detached tensor (float64 for exact integer sums up to 2**53). Each loss returns a
+    local `sum` and `count`; the caller divides the local sum by this once, so the objective
+    summed over DP x CP ranks equals the single-process mean.
+    """
+    if isinstance(count, torch.Tensor):
+        total = count.detach().to(torch.float64).clone()
+    else:
+        total = torch.tensor(float(count), dtype=torch.float64)
+    all_reduce_(total, dp_group)
+    all_reduce_(total, cp_group)
+    return total
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups one rank's loss sees; `None` = that dimension has size 1.
+
+    `tp`: ranks sharing tokens, vocab split (replicated objective). `cp`: ranks splitting each
+    sequence (load-balanced layout). `dp`: ranks holding different sequences.
+    """
+
+    tp: Group = None
+    cp: Group = None
+    dp: Group = None
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        return group_rank(self.cp)
+
+    @property
+    def dp_size(self) -> int:
+        return group_size(self.dp)
+
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.dp)
+
+    def global_count(self, count: torch.Tensor | int | float) -> torch.Tensor:
+        """`global_count(count, dp_group=self.dp, cp_group=self.cp)`."""
+        return global_count(count, dp_group=self.dp, cp_group=self.cp)
+
+
+SINGLE = ParallelGroups()
+"""World size 1 in every dimension: the single-process path."""
