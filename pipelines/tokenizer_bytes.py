@@ -1,0 +1,203 @@
+"""The bytes behind tokens, and exact offsets computed from them.
+
+Tokenizers spell their tokens in three ways: byte-level BPE (GPT-2, SmolLM2, Qwen) writes every
+byte as a printable stand-in character (space = ``Ġ``, byte 0xC2 = ``Â``); SentencePiece-style
+vocabularies (Gemma, Llama-2, Phi-3) write a space as ``▁`` and bytes they cannot spell as
+``<0xNN>`` byte-fallback pieces; everything else is plain text. Comparing vocabularies, aligning
+tokenizations and measuring bits per byte all need the *bytes* a token stands for, never its
+spelling, so this module turns spellings into bytes once per vocabulary.
+
+With the bytes known, offsets need no per-token Python objects: where a row's token bytes
+concatenate to the text's UTF-8 (the row is lossless), the byte offsets are the cumulative token
+byte lengths, and character offsets follow from a byte -> character map of the text. All of it is
+numpy over a whole batch at once (per-token tuples put the garbage collector in charge).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+SPACE_MARK = "\u2581"  # "▁", SentencePiece's spelling of a space
+
+
+@lru_cache(maxsize=1)
+def byte_level_decoder() -> dict[str, int]:
+    """Stand-in character -> byte, for byte-level BPE spellings (GPT-2's printable alphabet).
+
+    Bytes that are printable Latin-1 characters stand for themselves; the other 68 (control
+    characters, space, 0x7F-0xA0, 0xAD) are shifted to code points 256 and up, in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    decoder = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if chr(b) not in decoder:
+            decoder[chr(256 + shifted)] = b
+            shifted += 1
+    return decoder
+
+
+def byte_level_bytes(piece: str) -> bytes | None:
+    """Bytes of a byte-level BPE piece, or None if it uses characters outside the alphabet."""
+    table = byte_level_decoder()
+    try:
+        return bytes(table[ch] for ch in piece)
+    except KeyError:
+        return None
+
+
+def metaspace_bytes(piece: str, *, byte_fallback: bool) -> bytes:
+    """Bytes of a SentencePiece-style piece: ``▁`` is a space, ``<0xNN>`` one raw byte."""
+    if byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace(SPACE_MARK, " ").encode("utf-8")
+
+
+def fingerprint(token_bytes: list[bytes | None], specials: dict[int, str]) -> str:
+    """sha256 over (id, kind, payload) for every id: the vocabulary, independent of its spelling.
+
+    Two loaders of the same vocabulary (a GGUF and the HF directory converted from it, a
+    SentencePiece model and its GGUF) give the same fingerprint because both reduce to bytes.
+    """
+    h = hashlib.sha256(b"tokenbridge-vocab-v1")
+    for i, b in enumerate(token_bytes):
+        if b is not None:
+            kind, payload = b"b", b
+        elif i in specials:
+            kind, payload = b"s", specials[i].encode("utf-8")
+        else:
+            kind, payload = b"-", b""
+        h.update(struct.pack("<IcI", i, kind, len(payload)))
+        h.update(payload)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class VocabTable:
+    """Token bytes packed for numpy gathers: token i is flat[start[i] : start[i] + length[i]].
+
+    length is -1 for ids without bytes (special tokens and unused ids).
+    """
+
+    length: np.ndarray  # int64 [V]
+    start: np.ndarray  # int64 [V]
+    flat: np.ndarray  # uint8 [sum of lengths]
+
+    @staticmethod
+    def build(token_bytes: list[bytes | None]) -> VocabTable:
+        length = np.array([-1 if b is None else len(b) for b in token_bytes], dtype=np.int64)
+        clipped = np.maximum(length, 0)
+        start = np.cumsum(clipped) - clipped
+        flat = np.frombuffer(b"".join(b for b in token_bytes if b is not None), dtype=np.uint8)
+        return VocabTable(length=length, start=start, flat=flat)
+
+
+@dataclass(frozen=True)
+class TextBytes:
+    """The UTF-8 of a batch of texts, concatenated, with maps between byte and character positions.
+
+    Positions here are global (into the concatenation); rows are contiguous, so a row's local
+    position is the global one minus the row's base.
+    """
+
+    buf: np.ndarray  # uint8 [total bytes]
+    byte_base: np.ndarray  # int64 [B + 1]
+    char_base: np.ndarray  # int64 [B + 1]
+    is_start: np.ndarray  # bool [total bytes + 1], True where a character starts (and at the end)
+    chars_before: np.ndarray  # int64 [total bytes + 1], characters starting before each byte
+    char_start_byte: np.ndarray  # int64 [total chars + 1], byte where each character starts
+
+    @staticmethod
+    def build(texts: list[str]) -> TextBytes:
+        encoded = [t.encode("utf-8") for t in texts]
+        buf = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
+        byte_base = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        is_start = np.ones(len(buf) + 1, dtype=bool)
+        is_start[:-1] = (buf & 0xC0) != 0x80  # continuation bytes are 10xxxxxx
+        chars_before = np.concatenate([[0], np.cumsum(is_start[:-1])]).astype(np.int64)
+        char_start_byte = np.flatnonzero(is_start).astype(np.int64)
+        return TextBytes(
+            buf=buf,
+            byte_base=byte_base,
+            char_base=chars_before[byte_base],
+            is_start=is_start,
+            chars_before=chars_before,
+            char_start_byte=char_start_byte,
+        )
+
+    def bytes_to_chars(self, start_g: np.ndarray, end_g: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Global byte spans -> global char spans; a span cutting a character widens to cover it."""
+        start_c = self.chars_before[start_g] - (~self.is_start[start_g])
+        end_c = self.chars_before[end_g]
+        return start_c, end_c
+
+    def chars_to_bytes(self, char_g: np.ndarray) -> np.ndarray:
+        return self.char_start_byte[char_g]
+
+
+def cumulative_spans(lengths: np.ndarray, row_of_token: np.ndarray, row_splits: np.ndarray):
+    """Per token, [start, end) of its bytes within its row, from the token byte lengths."""
+    total = np.cumsum(lengths)
+    row_first = np.concatenate([[0], total])[row_splits[:-1]]
+    end = total - row_first[row_of_token]
+    return end - lengths, end
+
+
+def mismatched_rows(
+    vocab: VocabTable,
+    ids: np.ndarray,
+    out_pos: np.ndarray,
+    expected: np.ndarray,
+    row_of_token: np.ndarray,
+) -> np.ndarray:
+    """Rows where some token's bytes differ from `expected` at the token's output position.
+
+    ids/out_pos/row_of_token: int arrays [n] for the tokens to check; expected: uint8 buffer.
+    Done as one gather over all the bytes, so the cost is a few numpy passes per batch.
+    """
+    lengths = vocab.length[ids]
+    n_bytes = int(lengths.sum())
+    if n_bytes == 0:
+        return np.zeros(0, dtype=np.int64)
+    within = np.arange(n_bytes, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    src = np.repeat(vocab.start[ids], lengths) + within
+    dst = np.repeat(out_pos, lengths) + within
+    bad = vocab.flat[src] != expected[dst]
+    return np.unique(np.repeat(row_of_token, lengths)[bad])
+
+
+def check_offsets(offsets: np.ndarray, text: str) -> str | None:
+    """Why these char offsets cannot locate the tokens in `text`, or None if they can.
+
+    Offsets must lie inside the text, start <= end, starts non-decreasing, and every
+    non-whitespace character must lie in some token's span (else the tokenizer rewrote or dropped
+    text in a way offsets do not describe).
+    """
+    n = len(text)
+    if len(offsets) == 0:
+        return "no tokens for a text with content" if text.strip() else None
+    s, e = offsets[:, 0], offsets[:, 1]
+    if s.min() < 0 or e.max() > n or (e < s).any():
+        return f"offsets outside [0, {n}] or reversed"
+    if (np.diff(s) < 0).any():
+        return "token start offsets decrease"
+    cover = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(cover, s, 1)
+    np.add.at(cover, e, -1)
+    covered = np.cumsum(cover[:-1]) > 0
+    content = np.fromiter((not ch.isspace() for ch in text), dtype=bool, count=n)
+    lost = np.flatnonzero(content & ~covered)
+    if len(lost):
+        shown = text[lost[0] : lost[0] + 20]
+        return f"{len(lost)} non-space characters lie in no token's span (first at {lost[0]}: {shown!r})"
+    return None
