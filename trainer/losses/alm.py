@@ -1,0 +1,166 @@
+"""`alm`: approximate likelihood matching (tokenkit) over aligned chunks.
+
+Per aligned chunk c, the chain log-likelihood of the chunk's text under each model:
+
+    l_t(c) = sum_{teacher tokens i in c} log p(x_i | x_<i),   l_s(c) likewise for the student.
+
+Both are log-probabilities of the same event (this exact text follows the common prefix, spelt
+with each model's own tokens), so they are compared as two Bernoulli variables, "the model
+produces chunk c here", with probabilities a = exp(l_t / tau) and b = exp(l_s / tau):
+
+    kl:          a log(a / b) + (1 - a) log((1 - a) / (1 - b))        = KL(Bern(a) || Bern(b))
+    reverse_kl:  the same with a and b swapped
+    ce:          -(a log b + (1 - a) log(1 - b))   (tokenkit's "binary_ce": kl + H(Bern(a)))
+
+tau is the binarisation temperature (tau > 1 lifts long chunks' tiny probabilities off 0). Like
+tokenkit, log-probs are shifted by -eps so that log(1 - b) stays finite when b rounds to 1.
+
+sum = sum over chunks; count = chunks with both chains complete (both sides non-empty and their
+first token predicted; a chunk starting at position 0 has no prediction for its first token).
+
+Legend: B batch, S student positions, V student width, G chunks, N = B * S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer.losses.base import LossOutput, as_count, log1mexp, zero_sum_like
+from trainer.losses.ce import target_logprobs
+from trainer.losses.rowwise import DEFAULT_CHUNK
+from trainer.losses.segments import ChunkIndex, segment_sum
+from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+
+BINARY_DIVERGENCES = ("kl", "reverse_kl", "ce")
+
+
+@dataclass(frozen=True)
+class AlmConfig:
+    divergence: str = "kl"  # kl | reverse_kl | ce
+    temperature: float = 1.0  # binarisation temperature
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.divergence not in BINARY_DIVERGENCES:
+            raise ValueError(f"AlmConfig.divergence must be one of {BINARY_DIVERGENCES}")
+        if self.temperature <= 0 or self.eps < 0:
+            raise ValueError(f"AlmConfig: need temperature > 0 and eps >= 0: {self}")
+
+
+def alm_teacher_spec(config: AlmConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
+    return TeacherOutputSpec(teacher_vocab_size, target=True)
+
+
+def _plog(a: Tensor, la: Tensor, lb: Tensor) -> Tensor:
+    """a * (la - lb), exactly 0 (value and grad) where a == 0."""
+    keep = a > 0
+    return torch.where(keep, a * (torch.where(keep, la, 0.0) - torch.where(keep, lb, 0.0)), 0.0)
+
+
+def _bern_kl(la: Tensor, lb: Tensor) -> Tensor:
+    """KL(Bern(e^la) || Bern(e^lb)) for la, lb <= 0."""
+    return _plog(la.exp(), la, lb) + _plog(-torch.expm1(la), log1mexp(la), log1mexp(lb))
+
+
+def binary_divergence(
+    logp_t: Tensor, logp_s: Tensor, *, kind: str, temperature: float = 1.0, eps: float = 1e-6
+) -> Tensor:
+    """Elementwise binarised divergence of chunk log-likelihoods (teacher, student); see above."""
+    la = logp_t / temperature - eps
+    lb = logp_s / temperature - eps
+    if kind == "kl":
+        return _bern_kl(la, lb)
+    if kind == "reverse_kl":
+        return _bern_kl(lb, la)
+    if kind == "ce":
+        zero = torch.zeros_like(la)
+        return -(_plog(la.exp(), lb, zero) + _plog(-torch.expm1(la), log1mexp(lb), zero))
+    raise ValueError(f"binary divergence must be one of {BINARY_DIVERGENCES}, got {kind!r}")
+
+
+def chunk_chains(
+    logits_NV: Tensor,
+    teacher: TeacherOutputs,
+    index: ChunkIndex,
+    chunks_C: Tensor,
+    *,
+    vocab_size: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    tp_group=None,
+) -> tuple[Tensor, Tensor]:
+    """(student chain log-prob [C] differentiable, teacher chain log-prob [C]) of chunks_C."""
+    g = index.n_chunks
+    wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks_C.device)
+    wanted[chunks_C] = True
+    st, te = index.student, index.teacher
+    s_rows = (wanted[st.target_chunk] & (st.target_chunk >= 0)).nonzero().squeeze(1)
+    logq, _ = target_logprobs(
+        logits_NV,
+        s_rows,
+        st.targets[s_rows],
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        tp_group=tp_group,
+    )
+    ls = segment_sum(logq, st.target_chunk[s_rows], g)[chunks_C]
+    t_lp = teacher.target_logprob.reshape(-1).to(logq.dtype)
+    lt = segment_sum(t_lp, te.target_chunk, g)[chunks_C]
+    return ls, lt
+
+
+def complete_chunks(index: ChunkIndex) -> tuple[Tensor, dict[str, Tensor]]:
+    """Chunks whose chains are complete on both sides, and the counts of those dropped."""
+    st, te = index.student, index.teacher
+    both = (st.count > 0) & (te.count > 0)
+    ok = both & (st.start_rows() >= 0) & (te.start_rows() >= 0)
+    dropped = {"chunks_empty_side": (~both).sum(), "chunks_unpredicted": (both & ~ok).sum()}
+    return ok.nonzero().squeeze(1), dropped
+
+
+def alm(
+    student_logits_BSV: Tensor,
+    teacher: TeacherOutputs,
+    index: ChunkIndex,
+    *,
+    vocab_size: int,
+    config: AlmConfig,
+    chunk_size: int = DEFAULT_CHUNK,
+    tp_group=None,
+) -> LossOutput:
+    """Binarised chain-likelihood matching over aligned chunks (see the module docstring)."""
+    teacher.require(("target_logprob",), mode="alm")
+    b, s, width = student_logits_BSV.shape
+    if (
+        b * s != index.student.targets.numel()
+        or teacher.target_logprob.numel() != index.teacher.targets.numel()
+    ):
+        raise ValueError("alm: logits / teacher outputs do not match the ChunkIndex shapes")
+    logits = student_logits_BSV.reshape(b * s, width)
+    chunks, metrics = complete_chunks(index)
+    count = as_count(chunks.numel(), logits.device)
+    if chunks.numel() == 0:
+        return LossOutput(zero_sum_like(logits), count, metrics)
+    ls, lt = chunk_chains(
+        logits,
+        teacher,
+        index,
+        chunks,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        tp_group=tp_group,
+    )
+    terms = binary_divergence(
+        lt, ls, kind=config.divergence, temperature=config.temperature, eps=config.eps
+    )
+    total = terms.sum()
+    metrics.update(
+        {
+            "kd_sum": total.detach(),
+            "teacher_chain_logprob_sum": lt.detach().sum(),
+            "student_chain_logprob_sum": ls.detach().sum(),
+        }
+    )
+    return LossOutput(total, count, metrics)

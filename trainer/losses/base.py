@@ -1,0 +1,120 @@
+"""What every loss mode shares: the (sum, count) output and the divergences between categoricals.
+
+Every mode returns a SUM over its terms and the COUNT of terms (tokens or chunks); the caller
+divides once by the count all-reduced over the data-parallel and context-parallel ranks (never the
+tensor-parallel ranks, which hold the same terms). A global batch split into microbatches then
+gives exactly the loss and gradients of the whole batch, which a per-microbatch mean would not.
+
+The divergences take log-probabilities over the same K categories, so a zero-probability category
+(log-prob -inf) must contribute exactly 0 to the value AND to the gradient. `torch.where` alone is
+not enough: the gradient of the branch it discards is multiplied by 0, and 0 * inf = NaN. So every
+formula first replaces the -inf entries it will discard with a harmless 0 ("sanitise, then
+select").
+
+Legend: N rows (positions or chunks), K categories.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+DIVERGENCES = ("forward", "reverse", "jsd")
+NEG_INF = float("-inf")
+
+
+@dataclass
+class LossOutput:
+    """A loss as a differentiable SUM over its terms and the COUNT of terms.
+
+    ``metrics`` are detached 0-dim tensors that are themselves sums or counts (additive across
+    microbatches and ranks), so the caller can all-reduce them exactly like ``sum`` and ``count``.
+    """
+
+    sum: Tensor  # 0-dim, differentiable
+    count: Tensor  # 0-dim int64
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def mean(self, global_count: Tensor | int | None = None) -> Tensor:
+        """sum / count, dividing by ``global_count`` when given (the all-reduced count)."""
+        count = self.count if global_count is None else torch.as_tensor(global_count)
+        return self.sum / count.to(self.sum.dtype).clamp(min=1)
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """float64 stays float64 (gradcheck); everything else (bf16, fp16, fp32) is computed in fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def zero_sum_like(logits: Tensor) -> Tensor:
+    """A 0-dim zero that is connected to ``logits`` (so backward works) without touching its values.
+
+    ``logits.sum() * 0`` would be NaN when a logit is -inf; summing an empty slice is not.
+    """
+    return logits.reshape(-1)[:0].sum().to(compute_dtype(logits))
+
+
+def check_divergence(kind: str, beta: float) -> None:
+    if kind not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
+    if kind == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"generalized JSD needs 0 < beta < 1, got beta={beta}")
+
+
+def _expected_log_ratio(loga: Tensor, logb: Tensor) -> Tensor:
+    """sum_k a_k (log a_k - log b_k) over the last dim; a_k = 0 terms are exactly 0 (value + grad)."""
+    keep = loga > NEG_INF
+    a = torch.where(keep, loga, 0.0)
+    b = torch.where(keep, logb, 0.0)
+    return torch.where(keep, a.exp() * (a - b), 0.0).sum(-1)
+
+
+def divergence(logp_NK: Tensor, logq_NK: Tensor, *, kind: str, beta: float = 0.5) -> Tensor:
+    """Per-row divergence between teacher p and student q, both given as log-probs over K categories.
+
+    forward: KL(p || q);  reverse: KL(q || p);
+    jsd:     beta * KL(p || m) + (1 - beta) * KL(q || m),  m = beta * p + (1 - beta) * q.
+    Returns [N]. Both rows must be proper distributions (the callers add a rest bucket).
+    """
+    if kind == "forward":
+        return _expected_log_ratio(logp_NK, logq_NK)
+    if kind == "reverse":
+        return _expected_log_ratio(logq_NK, logp_NK)
+    if kind == "jsd":
+        both_zero = (logp_NK == NEG_INF) & (logq_NK == NEG_INF)
+        lp = torch.where(both_zero, 0.0, logp_NK)
+        lq = torch.where(both_zero, 0.0, logq_NK)
+        logm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
+        logm = torch.where(both_zero, NEG_INF, logm)
+        return beta * _expected_log_ratio(logp_NK, logm) + (1 - beta) * _expected_log_ratio(
+            logq_NK, logm
+        )
+    raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x <= 0, stable at both ends; x == 0 gives -inf with a zero (not NaN) grad."""
+    inside = x < 0
+    xs = torch.where(inside, x, -1.0)
+    val = torch.where(xs < -math.log(2.0), torch.log1p(-xs.exp()), torch.log(-torch.expm1(xs)))
+    return torch.where(inside, val, NEG_INF)
+
+
+def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:
+    """logaddexp whose gradient stays finite where both inputs are -inf (the result is -inf)."""
+    both = (a == NEG_INF) & (b == NEG_INF)
+    out = torch.logaddexp(torch.where(both, 0.0, a), torch.where(both, 0.0, b))
+    return torch.where(both, NEG_INF, out)
+
+
+def safe_log(x: Tensor) -> Tensor:
+    """log(x) for x >= 0 with log(0) = -inf and a zero gradient there (the caller drops it)."""
+    pos = x > 0
+    return torch.where(pos, torch.log(torch.where(pos, x, 1.0)), NEG_INF)
+
+
+def as_count(n: Tensor | int, device: torch.device) -> Tensor:
+    return torch.as_tensor(n, dtype=torch.int64, device=device).reshape(())

@@ -1,0 +1,283 @@
+"""`gold`: TRL GOLD's hybrid ULD loss over aligned chunks, with its flaws fixed.
+
+Per aligned chunk c (both sides non-empty, chains complete), each side's tokens are merged the
+way TRL's "bayesian" strategy does (with the position shift done right): the distribution at
+the position predicting the chunk's LAST token, scaled by the chain probability of the chunk's
+earlier tokens,
+
+    u_t(v) = exp(lt_pre(c)) * p(v | prefix, chunk tokens but the last)    (teacher, over V_t)
+    u_s(v) = exp(ls_pre(c)) * q(v | ...)                                   (student, over V_s)
+
+so for a 1:1 chunk u is just the next-token distribution. The vocabularies are split by the
+EXACT map (pairs (t_m, s_m) of byte-identical tokens, M of them):
+
+- matched part, over the M pairs: D(P || Q) with P_m = u_t(t_m), Q_m = u_s(s_m), plus (default
+  ``rest_bucket=True``) one rest bucket P_rest = 1 - sum_m P_m, Q_rest = 1 - sum_m Q_m, which
+  holds the unmatched tokens and the other-prefix mass 1 - exp(l_pre). That makes it a proper
+  divergence; ``rest_bucket=False`` is TRL's sub-simplex sum over the matched ids only.
+- unmatched part (ULD): the L1 distance between the sorted unmatched values of both sides,
+  zero-padded to equal length:  sum_i |sort(u_s[U_s])_i - sort(u_t[U_t])_i|. The teacher ships
+  its ``uld_width`` largest unmatched probabilities and its unmatched mass; the sum is exact when
+  uld_width >= |U_s| (the default), else the unshipped teacher mass is compared with zeros.
+
+term_c = w_matched * matched + w_unmatched * unmatched, with TRL's adaptive weights by default
+(w_matched = M / V_t, w_unmatched = 1 - w_matched). No tau^2 factor (as TRL). The chain prefixes
+use temperature 1 (``target_logprob``); the last-position distributions use ``temperature``.
+
+sum = sum over chunks; count = chunks. An exact map with no pair is an error, never a silent 0.
+
+Legend: B batch, S student positions, V student width, G chunks, M exact pairs, U student
+unmatched columns, W teacher sorted-rest width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.losses import vocab_ops as vo
+from trainer.losses.alm import complete_chunks
+from trainer.losses.base import (
+    LossOutput,
+    as_count,
+    check_divergence,
+    compute_dtype,
+    divergence,
+    log1mexp,
+    safe_logaddexp,
+    zero_sum_like,
+)
+from trainer.losses.ce import target_logprobs
+from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
+from trainer.losses.segments import ChunkIndex, ChunkSide, segment_sum
+from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+
+
+@dataclass(frozen=True)
+class GoldConfig:
+    divergence: str = "forward"
+    beta: float = 0.5
+    temperature: float = 1.0
+    rest_bucket: bool = True
+    matched_weight: float | None = None  # None: TRL's adaptive M / V_t (and 1 - that)
+    unmatched_weight: float | None = None
+    uld_width: int | None = None  # None: |U_s| (exact)
+
+    def __post_init__(self) -> None:
+        check_divergence(self.divergence, self.beta)
+        if self.temperature <= 0:
+            raise ValueError(f"GoldConfig.temperature must be > 0, got {self.temperature}")
+        if (self.matched_weight is None) != (self.unmatched_weight is None):
+            raise ValueError("GoldConfig: set both matched_weight and unmatched_weight, or neither")
+
+
+@dataclass(frozen=True)
+class GoldTables:
+    t_ids: Tensor  # int64 [M] teacher side of the exact pairs (the teacher's column set)
+    s_ids: Tensor  # int64 [M] student side, distinct
+    s_unmatched: Tensor  # int64 [U] valid student columns outside s_ids
+    teacher_vocab_size: int
+
+    @staticmethod
+    def from_exact_map(
+        exact_t2s, *, teacher_vocab_size: int, student_vocab_size: int
+    ) -> GoldTables:
+        """From ``exact_t2s`` (per teacher id, the byte-identical student id or -1).
+
+        A student id claimed by several teacher ids keeps the first (a category must appear once
+        on each side); the other teacher ids count as unmatched.
+        """
+        e = np.asarray(exact_t2s, dtype=np.int64)[:teacher_vocab_size]
+        t = np.nonzero((e >= 0) & (e < student_vocab_size))[0]
+        s = e[t]
+        s_first, first_idx = np.unique(s, return_index=True)
+        t = t[first_idx]
+        if t.size == 0:
+            raise ValueError(
+                "gold: the exact map is empty (no teacher token has a byte-identical student "
+                "token within the vocab sizes); the matched KL would silently be 0"
+            )
+        order = np.argsort(t)
+        unmatched = np.setdiff1d(np.arange(student_vocab_size), s_first)
+        return GoldTables(
+            torch.from_numpy(t[order]),
+            torch.from_numpy(s_first[order]),
+            torch.from_numpy(unmatched),
+            teacher_vocab_size,
+        )
+
+    @staticmethod
+    def from_projection(
+        projection, *, teacher_vocab_size: int, student_vocab_size: int
+    ) -> GoldTables:
+        return GoldTables.from_exact_map(
+            projection.exact_t2s,
+            teacher_vocab_size=teacher_vocab_size,
+            student_vocab_size=student_vocab_size,
+        )
+
+    def to(self, device) -> GoldTables:
+        return GoldTables(
+            self.t_ids.to(device),
+            self.s_ids.to(device),
+            self.s_unmatched.to(device),
+            self.teacher_vocab_size,
+        )
+
+    def weights(self, config: GoldConfig) -> tuple[float, float]:
+        if config.matched_weight is not None:
+            return config.matched_weight, float(config.unmatched_weight)
+        w = self.t_ids.numel() / self.teacher_vocab_size
+        return w, 1.0 - w
+
+
+def gold_teacher_spec(
+    config: GoldConfig, tables: GoldTables, *, teacher_vocab_size: int
+) -> TeacherOutputSpec:
+    m = tables.t_ids.numel()
+    width = tables.s_unmatched.numel() if config.uld_width is None else config.uld_width
+    return TeacherOutputSpec(
+        teacher_vocab_size,
+        columns=m,
+        rest_sorted=max(1, min(width, teacher_vocab_size - m)),
+        target=True,
+        temperature=config.temperature,
+    )
+
+
+def _prefix_rows(side: ChunkSide, wanted_G1: Tensor) -> Tensor:
+    """Positions predicting a token of a wanted chunk that is NOT the chunk's last token."""
+    tc = side.target_chunk
+    in_chunk = wanted_G1[tc] & (tc >= 0)
+    last = side.last[tc.clamp(min=0)]
+    pos = torch.arange(tc.numel(), device=tc.device)
+    return (in_chunk & (pos + 1 != last)).nonzero().squeeze(1)
+
+
+def _gold_block(
+    block_cV,
+    local_r,
+    lpre_r,
+    tm_rM,
+    trest_r,
+    tsorted_rW,
+    tresid_r,
+    *,
+    tables,
+    config,
+    vocab_size,
+    weights,
+    tp_group,
+):
+    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
+    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    if config.temperature != 1.0:
+        x = x / config.temperature
+    logq = vo.log_softmax(x, tp_group)
+    lpre = lpre_r.to(logq.dtype)[:, None]
+    qm = vo.gather(logq, tables.s_ids, tp_group) + lpre
+    qu = vo.gather(logq, tables.s_unmatched, tp_group) + lpre
+    tm = tm_rM.to(logq.dtype)
+    if config.rest_bucket:
+        q_rest = safe_logaddexp(torch.logsumexp(qu, -1), log1mexp(lpre[:, 0]))
+        kl = divergence(
+            torch.cat([tm, trest_r.to(logq.dtype)[:, None]], -1),
+            torch.cat([qm, q_rest[:, None]], -1),
+            kind=config.divergence,
+            beta=config.beta,
+        )
+    else:
+        kl = divergence(tm, qm, kind=config.divergence, beta=config.beta)
+    s_sorted = qu.exp().sort(dim=-1, descending=True).values
+    t_sorted = tsorted_rW.to(logq.dtype)
+    width = max(s_sorted.shape[-1], t_sorted.shape[-1])
+    s_sorted = F.pad(s_sorted, (0, width - s_sorted.shape[-1]))
+    t_sorted = F.pad(t_sorted, (0, width - t_sorted.shape[-1]))
+    uld = (s_sorted - t_sorted).abs().sum(-1) + tresid_r.to(logq.dtype)
+    return weights[0] * kl + weights[1] * uld, kl.detach(), uld.detach()
+
+
+def gold(
+    student_logits_BSV: Tensor,
+    teacher: TeacherOutputs,
+    index: ChunkIndex,
+    *,
+    tables: GoldTables,
+    vocab_size: int,
+    config: GoldConfig,
+    chunk_size: int = DEFAULT_CHUNK,
+    tp_group=None,
+) -> LossOutput:
+    """Hybrid exact-map KL + sorted-probability L1 over aligned chunks (module docstring)."""
+    teacher.require(
+        ("col_logprobs", "col_rest_logprob", "rest_sorted_probs", "target_logprob"), mode="gold"
+    )
+    if teacher.col_logprobs.shape[-1] != tables.t_ids.numel():
+        raise ValueError(
+            f"gold: teacher shipped {teacher.col_logprobs.shape[-1]} columns, the exact map has "
+            f"{tables.t_ids.numel()} pairs (build the teacher outputs with columns=tables.t_ids)"
+        )
+    b, s, width = student_logits_BSV.shape
+    st, te = index.student, index.teacher
+    if b * s != st.targets.numel() or teacher.target_logprob.numel() != te.targets.numel():
+        raise ValueError("gold: logits / teacher outputs do not match the ChunkIndex shapes")
+    logits = student_logits_BSV.reshape(b * s, width)
+    chunks, metrics = complete_chunks(index)
+    count = as_count(chunks.numel(), logits.device)
+    if chunks.numel() == 0:
+        return LossOutput(zero_sum_like(logits), count, metrics)
+    g = index.n_chunks
+    wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks.device)
+    wanted[chunks] = True
+    # chain prefixes: every token of the chunk but the last, temperature 1
+    t_pre_rows = _prefix_rows(te, wanted)
+    t_lp = teacher.target_logprob.reshape(-1).float()
+    lt_pre = segment_sum(t_lp[t_pre_rows], te.target_chunk[t_pre_rows], g)[chunks]
+    s_pre_rows = _prefix_rows(st, wanted)
+    lq_pre, _ = target_logprobs(
+        logits,
+        s_pre_rows,
+        st.targets[s_pre_rows],
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        tp_group=tp_group,
+    )
+    ls_pre = segment_sum(lq_pre, st.target_chunk[s_pre_rows], g)[chunks]
+    # teacher side at the row predicting each chunk's last token
+    tr = te.last_rows()[chunks]
+    m = tables.t_ids.numel()
+    tm = teacher.col_logprobs.reshape(-1, m)[tr].float() + lt_pre[:, None]
+    t_um = teacher.col_rest_logprob.reshape(-1)[tr].float()
+    t_rest = safe_logaddexp(t_um + lt_pre, log1mexp(lt_pre))
+    w_sorted = teacher.rest_sorted_probs.shape[-1]
+    t_sorted = teacher.rest_sorted_probs.reshape(-1, w_sorted)[tr].float()
+    scale = lt_pre.exp()[:, None]
+    t_resid = (t_um.exp() - t_sorted.sum(-1)).clamp(min=0) * scale[:, 0]
+    weights = tables.weights(config)
+    fn = partial(
+        _gold_block,
+        tables=tables.to(logits.device),
+        config=config,
+        vocab_size=vocab_size,
+        weights=weights,
+        tp_group=tp_group,
+    )
+    sr = st.last_rows()[chunks]
+    terms, kl, uld = map_rows(
+        fn, logits, sr, ls_pre, tm, t_rest, t_sorted * scale, t_resid, chunk_size=chunk_size
+    )
+    total = terms.sum()
+    metrics.update(
+        {
+            "kd_sum": total.detach(),
+            "gold_matched_sum": kl.sum(),
+            "gold_unmatched_sum": uld.sum(),
+            "teacher_matched_mass_sum": tm.exp().sum(),
+        }
+    )
+    return LossOutput(total, count, metrics)

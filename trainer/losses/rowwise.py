@@ -1,0 +1,80 @@
+"""Run a per-row computation over selected rows of a [N, V] logits tensor, block by block.
+
+This is what keeps every loss memory-lean. The logits are split ONCE into contiguous row blocks
+(`Tensor.split`: one autograd node, so backward assembles the [N, V] gradient in a single
+allocation; per-block slicing or `index_select` on the whole tensor would allocate a zero [N, V]
+gradient per block). Each block runs under non-reentrant activation checkpointing, so the fp32
+[rows, V] intermediates of a block (casts, log-softmax, masked copies) are freed right after its
+forward and recomputed during backward: peak memory is the logits, their gradient and ONE
+block's intermediates, whatever T is.
+
+``fn(block_cV, local_rows_r, *extras_r) -> tuple[Tensor, ...]`` gets the block, the indices of
+the selected rows inside the block (sorted, distinct) and the matching slices of the per-row
+``extras``; it returns per-row tensors (first dim r), which are concatenated in row order.
+
+Legend: N rows of the logits, V vocabulary, G selected rows, c block rows, r selected in a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK = 256
+
+
+def take_rows(block_cV: Tensor, local_r: Tensor) -> Tensor:
+    """The selected rows of a block; the block itself (no copy) when every row is selected."""
+    if local_r.numel() == block_cV.shape[0]:
+        return block_cV
+    return block_cV.index_select(0, local_r)
+
+
+def map_rows(
+    fn: Callable[..., tuple[Tensor, ...]],
+    logits_NV: Tensor,
+    rows_G: Tensor,
+    *extras: Tensor,
+    chunk_size: int = DEFAULT_CHUNK,
+    recompute: bool = True,
+) -> tuple[Tensor, ...]:
+    """Apply ``fn`` to the rows ``rows_G`` (sorted ascending, distinct) of ``logits_NV`` in blocks.
+
+    Returns the concatenation of ``fn``'s per-row outputs, in the order of ``rows_G``. The caller
+    handles G == 0 (there is nothing to concatenate).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    n_rows = logits_NV.shape[0]
+    if rows_G.numel() == 0:
+        raise ValueError("map_rows needs at least one selected row")
+    if rows_G.numel() > 1 and bool((rows_G[1:] <= rows_G[:-1]).any()):
+        raise ValueError("map_rows needs sorted, distinct rows")
+    if int(rows_G[0]) < 0 or int(rows_G[-1]) >= n_rows:
+        raise ValueError(f"selected rows must lie in [0, {n_rows})")
+    for e in extras:
+        if e.shape[0] != rows_G.shape[0]:
+            raise ValueError(
+                f"extra of shape {tuple(e.shape)} does not match {rows_G.numel()} rows"
+            )
+    starts = torch.arange(0, n_rows + chunk_size, chunk_size, device=rows_G.device)
+    bounds = torch.searchsorted(rows_G, starts).tolist()
+    wants_grad = torch.is_grad_enabled() and (
+        logits_NV.requires_grad or any(e.requires_grad for e in extras)
+    )
+    parts: list[tuple[Tensor, ...]] = []
+    for i, block in enumerate(logits_NV.split(chunk_size, dim=0)):
+        lo, hi = bounds[i], bounds[i + 1]
+        if lo == hi:
+            continue
+        local = rows_G[lo:hi] - i * chunk_size
+        sliced = [e[lo:hi] for e in extras]
+        if recompute and wants_grad:
+            out = checkpoint(fn, block, local, *sliced, use_reentrant=False)
+        else:
+            out = fn(block, local, *sliced)
+        parts.append(out)
+    return tuple(torch.cat(cols, dim=0) for cols in zip(*parts))

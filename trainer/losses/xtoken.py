@@ -1,0 +1,223 @@
+"""`xtoken`: cross-tokenizer KD per aligned chunk, through the sparse teacher->student projection.
+
+At the start of every aligned chunk c both models predict the next piece of the SAME text (the
+chunk boundary is a token boundary on both sides, so both are conditioned on the same prefix).
+The teacher's top-k there is mapped into the student vocabulary with the projection rows
+``t2s`` (teacher token -> student tokens that start its text, weights summing to <= 1):
+
+    P(s)   = sum_j p_j * sum_l w_{j,l} [t2s_{j,l} = s]        on the support S_c (distinct ids)
+    P_rest = 1 - sum_s P(s) = p_tail + sum_j p_j (1 - sum_l w_{j,l})
+    Q(s)   = q(s) for s in S_c,   Q_rest = 1 - sum_{s in S_c} q(s)   (exact, by logsumexp)
+    term_c = tau^2 * D(P || Q)   over S_c + {rest}   (D: forward / reverse KL, generalized JSD)
+
+A proper KL on every chunk: nothing the teacher cannot express in student tokens is dropped, it
+goes to the rest bucket, and the student's own mass outside S_c is matched against it.
+
+Multi-token chunks (1:N, N:1, N:M) contribute exactly one distribution term, at their start,
+like 1:1 chunks. The student positions INSIDE a multi-token chunk have no teacher distribution
+over the same prefix, so they get no distribution term. With ``chain_weight > 0`` each
+multi-token chunk adds ``chain_weight * D_bin(P_t(chunk) || P_s(chunk))``, the binarised KL of
+the chunk's chain likelihoods (as in `alm`), which reaches those inner positions.
+
+sum = sum over chunks of term_c (+ chain terms); count = chunks with a term. Chunks with an empty
+side or no predicting position (first token at position 0) are dropped and counted in metrics.
+
+Legend: B batch, S student / T teacher positions, V student width, G chunks, K teacher top-k,
+P projection slots per teacher token, L = K * P support slots, R teacher rows of the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from trainer.losses import vocab_ops as vo
+from trainer.losses.alm import binary_divergence, chunk_chains
+from trainer.losses.base import (
+    LossOutput,
+    as_count,
+    check_divergence,
+    compute_dtype,
+    divergence,
+    safe_log,
+    zero_sum_like,
+)
+from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
+from trainer.losses.segments import ChunkIndex, dedup_rows
+from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+
+
+@dataclass(frozen=True)
+class XTokenConfig:
+    k: int = 32  # teacher top-k shipped per position
+    divergence: str = "forward"
+    beta: float = 0.5
+    temperature: float = 1.0
+    chain_weight: float = 0.0  # > 0: binarised chain-likelihood term on multi-token chunks
+
+    def __post_init__(self) -> None:
+        check_divergence(self.divergence, self.beta)
+        if self.k < 1 or self.temperature <= 0 or self.chain_weight < 0:
+            raise ValueError(
+                f"XTokenConfig: need k >= 1, temperature > 0, chain_weight >= 0: {self}"
+            )
+
+
+@dataclass(frozen=True)
+class XTokenTables:
+    """The teacher->student projection rows as torch tensors."""
+
+    t2s_ids: Tensor  # int64 [R, P], -1 = empty slot
+    t2s_weights: Tensor  # float32 [R, P], 0 on empty slots, row sums <= 1
+
+    @staticmethod
+    def from_arrays(t2s_ids, t2s_weights, *, student_vocab_size: int) -> XTokenTables:
+        """Check and convert (numpy or torch) ``t2s_ids`` / ``t2s_weights`` of a projection.
+
+        Rows summing to more than 1 are scaled down to 1 (the weights are read as the fraction of
+        a teacher token's probability that starts with each student token).
+        """
+        ids = torch.as_tensor(np.asarray(t2s_ids), dtype=torch.int64)
+        w = torch.as_tensor(np.asarray(t2s_weights), dtype=torch.float32)
+        if ids.dim() != 2 or ids.shape != w.shape:
+            raise ValueError(
+                f"t2s_ids {tuple(ids.shape)} and t2s_weights {tuple(w.shape)} must be equal [R, P]"
+            )
+        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+            raise ValueError("t2s_weights must be finite and >= 0")
+        if bool((ids >= student_vocab_size).any()):
+            r = int((ids >= student_vocab_size).any(1).nonzero()[0, 0])
+            raise ValueError(
+                f"t2s_ids row {r} holds a student id >= student vocab_size {student_vocab_size}"
+            )
+        empty = (ids < 0) | (w <= 0)
+        ids = ids.masked_fill(empty, -1)
+        w = w.masked_fill(empty, 0.0)
+        w = w / w.sum(1, keepdim=True).clamp(min=1.0)
+        return XTokenTables(ids, w)
+
+    @staticmethod
+    def from_projection(projection, *, student_vocab_size: int) -> XTokenTables:
+        """From a `pipelines.projection.Projection` (any object with t2s_ids / t2s_weights)."""
+        return XTokenTables.from_arrays(
+            projection.t2s_ids, projection.t2s_weights, student_vocab_size=student_vocab_size
+        )
+
+    def to(self, device) -> XTokenTables:
+        return XTokenTables(self.t2s_ids.to(device), self.t2s_weights.to(device))
+
+
+def xtoken_teacher_spec(config: XTokenConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
+    return TeacherOutputSpec(
+        teacher_vocab_size,
+        topk=config.k,
+        target=config.chain_weight > 0,
+        temperature=config.temperature,
+    )
+
+
+def project_teacher(
+    ids_GK: Tensor, logp_GK: Tensor, tail_G: Tensor, tables: XTokenTables
+) -> tuple[Tensor, Tensor]:
+    """(support ids [G, L], log P [G, L + 1]): the teacher top-k projected, plus the rest bucket."""
+    g, k = ids_GK.shape
+    if bool((ids_GK >= tables.t2s_ids.shape[0]).any()):
+        raise ValueError(f"a teacher id is >= the projection's {tables.t2s_ids.shape[0]} rows")
+    p = torch.where(ids_GK >= 0, logp_GK.float().exp(), 0.0)
+    rows = ids_GK.clamp(min=0)
+    s_ids = torch.where((ids_GK >= 0)[..., None], tables.t2s_ids[rows], -1)  # [G, K, P]
+    w = tables.t2s_weights[rows] * (ids_GK >= 0)[..., None]
+    contrib = p[..., None] * w
+    uniq, mass = dedup_rows(s_ids.reshape(g, -1), contrib.reshape(g, -1))
+    rest = tail_G.float().exp() + (p * (1.0 - w.sum(-1))).sum(-1)
+    logp = torch.cat([safe_log(mass), safe_log(rest)[:, None]], dim=-1)
+    return uniq, logp.masked_fill(
+        torch.cat([uniq < 0, torch.zeros_like(rest, dtype=torch.bool)[:, None]], -1), float("-inf")
+    )
+
+
+def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, tp_group):
+    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
+    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    if config.temperature != 1.0:
+        x = x / config.temperature
+    logz = vo.logsumexp(x, tp_group)[:, None]
+    logq = torch.cat(
+        [
+            vo.gather(x, ids_rL, tp_group) - logz,
+            vo.logsumexp_excluding(x, ids_rL, tp_group)[:, None] - logz,
+        ],
+        dim=-1,
+    )
+    terms = divergence(logp_rL1.to(logq.dtype), logq, kind=config.divergence, beta=config.beta)
+    return terms * config.temperature**2, logq[:, -1].detach().exp()
+
+
+def xtoken(
+    student_logits_BSV: Tensor,
+    teacher: TeacherOutputs,
+    index: ChunkIndex,
+    *,
+    tables: XTokenTables,
+    vocab_size: int,
+    config: XTokenConfig,
+    chunk_size: int = DEFAULT_CHUNK,
+    tp_group=None,
+) -> LossOutput:
+    """Cross-tokenizer KD over aligned chunks (see the module docstring)."""
+    teacher.require(("topk_ids", "topk_logprobs", "tail_logprob"), mode="xtoken")
+    b, s, width = student_logits_BSV.shape
+    st, te = index.student, index.teacher
+    if (b * s, teacher.topk_ids.shape[0] * teacher.topk_ids.shape[1]) != (
+        st.targets.numel(),
+        te.targets.numel(),
+    ):
+        raise ValueError("xtoken: logits / teacher outputs do not match the ChunkIndex shapes")
+    s_rows, t_rows = st.start_rows(), te.start_rows()
+    both = (st.count > 0) & (te.count > 0)
+    ok = both & (s_rows >= 0) & (t_rows >= 0)
+    chunks = ok.nonzero().squeeze(1)
+    logits = student_logits_BSV.reshape(b * s, width)
+    metrics = {
+        "chunks_empty_side": (~both).sum(),
+        "chunks_unpredicted": (both & ~ok).sum(),
+        "chunks_multi_token": (ok & ((st.count > 1) | (te.count > 1))).sum(),
+    }
+    count = as_count(chunks.numel(), logits.device)
+    if chunks.numel() == 0:
+        return LossOutput(zero_sum_like(logits), count, metrics)
+    k = teacher.topk_ids.shape[-1]
+    tr = t_rows[chunks]
+    ids_G, logp_G = project_teacher(
+        teacher.topk_ids.reshape(-1, k)[tr].long(),
+        teacher.topk_logprobs.reshape(-1, k)[tr],
+        teacher.tail_logprob.reshape(-1)[tr],
+        tables,
+    )
+    fn = partial(_xtoken_block, config=config, vocab_size=vocab_size, tp_group=tp_group)
+    terms, q_rest = map_rows(fn, logits, s_rows[chunks], ids_G, logp_G, chunk_size=chunk_size)
+    total = terms.sum()
+    metrics["teacher_rest_mass_sum"] = logp_G[:, -1].exp().sum()
+    metrics["student_rest_mass_sum"] = q_rest.sum()
+    if config.chain_weight > 0:
+        teacher.require(("target_logprob",), mode="xtoken")
+        multi = chunks[(st.count[chunks] > 1) | (te.count[chunks] > 1)]
+        if multi.numel():
+            ls, lt = chunk_chains(
+                logits,
+                teacher,
+                index,
+                multi,
+                vocab_size=vocab_size,
+                chunk_size=chunk_size,
+                tp_group=tp_group,
+            )
+            chain = binary_divergence(lt, ls, kind="kl", temperature=1.0).sum()
+            metrics["chain_sum"] = chain.detach()
+            total = total + config.chain_weight * chain
+    metrics["kd_sum"] = total.detach()
+    return LossOutput(total, count, metrics)
