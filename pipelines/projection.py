@@ -40,7 +40,7 @@ import numpy as np
 
 from pipelines import paths
 from pipelines.schema import TokenizerInfo
-from pipelines.tokenizer import Tokenizer, load_tokenizer
+from pipelines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 FORMAT_VERSION = "1"
 METHOD = "retokenize-geometric-v1"
@@ -141,22 +141,48 @@ def _pieces(src_bytes, need: np.ndarray, dst_single: dict[int, int]):
     return texts, np.array(simple, np.int64), split
 
 
+def _encode_ids(tok: Tokenizer, texts: list[str], *, chunk: int = 8192):
+    """(ids, row_splits) of all texts; a text the tokenizer refuses (found by bisecting the
+    failing chunk) gets no ids and is counted, so one odd token cannot stop a build."""
+    ids, lengths, failed = [], [], 0
+
+    def go(part: list[str]):
+        nonlocal failed
+        try:
+            enc = tok.encode_batch(part)
+        except TokenizerError:
+            if len(part) == 1:
+                failed += 1
+                lengths.append(0)
+                return
+            go(part[: len(part) // 2])
+            go(part[len(part) // 2 :])
+            return
+        ids.append(enc.ids)
+        lengths.extend(np.diff(enc.row_splits).tolist())
+
+    for start in range(0, len(texts), chunk):
+        go(texts[start : start + chunk])
+    splits = np.zeros(len(texts) + 1, np.int64)
+    np.cumsum(lengths, out=splits[1:])
+    return (np.concatenate(ids) if ids else np.zeros(0, np.int32)), splits, failed
+
+
 def _retokenized(dst: Tokenizer, src_bytes, need, dst_single):
     """Flat (row, target id) pairs in sequence order, and how many rows hit an unmappable byte."""
     texts, simple, split = _pieces(src_bytes, need, dst_single)
     if not texts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0, len(split)
-    enc = dst.encode_batch(texts)
-    splits = enc.row_splits
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), {"encode_errors": 0}
+    enc_ids, splits, failed = _encode_ids(dst, texts)
     m = len(simple)
     rows = [np.repeat(simple, np.diff(splits[: m + 1]))]
-    ids = [enc.ids[: splits[m]].astype(np.int64)]
+    ids = [enc_ids[: splits[m]].astype(np.int64)]
     unmappable = 0
     for i, segs in split:
         seq = []
         for kind, v in segs:
             if kind == "t":
-                seq.append(enc.ids[splits[v] : splits[v + 1]].astype(np.int64))
+                seq.append(enc_ids[splits[v] : splits[v + 1]].astype(np.int64))
             elif v is None:
                 seq = None
                 break
@@ -168,7 +194,8 @@ def _retokenized(dst: Tokenizer, src_bytes, need, dst_single):
             flat = np.concatenate(seq)
             rows.append(np.full(len(flat), i, np.int64))
             ids.append(flat)
-    return np.concatenate(rows), np.concatenate(ids), unmappable, len(split)
+    counts = {"invalid_utf8_rows": len(split), "unmappable_byte_rows": unmappable}
+    return np.concatenate(rows), np.concatenate(ids), counts | {"encode_errors": failed}
 
 
 def _direction(src: Tokenizer, dst: Tokenizer, *, k: int, src_rows: int, dst_rows: int):
@@ -186,7 +213,7 @@ def _direction(src: Tokenizer, dst: Tokenizer, *, k: int, src_rows: int, dst_row
     special = np.zeros(n_src, bool)
     special[[i for i in src.all_special_ids if i < n_src]] = True
     need = np.flatnonzero(has_bytes & ~special & (exact[:n_src] < 0))
-    row, tid, unmappable, invalid = _retokenized(dst, src_bytes, need, dst_single)
+    row, tid, retok_counts = _retokenized(dst, src_bytes, need, dst_single)
     keep = ~np.isin(tid, np.fromiter(dst.all_special_ids, np.int64)) & (tid < dst_rows)
     dropped_special = int((~keep).sum())
     row, tid = row[keep], tid[keep]
@@ -214,10 +241,11 @@ def _direction(src: Tokenizer, dst: Tokenizer, *, k: int, src_rows: int, dst_row
     w_out[urow, rank] = uw / total[urow]
     hit = np.flatnonzero(exact >= 0)
     ids_out[hit, 0], w_out[hit, 0] = exact[hit], 1.0
-    role_pairs = 0
-    for role in ROLES:
+    role_pairs, paired = 0, set()
+    for role in ROLES:  # in this order: an id with two roles (eos = pad) keeps the first
         a, b = src.special_ids.get(role), dst.special_ids.get(role)
-        if a is not None and b is not None and a < src_rows and b < dst_rows:
+        if a is not None and b is not None and a < src_rows and b < dst_rows and a not in paired:
+            paired.add(a)
             ids_out[a], w_out[a] = -1, 0.0
             ids_out[a, 0], w_out[a, 0] = b, 1.0
             role_pairs += 1
@@ -227,8 +255,9 @@ def _direction(src: Tokenizer, dst: Tokenizer, *, k: int, src_rows: int, dst_row
         "tokens_with_bytes": n_with_bytes,
         "exact": int((exact >= 0).sum()),
         "retokenized": int(len(need)),
-        "invalid_utf8_rows": invalid,
-        "unmappable_byte_rows": unmappable,
+        "invalid_utf8_rows": 0,
+        "unmappable_byte_rows": 0,
+        **retok_counts,
         "dropped_special_ids": dropped_special,
         "truncated_rows": truncated,
         "role_pairs": role_pairs,
