@@ -1,0 +1,536 @@
+"""Token alignment between two tokenizations of the same text (CONTRACTS section 2).
+
+A *chunk* is a minimal pair of token runs, one per side, that cover the same bytes of the text;
+its boundaries are the byte positions that are token boundaries on both sides. Chunks are
+1:1, 1:N, N:1 or N:M (student:teacher token counts).
+
+Fast path: one Numba kernel call per batch walks both sides' byte spans with two pointers,
+O(n + m) per row, over flat arrays (ids, byte offsets, row splits); no Python runs per token or
+per row. Before the walk each side's spans are checked: a token is *trusted* when it starts
+where everything before it ended (spans tile the text, no overlap, no gap) and, where the token
+byte table is known, its span is as long as its bytes (a lossy piece or a byte-fallback piece
+whose span was derived from a shared character is not). Chunks are cut only at positions that
+are trusted on both sides; a region between two such cuts that holds an untrusted token goes to
+the DP fallback (`pipelines.dp_align`), which re-chunks it from the tokens' canonical bytes. Every
+such region is counted (`Alignment.fallback_regions`, `used_fallback`), never silent.
+
+Special tokens (ids whose bytes are None in `Tokenizer.token_bytes()`, plus the tokenizer's
+`all_special_ids`) get chunk -1. Zero-width ones (an inserted BOS/EOS) sitting at a chunk's edge
+are simply left out of it; a chunk that would hold a special covering text (a chat marker parsed
+from the text on one side) is dropped whole on both sides and its plain tokens are counted
+(`dropped_tokens`), so every chunk left covers the same text on both sides and holds no special
+token. Specials are paired by role (windows add BOS/EOS per tokenizer), never by text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numba import njit
+
+from pipelines.dp_align import dp_region_chunks
+
+if TYPE_CHECKING:
+    from pipelines.tokenizer import BatchEncoding, Encoding, Tokenizer
+
+CHUNK_1_1, CHUNK_1_N, CHUNK_N_1, CHUNK_N_M = 0, 1, 2, 3  # student:teacher token counts
+CHUNK_KIND_NAMES = ("1:1", "1:N", "N:1", "N:M")
+
+_ERR_NO_TABLE = 1  # a row needs the DP fallback but no token byte table was given
+
+
+class AlignmentError(ValueError):
+    """A row that cannot be aligned (the message names the row and what is missing)."""
+
+
+@dataclass(frozen=True)
+class VocabBytes:
+    """Token byte table of one vocabulary, packed for the kernels.
+
+    offsets int64 [V + 1], data uint8: token t's bytes are data[offsets[t]:offsets[t + 1]];
+    special bool [V]: control/added special tokens (no bytes, chunk -1).
+    """
+
+    offsets: np.ndarray
+    data: np.ndarray
+    special: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.special.size)
+
+    @staticmethod
+    def from_pieces(pieces: list[bytes | None], special_ids=()) -> VocabBytes:
+        lens = np.fromiter((len(p) if p is not None else 0 for p in pieces), np.int64, len(pieces))
+        offsets = np.zeros(len(pieces) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        data = np.frombuffer(b"".join(p for p in pieces if p is not None), np.uint8)
+        special = np.fromiter((p is None for p in pieces), np.bool_, len(pieces))
+        for t in special_ids:
+            if 0 <= t < special.size:
+                special[t] = True
+        return VocabBytes(offsets, data, special)
+
+
+_VOCAB_CACHE: dict[str, VocabBytes] = {}
+
+
+def vocab_bytes(source: Tokenizer | VocabBytes | list[bytes | None]) -> VocabBytes:
+    """The packed token byte table of a tokenizer (cached by fingerprint) or of a piece list."""
+    if isinstance(source, VocabBytes):
+        return source
+    if isinstance(source, list | tuple):
+        return VocabBytes.from_pieces(list(source))
+    key = source.fingerprint
+    if key not in _VOCAB_CACHE:
+        _VOCAB_CACHE[key] = VocabBytes.from_pieces(
+            source.token_bytes(), special_ids=source.all_special_ids
+        )
+    return _VOCAB_CACHE[key]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """One text, one (student, teacher) pair. Chunk ids are monotone and contiguous from 0.
+
+    Beyond CONTRACTS section 2, each chunk c records where it ends: chunk_student_end[c] /
+    chunk_teacher_end[c] are the token indices one past it on each side, chunk_byte_end[c] the
+    byte position in the text (-1 inside a DP-fallback region, where offsets are not trusted).
+    Windows cut only at chunk ends with a known byte position.
+    """
+
+    student_chunk: np.ndarray  # int32 [n_s], -1 on special tokens
+    teacher_chunk: np.ndarray  # int32 [n_t]
+    n_chunks: int
+    chunk_kind: np.ndarray  # int8 [C]
+    chunk_exact: np.ndarray  # bool [C]
+    used_fallback: bool
+    chunk_student_end: np.ndarray | None = None  # int32 [C]
+    chunk_teacher_end: np.ndarray | None = None  # int32 [C]
+    chunk_byte_end: np.ndarray | None = None  # int64 [C]
+    fallback_regions: int = 0
+    dropped_tokens: int = 0  # plain tokens left at -1 because their chunk held a special token
+
+
+@dataclass(frozen=True)
+class BatchAlignment:
+    """Flat alignment of a batch, as the kernel returns it (what batch consumers read).
+
+    Chunk ids in student_chunk / teacher_chunk are per row (from 0 in every row); the per-chunk
+    arrays are concatenated over rows, row b owning [chunk_splits[b], chunk_splits[b + 1]).
+    """
+
+    student_chunk: np.ndarray  # int32 [N_s]
+    teacher_chunk: np.ndarray  # int32 [N_t]
+    student_splits: np.ndarray  # int64 [B + 1]
+    teacher_splits: np.ndarray  # int64 [B + 1]
+    chunk_splits: np.ndarray  # int64 [B + 1]
+    chunk_kind: np.ndarray  # int8 [C]
+    chunk_exact: np.ndarray  # bool [C]
+    chunk_student_end: np.ndarray  # int32 [C], row-relative token index
+    chunk_teacher_end: np.ndarray  # int32 [C]
+    chunk_byte_end: np.ndarray  # int64 [C], -1 = not a trusted text position
+    fallback_regions: np.ndarray  # int32 [B]: DP-fallback regions per row
+    dropped_tokens: np.ndarray  # int32 [B]: non-special tokens left at -1 (chunks with specials)
+    row_error: np.ndarray  # int8 [B]: 0 = aligned
+
+    def __len__(self) -> int:
+        return int(self.row_error.size)
+
+    def row(self, b: int) -> Alignment:
+        if self.row_error[b] == _ERR_NO_TABLE:
+            raise AlignmentError(
+                f"row {b}: its offsets are untrusted or the row is not lossless, so it needs the "
+                "DP fallback, which needs both token byte tables (pass student_bytes= and "
+                "teacher_bytes=, e.g. the Tokenizer objects)"
+            )
+        s0, s1 = self.student_splits[b], self.student_splits[b + 1]
+        t0, t1 = self.teacher_splits[b], self.teacher_splits[b + 1]
+        c0, c1 = self.chunk_splits[b], self.chunk_splits[b + 1]
+        return Alignment(
+            student_chunk=self.student_chunk[s0:s1],
+            teacher_chunk=self.teacher_chunk[t0:t1],
+            n_chunks=int(c1 - c0),
+            chunk_kind=self.chunk_kind[c0:c1],
+            chunk_exact=self.chunk_exact[c0:c1],
+            used_fallback=bool(self.fallback_regions[b] > 0),
+            chunk_student_end=self.chunk_student_end[c0:c1],
+            chunk_teacher_end=self.chunk_teacher_end[c0:c1],
+            chunk_byte_end=self.chunk_byte_end[c0:c1],
+            fallback_regions=int(self.fallback_regions[b]),
+            dropped_tokens=int(self.dropped_tokens[b]),
+        )
+
+    def rows(self) -> list[Alignment]:
+        return [self.row(b) for b in range(len(self))]
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@njit(cache=True)
+def _trust(ids, bo, lo, n, lossless, toff, spec, has_tab, tb, bad):
+    """Per token: bad[k] (span untrusted); tb[k] = trusted boundary before token k or -1.
+
+    A token is good when it starts where everything before it ended and its span is as long as
+    its bytes. The boundary before token k is trusted when the spans tile there and a good token
+    vouches for it from either side.
+    """
+    max_end = 0
+    prev_ok = True
+    for k in range(n):
+        st = bo[lo + k, 0]
+        en = bo[lo + k, 1]
+        tiles = st == max_end
+        ok = tiles and en >= st
+        if ok:
+            if has_tab:
+                t = ids[lo + k]
+                if not spec[t] and toff[t + 1] - toff[t] != en - st:
+                    ok = False
+            elif not lossless:
+                ok = False
+        bad[k] = not ok
+        tb[k] = st if tiles and (ok or prev_ok) else -1
+        prev_ok = ok
+        if en > max_end:
+            max_end = en
+    tb[0] = 0
+    tb[n] = max_end
+
+
+@njit(cache=True)
+def _walk(tb_s, n, tb_t, m, reg):
+    """Two-pointer walk over trusted boundaries; reg[r] = (student end, teacher end, byte end)."""
+    n_reg = 0
+    ka = 1
+    kb = 1
+    while ka <= n and kb <= m:
+        pa = tb_s[ka]
+        if pa < 0:
+            ka += 1
+            continue
+        pb = tb_t[kb]
+        if pb < 0:
+            kb += 1
+            continue
+        if pa < pb:
+            ka += 1
+        elif pb < pa:
+            kb += 1
+        else:  # a common boundary; zero-width tokens sitting on it join the closing chunk
+            while ka < n and tb_s[ka + 1] == pa:
+                ka += 1
+            while kb < m and tb_t[kb + 1] == pa:
+                kb += 1
+            reg[n_reg, 0] = ka
+            reg[n_reg, 1] = kb
+            reg[n_reg, 2] = pa
+            n_reg += 1
+            ka += 1
+            kb += 1
+    return n_reg
+
+
+@njit(cache=True)
+def _trim(ids, bo, lo, k0, k1, spec, has_tab, dp):
+    """Shrink [k0, k1) past zero-width specials at its ends (BOS/EOS sitting on a boundary).
+
+    Returns (k0, k1, n_special_left, n_plain): a special left inside means the run covers a
+    special token's text and the chunk must be dropped. In a DP region every special counts as
+    zero-width, as the DP sees no bytes for it.
+    """
+    if not has_tab:
+        return k0, k1, 0, k1 - k0
+    while k0 < k1 and spec[ids[lo + k0]] and (dp or bo[lo + k0, 0] == bo[lo + k0, 1]):
+        k0 += 1
+    while k1 > k0 and spec[ids[lo + k1 - 1]] and (dp or bo[lo + k1 - 1, 0] == bo[lo + k1 - 1, 1]):
+        k1 -= 1
+    n_spec = 0
+    for k in range(k0, k1):
+        if spec[ids[lo + k]]:
+            n_spec += 1
+    return k0, k1, n_spec, k1 - k0 - n_spec
+
+
+@njit(cache=True)
+def _emit(s_ids, t_ids, s_bo, t_bo, s_lo, t_lo, span, byte_end, dp, tabs, has_tab, out, c, c_row):
+    """Record chunk span = (a0, a1, b0, b1) of a row as chunk c, or drop it.
+
+    A chunk that holds a special token (other than zero-width ones at its ends, which stay -1) or
+    that has no token left on one side is dropped on both sides; its plain tokens are counted in
+    out[-1][0]. Returns the next chunk index.
+    """
+    s_off, s_data, s_spec, t_off, t_data, t_spec = tabs
+    s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend, dropped = out
+    a0, a1, b0, b1 = span
+    i0, i1, s_sp, s_plain = _trim(s_ids, s_bo, s_lo, a0, a1, s_spec, has_tab[0], dp)
+    j0, j1, t_sp, t_plain = _trim(t_ids, t_bo, t_lo, b0, b1, t_spec, has_tab[1], dp)
+    if s_sp or t_sp or i0 == i1 or j0 == j1:
+        dropped[0] += s_plain + t_plain
+        return c
+    local = c - c_row
+    s_chunk[s_lo + i0 : s_lo + i1] = local
+    t_chunk[t_lo + j0 : t_lo + j1] = local
+    ns = i1 - i0
+    nt = j1 - j0
+    kind[c] = 0 if ns == 1 and nt == 1 else (1 if ns == 1 else (2 if nt == 1 else 3))
+    same = ns == 1 and nt == 1
+    if same and has_tab[0] and has_tab[1]:
+        u = s_ids[s_lo + i0]
+        v = t_ids[t_lo + j0]
+        la = s_off[u + 1] - s_off[u]
+        same = la == t_off[v + 1] - t_off[v]
+        q = 0
+        while same and q < la:
+            same = s_data[s_off[u] + q] == t_data[t_off[v] + q]
+            q += 1
+    exact[c] = same
+    c_send[c] = a1
+    c_tend[c] = b1
+    c_bend[c] = byte_end
+    return c + 1
+
+
+@njit(cache=True)
+def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lossless, tabs,
+                  has_tab, force_dp):  # fmt: skip
+    n_rows = s_splits.size - 1
+    cap = 0
+    max_n = 0
+    max_m = 0
+    for b in range(n_rows):
+        n = s_splits[b + 1] - s_splits[b]
+        m = t_splits[b + 1] - t_splits[b]
+        cap += min(n, m)
+        max_n = max(max_n, n)
+        max_m = max(max_m, m)
+    s_chunk = np.full(s_ids.size, -1, np.int32)
+    t_chunk = np.full(t_ids.size, -1, np.int32)
+    kind = np.empty(cap, np.int8)
+    exact = np.empty(cap, np.bool_)
+    c_send = np.empty(cap, np.int32)
+    c_tend = np.empty(cap, np.int32)
+    c_bend = np.empty(cap, np.int64)
+    dropped_row = np.zeros(1, np.int64)
+    out = (s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend, dropped_row)
+    dropped = np.zeros(n_rows, np.int32)
+    chunk_splits = np.zeros(n_rows + 1, np.int64)
+    fallback = np.zeros(n_rows, np.int32)
+    err = np.zeros(n_rows, np.int8)
+    tb_s = np.empty(max_n + 1, np.int64)
+    tb_t = np.empty(max_m + 1, np.int64)
+    bad_s = np.empty(max_n + 1, np.bool_)
+    bad_t = np.empty(max_m + 1, np.bool_)
+    reg = np.empty((min(max_n, max_m) + 1, 3), np.int64)
+    loc_s = np.empty(max_n, np.int32)
+    loc_t = np.empty(max_m, np.int32)
+    s_off, s_data, _, t_off, t_data, _ = tabs
+    c = 0
+    for b in range(n_rows):
+        s_lo = s_splits[b]
+        t_lo = t_splits[b]
+        n = s_splits[b + 1] - s_lo
+        m = t_splits[b + 1] - t_lo
+        c_row = c
+        dropped_row[0] = 0
+        _trust(s_ids, s_bo, s_lo, n, s_lossless[b], s_off, tabs[2], has_tab[0], tb_s, bad_s)
+        _trust(t_ids, t_bo, t_lo, m, t_lossless[b], t_off, tabs[5], has_tab[1], tb_t, bad_t)
+        n_reg = 0 if force_dp else _walk(tb_s, n, tb_t, m, reg)
+        done_s = reg[n_reg - 1, 0] if n_reg else 0
+        done_t = reg[n_reg - 1, 1] if n_reg else 0
+        dirty_last = done_s < n or done_t < m
+        if dirty_last:
+            # the sides do not reach one common end: the rest is a DP region of its own, or joins
+            # the last region when one side has nothing left
+            if n_reg == 0 or (done_s < n and done_t < m):
+                n_reg += 1
+            reg[n_reg - 1, 0] = n
+            reg[n_reg - 1, 1] = m
+            reg[n_reg - 1, 2] = tb_s[n] if tb_s[n] == tb_t[m] else -1
+        a0 = 0
+        b0 = 0
+        for r in range(n_reg):
+            a1 = reg[r, 0]
+            b1 = reg[r, 1]
+            dirty = dirty_last and r == n_reg - 1
+            for k in range(a0, a1):
+                dirty = dirty or bad_s[k]
+            for k in range(b0, b1):
+                dirty = dirty or bad_t[k]
+            if not dirty:
+                c = _emit(s_ids, t_ids, s_bo, t_bo, s_lo, t_lo, (a0, a1, b0, b1), reg[r, 2],
+                          False, tabs, has_tab, out, c, c_row)  # fmt: skip
+            elif not (has_tab[0] and has_tab[1]):
+                err[b] = _ERR_NO_TABLE
+                break
+            else:
+                fallback[b] += 1
+                n_loc = dp_region_chunks(s_ids[s_lo + a0 : s_lo + a1], t_ids[t_lo + b0 : t_lo + b1],
+                                         s_off, s_data, t_off, t_data, loc_s[: a1 - a0],
+                                         loc_t[: b1 - b0])  # fmt: skip
+                i = 0
+                j = 0
+                for q in range(n_loc):
+                    i1 = i
+                    while i1 < a1 - a0 and loc_s[i1] == q:
+                        i1 += 1
+                    j1 = j
+                    while j1 < b1 - b0 and loc_t[j1] == q:
+                        j1 += 1
+                    c = _emit(s_ids, t_ids, s_bo, t_bo, s_lo, t_lo,
+                              (a0 + i, a0 + i1, b0 + j, b0 + j1),
+                              reg[r, 2] if q == n_loc - 1 else -1, True, tabs, has_tab, out, c,
+                              c_row)  # fmt: skip
+                    i = i1
+                    j = j1
+            a0 = a1
+            b0 = b1
+        if err[b]:  # leave nothing half-written for a failed row
+            s_chunk[s_lo : s_lo + n] = -1
+            t_chunk[t_lo : t_lo + m] = -1
+            c = c_row
+        dropped[b] = dropped_row[0]
+        chunk_splits[b + 1] = c
+    return (s_chunk, t_chunk, chunk_splits, kind[:c], exact[:c], c_send[:c], c_tend[:c],
+            c_bend[:c], fallback, dropped, err)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- Python API
+
+_EMPTY_TAB = VocabBytes(np.zeros(1, np.int64), np.zeros(0, np.uint8), np.zeros(0, np.bool_))
+
+
+def _table(source, ids: np.ndarray, side: str) -> VocabBytes | None:
+    if source is None:
+        return None
+    tab = vocab_bytes(source)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tab.size):
+        bad = int(ids.max()) if int(ids.max()) >= tab.size else int(ids.min())
+        raise AlignmentError(f"{side} token id {bad} is outside its byte table (size {tab.size})")
+    return tab
+
+
+def align_flat(
+    student_ids: np.ndarray,
+    student_byte_offsets: np.ndarray,
+    student_splits: np.ndarray,
+    teacher_ids: np.ndarray,
+    teacher_byte_offsets: np.ndarray,
+    teacher_splits: np.ndarray,
+    *,
+    student_lossless: np.ndarray | None = None,
+    teacher_lossless: np.ndarray | None = None,
+    student_bytes: Tokenizer | VocabBytes | list | None = None,
+    teacher_bytes: Tokenizer | VocabBytes | list | None = None,
+    force_fallback: bool = False,
+) -> BatchAlignment:
+    """Align a batch given flat arrays: ids [N], byte offsets [N, 2], row splits [B + 1].
+
+    student_bytes / teacher_bytes: the token byte tables (a Tokenizer, a VocabBytes or a
+    `token_bytes()` list). Without them specials are not recognised and rows that need the DP
+    fallback are reported in `row_error`. force_fallback: DP for every row (offsets ignored).
+    """
+    s_ids = np.ascontiguousarray(student_ids, np.int64)
+    t_ids = np.ascontiguousarray(teacher_ids, np.int64)
+    s_splits = np.ascontiguousarray(student_splits, np.int64)
+    t_splits = np.ascontiguousarray(teacher_splits, np.int64)
+    if s_splits.size != t_splits.size:
+        raise AlignmentError(
+            f"student batch has {s_splits.size - 1} rows, teacher batch {t_splits.size - 1}"
+        )
+    n_rows = s_splits.size - 1
+    s_lossless = np.ones(n_rows, np.bool_) if student_lossless is None else student_lossless
+    t_lossless = np.ones(n_rows, np.bool_) if teacher_lossless is None else teacher_lossless
+    s_tab = _table(student_bytes, s_ids, "student")
+    t_tab = _table(teacher_bytes, t_ids, "teacher")
+    if force_fallback and (s_tab is None or t_tab is None):
+        raise AlignmentError("force_fallback needs student_bytes and teacher_bytes")
+    st = s_tab or _EMPTY_TAB
+    tt = t_tab or _EMPTY_TAB
+    tabs = (st.offsets, st.data, st.special, tt.offsets, tt.data, tt.special)
+    res = _align_kernel(
+        s_ids,
+        np.ascontiguousarray(student_byte_offsets, np.int64).reshape(-1, 2),
+        s_splits,
+        np.ascontiguousarray(s_lossless, np.bool_),
+        t_ids,
+        np.ascontiguousarray(teacher_byte_offsets, np.int64).reshape(-1, 2),
+        t_splits,
+        np.ascontiguousarray(t_lossless, np.bool_),
+        tabs,
+        (s_tab is not None, t_tab is not None),
+        force_fallback,
+    )
+    s_chunk, t_chunk, c_splits, kind, exact, c_send, c_tend, c_bend, fallback, dropped, err = res
+    return BatchAlignment(s_chunk, t_chunk, s_splits, t_splits, c_splits, kind, exact, c_send,
+                          c_tend, c_bend, fallback, dropped, err)  # fmt: skip
+
+
+def align_batch_flat(
+    student: BatchEncoding,
+    teacher: BatchEncoding,
+    *,
+    student_bytes=None,
+    teacher_bytes=None,
+    force_fallback: bool = False,
+) -> BatchAlignment:
+    """Align two BatchEncodings of the same texts in one kernel call; errors stay per row."""
+    return align_flat(
+        student.ids,
+        student.byte_offsets,
+        student.row_splits,
+        teacher.ids,
+        teacher.byte_offsets,
+        teacher.row_splits,
+        student_lossless=student.lossless,
+        teacher_lossless=teacher.lossless,
+        student_bytes=student_bytes,
+        teacher_bytes=teacher_bytes,
+        force_fallback=force_fallback,
+    )
+
+
+def align_batch(
+    student: BatchEncoding,
+    teacher: BatchEncoding,
+    *,
+    student_bytes=None,
+    teacher_bytes=None,
+    force_fallback: bool = False,
+) -> list[Alignment]:
+    """Per-row Alignments of a batch; raises AlignmentError naming the first row that failed."""
+    return align_batch_flat(
+        student,
+        teacher,
+        student_bytes=student_bytes,
+        teacher_bytes=teacher_bytes,
+        force_fallback=force_fallback,
+    ).rows()
+
+
+def align(
+    student: Encoding,
+    teacher: Encoding,
+    *,
+    student_bytes=None,
+    teacher_bytes=None,
+    force_fallback: bool = False,
+) -> Alignment:
+    """Align one text's student and teacher Encodings (see the module docstring)."""
+    res = align_flat(
+        student.ids,
+        student.byte_offsets,
+        np.array([0, len(student.ids)]),
+        teacher.ids,
+        teacher.byte_offsets,
+        np.array([0, len(teacher.ids)]),
+        student_lossless=np.array([student.lossless]),
+        teacher_lossless=np.array([teacher.lossless]),
+        student_bytes=student_bytes,
+        teacher_bytes=teacher_bytes,
+        force_fallback=force_fallback,
+    )
+    return res.row(0)
