@@ -1,0 +1,355 @@
+"""The trainer's configuration: one structured dataclass per section, validated on construction.
+
+Hydra composes ``conf/train.yaml`` and its groups (model/, teachers/, loss/, data/, parallel/,
+experiment/); the result is merged onto `TrainConfig` (so unknown keys and wrong types fail at
+once) and turned into these dataclasses, whose ``__post_init__`` checks every value and says
+which field is wrong and what it expected. Everything here is pure: nothing touches the file
+system or loads a model, so a bad config fails in milliseconds (file and fingerprint checks
+follow in `trainer.preflight`, still before any model loads).
+
+Paths may use two resolvers: ``${artifacts:models/x}`` points under `pipelines.paths`'s
+artifacts folder (``TOKENBRIDGE_ARTIFACTS`` aware), ``${repo:outputs/x}`` under the repository
+root (where `make projection` / `make align` write by default).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from pipelines import paths
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _fail(where: str, msg: str) -> None:
+    raise ConfigError(f"config {where}: {msg}")
+
+
+def _check_choice(where: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(where, f"expected one of {list(choices)}, got {value!r}")
+
+
+def _check_positive(where: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        _fail(
+            where, f"expected a {'non-negative' if allow_zero else 'positive'} number, got {value}"
+        )
+
+
+MODEL_INITS = ("pretrained", "random")
+LOSS_MODES = ("ce", "kd_topk", "xtoken", "gold", "alm")
+COMBINE_MODES = ("fixed", "dynamic")
+DTYPES = ("float32", "bfloat16", "float16")
+TEACHER_PLACEMENTS = ("worker", "inprocess")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    """A causal LM from a local HF directory (config.json + tokenizer, + weights if pretrained)."""
+
+    path: str = MISSING
+    # "pretrained": load the weights; "random": build from the dir's config.json with
+    # `overrides` applied (tiny test models that keep the real tokenizer) and seed `seed`.
+    init: str = "pretrained"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    name: str = ""  # short name for logs; default: the directory name
+
+    def __post_init__(self) -> None:
+        self._validate("model")
+
+    def _validate(self, where: str) -> None:
+        if not self.path or self.path == MISSING:
+            _fail(f"{where}.path", "a model directory is required")
+        _check_choice(f"{where}.init", self.init, MODEL_INITS)
+        if self.overrides and self.init != "random":
+            _fail(f"{where}.overrides", "config overrides only apply to init=random models")
+        if not self.name:
+            self.name = Path(self.path).name
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    """One teacher: its model, the projection to the student vocab, its weight and TP size."""
+
+    # sparse vocabulary projection (pipelines.projection .safetensors); required by the
+    # cross-tokenizer losses (xtoken, gold), unused when teacher and student share a tokenizer
+    projection: str | None = None
+    weight: float = 1.0
+    tp: int = 1
+    loss: str | None = None  # per-teacher loss mode; default: loss.mode
+    dtype: str = "float32"  # the frozen teacher's weights and compute (no master copy needed)
+
+    def __post_init__(self) -> None:
+        self._validate("teachers[?]")
+
+    def check(self, i: int) -> None:
+        where = f"teachers[{i}]"
+        self._validate(where)
+        _check_positive(f"{where}.weight", self.weight, allow_zero=True)
+        if self.tp < 1:
+            _fail(f"{where}.tp", f"expected >= 1, got {self.tp}")
+        if self.loss is not None:
+            _check_choice(f"{where}.loss", self.loss, LOSS_MODES[1:])
+        _check_choice(f"{where}.dtype", self.dtype, DTYPES)
+
+
+@dataclass
+class DataConfig:
+    """Aligned shards (made by `make align`) and how they are cut into microbatches."""
+
+    shards: str = MISSING
+    micro_batch_size: int = 2  # rows per microbatch per data-parallel rank
+    grad_accum: int = 1  # microbatches per optimizer step per rank
+    max_student_tokens: int = 512  # a longer row is an error (re-align with shorter windows)
+    pad_to_multiple: int = 8  # pad each microbatch's length up to a multiple of this
+    shuffle_buffer: int = 256  # rows held for the bounded shuffle (0 = file order)
+    seed: int = 0
+    eval_fraction: float = 0.05  # share of documents held out (by doc id hash) for eval BPB
+
+    def __post_init__(self) -> None:
+        if not self.shards or self.shards == MISSING:
+            _fail("data.shards", "a shard directory (from `make align`) is required")
+        for name in ("micro_batch_size", "grad_accum", "max_student_tokens", "pad_to_multiple"):
+            if getattr(self, name) < 1:
+                _fail(f"data.{name}", f"expected >= 1, got {getattr(self, name)}")
+        if self.shuffle_buffer < 0:
+            _fail("data.shuffle_buffer", f"expected >= 0, got {self.shuffle_buffer}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            _fail("data.eval_fraction", f"expected in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class LossConfig:
+    """Which distillation loss, and how it is combined with the student's own CE."""
+
+    mode: str = "ce"  # ce | kd_topk (same tokenizer) | xtoken | gold | alm
+    ce_weight: float = 1.0  # lambda_ce
+    kd_weight: float = 1.0  # lambda_kd
+    # fixed: lambda_kd * KD + lambda_ce * CE; dynamic: stopgrad(|CE|/|KD|) * KD + CE
+    combine: str = "fixed"
+    temperature: float = 1.0
+    # further keyword options handed to the loss function as they are (top_k, divergence,
+    # beta, ...): the loss module documents and checks them
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("loss.mode", self.mode, LOSS_MODES)
+        _check_choice("loss.combine", self.combine, COMBINE_MODES)
+        _check_positive("loss.ce_weight", self.ce_weight, allow_zero=True)
+        _check_positive("loss.kd_weight", self.kd_weight, allow_zero=True)
+        _check_positive("loss.temperature", self.temperature)
+        if self.mode == "ce" and self.ce_weight == 0:
+            _fail("loss.ce_weight", "mode=ce with ce_weight=0 trains nothing")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio * lr; global-norm clipping."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 = no clipping (the norm is still logged)
+
+    def __post_init__(self) -> None:
+        _check_positive("optim.lr", self.lr)
+        _check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _check_positive("optim.eps", self.eps)
+        _check_positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _fail("optim.betas", f"expected two numbers in [0, 1), got {list(self.betas)}")
+        if self.warmup_steps < 0:
+            _fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("optim.min_lr_ratio", f"expected in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class ParallelConfig:
+    """The device mesh (dp_shard x tp) of the student, mixed precision, and teacher placement."""
+
+    dp_shard: int = -1  # -1: world_size / tp
+    tp: int = 1
+    cp: int = 1  # context parallel: loss-level only for now; model-level CP needs CUDA
+    param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy
+    reduce_dtype: str = "float32"
+    reshard_after_forward: bool = True
+    # "worker": each rank's teacher runs in its own process and hands its outputs over the
+    # shared-memory (CPU) / CUDA IPC (GPU) channel; "inprocess": same process (debugging)
+    teacher_placement: str = "worker"
+    channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
+    teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
+    threads: int = 0  # torch intra-op threads per process; 0 = leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            _fail("parallel.dp_shard", f"expected -1 (auto) or >= 1, got {self.dp_shard}")
+        if self.tp < 1:
+            _fail("parallel.tp", f"expected >= 1, got {self.tp}")
+        if self.cp != 1:
+            _fail("parallel.cp", f"only cp=1 is supported by the trainer so far, got {self.cp}")
+        _check_choice("parallel.param_dtype", self.param_dtype, DTYPES)
+        _check_choice("parallel.reduce_dtype", self.reduce_dtype, DTYPES)
+        _check_choice("parallel.teacher_placement", self.teacher_placement, TEACHER_PLACEMENTS)
+        if self.channel_slots < 1:
+            _fail("parallel.channel_slots", f"expected >= 1, got {self.channel_slots}")
+        _check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
+        if self.threads < 0:
+            _fail("parallel.threads", f"expected >= 0, got {self.threads}")
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(dp_shard, tp) for `world_size` processes, or ConfigError when they do not multiply."""
+        dp = world_size // self.tp if self.dp_shard == -1 else self.dp_shard
+        if dp * self.tp != world_size:
+            _fail(
+                "parallel",
+                f"dp_shard={self.dp_shard} x tp={self.tp} must equal the world size "
+                f"{world_size} (torchrun --nproc_per_node)",
+            )
+        return dp, self.tp
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints (model, optimizer, scheduler, data position, RNG) and the HF export."""
+
+    interval: int = 0  # save every N steps (0 = only at the end)
+    keep: int = 2  # keep the newest N checkpoints
+    resume: str = "auto"  # auto (newest in the run dir, if any) | none | <checkpoint path>
+    save_at_end: bool = True
+    export_at_end: bool = True  # student as a plain HF dir (safetensors + tokenizer)
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            _fail("checkpoint.interval", f"expected >= 0, got {self.interval}")
+        if self.keep < 1:
+            _fail("checkpoint.keep", f"expected >= 1, got {self.keep}")
+        if not self.resume:
+            _fail("checkpoint.resume", "expected auto, none or a checkpoint path")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out bits per byte of the student (before, every N steps, after) and of the teacher."""
+
+    interval: int = 0  # every N steps (0 = only before and after training)
+    max_texts: int = 32  # held-out windows evaluated (the first ones, a fixed set)
+    batch_size: int = 4
+    teacher: bool = True  # the teachers' BPB once, for reference
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            _fail("eval.interval", f"expected >= 0, got {self.interval}")
+        if self.max_texts < 0:
+            _fail("eval.max_texts", f"expected >= 0, got {self.max_texts}")
+        if self.batch_size < 1:
+            _fail("eval.batch_size", f"expected >= 1, got {self.batch_size}")
+
+
+@dataclass
+class LoggingConfig:
+    """Per-step metrics: JSONL and TensorBoard under the run dir, tqdm progress on rank 0."""
+
+    interval: int = 1  # write metrics every N steps
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            _fail("logging.interval", f"expected >= 1, got {self.interval}")
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. `steps` sets the LR schedule; `stop_after` ends a run early (as if it
+    were interrupted) without changing the schedule, so a resumed run continues it exactly."""
+
+    name: str = "run"
+    run_dir: str = ""  # default: runs/<name>
+    seed: int = 0
+    steps: int = 100
+    stop_after: int | None = None
+    device: str = "auto"  # auto: cuda when available, else cpu (gloo)
+    model: ModelConfig = MISSING
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    data: DataConfig = MISSING
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            _fail("model", "a model section (path, init, ...) is required")
+        if not isinstance(self.data, DataConfig):
+            _fail("data", "a data section (shards, ...) is required")
+        if self.steps < 1:
+            _fail("steps", f"expected >= 1, got {self.steps}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            _fail("stop_after", f"expected in [1, steps={self.steps}], got {self.stop_after}")
+        _check_choice("device", self.device, DEVICES)
+        if not self.run_dir:
+            self.run_dir = str(Path("runs") / self.name)
+        for i, t in enumerate(self.teachers):
+            t.check(i)
+        if self.loss.mode != "ce" and not self.teachers:
+            _fail("teachers", f"loss.mode={self.loss.mode} needs at least one teacher")
+        if self.optim.warmup_steps > self.steps:
+            _fail("optim.warmup_steps", f"{self.optim.warmup_steps} > steps={self.steps}")
+
+    def teacher_modes(self) -> list[str]:
+        """The loss mode of each teacher (its own, else loss.mode)."""
+        return [t.loss or self.loss.mode for t in self.teachers]
+
+    @property
+    def kd_enabled(self) -> bool:
+        return self.loss.mode != "ce" and self.loss.kd_weight > 0 and bool(self.teachers)
+
+
+def _artifacts_resolver(sub: str = "") -> str:
+    return str(paths.artifacts_dir() / sub)
+
+
+def _repo_resolver(sub: str = "") -> str:
+    return str(paths.REPO_ROOT / sub)
+
+
+if not OmegaConf.has_resolver("artifacts"):
+    OmegaConf.register_new_resolver("artifacts", _artifacts_resolver)
+if not OmegaConf.has_resolver("repo"):
+    OmegaConf.register_new_resolver("repo", _repo_resolver)
+
+
+def from_dictconfig(cfg: DictConfig | dict) -> TrainConfig:
+    """Hydra's composed config -> a validated `TrainConfig` (ConfigError names the bad field)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+        obj = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as e:  # omegaconf's own errors: unknown key, wrong type, missing value
+        cause = e
+        while cause.__cause__ is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"config: {e}".strip()) from None
+    assert isinstance(obj, TrainConfig)
+    return obj

@@ -1,0 +1,331 @@
+"""Shard streaming: aligned Arrow shards -> padded microbatches, per data-parallel rank.
+
+The shards (`pipelines.shards`) are memory-mapped, never loaded whole. Every row has a global
+index (files in order, rows in order). A row is held out for evaluation when a hash of its
+(doc id, window) falls under ``eval_fraction``; of the rest, data-parallel rank r reads the
+rows whose index is r modulo the dp size, in order, through a bounded shuffle buffer drawn with
+a seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
+microbatches, which the collectives of FSDP need).
+
+The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
+small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
+the uninterrupted run would have read.
+
+Legend: B rows in the microbatch, T student positions, U teacher positions.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import zlib
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from pipelines import schema as S
+from trainer.losses.segments import AlignedBatch
+
+IGNORE = -1  # target id of positions that are not trained on (as trainer.losses expects)
+
+
+@dataclass
+class Microbatch:
+    """One padded microbatch: the student's tokens and, per teacher, its aligned batch (whose
+    student side is these same tensors). Chunk columns are -1 on padding, as on specials."""
+
+    input_ids_BT: torch.Tensor  # int64, student ids, pad id after each row's end
+    attention_mask_BT: torch.Tensor  # int64, 1 on real tokens
+    targets_BT: torch.Tensor  # int64, the token each position predicts, IGNORE where none
+    aligned: list[AlignedBatch] = field(default_factory=list)  # per teacher
+    texts: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # global row indices (provenance)
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.targets_BT != IGNORE).sum())
+
+    def teacher_inputs(self, i: int) -> dict[str, torch.Tensor]:
+        """What teacher i's forward reads: its ids and attention mask [B, U]."""
+        a = self.aligned[i]
+        pos_U = torch.arange(a.teacher_ids.shape[1], device=a.teacher_ids.device)
+        mask_BU = (pos_U[None, :] < a.teacher_len[:, None]).long()
+        return {"input_ids": a.teacher_ids, "attention_mask": mask_BU}
+
+    def to(self, device: torch.device) -> Microbatch:
+        def mv(a: AlignedBatch) -> AlignedBatch:
+            return AlignedBatch(**{f.name: getattr(a, f.name).to(device) for f in fields(a)})
+
+        return Microbatch(
+            self.input_ids_BT.to(device),
+            self.attention_mask_BT.to(device),
+            self.targets_BT.to(device),
+            [mv(a) for a in self.aligned],
+            self.texts,
+            self.rows,
+        )
+
+
+def is_held_out(doc_id: str, window: int, fraction: float) -> bool:
+    """Deterministic eval split by (doc id, window): stable across runs, ranks and machines."""
+    if fraction <= 0:
+        return False
+    h = zlib.crc32(f"{doc_id}\x00{window}".encode())
+    return h < fraction * 2**32
+
+
+def _pad_rows(rows: list[np.ndarray], length: int, pad: int) -> torch.Tensor:
+    out = np.full((len(rows), length), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class ShardReader:
+    """Random access to the rows of a `pipelines.shards.ShardSet`, memory-mapped."""
+
+    def __init__(self, shard_set, *, max_student_tokens: int):
+        self.shard_set = shard_set
+        self.num_teachers = len(shard_set.meta.teachers)
+        self.max_student_tokens = max_student_tokens
+        self.tables: list[pa.Table] = []
+        for path in shard_set.files:
+            src = pa.memory_map(str(path), "r")
+            self.tables.append(pa.ipc.open_file(src).read_all())  # zero-copy over the map
+        self.starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
+        self.num_rows = int(self.starts[-1])
+
+    def max_lengths(self) -> tuple[int, list[int]]:
+        """(longest student row, longest row of each teacher), without reading the rows."""
+
+        def longest(col: str) -> int:
+            m = [pc.max(pc.list_value_length(t.column(col))).as_py() for t in self.tables]
+            return max([x for x in m if x is not None], default=0)
+
+        student = longest("student_ids")
+        if student > self.max_student_tokens:
+            raise ValueError(
+                f"{self.shard_set.dir}: rows of up to {student} student tokens > "
+                f"data.max_student_tokens={self.max_student_tokens}; re-run the align job with "
+                "shorter windows (--max-student-tokens) or raise the limit"
+            )
+        return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        f = int(np.searchsorted(self.starts, row, side="right") - 1)
+        return f, row - int(self.starts[f])
+
+    def where(self, row: int) -> str:
+        f, i = self.locate(row)
+        return f"{self.shard_set.files[f]} row {i}"
+
+    def split(self, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+        """(train rows, held-out rows) as sorted global indices."""
+        held = np.zeros(self.num_rows, dtype=bool)
+        for f, t in enumerate(self.tables):
+            docs = t.column("doc_id").to_pylist()
+            wins = t.column("window").to_pylist()
+            s = int(self.starts[f])
+            for i, (d, w) in enumerate(zip(docs, wins)):
+                held[s + i] = is_held_out(d, w, eval_fraction)
+        idx = np.arange(self.num_rows, dtype=np.int64)
+        return idx[~held], idx[held]
+
+    def _list(self, t: pa.Table, col: str, i: int) -> np.ndarray:
+        return t.column(col)[i].values.to_numpy(zero_copy_only=False)
+
+    def row(self, row: int) -> dict:
+        f, i = self.locate(row)
+        t = self.tables[f]
+        ids = self._list(t, "student_ids", i)
+        if len(ids) > self.max_student_tokens:
+            raise ValueError(
+                f"{self.where(row)}: {len(ids)} student tokens > data.max_student_tokens="
+                f"{self.max_student_tokens}; re-run the align job with shorter windows or raise "
+                "the limit"
+            )
+        out = {"student_ids": ids, "text": t.column("text")[i].as_py(), "teachers": []}
+        for k in range(self.num_teachers):
+            out["teachers"].append(
+                {
+                    "ids": self._list(t, S.teacher_ids_column(k), i),
+                    "chunk": self._list(t, S.teacher_chunk_column(k), i),
+                    "student_chunk": self._list(t, S.teacher_student_chunk_column(k), i),
+                    "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
+                }
+            )
+        return out
+
+    def text(self, row: int) -> str:
+        f, i = self.locate(row)
+        return self.tables[f].column("text")[i].as_py()
+
+
+def collate(
+    rows: list[dict],
+    *,
+    student_pad: int,
+    teacher_pads: list[int],
+    pad_to_multiple: int = 8,
+    row_ids: list[int] | None = None,
+) -> Microbatch:
+    """Pad rows (from `ShardReader.row`) into one microbatch; each teacher's tensors are padded
+    to its own length U, chunk columns with -1."""
+    lens = [len(r["student_ids"]) for r in rows]
+    T = _round_up(max(lens), pad_to_multiple)
+    ids = _pad_rows([r["student_ids"] for r in rows], T, student_pad)
+    len_B = torch.tensor(lens, dtype=torch.int64)
+    pos_T = torch.arange(T)
+    mask = (pos_T[None, :] < len_B[:, None]).long()
+    # position t predicts token t + 1 of its row; none past the row's last token
+    targets = torch.full_like(ids, IGNORE)
+    targets[:, :-1] = ids[:, 1:]
+    targets[pos_T[None, :] + 1 >= len_B[:, None]] = IGNORE
+    mb = Microbatch(ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [])
+    for k, pad in enumerate(teacher_pads):
+        tr = [r["teachers"][k] for r in rows]
+        for x, n in zip(tr, lens):
+            if len(x["student_chunk"]) != n or len(x["chunk"]) != len(x["ids"]):
+                raise ValueError(f"teacher {k}: a chunk column's length differs from its ids")
+        tlens = [len(x["ids"]) for x in tr]
+        U = _round_up(max(tlens), pad_to_multiple)
+        mb.aligned.append(
+            AlignedBatch(
+                student_ids=ids,
+                student_len=len_B,
+                student_chunk=_pad_rows([x["student_chunk"] for x in tr], T, -1),
+                teacher_ids=_pad_rows([x["ids"] for x in tr], U, pad),
+                teacher_len=torch.tensor(tlens, dtype=torch.int64),
+                teacher_chunk=_pad_rows([x["chunk"] for x in tr], U, -1),
+                n_chunks=torch.tensor([x["n_chunks"] for x in tr], dtype=torch.int64),
+            )
+        )
+    return mb
+
+
+class ShardStream:
+    """The endless, shuffled, resumable row stream of one data-parallel rank."""
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle_buffer: int,
+        eval_fraction: float,
+    ):
+        self.reader = reader
+        train, self.eval_rows = reader.split(eval_fraction)
+        self.rows = train[dp_rank::dp_size]
+        if len(self.rows) == 0:
+            raise ValueError(
+                f"{reader.shard_set.dir}: {len(train)} training rows (after holding out "
+                f"{len(self.eval_rows)} for eval) cannot feed {dp_size} data-parallel ranks"
+            )
+        self.layout = {"dp_rank": dp_rank, "dp_size": dp_size, "seed": seed, "rows": len(train)}
+        self.buffer_size = shuffle_buffer
+        self.epoch = 0
+        self.cursor = 0
+        self.buffer: list[int] = []
+        # one RNG per (seed, rank): ranks shuffle independently, runs repeat exactly
+        self.rng = random.Random(f"{seed}/{dp_rank}")
+
+    def _advance(self) -> int:
+        r = int(self.rows[self.cursor])
+        self.cursor += 1
+        if self.cursor == len(self.rows):
+            self.cursor, self.epoch = 0, self.epoch + 1
+        return r
+
+    def next_row(self) -> int:
+        if self.buffer_size == 0:
+            return self._advance()
+        while len(self.buffer) < self.buffer_size:
+            self.buffer.append(self._advance())
+        j = self.rng.randrange(len(self.buffer))
+        self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
+        return self.buffer.pop()
+
+    def state_dict(self) -> dict:
+        return {
+            "layout": dict(self.layout),
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "buffer": list(self.buffer),
+            "rng": self.rng.getstate(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["layout"] != self.layout:
+            raise ValueError(
+                f"data position saved for {state['layout']} cannot resume {self.layout} "
+                "(other shards, seed or data-parallel size)"
+            )
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.buffer = [int(x) for x in state["buffer"]]
+        self.rng.setstate(state["rng"])
+
+
+class MicrobatchLoader:
+    """Microbatches of `micro_batch_size` rows from a `ShardStream` (stateful, checkpointable)."""
+
+    def __init__(
+        self,
+        stream: ShardStream,
+        *,
+        micro_batch_size: int,
+        student_pad: int,
+        teacher_pads: list[int],
+        pad_to_multiple: int,
+    ):
+        self.stream = stream
+        self.micro_batch_size = micro_batch_size
+        self.student_pad = student_pad
+        self.teacher_pads = teacher_pads
+        self.pad_to_multiple = pad_to_multiple
+
+    def __iter__(self) -> MicrobatchLoader:
+        return self
+
+    def __next__(self) -> Microbatch:
+        ids = [self.stream.next_row() for _ in range(self.micro_batch_size)]
+        rows = [self.stream.reader.row(i) for i in ids]
+        return collate(
+            rows,
+            student_pad=self.student_pad,
+            teacher_pads=self.teacher_pads,
+            pad_to_multiple=self.pad_to_multiple,
+            row_ids=ids,
+        )
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    def eval_texts(self, limit: int) -> list[str]:
+        """The first `limit` held-out window texts (the same on every rank)."""
+        return [self.stream.reader.text(int(i)) for i in self.stream.eval_rows[:limit]]
+
+    def state_dict(self) -> dict:
+        # one opaque blob: DCP stores bytes as they are, and the position is tiny
+        return {"position": pickle.dumps(self.stream.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(pickle.loads(state["position"]))
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding positions carry (masked everywhere; only needs to be a valid row)."""
+    for v in (tokenizer.pad_id, tokenizer.eos_id, 0):
+        if v is not None:
+            return int(v)
+    return 0

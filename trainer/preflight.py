@@ -1,0 +1,127 @@
+"""Checks that run before any model loads: files, tokenizers, fingerprints, layouts.
+
+A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
+with another tokenizer, a TP size that does not split the heads, a same-tokenizer loss on a
+pair with different tokenizers) fails here, in seconds, with a message that names the file and
+the field. Only tokenizers, shard metadata, projection tables and config.json files are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.projection import Projection, load_projection
+from pipelines.shards import ShardSet, open_shards
+from pipelines.tokenizer import Tokenizer, load_tokenizer
+from trainer import models, parallel
+from trainer.config import ConfigError, ModelConfig, TrainConfig
+
+# loss modes comparing the teacher's and the student's distributions over one vocabulary
+SAME_TOKENIZER_MODES = ("kd_topk",)
+# loss modes that read the teacher -> student projection
+PROJECTION_MODES = ("xtoken", "gold")
+
+
+@dataclass
+class Prepared:
+    """What the checks loaded, handed to the trainer so nothing is read twice."""
+
+    student_tok: Tokenizer
+    teacher_toks: list[Tokenizer]
+    shards: ShardSet
+    projections: list[Projection | None]  # per teacher; None where the loss needs none
+    student_rows: int  # lm_head width from config.json (the tokenizer may be smaller)
+    teacher_rows: list[int]
+
+
+def _model_dir(cfg: ModelConfig, where: str) -> Path:
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{where}.path={path}: no such model directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{where}.path={path}: no config.json (expected a HF model dir)")
+    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{where}.path={path}: no *.safetensors weights for init=pretrained"
+        )
+    return path
+
+
+def _tokenizer(cfg: ModelConfig, where: str) -> Tokenizer:
+    try:
+        return load_tokenizer(_model_dir(cfg, where))
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{where}: cannot load the tokenizer of {cfg.path}: {e}") from e
+
+
+def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
+    """Every check that needs no model weights. Raises ConfigError / FileNotFoundError /
+    pipelines' FingerprintMismatchError, ProjectionMismatchError, ... with a clear message."""
+    cfg.parallel.mesh_shape(world_size)
+    student = _tokenizer(cfg.model, "model")
+    teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
+
+    student_hf = models.model_config(cfg.model)
+    try:
+        parallel.check_tp(student_hf, cfg.parallel.tp, where="model")
+    except ValueError as e:
+        raise ConfigError(f"config parallel.tp: {e}") from None
+    student_rows = int(student_hf.vocab_size)
+    if student_rows < student.vocab_size:
+        raise ConfigError(
+            f"model {cfg.model.path}: lm_head has {student_rows} rows but the tokenizer emits "
+            f"ids up to {student.vocab_size - 1}"
+        )
+    teacher_rows = []
+    for i, t_cfg in enumerate(cfg.teachers):
+        hf = models.model_config(t_cfg)
+        if t_cfg.tp > 1 and world_size % t_cfg.tp:
+            raise ConfigError(
+                f"config teachers[{i}].tp={t_cfg.tp} does not divide world {world_size}"
+            )
+        try:
+            parallel.check_tp(hf, t_cfg.tp, where=f"teachers[{i}]")
+        except ValueError as e:
+            raise ConfigError(f"config teachers[{i}].tp: {e}") from None
+        teacher_rows.append(int(hf.vocab_size))
+
+    shards = (
+        open_shards(cfg.data.shards, student=student.info(), teachers=[t.info() for t in teachers])
+        if teachers
+        else _open_student_only(cfg.data.shards, student)
+    )
+
+    projections: list[Projection | None] = []
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
+        where = f"teachers[{i}]"
+        same = tok.fingerprint == student.fingerprint
+        if cfg.kd_enabled and mode in SAME_TOKENIZER_MODES and not same:
+            raise ConfigError(
+                f"config {where}: loss {mode} needs the student's tokenizer, but teacher "
+                f"{tok.name} has another vocabulary; use xtoken, gold or alm"
+            )
+        needs = cfg.kd_enabled and mode in PROJECTION_MODES
+        if needs and not t_cfg.projection:
+            raise ConfigError(
+                f"config {where}.projection: loss {mode} needs a projection file "
+                "(make projection TEACHER=... STUDENT=...)"
+            )
+        if t_cfg.projection and needs:
+            p = load_projection(t_cfg.projection, teacher=tok.info(), student=student.info())
+            rows_t, rows_s = int(p.meta["teacher_rows"]), int(p.meta["student_rows"])
+            if rows_t < teacher_rows[i] or rows_s < student_rows:
+                raise ConfigError(
+                    f"{t_cfg.projection}: {rows_t} teacher / {rows_s} student rows, the models' "
+                    f"lm_heads have {teacher_rows[i]} / {student_rows}; rebuild it with the "
+                    "model dirs (make projection TEACHER=<dir> STUDENT=<dir>)"
+                )
+            projections.append(p)
+        else:
+            projections.append(None)
+    return Prepared(student, teachers, shards, projections, student_rows, teacher_rows)
+
+
+def _open_student_only(dir: str, student: Tokenizer) -> ShardSet:
+    """CE-only runs without configured teachers still read aligned shards (student side)."""
+    return open_shards(dir, student=student.info())
