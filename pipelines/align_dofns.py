@@ -26,7 +26,7 @@ import pyarrow as pa
 from apache_beam.metrics import Metrics
 
 from pipelines import readers, shards
-from pipelines.alignment import Alignment, align_batch
+from pipelines.alignment import Alignment, AlignmentError, align_batch_flat, vocab_bytes
 from pipelines.tokenizer import Encoding, Tokenizer, load_tokenizer
 from pipelines.windows import WindowConfig, WindowError, cut_windows
 
@@ -38,6 +38,7 @@ STATS = "stats"  # tag of the per-batch statistics outputs
 UNCUTTABLE = "uncuttable_document"
 TOKENIZER_ERROR = "tokenizer_error"
 ALIGN_ERROR = "align_error"
+NO_TOKENS = "no_tokens"
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
@@ -78,21 +79,19 @@ def shard_of(doc_id: str, num_shards: int) -> int:
     return zlib.crc32(doc_id.encode("utf-8")) % num_shards
 
 
-def merge_stats(a: dict, b: dict) -> dict:
-    """Sum two statistics dicts: numbers add, dicts merge by key, lists add elementwise."""
-    out = dict(a)
-    for k, v in b.items():
-        if k not in out:
-            out[k] = v
-        elif isinstance(v, dict):
-            out[k] = merge_stats(out[k], v)
-        elif isinstance(v, list):
-            out[k] = [
-                merge_stats(x, y) if isinstance(x, dict) else x + y for x, y in zip(out[k], v)
-            ]
-        else:
-            out[k] = out[k] + v
-    return out
+def merge_stats(a, b):
+    """Sum two statistics values: numbers add, dicts merge by key, lists add elementwise
+    (recursively, so per-teacher lists of histograms add up)."""
+    if isinstance(a, dict):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = merge_stats(out[k], v) if k in out else v
+        return out
+    if isinstance(a, list):
+        if len(a) != len(b):
+            raise ValueError(f"cannot add statistics lists of lengths {len(a)} and {len(b)}")
+        return [merge_stats(x, y) for x, y in zip(a, b)]
+    return a + b
 
 
 @dataclass(frozen=True)
@@ -152,10 +151,10 @@ class TokenizeAlignDoFn(beam.DoFn):
     def setup(self):
         self.student = cached_tokenizer(self.student_path)
         self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
-        self.student_bytes = self.student.token_bytes()
-        self.teacher_bytes = [t.token_bytes() for t in self.teachers]
+        self.student_bytes = vocab_bytes(self.student)  # byte tables for the DP fallback
+        self.teacher_bytes = [vocab_bytes(t) for t in self.teachers]
 
-    def _aligned(self, docs: list[readers.Doc]) -> list[AlignedDoc]:
+    def _encode(self, docs: list[readers.Doc]):
         texts = [d.text for d in docs]
         try:
             with _Timer("tokenize"):
@@ -163,35 +162,38 @@ class TokenizeAlignDoFn(beam.DoFn):
                 ts = [t.encode_batch(texts) for t in self.teachers]
         except Exception as e:
             raise _StageError(TOKENIZER_ERROR, e) from e
-        try:
-            with _Timer("align"):
-                als = [
-                    align_batch(s, t, student_bytes=self.student_bytes, teacher_bytes=tb)
-                    for t, tb in zip(ts, self.teacher_bytes)
-                ]
-        except Exception as e:
-            raise _StageError(ALIGN_ERROR, e) from e
-        for i, al in enumerate(als):
-            count(f"align_fallback_documents.teacher{i}", sum(a.used_fallback for a in al))
-        return [
-            AlignedDoc(
-                d.doc_id, d.file, d.text, s.row(b), [(t.row(b), al[b]) for t, al in zip(ts, als)]
-            )
-            for b, d in enumerate(docs)
-        ]
+        return s, ts
 
     def process(self, docs: list[readers.Doc]):
         try:
-            aligned = self._aligned(docs)
+            encoded = [(docs, self._encode(docs))]
         except _StageError:
             # redo one document at a time so only the culprit is dropped
             count("batches_redone_per_document")
-            aligned = []
+            encoded = []
             for d in docs:
                 try:
-                    aligned += self._aligned([d])
+                    encoded.append(([d], self._encode([d])))
                 except _StageError as e:
                     yield dead(readers.dead_letter(d.file, e.reason, e.detail, doc_id=d.doc_id))
+        aligned = []
+        for part, (s, ts) in encoded:
+            with _Timer("align"):
+                flat = [
+                    align_batch_flat(s, t, student_bytes=self.student_bytes, teacher_bytes=tb)
+                    for t, tb in zip(ts, self.teacher_bytes)
+                ]
+            for b, d in enumerate(part):
+                try:
+                    als = [f.row(b) for f in flat]
+                except AlignmentError as e:
+                    yield dead(readers.dead_letter(d.file, ALIGN_ERROR, str(e), doc_id=d.doc_id))
+                    continue
+                for i, al in enumerate(als):
+                    if al.used_fallback:
+                        count(f"align_fallback_documents.teacher{i}")
+                teachers = [(t.row(b), al) for t, al in zip(ts, als)]
+                aligned.append(AlignedDoc(d.doc_id, d.file, d.text, s.row(b), teachers))
         count("documents_aligned", len(aligned))
         if aligned:
             yield aligned
@@ -255,6 +257,13 @@ class CutWindowsDoFn(beam.DoFn):
                     )
                 except WindowError as e:
                     yield dead(readers.dead_letter(a.file, UNCUTTABLE, str(e), doc_id=a.doc_id))
+                    continue
+                if not windows:
+                    yield dead(
+                        readers.dead_letter(
+                            a.file, NO_TOKENS, "no tokens on any side", doc_id=a.doc_id
+                        )
+                    )
                     continue
                 count("windows", len(windows))
                 stats = merge_stats(stats, doc_stats(a, windows))

