@@ -1,0 +1,280 @@
+"""Multi-process tests of the teacher worker behind the logit channel (CPU, spawn, gloo).
+
+A tiny random-init Llama with the real SmolLM2 tokenizer's vocabulary, fed with that tokenizer's
+ids of real text (a small vocabulary keeps 24 top-k steps cheap; the unit tests cover the
+262k-wide Gemma head): outputs through the worker equal in-process ones; slots are reused with no
+growth of shared memory or open files; a killed, hung or failing worker gives a clear error in
+bounded time; a student killed by SIGTERM / Ctrl-C or failing on a dead worker exits non-zero
+and leaves no process and no /dev/shm segment behind. Worker starts are the cost here (~3 s
+each on 2 cores), so each test starts its workers together.
+
+Run as a module (``python -m tests.dist.test_teacher_worker student DIR``) this file is the
+student process the signal tests launch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from pipelines.paths import REPO_ROOT
+from trainer.channel import (
+    SHM_PREFIX,
+    ChannelConfig,
+    ChannelError,
+    TeacherChannel,
+    TeacherTimeoutError,
+    TeacherWorkerError,
+)
+from trainer.teacher_compute import TopKRecipe
+from trainer.teacher_worker import HFTeacher, TeacherContext, TeacherGroup
+
+MAX_B, MAX_T, K = 3, 32, 8
+
+
+def save_tiny_teacher(out: Path, vocab_size: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, student_dir):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(student_dir).vocab_size
+    return save_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), vocab)
+
+
+@pytest.fixture(scope="module")
+def batches(student_dir, corpus_dir):
+    """Microbatches of real text through the real SmolLM2 tokenizer, varied B and T."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(student_dir / "tokenizer.json"))
+    text = sorted((corpus_dir / "shakespeare").glob("*.txt"))[0].read_text()[:20_000]
+    lines = [ln.strip() for ln in text.splitlines() if len(ln.strip()) > 20]
+    out = []
+    for i in range(24):
+        rows, length = 1 + i % MAX_B, 8 + (5 * i) % (MAX_T - 7)
+        ids = torch.zeros(rows, length, dtype=torch.int64)  # pad id 0, right padding
+        mask = torch.zeros(rows, length, dtype=torch.int64)
+        for r in range(rows):
+            enc = [1] + tok.encode(lines[(i * MAX_B + r) % len(lines)]).ids[: length - 1]
+            ids[r, : len(enc)] = torch.tensor(enc)
+            mask[r, : len(enc)] = 1
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Student and workers share 2 cores: one intra-op thread each (spinning OpenMP threads
+    of two processes on shared cores made steps ~8x slower here), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(**kw) -> ChannelConfig:
+    return ChannelConfig(**{"depth": 2, "timeout_s": 60, "worker_threads": 1, **kw})
+
+
+def program(model_dir: str) -> HFTeacher:
+    return HFTeacher(model_dir, TopKRecipe(k=K), max_batch=MAX_B, max_len=MAX_T)
+
+
+def our_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"{SHM_PREFIX}{os.getpid()}_")}
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def workers_left() -> list[psutil.Process]:
+    """Our child processes, except multiprocessing's resource tracker (lives as long as we do)."""
+    kids = psutil.Process().children()
+    return [k for k in kids if "resource_tracker" not in " ".join(k.cmdline())]
+
+
+def shm_maps(pid: int) -> int:
+    return sum(SHM_PREFIX in m.path for m in psutil.Process(pid).memory_maps(grouped=False))
+
+
+def test_round_trip_equals_inprocess_slots_reused_then_worker_killed(tiny_dir, batches):
+    ch = TeacherChannel(program(tiny_dir), config=config())
+    reference = program(tiny_dir)
+    reference.setup(TeacherContext(torch.device("cpu")))  # loads while the worker loads
+    try:
+        me = psutil.Process()
+        ptrs: dict[int, set[int]] = {0: set(), 1: set()}
+        ch.submit(batches[0])
+        for i, batch in enumerate(batches):
+            if i + 1 < len(batches):
+                ch.submit(batches[i + 1])  # the worker computes i+1 while we use i
+            with ch.receive() as r:
+                want = reference(batch)
+                for name, t in r.outputs.items():
+                    assert torch.equal(t, want[name]), (i, name)
+                ptrs[r.slot].add(r.outputs["topk_logprobs"].data_ptr())
+            if i == 2:
+                worker = psutil.Process(ch.worker_pid)
+                base = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), our_shm())
+        # 24 steps: one buffer per slot, the same segment, no new files or mappings.
+        assert all(len(p) == 1 for p in ptrs.values()) and ptrs[0] != ptrs[1]
+        now = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), our_shm())
+        assert now == base and base[3] == {ch.shm_name} and base[2] >= 1
+
+        # Kill the worker while it computes: a clear error, well inside the 60 s timeout.
+        ch.submit(batches[5])
+        os.kill(ch.worker_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TeacherWorkerError, match=r"pid \d+\) was killed by signal SIGKILL"):
+            ch.receive()
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(ChannelError, match="broken"):
+            ch.submit(batches[0])
+    finally:
+        pid, name = ch.worker_pid, ch.shm_name
+        ch.close()
+    assert gone(pid) and not workers_left() and not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_teacher_group_then_load_error_compute_error_and_hang(tiny_dir, batches):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fast = config(start_timeout_s=60, poll_s=0.02)
+    group = [TeacherGroup(f"tcp://127.0.0.1:{port}", world_size=2, rank=r) for r in range(2)]
+    failing = TeacherChannel(program(tiny_dir), config=fast, group=group[0])
+    hanging = TeacherChannel(program(tiny_dir), config=fast, group=group[1])
+    broken = TeacherChannel(program("/nonexistent/teacher-dir"), config=fast)
+    chans = [failing, hanging, broken]
+    pids, names = [c.worker_pid for c in chans], [c.shm_name for c in chans]
+    try:
+        # Two workers formed their own process group (an all_reduce ran in it), apart from us.
+        infos = [failing.wait_ready(), hanging.wait_ready()]
+        assert [(i["group_rank"], i["group_size"]) for i in infos] == [(0, 2), (1, 2)]
+        assert [i["group_handshake"] for i in infos] == [2.0, 2.0]
+        assert not torch.distributed.is_initialized()
+        for r, c in enumerate((failing, hanging)):
+            c.submit(batches[r])
+            with c.receive() as got:
+                assert got.outputs["topk_ids"].shape == (*batches[r]["input_ids"].shape, K)
+
+        # The teacher cannot load: the worker's own traceback comes back.
+        with pytest.raises(TeacherWorkerError) as e:
+            broken.wait_ready()
+        msg = str(e.value)
+        assert "failed while loading the teacher" in msg and "Traceback" in msg
+        assert "/nonexistent/teacher-dir" in msg
+
+        # An error inside the forward (an id outside the embedding) -> its traceback.
+        bad = {k: v.clone() for k, v in batches[0].items()}
+        bad["input_ids"][0, 1] = 10**7
+        failing.submit(bad)
+        with pytest.raises(
+            TeacherWorkerError, match=r"(?s)computing microbatch 1.*Traceback.*index"
+        ):
+            failing.receive()
+
+        # A hung worker (stopped): a timeout error after `timeout`, and the worker is killed.
+        os.kill(hanging.worker_pid, signal.SIGSTOP)
+        hanging.submit(batches[1])
+        t0 = time.monotonic()
+        with pytest.raises(TeacherTimeoutError, match=r"no answer in 1.0 s while computing"):
+            hanging.receive(timeout=1.0)
+        assert 1.0 <= time.monotonic() - t0 < 4
+        assert gone(pids[1])  # killed by the channel, before close()
+    finally:
+        for c in chans:
+            c.close()
+    assert all(gone(p) for p in pids) and not workers_left()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+def _launch(model_dir: str) -> tuple[subprocess.Popen, int, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.dist.test_teacher_worker", "student", model_dir],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal job would be
+    )
+    return proc
+
+
+def test_student_exits_cleanly_on_dead_worker_sigterm_and_ctrl_c(tiny_dir):
+    procs = {case: _launch(tiny_dir) for case in ("kill_worker", "sigterm", "ctrl_c")}
+    ready = {}
+    for case, p in procs.items():
+        line = p.stdout.readline()  # "READY <worker pid> <shm name>" once it is stepping
+        assert line.startswith("READY"), (case, line, p.stderr.read() if p.poll() else "")
+        ready[case] = (int(line.split()[1]), line.split()[2])
+    os.kill(ready["kill_worker"][0], signal.SIGKILL)
+    procs["sigterm"].send_signal(signal.SIGTERM)
+    os.killpg(procs["ctrl_c"].pid, signal.SIGINT)  # Ctrl-C reaches student and worker
+    results = {case: (p.wait(timeout=30), p.stderr.read()) for case, p in procs.items()}
+
+    code, err = results["kill_worker"]
+    assert code == 1 and "was killed by signal SIGKILL while computing microbatch" in err
+    assert results["sigterm"][0] == 128 + signal.SIGTERM
+    assert results["ctrl_c"][0] != 0 and "KeyboardInterrupt" in results["ctrl_c"][1]
+    for case, (pid, name) in ready.items():
+        deadline = time.monotonic() + 5
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(pid), f"{case}: worker {pid} outlived its student"
+        assert not os.path.exists(f"/dev/shm/{name}"), f"{case}: {name} left in /dev/shm"
+
+
+def _student(model_dir: str) -> None:
+    """A student loop stepping forever (until a signal or a worker failure ends it)."""
+    torch.set_num_threads(1)
+    ch = TeacherChannel(program(model_dir), config=config(timeout_s=30))
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, 1000, (2, 16), generator=g),
+        "attention_mask": torch.ones(2, 16, dtype=torch.int64),
+    }
+    ch.submit(batch)
+    ch.submit(batch)
+    step = 0
+    while True:
+        with ch.receive() as r:
+            r.outputs["topk_logprobs"].sum()
+        if step == 1:
+            print("READY", ch.worker_pid, ch.shm_name, flush=True)
+        ch.submit(batch)
+        step += 1
+        time.sleep(0.02)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["student"]:
+    _student(sys.argv[2])

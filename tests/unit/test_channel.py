@@ -1,0 +1,211 @@
+"""Unit tests of the logit channel: slot layout, spec checks, shared-memory arena, top-k recipe,
+and the whole API in in-process mode (same code as the worker path, minus the process)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trainer.channel import (
+    ALIGN,
+    ChannelConfig,
+    ChannelError,
+    ShmArena,
+    SlotRing,
+    TeacherChannel,
+    TensorSpec,
+    check_shapes,
+    plan_layout,
+)
+from trainer.teacher_compute import TopKRecipe, tail_logmass, topk_outputs
+from trainer.teacher_worker import HFTeacher, TeacherContext
+
+VOCAB = 262_144  # the real Gemma-3 teacher's lm_head width
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher_dir(tmp_path_factory, teacher_dir):
+    """A random-init 2-layer Gemma-3 with the real teacher's vocabulary width."""
+    from transformers import AutoConfig, Gemma3ForCausalLM, Gemma3TextConfig
+
+    real = AutoConfig.from_pretrained(teacher_dir)
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=real.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=128,
+    )
+    out = tmp_path_factory.mktemp("tiny-teacher")
+    Gemma3ForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
+def test_layout_aligned_disjoint_and_sized():
+    ins = {"ids": TensorSpec((3, 5), torch.int64), "mask": TensorSpec((3, 5), torch.bool)}
+    outs = {"a": TensorSpec((3, 5, 7), torch.float16), "b": TensorSpec((1,), torch.int32)}
+    lay = plan_layout(ins, outs, depth=3)
+    spans = []
+    for (part, name), off in lay.offsets.items():
+        assert off % ALIGN == 0, (part, name, off)
+        spans.append((off, off + lay.spec(part)[name].nbytes))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= lay.slot_nbytes and lay.slot_nbytes % ALIGN == 0
+    assert lay.total_nbytes == 3 * lay.slot_nbytes
+    with pytest.raises(ValueError, match="output spec is empty"):
+        plan_layout(ins, {}, depth=2)
+    with pytest.raises(ValueError, match="positive"):
+        TensorSpec((0, 3), torch.float32)
+
+
+def test_check_shapes_names_the_field():
+    spec = {"x": TensorSpec((2, 4), torch.float32)}
+    assert check_shapes(spec, {"x": torch.zeros(1, 3)}, where="w") == {"x": (1, 3)}
+    with pytest.raises(ChannelError, match=r"w: 'x' has dtype torch.float64"):
+        check_shapes(spec, {"x": torch.zeros(2, 4, dtype=torch.float64)}, where="w")
+    with pytest.raises(ChannelError, match=r"'x' has shape \(3, 4\).*at most \(2, 4\)"):
+        check_shapes(spec, {"x": torch.zeros(3, 4)}, where="w")
+    with pytest.raises(ChannelError, match=r"'x' has shape \(8,\)"):
+        check_shapes(spec, {"x": torch.zeros(8)}, where="w")
+    with pytest.raises(ChannelError, match=r"missing \['x'\], unexpected \['y'\]"):
+        check_shapes(spec, {"y": torch.zeros(2, 4)}, where="w")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="mode"):
+        ChannelConfig(mode="thread")
+    with pytest.raises(ValueError, match="depth"):
+        ChannelConfig(depth=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        ChannelConfig(timeout_s=0)
+
+
+def test_shm_arena_attach_sees_writes_and_close_unlinks():
+    owner = ShmArena(4096)
+    path = f"/dev/shm/{owner.name}"
+    assert os.path.exists(path)
+    other = ShmArena(4096, name=owner.name)  # a second mapping, as the worker makes
+    owner.tensor[100:104] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert other.tensor[100:104].tolist() == [1, 2, 3, 4]
+    other.close()
+    assert os.path.exists(path)  # only the owner unlinks
+    owner.close()
+    assert not os.path.exists(path)
+    with pytest.raises(FileNotFoundError):
+        ShmArena(4096, name=owner.name)  # attaching never recreates a released segment
+
+
+def test_ring_views_are_contiguous_prefixes():
+    lay = plan_layout({}, {"v": TensorSpec((4, 6), torch.float32)}, depth=2)
+    ring = SlotRing.create(lay, device=torch.device("cpu"), shared=True)
+    try:
+        src = torch.arange(12, dtype=torch.float32).view(3, 4)
+        shapes = ring.write(1, "out", {"v": src}, where="t")
+        v = ring.view(1, "out", "v", shapes["v"])
+        assert v.is_contiguous() and torch.equal(v, src)
+        assert v.data_ptr() == ring.slot_ptr(1) + lay.offsets[("out", "v")]
+        ring.poison(1, "out")
+        assert torch.isnan(v).all()
+        del v
+    finally:
+        name = ring.shm_name
+        ring.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _dense_reference(logits, ids, mask, k):
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    top = torch.topk(logp, k, dim=-1)
+    B, T, _ = logits.shape
+    nxt = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T - 1):
+            if mask[b, t] and mask[b, t + 1]:
+                nxt[b, t] = logp[b, t, ids[b, t + 1]]
+    tail = torch.log1p(-top.values.exp().sum(-1))
+    return top, tail, nxt
+
+
+def test_topk_outputs_match_dense_reference():
+    g = torch.Generator().manual_seed(1)
+    B, T, V, k = 2, 7, 50, 5
+    logits = torch.randn(B, T, V, generator=g) * 3
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.int64)
+    mask[1, 5:] = 0  # right padding
+    out = topk_outputs(logits, ids, mask, k=k, chunk=3)  # chunk < T: chunk borders covered
+    top, tail, nxt = _dense_reference(logits, ids, mask, k)
+    assert torch.equal(out["topk_ids"], top.indices.to(torch.int32))
+    torch.testing.assert_close(out["topk_logprobs"].double(), top.values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out["tail_logmass"].double(), tail, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out["next_logprob"].double(), nxt, rtol=0, atol=1e-5)
+    assert (out["next_logprob"][1, 4:] == 0).all() and (out["next_logprob"][:, -1] == 0).all()
+    # When the top-k hold all the mass the tail is ~0 up to fp32 rounding: finite, never NaN.
+    full = tail_logmass(torch.log_softmax(torch.randn(3, V, generator=g), -1))
+    assert torch.isfinite(full).all() and (full.exp() < 1e-5).all()
+
+
+def _batch(rows: int, length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.int64)
+    mask[0, length - 2 :] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
+    make = lambda: HFTeacher(tiny_teacher_dir, TopKRecipe(k=4), max_batch=2, max_len=12)  # noqa: E731
+    reference = make()
+    reference.setup(TeacherContext(torch.device("cpu")))
+    config = ChannelConfig(mode="inprocess", depth=2, poison=True)
+    with TeacherChannel(make(), config=config) as ch:
+        assert ch.shm_name is None and ch.worker_pid is None
+        ptrs: dict[int, set[int]] = {0: set(), 1: set()}
+        sizes = [(2, 12), (1, 7), (2, 9), (1, 12)] * 6
+        ch.submit(_batch(*sizes[0], seed=0))
+        for i, size in enumerate(sizes):
+            if i + 1 < len(sizes):
+                ch.submit(_batch(*sizes[i + 1], seed=i + 1))  # one microbatch ahead
+            with ch.receive() as r:
+                assert r.seq == i
+                want = reference(_batch(*size, seed=i))
+                for name, t in r.outputs.items():
+                    assert torch.equal(t, want[name]), (i, name)
+                ptrs[r.slot].add(r.outputs["topk_ids"].data_ptr())
+        assert all(len(p) == 1 for p in ptrs.values()) and ptrs[0] != ptrs[1]
+
+        # Lifetime: after release the handle refuses, and a view kept by mistake is poisoned.
+        ch.submit(_batch(2, 12, seed=99))
+        with ch.receive() as r:
+            kept = r.outputs["topk_logprobs"]
+            saved = kept.clone()
+        with pytest.raises(ChannelError, match="slot was released"):
+            _ = r.outputs
+        assert torch.isnan(kept).all() and torch.isfinite(saved).all()
+
+        # Flow control: at most `depth` microbatches in flight; errors leave the ring usable.
+        ch.submit(_batch(1, 5, seed=1))
+        ch.submit(_batch(1, 5, seed=2))
+        with pytest.raises(ChannelError, match="no free slot"):
+            ch.submit(_batch(1, 5, seed=3))
+        ch.receive().release()
+        with pytest.raises(ChannelError, match="'attention_mask' has dtype torch.int32"):
+            ch.submit(
+                {**_batch(1, 5, seed=4), "attention_mask": torch.ones(1, 5, dtype=torch.int32)}
+            )
+        ch.submit(_batch(1, 5, seed=5))
+        assert ch.in_flight == 2
+        ch.receive().release()
+        ch.receive().release()
+        with pytest.raises(ChannelError, match="nothing submitted"):
+            ch.receive()
+    with pytest.raises(ChannelError, match="closed"):
+        ch.submit(_batch(1, 5, seed=6))
