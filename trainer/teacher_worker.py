@@ -9,8 +9,9 @@ error within ``poll_s`` and a hung one within ``timeout_s``.
 
 What the worker computes is a ``TeacherProgram``: a picklable recipe, light until ``setup`` (which
 runs in the worker and loads the model), with the input/output specs that size the ring.
-``HFTeacher`` is the one the trainer uses: a local HF causal LM + an outputs recipe (e.g.
-``teacher_compute.TopKRecipe``) that turns logits into what the loss needs.
+``HFTeacher`` is a minimal one (tests, benchmarks, debugging): a local HF causal LM + an outputs
+recipe (``teacher_compute.TeacherOutputsRecipe``) that turns its logits into what the loss needs;
+the trainer's configured teacher is ``trainer.distill.TeacherModelProgram``.
 
 Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init_method`` and
 ``world_size`` on every rank, ``rank`` = the student rank) and the workers call
@@ -29,6 +30,7 @@ Legend: B = microbatch rows, T = tokens per row, V = teacher vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import os
@@ -95,7 +97,7 @@ class TeacherProgram(Protocol):
 class OutputsRecipe(Protocol):
     """Teacher logits -> the named tensors the loss needs (see trainer.teacher_compute)."""
 
-    def spec(self, *, max_batch: int, max_len: int) -> dict[str, TensorSpec]: ...
+    def spec_for(self, *, max_batch: int, max_len: int) -> dict[str, TensorSpec]: ...
 
     def __call__(
         self, logits_BTV: torch.Tensor, inputs: Mapping[str, torch.Tensor]
@@ -126,7 +128,7 @@ class HFTeacher:
         }
 
     def output_spec(self) -> dict[str, TensorSpec]:
-        return self.recipe.spec(max_batch=self.max_batch, max_len=self.max_len)
+        return self.recipe.spec_for(max_batch=self.max_batch, max_len=self.max_len)
 
     def setup(self, ctx: TeacherContext) -> None:
         from transformers import AutoModelForCausalLM
@@ -277,10 +279,8 @@ class WorkerProcess:
         """Ask politely, then SIGTERM, then SIGKILL; always reap the process."""
         try:
             if self._proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     self._conn.send(("stop",))
-                except OSError:
-                    pass
                 self._proc.join(timeout=5.0)
             if self._proc.is_alive():
                 self._proc.terminate()
@@ -381,10 +381,8 @@ def worker_main(
                 ready[slot].record()
             conn.send(("done", seq, slot, out_shapes, time.perf_counter() - t0))
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             conn.send(("error", phase, traceback.format_exc()))
-        except OSError:
-            pass
         raise SystemExit(1) from None
     finally:
         if ring is not None:

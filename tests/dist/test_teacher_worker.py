@@ -35,10 +35,12 @@ from trainer.channel import (
     TeacherTimeoutError,
     TeacherWorkerError,
 )
-from trainer.teacher_compute import TopKRecipe
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher_compute import TeacherOutputsRecipe
 from trainer.teacher_worker import HFTeacher, TeacherContext, TeacherGroup
 
 MAX_B, MAX_T, K = 3, 32, 8
+VOCAB = 49_152  # SmolLM2's tokenizer (the fixture checks it against the real config)
 
 
 def save_tiny_teacher(out: Path, vocab_size: int) -> str:
@@ -62,8 +64,8 @@ def save_tiny_teacher(out: Path, vocab_size: int) -> str:
 def tiny_dir(tmp_path_factory, student_dir):
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(student_dir).vocab_size
-    return save_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), vocab)
+    assert AutoConfig.from_pretrained(student_dir).vocab_size == VOCAB
+    return save_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +104,9 @@ def config(**kw) -> ChannelConfig:
 
 
 def program(model_dir: str) -> HFTeacher:
-    return HFTeacher(model_dir, TopKRecipe(k=K), max_batch=MAX_B, max_len=MAX_T)
+    spec = TeacherOutputSpec(vocab_size=VOCAB, topk=K, target=True)
+    recipe = TeacherOutputsRecipe(spec)
+    return HFTeacher(model_dir, recipe, max_batch=MAX_B, max_len=MAX_T)
 
 
 def our_shm() -> set[str]:

@@ -19,32 +19,31 @@ from trainer.channel import (
     check_shapes,
     plan_layout,
 )
-from trainer.teacher_compute import TopKRecipe, tail_logmass, topk_outputs
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher_compute import TeacherOutputsRecipe
 from trainer.teacher_worker import HFTeacher, TeacherContext
 
-VOCAB = 262_144  # the real Gemma-3 teacher's lm_head width
+VOCAB = 49_152  # the real SmolLM2 tokenizer's vocabulary
 
 
 @pytest.fixture(scope="module")
-def tiny_teacher_dir(tmp_path_factory, teacher_dir):
-    """A random-init 2-layer Gemma-3 with the real teacher's vocabulary width."""
-    from transformers import AutoConfig, Gemma3ForCausalLM, Gemma3TextConfig
+def tiny_teacher_dir(tmp_path_factory, student_dir):
+    """A random-init 2-layer Llama with the real SmolLM2 tokenizer's vocabulary width."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-    real = AutoConfig.from_pretrained(teacher_dir)
+    assert AutoConfig.from_pretrained(student_dir).vocab_size == VOCAB
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=real.vocab_size,
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=8,
         max_position_embeddings=128,
     )
     out = tmp_path_factory.mktemp("tiny-teacher")
-    Gemma3ForCausalLM(cfg).save_pretrained(out)
+    LlamaForCausalLM(cfg).save_pretrained(out)
     return str(out)
 
 
@@ -121,36 +120,29 @@ def test_ring_views_are_contiguous_prefixes():
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
-def _dense_reference(logits, ids, mask, k):
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    top = torch.topk(logp, k, dim=-1)
-    B, T, _ = logits.shape
-    nxt = torch.zeros(B, T, dtype=torch.float64)
-    for b in range(B):
-        for t in range(T - 1):
-            if mask[b, t] and mask[b, t + 1]:
-                nxt[b, t] = logp[b, t, ids[b, t + 1]]
-    tail = torch.log1p(-top.values.exp().sum(-1))
-    return top, tail, nxt
-
-
-def test_topk_outputs_match_dense_reference():
+def test_recipe_targets_and_columns_match_dense_log_softmax():
     g = torch.Generator().manual_seed(1)
-    B, T, V, k = 2, 7, 50, 5
+    B, T, V = 2, 7, 50
     logits = torch.randn(B, T, V, generator=g) * 3
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.int64)
     mask[1, 5:] = 0  # right padding
-    out = topk_outputs(logits, ids, mask, k=k, chunk=3)  # chunk < T: chunk borders covered
-    top, tail, nxt = _dense_reference(logits, ids, mask, k)
-    assert torch.equal(out["topk_ids"], top.indices.to(torch.int32))
+    cols = torch.tensor([3, 7, 11, 40])
+    spec = TeacherOutputSpec(vocab_size=V, topk=4, columns=4, target=True)
+    recipe = TeacherOutputsRecipe(spec, columns=cols)
+    out = recipe(logits, {"input_ids": ids, "attention_mask": mask})
+    assert check_shapes(recipe.spec_for(max_batch=B, max_len=T), out, where="t")
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    want = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(int(mask[b].sum()) - 1):  # a next token exists inside the row
+            want[b, t] = logp[b, t, ids[b, t + 1]]
+    torch.testing.assert_close(out["target_logprob"].double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out["col_logprobs"].double(), logp[..., cols], rtol=0, atol=1e-5)
+    top = torch.topk(logp, 4, dim=-1)
     torch.testing.assert_close(out["topk_logprobs"].double(), top.values, rtol=0, atol=1e-5)
-    torch.testing.assert_close(out["tail_logmass"].double(), tail, rtol=0, atol=1e-4)
-    torch.testing.assert_close(out["next_logprob"].double(), nxt, rtol=0, atol=1e-5)
-    assert (out["next_logprob"][1, 4:] == 0).all() and (out["next_logprob"][:, -1] == 0).all()
-    # When the top-k hold all the mass the tail is ~0 up to fp32 rounding: finite, never NaN.
-    full = tail_logmass(torch.log_softmax(torch.randn(3, V, generator=g), -1))
-    assert torch.isfinite(full).all() and (full.exp() < 1e-5).all()
+    with pytest.raises(ValueError, match="give that many ids"):
+        TeacherOutputsRecipe(spec, columns=cols[:2])
 
 
 def _batch(rows: int, length: int, seed: int):
@@ -162,14 +154,15 @@ def _batch(rows: int, length: int, seed: int):
 
 
 def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
-    make = lambda: HFTeacher(tiny_teacher_dir, TopKRecipe(k=4), max_batch=2, max_len=12)  # noqa: E731
+    recipe = TeacherOutputsRecipe(TeacherOutputSpec(vocab_size=VOCAB, topk=4, target=True))
+    make = lambda: HFTeacher(tiny_teacher_dir, recipe, max_batch=2, max_len=12)  # noqa: E731
     reference = make()
     reference.setup(TeacherContext(torch.device("cpu")))
     config = ChannelConfig(mode="inprocess", depth=2, poison=True)
     with TeacherChannel(make(), config=config) as ch:
         assert ch.shm_name is None and ch.worker_pid is None
         ptrs: dict[int, set[int]] = {0: set(), 1: set()}
-        sizes = [(2, 12), (1, 7), (2, 9), (1, 12)] * 6
+        sizes = [(2, 12), (1, 7), (2, 9), (1, 12)] * 2
         ch.submit(_batch(*sizes[0], seed=0))
         for i, size in enumerate(sizes):
             if i + 1 < len(sizes):
@@ -180,6 +173,7 @@ def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
                 for name, t in r.outputs.items():
                     assert torch.equal(t, want[name]), (i, name)
                 ptrs[r.slot].add(r.outputs["topk_ids"].data_ptr())
+                assert r.outputs["tail_logprob"].shape == size
         assert all(len(p) == 1 for p in ptrs.values()) and ptrs[0] != ptrs[1]
 
         # Lifetime: after release the handle refuses, and a view kept by mistake is poisoned.
