@@ -86,7 +86,7 @@ def _pair_cuts(al: Alignment, n_s: int, n_t: int, n_bytes: int, i: int) -> dict[
 
 
 def _common_cuts(text_bytes: bytes, n_s: int, teachers) -> tuple[np.ndarray, np.ndarray, list]:
-    """Cut positions shared by all pairs on character boundaries: (bytes [K+1], student, teachers)."""
+    """Byte positions cut by every pair, on character boundaries, with each side's token index."""
     per_pair = [
         _pair_cuts(al, n_s, len(enc.ids), len(text_bytes), i)
         for i, (_, enc, al) in enumerate(teachers)
@@ -131,6 +131,29 @@ def _with_specials(body: np.ndarray, bos: int | None, eos: int | None) -> np.nda
     return np.concatenate([np.array(head, np.int32), body, np.array(tail, np.int32)])
 
 
+@dataclass(frozen=True)
+class CutPoints:
+    """Where a document may be cut: positions shared by every pair, first 0, last the text end."""
+
+    chars: np.ndarray  # int64 [K + 1], character positions, increasing
+    student: np.ndarray  # int64 [K + 1], student token index at each cut
+    teachers: list[np.ndarray]  # per teacher, int64 [K + 1]
+
+
+def cut_points(
+    text: str,
+    *,
+    student: tuple[Tokenizer, Encoding],
+    teachers: list[tuple[Tokenizer, Encoding, Alignment]],
+) -> CutPoints:
+    """The cut points of one document (see the module docstring)."""
+    if not teachers:
+        raise WindowError("cutting windows needs at least one teacher")
+    text_bytes = text.encode("utf-8")
+    pos, s_idx, t_idx = _common_cuts(text_bytes, len(student[1].ids), teachers)
+    return CutPoints(_char_index(text, text_bytes, pos), s_idx, t_idx)
+
+
 def cut_windows(
     text: str,
     *,
@@ -139,16 +162,14 @@ def cut_windows(
     config: WindowConfig,
 ) -> list[Window]:
     """Cut one document into windows (see the module docstring); [] for a text with no tokens."""
+    s_tok, s_enc = student
     if not teachers:
         raise WindowError("cut_windows needs at least one teacher")
-    s_tok, s_enc = student
-    n_s = len(s_enc.ids)
-    text_bytes = text.encode("utf-8")
-    if n_s == 0 and all(len(enc.ids) == 0 for _, enc, _ in teachers):
+    if len(s_enc.ids) == 0 and all(len(enc.ids) == 0 for _, enc, _ in teachers):
         return []
-    pos, s_idx, t_idx = _common_cuts(text_bytes, n_s, teachers)
-    chars = _char_index(text, text_bytes, pos)
-    last = len(pos) - 1
+    cuts = cut_points(text, student=student, teachers=teachers)
+    chars, s_idx, t_idx = cuts.chars, cuts.student, cuts.teachers
+    last = len(chars) - 1
     s_bos = s_tok.bos_id if config.add_bos else None
     s_eos = s_tok.eos_id if config.add_eos else None
     t_bos = [t.bos_id if config.add_bos else None for t, _, _ in teachers]
