@@ -3,7 +3,7 @@
 Each takes the (local) logits and an optional ``tp_group``. With ``tp_group=None`` they are plain
 torch. With a tensor-parallel group the last dim is the local shard of a vocabulary split evenly
 and contiguously across the group (rank r holds columns [r * V_local, (r + 1) * V_local)), and
-the work is delegated to `trainer.distributed.vocab_parallel` (imported lazily: this package must
+the work is delegated to the vp_* ops of `trainer.distributed` (imported lazily: this package must
 import without torch.distributed set up). Keeping the list this short is what lets every mode run
 on a sharded vocabulary unchanged.
 
@@ -22,7 +22,7 @@ NEG_INF = float("-inf")
 
 
 def _vp():
-    from trainer.distributed import vocab_parallel
+    import trainer.distributed as vocab_parallel  # re-exports every vp_* op
 
     return vocab_parallel
 
