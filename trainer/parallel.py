@@ -195,6 +195,8 @@ def apply_fsdp(
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            # plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling
+            m.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainer import checkpoint as ckpt
 from trainer import models, parallel
+from trainer.channel import SHM_PREFIX
 from trainer.config import TrainConfig
 from trainer.data import Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import (
@@ -64,6 +66,17 @@ class _Queued:
     mb: Microbatch
     prep: list = field(default_factory=list)  # per KD term: its chunk index / mask
     submitted: bool = False
+
+
+def shm_usage() -> dict[str, float]:
+    """This process's shared-memory segments (teacher channel rings): count and bytes. Constant
+    over a run when slots are reused, never re-allocated."""
+    prefix = f"{SHM_PREFIX}{os.getpid()}_"
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return {}
+    sizes = [p.stat().st_size for p in shm.iterdir() if p.name.startswith(prefix)]
+    return {"shm_segments": len(sizes), "shm_bytes": sum(sizes)}
 
 
 def bits_per_byte(model, tokenizer, texts: list[str], *, batch_size: int, device) -> dict:
@@ -354,6 +367,7 @@ class Trainer:
             if self.cfg.loss.combine == "dynamic":
                 self._kd_scale = abs(m["ce"]) / max(abs(kd), 1e-8)
         m.update(
+            **shm_usage(),
             grad_norm=float(grad_norm),
             lr=lr,
             tokens=tokens,
@@ -481,6 +495,7 @@ class Trainer:
             "tokens": self.tokens_seen,
             "bpb": bpb,
             "eval_texts": len(self.eval_texts),
+            "eval_bytes": sum(len(t.encode("utf-8")) for t in self.eval_texts),
             "metrics": str(self.metrics.jsonl_path) if cfg.logging.jsonl else None,
             "tensorboard": str(self.metrics.tb_dir) if cfg.logging.tensorboard else None,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
@@ -488,6 +503,7 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.metrics.close()
             print(format_summary(summary), flush=True)

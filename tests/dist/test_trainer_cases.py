@@ -1,0 +1,158 @@
+"""Multi-process cases for the trainer, run by tests/dist/test_trainer.py in ONE 2-rank torchrun
+(a script, not a test module: it defines no test functions).
+
+``python -m torch.distributed.run --nproc_per_node=2 tests/dist/test_trainer_cases.py SHARDS OUT``
+builds real `Trainer`s (tiny random-init SmolLM2-tokenizer student and kd_topk teacher, gloo)
+one after another in the same process group and writes rank 0's findings to OUT (JSON):
+
+- ``layouts``: per-step losses and the final parameters' checksum of three layouts that see
+  the same global batch: dp=2 x 1 row x 2 microbatches, tp=2 x 2 rows x 2 microbatches,
+  tp=2 x 1 row x 4 microbatches (the loss and the update must not depend on the layout/split);
+- ``resume``: losses of steps 3-4 of an uninterrupted dp=2 run, and of a run stopped after step 2
+  (stop_after), checkpointed, and resumed by a fresh Trainer;
+- ``clip``: the global gradient norm of `parallel.clip_grad_norm_` on a TP+FSDP model vs the
+  norm of the same gradients on an unsharded copy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipelines import paths
+from trainer import parallel
+from trainer.config import from_dictconfig
+from trainer.preflight import preflight
+from trainer.train import Trainer
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+def make_cfg(shards: str, run_dir: str, *, dp: int, tp: int, mb: int, accum: int, **top):
+    student = str(paths.student_dir())
+    d = {
+        "name": "dist",
+        "run_dir": run_dir,
+        "steps": 4,
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": student, "init": "random", "seed": 1, "overrides": TINY},
+        "teachers": [
+            {"path": student, "init": "random", "seed": 2, "name": "t", "overrides": TINY}
+        ],
+        "loss": {"mode": "kd_topk", "options": {"k": 8}, "ce_weight": 1.0, "kd_weight": 0.5},
+        "data": {
+            "shards": shards,
+            "micro_batch_size": mb,
+            "grad_accum": accum,
+            "shuffle_buffer": 0,  # file order: every layout sees the same global batch
+            "max_student_tokens": 64,
+            "eval_fraction": 0.0,
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 1.0},
+        "parallel": {"dp_shard": dp, "tp": tp, "teacher_placement": "inprocess"},
+        "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
+        "eval": {"max_texts": 0},
+        "logging": {"jsonl": False, "tensorboard": False, "progress": False},
+        **top,
+    }
+    return from_dictconfig(d)
+
+
+def params_checksum(model) -> float:
+    """Sum of |param| over the whole (unsharded) model: equal updates give equal sums."""
+    total = 0.0
+    for p in model.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        total += float(full.detach().double().abs().sum())
+    return total
+
+
+def run_steps(cfg, n: int) -> tuple[Trainer, list[float]]:
+    t = Trainer(cfg, preflight(cfg, world_size=dist.get_world_size()))
+    losses = [t.train_step()["loss"] for _ in range(n)]
+    return t, losses
+
+
+def case_layouts(shards: str, tmp: Path) -> dict:
+    out = {}
+    for name, kw in {
+        "dp2_mb1_x2": {"dp": 2, "tp": 1, "mb": 1, "accum": 2},
+        "tp2_mb2_x2": {"dp": 1, "tp": 2, "mb": 2, "accum": 2},
+        "tp2_mb1_x4": {"dp": 1, "tp": 2, "mb": 1, "accum": 4},
+    }.items():
+        t, losses = run_steps(make_cfg(shards, str(tmp / name), **kw), 2)
+        out[name] = {"losses": losses, "checksum": params_checksum(t.model)}
+        t.close()
+    return out
+
+
+def case_resume(shards: str, tmp: Path) -> dict:
+    kw = {"dp": 2, "tp": 1, "mb": 1, "accum": 2}
+    full, losses = run_steps(make_cfg(shards, str(tmp / "full"), **kw), 4)
+    full.close()
+    run_dir = str(tmp / "stopped")
+    ck = {"resume": "auto", "save_at_end": True, "export_at_end": False}
+    first = Trainer(
+        cfg := make_cfg(shards, run_dir, stop_after=2, checkpoint=ck, **kw),
+        preflight(cfg, world_size=2),
+    )
+    first.train()
+    first.close()
+    second = Trainer(
+        cfg2 := make_cfg(shards, run_dir, checkpoint=ck, **kw), preflight(cfg2, world_size=2)
+    )
+    resumed_at = second.step
+    resumed = [second.train_step()["loss"] for _ in range(2)]
+    second.close()
+    return {"uninterrupted": losses[2:], "resumed": resumed, "resumed_at": resumed_at}
+
+
+def case_clip() -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf = LlamaConfig(vocab_size=300, tie_word_embeddings=True, **TINY)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(hf)
+    model = AutoModelForCausalLM.from_config(hf)
+    model.load_state_dict(ref.state_dict())
+    mesh = parallel.build_mesh(torch.device("cpu"), dp=1, tp=2)
+    parallel.apply_tp(model, mesh.tp, parallel.tp_plan("llama"))
+    parallel.apply_fsdp(model, mesh.dp, mp_policy=MixedPrecisionPolicy())
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids).logits.square().mean().backward()
+    ref(input_ids=ids).logits.square().mean().backward()
+    norm = parallel.clip_grad_norm_(list(model.parameters()), 0.0)
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    return {"sharded": float(norm), "reference": float(want)}
+
+
+def main(shards: str, out: str) -> None:
+    tmp = Path(out).parent / "runs"
+    torch.set_num_threads(1)
+    parallel.init_distributed(torch.device("cpu"))
+    result = {
+        "layouts": case_layouts(shards, tmp),
+        "resume": case_resume(shards, tmp),
+        "clip": case_clip(),
+    }
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
