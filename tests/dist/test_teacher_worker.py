@@ -4,8 +4,9 @@ A tiny random-init Llama with the real SmolLM2 tokenizer's vocabulary, fed with 
 ids of real text (a small vocabulary keeps 24 top-k steps cheap; the unit tests cover the
 262k-wide Gemma head): outputs through the worker equal in-process ones; slots are reused with no
 growth of shared memory or open files; a killed, hung or failing worker gives a clear error in
-bounded time; a student killed by SIGTERM / Ctrl-C or failing on a dead worker exits non-zero
-and leaves no process and no /dev/shm segment behind. Worker starts are the cost here (~3 s
+bounded time; a student killed by SIGTERM / Ctrl-C / SIGKILL or failing on a dead worker exits
+non-zero and leaves no process and no /dev/shm segment behind. The CUDA IPC twin is marked
+``cuda`` (skipped without a GPU). Worker starts are the cost here (~3 s
 each on 2 cores), so each test starts its workers together.
 
 Run as a module (``python -m tests.dist.test_teacher_worker student DIR``) this file is the
@@ -234,8 +235,9 @@ def _launch(model_dir: str) -> tuple[subprocess.Popen, int, str]:
     return proc
 
 
-def test_student_exits_cleanly_on_dead_worker_sigterm_and_ctrl_c(tiny_dir):
-    procs = {case: _launch(tiny_dir) for case in ("kill_worker", "sigterm", "ctrl_c")}
+def test_student_exits_cleanly_on_dead_worker_sigterm_ctrl_c_and_sigkill(tiny_dir):
+    cases = ("kill_worker", "sigterm", "ctrl_c", "sigkill")
+    procs = {case: _launch(tiny_dir) for case in cases}
     ready = {}
     for case, p in procs.items():
         line = p.stdout.readline()  # "READY <worker pid> <shm name>" once it is stepping
@@ -244,18 +246,57 @@ def test_student_exits_cleanly_on_dead_worker_sigterm_and_ctrl_c(tiny_dir):
     os.kill(ready["kill_worker"][0], signal.SIGKILL)
     procs["sigterm"].send_signal(signal.SIGTERM)
     os.killpg(procs["ctrl_c"].pid, signal.SIGINT)  # Ctrl-C reaches student and worker
+    procs["sigkill"].kill()  # no cleanup code runs in the student at all
     results = {case: (p.wait(timeout=30), p.stderr.read()) for case, p in procs.items()}
 
     code, err = results["kill_worker"]
     assert code == 1 and "was killed by signal SIGKILL while computing microbatch" in err
     assert results["sigterm"][0] == 128 + signal.SIGTERM
     assert results["ctrl_c"][0] != 0 and "KeyboardInterrupt" in results["ctrl_c"][1]
+    assert results["sigkill"][0] == -signal.SIGKILL
     for case, (pid, name) in ready.items():
-        deadline = time.monotonic() + 5
-        while not gone(pid) and time.monotonic() < deadline:
+        # SIGKILL of the student: the worker follows it (PR_SET_PDEATHSIG) and Python's
+        # resource tracker unlinks the segment; both take a moment.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+            gone(pid) and not os.path.exists(f"/dev/shm/{name}")
+        ):
             time.sleep(0.05)
         assert gone(pid), f"{case}: worker {pid} outlived its student"
         assert not os.path.exists(f"/dev/shm/{name}"), f"{case}: {name} left in /dev/shm"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ipc_round_trip_reuse_and_kill(tiny_dir, batches):
+    """The GPU twin of the first test: one CUDA allocation shared by IPC handle, ordered by
+    interprocess events; outputs equal in-process ones and land on the student's device."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    ch = TeacherChannel(program(tiny_dir), device=device, config=config())
+    reference = program(tiny_dir)
+    reference.setup(TeacherContext(device))
+    try:
+        assert ch.shm_name is None
+        ptrs: dict[int, set[int]] = {0: set(), 1: set()}
+        ch.submit(batches[0])
+        for i, batch in enumerate(batches):
+            if i + 1 < len(batches):
+                ch.submit(batches[i + 1])
+            with ch.receive() as r:
+                want = reference({k: v.to(device) for k, v in batch.items()})
+                for name, t in r.outputs.items():
+                    assert t.device == device
+                    torch.testing.assert_close(t, want[name], rtol=1e-5, atol=1e-5)
+                ptrs[r.slot].add(r.outputs["topk_logprobs"].data_ptr())
+        assert all(len(p) == 1 for p in ptrs.values()) and ptrs[0] != ptrs[1]
+        ch.submit(batches[3])
+        os.kill(ch.worker_pid, signal.SIGKILL)
+        with pytest.raises(TeacherWorkerError, match="was killed by signal SIGKILL"):
+            ch.receive()
+    finally:
+        pid = ch.worker_pid
+        ch.close()
+    assert gone(pid) and not workers_left()
 
 
 def _student(model_dir: str) -> None:

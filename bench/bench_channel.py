@@ -1,0 +1,188 @@
+"""Transfer of teacher outputs: the logit channel vs pickling the same tensors through a pipe.
+
+A producer process holds a float32 payload of a given size (the stand-in for one microbatch of
+teacher outputs); the consumer asks for it and ends with a tensor it can use, touching every
+page once (a read pass the loss would make anyway). Both ways use the same process layout:
+
+- baseline: ``conn.send_bytes(pickle.dumps(outputs))`` -> ``pickle.loads(conn.recv_bytes())``,
+  what a ``multiprocessing`` queue of plain tensors does;
+- channel: ``TeacherChannel.submit`` -> the worker copies its outputs into a shared-memory slot
+  -> ``receive`` hands the consumer a zero-copy view; only (seq, slot, shapes) cross the pipe.
+
+Each method runs in its own consumer process (``python -m bench.bench_channel --method M``) so
+peak RSS (``ru_maxrss``, sizes ascending) belongs to that method alone; the producer's peak is
+``RUSAGE_CHILDREN`` after it is reaped. Figures: median seconds per microbatch, the ratio
+pipe / channel, and peak-RSS growth of consumer and producer.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.channel import ChannelConfig, TeacherChannel, TensorSpec
+
+SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20)  # bytes per microbatch
+
+
+def _reps(nbytes: int) -> int:
+    return 20 if nbytes <= 1 << 20 else (5 if nbytes <= 64 << 20 else 3)
+
+
+def _touch(t: torch.Tensor) -> float:
+    """Read one float per 4 KiB page: every page faulted in, almost no arithmetic."""
+    return float(t.view(-1)[::1024].sum())
+
+
+@dataclass
+class PayloadTeacher:
+    """A teacher program whose outputs are a fixed float32 payload held in its own memory."""
+
+    nbytes: int
+    _payload: Any = field(default=None, init=False, repr=False)
+
+    def input_spec(self) -> dict[str, TensorSpec]:
+        return {"step": TensorSpec((1,), torch.int64)}
+
+    def output_spec(self) -> dict[str, TensorSpec]:
+        return {"payload": TensorSpec((self.nbytes // 4,), torch.float32)}
+
+    def setup(self, ctx) -> None:
+        self._payload = torch.ones(self.nbytes // 4)
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"payload": self._payload}
+
+
+def _pipe_producer(conn, nbytes: int) -> None:
+    payload = {"payload": torch.ones(nbytes // 4)}
+    conn.send("ready")
+    while conn.recv() == "go":
+        conn.send_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _time_pipe(nbytes: int) -> list[float]:
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_pipe_producer, args=(child, nbytes), daemon=True)
+    proc.start()
+    child.close()
+    assert conn.recv() == "ready"
+    times = []
+    for i in range(_reps(nbytes) + 2):
+        t0 = time.perf_counter()
+        conn.send("go")
+        got = pickle.loads(conn.recv_bytes())["payload"]
+        _touch(got)
+        if i >= 2:  # warm-up, as for the channel
+            times.append(time.perf_counter() - t0)
+        del got
+    conn.send("stop")
+    proc.join()
+    return times
+
+
+def _time_channel(nbytes: int) -> list[float]:
+    times = []
+    config = ChannelConfig(depth=2, worker_threads=1)
+    with TeacherChannel(PayloadTeacher(nbytes), config=config) as ch:
+        ch.wait_ready()
+        for i in range(_reps(nbytes) + 4):
+            t0 = time.perf_counter()
+            ch.submit({"step": torch.tensor([i])})
+            with ch.receive() as r:
+                _touch(r.outputs["payload"])
+            if i >= 4:  # warm-up: fault in both slots, both processes' first-call paths
+                times.append(time.perf_counter() - t0)
+    return times
+
+
+def _run_method(method: str) -> None:
+    """Consumer process: one JSON line per size, with this process's and the producer's peaks."""
+    torch.set_num_threads(1)
+    base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    timer = _time_pipe if method == "pipe" else _time_channel
+    for nbytes in SIZES:
+        times = timer(nbytes)
+        row = {
+            "nbytes": nbytes,
+            "median_s": statistics.median(times),
+            "consumer_peak_delta_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            - base_kib,
+            "producer_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+        }
+        print(json.dumps(row), flush=True)
+
+
+def _measure(method: str) -> dict[int, dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bench_channel", "--method", method],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    ).stdout
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    return {r["nbytes"]: r for r in rows}
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def main() -> str:
+    pipe, chan = _measure("pipe"), _measure("channel")
+    lines = [
+        "## Logit channel: transfer vs pickling through a pipe",
+        "",
+        "One microbatch of float32 teacher outputs from a worker process to the student, "
+        "received and read once (every page). Baseline: `pickle` through a `multiprocessing` "
+        "pipe. Channel: the worker copies into a shared-memory slot (allocated once, depth 2), "
+        "the student gets a zero-copy view; only slot/shape metadata crosses the pipe. Median "
+        "per microbatch; peak RSS growth of the consumer (student) and peak RSS of the producer, "
+        "sizes run in ascending order in one consumer process per method.",
+        "",
+        "| payload | pickle + pipe | channel | pipe / channel | student peak +RSS "
+        "(pipe / channel) | producer peak RSS (pipe / channel) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in SIZES:
+        p, c = pipe[n], chan[n]
+        lines.append(
+            f"| {_size(n)} | {_ms(p['median_s'])} | {_ms(c['median_s'])} | "
+            f"{p['median_s'] / c['median_s']:.1f}x | "
+            f"{p['consumer_peak_delta_kib'] >> 10} / {c['consumer_peak_delta_kib'] >> 10} MiB | "
+            f"{p['producer_peak_kib'] >> 10} / {c['producer_peak_kib'] >> 10} MiB |"
+        )
+    lines += [
+        "",
+        "The channel's time at 4 KiB is its fixed cost per microbatch (two pipe messages and "
+        "the liveness poll); at large sizes it is the worker's copy into the slot plus the "
+        "student's page faults, and the worker makes that copy while the student is still on "
+        "the previous microbatch (depth 2), so in a training step it overlaps. The student's "
+        "RSS under the channel counts the shared slot pages it read (shared with the worker, "
+        "not a second copy).",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--method"]:
+        _run_method(sys.argv[2])
+    else:
+        print(main())
