@@ -29,6 +29,7 @@ Legend: B = microbatch rows, T = tokens per row, V = teacher vocabulary, k = top
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import secrets
@@ -217,14 +218,11 @@ class ShmArena:
     def close(self) -> None:
         self.tensor = None
         if self._shm is not None:
-            try:
+            # BufferError: a caller still holds a view; the mapping goes when that view does.
+            with contextlib.suppress(BufferError):
                 self._shm.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes when that view does
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
-            except FileNotFoundError:
-                pass
             self._shm = None
 
 
@@ -436,8 +434,15 @@ class TeacherChannel:
             self._guard(self._worker.run, seq, slot, shapes)
         else:
             t0 = time.perf_counter()
-            outs = self._program(self.ring.views(slot, "in", shapes))
-            out_shapes = self.ring.write(slot, "out", outs, where=f"teacher output (seq={seq})")
+            try:
+                outs = self._program(self.ring.views(slot, "in", shapes))
+                where = f"teacher output (seq={seq})"
+                out_shapes = self.ring.write(slot, "out", outs, where=where)
+            except Exception as e:
+                # In-process the teacher's own exception propagates as is (debugging), and the
+                # channel is broken exactly as a failed worker leaves it.
+                self._broken = ChannelError(f"the in-process teacher failed on microbatch {seq}")
+                raise e
             self._done.append((seq, slot, out_shapes, time.perf_counter() - t0))
         return seq
 

@@ -203,3 +203,17 @@ def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
             ch.receive()
     with pytest.raises(ChannelError, match="closed"):
         ch.submit(_batch(1, 5, seed=6))
+
+
+def test_inprocess_teacher_error_propagates_and_breaks_the_channel(tiny_teacher_dir):
+    recipe = TeacherOutputsRecipe(TeacherOutputSpec(vocab_size=VOCAB, topk=2))
+    program = HFTeacher(tiny_teacher_dir, recipe, max_batch=1, max_len=4)
+    with TeacherChannel(program, config=ChannelConfig(mode="inprocess")) as ch:
+        bad = {
+            "input_ids": torch.tensor([[1, VOCAB + 5]]),
+            "attention_mask": torch.ones(1, 2).long(),
+        }
+        with pytest.raises(IndexError):  # the teacher's own exception, with its traceback
+            ch.submit(bad)
+        with pytest.raises(ChannelError, match="broken: the in-process teacher failed"):
+            ch.submit(_batch(1, 4, seed=0))
