@@ -56,9 +56,11 @@ def all_gather_stack(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return tensor.unsqueeze(0)
-    out = torch.empty((size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, tensor.contiguous(), group=group)
-    return out
+    flat = tensor.reshape(1, -1) if tensor.dim() == 0 else tensor.contiguous()
+    # the output is the ranks' inputs concatenated along dim 0 (what gloo and NCCL expect)
+    out = torch.empty((size * flat.shape[0], *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_single(out, flat, group=group)
+    return out.view(size, *tensor.shape)
 
 
 class _AllReduceSum(torch.autograd.Function):
