@@ -23,7 +23,12 @@ back to the ring and the next microbatch overwrites it — ``clone()`` anything 
 the block. The worker is never more than ``depth`` microbatches ahead: ``submit`` needs a free
 slot, i.e. one that was received and released.
 
-Legend: B = microbatch rows, T = tokens per row, V = teacher vocabulary, k = top-k width.
+Cleanup: ``close()`` (or the ``with`` block) stops the worker and unlinks the segment; an
+``atexit`` hook closes channels left open, SIGTERM is turned into ``SystemExit`` so that hook
+and ``finally`` blocks run, Ctrl-C is a ``KeyboardInterrupt`` as usual (the worker ignores
+SIGINT). If the student is SIGKILLed, the worker dies with it (PR_SET_PDEATHSIG) and Python's
+resource tracker unlinks the segment. CUDA: ``teacher_s`` is the worker's launch time, not GPU
+time.
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ if TYPE_CHECKING:
 
 ALIGN = 256  # byte alignment of every tensor in a slot: any dtype, and CUDA's preferred 256
 SHM_PREFIX = "tokenbridge_"
-PARTS = ("in", "out")
 
 
 class ChannelError(RuntimeError):

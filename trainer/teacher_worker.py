@@ -8,10 +8,9 @@ pipe, and while waiting polls both the pipe and the process's liveness, so a dea
 error within ``poll_s`` and a hung one within ``timeout_s``.
 
 What the worker computes is a ``TeacherProgram``: a picklable recipe, light until ``setup`` (which
-runs in the worker and loads the model), with the input/output specs that size the ring.
-``HFTeacher`` is a minimal one (tests, benchmarks, debugging): a local HF causal LM + an outputs
-recipe (``teacher_compute.TeacherOutputsRecipe``) that turns its logits into what the loss needs;
-the trainer's configured teacher is ``trainer.distill.TeacherModelProgram``.
+runs in the worker and loads the model), with the input/output specs that size the ring:
+``trainer.teacher_compute.HFTeacher`` (minimal: tests, benchmarks, debugging) or the trainer's
+configured ``trainer.distill.TeacherModelProgram``.
 
 Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init_method`` and
 ``world_size`` on every rank, ``rank`` = the student rank) and the workers call
@@ -32,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import os
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -92,68 +89,6 @@ class TeacherProgram(Protocol):
     def setup(self, ctx: TeacherContext) -> None: ...
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-
-
-class OutputsRecipe(Protocol):
-    """Teacher logits -> the named tensors the loss needs (see trainer.teacher_compute)."""
-
-    def spec_for(self, *, max_batch: int, max_len: int) -> dict[str, TensorSpec]: ...
-
-    def __call__(
-        self, logits_BTV: torch.Tensor, inputs: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]: ...
-
-
-@dataclass
-class HFTeacher:
-    """A local HF causal LM as a teacher program: inputs ``input_ids``/``attention_mask`` [B, T].
-
-    parallelize: optional ``"module:function"`` called as ``fn(model, ctx) -> model`` after
-    loading, to shard the teacher over ``ctx.group`` (its own TP layout).
-    """
-
-    model_dir: str
-    recipe: OutputsRecipe
-    max_batch: int
-    max_len: int
-    dtype: str = "float32"
-    parallelize: str | None = None
-    _model: Any = field(default=None, init=False, repr=False)
-
-    def input_spec(self) -> dict[str, TensorSpec]:
-        shape = (self.max_batch, self.max_len)
-        return {
-            "input_ids": TensorSpec(shape, torch.int64),
-            "attention_mask": TensorSpec(shape, torch.int64),
-        }
-
-    def output_spec(self) -> dict[str, TensorSpec]:
-        return self.recipe.spec_for(max_batch=self.max_batch, max_len=self.max_len)
-
-    def setup(self, ctx: TeacherContext) -> None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir), dtype=getattr(torch, self.dtype)
-        )
-        model = model.to(ctx.device).eval().requires_grad_(False)
-        if self.parallelize:
-            module, _, fn = self.parallelize.partition(":")
-            model = getattr(importlib.import_module(module), fn)(model, ctx)
-        self._model = model
-
-    @torch.inference_mode()
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._model is None:
-            raise RuntimeError("HFTeacher called before setup()")
-        out = self._model(
-            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
-        )
-        return self.recipe(out.logits, inputs)
-
-    def __getstate__(self) -> dict:
-        # Only the recipe travels to the worker; the model is loaded there.
-        return {**self.__dict__, "_model": None}
 
 
 # ---------------------------------------------------------------------------------------------

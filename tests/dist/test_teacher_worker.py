@@ -37,8 +37,8 @@ from trainer.channel import (
     TeacherWorkerError,
 )
 from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher_compute import TeacherOutputsRecipe
-from trainer.teacher_worker import HFTeacher, TeacherContext, TeacherGroup
+from trainer.teacher_compute import HFTeacher, TeacherOutputsRecipe
+from trainer.teacher_worker import TeacherContext, TeacherGroup
 
 MAX_B, MAX_T, K = 3, 32, 8
 VOCAB = 49_152  # SmolLM2's tokenizer (the fixture checks it against the real config)

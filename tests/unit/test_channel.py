@@ -20,8 +20,8 @@ from trainer.channel import (
     plan_layout,
 )
 from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher_compute import TeacherOutputsRecipe
-from trainer.teacher_worker import HFTeacher, TeacherContext
+from trainer.teacher_compute import HFTeacher, TeacherOutputsRecipe
+from trainer.teacher_worker import TeacherContext
 
 VOCAB = 49_152  # the real SmolLM2 tokenizer's vocabulary
 
@@ -45,6 +45,15 @@ def tiny_teacher_dir(tmp_path_factory, student_dir):
     out = tmp_path_factory.mktemp("tiny-teacher")
     LlamaForCausalLM(cfg).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the shared 2-core machines punish spinning OpenMP threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_layout_aligned_disjoint_and_sized():
