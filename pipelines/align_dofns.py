@@ -4,11 +4,13 @@ They live in the package, not next to the pipeline or in tests, because Beam's m
 workers and Dask workers unpickle them by module path. Each one is a thin shell around pure
 functions (`readers`, `tokenizer`, `alignment`, `windows`, `shards`): tokenizers are loaded once
 per worker process in `setup()` (shared between DoFns through a per-process cache), every drop
-and fallback bumps a `Metrics` counter and sends a dead letter to the tagged output ``DEAD``,
+and fallback bumps a `Metrics` counter and sends a dead letter to the ``DEAD`` stream,
 and the time spent per stage goes into `Metrics` distributions (microseconds) for the benchmark.
 
-No DoFn emits from ``finish_bundle``: Beam's DaskRunner drops what is emitted there (seen with
-Beam 2.77), so batching is done with a keyed GroupByKey instead of ``BatchElements``.
+Two limits of Beam 2.77's DaskRunner shape the code, so one pipeline runs on every runner:
+it drops what a DoFn emits from ``finish_bundle`` (so batching is a keyed GroupByKey, not
+``BatchElements``), and it mixes the tagged outputs of a multi-output ParDo into one stream (so
+DoFns with several outputs emit ``(tag, value)`` pairs that the job splits with `select`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pipelines.tokenizer import Encoding, Tokenizer, load_tokenizer
 from pipelines.windows import WindowConfig, WindowError, cut_windows
 
 NAMESPACE = "tokenbridge"
+MAIN = "main"  # tag of a DoFn's main output
 DEAD = "dead_letter"  # tag of the dead-letter outputs
 STATS = "stats"  # tag of the per-batch statistics outputs
 
@@ -69,9 +72,14 @@ class _Timer:
         self.dist.update(int((time.perf_counter() - self.t0) * 1e6))
 
 
-def dead(record: dict) -> beam.pvalue.TaggedOutput:
+def dead(record: dict) -> tuple[str, dict]:
     count(f"dead_letter.{record['reason']}")
-    return beam.pvalue.TaggedOutput(DEAD, record)
+    return DEAD, record
+
+
+def select(item: tuple[str, object], tag: str) -> list:
+    """FlatMap body: the value of a ``(tag, value)`` pair if it carries `tag`."""
+    return [item[1]] if item[0] == tag else []
 
 
 def shard_of(doc_id: str, num_shards: int) -> int:
@@ -104,7 +112,7 @@ class AlignedDoc:
 
 
 class ReadFileDoFn(beam.DoFn):
-    """(path, doc id prefix) -> `readers.Doc` per document; dead letters on ``DEAD``."""
+    """(path, doc id prefix) -> (MAIN, `readers.Doc`) per document, (DEAD, record) per bad one."""
 
     def __init__(self, config: readers.ReaderConfig):
         self.config = config
@@ -115,7 +123,7 @@ class ReadFileDoFn(beam.DoFn):
         for x in readers.read_file(path, doc_id, self.config):
             if isinstance(x, readers.Doc):
                 count("documents_read")
-                yield x
+                yield MAIN, x
             else:
                 yield dead(x)
 
@@ -196,7 +204,7 @@ class TokenizeAlignDoFn(beam.DoFn):
                 aligned.append(AlignedDoc(d.doc_id, d.file, d.text, s.row(b), teachers))
         count("documents_aligned", len(aligned))
         if aligned:
-            yield aligned
+            yield MAIN, aligned
 
 
 class _StageError(Exception):
@@ -225,7 +233,7 @@ def doc_stats(a: AlignedDoc, windows) -> dict:
 
 class CutWindowsDoFn(beam.DoFn):
     """A list of `AlignedDoc` -> (shard index, Arrow IPC bytes of that shard's window rows);
-    per-batch statistics on ``STATS``; uncuttable documents on ``DEAD``."""
+    per-batch statistics on ``STATS``; uncuttable documents on ``DEAD`` (all as tag pairs)."""
 
     def __init__(
         self,
@@ -271,9 +279,10 @@ class CutWindowsDoFn(beam.DoFn):
                 rows[shard] += [shards.window_to_row(a.doc_id, w) for w in windows]
         with _Timer("to_arrow"):
             for shard, shard_rows in sorted(rows.items()):
-                yield shard, shards.batch_to_bytes(shards.rows_to_batch(shard_rows, self.schema))
+                blob = shards.batch_to_bytes(shards.rows_to_batch(shard_rows, self.schema))
+                yield MAIN, (shard, blob)
         if stats:
-            yield beam.pvalue.TaggedOutput(STATS, ("stats", stats))
+            yield STATS, ("stats", stats)
 
 
 class WriteShardDoFn(beam.DoFn):

@@ -94,6 +94,12 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
             p.unlink()
 
 
+def split(pcoll, tags: list[str]) -> dict:
+    """(tag, value) pairs -> one PCollection of values per tag. Used instead of ParDo's
+    ``with_outputs``, whose tagged outputs the DaskRunner mixes together."""
+    return {tag: pcoll | f"Select_{tag}" >> beam.FlatMap(F.select, tag) for tag in tags}
+
+
 class ReadDocs(beam.PTransform):
     """Files -> documents, grouped into tokenization batches. Outputs: ``batches`` (lists of
     `readers.Doc`) and ``dead_letter``."""
@@ -103,20 +109,21 @@ class ReadDocs(beam.PTransform):
         self.files, self.config, self.num_groups = files, config, num_groups
 
     def expand(self, pbegin):
-        docs = (
+        read = (
             pbegin
             | "Files" >> beam.Create(self.files)
             | "SpreadFiles" >> beam.Reshuffle()
-            | "Read" >> beam.ParDo(F.ReadFileDoFn(self.config)).with_outputs(F.DEAD, main="docs")
+            | "Read" >> beam.ParDo(F.ReadFileDoFn(self.config))
         )
+        out = split(read, [F.MAIN, F.DEAD])
         n = self.num_groups
         batches = (
-            docs.docs
+            out[F.MAIN]
             | "KeyByGroup" >> beam.Map(lambda d: (F.shard_of(d.doc_id, n), d))
             | "Group" >> beam.GroupByKey()
             | "SplitBatches" >> beam.ParDo(F.SplitBatchesDoFn())
         )
-        return {"batches": batches, F.DEAD: docs[F.DEAD]}
+        return {"batches": batches, F.DEAD: out[F.DEAD]}
 
 
 class TokenizeAndAlign(beam.PTransform):
@@ -129,8 +136,9 @@ class TokenizeAndAlign(beam.PTransform):
     def expand(self, batches):
         out = batches | "EncodeAlign" >> beam.ParDo(
             F.TokenizeAlignDoFn(self.student, self.teachers)
-        ).with_outputs(F.DEAD, main="aligned")
-        return {"aligned": out.aligned, F.DEAD: out[F.DEAD]}
+        )
+        out = split(out, [F.MAIN, F.DEAD])
+        return {"aligned": out[F.MAIN], F.DEAD: out[F.DEAD]}
 
 
 class CutWindows(beam.PTransform):
@@ -143,8 +151,8 @@ class CutWindows(beam.PTransform):
         )
 
     def expand(self, aligned):
-        out = aligned | "Cut" >> beam.ParDo(self.fn).with_outputs(F.DEAD, F.STATS, main="rows")
-        return {"rows": out.rows, F.STATS: out[F.STATS], F.DEAD: out[F.DEAD]}
+        out = split(aligned | "Cut" >> beam.ParDo(self.fn), [F.MAIN, F.STATS, F.DEAD])
+        return {"rows": out[F.MAIN], F.STATS: out[F.STATS], F.DEAD: out[F.DEAD]}
 
 
 class WriteShards(beam.PTransform):
@@ -177,8 +185,13 @@ class ComputeStats(beam.PTransform):
     exists only once all its inputs are complete)."""
 
     def expand(self, parts):
+        # a seed element, so the combine has input even for a run with nothing in it; and no
+        # default value (CombineGlobally's default is a side input, recomputed by Dask)
+        seed = parts[0].pipeline | "Seed" >> beam.Create([("stats", {})])
         return (
-            parts | "Merge" >> beam.Flatten() | "Sum" >> beam.CombineGlobally(F.SummaryCombineFn())
+            (*parts, seed)
+            | "Merge" >> beam.Flatten()
+            | "Sum" >> beam.CombineGlobally(F.SummaryCombineFn()).without_defaults()
         )
 
 
