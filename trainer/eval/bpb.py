@@ -1,0 +1,113 @@
+"""Held-out bits per byte: the metric that compares models with different tokenizers.
+
+bits per byte = (sum over every token of the text of -log p(token | preceding tokens)) /
+(ln 2 * number of UTF-8 bytes of the text). Every token of every text is scored exactly once,
+so the denominator is the text's own byte count whatever the tokenizer (nanochat's
+``evaluate_bpb`` idea). The first token is predicted from the tokenizer's BOS (or, when it adds
+none, its BOS/EOS token, as lm-eval does). A text longer than ``max_length`` tokens is cut into
+windows; each later window sees ``overlap`` tokens of the previous one as context (plus the one
+token its first target needs), scored once, through the same batched scorer as the benchmarks.
+
+The trainer's inline eval calls ``evaluate_bpb`` on a small fixed list of texts; it returns the
+raw sums too, so a data-parallel caller can all-reduce ``nats`` and ``bytes`` before dividing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainer.eval.scoring import BatchLimits, ScoreItem, TextEncoder, score_items, text_encoder
+
+
+def text_windows(
+    enc: TextEncoder, ids: list[int], *, max_length: int, overlap: int = 0
+) -> list[ScoreItem]:
+    """Score items covering every token of ``ids`` once (the start token is context only)."""
+    if max_length < 2 or not 0 <= overlap <= max_length - 2:
+        raise ValueError(
+            f"need max_length >= 2 and 0 <= overlap <= max_length - 2, got {max_length}, {overlap}"
+        )
+    start = list(enc.prefix) or [enc.doc_start]
+    full = start + list(ids)
+    items, a = [], len(start)
+    while a < len(full):
+        ctx = full[: len(start)] if a == len(start) else full[max(0, a - 1 - overlap) : a]
+        b = min(len(full), a + max_length - len(ctx))
+        items.append(ScoreItem(ctx, [full[a:b]]))
+        a = b
+    return items
+
+
+def score_texts(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    max_length: int = 1024,
+    overlap: int = 0,
+    limits: BatchLimits | None = None,
+    device=None,
+    progress: bool | str = False,
+) -> dict[str, list]:
+    """Per text: summed nats, UTF-8 bytes, tokens and windows (lists aligned with ``texts``)."""
+    enc = text_encoder(tokenizer)
+    items: list[ScoreItem] = []
+    owner: list[int] = []
+    tokens = []
+    for t, ids in enumerate(enc.encode_batch(list(texts))):
+        windows = text_windows(enc, ids, max_length=max_length, overlap=overlap)
+        items += windows
+        owner += [t] * len(windows)
+        tokens.append(len(ids))
+    scores = score_items(model, items, limits=limits, device=device, progress=progress)
+    nats = [0.0] * len(texts)
+    windows = [0] * len(texts)
+    for t, s in zip(owner, scores):
+        nats[t] -= s[0].logprob
+        windows[t] += 1
+    nbytes = [len(t.encode("utf-8")) for t in texts]
+    return {"nats": nats, "bytes": nbytes, "tokens": tokens, "windows": windows}
+
+
+def evaluate_bpb(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    batch_size: int = 8,
+    device=None,
+    max_length: int = 1024,
+    overlap: int = 0,
+    progress: bool | str = False,
+) -> dict:
+    """Bits per byte of ``texts`` under ``model``.
+
+    Returns ``bpb``, ``bits_per_token``, and the sums ``nats``, ``bytes``, ``tokens``, plus
+    ``texts`` and ``windows`` counts. ``tokenizer`` is the model's HF tokenizer (or a
+    ``pipelines`` Tokenizer / ``TextEncoder``). The model is put in eval mode and restored.
+    """
+    if not texts:
+        raise ValueError("evaluate_bpb needs at least one text")
+    limits = BatchLimits(max_items=batch_size, max_tokens=batch_size * max_length)
+    per = score_texts(
+        model,
+        tokenizer,
+        texts,
+        max_length=max_length,
+        overlap=overlap,
+        limits=limits,
+        device=device,
+        progress=progress,
+    )
+    nats, nbytes, ntok = sum(per["nats"]), sum(per["bytes"]), sum(per["tokens"])
+    if nbytes == 0:
+        raise ValueError("evaluate_bpb: the texts are empty (0 bytes)")
+    return {
+        "bpb": nats / (math.log(2) * nbytes),
+        "bits_per_token": nats / (math.log(2) * max(ntok, 1)),
+        "nats": nats,
+        "bytes": nbytes,
+        "tokens": ntok,
+        "texts": len(texts),
+        "windows": sum(per["windows"]),
+    }

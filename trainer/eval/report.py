@@ -1,0 +1,125 @@
+"""Results as JSON and as one Markdown table: a column per model and the paired differences.
+
+The table has a row per (task, metric) for the metrics the field quotes (acc, acc_norm and the
+gold answer's bits per byte for multiple choice; acc and bpb for LAMBADA; bpb for gold-answer and
+text tasks; exact match / pass@1 for generation), each "value ± standard error". With several
+models, each model after the first gets a "Δ vs first" column: the paired difference over the
+examples both scored, with its paired standard error. The JSON holds everything, per-example
+samples included, so a later run can be compared with this one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from trainer.eval.metrics import METRICS, SHOWN, paired_diff
+
+LOWER_IS_BETTER = {"bpb", "bits_per_token"}
+
+
+def _fmt(value: float, se: float, *, signed: bool = False) -> str:
+    if value is None or math.isnan(value):
+        return "—"
+    v = f"{value:+.3f}" if signed else f"{value:.3f}"
+    return v if se is None or math.isnan(se) else f"{v} ± {se:.3f}"
+
+
+def table_rows(payload: dict) -> list[dict]:
+    """One dict per (task, metric): values per model and differences against the first."""
+    names = list(payload["models"])
+    first = payload["models"][names[0]]["results"] if names else {}
+    rows = []
+    for task in payload["tasks"]:
+        res = {n: payload["models"][n]["results"].get(task) for n in names}
+        some = next((r for r in res.values() if r), None)
+        if some is None:
+            continue
+        for metric in SHOWN[some["kind"]]:
+            spec = METRICS[some["kind"]][metric]
+            row = {
+                "task": task,
+                "metric": metric,
+                "primary": metric == some["primary"],
+                "n": some["n"],
+                "values": {},
+                "diffs": {},
+            }
+            for n in names:
+                m = res[n]["metrics"][metric] if res[n] else None
+                row["values"][n] = (m["value"], m["stderr"]) if m else (math.nan, math.nan)
+            for n in names[1:]:
+                if res[n] and task in first:
+                    d, se, _ = paired_diff(spec, first[task]["samples"], res[n]["samples"])
+                    row["diffs"][n] = (d, se)
+            rows.append(row)
+    return rows
+
+
+def markdown_table(payload: dict) -> str:
+    names = list(payload["models"])
+    head = ["task", "metric", "n", *names, *(f"Δ {n} − {names[0]}" for n in names[1:])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in table_rows(payload):
+        metric = row["metric"] + ("*" if row["primary"] else "")
+        metric += " ↓" if row["metric"] in LOWER_IS_BETTER else ""
+        cells = [row["task"], metric, str(row["n"])]
+        cells += [_fmt(*row["values"][n]) for n in names]
+        cells += [_fmt(*row["diffs"].get(n, (math.nan, math.nan)), signed=True) for n in names[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    limit = payload.get("options", {}).get("limit")
+    lines.append("")
+    lines.append(
+        "`*` the task's primary metric (as OLMES reports it); `↓` lower is better; ± one "
+        "standard error; Δ paired over the same examples. "
+        + (f"LIMIT={limit} examples per task (a stable subset)." if limit else "Full sets.")
+    )
+    notes = _notes(payload)
+    if notes:
+        lines.append("")
+        lines.append("Counted, not hidden: " + "; ".join(notes) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def _notes(payload: dict) -> list[str]:
+    notes = []
+    for name, info in payload["models"].items():
+        for task, res in info["results"].items():
+            for key, count in res.get("counts", {}).items():
+                if count and key != "windows":
+                    notes.append(f"{name} {task}: {count} {key.replace('_', ' ')}")
+    return notes
+
+
+def timing_table(payload: dict) -> str:
+    names = list(payload["models"])
+    lines = [
+        "| task | " + " | ".join(f"{n} s" for n in names) + " |",
+        "|" + "---|" * (len(names) + 1),
+    ]
+    for task in payload["tasks"]:
+        secs = [
+            payload["models"][n]["results"].get(task, {}).get("seconds", math.nan) for n in names
+        ]
+        lines.append(f"| {task} | " + " | ".join(f"{s:.1f}" for s in secs) + " |")
+    total = [payload["models"][n].get("seconds", math.nan) for n in names]
+    lines.append("| **all** | " + " | ".join(f"{s:.1f}" for s in total) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_results(payload: dict, out: Path) -> tuple[Path, Path]:
+    """``out`` (JSON) and the Markdown table beside it (same name, .md)."""
+    out = Path(out)
+    write_atomic(out, json.dumps(payload, indent=1, default=float) + "\n")
+    md = out.with_suffix(".md")
+    write_atomic(md, markdown_table(payload) + "\n" + timing_table(payload))
+    return out, md
