@@ -35,7 +35,7 @@ def test_ce_gradcheck_float64():
     student, _ = logits_for(pair, 2, dtype=torch.float64)
     tg = _targets(pair)
     assert torch.autograd.gradcheck(
-        lambda x: ce(x, tg, vocab_size=pair.vs, chunk_size=3).sum, (student,)
+        lambda x: ce(x, tg, vocab_size=pair.vs, chunk_size=3).sum, (student,), fast_mode=True
     )
 
 

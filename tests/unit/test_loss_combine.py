@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import (
-    dense_t2s,
+    dense_t2s_first,
     logits_for,
     make_pair,
     masked_logp,
@@ -67,7 +67,7 @@ def _setup(seed):
         student,
         teacher,
         XTokenTables.from_arrays(ids, w, student_vocab_size=pair.vs),
-        dense_t2s(ids, w, pair.Vs),
+        dense_t2s_first(ids, w, pair.Vs),
     )
 
 

@@ -142,6 +142,7 @@ def test_gold_gradcheck_float64():
                 gold(x, te, idx, tables=tables, vocab_size=pair.vs, config=c, chunk_size=3).sum
             ),
             (student,),
+            fast_mode=True,
         )
 
 

@@ -184,6 +184,20 @@ def dense_t2s(ids, w, Vs):
     return W
 
 
+def dense_t2s_first(ids, w, Vs):
+    """The heaviest slot of each row, weight 1 (XTokenTables' default first_only rows)."""
+    W = torch.zeros(ids.shape[0], Vs, dtype=torch.float64)
+    for r in range(ids.shape[0]):
+        best = max(
+            ((float(w[r, j]), j) for j in range(ids.shape[1]) if ids[r, j] >= 0 and w[r, j] > 0),
+            default=None,
+            key=lambda x: x[0],
+        )
+        if best is not None:
+            W[r, ids[r, best[1]]] = 1.0
+    return W
+
+
 def ref_xtoken(student, teacher, pair: Pair, W, *, k, kind="forward", beta=0.5, tau=1.0):
     total, n = 0.0, 0
     for b, sp, tp in chunks_of(pair):

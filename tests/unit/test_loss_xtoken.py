@@ -8,6 +8,7 @@ import torch
 from tests.unit.test_loss_refs import (
     chunks_of,
     dense_t2s,
+    dense_t2s_first,
     logits_for,
     make_pair,
     random_t2s,
@@ -25,13 +26,14 @@ from trainer.losses import (
 )
 
 
-def _setup(seed, *, B=3, dtype=torch.float32, **kw):
+def _setup(seed, *, B=3, dtype=torch.float32, first_only=False, **kw):
     pair = make_pair(seed, B=B, **kw)
     student, teacher = logits_for(pair, seed + 100, dtype=dtype)
     ids, w = random_t2s(seed, Vt=pair.Vt, vs=pair.vs)
     w[5:8] *= 3.0  # rows summing to > 1 are scaled back to 1
-    tables = XTokenTables.from_arrays(ids, w, student_vocab_size=pair.vs)
-    return pair, student, teacher, tables, dense_t2s(ids, w, pair.Vs)
+    tables = XTokenTables.from_arrays(ids, w, student_vocab_size=pair.vs, first_only=first_only)
+    W = (dense_t2s_first if first_only else dense_t2s)(ids, w, pair.Vs)
+    return pair, student, teacher, tables, W
 
 
 def _teacher(pair, teacher, cfg):
@@ -53,11 +55,17 @@ def _run(pair, student, teacher, tables, cfg, chunk_size=4):
 
 
 @pytest.mark.parametrize(
-    ("kind", "tau", "k"),
-    [("forward", 1.0, 4), ("reverse", 1.0, 6), ("jsd", 2.0, 4), ("forward", 0.5, 60)],
+    ("kind", "tau", "k", "first_only"),
+    [
+        ("forward", 1.0, 4, True),
+        ("forward", 1.0, 4, False),
+        ("reverse", 1.0, 6, False),
+        ("jsd", 2.0, 4, True),
+        ("forward", 0.5, 60, False),
+    ],
 )
-def test_xtoken_matches_dense(kind, tau, k):
-    pair, student, teacher, tables, W = _setup(0)
+def test_xtoken_matches_dense(kind, tau, k, first_only):
+    pair, student, teacher, tables, W = _setup(0, first_only=first_only)
     cfg = XTokenConfig(k=k, divergence=kind, beta=0.4, temperature=tau)
     out = _run(pair, student, teacher, tables, cfg)
     ref, n = ref_xtoken(student, teacher, pair, W, k=k, kind=kind, beta=0.4, tau=tau)
@@ -110,6 +118,7 @@ def test_xtoken_gradcheck_float64():
                 xtoken(x, te, idx, tables=tables, vocab_size=pair.vs, config=c, chunk_size=3).sum
             ),
             (student,),
+            fast_mode=True,
         )
 
 
@@ -203,7 +212,8 @@ def test_projection_table_validation():
         XTokenTables.from_arrays(torch.tensor([[0, 50]]), torch.ones(1, 2), student_vocab_size=10)
     with pytest.raises(ValueError, match=">= 0"):
         XTokenTables.from_arrays(torch.tensor([[0]]), -torch.ones(1, 1), student_vocab_size=10)
-    t = XTokenTables.from_arrays(
-        torch.tensor([[1, 2, -1]]), torch.tensor([[3.0, 1.0, 5.0]]), student_vocab_size=10
-    )
-    torch.testing.assert_close(t.t2s_weights, torch.tensor([[0.75, 0.25, 0.0]]))
+    ids, w = torch.tensor([[1, 2, -1], [4, 3, 2]]), torch.tensor([[3.0, 1.0, 5.0], [0.1, 0.4, 0.2]])
+    t = XTokenTables.from_arrays(ids, w, student_vocab_size=10, first_only=False)
+    torch.testing.assert_close(t.t2s_weights[0], torch.tensor([0.75, 0.25, 0.0]))
+    t = XTokenTables.from_arrays(ids, w, student_vocab_size=10)  # the heaviest slot, weight 1
+    assert t.t2s_ids.tolist() == [[1], [3]] and t.t2s_weights.tolist() == [[1.0], [1.0]]

@@ -3,7 +3,8 @@
 At the start of every aligned chunk c both models predict the next piece of the SAME text (the
 chunk boundary is a token boundary on both sides, so both are conditioned on the same prefix).
 The teacher's top-k there is mapped into the student vocabulary with the projection rows
-``t2s`` (teacher token -> student tokens that start its text, weights summing to <= 1):
+``t2s`` (by default each teacher token -> the one student token that starts its text; see
+`XTokenTables.from_arrays`; weights summing to <= 1):
 
     P(s)   = sum_j p_j * sum_l w_{j,l} [t2s_{j,l} = s]        on the support S_c (distinct ids)
     P_rest = 1 - sum_s P(s) = p_tail + sum_j p_j (1 - sum_l w_{j,l})
@@ -75,11 +76,18 @@ class XTokenTables:
     t2s_weights: Tensor  # float32 [R, P], 0 on empty slots, row sums <= 1
 
     @staticmethod
-    def from_arrays(t2s_ids, t2s_weights, *, student_vocab_size: int) -> XTokenTables:
+    def from_arrays(
+        t2s_ids, t2s_weights, *, student_vocab_size: int, first_only: bool = True
+    ) -> XTokenTables:
         """Check and convert (numpy or torch) ``t2s_ids`` / ``t2s_weights`` of a projection.
 
-        Rows summing to more than 1 are scaled down to 1 (the weights are read as the fraction of
-        a teacher token's probability that starts with each student token).
+        ``first_only`` (default) keeps one slot per row, the heaviest, with weight 1: the student
+        token that STARTS the teacher token's text, which is what the student predicts at the
+        chunk start where the teacher predicts that token. For `pipelines.projection` rows
+        (j-th re-tokenized token weighs 2^-j) the heaviest slot is exactly the first token: it
+        weighs 1, all the others together < 1. ``first_only=False`` keeps every slot; the
+        continuation tokens then receive probability at a position that never predicts them.
+        Rows summing to more than 1 are scaled down to 1.
         """
         ids = torch.as_tensor(np.asarray(t2s_ids), dtype=torch.int64)
         w = torch.as_tensor(np.asarray(t2s_weights), dtype=torch.float32)
@@ -97,14 +105,23 @@ class XTokenTables:
         empty = (ids < 0) | (w <= 0)
         ids = ids.masked_fill(empty, -1)
         w = w.masked_fill(empty, 0.0)
+        if first_only:
+            top_w, top_j = w.max(dim=1, keepdim=True)
+            ids = torch.where(top_w > 0, ids.gather(1, top_j), -1)
+            w = (top_w > 0).float()
         w = w / w.sum(1, keepdim=True).clamp(min=1.0)
         return XTokenTables(ids, w)
 
     @staticmethod
-    def from_projection(projection, *, student_vocab_size: int) -> XTokenTables:
+    def from_projection(
+        projection, *, student_vocab_size: int, first_only: bool = True
+    ) -> XTokenTables:
         """From a `pipelines.projection.Projection` (any object with t2s_ids / t2s_weights)."""
         return XTokenTables.from_arrays(
-            projection.t2s_ids, projection.t2s_weights, student_vocab_size=student_vocab_size
+            projection.t2s_ids,
+            projection.t2s_weights,
+            student_vocab_size=student_vocab_size,
+            first_only=first_only,
         )
 
     def to(self, device) -> XTokenTables:
