@@ -58,22 +58,25 @@ VOCAB_SHARDED = {"teacher_logits"}
 PER_ROW = {"teacher_chunk_logprobs"}  # [B, C]: chunk-level, not split over CP
 
 
-def shard_batch(ctx: Ctx, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {
-        k: ctx.local(v, vocab=k in VOCAB_SHARDED, seq=k not in PER_ROW) for k, v in batch.items()
-    }
+def _whole(x: torch.Tensor, *, vocab: bool, seq: bool = True) -> torch.Tensor:
+    """The single-process 'shard' of a full-batch tensor: all of it."""
+    return x
 
 
-def _run_loss(loss_fn, ctx: Ctx) -> None:
-    student, batch = make_batch(ctx.generator("batch"))
+def check_invariance(ctx: Ctx, student: torch.Tensor, run) -> None:
+    """`run(student, groups, shard) -> (sum, count)` on 1 process vs on this rank's shard.
+
+    `shard(x, vocab=, seq=)` maps a full-batch tensor [B, T, ...] to what the loss sees: all of
+    it for the reference, this rank's DP rows / CP tokens / TP slice otherwise (`Ctx.local`).
+    """
     ref_leaf = student.clone().requires_grad_(True)
-    ref_sum, ref_count = loss_fn(ref_leaf, batch, SINGLE)
+    ref_sum, ref_count = run(ref_leaf, SINGLE, _whole)
     ref_loss = ref_sum / ref_count
     (ref_grad,) = torch.autograd.grad(ref_loss, ref_leaf)
 
     g = ctx.groups
     leaf = ctx.local(student, vocab=True).clone().requires_grad_(True)
-    local_sum, local_count = loss_fn(leaf, shard_batch(ctx, batch), g)
+    local_sum, local_count = run(leaf, g, ctx.local)
     count = global_count(local_count, dp_group=g.dp, cp_group=g.cp)
     local_loss = local_sum / count.to(local_sum.dtype)
     (grad,) = torch.autograd.grad(local_loss, leaf)
@@ -84,6 +87,18 @@ def _run_loss(loss_fn, ctx: Ctx) -> None:
     ctx.close("count", count, torch.as_tensor(ref_count, dtype=torch.float64))
     ctx.close("grad", grad, ctx.local(ref_grad, vocab=True))
     ctx.check("reference has a gradient", ref_grad.abs().sum().item() > 0)
+
+
+def _run_loss(loss_fn, ctx: Ctx) -> None:
+    student, batch = make_batch(ctx.generator("batch"))
+
+    def run(s, groups, shard):
+        local = {
+            k: shard(v, vocab=k in VOCAB_SHARDED, seq=k not in PER_ROW) for k, v in batch.items()
+        }
+        return loss_fn(s, local, groups)
+
+    check_invariance(ctx, student, run)
 
 
 def _name(layout: tuple[int, int, int]) -> str:

@@ -114,7 +114,7 @@ def case(name: str, layout: Layout) -> Callable[[Callable[[Ctx], None]], Callabl
 
 def load_cases() -> dict[str, Case]:
     """Import every case module (registration happens at import)."""
-    from tests.dist import cases_context, cases_loss, cases_vocab  # noqa: F401
+    from tests.dist import cases_context, cases_library, cases_loss, cases_vocab  # noqa: F401
 
     return REGISTRY
 

@@ -12,6 +12,7 @@ import torch
 from trainer.distributed import (
     SINGLE,
     cp_all_gather,
+    cp_local_rows,
     cp_positions,
     cp_segment_owner,
     cp_segment_sum,
@@ -40,6 +41,20 @@ def test_cp_layout_is_a_balanced_permutation(cp_size):
     x = torch.arange(2 * seq_len).reshape(2, seq_len)
     local = [to_cp_layout(x, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
     assert torch.equal(from_cp_layout(torch.cat(local, 1), cp_size=cp_size), x)
+
+
+def test_cp_local_rows_maps_full_rows_to_local_rows():
+    seq_len, cp_size = 8, 2
+    flat = torch.arange(2 * seq_len)
+    for rank in range(cp_size):
+        pos = cp_positions(seq_len, cp_size, rank)
+        local = cp_local_rows(flat, seq_len=seq_len, cp_size=cp_size, cp_rank=rank)
+        full = flat.reshape(2, seq_len)
+        local_view = to_cp_layout(full, cp_size=cp_size, cp_rank=rank).reshape(-1)
+        held = local >= 0
+        assert int(held.sum()) == 2 * pos.numel()
+        assert torch.equal(local_view[local[held]], flat[held])  # row r reads row r's token
+    assert cp_local_rows(torch.tensor([-1]), seq_len=8, cp_size=2, cp_rank=0).item() == -1
 
 
 def test_cp_piece_bounds_values_and_errors():

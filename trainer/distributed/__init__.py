@@ -26,6 +26,7 @@ from trainer.distributed.collectives import (
 )
 from trainer.distributed.context_parallel import (
     cp_all_gather,
+    cp_local_rows,
     cp_positions,
     cp_segment_owner,
     cp_segment_sum,
@@ -50,6 +51,7 @@ __all__ = [
     "ParallelGroups",
     "all_reduce_sum",
     "cp_all_gather",
+    "cp_local_rows",
     "cp_positions",
     "cp_segment_owner",
     "cp_segment_sum",

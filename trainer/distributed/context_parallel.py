@@ -83,6 +83,23 @@ def from_cp_layout(x_rank_major: torch.Tensor, *, cp_size: int, dim: int = 1) ->
     return x_rank_major.index_select(dim, inverse_T.to(x_rank_major.device))
 
 
+def cp_local_rows(
+    flat_rows: torch.Tensor, *, seq_len: int, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """Flat full-batch rows b * T + t -> flat local rows b * L + j on this CP rank, -1 elsewhere.
+
+    For losses indexed by full-sequence positions (aligned chunks' start / last rows): keep the
+    rows this rank holds (`>= 0`) and index the CP-local logits [B * L, V] with them.
+    """
+    pos_L = cp_positions(seq_len, cp_size, cp_rank, device=flat_rows.device)
+    inverse_T = torch.full((seq_len,), -1, dtype=torch.int64, device=flat_rows.device)
+    inverse_T[pos_L] = torch.arange(pos_L.numel(), device=flat_rows.device)
+    rows = flat_rows.long()
+    b, t = rows.div(seq_len, rounding_mode="floor"), rows.remainder(seq_len)
+    j = inverse_T[t]
+    return torch.where((rows >= 0) & (j >= 0), b * pos_L.numel() + j, -1)
+
+
 def next_token_targets(ids: torch.Tensor, *, fill: int = -100, dim: int = 1) -> torch.Tensor:
     """targets[t] = ids[t + 1] along `dim` of the FULL sequence, `fill` at the last position.
 
