@@ -142,7 +142,7 @@ def _size(n: int) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def main() -> str:

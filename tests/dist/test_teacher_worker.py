@@ -223,7 +223,7 @@ def test_teacher_group_then_load_error_compute_error_and_hang(tiny_dir, batches)
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
 
 
-def _launch(model_dir: str) -> tuple[subprocess.Popen, int, str]:
+def _launch(model_dir: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.dist.test_teacher_worker", "student", model_dir],
         cwd=REPO_ROOT,
@@ -302,7 +302,7 @@ def test_cuda_ipc_round_trip_reuse_and_kill(tiny_dir, batches):
 def _student(model_dir: str) -> None:
     """A student loop stepping forever (until a signal or a worker failure ends it)."""
     torch.set_num_threads(1)
-    ch = TeacherChannel(program(model_dir), config=config(timeout_s=30))
+    ch = TeacherChannel(program(model_dir), config=config(timeout_s=30, start_timeout_s=60))
     g = torch.Generator().manual_seed(0)
     batch = {
         "input_ids": torch.randint(0, 1000, (2, 16), generator=g),
