@@ -252,7 +252,7 @@ class CutWindowsDoFn(beam.DoFn):
         self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
 
     def process(self, batch: list[AlignedDoc]):
-        rows: dict[int, list[dict]] = defaultdict(list)
+        rows: dict[int, list[tuple[str, object]]] = defaultdict(list)
         stats: dict = {}
         with _Timer("windows"):
             for a in batch:
@@ -276,10 +276,10 @@ class CutWindowsDoFn(beam.DoFn):
                 count("windows", len(windows))
                 stats = merge_stats(stats, doc_stats(a, windows))
                 shard = shard_of(a.doc_id, self.num_shards)
-                rows[shard] += [shards.window_to_row(a.doc_id, w) for w in windows]
+                rows[shard] += [(a.doc_id, w) for w in windows]
         with _Timer("to_arrow"):
             for shard, shard_rows in sorted(rows.items()):
-                blob = shards.batch_to_bytes(shards.rows_to_batch(shard_rows, self.schema))
+                blob = shards.batch_to_bytes(shards.windows_to_batch(shard_rows, self.schema))
                 yield MAIN, (shard, blob)
         if stats:
             yield STATS, ("stats", stats)

@@ -90,6 +90,33 @@ def rows_to_batch(rows: list[dict], schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
+def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.RecordBatch:
+    """(doc_id, Window) pairs -> one RecordBatch, column by column (no per-row dicts): the
+    same batch as `rows_to_batch` over `window_to_row`, at a fraction of the Python work."""
+    n_t = (len(schema) - len(S.PROVENANCE_FIELDS) - 1) // 4
+    ws = [w for _, w in items]
+    cols = {
+        "doc_id": pa.array([d for d, _ in items], pa.string()),
+        "window": pa.array(np.fromiter((w.window for w in ws), np.int32, len(ws))),
+        "char_start": pa.array(np.fromiter((w.char_start for w in ws), np.int64, len(ws))),
+        "char_end": pa.array(np.fromiter((w.char_end for w in ws), np.int64, len(ws))),
+        "text": pa.array([w.text for w in ws], pa.string()),
+        "student_ids": _list_array([w.student_ids for w in ws]),
+    }
+    for i in range(n_t):
+        if any(len(w.teacher_ids) != n_t for w in ws):
+            raise ValueError(f"a window has teacher columns for other than {n_t} teacher(s)")
+        cols[S.teacher_ids_column(i)] = _list_array([w.teacher_ids[i] for w in ws])
+        cols[S.teacher_chunk_column(i)] = _list_array([w.teacher_chunk[i] for w in ws])
+        cols[S.teacher_student_chunk_column(i)] = _list_array(
+            [w.teacher_student_chunk[i] for w in ws]
+        )
+        cols[S.teacher_n_chunks_column(i)] = pa.array(
+            np.fromiter((w.teacher_n_chunks[i] for w in ws), np.int32, len(ws))
+        )
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
 def batch_to_bytes(batch: pa.RecordBatch) -> bytes:
     """A RecordBatch as an Arrow IPC stream: a compact value to shuffle between Beam stages."""
     sink = pa.BufferOutputStream()

@@ -185,3 +185,31 @@ def test_list_array_offsets_are_exact():
     arr = shards._list_array(values)
     assert arr.type == pa.list_(pa.int32())
     assert arr.to_pylist() == [[1, 2], [], [7]]
+
+
+def test_windows_to_batch_equals_rows_of_window_to_row():
+    from pipelines.windows import Window
+
+    rng = np.random.default_rng(1)
+
+    def window(doc: int, k: int) -> Window:
+        n_s, n_t = 2 + k, [3 + k, 1]
+        return Window(
+            window=k,
+            char_start=5 * k,
+            char_end=5 * k + 5,
+            text=f"w{doc}.{k} é",
+            student_ids=rng.integers(0, 99, n_s, dtype=np.int32),
+            teacher_ids=[rng.integers(0, 49, n, dtype=np.int32) for n in n_t],
+            teacher_chunk=[np.arange(n, dtype=np.int32) - 1 for n in n_t],
+            teacher_student_chunk=[np.arange(n_s, dtype=np.int32) - 1 for _ in n_t],
+            teacher_n_chunks=[n - 1 for n in n_t],
+        )
+
+    items = [(f"doc{d}", window(d, k)) for d in range(3) for k in range(3)]
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    fast = shards.windows_to_batch(items, schema)
+    slow = shards.rows_to_batch([shards.window_to_row(d, w) for d, w in items], schema)
+    assert fast.equals(slow) and fast.schema.equals(schema, check_metadata=True)
+    with pytest.raises(ValueError, match="other than 1 teacher"):
+        shards.windows_to_batch(items, S.shard_schema(STUDENT, TEACHERS[:1]))
