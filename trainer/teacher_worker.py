@@ -19,6 +19,10 @@ Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init
 can build its own device mesh / TP layout (``HFTeacher.parallelize``), independent of the
 student's mesh. The workers are daemonic, so they cannot start processes of their own.
 
+The worker drops the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*...)
+it inherits from a torchrun student, so nothing in it can join the student's rendezvous by
+accident; its only process group is the ``TeacherGroup`` it is given.
+
 Failure and cleanup: errors inside the worker come back with its traceback text; it ignores
 SIGINT (Ctrl-C reaches the whole process group; the student decides), dies with its parent on
 Linux (``PR_SET_PDEATHSIG``; the parent is the *thread* that started it, so start channels from
@@ -240,6 +244,30 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)  # the student died before we could ask to follow it
 
 
+# What torchrun / torch.distributed.elastic tell a student rank. A worker inherits the student's
+# environment; left there, any env:// initialisation in the teacher (init_device_mesh with no
+# group yet, say) would join the *student's* rendezvous as the student's rank.
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _scrub_launcher_env() -> None:
+    for key in list(os.environ):
+        if key in LAUNCHER_ENV or key.startswith("TORCHELASTIC_"):
+            del os.environ[key]
+
+
 def _join_group(group: TeacherGroup, device: torch.device) -> tuple[TeacherContext, float]:
     dist.init_process_group(
         group.backend,
@@ -269,6 +297,7 @@ def worker_main(
     """Entry point of the worker process (spawned by ``WorkerProcess.start``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
+    _scrub_launcher_env()
     ring = None
     phase = "starting"
     try:
@@ -295,6 +324,7 @@ def worker_main(
             "group_rank": ctx.rank,
             "group_size": ctx.world_size,
             "group_handshake": handshake,
+            "launcher_env": sorted(k for k in os.environ if k in LAUNCHER_ENV),
             "ready_events": ready,
         }
         conn.send(("ready", info))

@@ -170,7 +170,10 @@ def test_round_trip_equals_inprocess_slots_reused_then_worker_killed(tiny_dir, b
     assert gone(pid) and not workers_left() and not os.path.exists(f"/dev/shm/{name}")
 
 
-def test_teacher_group_then_load_error_compute_error_and_hang(tiny_dir, batches):
+def test_teacher_group_then_load_error_compute_error_and_hang(tiny_dir, batches, monkeypatch):
+    # As under torchrun: the workers must not see (or join) the student's rendezvous.
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -186,6 +189,7 @@ def test_teacher_group_then_load_error_compute_error_and_hang(tiny_dir, batches)
         infos = [failing.wait_ready(), hanging.wait_ready()]
         assert [(i["group_rank"], i["group_size"]) for i in infos] == [(0, 2), (1, 2)]
         assert [i["group_handshake"] for i in infos] == [2.0, 2.0]
+        assert [i["launcher_env"] for i in infos] == [[], []]
         assert not torch.distributed.is_initialized()
         for r, c in enumerate((failing, hanging)):
             c.submit(batches[r])
