@@ -228,6 +228,8 @@ def doc_stats(a: AlignedDoc, windows) -> dict:
         ],
         "exact_chunks": [int(np.count_nonzero(al.chunk_exact)) for _, al in a.teachers],
         "fallback_documents": [int(al.used_fallback) for _, al in a.teachers],
+        # tokens one side has and the other cannot pair (e.g. a byte the student cannot spell)
+        "dropped_tokens": [int(getattr(al, "dropped_tokens", 0)) for _, al in a.teachers],
     }
 
 
@@ -398,6 +400,7 @@ def final_stats(header: dict, stats: dict, dropped: dict, files: dict[str, int])
         "exact_chunk_fraction": [e / c if c else 0.0 for e, c in zip(exact, chunks)],
         "fallback_documents": [int(f) for f in fallback],
         "fallback_rate": [f / docs if docs else 0.0 for f in fallback],
+        "dropped_tokens": [int(x) for x in stats.get("dropped_tokens", [0] * n_t)],
         "dead_letters": int(sum(dropped.values())),
         "drops_by_reason": dict(sorted((k, int(v)) for k, v in dropped.items())),
     }
