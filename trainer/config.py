@@ -337,6 +337,18 @@ if not OmegaConf.has_resolver("repo"):
     OmegaConf.register_new_resolver("repo", _repo_resolver)
 
 
+SCHEMA_NAME = "tokenbridge_schema"
+
+
+def register_schema() -> None:
+    """Give Hydra the dataclasses as the base of conf/train.yaml (``defaults: [tokenbridge_schema,
+    ...]``), so every field can be overridden from the command line and is type-checked while
+    composing, even where no YAML file mentions it."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+
+
 def from_dictconfig(cfg: DictConfig | dict) -> TrainConfig:
     """Hydra's composed config -> a validated `TrainConfig` (ConfigError names the bad field)."""
     try:

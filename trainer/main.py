@@ -43,8 +43,9 @@ def load_config(argv: list[str]):
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    from trainer.config import ConfigError, from_dictconfig
+    from trainer.config import ConfigError, from_dictconfig, register_schema
 
+    register_schema()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             composed = compose(config_name="train", overrides=hydra_overrides(argv))

@@ -16,6 +16,7 @@ from pipelines.shards import ShardSet, open_shards
 from pipelines.tokenizer import Tokenizer, load_tokenizer
 from trainer import models, parallel
 from trainer.config import ConfigError, ModelConfig, TrainConfig
+from trainer.data import ShardReader
 
 # loss modes comparing the teacher's and the student's distributions over one vocabulary
 SAME_TOKENIZER_MODES = ("kd_topk",)
@@ -33,6 +34,7 @@ class Prepared:
     projections: list[Projection | None]  # per teacher; None where the loss needs none
     student_rows: int  # lm_head width from config.json (the tokenizer may be smaller)
     teacher_rows: list[int]
+    teacher_max_len: list[int]  # longest teacher row per teacher (sizes the channel slots)
 
 
 def _model_dir(cfg: ModelConfig, where: str) -> Path:
@@ -92,6 +94,11 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         else _open_student_only(cfg.data.shards, student)
     )
 
+    # the longest rows, from the Arrow list lengths: a row over the limit fails now, not at step N
+    _, teacher_max = ShardReader(
+        shards, max_student_tokens=cfg.data.max_student_tokens
+    ).max_lengths()
+
     projections: list[Projection | None] = []
     for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
         where = f"teachers[{i}]"
@@ -119,7 +126,15 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             projections.append(p)
         else:
             projections.append(None)
-    return Prepared(student, teachers, shards, projections, student_rows, teacher_rows)
+    return Prepared(
+        student,
+        teachers,
+        shards,
+        projections,
+        student_rows,
+        teacher_rows,
+        teacher_max[: len(teachers)],
+    )
 
 
 def _open_student_only(dir: str, student: Tokenizer) -> ShardSet:

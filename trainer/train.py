@@ -144,9 +144,8 @@ class Trainer:
             pad_to_multiple=cfg.data.pad_to_multiple,
         )
         self.eval_texts = self.loader.eval_texts(cfg.eval.max_texts)
-        _, teacher_max = reader.max_lengths()  # fails fast on rows longer than the limit
         mult = cfg.data.pad_to_multiple
-        teacher_max = [-(-n // mult) * mult for n in teacher_max]
+        teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
         # student: TP plan, then FSDP2
         self.model = models.build_model(cfg.model, device=self.device)

@@ -1,0 +1,191 @@
+"""End to end on conf/experiment/debug: torchrun, 2 gloo ranks, a teacher worker per rank.
+
+Tiny random-init student (SmolLM2 tokenizer) and teacher (Gemma 3 tokenizer) on real aligned
+shards of the shipped corpus and the real projection, xtoken loss through the shared-memory
+channel. Four launches: a full run (loss falls, channel memory constant, eval and export), a run
+resumed from the full run's mid-way checkpoint (same losses), a run whose teacher worker is
+killed (clear error, non-zero exit, no orphan), and a run with mismatched shards (refused before
+anything is built).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines import projection as P
+from pipelines.tokenizer import load_tokenizer
+from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
+
+PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
+COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, teacher_dir, student_dir) -> dict:
+    """Debug shards + the real projection (the `make projection` file, built once if missing)."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    try:
+        P.load_projection(
+            PROJECTION,
+            teacher=load_tokenizer(teacher_dir).info(),
+            student=load_tokenizer(student_dir).info(),
+        )
+    except (FileNotFoundError, ValueError):
+        P.main(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
+                "--out", str(PROJECTION)])  # fmt: skip
+    docs = shakespeare_docs(24, chars=700)
+    shards = write_shards(
+        tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[teacher_dir], max_tokens=64
+    )
+    # same student, but the teacher column made with the student's tokenizer: must be refused
+    wrong = write_shards(
+        tmp / "wrong", docs[:2], student_dir=student_dir, teacher_dirs=[student_dir], max_tokens=64
+    )
+    return {"tmp": tmp, "shards": shards, "wrong": wrong}
+
+
+@pytest.fixture(scope="module")
+def full_run(inputs) -> Path:
+    run_dir = inputs["tmp"] / "full"
+    args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
+            "checkpoint.interval=4", "eval.max_texts=4", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+    proc = run_trainer(args + COMMON, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "held-out bits/byte  student after" in proc.stdout
+    return run_dir
+
+
+def test_full_run_learns_and_reuses_channel_memory(full_run):
+    train = records(full_run)
+    assert [r["step"] for r in train] == list(range(1, 9))
+    losses = [r["loss"] for r in train]
+    assert losses[-1] < losses[0] - 0.3, losses
+    for r in train:  # the xtoken term is computed and reported on its own, with its coverage
+        assert r["kd/gemma3-tiny"] > 0 and 0 < r["coverage/gemma3-tiny"] <= 1
+        assert r["ce"] > 0 and r["tokens"] > 0
+    # one ring per rank, allocated once: same segment and size at every step
+    assert {(r["shm_segments"], r["shm_bytes"]) for r in train} == {(1, train[0]["shm_bytes"])}
+    assert train[0]["shm_bytes"] > 0
+    summary = json.loads((full_run / "summary.json").read_text())
+    bpb = summary["bpb"]
+    assert bpb["student_after"] < bpb["student_before"]
+    assert bpb["teachers"]["gemma3-tiny"] > 0
+    assert list((full_run / "tensorboard").iterdir())
+
+
+def test_export_is_a_plain_hf_directory(full_run):
+    from transformers import AutoModelForCausalLM
+
+    export = full_run / "export"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.hidden_size == 64 and model.config.vocab_size == 49152
+    assert (
+        load_tokenizer(export).fingerprint
+        == load_tokenizer(REPO / "artifacts" / "models" / "smollm2-135m").fingerprint
+    )
+
+
+def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_run):
+    ckpt = full_run / "checkpoints" / "step-00000004"
+    assert (ckpt / ".metadata").is_file()
+    run_dir = inputs["tmp"] / "resumed"
+    args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
+            f"checkpoint.resume={ckpt}", "eval.max_texts=0", "checkpoint.export_at_end=false",
+            f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+    proc = run_trainer(args + COMMON, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    resumed = {r["step"]: r["loss"] for r in records(run_dir)}
+    full = {r["step"]: r["loss"] for r in records(full_run)}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
+    run_dir = inputs["tmp"] / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
+           f"run_dir={run_dir}", "steps=1000", "eval.max_texts=0", "checkpoint.save_at_end=false",
+           f"teachers.0.projection={PROJECTION}", *COMMON]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["step"] >= 2 for r in records(run_dir)):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.5)
+        family = _descendants(proc.pid)
+        workers = [p for p in family if "multiprocessing.spawn" in _cmdline(p)]
+        assert len(workers) == 2, [_cmdline(p) for p in family]
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert f"teacher worker (pid {workers[0]}) was killed by signal SIGKILL" in err
+    time.sleep(1.0)
+    assert not [p for p in family if _alive(p)], "orphaned processes"
+    name = "tokenbridge_"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name) and
+                any(f.startswith(f"{name}{p}_") for p in family)]  # fmt: skip
+
+
+def test_mismatched_shards_are_refused_before_anything_loads(inputs):
+    run_dir = inputs["tmp"] / "refused"
+    args = ["conf=debug", f"data.shards={inputs['wrong']}", f"run_dir={run_dir}",
+            f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+    proc = run_trainer(args, nproc=1)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "FingerprintMismatchError" in proc.stderr and "teacher 0 tokenizer" in proc.stderr
+    assert not run_dir.exists()  # the trainer was never built

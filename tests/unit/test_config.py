@@ -1,0 +1,183 @@
+"""Config composition and validation, the LR schedule, and the checks that run before any model.
+
+`load_config` composes the real conf/ tree with Hydra; every bad value must fail with a
+ConfigError naming its field. `preflight` reads only tokenizers, shard metadata, projection
+tables and config.json files: the tests call it directly and check that it refuses mismatched
+inputs (no model is built anywhere in this file).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pipelines import schema as S
+from pipelines.projection import TENSORS, ProjectionMismatchError
+from pipelines.shards import FingerprintMismatchError, IncompleteShardsError
+from pipelines.tokenizer import load_tokenizer
+from tests.unit.test_data import synthetic_rows
+from trainer.config import ConfigError, from_dictconfig
+from trainer.distill import mode_config
+from trainer.main import hydra_overrides, load_config
+from trainer.preflight import preflight
+from trainer.train import lr_lambda
+
+
+def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
+    debug = load_config(["conf=debug"])
+    assert debug.name == "debug" and debug.loss.mode == "xtoken"
+    assert debug.model.init == "random" and debug.model.path == str(student_dir)
+    assert debug.model.overrides["hidden_size"] == 64
+    (t,) = debug.teachers
+    assert (
+        t.init == "random"
+        and t.path == str(teacher_dir)
+        and t.projection.endswith("k8.safetensors")
+    )
+    assert debug.run_dir.endswith("runs/debug")
+    demo = load_config(["experiment=demo", "optim.lr=1e-4", "teachers.0.weight=0.25"])
+    assert demo.model.init == "pretrained" and demo.teachers[0].init == "pretrained"
+    assert demo.optim.lr == 1e-4 and demo.teachers[0].weight == 0.25
+    plain = load_config([])
+    assert plain.loss.mode == "ce" and plain.teachers == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["optim.lr=-1"], "optim.lr"),
+        (["data.micro_batch_size=0"], "data.micro_batch_size"),
+        (["loss.mode=kl"], "loss.mode"),
+        (["parallel.tp=0"], "parallel.tp"),
+        (["parallel.teacher_placement=gpu"], "parallel.teacher_placement"),
+        (["nosuch=1"], "nosuch"),
+        (["steps=abc"], "steps"),
+        (["steps=10", "stop_after=11"], "stop_after"),
+        (["conf=debug", "teachers.0.tp=0"], r"teachers\[0\].tp"),
+        (["conf=debug", "teachers.0.dtype=int8"], r"teachers\[0\].dtype"),
+        (["loss=xtoken"], "needs at least one teacher"),
+        (["conf=nosuch"], "experiment"),
+        (["optim.betas=[0.9]"], "optim.betas"),
+        (["data.eval_fraction=1.5"], "data.eval_fraction"),
+    ],
+)
+def test_bad_values_name_their_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(overrides)
+
+
+def test_conf_is_experiment_and_options_are_refused():
+    assert hydra_overrides(["conf=demo", "a.b=1"]) == ["experiment=demo", "a.b=1"]
+    with pytest.raises(SystemExit, match="unknown option"):
+        hydra_overrides(["--lr", "1"])
+
+
+def test_lr_warms_up_then_decays_to_the_floor():
+    lr = [lr_lambda(s, warmup=4, total=20, min_ratio=0.1) for s in range(21)]
+    assert lr[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(a >= b for a, b in zip(lr[4:], lr[5:]))
+    assert lr[20] == pytest.approx(0.1) and lr[12] == pytest.approx(0.55)
+
+
+def test_loss_options_are_checked_against_the_mode():
+    ov = ["conf=debug", "loss.options.k=4", "loss.options.divergence=jsd", "+loss.options.beta=0.3"]
+    xc = mode_config("xtoken", load_config(ov).loss)
+    assert (xc.k, xc.divergence, xc.beta, xc.temperature) == (4, "jsd", 0.3, 1.0)
+    with pytest.raises(ConfigError, match=r"loss.options: xtoken takes .* not \['topk'\]"):
+        mode_config("xtoken", load_config(["conf=debug", "+loss.options.topk=4"]).loss)
+    with pytest.raises(ConfigError, match="loss.options for kd_topk"):
+        mode_config("kd_topk", load_config(["+loss.options.divergence=nope"]).loss)
+
+
+def test_mesh_shape_must_match_the_world():
+    cfg = load_config(["parallel.tp=2"])
+    assert cfg.parallel.mesh_shape(4) == (2, 2)
+    with pytest.raises(ConfigError, match="must equal the world size 3"):
+        cfg.parallel.mesh_shape(3)
+
+
+# --- preflight: real tokenizers, synthetic shards ---------------------------------------------
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}  # fmt: skip
+
+
+def write_synthetic(out, student, teachers, *, completed=True):
+    from pipelines.shards import ShardWriter, shard_name, write_completed
+
+    out.mkdir(parents=True)
+    schema = S.shard_schema(student, teachers)
+    rows = synthetic_rows(6)
+    with ShardWriter(out / shard_name(0, 1), schema) as w:
+        w.write_rows(rows)
+    if completed:
+        stats = {"student": student.to_json(), "teachers": [t.to_json() for t in teachers]}
+        write_completed(out, stats, files={shard_name(0, 1): len(rows)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol(student_dir):
+    return load_tokenizer(student_dir).info()
+
+
+def cfg_for(student_dir, shards, *, teacher=None, mode="kd_topk", **extra):
+    teacher = teacher or student_dir
+    d = {
+        "model": {"path": str(student_dir), "init": "random", "overrides": TINY},
+        "teachers": [{"path": str(teacher), "init": "random", "overrides": TINY}],
+        "loss": {"mode": mode},
+        "data": {"shards": str(shards)},
+        **extra,
+    }
+    return from_dictconfig(d)
+
+
+def test_preflight_accepts_matching_inputs(tmp_path, student_dir, smol):
+    shards = write_synthetic(tmp_path / "ok", smol, [smol])
+    p = preflight(cfg_for(student_dir, shards), world_size=1)
+    assert p.student_rows == 49152 and p.teacher_rows == [49152]
+    assert p.student_tok.fingerprint == smol.fingerprint and p.projections == [None]
+    assert p.teacher_max_len[0] >= 3
+
+
+def test_preflight_refuses_shards_without_marker_or_other_tokenizers(tmp_path, student_dir, smol):
+    partial = write_synthetic(tmp_path / "partial", smol, [smol], completed=False)
+    with pytest.raises(IncompleteShardsError, match="COMPLETED"):
+        preflight(cfg_for(student_dir, partial), world_size=1)
+    other = S.TokenizerInfo("other", "0" * 64, 1000)
+    foreign = write_synthetic(tmp_path / "foreign", smol, [other])
+    with pytest.raises(FingerprintMismatchError, match="teacher 0 tokenizer fingerprint 0000"):
+        preflight(cfg_for(student_dir, foreign), world_size=1)
+
+
+def test_preflight_refuses_a_projection_made_for_other_tokenizers(tmp_path, student_dir, smol):
+    shards = write_synthetic(tmp_path / "ok", smol, [smol])
+    with pytest.raises(ConfigError, match=r"teachers\[0\].projection: loss xtoken needs"):
+        preflight(cfg_for(student_dir, shards, mode="xtoken"), world_size=1)
+    path = tmp_path / "p.safetensors"
+    arrays = {
+        n: np.zeros((4, 1) if "_ids" in n or "weights" in n else (4,), np.int32) for n in TENSORS
+    }
+    meta = {"format_version": "1", "teacher_fingerprint": "0" * 64, "student_fingerprint": "0" * 64}
+    save_file(arrays, str(path), metadata=meta)
+    cfg = cfg_for(student_dir, shards, mode="xtoken")
+    cfg.teachers[0].projection = str(path)
+    with pytest.raises(ProjectionMismatchError, match="rebuild with `make projection`"):
+        preflight(cfg, world_size=1)
+
+
+def test_preflight_refuses_layouts_the_models_cannot_take(tmp_path, student_dir, smol):
+    shards = write_synthetic(tmp_path / "ok", smol, [smol])
+    with pytest.raises(ConfigError, match="tp=3 does not divide num_attention_heads=4"):
+        preflight(cfg_for(student_dir, shards, parallel={"tp": 3}), world_size=3)
+    with pytest.raises(ValueError, match="18 student tokens > data.max_student_tokens=2"):
+        preflight(cfg_for(student_dir, shards, data={"shards": str(shards), "max_student_tokens": 2}), world_size=1)  # fmt: skip
+
+
+def test_same_tokenizer_loss_with_another_tokenizer_is_refused(tmp_path, student_dir, teacher_dir, smol):  # fmt: skip
+    gemma = load_tokenizer(teacher_dir).info()
+    shards = write_synthetic(tmp_path / "pair", smol, [gemma])
+    with pytest.raises(ConfigError, match="kd_topk needs the student's tokenizer"):
+        preflight(cfg_for(student_dir, shards, teacher=teacher_dir), world_size=1)
