@@ -198,7 +198,19 @@ def dense_t2s_first(ids, w, Vs):
     return W
 
 
-def ref_xtoken(student, teacher, pair: Pair, W, *, k, kind="forward", beta=0.5, tau=1.0):
+def random_key(seed: int, vs: int, Vs: int, roots: int = 12) -> torch.Tensor:
+    """An idempotent student bucket map: a few roots, every other valid id points at a root."""
+    g = torch.Generator().manual_seed(seed)
+    root_ids = torch.randperm(vs, generator=g)[:roots]
+    key = torch.arange(Vs)
+    members = torch.rand(vs, generator=g) < 0.5
+    members[root_ids] = False
+    key[:vs][members] = root_ids[torch.randint(0, roots, (int(members.sum()),), generator=g)]
+    return key
+
+
+def ref_xtoken(student, teacher, pair: Pair, W, *, k, kind="forward", beta=0.5, tau=1.0, key=None):
+    """W: dense [Vt, Vs] teacher -> bucket weights; key: [Vs] student bucket map (None = id)."""
     total, n = 0.0, 0
     for b, sp, tp in chunks_of(pair):
         if not sp or not tp or sp[0] == 0 or tp[0] == 0:
@@ -207,10 +219,12 @@ def ref_xtoken(student, teacher, pair: Pair, W, *, k, kind="forward", beta=0.5, 
         ids = ref_topk(lp, k)
         P = sum(lp[j].exp() * W[j] for j in ids)
         support = [s for s in range(W.shape[1]) if any(W[j, s] > 0 for j in ids)]
-        lq = masked_logp(student[b, sp[0] - 1], pair.vs, tau)
+        q = masked_logp(student[b, sp[0] - 1], pair.vs, tau).exp()
+        if key is not None:  # pool every student token into its bucket
+            q = torch.zeros_like(q).index_add(0, key, q)
         p = torch.stack([P[s] for s in support] + [1 - sum(P[s] for s in support)])
-        q = torch.stack([lq[s].exp() for s in support] + [1 - sum(lq[s].exp() for s in support)])
-        total = total + tau**2 * dense_div(p, q, kind, beta)
+        qq = torch.stack([q[s] for s in support] + [1 - sum(q[s] for s in support)])
+        total = total + tau**2 * dense_div(p, qq, kind, beta)
         n += 1
     return total, n
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from tests.unit.test_loss_refs import (
     dense_t2s_first,
     logits_for,
     make_pair,
+    random_key,
     random_t2s,
     ref_xtoken,
     split_invariance,
@@ -24,6 +26,7 @@ from trainer.losses import (
     xtoken,
     xtoken_teacher_spec,
 )
+from trainer.losses.xtoken_tables import bucket_keys
 
 
 def _setup(seed, *, B=3, dtype=torch.float32, first_only=False, **kw):
@@ -217,3 +220,56 @@ def test_projection_table_validation():
     torch.testing.assert_close(t.t2s_weights[0], torch.tensor([0.75, 0.25, 0.0]))
     t = XTokenTables.from_arrays(ids, w, student_vocab_size=10)  # the heaviest slot, weight 1
     assert t.t2s_ids.tolist() == [[1], [3]] and t.t2s_weights.tolist() == [[1.0], [1.0]]
+
+
+@pytest.mark.parametrize(("kind", "first_only"), [("forward", True), ("jsd", False)])
+def test_xtoken_buckets_match_dense(kind, first_only):
+    pair = make_pair(7, B=3)
+    student, teacher = logits_for(pair, 8)
+    ids, w = random_t2s(7, Vt=pair.Vt, vs=pair.vs)
+    key = random_key(7, pair.vs, pair.Vs)
+    tables = XTokenTables.from_arrays(
+        ids, w, student_vocab_size=pair.vs, first_only=first_only, s_key=key
+    )
+    W0 = (dense_t2s_first if first_only else dense_t2s)(ids, w, pair.Vs)
+    W = torch.zeros_like(W0).index_add(1, key, W0)  # teacher slots land in their bucket
+    cfg = XTokenConfig(k=5, divergence=kind)
+    out = _run(pair, student, teacher, tables, cfg)
+    ref, n = ref_xtoken(student, teacher, pair, W, k=5, kind=kind, key=key)
+    assert int(out.count) == n > 0
+    torch.testing.assert_close(out.sum.double(), ref, rtol=1e-5, atol=1e-5)
+    (g,) = torch.autograd.grad(out.sum, student)
+    (gr,) = torch.autograd.grad(ref, student)
+    torch.testing.assert_close(g, gr.float(), rtol=1e-5, atol=1e-5)
+
+
+class _Proj:
+    """A hand-made projection: student [" p", " pears", " person", "x", "e"], teacher
+    [" p", "ears", "x", " per"]; " pears" -> " p" + "ears", " person" -> " per" + "son"."""
+
+    s2t_ids = np.array([[0, -1], [0, 1], [3, -1], [2, -1], [1, -1]])
+    s2t_weights = np.array([[1.0, 0], [0.67, 0.33], [1.0, 0], [1.0, 0], [1.0, 0]])
+    t2s_ids = np.array([[0, -1], [4, 3], [3, -1], [0, 4]])
+    t2s_weights = np.array([[1.0, 0], [0.67, 0.33], [1.0, 0], [0.67, 0.33]])
+
+
+def test_bucket_keys_pool_student_tokens_a_finer_teacher_cannot_tell_apart():
+    tables = XTokenTables.from_projection(_Proj(), student_vocab_size=5)
+    # " pears" -> f = " p" -> g = " p"; " person" -> " per" -> " p": one bucket " p"
+    assert tables.s_key.tolist() == [0, 0, 0, 3, 4]
+    assert tables.t2s_ids[:, 0].tolist() == [0, 4, 3, 0]  # teacher " per" lands in " p" too
+    plain = XTokenTables.from_projection(_Proj(), student_vocab_size=5, coarsen=False)
+    assert plain.s_key is None and plain.t2s_ids[:, 0].tolist() == [0, 4, 3, 0]
+
+
+def test_bucket_keys_break_two_cycles_and_reject_bad_maps():
+    f = np.array([0, 1, 2])  # student 0 and 1 are byte-identical: each maps to the other
+    g = np.array([1, 0, 2])
+    assert bucket_keys(f, g).tolist() == [0, 0, 2]
+    with pytest.raises(ValueError, match="idempotent"):
+        XTokenTables.from_arrays(
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            student_vocab_size=3,
+            s_key=torch.tensor([1, 2, 2]),
+        )

@@ -2,17 +2,18 @@
 
 At the start of every aligned chunk c both models predict the next piece of the SAME text (the
 chunk boundary is a token boundary on both sides, so both are conditioned on the same prefix).
-The teacher's top-k there is mapped into the student vocabulary with the projection rows
-``t2s`` (by default each teacher token -> the one student token that starts its text; see
-`XTokenTables.from_arrays`; weights summing to <= 1):
+Both next-token distributions are coarse-grained into common buckets of "how the text goes on"
+(`xtoken_tables`: each bucket is named by a student token; teacher token t -> bucket of its
+first student token, student token s -> key(s), the bucket of its first teacher token), then:
 
-    P(s)   = sum_j p_j * sum_l w_{j,l} [t2s_{j,l} = s]        on the support S_c (distinct ids)
-    P_rest = 1 - sum_s P(s) = p_tail + sum_j p_j (1 - sum_l w_{j,l})
-    Q(s)   = q(s) for s in S_c,   Q_rest = 1 - sum_{s in S_c} q(s)   (exact, by logsumexp)
+    P(b)   = sum_j p_j * sum_l w_{j,l} [t2s_{j,l} = b]      over the support S_c (teacher top-k)
+    P_rest = 1 - sum_b P(b) = p_tail + sum_j p_j (1 - sum_l w_{j,l})
+    Q(b)   = sum_{s: key(s) = b} q(s),   Q_rest = 1 - sum_{b in S_c} Q(b)  (exact, no 1 - x)
     term_c = tau^2 * D(P || Q)   over S_c + {rest}   (D: forward / reverse KL, generalized JSD)
 
-A proper KL on every chunk: nothing the teacher cannot express in student tokens is dropped, it
-goes to the rest bucket, and the student's own mass outside S_c is matched against it.
+A proper divergence on every chunk: what the teacher cannot express in student buckets goes to
+the rest bucket, matched against the student's own mass outside S_c. Without coarsening
+(``s_key=None``) buckets are single student tokens and Q is a plain gather.
 
 Multi-token chunks (1:N, N:1, N:M) contribute exactly one distribution term, at their start,
 like 1:1 chunks. The student positions INSIDE a multi-token chunk have no teacher distribution
@@ -23,7 +24,7 @@ the chunk's chain likelihoods (as in `alm`), which reaches those inner positions
 sum = sum over chunks of term_c (+ chain terms); count = chunks with a term. Chunks with an empty
 side or no predicting position (first token at position 0) are dropped and counted in metrics.
 
-Legend: B batch, S student / T teacher positions, V student width, G chunks, K teacher top-k,
+Legend: B batch, S student positions, V student width, G chunks, K teacher top-k,
 P projection slots per teacher token, L = K * P support slots, R teacher rows of the table.
 """
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,6 +50,7 @@ from trainer.losses.base import (
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, dedup_rows
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+from trainer.losses.xtoken_tables import XTokenTables
 
 
 @dataclass(frozen=True)
@@ -66,66 +67,6 @@ class XTokenConfig:
             raise ValueError(
                 f"XTokenConfig: need k >= 1, temperature > 0, chain_weight >= 0: {self}"
             )
-
-
-@dataclass(frozen=True)
-class XTokenTables:
-    """The teacher->student projection rows as torch tensors."""
-
-    t2s_ids: Tensor  # int64 [R, P], -1 = empty slot
-    t2s_weights: Tensor  # float32 [R, P], 0 on empty slots, row sums <= 1
-
-    @staticmethod
-    def from_arrays(
-        t2s_ids, t2s_weights, *, student_vocab_size: int, first_only: bool = True
-    ) -> XTokenTables:
-        """Check and convert (numpy or torch) ``t2s_ids`` / ``t2s_weights`` of a projection.
-
-        ``first_only`` (default) keeps one slot per row, the heaviest, with weight 1: the student
-        token that STARTS the teacher token's text, which is what the student predicts at the
-        chunk start where the teacher predicts that token. For `pipelines.projection` rows
-        (j-th re-tokenized token weighs 2^-j) the heaviest slot is exactly the first token: it
-        weighs 1, all the others together < 1. ``first_only=False`` keeps every slot; the
-        continuation tokens then receive probability at a position that never predicts them.
-        Rows summing to more than 1 are scaled down to 1.
-        """
-        ids = torch.as_tensor(np.asarray(t2s_ids), dtype=torch.int64)
-        w = torch.as_tensor(np.asarray(t2s_weights), dtype=torch.float32)
-        if ids.dim() != 2 or ids.shape != w.shape:
-            raise ValueError(
-                f"t2s_ids {tuple(ids.shape)} and t2s_weights {tuple(w.shape)} must be equal [R, P]"
-            )
-        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-            raise ValueError("t2s_weights must be finite and >= 0")
-        if bool((ids >= student_vocab_size).any()):
-            r = int((ids >= student_vocab_size).any(1).nonzero()[0, 0])
-            raise ValueError(
-                f"t2s_ids row {r} holds a student id >= student vocab_size {student_vocab_size}"
-            )
-        empty = (ids < 0) | (w <= 0)
-        ids = ids.masked_fill(empty, -1)
-        w = w.masked_fill(empty, 0.0)
-        if first_only:
-            top_w, top_j = w.max(dim=1, keepdim=True)
-            ids = torch.where(top_w > 0, ids.gather(1, top_j), -1)
-            w = (top_w > 0).float()
-        w = w / w.sum(1, keepdim=True).clamp(min=1.0)
-        return XTokenTables(ids, w)
-
-    @staticmethod
-    def from_projection(
-        projection, *, student_vocab_size: int, first_only: bool = True
-    ) -> XTokenTables:
-        """From a `pipelines.projection.Projection` (any object with t2s_ids / t2s_weights)."""
-        return XTokenTables.from_arrays(
-            projection.t2s_ids,
-            projection.t2s_weights,
-            student_vocab_size=student_vocab_size,
-            first_only=first_only,
-        )
-
-    def to(self, device) -> XTokenTables:
-        return XTokenTables(self.t2s_ids.to(device), self.t2s_weights.to(device))
 
 
 def xtoken_teacher_spec(config: XTokenConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
@@ -157,21 +98,50 @@ def project_teacher(
     )
 
 
-def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, tp_group):
+def _student_side(x, ids_rL, s_key, tp_group) -> Tensor:
+    """log Q over the support buckets + rest, [r, L + 1], from scaled, masked logits."""
+    logz = vo.logsumexp(x, tp_group)[:, None]
+    if s_key is None:  # buckets are single tokens: gather + exact complement
+        return torch.cat(
+            [
+                vo.gather(x, ids_rL, tp_group) - logz,
+                vo.logsumexp_excluding(x, ids_rL, tp_group)[:, None] - logz,
+            ],
+            dim=-1,
+        )
+    if tp_group is not None:
+        raise NotImplementedError(
+            "xtoken buckets (XTokenTables.s_key) pool columns across the whole student vocabulary; "
+            "under tensor parallelism build the tables with coarsen=False"
+        )
+    q = (x - logz).exp()
+    qb = torch.zeros_like(q).index_add(1, s_key[: q.shape[1]], q)  # bucket masses at key columns
+    valid = ids_rL >= 0
+    sup = torch.where(valid, qb.gather(1, ids_rL.clamp(min=0)), 0.0)
+    width = qb.shape[1]
+    spare = torch.nn.functional.pad(qb, (0, 1))
+    rest = spare.scatter(1, torch.where(valid, ids_rL, width), 0.0)[:, :width].sum(-1)
+    return torch.cat([safe_log(sup), safe_log(rest)[:, None]], dim=-1)
+
+
+def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, s_key, tp_group):
     x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
     x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
     if config.temperature != 1.0:
         x = x / config.temperature
-    logz = vo.logsumexp(x, tp_group)[:, None]
-    logq = torch.cat(
-        [
-            vo.gather(x, ids_rL, tp_group) - logz,
-            vo.logsumexp_excluding(x, ids_rL, tp_group)[:, None] - logz,
-        ],
-        dim=-1,
-    )
+    logq = _student_side(x, ids_rL, s_key, tp_group)
     terms = divergence(logp_rL1.to(logq.dtype), logq, kind=config.divergence, beta=config.beta)
     return terms * config.temperature**2, logq[:, -1].detach().exp()
+
+
+def _full_key(s_key: Tensor | None, width: int, device) -> Tensor | None:
+    """The bucket map over all lm_head columns (padded columns are their own bucket)."""
+    if s_key is None:
+        return None
+    s_key = s_key.to(device)
+    if s_key.numel() >= width:
+        return s_key[:width]
+    return torch.cat([s_key, torch.arange(s_key.numel(), width, device=device)])
 
 
 def xtoken(
@@ -215,7 +185,13 @@ def xtoken(
         teacher.tail_logprob.reshape(-1)[tr],
         tables,
     )
-    fn = partial(_xtoken_block, config=config, vocab_size=vocab_size, tp_group=tp_group)
+    fn = partial(
+        _xtoken_block,
+        config=config,
+        vocab_size=vocab_size,
+        s_key=_full_key(tables.s_key, width, logits.device),
+        tp_group=tp_group,
+    )
     terms, q_rest = map_rows(fn, logits, s_rows[chunks], ids_G, logp_G, chunk_size=chunk_size)
     total = terms.sum()
     metrics["teacher_rest_mass_sum"] = logp_G[:, -1].exp().sum()
