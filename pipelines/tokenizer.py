@@ -32,6 +32,7 @@ from pipelines.tokenizer_bytes import (
     VocabTable,
     check_offsets,
     cumulative_spans,
+    expected_stream,
     fingerprint,
     mismatched_rows,
 )
@@ -105,6 +106,7 @@ class Tokenizer:
         self._token_bytes = loaded.token_bytes
         self._specials = dict(loaded.specials)
         self._prefix = loaded.prefix
+        self._spellings = loaded.spellings
         self.vocab_size = len(loaded.token_bytes)
         self.special_ids = {r: loaded.roles[r] for r in fmt.ROLES if r in loaded.roles}
         self.all_special_ids = frozenset(self._specials)
@@ -116,6 +118,12 @@ class Tokenizer:
                 "transformers 5's LlamaTokenizerFast(vocab_file=...) builds an empty tokenizer."
             )
         self._table = VocabTable.build(self._token_bytes)
+        self._keep = None  # bytes a byte-level vocabulary keeps; others drop nothing we can see
+        if loaded.byte_level:
+            singles = [b[0] for b in self._token_bytes if b is not None and len(b) == 1]
+            if len(set(singles)) < 256:
+                self._keep = np.zeros(256, dtype=bool)
+                self._keep[singles] = True
         self.fingerprint = fingerprint(self._token_bytes, self._specials)
         probe = self.encode(_PROBE).ids
         if not len(probe) or all(int(i) in self.all_special_ids for i in probe):
@@ -156,6 +164,15 @@ class Tokenizer:
     def token_bytes(self) -> list[bytes | None]:
         return list(self._token_bytes)
 
+    def token_strings(self) -> list[str | None]:
+        """Per id, the token as the vocabulary spells it ("Ġthe", "▁the", "<0x0A>"). Only for
+        display and for showing why spellings must not be compared; compare `token_bytes`."""
+        if self._spellings is None:
+            return [
+                b.decode("utf-8", "replace") if b is not None else None for b in self._token_bytes
+            ]
+        return list(self._spellings)
+
     def special_content(self, token_id: int) -> str | None:
         return self._specials.get(int(token_id))
 
@@ -192,41 +209,31 @@ class Tokenizer:
         n_bytes = np.diff(tb.byte_base)
         row_of_token = np.repeat(np.arange(n_rows), counts)
 
-        # which rows reassemble (prefix + text) from token bytes: those take the fast path
+        # rows whose token bytes reassemble the expected stream take the fast path
         lengths = self._table.length[ids]
         special = lengths < 0
         lengths = np.where(special, 0, lengths)
         prefix = self._prefix_per_row(texts, n_bytes)
+        stream = expected_stream(tb, prefix, self._keep)
         n_special = np.bincount(row_of_token, weights=special, minlength=n_rows)
         total = np.bincount(row_of_token, weights=lengths, minlength=n_rows)
-        fast = (n_special == 0) & (total == n_bytes + prefix)
+        fast = (n_special == 0) & (total == np.diff(stream.base))
         start, end = cumulative_spans(lengths, row_of_token, row_splits)
-        expected, exp_base = tb.buf, tb.byte_base
-        if prefix.any():
-            expected = np.frombuffer(
-                b"".join(b" " * int(p) + t.encode() for p, t in zip(prefix, texts)), np.uint8
-            )
-            exp_base = np.concatenate([[0], np.cumsum(n_bytes + prefix)])
         check = fast[row_of_token]
-        bad = mismatched_rows(
-            self._table,
-            ids[check],
-            exp_base[row_of_token[check]] + start[check],
-            expected,
-            row_of_token[check],
-        )
+        at = stream.base[row_of_token] + start
+        bad = mismatched_rows(self._table, ids[check], at[check], stream.buf, row_of_token[check])
         fast[bad] = False
 
         offsets = np.zeros((n_tok, 2), dtype=np.int64)
         byte_offsets = np.zeros((n_tok, 2), dtype=np.int64)
-        sel = fast[row_of_token]
+        sel = fast[row_of_token] & (lengths > 0)
         r = row_of_token[sel]
-        bs = np.maximum(start[sel] - prefix[r], 0)
-        be = np.maximum(end[sel] - prefix[r], 0)
-        byte_offsets[sel] = np.stack([bs, be], axis=1)
-        cs, ce = tb.bytes_to_chars(tb.byte_base[r] + bs, tb.byte_base[r] + be)
-        offsets[sel] = np.stack([cs - tb.char_base[r], ce - tb.char_base[r]], axis=1)
-        lossless = fast & (prefix == 0)
+        gs = stream.src_start[at[sel]]
+        ge = stream.src_end[at[sel] + lengths[sel] - 1]
+        byte_offsets[sel] = np.stack([gs, ge], axis=1) - tb.byte_base[r, None]
+        cs, ce = tb.bytes_to_chars(gs, ge)
+        offsets[sel] = np.stack([cs, ce], axis=1) - tb.char_base[r, None]
+        lossless = fast & (prefix == 0) & (stream.dropped == 0)
 
         slow = np.flatnonzero(~fast)
         if len(slow):
@@ -261,7 +268,9 @@ class Tokenizer:
                 byte_offsets[lo:hi] = np.stack([bs, be], axis=1)
                 lossless[b] = True
                 continue
-            why = check_offsets(char_offsets, text)
+            why, uncovered = check_offsets(char_offsets, text)
+            if why is None and len(uncovered):
+                why = self._not_dropped(text, uncovered)
             if why is not None:
                 raise NoOffsetsError(
                     f"tokenizer {self.name!r} ({self.path}) gives no usable offsets: {why}; "
@@ -272,6 +281,20 @@ class Tokenizer:
                 tb.chars_to_bytes(tb.char_base[b] + char_offsets) - tb.byte_base[b]
             )
             lossless[b] = False
+
+    def _not_dropped(self, text: str, uncovered: np.ndarray) -> str | None:
+        """Characters in no token's span are fine if the tokenizer drops them (it makes no token
+        for them alone, e.g. a byte missing from a byte-level vocabulary); otherwise the offsets
+        do not say where the tokens came from."""
+        chars = sorted({text[i] for i in uncovered.tolist()})
+        kept = [c for c, ids in zip(chars, self._backend.encode_ids(chars)) if len(ids)]
+        if not kept:
+            return None
+        first = next(i for i in uncovered.tolist() if text[i] in kept)
+        return (
+            f"{len(uncovered)} characters lie in no token's span although the tokenizer makes "
+            f"tokens for them (first at {first}: {text[first : first + 20]!r})"
+        )
 
     # -- decoding ----------------------------------------------------------------------------
 

@@ -176,28 +176,65 @@ def mismatched_rows(
     return np.unique(np.repeat(row_of_token, lengths)[bad])
 
 
-def check_offsets(offsets: np.ndarray, text: str) -> str | None:
-    """Why these char offsets cannot locate the tokens in `text`, or None if they can.
+def check_offsets(offsets: np.ndarray, text: str) -> tuple[str | None, np.ndarray]:
+    """(why these char offsets cannot locate the tokens in `text` or None, uncovered chars).
 
-    Offsets must lie inside the text, start <= end, starts non-decreasing, and every
-    non-whitespace character must lie in some token's span (else the tokenizer rewrote or dropped
-    text in a way offsets do not describe).
+    Offsets must lie inside the text, start <= end, starts non-decreasing. Non-whitespace
+    characters in no token's span are returned: the caller decides whether the tokenizer dropped
+    them (lossy, allowed: e.g. a byte-level vocabulary without a token for that byte) or the
+    offsets fail to describe where tokens came from (a normalizer rewriting the text).
     """
     n = len(text)
+    none = np.zeros(0, dtype=np.int64)
     if len(offsets) == 0:
-        return "no tokens for a text with content" if text.strip() else None
+        return None, np.flatnonzero([not ch.isspace() for ch in text]).astype(np.int64)
     s, e = offsets[:, 0], offsets[:, 1]
     if s.min() < 0 or e.max() > n or (e < s).any():
-        return f"offsets outside [0, {n}] or reversed"
+        return f"offsets outside [0, {n}] or reversed", none
     if (np.diff(s) < 0).any():
-        return "token start offsets decrease"
+        return "token start offsets decrease", none
     cover = np.zeros(n + 1, dtype=np.int64)
     np.add.at(cover, s, 1)
     np.add.at(cover, e, -1)
     covered = np.cumsum(cover[:-1]) > 0
     content = np.fromiter((not ch.isspace() for ch in text), dtype=bool, count=n)
-    lost = np.flatnonzero(content & ~covered)
-    if len(lost):
-        shown = text[lost[0] : lost[0] + 20]
-        return f"{len(lost)} non-space characters lie in no token's span (first at {lost[0]}: {shown!r})"
-    return None
+    return None, np.flatnonzero(content & ~covered)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Per row, the bytes the tokens should reassemble: a prefix space the tokenizer invents
+    (SentencePiece dummy prefix), then the text's bytes minus those it drops (a byte-level
+    vocabulary with no token for a byte). Each stream byte knows the text span it consumes."""
+
+    buf: np.ndarray  # uint8 [S]
+    base: np.ndarray  # int64 [B + 1], row b is buf[base[b] : base[b + 1]]
+    src_start: np.ndarray  # int64 [S], global text byte where the stream byte's text starts
+    src_end: np.ndarray  # int64 [S], global text byte after it (== src_start for a prefix)
+    dropped: np.ndarray  # int64 [B], text bytes of the row missing from the stream
+
+
+def expected_stream(tb: TextBytes, prefix: np.ndarray, keep: np.ndarray | None) -> Stream:
+    """prefix: int64 [B] (0/1 invented spaces); keep: bool [256] bytes the tokenizer keeps."""
+    kept = np.ones(len(tb.buf), dtype=bool) if keep is None else keep[tb.buf]
+    kept_at = np.flatnonzero(kept)
+    kept_before = np.concatenate([[0], np.cumsum(kept)])  # kept bytes before each position
+    n_kept = np.diff(kept_before[tb.byte_base])
+    base = np.concatenate([[0], np.cumsum(n_kept + prefix)]).astype(np.int64)
+    row_of_kept = np.searchsorted(tb.byte_base, kept_at, side="right") - 1
+    pos = (
+        base[row_of_kept]
+        + prefix[row_of_kept]
+        + kept_before[kept_at]
+        - kept_before[tb.byte_base[row_of_kept]]
+    )
+    buf = np.full(int(base[-1]), 0x20, dtype=np.uint8)  # prefix bytes stay spaces
+    src_start = np.empty(int(base[-1]), dtype=np.int64)
+    buf[pos] = tb.buf[kept_at]
+    src_start[pos] = kept_at
+    src_end = np.empty_like(src_start)
+    src_end[pos] = kept_at + 1
+    invented = base[:-1][prefix > 0]
+    src_start[invented] = src_end[invented] = tb.byte_base[:-1][prefix > 0]
+    dropped = np.diff(tb.byte_base) - n_kept
+    return Stream(buf, base, src_start, src_end, dropped)

@@ -9,7 +9,7 @@ tokenizer prepends a space the text does not have (SentencePiece's dummy prefix)
 - GGUF: transformers' GGUF tokenizer conversion to a `tokenizers` object, plus the parts of
   llama.cpp's behaviour the conversion leaves out (see `_llama_cpp_fixes`), so that our ids equal
   llama.cpp's reference tokenizations.
-- SentencePiece `.model`: the `sentencepiece` library; offsets from its immutable proto.
+- SentencePiece `.model`: the `sentencepiece` library; offsets from its offset mapping.
 - tiktoken rank files (`base64 rank` per line): `tiktoken.Encoding`; offsets from token bytes.
 """
 
@@ -29,6 +29,7 @@ from pipelines.tokenizer_bytes import (
     SPACE_MARK,
     TextBytes,
     byte_level_bytes,
+    byte_level_decoder,
     metaspace_bytes,
 )
 
@@ -76,6 +77,8 @@ class Loaded:
     specials: dict[int, str]  # id -> content, every special token
     roles: dict[str, int] = field(default_factory=dict)
     prefix: str = PREFIX_NONE
+    spellings: list[str | None] | None = None  # id -> the vocabulary's own spelling of the token
+    byte_level: bool = False  # every text byte becomes one stand-in; bytes without a token drop
 
 
 class FormatError(Exception):
@@ -146,8 +149,10 @@ def from_tokenizers(tk, roles_by_content: dict[str, str]) -> Loaded:
     added = tk.get_added_tokens_decoder()
     size = max(vocab.values()) + 1 if vocab else 0
     token_bytes: list[bytes | None] = [None] * size
+    spellings: list[str | None] = [None] * size
     specials: dict[int, str] = {}
     for piece, i in vocab.items():
+        spellings[i] = piece
         a = added.get(i)
         if (a is not None and a.special) or (a is None and piece == unk):
             specials[i] = piece if a is None else a.content
@@ -162,7 +167,10 @@ def from_tokenizers(tk, roles_by_content: dict[str, str]) -> Loaded:
             roles[role] = i
     if unk is not None and "unk" not in roles and tk.token_to_id(unk) is not None:
         roles["unk"] = tk.token_to_id(unk)
-    return Loaded(TokenizersBackend(tk), token_bytes, specials, roles, _prefix_mode(norm, pre))
+    prefix = _prefix_mode(norm, pre)
+    return Loaded(
+        TokenizersBackend(tk), token_bytes, specials, roles, prefix, spellings, byte_level
+    )
 
 
 def _prefix_mode(norm: dict, pre: dict) -> str:
@@ -225,6 +233,12 @@ def load_gguf(path: Path) -> Loaded:
     tk = _llama_cpp_fixes(tk, arch, d)
     loaded = from_tokenizers(tk, {})
     tokens = d["tokens"]
+    # ids past the file's vocabulary are special tokens the conversion invented; specials are
+    # never parsed from text (encode_special_tokens), so they cannot be emitted: drop them
+    n = len(tokens)
+    loaded.token_bytes = loaded.token_bytes[:n]
+    loaded.spellings = loaded.spellings[:n]
+    loaded.specials = {i: c for i, c in loaded.specials.items() if i < n}
     for role in ROLES:
         key = {"unk": "unk_token_id", "pad": "pad_token_id"}.get(role, f"{role}_token_id")
         i = d.get(key)
@@ -245,18 +259,12 @@ def _llama_cpp_fixes(tk, arch: str, d: dict):
        builder) is tokenized by llama.cpp as: one space prepended (unless the file says
        add_space_prefix = false), every space escaped to ``▁``, no pre-tokenizer split. The
        conversion uses `Metaspace(prepend_scheme="first")`, which differs on leading spaces.
-    3. The byte-level builder adds GPT-2's default `<|endoftext|>` when the vocabulary lacks it,
-       as an id past the file's vocabulary; llama.cpp has no such token.
+    (The byte-level builder also adds GPT-2's default `<|endoftext|>` when the vocabulary lacks
+    it, as an id past the file's vocabulary; `load_gguf` cuts the vocabulary back to the file's.)
     """
-    from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import normalizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_SENTENCEPIECE_BUILDERS
 
-    n = len(d["tokens"])
-    if any(i >= n for i in tk.get_added_tokens_decoder()):
-        j = json.loads(tk.to_str())
-        j["added_tokens"] = [a for a in j["added_tokens"] if a["id"] < n]
-        tk = HFTokenizer.from_str(json.dumps(j))
     if d.get("pre_tokenizer_type") in IGNORE_MERGES_PRE and hasattr(tk.model, "ignore_merges"):
         tk.model.ignore_merges = True
     if d.get("tokenizer_type") == "llama" and arch not in GGUF_SENTENCEPIECE_BUILDERS:
@@ -280,14 +288,9 @@ class SentencePieceBackend:
         return self.sp.encode(texts)
 
     def encode_offsets(self, texts):
-        out = []
-        for text, proto in zip(texts, self.sp.encode(texts, out_type="immutable_proto")):
-            spans = np.array([(p.id, p.begin, p.end) for p in proto.pieces], dtype=np.int64)
-            spans = spans.reshape(-1, 3)
-            tb = TextBytes.build([text])  # begin/end are byte offsets into the original text
-            s, e = tb.bytes_to_chars(spans[:, 1], spans[:, 2])
-            out.append((spans[:, 0].tolist(), np.stack([s, e], axis=1)))
-        return out
+        # sentencepiece 0.2.2 reports char offsets itself (its immutable proto is gone)
+        rows = self.sp.encode(texts, return_type="offset_mapping")
+        return [(r["ids"], np.array(r["offsets"], dtype=np.int64).reshape(-1, 2)) for r in rows]
 
 
 def load_sentencepiece(path: Path) -> Loaded:
@@ -316,7 +319,8 @@ def load_sentencepiece(path: Path) -> Loaded:
     if sp.unk_id() >= 0:
         roles["unk"] = sp.unk_id()
     prefix = PREFIX_ALWAYS if proto.normalizer_spec.add_dummy_prefix else PREFIX_NONE
-    return Loaded(SentencePieceBackend(sp), token_bytes, specials, roles, prefix)
+    spellings = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    return Loaded(SentencePieceBackend(sp), token_bytes, specials, roles, prefix, spellings)
 
 
 # ---------------------------------------------------------------- tiktoken
@@ -390,4 +394,37 @@ def load_tiktoken(path: Path) -> Loaded:
         for role in ROLES
         if cfg.get(f"{role}_token") in special_tokens
     }
-    return Loaded(TiktokenBackend(enc, token_bytes, specials), token_bytes, specials, roles)
+    # tiktoken has no spelling of its own: use the byte-level one HF would write for these bytes
+    stand_in = {b: ch for ch, b in byte_level_decoder().items()}
+    spellings = [
+        "".join(stand_in[x] for x in b) if b is not None else specials.get(i)
+        for i, b in enumerate(token_bytes)
+    ]
+    backend = TiktokenBackend(enc, token_bytes, specials)
+    return Loaded(backend, token_bytes, specials, roles, PREFIX_NONE, spellings)
+
+
+# ---------------------------------------------------------------- llama.cpp reference tokenizations
+
+
+def read_llama_cpp_vocab_tests(gguf: Path) -> list[tuple[str, list[int]]]:
+    """(text, expected ids) pairs from llama.cpp's ``<vocab>.gguf.inp`` / ``.out`` files.
+
+    Format (convert_hf_to_gguf_update.py writes it, tests/test-tokenizer-0.cpp reads it): the
+    .inp file is every test text followed by ``"\\n__ggml_vocab_test__\\n"``; the .out file has one
+    line per text, each id preceded by a space. The ids come from the reference HF tokenizer with
+    ``add_special_tokens=False`` and llama.cpp checks them with ``add_special=false``: no BOS/EOS.
+    """
+    gguf = Path(gguf)
+    raw = gguf.with_name(gguf.name + ".inp").read_text(encoding="utf-8")
+    texts = raw.split("\n__ggml_vocab_test__\n")
+    if texts[-1] != "":
+        raise ValueError(f"{gguf}.inp: does not end with the test separator")
+    texts = texts[:-1]
+    lines = gguf.with_name(gguf.name + ".out").read_text(encoding="utf-8").split("\n")
+    if lines[-1] != "":
+        raise ValueError(f"{gguf}.out: does not end with a newline")
+    lines = lines[:-1]
+    if len(lines) != len(texts):
+        raise ValueError(f"{gguf}: {len(texts)} texts in .inp but {len(lines)} lines in .out")
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
