@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from pipelines import paths
 from pipelines.schema import TokenizerInfo
@@ -161,7 +162,8 @@ def _encode_ids(tok: Tokenizer, texts: list[str], *, chunk: int = 8192):
         ids.append(enc.ids)
         lengths.extend(np.diff(enc.row_splits).tolist())
 
-    for start in range(0, len(texts), chunk):
+    starts = range(0, len(texts), chunk)
+    for start in tqdm(starts, desc=f"re-tokenize with {tok.name}", unit="chunk", disable=None):
         go(texts[start : start + chunk])
     splits = np.zeros(len(texts) + 1, np.int64)
     np.cumsum(lengths, out=splits[1:])
