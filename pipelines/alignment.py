@@ -39,6 +39,8 @@ CHUNK_1_1, CHUNK_1_N, CHUNK_N_1, CHUNK_N_M = 0, 1, 2, 3  # student:teacher token
 CHUNK_KIND_NAMES = ("1:1", "1:N", "N:1", "N:M")
 
 _ERR_NO_TABLE = 1  # a row needs the DP fallback but no token byte table was given
+_META_SPECIAL = 1 << 15
+_LEN_CAP = (1 << 15) - 1  # longer tokens: meta holds the cap, the check reads the offsets
 
 
 class AlignmentError(ValueError):
@@ -50,12 +52,15 @@ class VocabBytes:
     """Token byte table of one vocabulary, packed for the kernels.
 
     offsets int64 [V + 1], data uint8: token t's bytes are data[offsets[t]:offsets[t + 1]];
-    special bool [V]: control/added special tokens (no bytes, chunk -1).
+    special bool [V]: control/added special tokens (no bytes, chunk -1); meta uint16 [V]: the
+    byte length (capped at _LEN_CAP) with _META_SPECIAL set for specials, one compact table the
+    per-token check reads (8-byte offsets for a 128k vocab miss the cache far more often).
     """
 
     offsets: np.ndarray
     data: np.ndarray
     special: np.ndarray
+    meta: np.ndarray
 
     @property
     def size(self) -> int:
@@ -71,7 +76,8 @@ class VocabBytes:
         for t in special_ids:
             if 0 <= t < special.size:
                 special[t] = True
-        return VocabBytes(offsets, data, special)
+        meta = np.minimum(lens, _LEN_CAP).astype(np.uint16) | (special.astype(np.uint16) << 15)
+        return VocabBytes(offsets, data, special, meta)
 
 
 _VOCAB_CACHE: dict[str, VocabBytes] = {}
@@ -170,9 +176,13 @@ class BatchAlignment:
 # ----------------------------------------------------------------------------- kernel
 
 
+_BAD, _SPECIAL, _ZERO = 1, 2, 4  # per-token flags written by _trust
+
+
 @njit(cache=True)
-def _trust(ids, bo, lo, n, lossless, toff, spec, has_tab, tb, bad):
-    """Per token: bad[k] (span untrusted); tb[k] = trusted boundary before token k or -1.
+def _trust(ids, bo, lo, n, lossless, toff, meta, has_tab, tb, flags):
+    """Per token k: flags[k] (_BAD: span untrusted, _SPECIAL, _ZERO: zero width) and tb[k], the
+    trusted boundary before token k or -1.
 
     A token is good when it starts where everything before it ended and its span is as long as
     its bytes. The boundary before token k is trusted when the spans tile there and a good token
@@ -185,14 +195,18 @@ def _trust(ids, bo, lo, n, lossless, toff, spec, has_tab, tb, bad):
         en = bo[lo + k, 1]
         tiles = st == max_end
         ok = tiles and en >= st
-        if ok:
-            if has_tab:
-                t = ids[lo + k]
-                if not spec[t] and toff[t + 1] - toff[t] != en - st:
-                    ok = False
-            elif not lossless:
-                ok = False
-        bad[k] = not ok
+        f = _ZERO if en == st else 0
+        if has_tab:
+            t = ids[lo + k]
+            mt = meta[t]
+            if mt & _META_SPECIAL:
+                f |= _SPECIAL
+            elif ok:
+                length = mt if mt < _LEN_CAP else toff[t + 1] - toff[t]
+                ok = length == en - st
+        elif not lossless:
+            ok = False
+        flags[k] = f if ok else f | _BAD
         tb[k] = st if tiles and (ok or prev_ok) else -1
         prev_ok = ok
         if en > max_end:
@@ -235,63 +249,78 @@ def _walk(tb_s, n, tb_t, m, reg):
 
 
 @njit(cache=True)
-def _trim(ids, bo, lo, k0, k1, spec, has_tab, dp):
-    """Shrink [k0, k1) past zero-width specials at its ends (BOS/EOS sitting on a boundary).
+def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, t_off, t_data,
+               has_s, has_t, lossless, s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend,
+               c):  # fmt: skip
+    """Turn one row's candidate chunks into labels; returns (next chunk index, dropped tokens).
 
-    Returns (k0, k1, n_special_left, n_plain): a special left inside means the run covers a
-    special token's text and the chunk must be dropped. In a DP region every special counts as
-    zero-width, as the DP sees no bytes for it.
+    cand[q] = (student end, teacher end, byte end, from DP) of candidate q, consecutive from
+    token 0 on both sides. A candidate holding a special token (other than zero-width ones at its
+    ends, which stay -1; in a DP region every special counts as zero-width, as the DP sees no
+    bytes for it) or left with no token on one side is dropped on both sides and its plain
+    tokens counted. f_s / f_t: the row's token flags from _trust.
+
+    Everything per chunk is written out here, on purpose: array arguments of a helper called
+    per chunk (or tuples of arrays unpacked per chunk) cost reference counting on every call,
+    which once made this loop 20x slower than the walk itself.
     """
-    if not has_tab:
-        return k0, k1, 0, k1 - k0
-    while k0 < k1 and spec[ids[lo + k0]] and (dp or bo[lo + k0, 0] == bo[lo + k0, 1]):
-        k0 += 1
-    while k1 > k0 and spec[ids[lo + k1 - 1]] and (dp or bo[lo + k1 - 1, 0] == bo[lo + k1 - 1, 1]):
-        k1 -= 1
-    n_spec = 0
-    for k in range(k0, k1):
-        if spec[ids[lo + k]]:
-            n_spec += 1
-    return k0, k1, n_spec, k1 - k0 - n_spec
-
-
-@njit(cache=True)
-def _emit(s_ids, t_ids, s_bo, t_bo, s_lo, t_lo, span, byte_end, dp, tabs, has_tab, out, c, c_row):
-    """Record chunk span = (a0, a1, b0, b1) of a row as chunk c, or drop it.
-
-    A chunk that holds a special token (other than zero-width ones at its ends, which stay -1) or
-    that has no token left on one side is dropped on both sides; its plain tokens are counted in
-    out[-1][0]. Returns the next chunk index.
-    """
-    s_off, s_data, s_spec, t_off, t_data, t_spec = tabs
-    s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend, dropped = out
-    a0, a1, b0, b1 = span
-    i0, i1, s_sp, s_plain = _trim(s_ids, s_bo, s_lo, a0, a1, s_spec, has_tab[0], dp)
-    j0, j1, t_sp, t_plain = _trim(t_ids, t_bo, t_lo, b0, b1, t_spec, has_tab[1], dp)
-    if s_sp or t_sp or i0 == i1 or j0 == j1:
-        dropped[0] += s_plain + t_plain
-        return c
-    local = c - c_row
-    s_chunk[s_lo + i0 : s_lo + i1] = local
-    t_chunk[t_lo + j0 : t_lo + j1] = local
-    ns = i1 - i0
-    nt = j1 - j0
-    kind[c] = 0 if ns == 1 and nt == 1 else (1 if ns == 1 else (2 if nt == 1 else 3))
-    same = ns == 1 and nt == 1
-    if same and has_tab[0] and has_tab[1]:
-        u = s_ids[s_lo + i0]
-        v = t_ids[t_lo + j0]
-        la = s_off[u + 1] - s_off[u]
-        same = la == t_off[v + 1] - t_off[v]
-        q = 0
-        while same and q < la:
-            same = s_data[s_off[u] + q] == t_data[t_off[v] + q]
-            q += 1
-    exact[c] = same
-    c_send[c] = a1
-    c_tend[c] = b1
-    c_bend[c] = byte_end
-    return c + 1
+    c_row = c
+    dropped = 0
+    a0 = 0
+    b0 = 0
+    for q in range(n_cand):
+        a1 = cand[q, 0]
+        b1 = cand[q, 1]
+        dp = cand[q, 3] != 0
+        edge = _SPECIAL if dp else _SPECIAL | _ZERO  # specials that can be trimmed off an end
+        i0 = a0
+        i1 = a1
+        while i0 < i1 and f_s[i0] & edge == edge:
+            i0 += 1
+        while i1 > i0 and f_s[i1 - 1] & edge == edge:
+            i1 -= 1
+        s_sp = 0
+        for k in range(i0, i1):
+            s_sp += (f_s[k] & _SPECIAL) != 0
+        j0 = b0
+        j1 = b1
+        while j0 < j1 and f_t[j0] & edge == edge:
+            j0 += 1
+        while j1 > j0 and f_t[j1 - 1] & edge == edge:
+            j1 -= 1
+        t_sp = 0
+        for k in range(j0, j1):
+            t_sp += (f_t[k] & _SPECIAL) != 0
+        if s_sp or t_sp or i0 == i1 or j0 == j1:
+            dropped += (i1 - i0 - s_sp) + (j1 - j0 - t_sp)
+        else:
+            local = c - c_row
+            for k in range(s_lo + i0, s_lo + i1):
+                s_chunk[k] = local
+            for k in range(t_lo + j0, t_lo + j1):
+                t_chunk[k] = local
+            ns = i1 - i0
+            nt = j1 - j0
+            kind[c] = 0 if ns == 1 and nt == 1 else (1 if ns == 1 else (2 if nt == 1 else 3))
+            same = ns == 1 and nt == 1
+            # in a clean region of two lossless rows both tokens' bytes are the text's bytes
+            if same and has_s and has_t and (dp or not lossless):
+                u = s_ids[s_lo + i0]
+                v = t_ids[t_lo + j0]
+                la = s_off[u + 1] - s_off[u]
+                same = la == t_off[v + 1] - t_off[v]
+                p = 0
+                while same and p < la:
+                    same = s_data[s_off[u] + p] == t_data[t_off[v] + p]
+                    p += 1
+            exact[c] = same
+            c_send[c] = a1
+            c_tend[c] = b1
+            c_bend[c] = cand[q, 2]
+            c += 1
+        a0 = a1
+        b0 = b1
+    return c, dropped
 
 
 @njit(cache=True)
@@ -307,6 +336,8 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
         cap += min(n, m)
         max_n = max(max_n, n)
         max_m = max(max_m, m)
+    s_off, s_data, s_meta, t_off, t_data, t_meta = tabs
+    has_s, has_t = has_tab
     s_chunk = np.full(s_ids.size, -1, np.int32)
     t_chunk = np.full(t_ids.size, -1, np.int32)
     kind = np.empty(cap, np.int8)
@@ -314,30 +345,26 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
     c_send = np.empty(cap, np.int32)
     c_tend = np.empty(cap, np.int32)
     c_bend = np.empty(cap, np.int64)
-    dropped_row = np.zeros(1, np.int64)
-    out = (s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend, dropped_row)
     dropped = np.zeros(n_rows, np.int32)
     chunk_splits = np.zeros(n_rows + 1, np.int64)
     fallback = np.zeros(n_rows, np.int32)
     err = np.zeros(n_rows, np.int8)
     tb_s = np.empty(max_n + 1, np.int64)
     tb_t = np.empty(max_m + 1, np.int64)
-    bad_s = np.empty(max_n + 1, np.bool_)
-    bad_t = np.empty(max_m + 1, np.bool_)
+    f_s = np.empty(max_n + 1, np.uint8)
+    f_t = np.empty(max_m + 1, np.uint8)
     reg = np.empty((min(max_n, max_m) + 1, 3), np.int64)
+    cand = np.empty((min(max_n, max_m) + 1, 4), np.int64)
     loc_s = np.empty(max_n, np.int32)
     loc_t = np.empty(max_m, np.int32)
-    s_off, s_data, _, t_off, t_data, _ = tabs
     c = 0
     for b in range(n_rows):
         s_lo = s_splits[b]
         t_lo = t_splits[b]
         n = s_splits[b + 1] - s_lo
         m = t_splits[b + 1] - t_lo
-        c_row = c
-        dropped_row[0] = 0
-        _trust(s_ids, s_bo, s_lo, n, s_lossless[b], s_off, tabs[2], has_tab[0], tb_s, bad_s)
-        _trust(t_ids, t_bo, t_lo, m, t_lossless[b], t_off, tabs[5], has_tab[1], tb_t, bad_t)
+        _trust(s_ids, s_bo, s_lo, n, s_lossless[b], s_off, s_meta, has_s, tb_s, f_s)
+        _trust(t_ids, t_bo, t_lo, m, t_lossless[b], t_off, t_meta, has_t, tb_t, f_t)
         n_reg = 0 if force_dp else _walk(tb_s, n, tb_t, m, reg)
         done_s = reg[n_reg - 1, 0] if n_reg else 0
         done_t = reg[n_reg - 1, 1] if n_reg else 0
@@ -350,6 +377,8 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
             reg[n_reg - 1, 0] = n
             reg[n_reg - 1, 1] = m
             reg[n_reg - 1, 2] = tb_s[n] if tb_s[n] == tb_t[m] else -1
+        # regions -> candidate chunks: a clean region is one chunk, a dirty one goes to the DP
+        n_cand = 0
         a0 = 0
         b0 = 0
         for r in range(n_reg):
@@ -357,13 +386,16 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
             b1 = reg[r, 1]
             dirty = dirty_last and r == n_reg - 1
             for k in range(a0, a1):
-                dirty = dirty or bad_s[k]
+                dirty = dirty or (f_s[k] & _BAD) != 0
             for k in range(b0, b1):
-                dirty = dirty or bad_t[k]
+                dirty = dirty or (f_t[k] & _BAD) != 0
             if not dirty:
-                c = _emit(s_ids, t_ids, s_bo, t_bo, s_lo, t_lo, (a0, a1, b0, b1), reg[r, 2],
-                          False, tabs, has_tab, out, c, c_row)  # fmt: skip
-            elif not (has_tab[0] and has_tab[1]):
+                cand[n_cand, 0] = a1
+                cand[n_cand, 1] = b1
+                cand[n_cand, 2] = reg[r, 2]
+                cand[n_cand, 3] = 0
+                n_cand += 1
+            elif not (has_s and has_t):
                 err[b] = _ERR_NO_TABLE
                 break
             else:
@@ -374,25 +406,29 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
                 i = 0
                 j = 0
                 for q in range(n_loc):
-                    i1 = i
-                    while i1 < a1 - a0 and loc_s[i1] == q:
-                        i1 += 1
-                    j1 = j
-                    while j1 < b1 - b0 and loc_t[j1] == q:
-                        j1 += 1
-                    c = _emit(s_ids, t_ids, s_bo, t_bo, s_lo, t_lo,
-                              (a0 + i, a0 + i1, b0 + j, b0 + j1),
-                              reg[r, 2] if q == n_loc - 1 else -1, True, tabs, has_tab, out, c,
-                              c_row)  # fmt: skip
-                    i = i1
-                    j = j1
+                    while i < a1 - a0 and loc_s[i] == q:
+                        i += 1
+                    while j < b1 - b0 and loc_t[j] == q:
+                        j += 1
+                    cand[n_cand, 0] = a0 + i
+                    cand[n_cand, 1] = b0 + j
+                    cand[n_cand, 2] = reg[r, 2] if q == n_loc - 1 else -1
+                    cand[n_cand, 3] = 1
+                    n_cand += 1
+                if n_loc == 0:  # one side empty: nothing to pair, counted as dropped below
+                    cand[n_cand, 0] = a1
+                    cand[n_cand, 1] = b1
+                    cand[n_cand, 2] = -1
+                    cand[n_cand, 3] = 1
+                    n_cand += 1
             a0 = a1
             b0 = b1
-        if err[b]:  # leave nothing half-written for a failed row
-            s_chunk[s_lo : s_lo + n] = -1
-            t_chunk[t_lo : t_lo + m] = -1
-            c = c_row
-        dropped[b] = dropped_row[0]
+        if err[b]:
+            n_cand = 0  # a failed row keeps no chunk; row_error says why
+        lossless = s_lossless[b] and t_lossless[b]
+        c, dropped[b] = _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data,
+                                   t_off, t_data, has_s, has_t, lossless, s_chunk, t_chunk, kind,
+                                   exact, c_send, c_tend, c_bend, c)  # fmt: skip
         chunk_splits[b + 1] = c
     return (s_chunk, t_chunk, chunk_splits, kind[:c], exact[:c], c_send[:c], c_tend[:c],
             c_bend[:c], fallback, dropped, err)  # fmt: skip
@@ -400,7 +436,7 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
 
 # ----------------------------------------------------------------------------- Python API
 
-_EMPTY_TAB = VocabBytes(np.zeros(1, np.int64), np.zeros(0, np.uint8), np.zeros(0, np.bool_))
+_EMPTY_TAB = VocabBytes.from_pieces([])
 
 
 def _table(source, ids: np.ndarray, side: str) -> VocabBytes | None:
@@ -450,7 +486,7 @@ def align_flat(
         raise AlignmentError("force_fallback needs student_bytes and teacher_bytes")
     st = s_tab or _EMPTY_TAB
     tt = t_tab or _EMPTY_TAB
-    tabs = (st.offsets, st.data, st.special, tt.offsets, tt.data, tt.special)
+    tabs = (st.offsets, st.data, st.meta, tt.offsets, tt.data, tt.meta)
     res = _align_kernel(
         s_ids,
         np.ascontiguousarray(student_byte_offsets, np.int64).reshape(-1, 2),

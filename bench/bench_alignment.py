@@ -1,0 +1,243 @@
+"""Alignment throughput: our Numba two-pointer kernel vs TRL 1.16 GOLD's byte-offset aligner.
+
+Same tokenizations for both (tokenization is excluded from every timing): a few MB of the shipped
+Shakespeare corpus, cut into documents of about 2,000 characters, tokenized once with SmolLM2
+(student) and a byte-level teacher TRL accepts (the llama-bpe vocab), plus Gemma-3 (SentencePiece,
+which TRL refuses) for our aligner only. Throughput counts student + teacher tokens per second.
+
+TRL baseline: `trl.experimental.gold.gold_trainer.ULDLoss._align_by_byte_offsets` (a bench-only
+dependency, `pip install --no-deps trl==1.16.0` plus the modules its import needs) called once per
+document on Python lists of [start, end] byte offsets, as GOLD does. Measured with the garbage
+collector on and off, with the lists built before timing (the most favourable case for TRL) and
+with the per-document `.tolist()` GOLD runs in its loss loop. Ratios are against the fastest TRL
+figure. Every variant runs in its own subprocess so its peak RSS (ru_maxrss minus the resident
+set just before the timed calls, inputs and compiled kernels already loaded) is its own.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+DOC_CHARS = 2000
+CORPUS_BYTES = 3_000_000
+REPEATS = 3
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _documents() -> list[str]:
+    from pipelines import paths
+
+    docs: list[str] = []
+    total = 0
+    for f in sorted((paths.corpus_dir() / "shakespeare").glob("*.txt")):
+        text = f.read_text(encoding="utf-8")
+        for i in range(0, len(text), DOC_CHARS):
+            docs.append(text[i : i + DOC_CHARS])
+            total += len(docs[-1].encode())
+            if total >= CORPUS_BYTES:
+                return docs
+    return docs
+
+
+def _prepare(out: Path) -> dict:
+    """Tokenize the documents once with every tokenizer; save flat arrays for the children."""
+    from pipelines import paths
+    from pipelines.tokenizer import load_tokenizer
+
+    docs = _documents()
+    toks = {
+        "smollm2": paths.student_dir(),
+        "llama-bpe": paths.vocab_fixture("llama-bpe"),
+        "gemma": paths.teacher_dir(),
+    }
+    arrays, info = {}, {"docs": len(docs), "bytes": sum(len(d.encode()) for d in docs)}
+    for name, path in toks.items():
+        tok = load_tokenizer(path)
+        t0 = time.perf_counter()
+        enc = tok.encode_batch(docs)
+        info[f"tokenize_s_{name}"] = time.perf_counter() - t0
+        info[f"tokens_{name}"] = int(enc.ids.size)
+        for field in ("ids", "byte_offsets", "row_splits", "lossless"):
+            arrays[f"{name}.{field}"] = getattr(enc, field)
+    np.savez(out, **arrays)
+    return info
+
+
+def _load(npz: Path, name: str) -> tuple[np.ndarray, ...]:
+    z = np.load(npz)
+    return tuple(z[f"{name}.{f}"] for f in ("ids", "byte_offsets", "row_splits", "lossless"))
+
+
+def _tokenizer_path(name: str):
+    from pipelines import paths
+
+    return {
+        "smollm2": paths.student_dir(),
+        "llama-bpe": paths.vocab_fixture("llama-bpe"),
+        "gemma": paths.teacher_dir(),
+    }[name]
+
+
+def _child(variant: str, npz: Path) -> dict:
+    """One measurement in this (fresh) process; returns tokens, best seconds and peak MB."""
+    kind, teacher = variant.split(":")
+    s_ids, s_bo, s_rs, s_ll = _load(npz, "smollm2")
+    t_ids, t_bo, t_rs, t_ll = _load(npz, teacher)
+    n_tokens = int(s_ids.size + t_ids.size)
+    rows = s_rs.size - 1
+    if kind.startswith("ours"):
+        from pipelines.alignment import align_flat, vocab_bytes
+        from pipelines.tokenizer import load_tokenizer
+
+        s_tab = vocab_bytes(load_tokenizer(_tokenizer_path("smollm2")))
+        t_tab = vocab_bytes(load_tokenizer(_tokenizer_path(teacher)))
+        force = kind == "ours_dp"
+
+        def run():
+            res = align_flat(s_ids, s_bo, s_rs, t_ids, t_bo, t_rs, student_lossless=s_ll,
+                             teacher_lossless=t_ll, student_bytes=s_tab, teacher_bytes=t_tab,
+                             force_fallback=force)  # fmt: skip
+            if kind == "ours_rows":
+                res.rows()
+            return res
+
+        run()  # compile / load the cached kernels before measuring memory
+    else:
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.gold.gold_trainer import ULDLoss
+
+        trl_align = ULDLoss._align_by_byte_offsets
+        prebuilt = kind.startswith("trl_lists")
+        if prebuilt:
+            s_lists = [s_bo[s_rs[b] : s_rs[b + 1]].tolist() for b in range(rows)]
+            t_lists = [t_bo[t_rs[b] : t_rs[b + 1]].tolist() for b in range(rows)]
+
+        def run():
+            groups = 0
+            for b in range(rows):
+                if prebuilt:
+                    s, t = s_lists[b], t_lists[b]
+                else:
+                    s = s_bo[s_rs[b] : s_rs[b + 1]].tolist()
+                    t = t_bo[t_rs[b] : t_rs[b + 1]].tolist()
+                groups += len(trl_align(s, t)[0])
+            return groups
+
+        if kind.endswith("nogc"):
+            gc.disable()
+    base = _rss_mb()
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return {"tokens": n_tokens, "s": min(times), "peak_mb": max(0.0, _peak_mb() - base)}
+
+
+VARIANTS = [
+    ("trl_lists:llama-bpe", "TRL GOLD aligner, GC on (offset lists built before timing)"),
+    ("trl_lists_nogc:llama-bpe", "TRL GOLD aligner, GC off (offset lists built before timing)"),
+    ("trl_tolist:llama-bpe", "TRL GOLD aligner, GC on, incl. per-document `.tolist()`"),
+    ("trl_tolist_nogc:llama-bpe", "TRL GOLD aligner, GC off, incl. per-document `.tolist()`"),
+    ("ours:llama-bpe", "ours, flat arrays (one kernel call per batch)"),
+    ("ours_rows:llama-bpe", "ours, flat + per-row `Alignment` objects"),
+    ("ours_dp:llama-bpe", "ours, DP fallback forced on every row"),
+    ("ours:gemma", "ours, flat arrays, Gemma-3 teacher (TRL refuses it)"),
+    ("ours_rows:gemma", "ours, flat + per-row `Alignment` objects, Gemma-3 teacher"),
+]
+
+
+def _agreement(npz: Path) -> tuple[int, int]:
+    """Documents where our chunks equal TRL's groups (SmolLM2 x llama-bpe), out of all."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gold.gold_trainer import ULDLoss
+
+    from pipelines.alignment import align_flat
+
+    s_ids, s_bo, s_rs, s_ll = _load(npz, "smollm2")
+    t_ids, t_bo, t_rs, t_ll = _load(npz, "llama-bpe")
+    res = align_flat(s_ids, s_bo, s_rs, t_ids, t_bo, t_rs)
+    same = 0
+    for b in range(s_rs.size - 1):
+        sg, tg = ULDLoss._align_by_byte_offsets(
+            s_bo[s_rs[b] : s_rs[b + 1]].tolist(), t_bo[t_rs[b] : t_rs[b + 1]].tolist()
+        )
+        al = res.row(b)
+        ours_s = [np.flatnonzero(al.student_chunk == c).tolist() for c in range(al.n_chunks)]
+        ours_t = [np.flatnonzero(al.teacher_chunk == c).tolist() for c in range(al.n_chunks)]
+        same += ours_s == sg and ours_t == tg
+    return same, s_rs.size - 1
+
+
+def main() -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        npz = Path(tmp) / "tok.npz"
+        info = _prepare(npz)
+        results = {}
+        for variant, _ in VARIANTS:
+            print(f"  alignment bench: {variant}", flush=True)
+            out = subprocess.run(
+                [sys.executable, "-m", "bench.bench_alignment", "--child", variant, str(npz)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                check=True,
+            )
+            results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        same, n_docs = _agreement(npz)
+    import trl
+
+    best_trl = max(r["tokens"] / r["s"] for v, r in results.items() if v.startswith("trl"))
+    lines = [
+        "## Alignment throughput (`bench/bench_alignment.py`)\n",
+        f"{info['docs']} documents of ~{DOC_CHARS} characters, {info['bytes'] / 1e6:.1f} MB of "
+        f"Shakespeare; SmolLM2 {info['tokens_smollm2']:,} tokens, llama-bpe "
+        f"{info['tokens_llama-bpe']:,}, Gemma-3 {info['tokens_gemma']:,}. Tokens/s count student "
+        f"+ teacher tokens, tokenization excluded; best of {REPEATS}; each variant in its own "
+        f"process. Baseline: TRL {trl.__version__} `ULDLoss._align_by_byte_offsets`; ratios are "
+        "against the fastest TRL variant. Peak = ru_maxrss growth during the timed calls.\n",
+        "| variant | teacher | tokens/s | vs fastest TRL | peak MB |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for variant, label in VARIANTS:
+        r = results[variant]
+        teacher = variant.split(":")[1]
+        rate = r["tokens"] / r["s"]
+        lines.append(
+            f"| {label} | {teacher} | {rate / 1e6:.2f}M | {rate / best_trl:.1f}x "
+            f"| {r['peak_mb']:.0f} |"
+        )
+    tok_s = info["tokenize_s_smollm2"] + info["tokenize_s_llama-bpe"]
+    ours_s = results["ours:llama-bpe"]["s"]
+    lines += [
+        "",
+        f"Our chunks equal TRL's groups on {same} of {n_docs} documents (SmolLM2 x llama-bpe). "
+        f"Tokenizing the same text with both tokenizers took {tok_s:.1f} s; aligning it "
+        f"{ours_s * 1e3:.0f} ms ({100 * ours_s / tok_s:.2f}% of tokenization).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        print(json.dumps(_child(sys.argv[2], Path(sys.argv[3]))))
+    else:
+        print(main())
