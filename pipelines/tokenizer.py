@@ -4,13 +4,20 @@ Everything downstream (alignment, projection, shards, bits-per-byte) needs more 
 each token lies in the text (character and UTF-8 byte offsets), the exact bytes each token stands
 for, the special tokens and their roles, the number of ids the tokenizer can emit, and a
 fingerprint of the vocabulary to refuse artifacts made with another one. This module gives all of
-that, with no special tokens added (callers add BOS/EOS by role) and arrays in numpy.
+that, with no special tokens added, and arrays in numpy.
 
-How offsets are computed: ids come from the backend's fastest call; where a row's token bytes
-reassemble the text's UTF-8 (checked exactly, one numpy gather per batch) offsets are the
-cumulative token byte lengths, mapped to characters. Only rows that do not (normalizers, unknown
-characters, a SentencePiece dummy prefix) ask the backend for its own character offsets, which are
-then checked: offsets that cannot locate the tokens raise `NoOffsetsError`, never pass silently.
+How offsets are computed: ids come from the backend's fastest call. Where a row's token bytes
+reassemble the bytes the tokenizer saw (the text's UTF-8, plus a SentencePiece dummy-prefix space,
+minus bytes a byte-level vocabulary has no token for and drops; checked exactly, one numpy gather
+per batch), offsets follow from cumulative token byte lengths, mapped to characters. The other
+rows (normalizers, a literal "▁", unknown characters) take the backend's own character offsets,
+which are checked: offsets that cannot locate the tokens raise `NoOffsetsError`.
+
+Conventions: a token that covers part of a character (byte-level or byte-fallback pieces) gets
+that whole character as its char span, so char spans of neighbours may overlap; byte spans never
+do. The invented dummy-prefix space covers no text ("▁" alone is [0, 0), "▁Hello" is [0, 5)).
+Special tokens are never parsed from text: "<eos>" in a document is five characters (llama.cpp's
+parse_special=false), so data cannot inject control tokens; callers add BOS/EOS by role.
 
 A tokenizer that loads empty (the transformers 5 trap `LlamaTokenizerFast(vocab_file=...)` saves a
 tokenizer.json with only special tokens) raises `EmptyTokenizerError`.
@@ -370,7 +377,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     Loaded tokenizers are cached in memory by file and modification time (they are immutable).
     """
-    path = Path(path)
+    path = Path(path).absolute()  # absolute: a pickled tokenizer reloads from any cwd
     kind, file = _resolve(path)
     watched = [
         file,
