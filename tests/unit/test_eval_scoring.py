@@ -206,3 +206,14 @@ def test_random_model_is_at_chance(tiny_llama, smol_tok, eval_data_ready):
         assert res[task]["n"] == 100
         assert abs(m["value"] - 1 / k) <= 3 * m["stderr"], (task, m)
         assert len(set(res[task]["samples"]["pred"])) > 1  # not stuck on one choice
+
+
+def test_bpb_same_with_pipelines_tokenizer(tiny_llama, smol_tok, student_dir):
+    """The trainer passes a ``pipelines`` Tokenizer: same ids, same start token, same BPB."""
+    from pipelines.tokenizer import load_tokenizer
+
+    texts = [TEXT, "Second text."]
+    hf = evaluate_bpb(tiny_llama, smol_tok, texts, batch_size=2, max_length=64)
+    ours = evaluate_bpb(tiny_llama, load_tokenizer(student_dir), texts, batch_size=2, max_length=64)
+    assert ours["tokens"] == hf["tokens"] and ours["bytes"] == hf["bytes"]
+    assert ours["bpb"] == pytest.approx(hf["bpb"], rel=1e-6)

@@ -59,7 +59,9 @@ def score_texts(
         items += windows
         owner += [t] * len(windows)
         tokens.append(len(ids))
-    scores = score_items(model, items, limits=limits, device=device, progress=progress)
+    scores = score_items(
+        model, items, limits=limits, device=device, progress=progress, vocab_size=enc.vocab_size
+    )
     nats = [0.0] * len(texts)
     windows = [0] * len(texts)
     for t, s in zip(owner, scores):

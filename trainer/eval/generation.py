@@ -62,7 +62,7 @@ def greedy_generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             for start in range(0, len(order), batch_size):
                 batch = order[start : start + batch_size]
                 texts = _generate_batch(
@@ -98,7 +98,7 @@ def _generate_batch(model, enc, prompts, device, *, max_new_tokens, stop) -> lis
     generated: list[list[int]] = [[] for _ in range(n)]
     done = [False] * n
     for _ in range(max_new_tokens):
-        next_B = out.logits[:, -1].argmax(-1)
+        next_B = out.logits[:, -1, : enc.vocab_size].argmax(-1)
         for b, tok in enumerate(next_B.tolist()):
             if done[b]:
                 continue

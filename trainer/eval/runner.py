@@ -129,7 +129,13 @@ def _run_scored(model, tokenizer, enc, task: Task, examples: list[Example], opts
         ]
         items += encoded
         where.append(locs)
-    scores = score_items(model, items, limits=_limits(opts), progress=opts.progress and task.name)
+    scores = score_items(
+        model,
+        items,
+        limits=_limits(opts),
+        progress=opts.progress and task.name,
+        vocab_size=enc.vocab_size,
+    )
     samples: dict[str, list] = {"id": []}
     for ex, locs in zip(examples, where):
         if locs is None:

@@ -40,6 +40,8 @@ class TextEncoder:
     doc_start: int  # the token a document's first token is predicted from (BPB)
     decode: Callable[[list[int]], str] | None = None
     eos_id: int | None = None
+    vocab_size: int | None = None  # ids the tokenizer can emit; lm_head columns past it are
+    # padding, left out of the softmax (as the trainer's losses do)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -68,7 +70,7 @@ def text_encoder(tokenizer) -> TextEncoder:
                 prefix = tuple(full[:k])
                 break
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-        decode = tokenizer.decode
+        decode, vocab = tokenizer.decode, len(tokenizer)
     elif hasattr(tokenizer, "encode") and hasattr(tokenizer, "bos_id"):  # pipelines Tokenizer
 
         def encode_batch(texts: list[str]) -> list[list[int]]:
@@ -76,12 +78,13 @@ def text_encoder(tokenizer) -> TextEncoder:
 
         bos, eos, decode = tokenizer.bos_id, tokenizer.eos_id, tokenizer.decode
         prefix = () if bos is None else (bos,)
+        vocab = tokenizer.vocab_size
     else:
         raise TypeError(f"not a tokenizer: {type(tokenizer).__name__}")
     start = prefix[-1] if prefix else (bos if bos is not None else eos)
     if start is None:
         raise ValueError("tokenizer has neither BOS nor EOS: pass a TextEncoder with doc_start")
-    return TextEncoder(encode_batch, prefix, int(start), decode, eos)
+    return TextEncoder(encode_batch, prefix, int(start), decode, eos, vocab)
 
 
 @dataclass
@@ -208,7 +211,7 @@ def forward_checked(model, **kw):
 
 
 def _score_batch(
-    model, items: list[ScoreItem], limits: BatchLimits, device
+    model, items: list[ScoreItem], limits: BatchLimits, device, vocab: int | None
 ) -> list[list[ChoiceScore]]:
     n_ctx = len(items)
     lc = max(len(it.context) for it in items)
@@ -232,7 +235,7 @@ def _score_batch(
             logits_to_keep=1,
         )
         cache = out.past_key_values
-    first_BV = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # [B, V]: small
+    first_BV = torch.log_softmax(out.logits[:, -1, :vocab].float(), dim=-1)  # [B, V]: small
 
     owner = [b for b, it in enumerate(items) for _ in it.continuations]
     conts = [c for it in items for c in it.continuations]
@@ -272,7 +275,7 @@ def _score_batch(
             )
             cache = out.past_key_values
             # log p = logit - logsumexp: no second [N, V] tensor for a full log-softmax
-            logits_NV = out.logits.reshape(-1, out.logits.shape[-1]).float()
+            logits_NV = out.logits.reshape(-1, out.logits.shape[-1])[:, :vocab].float()
             tgt_N = tgt_CT[:, s:e][keep_CT]
             rows_N = keep_CT.nonzero()[:, 0]  # same row-major order as the kept logits
             logp_N = logits_NV.gather(1, tgt_N[:, None])[:, 0] - torch.logsumexp(logits_NV, -1)
@@ -300,8 +303,13 @@ def score_items(
     limits: BatchLimits | None = None,
     device=None,
     progress: bool | str = False,
+    vocab_size: int | None = None,
 ) -> list[list[ChoiceScore]]:
-    """Score every continuation of every item; results in the order of ``items``."""
+    """Score every continuation of every item; results in the order of ``items``.
+
+    ``vocab_size``: softmax over the first columns only (a padded lm_head's extra columns are
+    not tokens). Runs under ``no_grad`` (not ``inference_mode``, which FSDP2 unsharding dislikes).
+    """
     limits = limits or BatchLimits()
     device = device or model_device(model)
     results: list[list[ChoiceScore] | None] = [None] * len(items)
@@ -310,10 +318,11 @@ def score_items(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             for batch in plan_batches(items, limits):
                 for i, res in zip(
-                    batch, _score_batch(model, [items[i] for i in batch], limits, device)
+                    batch,
+                    _score_batch(model, [items[i] for i in batch], limits, device, vocab_size),
                 ):
                     results[i] = res
                 bar.update(len(batch))
