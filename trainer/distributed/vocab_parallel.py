@@ -55,10 +55,16 @@ from trainer.distributed.vocab_shard import (
 )
 
 
-def _lse_chunk(z_NV: torch.Tensor, group: Group) -> torch.Tensor:
+def _lse_chunk_(z_NV: torch.Tensor, group: Group) -> torch.Tensor:
+    """lse of a PRIVATE fp32 chunk; overwrites it with exp(z - max)."""
     m_N = global_max(z_NV, group)
-    (s_N,) = global_sums(group, torch.exp(z_NV - m_N[:, None]).sum(dim=-1))
+    (s_N,) = global_sums(group, z_NV.sub_(m_N[:, None]).exp_().sum(dim=-1))
     return m_N + torch.log(s_N)
+
+
+def _probs_(z_NV: torch.Tensor, lse_N: torch.Tensor) -> torch.Tensor:
+    """softmax from a PRIVATE fp32 chunk and its lse, in place."""
+    return z_NV.sub_(lse_N[:, None]).exp_()
 
 
 class _LogSumExp(torch.autograd.Function):
@@ -68,7 +74,7 @@ class _LogSumExp(torch.autograd.Function):
         vocab_shard(group, v)
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         for s, e in chunk_spans(n, v, chunk_size):
-            lse_N[s:e] = _lse_chunk(upcast(logits_NV[s:e], temperature), group)
+            lse_N[s:e] = _lse_chunk_(upcast(logits_NV[s:e], temperature), group)
         ctx.save_for_backward(logits_NV, lse_N)
         ctx.cfg = (chunk_size, temperature)
         return lse_N
@@ -80,8 +86,8 @@ class _LogSumExp(torch.autograd.Function):
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
         for s, e in chunk_spans(n, v, chunk_size):
-            p_NV = torch.exp(upcast(logits_NV[s:e], temperature) - lse_N[s:e, None])
-            grad_NV[s:e] = p_NV * (g_N[s:e, None] / temperature)
+            p_NV = _probs_(upcast(logits_NV[s:e], temperature), lse_N[s:e])
+            grad_NV[s:e] = p_NV.mul_(g_N[s:e, None] / temperature)
         return grad_NV, None, None, None
 
 
@@ -94,8 +100,11 @@ class _LogSoftmax(torch.autograd.Function):
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         for s, e in chunk_spans(n, v, chunk_size):
             z_NV = upcast(logits_NV[s:e], temperature)
-            lse_N[s:e] = _lse_chunk(z_NV, group)
-            out_NV[s:e] = z_NV - lse_N[s:e, None]
+            m_N = global_max(z_NV, group)
+            shifted = torch.sub(z_NV, m_N[:, None], out=out_NV[s:e])
+            (s_N,) = global_sums(group, torch.exp(shifted, out=z_NV).sum(dim=-1))
+            shifted.sub_(torch.log(s_N)[:, None])
+            lse_N[s:e] = m_N + torch.log(s_N)
         ctx.save_for_backward(logits_NV, lse_N)
         ctx.cfg = (group, chunk_size, temperature)
         return out_NV
@@ -109,8 +118,9 @@ class _LogSoftmax(torch.autograd.Function):
         for s, e in chunk_spans(n, v, chunk_size):
             g = g_NV[s:e].to(torch.float32)
             (gsum_N,) = global_sums(group, g.sum(dim=-1))
-            p_NV = torch.exp(upcast(logits_NV[s:e], temperature) - lse_N[s:e, None])
-            grad_NV[s:e] = (g - p_NV * gsum_N[:, None]) / temperature
+            d_NV = _probs_(upcast(logits_NV[s:e], temperature), lse_N[s:e])
+            d_NV.mul_(-gsum_N[:, None]).add_(g)
+            grad_NV[s:e] = d_NV.div_(temperature) if temperature != 1.0 else d_NV
         return grad_NV, None, None, None
 
 
@@ -149,33 +159,36 @@ class _TargetLogProbs(torch.autograd.Function):
             z_NV = upcast(logits_NV[s:e], temperature)
             if truncate:
                 thr_N[s:e] = sampling_threshold(z_NV, shard, top_k=top_k, top_p=top_p)
-                z_NV = z_NV.masked_fill(z_NV < thr_N[s:e, None], float("-inf"))
-            m_N = global_max(z_NV, group)
+                z_NV.masked_fill_(z_NV < thr_N[s:e, None], float("-inf"))
             zt_NK = z_NV.gather(1, local_NK[s:e])
             zt_NK = torch.where(inside_NK[s:e], zt_NK, torch.zeros_like(zt_NK))
-            s_N, zt_NK = global_sums(group, torch.exp(z_NV - m_N[:, None]).sum(dim=-1), zt_NK)
+            m_N = global_max(z_NV, group)
+            s_N, zt_NK = global_sums(group, z_NV.sub_(m_N[:, None]).exp_().sum(dim=-1), zt_NK)
             lse_N[s:e] = m_N + torch.log(s_N)
             out_NK[s:e] = zt_NK - lse_N[s:e, None]
         ctx.save_for_backward(logits_NV, local_NK, inside_NK, lse_N, thr_N)
-        ctx.cfg = (chunk_size, temperature)
+        ctx.cfg = (chunk_size, temperature, truncate)
         return out_NK
 
     @staticmethod
     def backward(ctx, g_NK):
         logits_NV, local_NK, inside_NK, lse_N, thr_N = ctx.saved_tensors
-        chunk_size, temperature = ctx.cfg
+        chunk_size, temperature, truncate = ctx.cfg
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
         for s, e in chunk_spans(n, v, chunk_size):
             z_NV = upcast(logits_NV[s:e], temperature)
-            kept_NV = z_NV >= thr_N[s:e, None]
-            p_NV = torch.where(kept_NV, torch.exp(z_NV - lse_N[s:e, None]), 0.0)
+            # the one-hot part goes only to ids this shard owns (and truncation kept)
+            hit_NK = inside_NK[s:e]
+            if truncate:
+                dropped_NV = z_NV < thr_N[s:e, None]
+                hit_NK = hit_NK & ~dropped_NV.gather(1, local_NK[s:e])
+                z_NV.masked_fill_(dropped_NV, float("-inf"))
+                del dropped_NV
             g = g_NK[s:e].to(torch.float32)
-            d_NV = p_NV.mul_(-g.sum(dim=-1, keepdim=True))
-            # the one-hot part goes only to ids this shard owns and truncation kept
-            hit_NK = inside_NK[s:e] & kept_NV.gather(1, local_NK[s:e])
+            d_NV = _probs_(z_NV, lse_N[s:e]).mul_(-g.sum(dim=-1, keepdim=True))
             d_NV.scatter_add_(1, local_NK[s:e], torch.where(hit_NK, g, 0.0))
-            grad_NV[s:e] = d_NV / temperature if temperature != 1.0 else d_NV
+            grad_NV[s:e] = d_NV.div_(temperature) if temperature != 1.0 else d_NV
         return grad_NV, None, None, None, None, None, None
 
 

@@ -12,7 +12,9 @@ z = logits / temperature, p = softmax(z) over the whole vocabulary, lse = logsum
   given as probabilities sharded like the logits ([..., V_local], need not sum to 1 exactly:
   a sub-distribution works and its mass is used). Forward all-reduces [sum e, sum t z, sum t]:
   CE = -sum t z + (sum t) lse. Backward (student only, the target gets no gradient):
-  dz = g * ((sum t) p - t) / temperature. Columns with t = 0 contribute 0 even where z = -inf.
+  dz = g * ((sum t) p - t) / temperature. Columns with t = 0 contribute 0 even where z = -inf
+  (-inf logits are clamped to the most negative float inside the chunk, so target mass on a
+  masked column gives a huge finite CE instead of inf).
 
 Soft CE is not KL: KL(t || p) = soft_ce - H(t); compute H(t) with `vp_entropy` on the teacher's
 logits (no gradient needed there) when the true KL is what gets logged.
@@ -27,11 +29,12 @@ from trainer.distributed.collectives import Group
 from trainer.distributed.vocab_shard import (
     as_rows,
     chunk_spans,
+    finite_,
     global_max,
     global_sums,
+    row_dot,
     upcast,
     vocab_shard,
-    xlogy_safe,
 )
 
 
@@ -43,11 +46,11 @@ class _Entropy(torch.autograd.Function):
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         ent_N = torch.empty_like(lse_N)
         for s, e in chunk_spans(n, v, chunk_size):
-            z_NV = upcast(logits_NV[s:e], temperature)
-            m_N = global_max(z_NV, group)
-            w_NV = z_NV - m_N[:, None]
+            w_NV = upcast(logits_NV[s:e], temperature)
+            m_N = global_max(w_NV, group)
+            w_NV = finite_(w_NV.sub_(m_N[:, None]))  # z - m; masked columns stay finite
             e_NV = torch.exp(w_NV)
-            s_N, ew_N = global_sums(group, e_NV.sum(dim=-1), xlogy_safe(e_NV, w_NV).sum(dim=-1))
+            s_N, ew_N = global_sums(group, e_NV.sum(dim=-1), row_dot(e_NV, w_NV))
             lse_N[s:e] = m_N + torch.log(s_N)
             ent_N[s:e] = torch.log(s_N) - ew_N / s_N
         ctx.save_for_backward(logits_NV, lse_N, ent_N)
@@ -61,10 +64,10 @@ class _Entropy(torch.autograd.Function):
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
         for s, e in chunk_spans(n, v, chunk_size):
-            logp_NV = upcast(logits_NV[s:e], temperature) - lse_N[s:e, None]
+            logp_NV = finite_(upcast(logits_NV[s:e], temperature).sub_(lse_N[s:e, None]))
             p_NV = torch.exp(logp_NV)
-            d_NV = xlogy_safe(p_NV, logp_NV + ent_N[s:e, None])
-            grad_NV[s:e] = d_NV * (-g_N[s:e, None] / temperature)
+            d_NV = logp_NV.add_(ent_N[s:e, None]).mul_(p_NV)  # p (log p + H), 0 where p = 0
+            grad_NV[s:e] = d_NV.mul_(-g_N[s:e, None] / temperature)
         return grad_NV, None, None, None
 
 
@@ -77,14 +80,12 @@ class _SoftCE(torch.autograd.Function):
         mass_N = torch.empty_like(lse_N)
         ce_N = torch.empty_like(lse_N)
         for s, e in chunk_spans(n, v, chunk_size):
-            z_NV = upcast(logits_NV[s:e], temperature)
+            z_NV = finite_(upcast(logits_NV[s:e], temperature))  # t = 0 on masked columns
             t_NV = target_NV[s:e].to(torch.float32)
             m_N = global_max(z_NV, group)
+            tz_N = row_dot(t_NV, z_NV)
             s_N, tz_N, ts_N = global_sums(
-                group,
-                torch.exp(z_NV - m_N[:, None]).sum(dim=-1),
-                xlogy_safe(t_NV, z_NV).sum(dim=-1),
-                t_NV.sum(dim=-1),
+                group, z_NV.sub_(m_N[:, None]).exp_().sum(dim=-1), tz_N, t_NV.sum(dim=-1)
             )
             lse_N[s:e] = m_N + torch.log(s_N)
             mass_N[s:e] = ts_N
@@ -100,7 +101,7 @@ class _SoftCE(torch.autograd.Function):
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
         for s, e in chunk_spans(n, v, chunk_size):
-            p_NV = torch.exp(upcast(logits_NV[s:e], temperature) - lse_N[s:e, None])
+            p_NV = upcast(logits_NV[s:e], temperature).sub_(lse_N[s:e, None]).exp_()
             d_NV = p_NV.mul_(mass_N[s:e, None]).sub_(target_NV[s:e].to(torch.float32))
             grad_NV[s:e] = d_NV.mul_(g_N[s:e, None] / temperature)
         return grad_NV, None, None, None, None

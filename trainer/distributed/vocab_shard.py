@@ -89,9 +89,23 @@ def ids_as_rows(ids: torch.Tensor, lead: torch.Size) -> tuple[torch.Tensor, bool
 
 
 def upcast(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 copy of a logits chunk divided by the temperature (never aliases the input)."""
-    z = chunk.to(torch.float32)
-    return z / temperature if temperature != 1.0 else z
+    """A PRIVATE fp32 copy of a logits chunk divided by the temperature.
+
+    Always a fresh buffer (even for fp32 input), so the ops may work on it in place: each
+    in-place step saves a [chunk, V] allocation and a pass over memory.
+    """
+    z = chunk.to(torch.float32, copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def finite_(z: torch.Tensor) -> torch.Tensor:
+    """In place: -inf -> the most negative finite float, so 0 * z is 0 (not NaN) downstream."""
+    return z.clamp_(min=torch.finfo(z.dtype).min)
+
+
+def row_dot(a_NV: torch.Tensor, b_NV: torch.Tensor) -> torch.Tensor:
+    """[N] per-row dot products, without materialising a * b (a batched matrix product)."""
+    return torch.bmm(a_NV.unsqueeze(1), b_NV.unsqueeze(2)).reshape(-1)
 
 
 def global_max(z_NV: torch.Tensor, group: Group) -> torch.Tensor:
@@ -115,8 +129,3 @@ def global_sums(group: Group, *parts: torch.Tensor) -> list[torch.Tensor]:
         out.append(flat[:, start : start + width].reshape(p.shape))
         start += width
     return out
-
-
-def xlogy_safe(weight: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """weight * z with 0 where weight == 0 (so 0 * -inf masked columns give 0, not NaN)."""
-    return torch.where(weight > 0, weight * z, torch.zeros_like(z))
