@@ -47,6 +47,7 @@ from trainer.distill import (
     open_teachers,
     teacher_weights,
 )
+from trainer.eval import evaluate_bpb
 from trainer.losses.teacher_outputs import TeacherOutputs
 from trainer.metrics import MetricsLogger, format_summary, peak_memory_gib
 from trainer.preflight import Prepared
@@ -77,33 +78,6 @@ def shm_usage() -> dict[str, float]:
         return {}
     sizes = [p.stat().st_size for p in shm.iterdir() if p.name.startswith(prefix)]
     return {"shm_segments": len(sizes), "shm_bytes": sum(sizes)}
-
-
-def bits_per_byte(model, tokenizer, texts: list[str], *, batch_size: int, device) -> dict:
-    """Held-out bits per byte: summed NLL (nats) / (ln 2 * summed UTF-8 bytes of the texts).
-
-    Each text is scored after the tokenizer's BOS (or EOS when it has none), so every one of
-    its tokens, hence every byte, is predicted.
-    """
-    bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
-    nats, n_bytes = 0.0, 0
-    for i in range(0, len(texts), batch_size):
-        chunk = texts[i : i + batch_size]
-        rows = [[bos, *tokenizer.encode(t).ids.tolist()] for t in chunk]
-        T = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : len(r)] = torch.tensor(r)
-            mask[b, : len(r)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-        logp = torch.log_softmax(logits[:, :-1, : tokenizer.vocab_size], -1)
-        tgt = ids[:, 1:]
-        nll = -logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) * mask[:, 1:]
-        nats += float(nll.sum())
-        n_bytes += sum(len(t.encode("utf-8")) for t in chunk)
-    return {"bpb": nats / (math.log(2) * max(1, n_bytes)), "nats": nats, "bytes": n_bytes}
 
 
 class Trainer:
@@ -386,18 +360,13 @@ class Trainer:
     def evaluate(self) -> float:
         """Held-out bits per byte of the student (same texts on every rank: FSDP collectives
         need every rank to run the same number of forwards)."""
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                res = bits_per_byte(
-                    self.model,
-                    self.prep.student_tok,
-                    self.eval_texts,
-                    batch_size=self.cfg.eval.batch_size,
-                    device=self.device,
-                )
-        finally:
-            self.model.train()
+        res = evaluate_bpb(
+            self.model,
+            self.prep.student_tok,
+            self.eval_texts,
+            batch_size=self.cfg.eval.batch_size,
+            device=self.device,
+        )
         return float(res["bpb"])
 
     def teacher_bpb(self) -> dict[str, float]:
@@ -410,14 +379,13 @@ class Trainer:
             else:
                 for t_cfg, tok in zip(self.cfg.teachers, self.prep.teacher_toks):
                     model = models.freeze(models.build_model(t_cfg, device=self.device))
-                    with torch.no_grad():
-                        res = bits_per_byte(
-                            model,
-                            tok,
-                            self.eval_texts,
-                            batch_size=self.cfg.eval.batch_size,
-                            device=self.device,
-                        )
+                    res = evaluate_bpb(
+                        model,
+                        tok,
+                        self.eval_texts,
+                        batch_size=self.cfg.eval.batch_size,
+                        device=self.device,
+                    )
                     result[t_cfg.name] = float(res["bpb"])
                     del model
                 self.run_dir.mkdir(parents=True, exist_ok=True)
