@@ -49,13 +49,14 @@ def make_batch(gen: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tens
         "teacher_topk_ids": topk_ids,
         "teacher_topk_logprobs": topk_lp,
         "chunk_ids": chunk_ids,
+        "chunk_ids_full": chunk_ids,
         "teacher_chunk_logprobs": -torch.rand(B, C, generator=gen) * 6.0,
     }
     return student, batch
 
 
 VOCAB_SHARDED = {"teacher_logits"}
-PER_ROW = {"teacher_chunk_logprobs"}  # [B, C]: chunk-level, not split over CP
+PER_ROW = {"teacher_chunk_logprobs", "chunk_ids_full"}  # DP rows only, not split over CP
 
 
 def _whole(x: torch.Tensor, *, vocab: bool, seq: bool = True) -> torch.Tensor:

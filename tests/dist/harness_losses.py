@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from trainer.distributed import (
+    CPContext,
     ParallelGroups,
     cp_segment_owner,
     cp_segment_sum,
@@ -101,6 +102,42 @@ def chunk_chain(student_BLV, batch, groups: ParallelGroups):
     return (diff**2 * owner).sum(), owner.sum()
 
 
+def chunk_start_and_chain(student_BLV, batch, groups: ParallelGroups):
+    """The pattern the chunk modes (xtoken, gold, alm) need under CP, on full-sequence positions.
+
+    Per chunk: a distribution term at the row predicting its first token (full-sequence flat
+    row, found on the rank that holds it via `CPContext.local_rows`) weighted by a function of
+    the chunk's chain log-prob (a segment sum finished over CP). The chunk is counted by the
+    holder of its start row only.
+    """
+    full_ids = batch["chunk_ids_full"]  # [B, T]: rows only, whole sequence on every rank
+    b, seq = full_ids.shape
+    cp = CPContext(groups.cp, seq)
+    n_chunks = batch["teacher_chunk_logprobs"].shape[1]
+    # chain log-probs from the local tokens, finished over CP
+    targets = batch["targets"]
+    lp_tok = vp_target_logprobs(student_BLV, targets, groups.tp, chunk_size=CHUNK)
+    lp_tok = torch.where(targets >= 0, lp_tok, torch.zeros_like(lp_tok))
+    rows = torch.arange(b).unsqueeze(1) * n_chunks
+    seg = torch.where(batch["chunk_ids"] >= 0, batch["chunk_ids"] + rows, -1)
+    chain = cp.segment_sum(lp_tok, seg, b * n_chunks)
+    # start row of every chunk: (first token of the chunk) - 1, in full flat positions
+    flat_seg = torch.where(full_ids >= 0, full_ids + rows, -1).reshape(-1)
+    keep = flat_seg >= 0
+    first = torch.full((b * n_chunks,), b * seq, dtype=torch.long)
+    first = first.scatter_reduce(0, flat_seg[keep], torch.arange(b * seq)[keep], "amin")
+    has_start = (first < b * seq) & (first % seq > 0)
+    chunk_ids = has_start.nonzero().squeeze(1)
+    local = cp.local_rows(first[chunk_ids] - 1)
+    mine = local >= 0
+    v_local = student_BLV.shape[-1]
+    rows_R = student_BLV.reshape(-1, v_local).index_select(0, local[mine])
+    tgt_R = targets.reshape(-1)[local[mine]].clamp(min=0)
+    lp_R = vp_target_logprobs(rows_R, tgt_R, groups.tp, temperature=1.3)
+    weight_R = torch.nn.functional.softplus(chain[chunk_ids[mine]] + 3.0)
+    return -(weight_R * lp_R).sum(), mine.sum()
+
+
 def sampled_logprobs(student_BLV, batch, groups: ParallelGroups):
     """Policy log-probs under the sampler's distribution (temperature, top-k, top-p)."""
     lp = vp_target_logprobs(
@@ -142,6 +179,7 @@ LOSSES = {
     "kd_topk_tail": kd_topk_tail,
     "kd_topk_reverse": kd_topk_reverse,
     "chunk_chain": chunk_chain,
+    "chunk_start_and_chain": chunk_start_and_chain,
     "sampled_logprobs": sampled_logprobs,
     "ce_entropy_bonus": ce_entropy_bonus,
     "ce_seq_parallel": ce_seq_parallel,

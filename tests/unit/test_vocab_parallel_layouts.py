@@ -11,6 +11,7 @@ import torch
 
 from trainer.distributed import (
     SINGLE,
+    CPContext,
     cp_all_gather,
     cp_local_rows,
     cp_positions,
@@ -55,6 +56,9 @@ def test_cp_local_rows_maps_full_rows_to_local_rows():
         assert int(held.sum()) == 2 * pos.numel()
         assert torch.equal(local_view[local[held]], flat[held])  # row r reads row r's token
     assert cp_local_rows(torch.tensor([-1]), seq_len=8, cp_size=2, cp_rank=0).item() == -1
+    single = CPContext(None, seq_len)
+    assert torch.equal(single.local_rows(flat), flat) and single.size == 1
+    assert torch.equal(single.shard(flat.reshape(2, seq_len)), flat.reshape(2, seq_len))
 
 
 def test_cp_piece_bounds_values_and_errors():

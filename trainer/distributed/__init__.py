@@ -25,6 +25,7 @@ from trainer.distributed.collectives import (
     reduce_from_tp,
 )
 from trainer.distributed.context_parallel import (
+    CPContext,
     cp_all_gather,
     cp_local_rows,
     cp_positions,
@@ -47,6 +48,7 @@ from trainer.distributed.vocab_parallel import (
 from trainer.distributed.vocab_parallel_xent import vp_entropy, vp_soft_ce
 
 __all__ = [
+    "CPContext",
     "SINGLE",
     "ParallelGroups",
     "all_reduce_sum",

@@ -21,12 +21,16 @@ non-local:
   differentiable all-reduce of the small [n] tensor (backward: all-reduce; see `collectives`).
   `cp_segment_owner` marks one owning rank per segment, so a per-segment loss term computed
   from the replicated sums is counted once over the CP group (multiply by the owner mask).
+- `cp_local_rows` / `CPContext`: for losses indexed by full-sequence positions (aligned chunks):
+  which flat rows this rank holds, and where they sit in its local logits.
 
 Single process: `group=None` / cp_size 1 is the identity layout.
 Legend: T global sequence length, L = T / CP local tokens, S segments.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -213,3 +217,37 @@ def cp_segment_owner(seg_ids: torch.Tensor, n_segments: int, group: Group) -> to
     holder_S = torch.where(present_S, rank, size).to(torch.int64)
     all_reduce_(holder_S, group, ReduceOp.MIN)
     return holder_S == rank
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """What a loss needs to know about CP: the group and the full (padded) sequence length.
+
+    Losses indexed by full-sequence positions (aligned chunks) use it to find the rows this rank
+    holds (`local_rows`), to finish chunk-level sums over the CP group (`segment_sum`) and to
+    count every chunk on exactly one rank (the holder of the row its term is computed at).
+    `CPContext(None, seq_len)` is the single-process identity.
+    """
+
+    group: Group
+    seq_len: int
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    def positions(self, device=None) -> torch.Tensor:
+        return cp_positions(self.seq_len, self.size, self.rank, device=device)
+
+    def shard(self, x: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
+        return to_cp_layout(x, cp_size=self.size, cp_rank=self.rank, dim=dim)
+
+    def local_rows(self, flat_rows: torch.Tensor) -> torch.Tensor:
+        return cp_local_rows(flat_rows, seq_len=self.seq_len, cp_size=self.size, cp_rank=self.rank)
+
+    def segment_sum(self, values: torch.Tensor, seg_ids: torch.Tensor, n: int) -> torch.Tensor:
+        return cp_segment_sum(values, seg_ids, n, self.group)
