@@ -183,16 +183,15 @@ def _gold_block(
     qm = vo.gather(logq, tables.s_ids, tp_group) + lpre
     qu = vo.gather(logq, tables.s_unmatched, tp_group) + lpre
     tm = tm_rM.to(logq.dtype)
-    if config.rest_bucket:
+    kl = divergence(tm, qm, kind=config.divergence, beta=config.beta)
+    if config.rest_bucket:  # every divergence is a sum over categories: add the rest bucket's
         q_rest = safe_logaddexp(torch.logsumexp(qu, -1), log1mexp(lpre[:, 0]))
-        kl = divergence(
-            torch.cat([tm, trest_r.to(logq.dtype)[:, None]], -1),
-            torch.cat([qm, q_rest[:, None]], -1),
+        kl = kl + divergence(
+            trest_r.to(logq.dtype)[:, None],
+            q_rest[:, None],
             kind=config.divergence,
             beta=config.beta,
         )
-    else:
-        kl = divergence(tm, qm, kind=config.divergence, beta=config.beta)
     s_sorted = qu.exp().sort(dim=-1, descending=True).values
     t_sorted = tsorted_rW.to(logq.dtype)
     width = max(s_sorted.shape[-1], t_sorted.shape[-1])

@@ -30,7 +30,7 @@ def take_rows(block_cV: Tensor, local_r: Tensor) -> Tensor:
     """The selected rows of a block; the block itself (no copy) when every row is selected."""
     if local_r.numel() == block_cV.shape[0]:
         return block_cV
-    return block_cV.index_select(0, local_r)
+    return block_cV[local_r]  # advanced indexing: several times faster than index_select on CPU
 
 
 def map_rows(
