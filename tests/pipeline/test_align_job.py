@@ -203,6 +203,9 @@ def test_cli_run_refuses_a_complete_dir_and_overwrites_deterministically(
     stats = J.run(argv)
     assert stats["documents"] == 6 and stats["dead_letters"] == 0
     first = shards.open_shards(out).table()
+    teacher_tok, student_tok = pair_tokenizers
+    with pytest.raises(shards.FingerprintMismatchError):  # shards of this pair, not another
+        shards.open_shards(out, student=teacher_tok.info(), teachers=[teacher_tok.info()])
     with pytest.raises(FileExistsError, match="--overwrite"):
         J.run(argv)
     # debris of a crashed run: a stale shard, a temporary file; the marker goes first
