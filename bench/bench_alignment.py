@@ -10,8 +10,10 @@ dependency, `pip install --no-deps trl==1.16.0` plus the modules its import need
 document on Python lists of [start, end] byte offsets, as GOLD does. Measured with the garbage
 collector on and off, with the lists built before timing (the most favourable case for TRL) and
 with the per-document `.tolist()` GOLD runs in its loss loop. Ratios are against the fastest TRL
-figure. Every variant runs in its own subprocess so its peak RSS (ru_maxrss minus the resident
-set just before the timed calls, inputs and compiled kernels already loaded) is its own.
+figure. Every variant runs in its own subprocess so its peak RSS (VmHWM minus the resident
+set just before the timed calls, inputs and compiled kernels already loaded) is its own; the
+kernel's peak mark (VmHWM) is reset first via /proc/self/clear_refs so earlier peaks (loading
+tokenizers) do not count.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -30,16 +31,25 @@ import numpy as np
 
 DOC_CHARS = 2000
 CORPUS_BYTES = 3_000_000
-REPEATS = 3
+REPEATS = 5
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so it covers only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _documents() -> list[str]:
@@ -60,6 +70,7 @@ def _documents() -> list[str]:
 def _prepare(out: Path) -> dict:
     """Tokenize the documents once with every tokenizer; save flat arrays for the children."""
     from pipelines import paths
+    from pipelines.alignment import vocab_bytes
     from pipelines.tokenizer import load_tokenizer
 
     docs = _documents()
@@ -77,6 +88,9 @@ def _prepare(out: Path) -> dict:
         info[f"tokens_{name}"] = int(enc.ids.size)
         for field in ("ids", "byte_offsets", "row_splits", "lossless"):
             arrays[f"{name}.{field}"] = getattr(enc, field)
+        tab = vocab_bytes(tok)  # the children get the packed byte table, not the tokenizer
+        for field in ("offsets", "data", "special", "meta"):
+            arrays[f"{name}.tab_{field}"] = getattr(tab, field)
     np.savez(out, **arrays)
     return info
 
@@ -86,14 +100,11 @@ def _load(npz: Path, name: str) -> tuple[np.ndarray, ...]:
     return tuple(z[f"{name}.{f}"] for f in ("ids", "byte_offsets", "row_splits", "lossless"))
 
 
-def _tokenizer_path(name: str):
-    from pipelines import paths
+def _table(npz: Path, name: str):
+    from pipelines.alignment import VocabBytes
 
-    return {
-        "smollm2": paths.student_dir(),
-        "llama-bpe": paths.vocab_fixture("llama-bpe"),
-        "gemma": paths.teacher_dir(),
-    }[name]
+    z = np.load(npz)
+    return VocabBytes(*(z[f"{name}.tab_{f}"] for f in ("offsets", "data", "special", "meta")))
 
 
 def _child(variant: str, npz: Path) -> dict:
@@ -104,22 +115,24 @@ def _child(variant: str, npz: Path) -> dict:
     n_tokens = int(s_ids.size + t_ids.size)
     rows = s_rs.size - 1
     if kind.startswith("ours"):
-        from pipelines.alignment import align_flat, vocab_bytes
-        from pipelines.tokenizer import load_tokenizer
+        from pipelines.alignment import align_flat
 
-        s_tab = vocab_bytes(load_tokenizer(_tokenizer_path("smollm2")))
-        t_tab = vocab_bytes(load_tokenizer(_tokenizer_path(teacher)))
+        s_tab, t_tab = _table(npz, "smollm2"), _table(npz, teacher)
         force = kind == "ours_dp"
 
-        def run():
-            res = align_flat(s_ids, s_bo, s_rs, t_ids, t_bo, t_rs, student_lossless=s_ll,
-                             teacher_lossless=t_ll, student_bytes=s_tab, teacher_bytes=t_tab,
-                             force_fallback=force)  # fmt: skip
+        def run(n_rows=rows):
+            ns, nt = int(s_rs[n_rows]), int(t_rs[n_rows])
+            res = align_flat(s_ids[:ns], s_bo[:ns], s_rs[: n_rows + 1], t_ids[:nt], t_bo[:nt],
+                             t_rs[: n_rows + 1], student_lossless=s_ll[:n_rows],
+                             teacher_lossless=t_ll[:n_rows], student_bytes=s_tab,
+                             teacher_bytes=t_tab, force_fallback=force)  # fmt: skip
             if kind == "ours_rows":
                 res.rows()
             return res
 
-        run()  # compile / load the cached kernels before measuring memory
+        # compile / load the cached kernels on two documents only: a full warm-up run would
+        # leave its freed memory in the heap and hide the real peak of the first timed run
+        run(2)
     else:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.gold.gold_trainer import ULDLoss
@@ -143,13 +156,16 @@ def _child(variant: str, npz: Path) -> dict:
 
         if kind.endswith("nogc"):
             gc.disable()
-    base = _rss_mb()
+    base = _status_mb("VmRSS")
+    if not _reset_peak():
+        raise RuntimeError("cannot reset the peak RSS mark (/proc/self/clear_refs)")
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    return {"tokens": n_tokens, "s": min(times), "peak_mb": max(0.0, _peak_mb() - base)}
+    peak = _status_mb("VmHWM")
+    return {"tokens": n_tokens, "s": min(times), "peak_mb": max(0.0, peak - base)}
 
 
 VARIANTS = [
@@ -213,7 +229,8 @@ def main() -> str:
         f"{info['tokens_llama-bpe']:,}, Gemma-3 {info['tokens_gemma']:,}. Tokens/s count student "
         f"+ teacher tokens, tokenization excluded; best of {REPEATS}; each variant in its own "
         f"process. Baseline: TRL {trl.__version__} `ULDLoss._align_by_byte_offsets`; ratios are "
-        "against the fastest TRL variant. Peak = ru_maxrss growth during the timed calls.\n",
+        "against the fastest TRL variant. Peak = growth of the peak RSS (VmHWM) over the timed "
+        "calls.\n",
         "| variant | teacher | tokens/s | vs fastest TRL | peak MB |",
         "|---|---|---:|---:|---:|",
     ]

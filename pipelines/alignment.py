@@ -97,7 +97,7 @@ def vocab_bytes(source: Tokenizer | VocabBytes | list[bytes | None]) -> VocabByt
     return _VOCAB_CACHE[key]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Alignment:
     """One text, one (student, teacher) pair. Chunk ids are monotone and contiguous from 0.
 
@@ -146,31 +146,44 @@ class BatchAlignment:
         return int(self.row_error.size)
 
     def row(self, b: int) -> Alignment:
-        if self.row_error[b] == _ERR_NO_TABLE:
-            raise AlignmentError(
-                f"row {b}: its offsets are untrusted or the row is not lossless, so it needs the "
-                "DP fallback, which needs both token byte tables (pass student_bytes= and "
-                "teacher_bytes=, e.g. the Tokenizer objects)"
-            )
-        s0, s1 = self.student_splits[b], self.student_splits[b + 1]
-        t0, t1 = self.teacher_splits[b], self.teacher_splits[b + 1]
-        c0, c1 = self.chunk_splits[b], self.chunk_splits[b + 1]
-        return Alignment(
-            student_chunk=self.student_chunk[s0:s1],
-            teacher_chunk=self.teacher_chunk[t0:t1],
-            n_chunks=int(c1 - c0),
-            chunk_kind=self.chunk_kind[c0:c1],
-            chunk_exact=self.chunk_exact[c0:c1],
-            used_fallback=bool(self.fallback_regions[b] > 0),
-            chunk_student_end=self.chunk_student_end[c0:c1],
-            chunk_teacher_end=self.chunk_teacher_end[c0:c1],
-            chunk_byte_end=self.chunk_byte_end[c0:c1],
-            fallback_regions=int(self.fallback_regions[b]),
-            dropped_tokens=int(self.dropped_tokens[b]),
-        )
+        return self._rows(b, b + 1)[0]
 
     def rows(self) -> list[Alignment]:
-        return [self.row(b) for b in range(len(self))]
+        return self._rows(0, len(self))
+
+    def _rows(self, lo: int, hi: int) -> list[Alignment]:
+        # plain Python ints and one pass: this runs once per document in the Beam job
+        ss = self.student_splits[lo : hi + 1].tolist()
+        ts = self.teacher_splits[lo : hi + 1].tolist()
+        cs = self.chunk_splits[lo : hi + 1].tolist()
+        fb = self.fallback_regions[lo:hi].tolist()
+        dr = self.dropped_tokens[lo:hi].tolist()
+        err = self.row_error[lo:hi].tolist()
+        out = []
+        for i in range(hi - lo):
+            if err[i] == _ERR_NO_TABLE:
+                raise AlignmentError(
+                    f"row {lo + i}: its offsets are untrusted or the row is not lossless, so it "
+                    "needs the DP fallback, which needs both token byte tables (pass "
+                    "student_bytes= and teacher_bytes=, e.g. the Tokenizer objects)"
+                )
+            c0, c1 = cs[i], cs[i + 1]
+            out.append(
+                Alignment(
+                    self.student_chunk[ss[i] : ss[i + 1]],
+                    self.teacher_chunk[ts[i] : ts[i + 1]],
+                    c1 - c0,
+                    self.chunk_kind[c0:c1],
+                    self.chunk_exact[c0:c1],
+                    fb[i] > 0,
+                    self.chunk_student_end[c0:c1],
+                    self.chunk_teacher_end[c0:c1],
+                    self.chunk_byte_end[c0:c1],
+                    fb[i],
+                    dr[i],
+                )
+            )
+        return out
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -439,6 +452,11 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
 _EMPTY_TAB = VocabBytes.from_pieces([])
 
 
+def _ids(ids) -> np.ndarray:
+    """Token ids as a contiguous int32 array (no copy for the adapter's int32 output)."""
+    return np.ascontiguousarray(ids, np.int32)
+
+
 def _table(source, ids: np.ndarray, side: str) -> VocabBytes | None:
     if source is None:
         return None
@@ -469,8 +487,8 @@ def align_flat(
     `token_bytes()` list). Without them specials are not recognised and rows that need the DP
     fallback are reported in `row_error`. force_fallback: DP for every row (offsets ignored).
     """
-    s_ids = np.ascontiguousarray(student_ids, np.int64)
-    t_ids = np.ascontiguousarray(teacher_ids, np.int64)
+    s_ids = _ids(student_ids)
+    t_ids = _ids(teacher_ids)
     s_splits = np.ascontiguousarray(student_splits, np.int64)
     t_splits = np.ascontiguousarray(teacher_splits, np.int64)
     if s_splits.size != t_splits.size:
