@@ -133,7 +133,7 @@ def _run(workers: int) -> dict:
 
 def _shares(stage: dict) -> str:
     tok = stage.get("tokenize", 0.0) or float("nan")
-    parts = [f"{k} {v:.2f} s ({v / tok:.0%})" for k, v in stage.items() if k != "setup"]
+    parts = [f"{k} {v:.2f} s ({v / tok:.0%})" for k, v in stage.items()]
     return ", ".join(parts)
 
 
@@ -168,9 +168,7 @@ def main() -> str:
         f"Job / tokenization-alone time: **{one['job_s'] / tok_out:.2f}x** (1 worker; the rest "
         f"is Beam, reading, windows, shuffles). Tokenizer load {one['load_s']:.1f} s, not counted.",
         "",
-        f"- stages inside the job (Beam distributions, % of tokenization): {_shares(in_s)}; "
-        f"one-time worker setup (tokenizers, byte tables, Numba kernels) "
-        f"{in_s.get('setup', 0):.1f} s",
+        f"- stages inside the job (Beam distributions, % of tokenization): {_shares(in_s)}",
         f"- same stages outside Beam: {_shares(out_s)}",
         f"- **alignment + writing (Arrow conversion + file) = {aw_out / tok_out:.1%} of "
         f"tokenization** outside Beam, {aw_in / max(in_s.get('tokenize', 1e-9), 1e-9):.1%} "

@@ -158,18 +158,16 @@ class TokenizeAlignDoFn(beam.DoFn):
         self.student_path, self.teacher_paths = student_path, list(teacher_paths)
 
     def setup(self):
-        with _Timer("setup"):  # one-time per worker: loads, byte tables, compiled kernels
-            self.student = cached_tokenizer(self.student_path)
-            self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
-            self.student_bytes = vocab_bytes(self.student)  # byte tables for the DP fallback
-            self.teacher_bytes = [vocab_bytes(t) for t in self.teachers]
-            # the first kernel call loads (or compiles) the Numba code: do it here, not in the
-            # first batch, so stage times measure the work
-            s = self.student.encode_batch([_WARMUP])
-            for t, tb in zip(self.teachers, self.teacher_bytes):
-                align_batch_flat(
-                    s, t.encode_batch([_WARMUP]), student_bytes=self.student_bytes, teacher_bytes=tb
-                )
+        self.student = cached_tokenizer(self.student_path)
+        self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
+        self.student_bytes = vocab_bytes(self.student)  # byte tables for the DP fallback
+        self.teacher_bytes = [vocab_bytes(t) for t in self.teachers]
+        # the first kernel call loads (or compiles) the Numba code: do it once here, not in the
+        # first batch, so the stage times measure the work
+        s = self.student.encode_batch([_WARMUP])
+        for t, tb in zip(self.teachers, self.teacher_bytes):
+            t_enc = t.encode_batch([_WARMUP])
+            align_batch_flat(s, t_enc, student_bytes=self.student_bytes, teacher_bytes=tb)
 
     def _encode(self, docs: list[readers.Doc]):
         texts = [d.text for d in docs]
@@ -193,24 +191,27 @@ class TokenizeAlignDoFn(beam.DoFn):
                     encoded.append(([d], self._encode([d])))
                 except _StageError as e:
                     yield dead(readers.dead_letter(d.file, e.reason, e.detail, doc_id=d.doc_id))
-        aligned = []
+        aligned, failed = [], []
         for part, (s, ts) in encoded:
-            with _Timer("align"):
+            with _Timer("align"):  # the kernel and the per-document Alignment views
                 flat = [
                     align_batch_flat(s, t, student_bytes=self.student_bytes, teacher_bytes=tb)
                     for t, tb in zip(ts, self.teacher_bytes)
                 ]
-            for b, d in enumerate(part):
-                try:
-                    als = [f.row(b) for f in flat]
-                except AlignmentError as e:
-                    yield dead(readers.dead_letter(d.file, ALIGN_ERROR, str(e), doc_id=d.doc_id))
-                    continue
+                per_doc = []
+                for b, d in enumerate(part):
+                    try:
+                        per_doc.append((b, d, [f.row(b) for f in flat]))
+                    except AlignmentError as e:
+                        failed.append((d, e))
+            for b, d, als in per_doc:
                 for i, al in enumerate(als):
                     if al.used_fallback:
                         count(f"align_fallback_documents.teacher{i}")
                 teachers = [(t.row(b), al) for t, al in zip(ts, als)]
                 aligned.append(AlignedDoc(d.doc_id, d.file, d.text, s.row(b), teachers))
+        for d, e in failed:
+            yield dead(readers.dead_letter(d.file, ALIGN_ERROR, str(e), doc_id=d.doc_id))
         count("documents_aligned", len(aligned))
         if aligned:
             yield MAIN, aligned
