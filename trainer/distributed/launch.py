@@ -123,8 +123,3 @@ def build_parallel_groups(*, tp: int, cp: int, dp: int) -> ParallelGroups | None
     if me >= need:
         return None
     return ParallelGroups(tp=mine["tp"], cp=mine["cp"], dp=mine["dp"])
-
-
-def free_threads(world_size: int) -> int:
-    """Intra-op threads per process so that N processes do not oversubscribe the cores."""
-    return max(1, (os.cpu_count() or 1) // world_size)

@@ -52,6 +52,7 @@ from trainer.distributed.vocab_shard import (
     ids_as_rows,
     upcast,
     vocab_shard,
+    workspace,
 )
 
 
@@ -73,8 +74,10 @@ class _LogSumExp(torch.autograd.Function):
         n, v = logits_NV.shape
         vocab_shard(group, v)
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
-        for s, e in chunk_spans(n, v, chunk_size):
-            lse_N[s:e] = _lse_chunk_(upcast(logits_NV[s:e], temperature), group)
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            lse_N[s:e] = _lse_chunk_(upcast(logits_NV[s:e], temperature, buf), group)
         ctx.save_for_backward(logits_NV, lse_N)
         ctx.cfg = (chunk_size, temperature)
         return lse_N
@@ -85,8 +88,10 @@ class _LogSumExp(torch.autograd.Function):
         chunk_size, temperature = ctx.cfg
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
-        for s, e in chunk_spans(n, v, chunk_size):
-            p_NV = _probs_(upcast(logits_NV[s:e], temperature), lse_N[s:e])
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            p_NV = _probs_(upcast(logits_NV[s:e], temperature, buf), lse_N[s:e])
             grad_NV[s:e] = p_NV.mul_(g_N[s:e, None] / temperature)
         return grad_NV, None, None, None
 
@@ -98,8 +103,10 @@ class _LogSoftmax(torch.autograd.Function):
         vocab_shard(group, v)
         out_NV = torch.empty((n, v), dtype=torch.float32, device=logits_NV.device)
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
-        for s, e in chunk_spans(n, v, chunk_size):
-            z_NV = upcast(logits_NV[s:e], temperature)
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            z_NV = upcast(logits_NV[s:e], temperature, buf)
             m_N = global_max(z_NV, group)
             shifted = torch.sub(z_NV, m_N[:, None], out=out_NV[s:e])
             (s_N,) = global_sums(group, torch.exp(shifted, out=z_NV).sum(dim=-1))
@@ -115,10 +122,12 @@ class _LogSoftmax(torch.autograd.Function):
         group, chunk_size, temperature = ctx.cfg
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
-        for s, e in chunk_spans(n, v, chunk_size):
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
             g = g_NV[s:e].to(torch.float32)
             (gsum_N,) = global_sums(group, g.sum(dim=-1))
-            d_NV = _probs_(upcast(logits_NV[s:e], temperature), lse_N[s:e])
+            d_NV = _probs_(upcast(logits_NV[s:e], temperature, buf), lse_N[s:e])
             d_NV.mul_(-gsum_N[:, None]).add_(g)
             grad_NV[s:e] = d_NV.div_(temperature) if temperature != 1.0 else d_NV
         return grad_NV, None, None, None
@@ -155,8 +164,10 @@ class _TargetLogProbs(torch.autograd.Function):
         out_NK = torch.empty(local_NK.shape, dtype=torch.float32, device=logits_NV.device)
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         thr_N = torch.full_like(lse_N, float("-inf"))
-        for s, e in chunk_spans(n, v, chunk_size):
-            z_NV = upcast(logits_NV[s:e], temperature)
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            z_NV = upcast(logits_NV[s:e], temperature, buf)
             if truncate:
                 thr_N[s:e] = sampling_threshold(z_NV, shard, top_k=top_k, top_p=top_p)
                 z_NV.masked_fill_(z_NV < thr_N[s:e, None], float("-inf"))
@@ -176,8 +187,10 @@ class _TargetLogProbs(torch.autograd.Function):
         chunk_size, temperature, truncate = ctx.cfg
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
-        for s, e in chunk_spans(n, v, chunk_size):
-            z_NV = upcast(logits_NV[s:e], temperature)
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            z_NV = upcast(logits_NV[s:e], temperature, buf)
             # the one-hot part goes only to ids this shard owns (and truncation kept)
             hit_NK = inside_NK[s:e]
             if truncate:

@@ -35,6 +35,7 @@ from trainer.distributed.vocab_shard import (
     row_dot,
     upcast,
     vocab_shard,
+    workspace,
 )
 
 
@@ -45,11 +46,13 @@ class _Entropy(torch.autograd.Function):
         vocab_shard(group, v)
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         ent_N = torch.empty_like(lse_N)
-        for s, e in chunk_spans(n, v, chunk_size):
-            w_NV = upcast(logits_NV[s:e], temperature)
+        spans = chunk_spans(n, v, chunk_size)
+        buf, buf_e = workspace(spans, v, logits_NV.device, count=2)
+        for s, e in spans:
+            w_NV = upcast(logits_NV[s:e], temperature, buf)
             m_N = global_max(w_NV, group)
             w_NV = finite_(w_NV.sub_(m_N[:, None]))  # z - m; masked columns stay finite
-            e_NV = torch.exp(w_NV)
+            e_NV = torch.exp(w_NV, out=buf_e[: e - s])
             s_N, ew_N = global_sums(group, e_NV.sum(dim=-1), row_dot(e_NV, w_NV))
             lse_N[s:e] = m_N + torch.log(s_N)
             ent_N[s:e] = torch.log(s_N) - ew_N / s_N
@@ -63,9 +66,11 @@ class _Entropy(torch.autograd.Function):
         chunk_size, temperature = ctx.cfg
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
-        for s, e in chunk_spans(n, v, chunk_size):
-            logp_NV = finite_(upcast(logits_NV[s:e], temperature).sub_(lse_N[s:e, None]))
-            p_NV = torch.exp(logp_NV)
+        spans = chunk_spans(n, v, chunk_size)
+        buf, buf_p = workspace(spans, v, logits_NV.device, count=2)
+        for s, e in spans:
+            logp_NV = finite_(upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]))
+            p_NV = torch.exp(logp_NV, out=buf_p[: e - s])
             d_NV = logp_NV.add_(ent_N[s:e, None]).mul_(p_NV)  # p (log p + H), 0 where p = 0
             grad_NV[s:e] = d_NV.mul_(-g_N[s:e, None] / temperature)
         return grad_NV, None, None, None
@@ -79,9 +84,11 @@ class _SoftCE(torch.autograd.Function):
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         mass_N = torch.empty_like(lse_N)
         ce_N = torch.empty_like(lse_N)
-        for s, e in chunk_spans(n, v, chunk_size):
-            z_NV = finite_(upcast(logits_NV[s:e], temperature))  # t = 0 on masked columns
-            t_NV = target_NV[s:e].to(torch.float32)
+        spans = chunk_spans(n, v, chunk_size)
+        buf, buf_t = workspace(spans, v, logits_NV.device, count=2)
+        for s, e in spans:
+            z_NV = finite_(upcast(logits_NV[s:e], temperature, buf))  # t = 0 on masked columns
+            t_NV = buf_t[: e - s].copy_(target_NV[s:e])
             m_N = global_max(z_NV, group)
             tz_N = row_dot(t_NV, z_NV)
             s_N, tz_N, ts_N = global_sums(
@@ -100,9 +107,11 @@ class _SoftCE(torch.autograd.Function):
         chunk_size, temperature = ctx.cfg
         grad_NV = torch.empty_like(logits_NV)
         n, v = logits_NV.shape
-        for s, e in chunk_spans(n, v, chunk_size):
-            p_NV = upcast(logits_NV[s:e], temperature).sub_(lse_N[s:e, None]).exp_()
-            d_NV = p_NV.mul_(mass_N[s:e, None]).sub_(target_NV[s:e].to(torch.float32))
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            p_NV = upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]).exp_()
+            d_NV = p_NV.mul_(mass_N[s:e, None]).sub_(target_NV[s:e])
             grad_NV[s:e] = d_NV.mul_(g_N[s:e, None] / temperature)
         return grad_NV, None, None, None, None
 

@@ -88,13 +88,23 @@ def ids_as_rows(ids: torch.Tensor, lead: torch.Size) -> tuple[torch.Tensor, bool
     )
 
 
-def upcast(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A PRIVATE fp32 copy of a logits chunk divided by the temperature.
+def workspace(spans: list[tuple[int, int]], v: int, device, count: int = 1) -> list[torch.Tensor]:
+    """`count` fp32 [largest chunk, V] buffers, reused by every chunk of one op call.
 
-    Always a fresh buffer (even for fp32 input), so the ops may work on it in place: each
-    in-place step saves a [chunk, V] allocation and a pass over memory.
+    Allocating per chunk would map fresh pages (and fault them in) for every chunk; one buffer
+    per role keeps the loop allocation-free on the [chunk, V] scale.
     """
-    z = chunk.to(torch.float32, copy=True)
+    rows = max((e - s for s, e in spans), default=0)
+    return [torch.empty((rows, v), dtype=torch.float32, device=device) for _ in range(count)]
+
+
+def upcast(chunk: torch.Tensor, temperature: float, buf: torch.Tensor) -> torch.Tensor:
+    """A PRIVATE fp32 copy of a logits chunk (in `buf`) divided by the temperature.
+
+    Private even for fp32 input, so the ops may work on it in place: each in-place step saves
+    a [chunk, V] allocation and a pass over memory.
+    """
+    z = buf[: chunk.shape[0]].copy_(chunk)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
