@@ -71,7 +71,8 @@ class VocabBytes:
         lens = np.fromiter((len(p) if p is not None else 0 for p in pieces), np.int64, len(pieces))
         offsets = np.zeros(len(pieces) + 1, np.int64)
         np.cumsum(lens, out=offsets[1:])
-        data = np.frombuffer(b"".join(p for p in pieces if p is not None), np.uint8)
+        # a writable copy: Numba compiles read-only arrays (frombuffer) as a separate type
+        data = np.frombuffer(b"".join(p for p in pieces if p is not None), np.uint8).copy()
         special = np.fromiter((p is None for p in pieces), np.bool_, len(pieces))
         for t in special_ids:
             if 0 <= t < special.size:

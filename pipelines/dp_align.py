@@ -318,7 +318,7 @@ def pack_pieces(pieces: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     lens = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
     off = np.zeros(len(pieces) + 1, np.int64)
     np.cumsum(lens, out=off[1:])
-    data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    data = np.frombuffer(b"".join(pieces), dtype=np.uint8).copy()  # writable: one Numba type
     return off, data
 
 
@@ -335,8 +335,8 @@ def dp_chunks(
     out_a = np.empty(len(student_pieces), np.int32)
     out_b = np.empty(len(teacher_pieces), np.int32)
     n = dp_region_chunks(
-        np.arange(len(student_pieces), dtype=np.int64),
-        np.arange(len(teacher_pieces), dtype=np.int64),
+        np.arange(len(student_pieces), dtype=np.int32),  # int32 ids, as the aligner passes them
+        np.arange(len(teacher_pieces), dtype=np.int32),
         a_off,
         a_data,
         b_off,
@@ -349,4 +349,4 @@ def dp_chunks(
 
 def edit_path(a: bytes, b: bytes) -> tuple[np.ndarray, np.ndarray]:
     """The DP's path between two byte strings as node coordinates (x [L], y [L])."""
-    return byte_path(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
+    return byte_path(np.frombuffer(a, np.uint8).copy(), np.frombuffer(b, np.uint8).copy())
