@@ -27,6 +27,7 @@ from transformers import (
 from trainer.eval import data as eval_data
 from trainer.eval import evaluate_bpb, run_tasks
 from trainer.eval.bpb import text_windows
+from trainer.eval.engine import plan_batches
 from trainer.eval.scoring import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
 from trainer.eval.tasks import TASKS, load
 
@@ -113,10 +114,15 @@ def test_scorer_matches_direct_loop(arch, tiny_llama, tiny_gemma, smol_tok, eval
             pairs.append((ex.contexts[0], list(ex.continuations)))
         else:
             pairs += [(c, [ex.continuations[0]]) for c in ex.contexts]
+    # three 5-shot questions of one subject: a long common prefix, run once per batch
+    pairs += [(ex.contexts[0], list(ex.continuations)) for ex in load(TASKS["mmlu_5shot"])[:3]]
     stats = TokenStats()
     items = [encode_pair(enc, c, k, max_length=4096, stats=stats) for c, k in pairs]
     # tiny limits: several batches, left padding, segmented contexts and continuations
-    got = score_items(model, items, limits=BatchLimits(max_items=2, max_tokens=48))
+    limits = BatchLimits(max_items=2, max_tokens=96, cache_tokens=10**6)
+    plans = plan_batches(items, limits)
+    assert {p.shared > 100 for p in plans} == {True, False}  # both plans are exercised
+    got = score_items(model, items, limits=limits)
     for (context, conts), scores in zip(pairs, got):
         for cont, s in zip(conts, scores):
             ref, greedy, n_tok = _reference(model, smol_tok, context, cont)

@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import platform
+import resource
 import time
 from pathlib import Path
 
@@ -338,6 +339,8 @@ def evaluate_models(
         t0 = time.perf_counter()
         info["results"] = run_tasks(model, tokenizer, tasks, **options)
         info["seconds"] = time.perf_counter() - t0
+        # the process's peak so far (Linux: KiB); monotone, so a later model's includes earlier
+        info["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         payload["models"][name] = info
         del model
         gc.collect()
