@@ -28,19 +28,13 @@ def _outside_beam(data: Path, t, s, window) -> dict:
 
     from pipelines import readers, shards
     from pipelines import schema as S
+    from pipelines.align_dofns import chunk_docs
     from pipelines.alignment import align_batch_flat, vocab_bytes
     from pipelines.windows import cut_windows
 
     docs = [d for d in readers.read_file(str(data), data.name, readers.ReaderConfig())]
     docs = [d for d in docs if isinstance(d, readers.Doc)]
-    batches, cur, chars = [], [], 0
-    for d in docs:  # same rule as SplitBatchesDoFn: <= 1 MiB of text or 1024 docs
-        if cur and (chars + len(d.text) > 1 << 20 or len(cur) >= 1024):
-            batches.append(cur)
-            cur, chars = [], 0
-        cur.append(d)
-        chars += len(d.text)
-    batches.append(cur)
+    batches = list(chunk_docs(docs))  # the job's batching rule
     vb_s, vb_t = vocab_bytes(s), vocab_bytes(t)
     schema = S.shard_schema(s.info(), [t.info()])
     secs = dict.fromkeys(("tokenize", "align", "windows", "to_arrow", "write"), 0.0)

@@ -112,8 +112,31 @@ class AlignedDoc:
     teachers: list[tuple[Encoding, Alignment]]  # per teacher: its encoding, alignment to student
 
 
+BATCH_CHARS = 1 << 20  # text per tokenization batch (a longer document is a batch alone)
+BATCH_DOCS = 1024  # documents per tokenization batch
+
+
+def _full(batch: list, chars: int, doc: readers.Doc) -> bool:
+    return bool(batch) and (chars + len(doc.text) > BATCH_CHARS or len(batch) >= BATCH_DOCS)
+
+
+def chunk_docs(docs):
+    """Lists of consecutive docs of at most BATCH_CHARS characters and BATCH_DOCS docs."""
+    batch, chars = [], 0
+    for d in docs:
+        if _full(batch, chars, d):
+            yield batch
+            batch, chars = [], 0
+        batch.append(d)
+        chars += len(d.text)
+    if batch:
+        yield batch
+
+
 class ReadFileDoFn(beam.DoFn):
-    """(path, doc id prefix) -> (MAIN, `readers.Doc`) per document, (DEAD, record) per bad one."""
+    """(path, doc id prefix) -> (MAIN, list of `readers.Doc`) per chunk of a file's documents
+    (few large elements to shuffle, not one per verse-sized document), streamed as the file is
+    read; (DEAD, record) per bad record."""
 
     def __init__(self, config: readers.ReaderConfig):
         self.config = config
@@ -121,32 +144,30 @@ class ReadFileDoFn(beam.DoFn):
     def process(self, item):
         path, doc_id = item
         count("files_read")
+        batch, chars, n = [], 0, 0
         for x in readers.read_file(path, doc_id, self.config):
-            if isinstance(x, readers.Doc):
-                count("documents_read")
-                yield MAIN, x
-            else:
+            if not isinstance(x, readers.Doc):
                 yield dead(x)
+                continue
+            if _full(batch, chars, x):
+                yield MAIN, batch
+                batch, chars = [], 0
+            batch.append(x)
+            chars += len(x.text)
+            n += 1
+        if batch:
+            yield MAIN, batch
+        count("documents_read", n)
 
 
 class SplitBatchesDoFn(beam.DoFn):
-    """(group key, docs) -> lists of docs of at most `max_chars` characters (or one doc), in
-    doc id order so a rerun cuts the same batches."""
-
-    def __init__(self, max_chars: int = 1 << 20, max_docs: int = 1024):
-        self.max_chars, self.max_docs = max_chars, max_docs
+    """(group key, chunks of docs) -> tokenization batches (`chunk_docs`), in doc id order so
+    a rerun cuts the same batches whatever order the shuffle delivered them in."""
 
     def process(self, item):
-        _, docs = item
-        batch, chars = [], 0
-        for d in sorted(docs, key=lambda d: d.doc_id):
-            if batch and (chars + len(d.text) > self.max_chars or len(batch) >= self.max_docs):
-                yield batch
-                batch, chars = [], 0
-            batch.append(d)
-            chars += len(d.text)
-        if batch:
-            yield batch
+        _, chunks = item
+        docs = sorted((d for c in chunks for d in c), key=lambda d: d.doc_id)
+        yield from chunk_docs(docs)
 
 
 class TokenizeAlignDoFn(beam.DoFn):

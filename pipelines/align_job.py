@@ -119,7 +119,7 @@ class ReadDocs(beam.PTransform):
         n = self.num_groups
         batches = (
             out[F.MAIN]
-            | "KeyByGroup" >> beam.Map(lambda d: (F.shard_of(d.doc_id, n), d))
+            | "KeyByGroup" >> beam.Map(lambda docs: (F.shard_of(docs[0].doc_id, n), docs))
             | "Group" >> beam.GroupByKey()
             | "SplitBatches" >> beam.ParDo(F.SplitBatchesDoFn())
         )
