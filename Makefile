@@ -17,6 +17,7 @@ OUT     ?=
 TASKS   ?=
 LIMIT   ?=
 MODEL   ?=
+ALIGN_ARGS ?=
 
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
@@ -50,8 +51,8 @@ test: $(SETUP) models lint  ## the whole test suite, from a fresh clone
 projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=)
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k $(K) $(if $(OUT),--out $(OUT))
 
-align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER=, STUDENT=, OUT=)
-	$(PY) -m pipelines.align_job --data '$(DATA)' --teacher $(TEACHER) --student $(STUDENT) $(if $(OUT),--out $(OUT))
+align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several ok), STUDENT=, OUT=, ALIGN_ARGS=)
+	$(PY) -m pipelines.align_job --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
 
 train: models  ## one-process training run on the demo config (see README for torchrun)
 	$(PY) trainer/main.py conf=demo
