@@ -53,6 +53,7 @@ from trainer.losses.base import (
     zero_sum_like,
 )
 from trainer.losses.ce import target_logprobs
+from trainer.losses.fused import matched_cross
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, ChunkSide, segment_sum
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
@@ -174,30 +175,47 @@ def _gold_block(
     weights,
     tp_group,
 ):
-    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
-    if config.temperature != 1.0:
-        x = x / config.temperature
-    logq = vo.log_softmax(x, tp_group)
-    lpre = lpre_r.to(logq.dtype)[:, None]
-    qm = vo.gather(logq, tables.s_ids, tp_group) + lpre
-    qu = vo.gather(logq, tables.s_unmatched, tp_group) + lpre
-    tm = tm_rM.to(logq.dtype)
-    kl = divergence(tm, qm, kind=config.divergence, beta=config.beta)
+    dtype = compute_dtype(block_cV)
+    lpre = lpre_r.to(dtype)[:, None]
+    tm = tm_rM.to(dtype)
+    if tp_group is None and config.divergence == "forward":
+        # KL(P || Q) over the matched ids = sum P log P - sum P (lpre - logz + x_s): fused, one
+        # gather over the M columns, no log-softmax and nothing of size V kept
+        logz, cross, xu = matched_cross(
+            block_cV,
+            local_r,
+            tm,
+            tables.s_ids,
+            tables.s_unmatched,
+            vocab_size=vocab_size,
+            temperature=config.temperature,
+        )
+        logz = logz[:, None]
+        p = tm.exp()
+        live = p > 0
+        ent = torch.where(live, p * torch.where(live, tm, 0.0), 0.0).sum(-1)
+        kl = ent - cross - (lpre - logz)[:, 0] * p.sum(-1)
+    else:
+        x = take_rows(block_cV, local_r).to(dtype)
+        x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+        if config.temperature != 1.0:
+            x = x / config.temperature
+        logz = vo.logsumexp(x, tp_group)[:, None]
+        xm = vo.gather(x, tables.s_ids, tp_group) - logz + lpre
+        kl = divergence(tm, xm, kind=config.divergence, beta=config.beta)
+        xu = vo.gather(x, tables.s_unmatched, tp_group)
+    qu = xu - logz + lpre  # log u_s at the unmatched columns
     if config.rest_bucket:  # every divergence is a sum over categories: add the rest bucket's
         q_rest = safe_logaddexp(torch.logsumexp(qu, -1), log1mexp(lpre[:, 0]))
         kl = kl + divergence(
-            trest_r.to(logq.dtype)[:, None],
-            q_rest[:, None],
-            kind=config.divergence,
-            beta=config.beta,
+            trest_r.to(dtype)[:, None], q_rest[:, None], kind=config.divergence, beta=config.beta
         )
     s_sorted = qu.exp().sort(dim=-1, descending=True).values
-    t_sorted = tsorted_rW.to(logq.dtype)
+    t_sorted = tsorted_rW.to(dtype)
     width = max(s_sorted.shape[-1], t_sorted.shape[-1])
     s_sorted = F.pad(s_sorted, (0, width - s_sorted.shape[-1]))
     t_sorted = F.pad(t_sorted, (0, width - t_sorted.shape[-1]))
-    uld = (s_sorted - t_sorted).abs().sum(-1) + tresid_r.to(logq.dtype)
+    uld = (s_sorted - t_sorted).abs().sum(-1) + tresid_r.to(dtype)
     return weights[0] * kl + weights[1] * uld, kl.detach(), uld.detach()
 
 
@@ -267,8 +285,18 @@ def gold(
         tp_group=tp_group,
     )
     sr = st.last_rows()[chunks]
+    fused = tp_group is None and config.divergence == "forward"  # keeps nothing of size V
     terms, kl, uld = map_rows(
-        fn, logits, sr, ls_pre, tm, t_rest, t_sorted * scale, t_resid, chunk_size=chunk_size
+        fn,
+        logits,
+        sr,
+        ls_pre,
+        tm,
+        t_rest,
+        t_sorted * scale,
+        t_resid,
+        chunk_size=chunk_size,
+        recompute=not fused,
     )
     total = terms.sum()
     metrics.update(

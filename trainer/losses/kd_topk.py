@@ -38,6 +38,7 @@ from trainer.losses.base import (
     divergence,
     zero_sum_like,
 )
+from trainer.losses.fused import logprobs_at_ids
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
 
@@ -91,18 +92,24 @@ def student_topk_ids(
 
 
 def _kd_block(block_cV, local_r, ids_rK, logp_rK1, *, config, vocab_size, tp_group):
-    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
-    if config.temperature != 1.0:
-        x = x / config.temperature
-    logz = vo.logsumexp(x, tp_group)[:, None]
-    logq = torch.cat(
-        [
-            vo.gather(x, ids_rK, tp_group) - logz,
-            vo.logsumexp_excluding(x, ids_rK, tp_group)[:, None] - logz,
-        ],
-        dim=-1,
-    )
+    if tp_group is None:  # fused: nothing of size V kept, no recompute needed
+        lp, rest = logprobs_at_ids(
+            block_cV, local_r, ids_rK, vocab_size=vocab_size, temperature=config.temperature
+        )
+        logq = torch.cat([lp, rest[:, None]], dim=-1)
+    else:
+        x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
+        x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+        if config.temperature != 1.0:
+            x = x / config.temperature
+        logz = vo.logsumexp(x, tp_group)[:, None]
+        logq = torch.cat(
+            [
+                vo.gather(x, ids_rK, tp_group) - logz,
+                vo.logsumexp_excluding(x, ids_rK, tp_group)[:, None] - logz,
+            ],
+            dim=-1,
+        )
     terms = divergence(logp_rK1.to(logq.dtype), logq, kind=config.divergence, beta=config.beta)
     return terms * config.temperature**2, logq[:, -1].detach().exp()
 
@@ -146,7 +153,9 @@ def kd_topk(
         float("-inf"),
     )
     fn = partial(_kd_block, config=config, vocab_size=vocab_size, tp_group=tp_group)
-    terms, q_tail = map_rows(fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size)
+    terms, q_tail = map_rows(
+        fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size, recompute=tp_group is not None
+    )
     total = terms.sum()
     metrics = {
         "kd_sum": total.detach(),

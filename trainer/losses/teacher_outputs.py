@@ -29,6 +29,8 @@ from torch import Tensor
 
 from trainer.losses import vocab_ops as vo
 
+NEG_INF = float("-inf")
+
 FIELD_NAMES = (
     "topk_ids",
     "topk_logprobs",
@@ -183,7 +185,7 @@ def _check_inputs(logits_BTV, spec, target_ids_BT, columns) -> None:
 
 @torch.no_grad()
 def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
-    """All requested fields for R rows of raw teacher logits."""
+    """All requested fields for R rows of raw teacher logits (vocab-parallel composition)."""
     x1 = vo.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     logz = vo.logsumexp(xs, tp_group)
@@ -192,7 +194,7 @@ def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
     if spec.topk:
         vals, ids = vo.topk(xs, spec.topk, tp_group)
         lp = vals - logz[:, None]
-        ids = torch.where(lp > float("-inf"), ids, -1)
+        ids = torch.where(lp > NEG_INF, ids, -1)
         out["topk_ids"] = ids
         out["topk_logprobs"] = lp
         out["tail_logprob"] = vo.logsumexp_excluding(xs, ids, tp_group) - logz
@@ -208,6 +210,62 @@ def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
     if spec.target:
         logz1 = logz if spec.temperature == 1.0 else vo.logsumexp(x1, tp_group)
         tl = vo.gather(x1, tgt_R[:, None], tp_group)[:, 0] - logz1
+        out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
+    return out
+
+
+def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
+    """e[:, cols] = 0 in place; cols [N] or [R, N] (-1 = empty slot)."""
+    if cols.dim() == 1:
+        e_RV.index_fill_(1, cols[cols >= 0], 0.0)
+        return
+    top = cols.max(-1, keepdim=True).values
+    none = top[:, 0] < 0  # rows without any id: their (harmless) writes go to column 0
+    keep0 = e_RV[none, 0].clone()
+    e_RV.scatter_(1, torch.where(cols >= 0, cols, top.clamp(min=0)), 0.0)
+    e_RV[none, 0] = keep0
+
+
+@torch.no_grad()
+def _rows_local(x_RV, spec, tgt_R, cols) -> dict[str, Tensor]:
+    """Same fields on one device, sharing one exp(x - max) buffer: every mass outside a set is a
+    sum over that buffer with the set zeroed (exact), not 1 - sum and not a masked copy."""
+    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size)
+    xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
+    m = xs.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = (xs - m).exp_()
+    s_all = e.sum(-1)
+    logz = m[:, 0] + s_all.log()
+    logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
+    out: dict[str, Tensor] = {}
+    if spec.topk:
+        vals, ids = torch.topk(xs, spec.topk, dim=-1)
+        lp = vals - logz[:, None]
+        live = lp > NEG_INF
+        out["topk_ids"] = torch.where(live, ids, -1)
+        out["topk_logprobs"] = lp
+        saved = e.gather(1, ids)
+        e.scatter_(1, ids, 0.0)
+        out["tail_logprob"] = m[:, 0] + e.sum(-1).log() - logz
+        e.scatter_(1, ids, saved)  # restore exactly
+    if spec.columns:
+        gathered = xs.index_select(1, cols) if cols.dim() == 1 else xs.gather(1, cols.clamp(min=0))
+        lp = gathered - logz[:, None]
+        out["col_logprobs"] = lp if cols.dim() == 1 else lp.masked_fill(cols < 0, NEG_INF)
+        _zero_cols(e, cols)
+        out["col_rest_logprob"] = m[:, 0] + e.sum(-1).log() - logz
+        if spec.per_position_columns:
+            out["col_ids"] = cols
+        if spec.rest_sorted:
+            vals, _ = torch.topk(e, spec.rest_sorted, dim=-1)
+            out["rest_sorted_probs"] = vals / s_all[:, None]
+    if spec.target:
+        if spec.temperature == 1.0:
+            logz1 = logz
+        else:
+            logz1 = torch.logsumexp(x1, -1)
+        tl = x1.gather(1, tgt_R.clamp(min=0)[:, None])[:, 0] - logz1
         out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
     return out
 
@@ -246,7 +304,12 @@ def teacher_outputs_from_logits(
         c = cols
         if cols is not None and spec.per_position_columns:
             c = cols[:, t0:t1].reshape(-1, spec.columns)
-        for name, val in _rows(rows, spec, tgt, c, tp_group).items():
+        vals = (
+            _rows_local(rows, spec, tgt, c)
+            if tp_group is None
+            else _rows(rows, spec, tgt, c, tp_group)
+        )
+        for name, val in vals.items():
             view = dst[name][:, t0:t1]
             view.copy_(val.reshape(view.shape))
     return out

@@ -47,6 +47,7 @@ from trainer.losses.base import (
     safe_log,
     zero_sum_like,
 )
+from trainer.losses.fused import logprobs_at_ids
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, dedup_rows
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
@@ -98,54 +99,55 @@ def project_teacher(
     )
 
 
-def _student_side(x, ids_rL, s_key, tp_group) -> Tensor:
-    """log Q over the support buckets + rest, [r, L + 1], from scaled, masked logits."""
-    logz = vo.logsumexp(x, tp_group)[:, None]
-    if s_key is None:  # buckets are single tokens: gather + exact complement
-        return torch.cat(
-            [
-                vo.gather(x, ids_rL, tp_group) - logz,
-                vo.logsumexp_excluding(x, ids_rL, tp_group)[:, None] - logz,
-            ],
-            dim=-1,
-        )
-    if tp_group is not None:
-        raise NotImplementedError(
-            "xtoken buckets (XTokenTables.s_key) pool columns across the whole student vocabulary; "
-            "under tensor parallelism build the tables with coarsen=False"
-        )
-    q = (x - logz).exp()
-    # bucket masses at their key columns; scatter_add (backward: a contiguous gather) rather than
-    # index_add along dim 1, whose backward (index_select on columns) is ~100x slower on CPU
-    qb = torch.zeros_like(q).scatter_add(1, s_key[: q.shape[1]].expand_as(q), q)
-    valid = ids_rL >= 0
-    sup = torch.where(valid, qb.gather(1, ids_rL.clamp(min=0)), 0.0)
-    # rest = mass of the buckets outside the support, summed exactly (not 1 - sum(sup)): zero
-    # the support columns; empty slots repeat the row's first support id (a no-op write)
-    has = valid.any(-1, keepdim=True)
-    fill = torch.where(valid, ids_rL, ids_rL.max(-1, keepdim=True).values.clamp(min=0))
-    rest = torch.where(has[:, 0], qb.scatter(1, fill, 0.0).sum(-1), qb.sum(-1))
-    return torch.cat([safe_log(sup), safe_log(rest)[:, None]], dim=-1)
+def _bucket_logq(lp_at, ids_rL: Tensor, members: tuple[Tensor, Tensor]) -> Tensor:
+    """log Q over the support buckets + rest, [r, L + 1].
+
+    ``lp_at(drop_ids) -> (log q at drop_ids, log mass outside them)``. A bucket b holds b itself
+    and the few pooled student tokens m with key(m) = b (``members``: ids and keys; a member is
+    never a key, so the ids stay distinct). Q(b) = q(b) + its pooled members; Q_rest is the mass
+    outside the support ids and their members: exact, no 1 - x.
+    """
+    member_ids, member_keys = members
+    if member_ids.numel() == 0:  # buckets are single tokens
+        lp, rest = lp_at(ids_rL)
+        return torch.cat([lp, rest[:, None]], -1)
+    r, n_slots = ids_rL.shape
+    # slot of each pooled member's bucket in this row's support (-1: not in the support)
+    table = torch.full((r, int(member_keys.max()) + 2), -1, dtype=torch.int32, device=ids_rL.device)
+    spare = table.shape[1] - 1
+    slots = torch.arange(n_slots, dtype=torch.int32, device=ids_rL.device).expand(r, -1)
+    table.scatter_(1, torch.where(ids_rL >= 0, ids_rL.clamp(max=spare), spare), slots)
+    m_slot = table.gather(1, member_keys.expand(r, -1)).long()
+    m_in = m_slot >= 0
+    lp, rest = lp_at(torch.cat([ids_rL, torch.where(m_in, member_ids.expand(r, -1), -1)], -1))
+    pooled = torch.zeros(r, n_slots + 1, dtype=lp.dtype, device=lp.device)
+    pooled = pooled.scatter_add(1, torch.where(m_in, m_slot, n_slots), lp[:, n_slots:].exp())
+    sup = safe_log(lp[:, :n_slots].exp() + pooled[:, :n_slots])
+    return torch.cat([sup, rest[:, None]], -1)
 
 
-def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, s_key, tp_group):
-    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
-    if config.temperature != 1.0:
-        x = x / config.temperature
-    logq = _student_side(x, ids_rL, s_key, tp_group)
+def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, members, tp_group):
+    if tp_group is None:  # fused: nothing of size V kept, no recompute needed
+
+        def lp_at(drop):
+            return logprobs_at_ids(
+                block_cV, local_r, drop, vocab_size=vocab_size, temperature=config.temperature
+            )
+
+    else:
+        x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
+        x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+        if config.temperature != 1.0:
+            x = x / config.temperature
+        logz = vo.logsumexp(x, tp_group)
+
+        def lp_at(drop):
+            lse = vo.logsumexp_excluding(x, drop, tp_group)
+            return vo.gather(x, drop, tp_group) - logz[:, None], lse - logz
+
+    logq = _bucket_logq(lp_at, ids_rL, members)
     terms = divergence(logp_rL1.to(logq.dtype), logq, kind=config.divergence, beta=config.beta)
     return terms * config.temperature**2, logq[:, -1].detach().exp()
-
-
-def _full_key(s_key: Tensor | None, width: int, device) -> Tensor | None:
-    """The bucket map over all lm_head columns (padded columns are their own bucket)."""
-    if s_key is None:
-        return None
-    s_key = s_key.to(device)
-    if s_key.numel() >= width:
-        return s_key[:width]
-    return torch.cat([s_key, torch.arange(s_key.numel(), width, device=device)])
 
 
 def xtoken(
@@ -193,10 +195,18 @@ def xtoken(
         _xtoken_block,
         config=config,
         vocab_size=vocab_size,
-        s_key=_full_key(tables.s_key, width, logits.device),
+        members=tuple(t.to(logits.device) for t in tables.members()),
         tp_group=tp_group,
     )
-    terms, q_rest = map_rows(fn, logits, s_rows[chunks], ids_G, logp_G, chunk_size=chunk_size)
+    terms, q_rest = map_rows(
+        fn,
+        logits,
+        s_rows[chunks],
+        ids_G,
+        logp_G,
+        chunk_size=chunk_size,
+        recompute=tp_group is not None,
+    )
     total = terms.sum()
     metrics["teacher_rest_mass_sum"] = logp_G[:, -1].exp().sum()
     metrics["student_rest_mass_sum"] = q_rest.sum()

@@ -108,6 +108,14 @@ class XTokenTables:
             s_key=key,
         )
 
+    def members(self) -> tuple[Tensor, Tensor]:
+        """(ids, keys) of the pooled student tokens: those whose bucket is another token."""
+        if self.s_key is None:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty
+        pooled = (self.s_key != torch.arange(self.s_key.numel())).nonzero().squeeze(1)
+        return pooled, self.s_key[pooled]
+
     def to(self, device) -> XTokenTables:
         key = None if self.s_key is None else self.s_key.to(device)
         return XTokenTables(self.t2s_ids.to(device), self.t2s_weights.to(device), key)
