@@ -196,7 +196,8 @@ _BAD, _SPECIAL, _ZERO = 1, 2, 4  # per-token flags written by _trust
 @njit(cache=True)
 def _trust(ids, bo, lo, n, lossless, toff, meta, has_tab, tb, flags):
     """Per token k: flags[k] (_BAD: span untrusted, _SPECIAL, _ZERO: zero width) and tb[k], the
-    trusted boundary before token k or -1.
+    trusted boundary before token k or -1. Returns (untrusted tokens, special or zero-width
+    tokens): a row with neither takes the fused clean path.
 
     A token is good when it starts where everything before it ended and its span is as long as
     its bytes. The boundary before token k is trusted when the spans tile there and a good token
@@ -204,34 +205,45 @@ def _trust(ids, bo, lo, n, lossless, toff, meta, has_tab, tb, flags):
     """
     max_end = 0
     prev_ok = True
+    n_bad = 0
+    n_special = 0
+    n_zero = 0
     for k in range(n):
         st = bo[lo + k, 0]
         en = bo[lo + k, 1]
         tiles = st == max_end
         ok = tiles and en >= st
         f = _ZERO if en == st else 0
+        n_zero += en == st
         if has_tab:
             t = ids[lo + k]
             mt = meta[t]
             if mt & _META_SPECIAL:
                 f |= _SPECIAL
+                n_special += 1
             elif ok:
                 length = mt if mt < _LEN_CAP else toff[t + 1] - toff[t]
                 ok = length == en - st
         elif not lossless:
             ok = False
         flags[k] = f if ok else f | _BAD
+        n_bad += not ok
         tb[k] = st if tiles and (ok or prev_ok) else -1
         prev_ok = ok
         if en > max_end:
             max_end = en
     tb[0] = 0
     tb[n] = max_end
+    return n_bad, n_special + n_zero
 
 
 @njit(cache=True)
-def _walk(tb_s, n, tb_t, m, reg):
-    """Two-pointer walk over trusted boundaries; reg[r] = (student end, teacher end, byte end)."""
+def _walk(tb_s, f_s, n, tb_t, f_t, m, reg):
+    """Two-pointer walk over trusted boundaries; reg[r] = (student end, teacher end, byte end).
+
+    Zero-width tokens sitting on a common boundary join the closing chunk, unless untrusted
+    (a dummy-prefix space spanning nothing says nothing about where it belongs).
+    """
     n_reg = 0
     ka = 1
     kb = 1
@@ -249,9 +261,9 @@ def _walk(tb_s, n, tb_t, m, reg):
         elif pb < pa:
             kb += 1
         else:  # a common boundary; zero-width tokens sitting on it join the closing chunk
-            while ka < n and tb_s[ka + 1] == pa:
+            while ka < n and tb_s[ka + 1] == pa and not f_s[ka] & _BAD:
                 ka += 1
-            while kb < m and tb_t[kb + 1] == pa:
+            while kb < m and tb_t[kb + 1] == pa and not f_t[kb] & _BAD:
                 kb += 1
             reg[n_reg, 0] = ka
             reg[n_reg, 1] = kb
@@ -263,9 +275,82 @@ def _walk(tb_s, n, tb_t, m, reg):
 
 
 @njit(cache=True)
+def _same_bytes(u, v, s_off, s_data, t_off, t_data):
+    """Token u of the student and token v of the teacher stand for the same bytes."""
+    la = s_off[u + 1] - s_off[u]
+    if la != t_off[v + 1] - t_off[v]:
+        return False
+    for p in range(la):  # noqa: SIM110 (a plain loop compiles to the tightest code)
+        if s_data[s_off[u] + p] != t_data[t_off[v] + p]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _walk_label_clean(s_ids, s_bo, s_lo, n, s_meta, has_s, t_ids, t_bo, t_lo, m, t_meta, has_t,
+                      s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend, c):  # fmt: skip
+    """Check, walk and label a row in one branch-free pass, assuming it is clean.
+
+    Clean: both rows lossless, every token starts where the previous one ended, is as long as
+    its bytes (meta: byte length; specials carry _META_SPECIAL and never match; without a byte
+    table no token is known to be special) and is not zero-width. That is the common case, so
+    it is fused: each step checks the token it moves past, labels the current token of both
+    sides with the open chunk, rewrites the open chunk's record, closes it when the two token
+    ends meet and advances the side(s) whose token ends first (a branchy merge mispredicts on
+    about every other token). In a lossless row a 1:1 chunk's two tokens are the same text
+    bytes, so `exact` is just "1:1". Returns the next chunk index, or -1 if the row is not clean
+    or the sides do not reach a common end; the caller then takes the general path.
+    """
+    c_row = c
+    i = 0
+    j = 0
+    a0 = 0
+    b0 = 0
+    end_s = 0  # end of the last token passed on each side
+    end_t = 0
+    bad = False
+    while i < n and j < m:
+        sa = s_bo[s_lo + i, 0]
+        ea = s_bo[s_lo + i, 1]
+        sb = t_bo[t_lo + j, 0]
+        eb = t_bo[t_lo + j, 1]
+        ok_s = sa == end_s and ea > sa and (not has_s or s_meta[s_ids[s_lo + i]] == ea - sa)
+        ok_t = sb == end_t and eb > sb and (not has_t or t_meta[t_ids[t_lo + j]] == eb - sb)
+        s_chunk[s_lo + i] = c - c_row
+        t_chunk[t_lo + j] = c - c_row
+        i1 = i + 1
+        j1 = j + 1
+        many_s = i1 - a0 > 1
+        many_t = j1 - b0 > 1
+        kind[c] = 2 * many_s + many_t  # CHUNK_1_1, CHUNK_1_N, CHUNK_N_1, CHUNK_N_M
+        exact[c] = not (many_s or many_t)
+        c_send[c] = i1
+        c_tend[c] = j1
+        c_bend[c] = ea
+        close = ea == eb
+        step_s = ea <= eb
+        step_t = eb <= ea
+        bad |= (step_s and not ok_s) or (step_t and not ok_t)
+        c += close
+        a0 = i1 if close else a0
+        b0 = j1 if close else b0
+        end_s = ea if step_s else end_s
+        end_t = eb if step_t else end_t
+        i += step_s
+        j += step_t
+    if bad or i < n or j < m:
+        for k in range(s_lo, s_lo + n):
+            s_chunk[k] = -1
+        for k in range(t_lo, t_lo + m):
+            t_chunk[k] = -1
+        return -1
+    return c
+
+
+@njit(cache=True)
 def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, t_off, t_data,
-               has_s, has_t, lossless, s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend,
-               c):  # fmt: skip
+               has_s, has_t, lossless, specials, s_chunk, t_chunk, kind, exact, c_send, c_tend,
+               c_bend, c):  # fmt: skip
     """Turn one row's candidate chunks into labels; returns (next chunk index, dropped tokens).
 
     cand[q] = (student end, teacher end, byte end, from DP) of candidate q, consecutive from
@@ -286,25 +371,26 @@ def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, 
         a1 = cand[q, 0]
         b1 = cand[q, 1]
         dp = cand[q, 3] != 0
-        edge = _SPECIAL if dp else _SPECIAL | _ZERO  # specials that can be trimmed off an end
         i0 = a0
         i1 = a1
-        while i0 < i1 and f_s[i0] & edge == edge:
-            i0 += 1
-        while i1 > i0 and f_s[i1 - 1] & edge == edge:
-            i1 -= 1
-        s_sp = 0
-        for k in range(i0, i1):
-            s_sp += (f_s[k] & _SPECIAL) != 0
         j0 = b0
         j1 = b1
-        while j0 < j1 and f_t[j0] & edge == edge:
-            j0 += 1
-        while j1 > j0 and f_t[j1 - 1] & edge == edge:
-            j1 -= 1
+        s_sp = 0
         t_sp = 0
-        for k in range(j0, j1):
-            t_sp += (f_t[k] & _SPECIAL) != 0
+        if specials:  # rows without special tokens (the common case) skip these scans
+            edge = _SPECIAL if dp else _SPECIAL | _ZERO  # specials trimmed off either end
+            while i0 < i1 and f_s[i0] & edge == edge:
+                i0 += 1
+            while i1 > i0 and f_s[i1 - 1] & edge == edge:
+                i1 -= 1
+            for k in range(i0, i1):
+                s_sp += (f_s[k] & _SPECIAL) != 0
+            while j0 < j1 and f_t[j0] & edge == edge:
+                j0 += 1
+            while j1 > j0 and f_t[j1 - 1] & edge == edge:
+                j1 -= 1
+            for k in range(j0, j1):
+                t_sp += (f_t[k] & _SPECIAL) != 0
         if s_sp or t_sp or i0 == i1 or j0 == j1:
             dropped += (i1 - i0 - s_sp) + (j1 - j0 - t_sp)
         else:
@@ -319,14 +405,7 @@ def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, 
             same = ns == 1 and nt == 1
             # in a clean region of two lossless rows both tokens' bytes are the text's bytes
             if same and has_s and has_t and (dp or not lossless):
-                u = s_ids[s_lo + i0]
-                v = t_ids[t_lo + j0]
-                la = s_off[u + 1] - s_off[u]
-                same = la == t_off[v + 1] - t_off[v]
-                p = 0
-                while same and p < la:
-                    same = s_data[s_off[u] + p] == t_data[t_off[v] + p]
-                    p += 1
+                same = _same_bytes(s_ids[s_lo + i0], t_ids[t_lo + j0], s_off, s_data, t_off, t_data)
             exact[c] = same
             c_send[c] = a1
             c_tend[c] = b1
@@ -377,9 +456,17 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
         t_lo = t_splits[b]
         n = s_splits[b + 1] - s_lo
         m = t_splits[b + 1] - t_lo
-        _trust(s_ids, s_bo, s_lo, n, s_lossless[b], s_off, s_meta, has_s, tb_s, f_s)
-        _trust(t_ids, t_bo, t_lo, m, t_lossless[b], t_off, t_meta, has_t, tb_t, f_t)
-        n_reg = 0 if force_dp else _walk(tb_s, n, tb_t, m, reg)
+        if s_lossless[b] and t_lossless[b] and not force_dp:
+            c_next = _walk_label_clean(s_ids, s_bo, s_lo, n, s_meta, has_s, t_ids, t_bo, t_lo, m,
+                                       t_meta, has_t, s_chunk, t_chunk, kind, exact, c_send,
+                                       c_tend, c_bend, c)  # fmt: skip
+            if c_next >= 0:
+                c = c_next
+                chunk_splits[b + 1] = c
+                continue
+        bad_s, spec_s = _trust(s_ids, s_bo, s_lo, n, s_lossless[b], s_off, s_meta, has_s, tb_s, f_s)
+        bad_t, spec_t = _trust(t_ids, t_bo, t_lo, m, t_lossless[b], t_off, t_meta, has_t, tb_t, f_t)
+        n_reg = 0 if force_dp else _walk(tb_s, f_s, n, tb_t, f_t, m, reg)
         done_s = reg[n_reg - 1, 0] if n_reg else 0
         done_t = reg[n_reg - 1, 1] if n_reg else 0
         dirty_last = done_s < n or done_t < m
@@ -399,10 +486,12 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
             a1 = reg[r, 0]
             b1 = reg[r, 1]
             dirty = dirty_last and r == n_reg - 1
-            for k in range(a0, a1):
-                dirty = dirty or (f_s[k] & _BAD) != 0
-            for k in range(b0, b1):
-                dirty = dirty or (f_t[k] & _BAD) != 0
+            if bad_s:
+                for k in range(a0, a1):
+                    dirty = dirty or (f_s[k] & _BAD) != 0
+            if bad_t:
+                for k in range(b0, b1):
+                    dirty = dirty or (f_t[k] & _BAD) != 0
             if not dirty:
                 cand[n_cand, 0] = a1
                 cand[n_cand, 1] = b1
@@ -441,8 +530,9 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
             n_cand = 0  # a failed row keeps no chunk; row_error says why
         lossless = s_lossless[b] and t_lossless[b]
         c, dropped[b] = _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data,
-                                   t_off, t_data, has_s, has_t, lossless, s_chunk, t_chunk, kind,
-                                   exact, c_send, c_tend, c_bend, c)  # fmt: skip
+                                   t_off, t_data, has_s, has_t, lossless, spec_s + spec_t > 0,
+                                   s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend,
+                                   c)  # fmt: skip
         chunk_splits[b + 1] = c
     return (s_chunk, t_chunk, chunk_splits, kind[:c], exact[:c], c_send[:c], c_tend[:c],
             c_bend[:c], fallback, dropped, err)  # fmt: skip
@@ -469,20 +559,20 @@ def _table(source, ids: np.ndarray, side: str) -> VocabBytes | None:
 
 
 def align_flat(
+    *,
     student_ids: np.ndarray,
     student_byte_offsets: np.ndarray,
     student_splits: np.ndarray,
     teacher_ids: np.ndarray,
     teacher_byte_offsets: np.ndarray,
     teacher_splits: np.ndarray,
-    *,
     student_lossless: np.ndarray | None = None,
     teacher_lossless: np.ndarray | None = None,
     student_bytes: Tokenizer | VocabBytes | list | None = None,
     teacher_bytes: Tokenizer | VocabBytes | list | None = None,
     force_fallback: bool = False,
 ) -> BatchAlignment:
-    """Align a batch given flat arrays: ids [N], byte offsets [N, 2], row splits [B + 1].
+    """Align a batch given flat arrays per side: ids [N], byte offsets [N, 2], splits [B + 1].
 
     student_bytes / teacher_bytes: the token byte tables (a Tokenizer, a VocabBytes or a
     `token_bytes()` list). Without them specials are not recognised and rows that need the DP
@@ -534,12 +624,12 @@ def align_batch_flat(
 ) -> BatchAlignment:
     """Align two BatchEncodings of the same texts in one kernel call; errors stay per row."""
     return align_flat(
-        student.ids,
-        student.byte_offsets,
-        student.row_splits,
-        teacher.ids,
-        teacher.byte_offsets,
-        teacher.row_splits,
+        student_ids=student.ids,
+        student_byte_offsets=student.byte_offsets,
+        student_splits=student.row_splits,
+        teacher_ids=teacher.ids,
+        teacher_byte_offsets=teacher.byte_offsets,
+        teacher_splits=teacher.row_splits,
         student_lossless=student.lossless,
         teacher_lossless=teacher.lossless,
         student_bytes=student_bytes,
@@ -576,12 +666,12 @@ def align(
 ) -> Alignment:
     """Align one text's student and teacher Encodings (see the module docstring)."""
     res = align_flat(
-        student.ids,
-        student.byte_offsets,
-        np.array([0, len(student.ids)]),
-        teacher.ids,
-        teacher.byte_offsets,
-        np.array([0, len(teacher.ids)]),
+        student_ids=student.ids,
+        student_byte_offsets=student.byte_offsets,
+        student_splits=np.array([0, len(student.ids)]),
+        teacher_ids=teacher.ids,
+        teacher_byte_offsets=teacher.byte_offsets,
+        teacher_splits=np.array([0, len(teacher.ids)]),
         student_lossless=np.array([student.lossless]),
         teacher_lossless=np.array([teacher.lossless]),
         student_bytes=student_bytes,

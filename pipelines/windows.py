@@ -64,7 +64,7 @@ class WindowConfig:
             raise ValueError(f"WindowConfig.stride_chars must be >= 1, got {self.stride_chars}")
 
 
-def _pair_cuts(al: Alignment, n_s: int, n_t: int, n_bytes: int, i: int) -> dict[int, tuple]:
+def _pair_cuts(al: Alignment, *, n_s: int, n_t: int, n_bytes: int, i: int) -> dict[int, tuple]:
     """byte position -> (student index, teacher index) of every trusted chunk end of one pair."""
     if al.chunk_byte_end is None or al.chunk_student_end is None or al.chunk_teacher_end is None:
         raise WindowError(f"teacher {i}: Alignment has no chunk ends; build it with align()")
@@ -88,7 +88,7 @@ def _pair_cuts(al: Alignment, n_s: int, n_t: int, n_bytes: int, i: int) -> dict[
 def _common_cuts(text_bytes: bytes, n_s: int, teachers) -> tuple[np.ndarray, np.ndarray, list]:
     """Byte positions cut by every pair, on character boundaries, with each side's token index."""
     per_pair = [
-        _pair_cuts(al, n_s, len(enc.ids), len(text_bytes), i)
+        _pair_cuts(al, n_s=n_s, n_t=len(enc.ids), n_bytes=len(text_bytes), i=i)
         for i, (_, enc, al) in enumerate(teachers)
     ]
     common = set(per_pair[0])
@@ -196,9 +196,18 @@ def cut_windows(
                 f"(limits {config.max_student_tokens} / {config.max_teacher_tokens}, "
                 "BOS/EOS included)"
             )
-        windows.append(_make_window(len(windows), text, s_enc, teachers, a, k, chars,
-                                    s_idx, t_idx, (s_bos, s_eos if k == last else None),
-                                    [(b, e if k == last else None) for b, e in zip(t_bos, t_eos)]))  # fmt: skip
+        windows.append(
+            _make_window(
+                text,
+                s_enc,
+                teachers,
+                w=len(windows),
+                span=(a, k),
+                cuts=cuts,
+                s_special=(s_bos, s_eos if k == last else None),
+                t_special=[(b, e if k == last else None) for b, e in zip(t_bos, t_eos)],
+            )
+        )
         if k == last:
             break
         nxt = k
@@ -209,7 +218,10 @@ def cut_windows(
     return windows
 
 
-def _make_window(w, text, s_enc, teachers, a, k, chars, s_idx, t_idx, s_special, t_special):
+def _make_window(text, s_enc, teachers, *, w, span, cuts: CutPoints, s_special, t_special):
+    """Window w over cut points span = (a, k); *_special: (BOS, EOS) ids to add, None = none."""
+    a, k = span
+    chars, s_idx, t_idx = cuts.chars, cuts.student, cuts.teachers
     s_lo, s_hi = int(s_idx[a]), int(s_idx[k])
     s_body = np.asarray(s_enc.ids[s_lo:s_hi], np.int32)
     teacher_ids, teacher_chunk, teacher_student_chunk, n_chunks = [], [], [], []

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelines.alignment import align, align_batch, vocab_bytes
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizer import Encoding, load_tokenizer
 
 PAIRS = [
     ("smollm2", "gemma"),
@@ -82,6 +82,17 @@ def check_pair(s_tok, t_tok, text: str) -> None:
         kind = 0 if n_s == n_t == 1 else (1 if n_s == 1 else (2 if n_t == 1 else 3))
         assert al.chunk_kind[c] == kind
         assert al.chunk_exact[c] == (kind == 0 and s_bytes == t_bytes)
+    # a BOS in front (zero-width special) sends the row down the general path instead of the
+    # fused clean one: the chunks of the text must not change
+    with_bos = [_with_bos(e, tok) for e, tok in ((es, s_tok), (et, t_tok))]
+    if with_bos[0] is not es or with_bos[1] is not et:
+        gen = align(*with_bos, student_bytes=s_tok, teacher_bytes=t_tok)
+        for got, ref, enc in ((gen.student_chunk, al.student_chunk, es),
+                              (gen.teacher_chunk, al.teacher_chunk, et)):  # fmt: skip
+            assert np.array_equal(got[len(got) - len(enc.ids) :], ref)
+        assert np.array_equal(gen.chunk_kind, al.chunk_kind)
+        assert np.array_equal(gen.chunk_exact, al.chunk_exact)
+        assert np.array_equal(gen.chunk_byte_end, al.chunk_byte_end)
     # the DP fallback, run over the whole row, reproduces the fast path where both apply
     if not al.used_fallback and es.lossless and et.lossless:
         dp = align(es, et, student_bytes=s_tok, teacher_bytes=t_tok, force_fallback=True)
@@ -89,6 +100,19 @@ def check_pair(s_tok, t_tok, text: str) -> None:
         assert np.array_equal(dp.teacher_chunk, al.teacher_chunk)
         assert np.array_equal(dp.chunk_kind, al.chunk_kind)
         assert np.array_equal(dp.chunk_exact, al.chunk_exact)
+
+
+def _with_bos(enc: Encoding, tok) -> Encoding:
+    """The encoding with the tokenizer's BOS in front (zero-width at 0), or itself if none."""
+    if tok.bos_id is None:
+        return enc
+    zero = np.zeros((1, 2), np.int64)
+    return Encoding(
+        ids=np.concatenate([[tok.bos_id], enc.ids]).astype(np.int32),
+        offsets=np.concatenate([zero, enc.offsets]),
+        byte_offsets=np.concatenate([zero, enc.byte_offsets]),
+        lossless=enc.lossless,
+    )
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["-x-".join(p) for p in PAIRS])
