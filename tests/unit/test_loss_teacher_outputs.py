@@ -41,9 +41,9 @@ def _dense(x, tau=1.0):
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 def test_every_field_matches_dense(tau):
     x, tgt = _logits(), _targets()
-    cols = torch.tensor([0, 3, 7, 25, 11])
+    cols = torch.tensor([0, 3, 7, 25, 11, -1])  # -1: an empty slot
     spec = TeacherOutputSpec(
-        VOCAB, topk=4, columns=5, rest_sorted=6, target=True, temperature=tau, chunk_size=5
+        VOCAB, topk=4, columns=6, rest_sorted=6, target=True, temperature=tau, chunk_size=5
     )
     out = teacher_outputs_from_logits(x, spec=spec, target_ids_BT=tgt, columns=cols)
     lp = _dense(x, tau)
@@ -62,8 +62,9 @@ def test_every_field_matches_dense(tau):
                 out.tail_logprob[b, t].double(), torch.logsumexp(row[keep], 0), rtol=1e-5, atol=1e-5
             )
             torch.testing.assert_close(
-                out.col_logprobs[b, t].double(), row[cols], rtol=1e-5, atol=1e-5
+                out.col_logprobs[b, t, :5].double(), row[cols[:5]], rtol=1e-5, atol=1e-5
             )
+            assert out.col_logprobs[b, t, 5] == NEG
             rest = [v for v in range(V) if v not in cols.tolist()]
             torch.testing.assert_close(
                 out.col_rest_logprob[b, t].double(),

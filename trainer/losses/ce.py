@@ -16,19 +16,23 @@ from torch import Tensor
 
 from trainer.losses import vocab_ops as vo
 from trainer.losses.base import LossOutput, as_count, compute_dtype, zero_sum_like
+from trainer.losses.fused import logprobs_at_ids
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 
 
 def _target_block(block_cV, local_r, targets_r, *, vocab_size, temperature, tp_group):
+    if tp_group is None:  # fused: nothing of size V kept, no recompute needed
+        lp, _, top = logprobs_at_ids(
+            block_cV, local_r, targets_r[:, None], vocab_size=vocab_size, temperature=temperature
+        )
+        return lp[:, 0], (lp[:, 0].detach() >= top).to(lp.dtype)
     x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
     x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
     if temperature != 1.0:
         x = x / temperature
     logz = vo.logsumexp(x, tp_group)
     tgt = vo.gather(x, targets_r[:, None], tp_group)[:, 0]
-    with torch.no_grad():
-        hit = (x.argmax(-1) == targets_r) if tp_group is None else torch.zeros_like(targets_r)
-    return tgt - logz, hit.to(x.dtype)
+    return tgt - logz, torch.zeros_like(tgt).detach()  # no argmax over a sharded vocabulary
 
 
 def target_logprobs(
@@ -41,12 +45,15 @@ def target_logprobs(
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
 ) -> tuple[Tensor, Tensor]:
-    """(log q(target) [G] differentiable, argmax == target [G] as 0/1) at rows ``rows_G`` (sorted)."""
+    """(log q(target) [G] differentiable, argmax == target [G] as 0/1, zeros under TP) at rows
+    ``rows_G`` (sorted)."""
     if rows_G.numel() == 0:
         z = zero_sum_like(logits_NV)
         return z.expand(0), z.detach().expand(0)
     fn = partial(_target_block, vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
-    return map_rows(fn, logits_NV, rows_G, targets_G, chunk_size=chunk_size)
+    return map_rows(
+        fn, logits_NV, rows_G, targets_G, chunk_size=chunk_size, recompute=tp_group is not None
+    )
 
 
 def ce(

@@ -59,10 +59,12 @@ class _LogProbsAtIds(torch.autograd.Function):
         log_rest = m[:, 0] + s_rest.log() - logz
         ctx.save_for_backward(block_cV, local_r, ids_rK, logz, log_rest)
         ctx.vocab_size, ctx.temperature = vocab_size, temperature
-        return lp, log_rest
+        top = m[:, 0] - logz  # log-prob of the argmax, for accuracy metrics
+        ctx.mark_non_differentiable(top)
+        return lp, log_rest, top
 
     @staticmethod
-    def backward(ctx, g_lp, g_rest):
+    def backward(ctx, g_lp, g_rest, _g_top):
         block_cV, local_r, ids_rK, logz, log_rest = ctx.saved_tensors
         x = _rows(block_cV, local_r, ctx.vocab_size, ctx.temperature)
         q = (x - logz[:, None]).exp_()
@@ -92,8 +94,9 @@ class _LogProbsAtIds(torch.autograd.Function):
 
 def logprobs_at_ids(
     block_cV: Tensor, local_r: Tensor, ids_rK: Tensor, *, vocab_size: int, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
-    """(log q at ids [r, K], log Q_rest [r]) for rows ``local_r`` of a raw logits block.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log q at ids [r, K], log Q_rest [r], max_v log q_v [r] (no grad)) for rows ``local_r``
+    of a raw logits block.
 
     Masks columns >= vocab_size and divides by ``temperature`` itself (from the raw block, so
     nothing of size V is saved for backward).
@@ -105,8 +108,8 @@ def logprobs_at_ids(
         every = torch.arange(c, device=local_r.device)
         ids_cK = ids_rK.new_full((c, ids_rK.shape[1]), -1)
         ids_cK[local_r] = ids_rK
-        lp, rest = _LogProbsAtIds.apply(block_cV, every, ids_cK, vocab_size, temperature)
-        return lp[local_r], rest[local_r]
+        lp, rest, top = _LogProbsAtIds.apply(block_cV, every, ids_cK, vocab_size, temperature)
+        return lp[local_r], rest[local_r], top[local_r]
     return _LogProbsAtIds.apply(block_cV, local_r, ids_rK, vocab_size, temperature)
 
 

@@ -93,7 +93,7 @@ def student_topk_ids(
 
 def _kd_block(block_cV, local_r, ids_rK, logp_rK1, *, config, vocab_size, tp_group):
     if tp_group is None:  # fused: nothing of size V kept, no recompute needed
-        lp, rest = logprobs_at_ids(
+        lp, rest, _ = logprobs_at_ids(
             block_cV, local_r, ids_rK, vocab_size=vocab_size, temperature=config.temperature
         )
         logq = torch.cat([lp, rest[:, None]], dim=-1)

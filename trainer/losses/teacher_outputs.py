@@ -160,10 +160,14 @@ def allocate_teacher_outputs(
     return TeacherOutputs(**out)
 
 
-def _check_inputs(logits_BTV, spec, target_ids_BT, columns) -> None:
+def _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group) -> None:
     if logits_BTV.dim() != 3:
         raise ValueError(f"teacher logits must be [B, T, V], got {tuple(logits_BTV.shape)}")
     b, t, width = logits_BTV.shape
+    if tp_group is not None:  # the last dim is this rank's shard of an evenly split lm_head
+        import torch.distributed as dist
+
+        width *= dist.get_world_size(tp_group)
     if spec.vocab_size > width:
         raise ValueError(f"spec.vocab_size {spec.vocab_size} > teacher lm_head width {width}")
     if spec.topk > spec.vocab_size:
@@ -250,9 +254,9 @@ def _rows_local(x_RV, spec, tgt_R, cols) -> dict[str, Tensor]:
         out["tail_logprob"] = m[:, 0] + e.sum(-1).log() - logz
         e.scatter_(1, ids, saved)  # restore exactly
     if spec.columns:
-        gathered = xs.index_select(1, cols) if cols.dim() == 1 else xs.gather(1, cols.clamp(min=0))
-        lp = gathered - logz[:, None]
-        out["col_logprobs"] = lp if cols.dim() == 1 else lp.masked_fill(cols < 0, NEG_INF)
+        safe = cols.clamp(min=0)
+        gathered = xs.index_select(1, safe) if cols.dim() == 1 else xs.gather(1, safe)
+        out["col_logprobs"] = (gathered - logz[:, None]).masked_fill(cols < 0, NEG_INF)
         _zero_cols(e, cols)
         out["col_rest_logprob"] = m[:, 0] + e.sum(-1).log() - logz
         if spec.per_position_columns:
@@ -287,7 +291,7 @@ def teacher_outputs_from_logits(
     ``out``: preallocated outputs to fill in place (e.g. a shared-memory slot, or `narrow_t`
     views when the logits arrive in pieces along T); allocated when None.
     """
-    _check_inputs(logits_BTV, spec, target_ids_BT, columns)
+    _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group)
     b, t, width = logits_BTV.shape
     if out is None:
         out = allocate_teacher_outputs(spec, b, t, device=logits_BTV.device)

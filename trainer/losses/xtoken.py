@@ -130,9 +130,10 @@ def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, me
     if tp_group is None:  # fused: nothing of size V kept, no recompute needed
 
         def lp_at(drop):
-            return logprobs_at_ids(
+            lp, rest, _ = logprobs_at_ids(
                 block_cV, local_r, drop, vocab_size=vocab_size, temperature=config.temperature
             )
+            return lp, rest
 
     else:
         x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
