@@ -431,8 +431,8 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
         max_m = max(max_m, m)
     s_off, s_data, s_meta, t_off, t_data, t_meta = tabs
     has_s, has_t = has_tab
-    s_chunk = np.full(s_ids.size, -1, np.int32)
-    t_chunk = np.full(t_ids.size, -1, np.int32)
+    s_chunk = np.empty(s_ids.size, np.int32)  # every row writes all of its tokens
+    t_chunk = np.empty(t_ids.size, np.int32)
     kind = np.empty(cap, np.int8)
     exact = np.empty(cap, np.bool_)
     c_send = np.empty(cap, np.int32)
@@ -464,6 +464,8 @@ def _align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lo
                 c = c_next
                 chunk_splits[b + 1] = c
                 continue
+        s_chunk[s_lo : s_lo + n] = -1  # the general path labels only the chunks it keeps
+        t_chunk[t_lo : t_lo + m] = -1
         bad_s, spec_s = _trust(s_ids, s_bo, s_lo, n, s_lossless[b], s_off, s_meta, has_s, tb_s, f_s)
         bad_t, spec_t = _trust(t_ids, t_bo, t_lo, m, t_lossless[b], t_off, t_meta, has_t, tb_t, f_t)
         n_reg = 0 if force_dp else _walk(tb_s, f_s, n, tb_t, f_t, m, reg)
@@ -552,8 +554,9 @@ def _table(source, ids: np.ndarray, side: str) -> VocabBytes | None:
     if source is None:
         return None
     tab = vocab_bytes(source)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tab.size):
-        bad = int(ids.max()) if int(ids.max()) >= tab.size else int(ids.min())
+    # one reduction: negative ids wrap to huge unsigned values
+    if ids.size and int(ids.view(np.uint32).max()) >= tab.size:
+        bad = int(ids[(ids < 0) | (ids >= tab.size)][0])
         raise AlignmentError(f"{side} token id {bad} is outside its byte table (size {tab.size})")
     return tab
 
