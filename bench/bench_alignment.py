@@ -114,6 +114,7 @@ def _child(variant: str, npz: Path) -> dict:
     t_ids, t_bo, t_rs, t_ll = _load(npz, teacher)
     n_tokens = int(s_ids.size + t_ids.size)
     rows = s_rs.size - 1
+    input_mb = (s_ids.nbytes + s_bo.nbytes + t_ids.nbytes + t_bo.nbytes) / 2**20
     if kind.startswith("ours"):
         from pipelines.alignment import align_flat
 
@@ -149,8 +150,10 @@ def _child(variant: str, npz: Path) -> dict:
         trl_align = ULDLoss._align_by_byte_offsets
         prebuilt = kind.startswith("trl_lists")
         if prebuilt:
+            before = _status_mb("VmRSS")
             s_lists = [s_bo[s_rs[b] : s_rs[b + 1]].tolist() for b in range(rows)]
             t_lists = [t_bo[t_rs[b] : t_rs[b + 1]].tolist() for b in range(rows)]
+            input_mb = _status_mb("VmRSS") - before
 
         def run():
             groups = 0
@@ -180,6 +183,7 @@ def _child(variant: str, npz: Path) -> dict:
         "s": min(cpu),
         "wall_s": min(wall),
         "peak_mb": max(0.0, peak - base),
+        "input_mb": input_mb,
     }
 
 
@@ -270,10 +274,14 @@ def main() -> str:
             f"| {label} | {teacher} | {rate / 1e6:.2f}M | {rate / best_trl:.1f}x "
             f"| {wall / 1e6:.2f}M | {wall / best_trl_wall:.1f}x | {r['peak_mb']:.0f} |"
         )
+    lists_mb = results["trl_lists:llama-bpe"]["input_mb"]
+    arrays_mb = results["ours:llama-bpe"]["input_mb"]
     tok_s = info["tokenize_s_smollm2"] + info["tokenize_s_llama-bpe"]
     ours_s = results["ours:llama-bpe"]["wall_s"]
     lines += [
         "",
+        f"Inputs: the offsets as TRL's Python lists take {lists_mb:.0f} MB, our ids + offsets "
+        f"arrays {arrays_mb:.0f} MB (not counted in the peaks above). "
         f"Our chunks equal TRL's groups on {same} of {n_docs} documents (SmolLM2 x llama-bpe). "
         f"Tokenizing the same text with both tokenizers took {tok_s:.1f} s; aligning it "
         f"{ours_s * 1e3:.0f} ms ({100 * ours_s / tok_s:.2f}% of tokenization).",
