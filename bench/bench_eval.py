@@ -7,7 +7,7 @@ the batched KV-reusing scorer against the obvious baseline measured in the same 
 forward (all logits) per (context, answer) pair, as a naive loglikelihood loop does, on the same
 examples, and checks that both give the same log-probabilities.
 
-``TOKENBRIDGE_EVAL_LIMIT`` overrides the LIMIT (default 12).
+``TOKENBRIDGE_EVAL_LIMIT`` overrides the LIMIT (default 20).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trainer.eval.report import markdown_table, timing_table
 from trainer.eval.scoring import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
 from trainer.eval.tasks import TASKS, load
 
-LIMIT = int(os.environ.get("TOKENBRIDGE_EVAL_LIMIT", "12"))
+LIMIT = int(os.environ.get("TOKENBRIDGE_EVAL_LIMIT", "20"))
 HELD_OUT = paths.corpus_dir() / "kjv.jsonl"  # not the demo's training text (Shakespeare)
 
 

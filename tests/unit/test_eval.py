@@ -203,9 +203,9 @@ def test_answer_extraction():
 def test_sandboxed_execution(eval_data_ready):
     problem = load(TASKS["humaneval_gen"], limit=1)[0]
     prompt, test, entry = problem.contexts[0], problem.extra["test"], problem.extra["entry_point"]
-    good = gen.humaneval_program(prompt, problem.continuations[0], test, entry)
+    good = gen.humaneval_program(prompt, problem.continuations[0], test=test, entry_point=entry)
     assert gen.run_sandboxed(good, timeout=10)[0]
-    bad = gen.humaneval_program(prompt, "    return None\n", test, entry)
+    bad = gen.humaneval_program(prompt, "    return None\n", test=test, entry_point=entry)
     ok, err = gen.run_sandboxed(bad, timeout=10)
     assert not ok and "Error" in err
     t0 = time.perf_counter()
@@ -234,3 +234,14 @@ def test_generation_task_runs(tiny_dirs, smol_tok, eval_data_ready):
     res = run_tasks(model, smol_tok, ["gsm8k_gen"], limit=2, gen_max_tokens=3)["gsm8k_gen"]
     assert res["n"] == 2 and set(res["samples"]["em"]) <= {0, 1}
     assert res["metrics"]["em"]["value"] == np.mean(res["samples"]["em"])
+
+
+def test_chat_template_only_when_asked(tiny_dirs, smol_tok, eval_data_ready):
+    model = LlamaForCausalLM.from_pretrained(tiny_dirs[0]).eval()
+    plain = run_tasks(model, smol_tok, ["copa"], limit=3)["copa"]["samples"]["bits"]
+    chat = run_tasks(model, smol_tok, ["copa"], limit=3, chat=True)["copa"]["samples"]["bits"]
+    assert len(chat) == 3 and all(a != b for a, b in zip(plain, chat))
+    no_template = AutoTokenizer.from_pretrained(tiny_dirs[0])
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        run_tasks(model, no_template, ["copa"], limit=1, chat=True)

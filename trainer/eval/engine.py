@@ -59,7 +59,7 @@ def _lcp(seqs: list[list[int]]) -> int:
     return n
 
 
-def _pack(items, members: list[int], limits: BatchLimits, shared: int) -> list[list[int]]:
+def _pack(items, members: list[int], *, limits: BatchLimits, shared: int) -> list[list[int]]:
     """Greedy batches, longest first (an OOM shows early), within the token and cache limits."""
 
     def dims(i: int) -> tuple[int, int, int]:
@@ -106,10 +106,10 @@ def plan_batches(items, limits: BatchLimits) -> list[Plan]:
         rest = sum(len(c) for c in ctxs) / len(ctxs) - p
         # run the prefix once unless re-running each row's rest per continuation costs more
         if len(members) > 1 and (k - 1) * len(members) * rest < (len(members) - 1) * p:
-            plans += [Plan(b, p) for b in _pack(items, members, limits, p)]
+            plans += [Plan(b, p) for b in _pack(items, members, limits=limits, shared=p)]
         else:
             loose += members
-    plans += [Plan(b, 0) for b in _pack(items, loose, limits, 0)]
+    plans += [Plan(b, 0) for b in _pack(items, loose, limits=limits, shared=0)]
     return plans
 
 
@@ -135,7 +135,7 @@ def _vocab_width(model) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
-def _prefill(model, ids_BT, mask_BT, pos_BT, limits):
+def _prefill(model, ids_BT, *, mask_BT, pos_BT, limits):
     """Run the (left-padded) prefix rows in segments; the cache and the last position's logits."""
     cache, out, seg = None, None, max(1, limits.max_tokens // ids_BT.shape[0])
     for s in range(0, ids_BT.shape[1], seg):
@@ -152,7 +152,7 @@ def _prefill(model, ids_BT, mask_BT, pos_BT, limits):
     return cache, out.logits[:, -1]
 
 
-def _feed(model, cache, base_mask_CK, base_len_C, seqs, starts, limits, vocab, acc) -> None:
+def _feed(model, cache, *, base_mask_CK, base_len_C, seqs, starts, limits, vocab, acc) -> None:
     """Feed rows ``seqs[r][:-1]`` on top of the cache; score ``seqs[r][k]`` for k >= starts[r]
     into ``acc`` = (summed log-prob per row, count of non-greedy tokens per row)."""
     n, length = len(seqs), max(len(s) for s in seqs) - 1
@@ -197,7 +197,7 @@ def _feed(model, cache, base_mask_CK, base_len_C, seqs, starts, limits, vocab, a
         misses_C.index_add_(0, rows_N, (logits_NV.argmax(-1) != tgt_N).long())
 
 
-def score_batch(model, items, plan: Plan, limits: BatchLimits, device, vocab: int | None):
+def score_batch(model, items, plan: Plan, *, limits: BatchLimits, device, vocab: int | None):
     """(summed log-prob, non-greedy count) per continuation row, rows in item order."""
     owner = [b for b, it in enumerate(items) for _ in it.continuations]
     conts = [c for it in items for c in it.continuations]
@@ -207,15 +207,25 @@ def score_batch(model, items, plan: Plan, limits: BatchLimits, device, vocab: in
     if plan.shared:
         p = plan.shared
         prefix = torch.tensor([items[0].context[:p]], device=device)
-        cache, _ = _prefill(
-            model, prefix, torch.ones_like(prefix), torch.arange(p, device=device)[None], limits
-        )
+        pos = torch.arange(p, device=device)[None]
+        ones = torch.ones_like(prefix)
+        cache, _ = _prefill(model, prefix, mask_BT=ones, pos_BT=pos, limits=limits)
         cache.batch_select_indices(torch.zeros_like(owner_C))
         seqs = [items[b].context[p:] + c for b, c in zip(owner, conts)]
         starts = [len(items[b].context) - p for b in owner]
         base_mask = torch.ones(len(conts), p, dtype=torch.long, device=device)
         base_len = torch.full((len(conts),), p, device=device)
-        _feed(model, cache, base_mask, base_len, seqs, starts, limits, vocab, (total_C, misses_C))
+        _feed(
+            model,
+            cache,
+            base_mask_CK=base_mask,
+            base_len_C=base_len,
+            seqs=seqs,
+            starts=starts,
+            limits=limits,
+            vocab=vocab,
+            acc=(total_C, misses_C),
+        )
         return total_C.tolist(), misses_C.tolist()
     lc = max(len(it.context) for it in items)
     ids_BT = torch.zeros(len(items), lc, dtype=torch.long)
@@ -225,24 +235,22 @@ def score_batch(model, items, plan: Plan, limits: BatchLimits, device, vocab: in
         mask_BT[b, lc - len(it.context) :] = 1
     ids_BT, mask_BT = ids_BT.to(device), mask_BT.to(device)
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
-    cache, last_BV = _prefill(model, ids_BT, mask_BT, pos_BT, limits)
+    cache, last_BV = _prefill(model, ids_BT, mask_BT=mask_BT, pos_BT=pos_BT, limits=limits)
     first_BV = torch.log_softmax(last_BV[:, :vocab].float(), dim=-1)  # [B, V]: small
     first_C = torch.tensor([c[0] for c in conts], device=device)
     total_C += first_BV[owner_C, first_C].double()
     misses_C += (first_BV.argmax(-1)[owner_C] != first_C).long()
     if max(len(c) for c in conts) > 1:
         cache.batch_select_indices(owner_C)
-        ones = [1] * len(conts)
-        acc = (total_C, misses_C)
         _feed(
             model,
             cache,
-            mask_BT[owner_C],
-            mask_BT.sum(-1)[owner_C],
-            conts,
-            ones,
-            limits,
-            vocab,
-            acc,
+            base_mask_CK=mask_BT[owner_C],
+            base_len_C=mask_BT.sum(-1)[owner_C],
+            seqs=conts,
+            starts=[1] * len(conts),  # the first token was scored from the prefill's logits
+            limits=limits,
+            vocab=vocab,
+            acc=(total_C, misses_C),
         )
     return total_C.tolist(), misses_C.tolist()

@@ -69,7 +69,7 @@ def greedy_generate(
                     model,
                     enc,
                     [prompts[i] for i in batch],
-                    device,
+                    device=device,
                     max_new_tokens=max_new_tokens,
                     stop=stop,
                 )
@@ -82,7 +82,7 @@ def greedy_generate(
     return out
 
 
-def _generate_batch(model, enc, prompts, device, *, max_new_tokens, stop) -> list[str]:
+def _generate_batch(model, enc, prompts, *, device, max_new_tokens, stop) -> list[str]:
     n, lp = len(prompts), max(len(p) for p in prompts)
     ids_BT = torch.zeros(n, lp, dtype=torch.long)
     mask_BT = torch.zeros(n, lp, dtype=torch.long)
@@ -231,5 +231,5 @@ def run_sandboxed(program: str, *, timeout: float = 5.0) -> tuple[bool, str]:
         return proc.returncode == 0, err.decode("utf-8", "replace")[-300:]
 
 
-def humaneval_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
+def humaneval_program(prompt: str, completion: str, *, test: str, entry_point: str) -> str:
     return f"{prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"

@@ -29,6 +29,7 @@ from trainer.eval.scoring import (
     BatchLimits,
     ModelDoesNotFitError,
     ScoreItem,
+    TextEncoder,
     TokenStats,
     encode_pair,
     score_items,
@@ -84,7 +85,8 @@ def run_tasks(model, tokenizer, tasks, *, limit: int | None = None, **options) -
         t0 = time.perf_counter()
         examples = load(task, limit=opts.limit)
         runner = {"text": _run_text, "gen": _run_gen, "code": _run_gen}.get(task.kind, _run_scored)
-        samples, counts = runner(model, tokenizer, enc, task, examples, opts, max_length)
+        job = _Job(tokenizer, enc, task, examples, opts, max_length)
+        samples, counts = runner(model, job)
         results[task.name] = {
             "kind": task.kind,
             "primary": task.primary,
@@ -104,16 +106,35 @@ def _chat(tokenizer, text: str) -> str:
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One task on one model: what every per-kind runner needs."""
+
+    tokenizer: object
+    enc: TextEncoder
+    task: Task
+    examples: list[Example]
+    opts: EvalOptions
+    max_length: int
+
+
 def _limits(opts: EvalOptions) -> BatchLimits:
     return BatchLimits(max_items=opts.batch_size, max_tokens=opts.batch_tokens)
 
 
-def _run_scored(model, tokenizer, enc, task: Task, examples: list[Example], opts, max_length):
+def _run_scored(model, job: _Job):
     """mc / lastword / gold_bpb: likelihood of the continuations."""
+    tokenizer, enc, task, opts, max_length = (
+        job.tokenizer,
+        job.enc,
+        job.task,
+        job.opts,
+        job.max_length,
+    )
     stats = TokenStats()
     items: list[ScoreItem] = []
     where: list[list[tuple[int, int]] | None] = []
-    for ex in examples:
+    for ex in job.examples:
         contexts = [_chat(tokenizer, c) for c in ex.contexts] if opts.chat else list(ex.contexts)
         conts = [c.lstrip() for c in ex.continuations] if opts.chat else list(ex.continuations)
         if len(contexts) == 1:
@@ -138,18 +159,19 @@ def _run_scored(model, tokenizer, enc, task: Task, examples: list[Example], opts
         vocab_size=enc.vocab_size,
     )
     samples: dict[str, list] = {"id": []}
-    for ex, locs in zip(examples, where):
+    for ex, locs in zip(job.examples, where):
         if locs is None:
             continue
         choices = [scores[i][k] for i, k in locs]
-        row = _sample(task.kind, ex, choices, [items[i].continuations[k] for i, k in locs])
+        cont_ids = [items[i].continuations[k] for i, k in locs]
+        row = _sample(task.kind, ex, choices, cont_ids=cont_ids)
         samples["id"].append(ex.id)
         for key, value in row.items():
             samples.setdefault(key, []).append(value)
     return samples, stats.as_dict()
 
 
-def _sample(kind: str, ex: Example, choices, cont_ids) -> dict:
+def _sample(kind: str, ex: Example, choices, *, cont_ids) -> dict:
     texts = (
         ex.continuations
         if len(ex.continuations) == len(choices)
@@ -174,13 +196,14 @@ def _sample(kind: str, ex: Example, choices, cont_ids) -> dict:
     return row
 
 
-def _run_text(model, tokenizer, enc, task, examples, opts, max_length):
+def _run_text(model, job: _Job):
+    task, examples, opts = job.task, job.examples, job.opts
     texts = [ex.continuations[0] for ex in examples]
     per = score_texts(
         model,
-        enc,
+        job.enc,
         texts,
-        max_length=max_length,
+        max_length=job.max_length,
         limits=_limits(opts),
         progress=opts.progress and task.name,
     )
@@ -193,8 +216,15 @@ def _run_text(model, tokenizer, enc, task, examples, opts, max_length):
     return samples, {"windows": sum(per["windows"])}
 
 
-def _run_gen(model, tokenizer, enc, task, examples, opts, max_length):
-    keep = max(1, max_length - opts.gen_max_tokens)  # prompt tokens, cut from the left
+def _run_gen(model, job: _Job):
+    tokenizer, enc, task, examples, opts = (
+        job.tokenizer,
+        job.enc,
+        job.task,
+        job.examples,
+        job.opts,
+    )
+    keep = max(1, job.max_length - opts.gen_max_tokens)  # prompt tokens, cut from the left
     prompts, truncated = [], 0
     for ex in examples:
         ctx = _chat(tokenizer, ex.contexts[0]) if opts.chat else ex.contexts[0]
@@ -214,9 +244,8 @@ def _run_gen(model, tokenizer, enc, task, examples, opts, max_length):
     samples: dict[str, list] = {"id": [], "em": [], "output": []}
     for ex, out in zip(examples, outputs):
         if task.kind == "code":
-            prog = gen.humaneval_program(
-                ex.contexts[0], out, ex.extra["test"], ex.extra["entry_point"]
-            )
+            test, entry = ex.extra["test"], ex.extra["entry_point"]
+            prog = gen.humaneval_program(ex.contexts[0], out, test=test, entry_point=entry)
             ok = gen.run_sandboxed(prog, timeout=opts.exec_timeout)[0]
         elif task.subset_key == "gsm8k":
             ok = gen.answers_match(gen.extract_gsm8k(out), ex.answer)

@@ -173,7 +173,9 @@ def score_items(
         with torch.no_grad():
             for plan in plan_batches(items, limits):
                 batch = [items[i] for i in plan.items]
-                total, misses = score_batch(model, batch, plan, limits, device, vocab_size)
+                total, misses = score_batch(
+                    model, batch, plan, limits=limits, device=device, vocab=vocab_size
+                )
                 j = 0
                 for i, it in zip(plan.items, batch):
                     n = len(it.continuations)
