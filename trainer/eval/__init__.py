@@ -3,11 +3,27 @@
 ``python -m trainer.eval --model a[,b] --tasks ... --limit N`` (see ``__main__``); the trainer
 calls ``evaluate_bpb`` for its inline eval and may call ``run_tasks`` on a small fixed subset.
 Data: ``python -m trainer.eval.data fetch`` (``data``); tasks and the stable subset (``tasks``);
-the batched scorer (``scoring``); bits per byte (``bpb``); standard errors (``metrics``);
-generation (``generation``); the task loop (``runner``); tables (``report``).
+tokenization and scoring (``scoring``) over batched forward passes (``engine``); bits per byte
+(``bpb``); standard errors (``metrics``); generation (``generation``); the task loop
+(``runner``); tables (``report``).
+
+The public names load lazily, so ``python -m trainer.eval.data fetch`` imports no torch.
 """
 
-from trainer.eval.bpb import evaluate_bpb
-from trainer.eval.runner import EvalOptions, load_model, run_tasks
+from __future__ import annotations
 
-__all__ = ["EvalOptions", "evaluate_bpb", "load_model", "run_tasks"]
+import importlib
+
+_LAZY = {
+    "evaluate_bpb": "trainer.eval.bpb",
+    "run_tasks": "trainer.eval.runner",
+    "load_model": "trainer.eval.runner",
+    "EvalOptions": "trainer.eval.runner",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trainer.eval' has no attribute {name!r}")
