@@ -48,6 +48,7 @@ class MetricsLogger:
         progress: bool = True,
         total_steps: int = 0,
         start_step: int = 0,
+        fresh: bool = True,
     ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -60,7 +61,9 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jsonl:
-            self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            # a fresh run starts the file over; a resumed one appends to it
+            mode = "w" if fresh else "a"
+            self._jsonl = open(self.jsonl_path, mode, buffering=1)  # noqa: SIM115 - closed in close()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -15,6 +15,7 @@ from pipelines.projection import Projection, load_projection
 from pipelines.shards import ShardSet, open_shards
 from pipelines.tokenizer import Tokenizer, load_tokenizer
 from trainer import models, parallel
+from trainer.checkpoint import list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig
 from trainer.data import ShardReader
 
@@ -61,6 +62,13 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     """Every check that needs no model weights. Raises ConfigError / FileNotFoundError /
     pipelines' FingerprintMismatchError, ProjectionMismatchError, ... with a clear message."""
     cfg.parallel.mesh_shape(world_size)
+    old = list_checkpoints(Path(cfg.run_dir) / "checkpoints")
+    if old and cfg.checkpoint.resume == "none":
+        raise ConfigError(
+            f"config run_dir={cfg.run_dir}: holds checkpoints of an earlier run (up to step "
+            f"{old[-1][0]}) and checkpoint.resume=none; continue it with checkpoint.resume=auto, "
+            "or use another run_dir (or delete this one)"
+        )
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
 

@@ -52,6 +52,8 @@ from trainer.losses.teacher_outputs import TeacherOutputs
 from trainer.metrics import MetricsLogger, format_summary, peak_memory_gib
 from trainer.preflight import Prepared
 
+EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT to export the student after the current step
+
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier after `step` optimizer steps: linear warmup, then cosine to min_ratio."""
@@ -188,6 +190,7 @@ class Trainer:
             progress=cfg.logging.progress,
             total_steps=cfg.stop_after or cfg.steps,
             start_step=self.step,
+            fresh=self.resumed_from is None,
         )
         self._closers.append(self.metrics)
 
@@ -301,7 +304,9 @@ class Trainer:
         shares = torch.zeros(2 + len(self.kd_terms), dtype=torch.float64, device=self.device)
         extra: dict[str, float] = {}
         teacher_s = 0.0
-        for _ in range(n_mb):
+        for i in range(n_mb):
+            # reduce-scatter the gradients once per step, after the last microbatch
+            self.model.set_requires_gradient_sync(i == n_mb - 1)
             self._fill_queue(max(n_mb, self.depth))
             q = self.queue.popleft()
             received = [ch.receive() for ch in self.channels]
@@ -370,33 +375,40 @@ class Trainer:
         return float(res["bpb"])
 
     def teacher_bpb(self) -> dict[str, float]:
-        """The teachers' held-out BPB, once per run (cached in the run dir), from rank 0."""
-        cache = self.run_dir / "teacher_bpb.json"
+        """The teachers' held-out BPB (once per run, for reference), computed on rank 0 with an
+        unsharded copy of each teacher and broadcast."""
         result: dict[str, float] = {}
         if self.is_main:
-            if cache.is_file():
-                result = json.loads(cache.read_text())
-            else:
-                for t_cfg, tok in zip(self.cfg.teachers, self.prep.teacher_toks):
-                    model = models.freeze(models.build_model(t_cfg, device=self.device))
-                    res = evaluate_bpb(
-                        model,
-                        tok,
-                        self.eval_texts,
-                        batch_size=self.cfg.eval.batch_size,
-                        device=self.device,
-                    )
-                    result[t_cfg.name] = float(res["bpb"])
-                    del model
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                cache.write_text(json.dumps(result, indent=2))
+            for t_cfg, tok in zip(self.cfg.teachers, self.prep.teacher_toks):
+                model = models.freeze(models.build_model(t_cfg, device=self.device))
+                res = evaluate_bpb(
+                    model,
+                    tok,
+                    self.eval_texts,
+                    batch_size=self.cfg.eval.batch_size,
+                    device=self.device,
+                )
+                result[t_cfg.name] = float(res["bpb"])
+                del model
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _export(self) -> Path:
+    def export_requested(self) -> bool:
+        """True on every rank when rank 0 sees ``<run_dir>/EXPORT`` (``touch`` it to ask for
+        an export of the student at the end of the current step); the file is removed."""
+        flag = torch.zeros(1, device=self.device)
+        request = self.run_dir / EXPORT_REQUEST
+        if self.is_main and request.exists():
+            request.unlink()
+            flag += 1
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _export(self, name: str = "export") -> Path:
+        """The student as a plain HF directory <run_dir>/<name> (collective)."""
         sd = ckpt.full_model_state_dict(self.model)
-        out = self.run_dir / "export"
+        out = self.run_dir / name
         if self.is_main:
             models.export_hf(
                 sd, cfg=self.cfg.model, out_dir=out, extra={"step": self.step, "run": self.cfg.name}
@@ -405,8 +417,10 @@ class Trainer:
         return out
 
     def _bpb_state(self) -> dict:
+        """BPB measured earlier in this run (kept across a resume, never across fresh starts)."""
         path = self.run_dir / "bpb.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        fresh = self.resumed_from is None
+        return json.loads(path.read_text()) if path.is_file() and not fresh else {}
 
     def _save_bpb_state(self, state: dict) -> None:
         if self.is_main:
@@ -444,6 +458,10 @@ class Trainer:
                 self.metrics.log(self.step, {"bpb": self.evaluate()}, kind="eval")
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 last_ckpt = self.save_checkpoint()
+            if self.export_requested():
+                self.metrics.write(
+                    f"exported the student: {self._export(f'export-step-{self.step}')}"
+                )
         train_s = time.perf_counter() - t_start
         if cfg.checkpoint.save_at_end and (
             last_ckpt is None or not last_ckpt.name.endswith(f"{self.step:08d}")

@@ -5,9 +5,10 @@
 builds real `Trainer`s (tiny random-init SmolLM2-tokenizer student and kd_topk teacher, gloo)
 one after another in the same process group and writes rank 0's findings to OUT (JSON):
 
-- ``layouts``: per-step losses and the final parameters' checksum of three layouts that see
-  the same global batch: dp=2 x 1 row x 2 microbatches, tp=2 x 2 rows x 2 microbatches,
-  tp=2 x 1 row x 4 microbatches (the loss and the update must not depend on the layout/split);
+- ``layouts``: per-step losses and the final parameters' checksum of layouts that see the same
+  global batch: dp=2 x 1 row x 2 microbatches, tp=2 x 2 rows x 2 microbatches, tp=2 x 1 row x 4
+  microbatches, and dp=2 with the teacher tensor-parallel over both ranks (the loss and the
+  update must not depend on the layout, the split or the teacher's sharding);
 - ``resume``: losses of steps 3-4 of an uninterrupted dp=2 run, and of a run stopped after step 2
   (stop_after), checkpointed, and resumed by a fresh Trainer;
 - ``clip``: the global gradient norm of `parallel.clip_grad_norm_` on a TP+FSDP model vs the
@@ -39,7 +40,9 @@ TINY = {
 }
 
 
-def make_cfg(shards: str, run_dir: str, *, dp: int, tp: int, mb: int, accum: int, **top):
+def make_cfg(
+    shards: str, run_dir: str, *, dp: int, tp: int, mb: int, accum: int, teacher_tp: int = 1, **top
+):
     student = str(paths.student_dir())
     d = {
         "name": "dist",
@@ -49,7 +52,14 @@ def make_cfg(shards: str, run_dir: str, *, dp: int, tp: int, mb: int, accum: int
         "device": "cpu",
         "model": {"path": student, "init": "random", "seed": 1, "overrides": TINY},
         "teachers": [
-            {"path": student, "init": "random", "seed": 2, "name": "t", "overrides": TINY}
+            {
+                "path": student,
+                "init": "random",
+                "seed": 2,
+                "name": "t",
+                "overrides": TINY,
+                "tp": teacher_tp,
+            }
         ],
         "loss": {"mode": "kd_topk", "options": {"k": 8}, "ce_weight": 1.0, "kd_weight": 0.5},
         "data": {
@@ -91,6 +101,8 @@ def case_layouts(shards: str, tmp: Path) -> dict:
         "dp2_mb1_x2": {"dp": 2, "tp": 1, "mb": 1, "accum": 2},
         "tp2_mb2_x2": {"dp": 1, "tp": 2, "mb": 2, "accum": 2},
         "tp2_mb1_x4": {"dp": 1, "tp": 2, "mb": 1, "accum": 4},
+        # the teacher sharded on its own mesh, serving two dp ranks with different microbatches
+        "dp2_teacher_tp2": {"dp": 2, "tp": 1, "mb": 1, "accum": 2, "teacher_tp": 2},
     }.items():
         t, losses = run_steps(make_cfg(shards, str(tmp / name), **kw), 2)
         out[name] = {"losses": losses, "checksum": params_checksum(t.model)}

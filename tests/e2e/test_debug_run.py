@@ -3,8 +3,9 @@
 Tiny random-init student (SmolLM2 tokenizer) and teacher (Gemma 3 tokenizer) on real aligned
 shards of the shipped corpus and the real projection, xtoken loss through the shared-memory
 channel. Four launches: a full run (loss falls, channel memory constant, eval and export), a run
-resumed from the full run's mid-way checkpoint (same losses), a run whose teacher worker is
-killed (clear error, non-zero exit, no orphan), and a run with mismatched shards (refused before
+resumed from the full run's mid-way checkpoint (same losses), a run whose teacher workers form
+their own tensor-parallel group and one of them is killed (clear error, non-zero exit, no
+orphan), and a run with mismatched shards (refused before
 anything is built).
 """
 
@@ -154,6 +155,7 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
            f"run_dir={run_dir}", "steps=1000", "eval.max_texts=0", "checkpoint.save_at_end=false",
+           "teachers.0.tp=2",  # the two workers form their own process group (teacher TP)
            f"teachers.0.projection={PROJECTION}", *COMMON]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -181,3 +181,15 @@ def test_same_tokenizer_loss_with_another_tokenizer_is_refused(tmp_path, student
     shards = write_synthetic(tmp_path / "pair", smol, [gemma])
     with pytest.raises(ConfigError, match="kd_topk needs the student's tokenizer"):
         preflight(cfg_for(student_dir, shards, teacher=teacher_dir), world_size=1)
+
+
+def test_a_fresh_start_over_an_earlier_run_is_refused(tmp_path, student_dir, smol):
+    shards = write_synthetic(tmp_path / "ok", smol, [smol])
+    old = tmp_path / "run" / "checkpoints" / "step-00000003"
+    old.mkdir(parents=True)
+    (old / ".metadata").write_bytes(b"")
+    cfg = cfg_for(student_dir, shards, run_dir=str(tmp_path / "run"), checkpoint={"resume": "none"})
+    with pytest.raises(ConfigError, match="up to step 3.*checkpoint.resume=auto"):
+        preflight(cfg, world_size=1)
+    cfg.checkpoint.resume = "auto"
+    assert preflight(cfg, world_size=1).student_rows == 49152
