@@ -17,6 +17,7 @@ OUT     ?=
 TASKS   ?=
 LIMIT   ?=
 MODEL   ?=
+BENCH   ?=
 ALIGN_ARGS ?=
 
 export PYTHONUNBUFFERED := 1
@@ -63,8 +64,14 @@ eval: models  ## evaluation suite: MODEL=a[,b] TASKS= LIMIT=
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU)
 	$(PY) -m pipelines.pair_report $(TEACHER) $(STUDENT)
 
-bench: models  ## run the benchmarks and write BENCHMARKS.md
-	$(PY) -m bench.run_all
+# bench-only baselines (TRL's aligner and ULD loss), installed without their heavy deps
+BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1 xxhash==4.1.0
+$(VENV)/.stamp-bench: $(SETUP)
+	$(VENV)/bin/pip install -q --no-deps $(BENCH_DEPS)
+	touch $@
+
+bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one)
+	$(PY) -m bench.run_all $(BENCH)
 
 clean:  ## remove run outputs (keeps .venv and artifacts/)
 	rm -rf outputs runs .pytest_cache .ruff_cache
