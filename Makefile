@@ -35,8 +35,9 @@ $(SETUP): pyproject.toml requirements.lock
 	$(VENV)/bin/pip install -q -c requirements.lock -e '.[dev]'
 	touch $@
 
-models: $(SETUP)  ## fetch + convert teacher/student, tokenizer fixtures and corpora into artifacts/
+models: $(SETUP)  ## fetch + convert teacher/student, tokenizer fixtures, corpora, eval data into artifacts/
 	$(PY) -m pipelines.assets all
+	$(PY) -m trainer.eval.data fetch
 
 lint: $(SETUP)  ## ruff lint + format check
 	$(PY) -m ruff check .
