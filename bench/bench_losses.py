@@ -282,7 +282,7 @@ def _trl(hybrid: bool, T: int) -> tuple[callable, torch.Tensor]:
         return out
 
     s_off = torch.tensor(offsets(row["teacher0_student_chunk"]))[None]
-    t_off = [offsets(row["teacher0_chunk"])]
+    t_off = torch.tensor(offsets(row["teacher0_chunk"]))[None]  # indexed [i, a:b] by TRL
     s_ids, t_ids_ = batch.student_ids, batch.teacher_ids
     s_lab = s_ids.clone()
     s_lab[:, 0] = s_lab[:, -1] = -100

@@ -16,16 +16,12 @@ from torch import Tensor
 
 from trainer.losses import vocab_ops as vo
 from trainer.losses.base import LossOutput, as_count, compute_dtype, zero_sum_like
-from trainer.losses.fused import logprobs_at_ids
+from trainer.losses.fused import logprobs_at_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 
 
 def _target_block(block_cV, local_r, targets_r, *, vocab_size, temperature, tp_group):
-    if tp_group is None:  # fused: nothing of size V kept, no recompute needed
-        lp, _, top = logprobs_at_ids(
-            block_cV, local_r, targets_r[:, None], vocab_size=vocab_size, temperature=temperature
-        )
-        return lp[:, 0], (lp[:, 0].detach() >= top).to(lp.dtype)
+    """The vocab-parallel composition (with a tp_group); the single-device path is fused."""
     x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
     x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
     if temperature != 1.0:
@@ -50,10 +46,18 @@ def target_logprobs(
     if rows_G.numel() == 0:
         z = zero_sum_like(logits_NV)
         return z.expand(0), z.detach().expand(0)
+    if tp_group is None:
+        lp, _, top = logprobs_at_rows(
+            logits_NV,
+            rows_G,
+            targets_G[:, None],
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+        return lp[:, 0], (lp[:, 0].detach() >= top).to(lp.dtype)
     fn = partial(_target_block, vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
-    return map_rows(
-        fn, logits_NV, rows_G, targets_G, chunk_size=chunk_size, recompute=tp_group is not None
-    )
+    return map_rows(fn, logits_NV, rows_G, targets_G, chunk_size=chunk_size)
 
 
 def ce(

@@ -1,19 +1,25 @@
-"""Fused "log-probs at a few ids + the exact rest" with an analytic backward (single device).
+"""Fused student-side reductions with analytic backwards (single device, ``tp_group=None``).
 
-`kd_topk` and `xtoken` need, per row, log q at K ids and log of the mass outside them. Composed
-from `vocab_ops` that is ~10 passes over the fp32 [rows, V] block forward, as many again when
-checkpointing recomputes it, and a long autograd chain. This Function reads the block twice in
-forward (max, exp) and once in backward, and saves nothing of size V: it keeps the raw block (a
-view of the logits, alive anyway), the row indices and per-row statistics, and rebuilds
-q = softmax(x) in backward. With x the masked, temperature-scaled row, S the ids, q = softmax(x),
-Q_rest = sum_{v not in S} q_v, upstream gradients g_k (for log q_{S_k}) and g_r (for log Q_rest):
+Composed from `vocab_ops`, "log q at a few ids + the exact rest" is ~10 passes over an fp32
+[rows, V] block forward, as many again under recompute, and a long autograd chain. These
+Functions instead loop over row blocks themselves: forward reads each block twice (max, exp) and
+keeps per-row statistics only; backward rebuilds q = softmax(x) block by block and writes the
+gradient straight into ONE [N, V] buffer. Nothing of size V outlives a block, and there is no
+[N, V] concatenation of per-block gradients (which would double the peak).
+
+`logprobs_at_rows`: with x the masked, temperature-scaled row, S its ids, q = softmax(x),
+Q_rest = sum_{v not in S} q_v, and upstream gradients g_k (for log q_{S_k}) and g_r (log Q_rest):
 
     d/dx_v = [v = S_k] g_k - q_v (sum_k g_k + g_r) + [v not in S] q_v g_r / Q_rest
 
-Used when ``tp_group`` is None; with a tensor-parallel group the modes compose the vocab-parallel
-ops instead. Ids < 0 are empty slots (-inf, no gradient); ids must be distinct within a row.
+`matched_cross_rows` (gold's forward KL): logz, cross = sum_m P_m x_{s_m}, and x at other ids:
 
-Legend: c block rows, r selected rows, V columns, K ids per row.
+    d/dx_v = g_logz q_v + g_cross sum_m P_m [v = s_m] + sum_u g_u [v = o_u]
+
+With a tensor-parallel group the modes compose the vocab-parallel ops instead. Rows must be
+sorted and distinct; ids < 0 are empty slots (-inf, no gradient); ids distinct within a row.
+
+Legend: N logits rows, V columns, G selected rows, K ids per row, M matched, U other columns.
 """
 
 from __future__ import annotations
@@ -26,12 +32,38 @@ from trainer.losses.base import compute_dtype
 NEG_INF = float("-inf")
 
 
-def _rows(block_cV: Tensor, local_r: Tensor, vocab_size: int, temperature: float) -> Tensor:
-    x = block_cV if local_r.numel() == block_cV.shape[0] else block_cV[local_r]
-    x = x.to(compute_dtype(block_cV))
+def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+
+
+def _contiguous(rows_r: Tensor) -> int | None:
+    """First row if the rows are one contiguous range (read without a copy), else None."""
+    lo = int(rows_r[0])
+    return lo if int(rows_r[-1]) - lo + 1 == rows_r.numel() else None
+
+
+def _x(logits_NV: Tensor, rows_r: Tensor, vocab_size: int, temperature: float) -> Tensor:
+    lo = _contiguous(rows_r)
+    x = logits_NV.narrow(0, lo, rows_r.numel()) if lo is not None else logits_NV[rows_r]
+    x = x.to(compute_dtype(logits_NV))
     if vocab_size < x.shape[1]:
         x = x.masked_fill(torch.arange(x.shape[1], device=x.device) >= vocab_size, NEG_INF)
     return x / temperature if temperature != 1.0 else x
+
+
+def _put(grad_NV: Tensor, rows_r: Tensor, g_rV: Tensor) -> None:
+    lo = _contiguous(rows_r)
+    if lo is not None:
+        grad_NV.narrow(0, lo, rows_r.numel()).copy_(g_rV)
+    else:
+        grad_NV[rows_r] = g_rV.to(grad_NV.dtype)
+
+
+def _logz(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(row max made finite [r, 1], exp(x - max) [r, V])."""
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    return m, (x - m).exp_()
 
 
 def _slot_fill(ids_rK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -42,126 +74,126 @@ def _slot_fill(ids_rK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return valid, torch.where(valid, ids_rK, top), valid.any(-1)
 
 
-class _LogProbsAtIds(torch.autograd.Function):
+class _LogProbsAtRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block_cV, local_r, ids_rK, vocab_size, temperature):
-        x = _rows(block_cV, local_r, vocab_size, temperature)
-        m = x.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, 0.0)
-        e = (x - m).exp_()
-        s_all = e.sum(-1)
-        valid, fill, has = _slot_fill(ids_rK)
-        e.scatter_(1, fill, 0.0)
-        s_rest = torch.where(has, e.sum(-1), s_all)
-        del e
-        logz = m[:, 0] + s_all.log()
-        lp = torch.where(valid, x.gather(1, fill) - logz[:, None], NEG_INF)
-        log_rest = m[:, 0] + s_rest.log() - logz
-        ctx.save_for_backward(block_cV, local_r, ids_rK, logz, log_rest)
-        ctx.vocab_size, ctx.temperature = vocab_size, temperature
-        top = m[:, 0] - logz  # log-prob of the argmax, for accuracy metrics
+    def forward(ctx, logits_NV, rows_G, ids_GK, vocab_size, temperature, chunk):
+        dtype = compute_dtype(logits_NV)
+        g, k = ids_GK.shape
+        lp = torch.empty(g, k, dtype=dtype, device=logits_NV.device)
+        rest, logz, top = (torch.empty(g, dtype=dtype, device=logits_NV.device) for _ in range(3))
+        for a, b in _spans(g, chunk):
+            x = _x(logits_NV, rows_G[a:b], vocab_size, temperature)
+            m, e = _logz(x)
+            s_all = e.sum(-1)
+            valid, fill, has = _slot_fill(ids_GK[a:b])
+            e.scatter_(1, fill, 0.0)
+            s_rest = torch.where(has, e.sum(-1), s_all)
+            del e
+            logz[a:b] = m[:, 0] + s_all.log()
+            lp[a:b] = torch.where(valid, x.gather(1, fill) - logz[a:b, None], NEG_INF)
+            rest[a:b] = m[:, 0] + s_rest.log() - logz[a:b]
+            top[a:b] = m[:, 0] - logz[a:b]
+        ctx.save_for_backward(logits_NV, rows_G, ids_GK, logz, rest)
+        ctx.conf = (vocab_size, temperature, chunk)
         ctx.mark_non_differentiable(top)
-        return lp, log_rest, top
+        return lp, rest, top
 
     @staticmethod
     def backward(ctx, g_lp, g_rest, _g_top):
-        block_cV, local_r, ids_rK, logz, log_rest = ctx.saved_tensors
-        x = _rows(block_cV, local_r, ctx.vocab_size, ctx.temperature)
-        q = (x - logz[:, None]).exp_()
-        del x
-        valid, fill, has = _slot_fill(ids_rK)
-        g_lp = torch.where(valid, g_lp, 0.0).to(q.dtype)
-        g_rest = g_rest.to(q.dtype)
-        total = g_lp.sum(-1) + g_rest
-        q_rest = log_rest.exp()
-        c = torch.where(q_rest > 0, g_rest / torch.where(q_rest > 0, q_rest, 1.0), 0.0)
-        q_ids = q.gather(1, fill)
-        vals = g_lp - q_ids * total[:, None]
-        # empty slots write the value of the slot that holds the same (largest) id
-        vals = torch.where(valid, vals, vals.gather(1, ids_rK.argmax(-1, keepdim=True)))
-        vals = torch.where(has[:, None], vals, 0.0)
-        grad = q.mul_((c - total)[:, None])
-        grad.scatter_(1, fill, vals)
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        if local_r.numel() == block_cV.shape[0]:
-            out = grad.to(block_cV.dtype)
-        else:
-            out = torch.zeros_like(block_cV)
-            out[local_r] = grad.to(block_cV.dtype)
-        return out, None, None, None, None
+        logits_NV, rows_G, ids_GK, logz, rest = ctx.saved_tensors
+        vocab_size, temperature, chunk = ctx.conf
+        grad = torch.zeros_like(logits_NV)
+        for a, b in _spans(ids_GK.shape[0], chunk):
+            q = (_x(logits_NV, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
+            valid, fill, has = _slot_fill(ids_GK[a:b])
+            gl = torch.where(valid, g_lp[a:b], 0.0).to(q.dtype)
+            gr = g_rest[a:b].to(q.dtype)
+            total = gl.sum(-1) + gr
+            q_rest = rest[a:b].exp()
+            c = torch.where(q_rest > 0, gr / torch.where(q_rest > 0, q_rest, 1.0), 0.0)
+            vals = gl - q.gather(1, fill) * total[:, None]
+            # empty slots write the value of the slot that holds the same (largest) id
+            vals = torch.where(valid, vals, vals.gather(1, ids_GK[a:b].argmax(-1, keepdim=True)))
+            vals = torch.where(has[:, None], vals, 0.0)
+            q.mul_((c - total)[:, None]).scatter_(1, fill, vals)
+            if temperature != 1.0:
+                q.div_(temperature)
+            _put(grad, rows_G[a:b], q)
+        return grad, None, None, None, None, None
 
 
-def logprobs_at_ids(
-    block_cV: Tensor, local_r: Tensor, ids_rK: Tensor, *, vocab_size: int, temperature: float = 1.0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(log q at ids [r, K], log Q_rest [r], max_v log q_v [r] (no grad)) for rows ``local_r``
-    of a raw logits block.
-
-    Masks columns >= vocab_size and divides by ``temperature`` itself (from the raw block, so
-    nothing of size V is saved for backward).
-    """
-    c, r = block_cV.shape[0], local_r.numel()
-    if r != c and 2 * r >= c:
-        # most rows selected: run on the whole block (unselected rows get no ids and no
-        # gradient) rather than copy the selected rows out, in forward and again in backward
-        every = torch.arange(c, device=local_r.device)
-        ids_cK = ids_rK.new_full((c, ids_rK.shape[1]), -1)
-        ids_cK[local_r] = ids_rK
-        lp, rest, top = _LogProbsAtIds.apply(block_cV, every, ids_cK, vocab_size, temperature)
-        return lp[local_r], rest[local_r], top[local_r]
-    return _LogProbsAtIds.apply(block_cV, local_r, ids_rK, vocab_size, temperature)
-
-
-class _MatchedCross(torch.autograd.Function):
-    """Per row: logz, cross = sum_m P_m x_{s_m} (P_m = 0 terms exactly 0), x at ``other`` ids."""
-
-    @staticmethod
-    def forward(ctx, block_cV, local_r, logp_rM, s_ids_M, other_U, vocab_size, temperature):
-        x = _rows(block_cV, local_r, vocab_size, temperature)
-        m = x.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, 0.0)
-        logz = m[:, 0] + (x - m).exp_().sum(-1).log()
-        prod = logp_rM.to(x.dtype).exp() * x.index_select(1, s_ids_M)
-        cross = prod.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF).sum(-1)
-        x_other = x.index_select(1, other_U)
-        ctx.save_for_backward(block_cV, local_r, logp_rM, s_ids_M, other_U, logz)
-        ctx.vocab_size, ctx.temperature = vocab_size, temperature
-        return logz, cross, x_other
-
-    @staticmethod
-    def backward(ctx, g_logz, g_cross, g_other):
-        block_cV, local_r, logp_rM, s_ids_M, other_U, logz = ctx.saved_tensors
-        x = _rows(block_cV, local_r, ctx.vocab_size, ctx.temperature)
-        grad = (x - logz[:, None]).exp_()
-        del x
-        grad.mul_(g_logz.to(grad.dtype)[:, None])
-        p = logp_rM.to(grad.dtype).exp()
-        grad.index_add_(1, s_ids_M, p.mul_(g_cross.to(grad.dtype)[:, None]))
-        grad.index_add_(1, other_U, g_other.to(grad.dtype))
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        if local_r.numel() == block_cV.shape[0]:
-            out = grad.to(block_cV.dtype)
-        else:
-            out = torch.zeros_like(block_cV)
-            out[local_r] = grad.to(block_cV.dtype)
-        return out, None, None, None, None, None, None
-
-
-def matched_cross(
-    block_cV: Tensor,
-    local_r: Tensor,
-    logp_rM: Tensor,
-    s_ids_M: Tensor,
-    other_U: Tensor,
+def logprobs_at_rows(
+    logits_NV: Tensor,
+    rows_G: Tensor,
+    ids_GK: Tensor,
     *,
     vocab_size: int,
     temperature: float = 1.0,
+    chunk_size: int = 256,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(logz [r], sum_m exp(logp_m) x_{s_m} [r], x at ``other_U`` [r, U]) of the rows ``local_r``
-    of a raw logits block (x masked and scaled): the student side of `gold`'s forward KL, with
-    one gather over the M matched columns and no log-softmax."""
-    return _MatchedCross.apply(
-        block_cV, local_r, logp_rM, s_ids_M, other_U, vocab_size, temperature
+    """(log q at ids [G, K], log Q_rest [G], max_v log q_v [G] (no grad)) at rows ``rows_G`` of
+    raw logits (columns >= vocab_size masked, divided by ``temperature`` here)."""
+    return _LogProbsAtRows.apply(logits_NV, rows_G, ids_GK, vocab_size, temperature, chunk_size)
+
+
+class _MatchedCrossRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, rows_G, logp_fn, s_ids_M, other_U, vocab_size, temperature, chunk):
+        dtype = compute_dtype(logits_NV)
+        g = rows_G.numel()
+        logz = torch.empty(g, dtype=dtype, device=logits_NV.device)
+        cross = torch.empty_like(logz)
+        x_other = torch.empty(g, other_U.numel(), dtype=dtype, device=logits_NV.device)
+        ent, mass = torch.empty_like(logz), torch.empty_like(logz)
+        for a, b in _spans(g, chunk):
+            x = _x(logits_NV, rows_G[a:b], vocab_size, temperature)
+            m, e = _logz(x)
+            logz[a:b] = m[:, 0] + e.sum(-1).log()
+            del e
+            logp = logp_fn(a, b).to(dtype)
+            p = logp.exp()
+            mass[a:b] = p.sum(-1)
+            # P = 0 terms are 0 in both sums (0 * -inf = nan -> 0); P > 0 at x = -inf stays -inf
+            ent[a:b] = (p * logp).nan_to_num_(nan=0.0, neginf=NEG_INF).sum(-1)
+            prod = p.mul_(x.index_select(1, s_ids_M))
+            cross[a:b] = prod.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF).sum(-1)
+            x_other[a:b] = x.index_select(1, other_U)
+        ctx.save_for_backward(logits_NV, rows_G, s_ids_M, other_U, logz)
+        ctx.conf = (logp_fn, vocab_size, temperature, chunk)
+        ctx.mark_non_differentiable(ent, mass)
+        return logz, cross, x_other, ent, mass
+
+    @staticmethod
+    def backward(ctx, g_logz, g_cross, g_other, _g_ent, _g_mass):
+        logits_NV, rows_G, s_ids_M, other_U, logz = ctx.saved_tensors
+        logp_fn, vocab_size, temperature, chunk = ctx.conf
+        grad = torch.zeros_like(logits_NV)
+        for a, b in _spans(rows_G.numel(), chunk):
+            q = (_x(logits_NV, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
+            q.mul_(g_logz[a:b].to(q.dtype)[:, None])
+            p = logp_fn(a, b).to(q.dtype).exp_().mul_(g_cross[a:b].to(q.dtype)[:, None])
+            q.index_add_(1, s_ids_M, p).index_add_(1, other_U, g_other[a:b].to(q.dtype))
+            if temperature != 1.0:
+                q.div_(temperature)
+            _put(grad, rows_G[a:b], q)
+        return grad, None, None, None, None, None, None, None
+
+
+def matched_cross_rows(
+    logits_NV: Tensor,
+    rows_G: Tensor,
+    logp_fn,
+    *,
+    s_ids: Tensor,
+    other_ids: Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """At rows ``rows_G`` of raw logits, the student side of `gold`'s forward KL: (logz [G],
+    sum_m P_m x_{s_m} [G], x at ``other_ids`` [G, U], and, without gradient, the teacher's
+    sum_m P_m log P_m [G] and sum_m P_m [G]). ``logp_fn(a, b)`` gives log P [b - a, M] for the
+    selected rows a..b (built per block, so [G, M] never exists at once); P = 0 terms are 0."""
+    return _MatchedCrossRows.apply(
+        logits_NV, rows_G, logp_fn, s_ids, other_ids, vocab_size, temperature, chunk_size
     )

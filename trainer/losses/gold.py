@@ -53,7 +53,7 @@ from trainer.losses.base import (
     zero_sum_like,
 )
 from trainer.losses.ce import target_logprobs
-from trainer.losses.fused import matched_cross
+from trainer.losses.fused import matched_cross_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, ChunkSide, segment_sum
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
@@ -160,63 +160,66 @@ def _prefix_rows(side: ChunkSide, wanted_G1: Tensor) -> Tensor:
     return (in_chunk & (pos + 1 != last)).nonzero().squeeze(1)
 
 
+def _tail_terms(kl, qu, lpre, trest, tsorted, tresid, *, config, weights):
+    """The rest bucket of the matched part and the ULD part, from log u_s at the unmatched
+    columns ``qu`` [r, U]; returns (terms, matched, unmatched) per row."""
+    if config.rest_bucket:  # every divergence is a sum over categories: add the rest bucket's
+        q_rest = safe_logaddexp(torch.logsumexp(qu, -1), log1mexp(lpre))
+        kl = kl + divergence(
+            trest.to(qu.dtype)[:, None], q_rest[:, None], kind=config.divergence, beta=config.beta
+        )
+    s_sorted = qu.exp().sort(dim=-1, descending=True).values
+    t_sorted = tsorted.to(qu.dtype)
+    width = max(s_sorted.shape[-1], t_sorted.shape[-1])
+    s_sorted = F.pad(s_sorted, (0, width - s_sorted.shape[-1]))
+    t_sorted = F.pad(t_sorted, (0, width - t_sorted.shape[-1]))
+    uld = (s_sorted - t_sorted).abs().sum(-1) + tresid.to(qu.dtype)
+    return weights[0] * kl + weights[1] * uld, kl.detach(), uld.detach()
+
+
 def _gold_block(
     block_cV,
     local_r,
     lpre_r,
-    tm_rM,
+    tr_r,
     trest_r,
     tsorted_rW,
     tresid_r,
     *,
+    cols_TM,
+    lt_pre_of,
     tables,
     config,
     vocab_size,
     weights,
     tp_group,
 ):
+    """The composed path (a tp_group, or reverse / jsd): one block of rows under recompute."""
     dtype = compute_dtype(block_cV)
-    lpre = lpre_r.to(dtype)[:, None]
-    tm = tm_rM.to(dtype)
-    if tp_group is None and config.divergence == "forward":
-        # KL(P || Q) over the matched ids = sum P log P - sum P (lpre - logz + x_s): fused, one
-        # gather over the M columns, no log-softmax and nothing of size V kept
-        logz, cross, xu = matched_cross(
-            block_cV,
-            local_r,
-            tm,
-            tables.s_ids,
-            tables.s_unmatched,
-            vocab_size=vocab_size,
-            temperature=config.temperature,
-        )
-        logz = logz[:, None]
+    lpre = lpre_r.to(dtype)
+    tm = cols_TM[tr_r].to(dtype) + lt_pre_of(tr_r).to(dtype)[:, None]
+    x = take_rows(block_cV, local_r).to(dtype)
+    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    if config.temperature != 1.0:
+        x = x / config.temperature
+    logz = vo.logsumexp(x, tp_group)[:, None]
+    xm = vo.gather(x, tables.s_ids, tp_group) - logz + lpre[:, None]
+    kl = divergence(tm, xm, kind=config.divergence, beta=config.beta)
+    qu = vo.gather(x, tables.s_unmatched, tp_group) - logz + lpre[:, None]
+    return _tail_terms(kl, qu, lpre, trest_r, tsorted_rW, tresid_r, config=config, weights=weights)
+
+
+@torch.no_grad()
+def _teacher_matched_stats(tm_of, n: int, chunk: int) -> tuple[Tensor, Tensor]:
+    """(sum_m P_m log P_m, sum_m P_m) per row, P = exp(log P) built block by block."""
+    ent, mass = [], []
+    for a in range(0, n, chunk):
+        tm = tm_of(a, min(n, a + chunk))
         p = tm.exp()
         live = p > 0
-        ent = torch.where(live, p * torch.where(live, tm, 0.0), 0.0).sum(-1)
-        kl = ent - cross - (lpre - logz)[:, 0] * p.sum(-1)
-    else:
-        x = take_rows(block_cV, local_r).to(dtype)
-        x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
-        if config.temperature != 1.0:
-            x = x / config.temperature
-        logz = vo.logsumexp(x, tp_group)[:, None]
-        xm = vo.gather(x, tables.s_ids, tp_group) - logz + lpre
-        kl = divergence(tm, xm, kind=config.divergence, beta=config.beta)
-        xu = vo.gather(x, tables.s_unmatched, tp_group)
-    qu = xu - logz + lpre  # log u_s at the unmatched columns
-    if config.rest_bucket:  # every divergence is a sum over categories: add the rest bucket's
-        q_rest = safe_logaddexp(torch.logsumexp(qu, -1), log1mexp(lpre[:, 0]))
-        kl = kl + divergence(
-            trest_r.to(dtype)[:, None], q_rest[:, None], kind=config.divergence, beta=config.beta
-        )
-    s_sorted = qu.exp().sort(dim=-1, descending=True).values
-    t_sorted = tsorted_rW.to(dtype)
-    width = max(s_sorted.shape[-1], t_sorted.shape[-1])
-    s_sorted = F.pad(s_sorted, (0, width - s_sorted.shape[-1]))
-    t_sorted = F.pad(t_sorted, (0, width - t_sorted.shape[-1]))
-    uld = (s_sorted - t_sorted).abs().sum(-1) + tresid_r.to(dtype)
-    return weights[0] * kl + weights[1] * uld, kl.detach(), uld.detach()
+        ent.append(torch.where(live, p * torch.where(live, tm, 0.0), 0.0).sum(-1))
+        mass.append(p.sum(-1))
+    return torch.cat(ent), torch.cat(mass)
 
 
 def gold(
@@ -268,7 +271,7 @@ def gold(
     # teacher side at the row predicting each chunk's last token
     tr = te.last_rows()[chunks]
     m = tables.t_ids.numel()
-    tm = teacher.col_logprobs.reshape(-1, m)[tr].float() + lt_pre[:, None]
+    cols_TM = teacher.col_logprobs.reshape(-1, m)  # [G, M] merged rows are built per block
     t_um = teacher.col_rest_logprob.reshape(-1)[tr].float()
     t_rest = safe_logaddexp(t_um + lt_pre, log1mexp(lt_pre))
     w_sorted = teacher.rest_sorted_probs.shape[-1]
@@ -276,35 +279,52 @@ def gold(
     scale = lt_pre.exp()[:, None]
     t_resid = (t_um.exp() - t_sorted.sum(-1)).clamp(min=0) * scale[:, 0]
     weights = tables.weights(config)
-    fn = partial(
-        _gold_block,
-        tables=tables.to(logits.device),
-        config=config,
-        vocab_size=vocab_size,
-        weights=weights,
-        tp_group=tp_group,
-    )
+    tables = tables.to(logits.device)
     sr = st.last_rows()[chunks]
-    fused = tp_group is None and config.divergence == "forward"  # keeps nothing of size V
-    terms, kl, uld = map_rows(
-        fn,
-        logits,
-        sr,
-        ls_pre,
-        tm,
-        t_rest,
-        t_sorted * scale,
-        t_resid,
-        chunk_size=chunk_size,
-        recompute=not fused,
-    )
+    if tp_group is None and config.divergence == "forward":
+        # KL(P || Q) over the matched ids = sum P log P - sum P (ls_pre - logz + x_s): fused, one
+        # gather over the M columns per block, no log-softmax, nothing of size V kept
+        logz, cross, xu, ent, p_mass = matched_cross_rows(
+            logits,
+            sr,
+            lambda a, b: cols_TM[tr[a:b]].float() + lt_pre[a:b, None],
+            s_ids=tables.s_ids,
+            other_ids=tables.s_unmatched,
+            vocab_size=vocab_size,
+            temperature=config.temperature,
+            chunk_size=chunk_size,
+        )
+        kl = ent - cross - (ls_pre - logz) * p_mass
+        qu = xu - logz[:, None] + ls_pre[:, None]
+        terms, kl, uld = _tail_terms(
+            kl, qu, ls_pre, t_rest, t_sorted * scale, t_resid, config=config, weights=weights
+        )
+    else:
+        _, p_mass = _teacher_matched_stats(
+            lambda a, b: cols_TM[tr[a:b]].float() + lt_pre[a:b, None], tr.numel(), chunk_size
+        )
+        pre_of_row = torch.zeros(cols_TM.shape[0], dtype=lt_pre.dtype, device=lt_pre.device)
+        pre_of_row[tr] = lt_pre
+        fn = partial(
+            _gold_block,
+            cols_TM=cols_TM,
+            lt_pre_of=lambda rows: pre_of_row[rows],
+            tables=tables,
+            config=config,
+            vocab_size=vocab_size,
+            weights=weights,
+            tp_group=tp_group,
+        )
+        terms, kl, uld = map_rows(
+            fn, logits, sr, ls_pre, tr, t_rest, t_sorted * scale, t_resid, chunk_size=chunk_size
+        )
     total = terms.sum()
     metrics.update(
         {
             "kd_sum": total.detach(),
             "gold_matched_sum": kl.sum(),
             "gold_unmatched_sum": uld.sum(),
-            "teacher_matched_mass_sum": tm.exp().sum(),
+            "teacher_matched_mass_sum": p_mass.sum(),
         }
     )
     return LossOutput(total, count, metrics)

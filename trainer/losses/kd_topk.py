@@ -38,7 +38,7 @@ from trainer.losses.base import (
     divergence,
     zero_sum_like,
 )
-from trainer.losses.fused import logprobs_at_ids
+from trainer.losses.fused import logprobs_at_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
 
@@ -92,26 +92,27 @@ def student_topk_ids(
 
 
 def _kd_block(block_cV, local_r, ids_rK, logp_rK1, *, config, vocab_size, tp_group):
-    if tp_group is None:  # fused: nothing of size V kept, no recompute needed
-        lp, rest, _ = logprobs_at_ids(
-            block_cV, local_r, ids_rK, vocab_size=vocab_size, temperature=config.temperature
-        )
-        logq = torch.cat([lp, rest[:, None]], dim=-1)
-    else:
-        x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-        x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
-        if config.temperature != 1.0:
-            x = x / config.temperature
-        logz = vo.logsumexp(x, tp_group)[:, None]
-        logq = torch.cat(
-            [
-                vo.gather(x, ids_rK, tp_group) - logz,
-                vo.logsumexp_excluding(x, ids_rK, tp_group)[:, None] - logz,
-            ],
-            dim=-1,
-        )
-    terms = divergence(logp_rK1.to(logq.dtype), logq, kind=config.divergence, beta=config.beta)
-    return terms * config.temperature**2, logq[:, -1].detach().exp()
+    """The vocab-parallel composition (with a tp_group); the single-device path is fused."""
+    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
+    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    if config.temperature != 1.0:
+        x = x / config.temperature
+    logz = vo.logsumexp(x, tp_group)[:, None]
+    logq = torch.cat(
+        [
+            vo.gather(x, ids_rK, tp_group) - logz,
+            vo.logsumexp_excluding(x, ids_rK, tp_group)[:, None] - logz,
+        ],
+        dim=-1,
+    )
+    return _terms(logp_rK1, logq, config)
+
+
+def _terms(logp_rK1, logq_rK1, config) -> tuple[Tensor, Tensor]:
+    terms = divergence(
+        logp_rK1.to(logq_rK1.dtype), logq_rK1, kind=config.divergence, beta=config.beta
+    )
+    return terms * config.temperature**2, logq_rK1[:, -1].detach().exp()
 
 
 def kd_topk(
@@ -152,10 +153,19 @@ def kd_topk(
         torch.cat([ids_G < 0, ids_G.new_zeros(ids_G.shape[0], 1, dtype=torch.bool)], -1),
         float("-inf"),
     )
-    fn = partial(_kd_block, config=config, vocab_size=vocab_size, tp_group=tp_group)
-    terms, q_tail = map_rows(
-        fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size, recompute=tp_group is not None
-    )
+    if tp_group is None:
+        lp, rest, _ = logprobs_at_rows(
+            logits,
+            rows,
+            ids_G,
+            vocab_size=vocab_size,
+            temperature=config.temperature,
+            chunk_size=chunk_size,
+        )
+        terms, q_tail = _terms(logp_G, torch.cat([lp, rest[:, None]], -1), config)
+    else:
+        fn = partial(_kd_block, config=config, vocab_size=vocab_size, tp_group=tp_group)
+        terms, q_tail = map_rows(fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size)
     total = terms.sum()
     metrics = {
         "kd_sum": total.detach(),

@@ -47,7 +47,7 @@ from trainer.losses.base import (
     safe_log,
     zero_sum_like,
 )
-from trainer.losses.fused import logprobs_at_ids
+from trainer.losses.fused import logprobs_at_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, dedup_rows
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
@@ -112,13 +112,13 @@ def _bucket_logq(lp_at, ids_rL: Tensor, members: tuple[Tensor, Tensor]) -> Tenso
         lp, rest = lp_at(ids_rL)
         return torch.cat([lp, rest[:, None]], -1)
     r, n_slots = ids_rL.shape
-    # slot of each pooled member's bucket in this row's support (-1: not in the support)
-    table = torch.full((r, int(member_keys.max()) + 2), -1, dtype=torch.int32, device=ids_rL.device)
-    spare = table.shape[1] - 1
-    slots = torch.arange(n_slots, dtype=torch.int32, device=ids_rL.device).expand(r, -1)
-    table.scatter_(1, torch.where(ids_rL >= 0, ids_rL.clamp(max=spare), spare), slots)
-    m_slot = table.gather(1, member_keys.expand(r, -1)).long()
-    m_in = m_slot >= 0
+    # slot of each pooled member's bucket in this row's support: binary search in the sorted
+    # support (empty slots, -1, sort first and never match a key)
+    sorted_ids, order = ids_rL.sort(-1)
+    keys = member_keys.expand(r, -1).contiguous()
+    pos = torch.searchsorted(sorted_ids, keys).clamp(max=n_slots - 1)
+    m_in = sorted_ids.gather(1, pos) == keys
+    m_slot = order.gather(1, pos)
     lp, rest = lp_at(torch.cat([ids_rL, torch.where(m_in, member_ids.expand(r, -1), -1)], -1))
     pooled = torch.zeros(r, n_slots + 1, dtype=lp.dtype, device=lp.device)
     pooled = pooled.scatter_add(1, torch.where(m_in, m_slot, n_slots), lp[:, n_slots:].exp())
@@ -127,28 +127,25 @@ def _bucket_logq(lp_at, ids_rL: Tensor, members: tuple[Tensor, Tensor]) -> Tenso
 
 
 def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, members, tp_group):
-    if tp_group is None:  # fused: nothing of size V kept, no recompute needed
+    """The vocab-parallel composition (with a tp_group); the single-device path is fused."""
+    x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
+    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    if config.temperature != 1.0:
+        x = x / config.temperature
+    logz = vo.logsumexp(x, tp_group)
 
-        def lp_at(drop):
-            lp, rest, _ = logprobs_at_ids(
-                block_cV, local_r, drop, vocab_size=vocab_size, temperature=config.temperature
-            )
-            return lp, rest
+    def lp_at(drop):
+        lse = vo.logsumexp_excluding(x, drop, tp_group)
+        return vo.gather(x, drop, tp_group) - logz[:, None], lse - logz
 
-    else:
-        x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-        x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
-        if config.temperature != 1.0:
-            x = x / config.temperature
-        logz = vo.logsumexp(x, tp_group)
+    return _terms(logp_rL1, _bucket_logq(lp_at, ids_rL, members), config)
 
-        def lp_at(drop):
-            lse = vo.logsumexp_excluding(x, drop, tp_group)
-            return vo.gather(x, drop, tp_group) - logz[:, None], lse - logz
 
-    logq = _bucket_logq(lp_at, ids_rL, members)
-    terms = divergence(logp_rL1.to(logq.dtype), logq, kind=config.divergence, beta=config.beta)
-    return terms * config.temperature**2, logq[:, -1].detach().exp()
+def _terms(logp_rL1, logq_rL1, config) -> tuple[Tensor, Tensor]:
+    terms = divergence(
+        logp_rL1.to(logq_rL1.dtype), logq_rL1, kind=config.divergence, beta=config.beta
+    )
+    return terms * config.temperature**2, logq_rL1[:, -1].detach().exp()
 
 
 def xtoken(
@@ -192,22 +189,27 @@ def xtoken(
         teacher.tail_logprob.reshape(-1)[tr],
         tables,
     )
-    fn = partial(
-        _xtoken_block,
-        config=config,
-        vocab_size=vocab_size,
-        members=tuple(t.to(logits.device) for t in tables.members()),
-        tp_group=tp_group,
-    )
-    terms, q_rest = map_rows(
-        fn,
-        logits,
-        s_rows[chunks],
-        ids_G,
-        logp_G,
-        chunk_size=chunk_size,
-        recompute=tp_group is not None,
-    )
+    members = tuple(t.to(logits.device) for t in tables.members())
+    rows = s_rows[chunks]
+    if tp_group is None:
+
+        def lp_at(drop):
+            lp, rest, _ = logprobs_at_rows(
+                logits,
+                rows,
+                drop,
+                vocab_size=vocab_size,
+                temperature=config.temperature,
+                chunk_size=chunk_size,
+            )
+            return lp, rest
+
+        terms, q_rest = _terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
+    else:
+        fn = partial(
+            _xtoken_block, config=config, vocab_size=vocab_size, members=members, tp_group=tp_group
+        )
+        terms, q_rest = map_rows(fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size)
     total = terms.sum()
     metrics["teacher_rest_mass_sum"] = logp_G[:, -1].exp().sum()
     metrics["student_rest_mass_sum"] = q_rest.sum()
