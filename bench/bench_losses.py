@@ -112,7 +112,7 @@ def full_teacher(T_t: int) -> torch.Tensor:
     return torch.cat([teacher_logits(min(256, T_t - s), s) for s in range(0, T_t, 256)], dim=1)
 
 
-def teacher_side(batch, spec, columns=None):
+def teacher_side(batch, spec, *, columns=None):
     """Teacher outputs filled piece by piece (as a worker would from a chunked lm_head)."""
     from trainer.losses import allocate_teacher_outputs, shift_targets, teacher_outputs_from_logits
 
@@ -191,7 +191,7 @@ def _ours(mode: str, T: int) -> tuple:
     )
 
 
-def _naive_xtoken(student, teacher, index, tables, cfg):
+def _naive_xtoken(student, teacher, index, *, tables, cfg):
     from trainer.losses.base import divergence, safe_log
     from trainer.losses.xtoken import project_teacher
 
@@ -201,7 +201,7 @@ def _naive_xtoken(student, teacher, index, tables, cfg):
     lt = torch.log_softmax(teacher[0][t_rows[ok]], -1)  # [G, V_t], the whole thing
     vals, ids = lt.topk(cfg.k, dim=-1)
     tail = torch.log1p(-vals.exp().sum(-1).clamp(max=1 - 1e-7))
-    sup_ids, logp = project_teacher(ids, vals, tail, tables)
+    sup_ids, logp = project_teacher(ids, vals, tail, tables=tables)
     q = torch.softmax(student[0][s_rows[ok]], -1)  # [G, V_s]
     qb = torch.zeros_like(q).index_add(1, tables.s_key, q)
     sup = torch.where(sup_ids >= 0, qb.gather(1, sup_ids.clamp(min=0)), 0.0)
@@ -209,7 +209,7 @@ def _naive_xtoken(student, teacher, index, tables, cfg):
     return divergence(logp, logq, kind=cfg.divergence).sum()
 
 
-def _naive_gold(student, teacher, index, tables, cfg, batch):
+def _naive_gold(student, teacher, index, *, tables, cfg, batch):
     from trainer.losses.alm import complete_chunks
     from trainer.losses.base import divergence
 
@@ -314,9 +314,9 @@ def run_case(mode: str, T: int) -> dict:
         extra, fast, leaf, (batch, index, tables, cfg) = _ours(mode[6:], T)
         teacher = full_teacher(batch.teacher_ids.shape[1])
         if mode == "naive_xtoken":
-            fn = lambda: _naive_xtoken(leaf, teacher, index, tables, cfg)  # noqa: E731
+            fn = lambda: _naive_xtoken(leaf, teacher, index, tables=tables, cfg=cfg)  # noqa: E731
         else:
-            fn = lambda: _naive_gold(leaf, teacher, index, tables, cfg, batch)  # noqa: E731
+            fn = lambda: _naive_gold(leaf, teacher, index, tables=tables, cfg=cfg, batch=batch)  # noqa: E731
         res = _measure(fn, leaf, reps=1)
         with torch.no_grad():
             res["fast_value"] = float(fast())

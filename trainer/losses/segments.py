@@ -137,7 +137,7 @@ class ChunkIndex:
     teacher: ChunkSide
 
 
-def _side(ids_BT: Tensor, len_B: Tensor, chunk_BT: Tensor, offsets_B: Tensor, g: int, who: str):
+def _side(ids_BT: Tensor, len_B: Tensor, chunk_BT: Tensor, *, offsets_B: Tensor, g: int, who: str):
     b, width = ids_BT.shape
     pos = torch.arange(width, device=ids_BT.device)
     in_row = pos[None, :] < len_B[:, None]
@@ -176,10 +176,20 @@ def index_chunks(batch: AlignedBatch) -> ChunkIndex:
     offsets = torch.cumsum(n, 0) - n
     g = int(n.sum())
     student = _side(
-        batch.student_ids, batch.student_len, batch.student_chunk, offsets, g, "student"
+        batch.student_ids,
+        batch.student_len,
+        batch.student_chunk,
+        offsets_B=offsets,
+        g=g,
+        who="student",
     )
     teacher = _side(
-        batch.teacher_ids, batch.teacher_len, batch.teacher_chunk, offsets, g, "teacher"
+        batch.teacher_ids,
+        batch.teacher_len,
+        batch.teacher_chunk,
+        offsets_B=offsets,
+        g=g,
+        who="teacher",
     )
     chunk_row = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
     return ChunkIndex(g, chunk_row, student, teacher)

@@ -80,7 +80,7 @@ def xtoken_teacher_spec(config: XTokenConfig, *, teacher_vocab_size: int) -> Tea
 
 
 def project_teacher(
-    ids_GK: Tensor, logp_GK: Tensor, tail_G: Tensor, tables: XTokenTables
+    ids_GK: Tensor, logp_GK: Tensor, tail_G: Tensor, *, tables: XTokenTables
 ) -> tuple[Tensor, Tensor]:
     """(support ids [G, L], log P [G, L + 1]): the teacher top-k projected, plus the rest bucket."""
     g, k = ids_GK.shape
@@ -187,7 +187,7 @@ def xtoken(
         teacher.topk_ids.reshape(-1, k)[tr].long(),
         teacher.topk_logprobs.reshape(-1, k)[tr],
         teacher.tail_logprob.reshape(-1)[tr],
-        tables,
+        tables=tables,
     )
     members = tuple(t.to(logits.device) for t in tables.members())
     rows = s_rows[chunks]
@@ -221,7 +221,7 @@ def xtoken(
                 logits,
                 teacher,
                 index,
-                multi,
+                chunks_C=multi,
                 vocab_size=vocab_size,
                 chunk_size=chunk_size,
                 tp_group=tp_group,
