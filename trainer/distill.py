@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,6 +304,66 @@ def teacher_forward(
             out=out.narrow_t(t0, n),
         )
     return out
+
+
+@dataclass
+class Queued:
+    """A microbatch waiting in the feed: where the data stream was before it (what a checkpoint
+    records while it is unused), its per-term preparation, and whether the teacher has it."""
+
+    position: dict
+    mb: Microbatch
+    prep: list = dataclasses.field(default_factory=list)
+    submitted: bool = False
+
+
+class Feed:
+    """Microbatches from the loader, handed to the teacher channels as soon as a ring slot is free,
+    so the teacher computes microbatch i+1 while the student steps on microbatch i (and runs
+    across step boundaries too)."""
+
+    def __init__(self, loader, terms: list[KDTerm], channels: list[TeacherChannel], *, device):
+        self.loader, self.terms, self.channels, self.device = loader, terms, channels, device
+        self.depth = min(ch.config.depth for ch in channels) if channels else 1
+        self.queue: deque[Queued] = deque()
+
+    def _fill(self, n: int) -> None:
+        while len(self.queue) < max(n, self.depth):
+            position = self.loader.state_dict()
+            mb = next(self.loader).to(self.device)
+            self.queue.append(Queued(position, mb, [t.prepare(mb) for t in self.terms]))
+        in_flight = sum(q.submitted for q in self.queue)
+        for q in self.queue:
+            if not self.channels or in_flight >= self.depth:
+                break
+            if not q.submitted:
+                for term, ch in zip(self.terms, self.channels):
+                    ch.submit(q.mb.teacher_inputs(term.index))
+                q.submitted, in_flight = True, in_flight + 1
+
+    def peek(self, n: int) -> list[Queued]:
+        """The next `n` microbatches (loaded, prepared; counts can be taken before any forward)."""
+        self._fill(n)
+        return [self.queue[i] for i in range(n)]
+
+    def next(self) -> tuple[Queued, list]:
+        """The next microbatch and its teachers' outputs (`Received`: release them after use)."""
+        self._fill(1)
+        q = self.queue.popleft()
+        # with 2 slots the teacher now works on the next microbatch while the caller steps on this
+        # one; this slot is free again once the caller releases `received`
+        received = [ch.receive() for ch in self.channels]
+        return q, received
+
+    def position(self) -> dict:
+        """The data position before the first unused microbatch."""
+        return self.queue[0].position if self.queue else self.loader.state_dict()
+
+    def reset(self) -> None:
+        """Forget queued microbatches (after loading a checkpoint; the teacher is idle then)."""
+        if any(q.submitted for q in self.queue):
+            raise RuntimeError("cannot reset the feed while the teacher holds microbatches")
+        self.queue.clear()
 
 
 def _free_port() -> int:

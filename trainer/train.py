@@ -25,8 +25,6 @@ import json
 import math
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +36,11 @@ from trainer import checkpoint as ckpt
 from trainer import models, parallel
 from trainer.channel import SHM_PREFIX
 from trainer.config import TrainConfig
-from trainer.data import Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
+from trainer.data import MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import (
+    Feed,
     KDTerm,
+    Queued,
     build_kd_terms,
     ce_term,
     combine_terms,
@@ -61,14 +61,6 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass
-class _Queued:
-    position: dict  # data position before this microbatch (what a checkpoint records)
-    mb: Microbatch
-    prep: list = field(default_factory=list)  # per KD term: its chunk index / mask
-    submitted: bool = False
 
 
 def shm_usage() -> dict[str, float]:
@@ -101,7 +93,13 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._closers: list[Any] = []
+        try:
+            self._build(cfg, prepared, tp)
+        except BaseException:
+            self.close()  # teacher workers and shared memory must not outlive a failed build
+            raise
 
+    def _build(self, cfg: TrainConfig, prepared: Prepared, tp: int) -> None:
         # data: this dp rank's share of the shards
         reader = ShardReader(prepared.shards, max_student_tokens=cfg.data.max_student_tokens)
         stream = ShardStream(
@@ -173,8 +171,7 @@ class Trainer:
             threads=cfg.parallel.threads or None,
         )
         self._closers += self.channels
-        self.queue: deque[_Queued] = deque()
-        self.depth = max(1, cfg.parallel.channel_slots) if self.channels else 1
+        self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
 
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
@@ -199,7 +196,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs (DCP-ready: Stateful model+optim, per-rank blobs)."""
-        position = self.queue[0].position if self.queue else self.loader.state_dict()
+        position = self.feed.position()
         return {
             "app": ckpt.ModelOptimState(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
@@ -214,9 +211,9 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         mine = state[f"rank{self.rank}"]
+        self.feed.reset()
         self.loader.load_state_dict({"position": mine["data"]})
         ckpt.set_rng_state(mine["rng"])
-        self.queue.clear()
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
@@ -229,26 +226,11 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # data + teacher pipeline
 
-    def _fill_queue(self, n: int) -> None:
-        while len(self.queue) < n:
-            position = self.loader.state_dict()
-            mb = next(self.loader).to(self.device)
-            self.queue.append(_Queued(position, mb, [t.prepare(mb) for t in self.kd_terms]))
-        if self.channels:
-            in_flight = sum(q.submitted for q in self.queue)
-            for q in self.queue:
-                if in_flight >= self.depth:
-                    break
-                if not q.submitted:
-                    for term, ch in zip(self.kd_terms, self.channels):
-                        ch.submit(q.mb.teacher_inputs(term.index))
-                    q.submitted, in_flight = True, in_flight + 1
-
     # ---------------------------------------------------------------------------------------
     # the verbs
 
     def forward_backward_step(
-        self, q: _Queued, teacher_outputs: list[TeacherOutputs], *, counts: torch.Tensor
+        self, q: Queued, teacher_outputs: list[TeacherOutputs], *, counts: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Forward + backward of one microbatch. Returns each term's share of the step loss
         (local sum / global count; [ce, kd_0.., total], detached) and the losses' own metric
@@ -289,8 +271,7 @@ class Trainer:
         """One optimizer step over `grad_accum` microbatches on every dp rank."""
         t0 = time.perf_counter()
         n_mb = self.cfg.data.grad_accum
-        self._fill_queue(max(n_mb, self.depth))
-        step = [self.queue[i] for i in range(n_mb)]
+        step = self.feed.peek(n_mb)
         # every term's global count, known before the first backward: [ce, kd_0.., tokens]
         local = torch.tensor(
             [
@@ -307,9 +288,7 @@ class Trainer:
         for i in range(n_mb):
             # reduce-scatter the gradients once per step, after the last microbatch
             self.model.set_requires_gradient_sync(i == n_mb - 1)
-            self._fill_queue(max(n_mb, self.depth))
-            q = self.queue.popleft()
-            received = [ch.receive() for ch in self.channels]
+            q, received = self.feed.next()
             try:
                 outs = [TeacherOutputs(**r.outputs) for r in received]
                 teacher_s += sum(r.teacher_s for r in received)
