@@ -94,18 +94,25 @@ def _notes(payload: dict) -> list[str]:
 
 
 def timing_table(payload: dict) -> str:
+    """Wall and CPU seconds (all threads) per task and model."""
     names = list(payload["models"])
-    lines = [
-        "| task | " + " | ".join(f"{n} s" for n in names) + " |",
-        "|" + "---|" * (len(names) + 1),
-    ]
+    head = "| task | " + " | ".join(f"{n} wall s | {n} CPU s" for n in names) + " |"
+    lines = [head, "|" + "---|" * (2 * len(names) + 1)]
     for task in payload["tasks"]:
-        secs = [
-            payload["models"][n]["results"].get(task, {}).get("seconds", math.nan) for n in names
-        ]
-        lines.append(f"| {task} | " + " | ".join(f"{s:.1f}" for s in secs) + " |")
-    total = [payload["models"][n].get("seconds", math.nan) for n in names]
-    lines.append("| **all** | " + " | ".join(f"{s:.1f}" for s in total) + " |")
+        cells = []
+        for n in names:
+            res = payload["models"][n]["results"].get(task, {})
+            cells += [
+                f"{res.get('seconds', math.nan):.1f}",
+                f"{res.get('cpu_seconds', math.nan):.1f}",
+            ]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    cells = []
+    for n in names:
+        res = payload["models"][n]["results"].values()
+        cells += [f"{sum(r.get('seconds', 0) for r in res):.1f}"]
+        cells += [f"{sum(r.get('cpu_seconds', math.nan) for r in res):.1f}"]
+    lines.append("| **all tasks** | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -82,7 +82,7 @@ def run_tasks(model, tokenizer, tasks, *, limit: int | None = None, **options) -
             enc = dataclasses.replace(enc, prefix=())
     results = {}
     for task in resolve(spec):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         examples = load(task, limit=opts.limit)
         runner = {"text": _run_text, "gen": _run_gen, "code": _run_gen}.get(task.kind, _run_scored)
         job = _Job(tokenizer, enc, task, examples, opts, max_length)
@@ -94,6 +94,7 @@ def run_tasks(model, tokenizer, tasks, *, limit: int | None = None, **options) -
             "metrics": summarize(task.kind, samples),
             "counts": counts,
             "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0,  # all threads; robust to a busy machine
             "samples": samples,
         }
     return results
