@@ -62,8 +62,18 @@ train: models  ## one-process training run on the demo config (see README for to
 eval: models  ## evaluation suite: MODEL=a[,b] TASKS= LIMIT=
 	$(PY) -m trainer.eval --model '$(MODEL)' $(if $(TASKS),--tasks $(TASKS)) $(if $(LIMIT),--limit $(LIMIT))
 
+DEMO_ALIGN := outputs/align/demo
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU)
+	@echo "== 1/4 tokenizer pair report"
 	$(PY) -m pipelines.pair_report $(TEACHER) $(STUDENT)
+	@echo "== 2/4 sparse vocabulary projection (Gemma -> SmolLM2)"
+	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
+	@echo "== 3/4 align the shipped corpus into shards (Beam, FnApiRunner)"
+	$(PY) -m pipelines.align_job --data '$(DATA)' --teacher $(TEACHER) --student $(STUDENT) \
+	  --out $(DEMO_ALIGN) --overwrite --max-student-tokens 256 --max-teacher-tokens 256
+	@echo "== 4/4 distil SmolLM2-135M from Gemma-3-270M (xtoken + CE), bits/byte before and after"
+	rm -rf runs/demo
+	$(PY) trainer/main.py conf=demo
 
 # bench-only baselines (TRL's aligner and ULD loss), installed without their heavy deps
 BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1 xxhash==4.1.0
