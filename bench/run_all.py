@@ -30,7 +30,9 @@ def discover() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    names = (argv if argv is not None else sys.argv[1:]) or discover()
+    args = argv if argv is not None else sys.argv[1:]
+    # --collect: only rebuild BENCHMARKS.md from the sections already in bench/results/
+    names = [] if "--collect" in args else (args or discover())
     RESULTS.mkdir(exist_ok=True)
     for name in names:
         print(f"== bench {name}", flush=True)
