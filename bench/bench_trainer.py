@@ -122,7 +122,7 @@ def breakdown(threads: int, tmp: Path) -> dict:
         xtoken,
         xtoken_teacher_spec,
     )
-    from trainer.losses.teacher_outputs import TeacherOutputs
+    from trainer.losses.teacher_outputs import TeacherOutputs, teacher_outputs_from_logits
 
     torch.set_num_threads(threads)
     _, shard_set, s_tok, t_tok = _inputs(tmp)
@@ -159,6 +159,13 @@ def breakdown(threads: int, tmp: Path) -> dict:
             )
 
     r["teacher_forward"] = _median(t_fwd)
+    with torch.no_grad():  # the same, in its parts: body, lm_head (262k columns), outputs
+        body = lambda: teacher.model(**t_in, use_cache=False).last_hidden_state  # noqa: E731
+        r["teacher_body"] = _median(body)
+        hidden = body()
+        r["teacher_head"] = _median(lambda: teacher.lm_head(hidden))
+        logits_t = teacher.lm_head(hidden)
+        r["teacher_outputs"] = _median(lambda: teacher_outputs_from_logits(logits_t, spec=spec))
     outs = t_fwd().tensors()
     prog = TeacherModelProgram(
         TeacherConfig(path="x"), spec, None, max_batch=1, max_len=a.teacher_ids.shape[1]
@@ -280,6 +287,9 @@ def main() -> str:
                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
             res[threads] = json.loads(out.read_text())
         real = real_steps(tmp, tmp / "t1" / "shards")
+    raw = paths.REPO_ROOT / "outputs" / "bench" / "trainer.json"  # the numbers, for later reading
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps({"breakdown": res, "trainer": real}, indent=2))
     return render(res, real)
 
 

@@ -334,11 +334,19 @@ class Trainer:
             memory_gib=peak_memory_gib(self.device),
             epoch=self.loader.epoch,
         )
-        # the losses' own metric sums, per term of that loss (rank 0's share: a cheap view)
+        # the losses' own metric sums over all dp ranks (their keys may differ between ranks,
+        # e.g. a chain term only where multi-token chunks occurred: gathered as objects), per term
+        if self.kd_terms and self.mesh.dp_size > 1:
+            every: list[dict[str, float]] = [{} for _ in range(self.mesh.dp_size)]
+            dist.all_gather_object(every, extra, group=self.mesh.dp_group)
+            extra = {}
+            for d in every:
+                for k, v in d.items():
+                    extra[k] = extra.get(k, 0.0) + v
         for t, c in zip(self.kd_terms, counts[1:-1]):
             for k, v in extra.items():
                 if k.startswith(f"{t.name}/") and k.endswith("_sum"):
-                    m[f"{k[: -len('_sum')]}_mean"] = v * self.mesh.dp_size / max(1.0, float(c))
+                    m[f"{k[: -len('_sum')]}_mean"] = v / max(1.0, float(c))
         return m
 
     def evaluate(self) -> float:

@@ -27,6 +27,14 @@ def report(tmp_path_factory, student_dir) -> dict:
         teacher_dirs=[student_dir],
         max_tokens=64,
     )
+    from pipelines import projection as P
+    from pipelines.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(student_dir)
+    proj = P.save_projection(
+        P.build_projection(tok, tok, k=2, teacher_rows=49152, student_rows=49152),
+        tmp / "identity.safetensors",
+    )
     out = tmp / "report.json"
     cmd = [
         sys.executable,
@@ -37,6 +45,7 @@ def report(tmp_path_factory, student_dir) -> dict:
         str(REPO / "tests" / "dist" / "test_trainer_cases.py"),
         str(shards),
         str(out),
+        str(proj),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -64,3 +73,17 @@ def test_clip_grad_norm_over_tp_and_fsdp_matches_unsharded(report):
     c = report["clip"]
     assert c["reference"] > 0
     assert c["sharded"] == pytest.approx(c["reference"], rel=1e-5)
+
+
+def test_every_cross_tokenizer_mode_trains_through_the_loop(report):
+    for mode, steps in report["modes"].items():
+        for m in steps:
+            assert math.isfinite(m["loss"]) and m["kd/t"] >= 0, (mode, m)
+            assert m["loss"] == pytest.approx(m["ce"] + m["kd"], rel=1e-6), mode
+            assert 0 < m["coverage/t"] <= 1, mode
+            # the losses' own metrics are exact means over both ranks' terms
+            for k, v in m.items():
+                if k.endswith("mass_mean"):
+                    assert 0 <= v <= 1 + 1e-6, (mode, k, v)
+    # a same-tokenizer pair aligns 1:1: every target position is also a distillation term
+    assert report["modes"]["alm"][0]["coverage/t"] == pytest.approx(1.0, abs=0.05)

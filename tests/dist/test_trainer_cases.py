@@ -1,7 +1,8 @@
 """Multi-process cases for the trainer, run by tests/dist/test_trainer.py in ONE 2-rank torchrun
 (a script, not a test module: it defines no test functions).
 
-``python -m torch.distributed.run --nproc_per_node=2 tests/dist/test_trainer_cases.py SHARDS OUT``
+``python -m torch.distributed.run --nproc_per_node=2 tests/dist/test_trainer_cases.py SHARDS OUT
+PROJECTION``
 builds real `Trainer`s (tiny random-init SmolLM2-tokenizer student and kd_topk teacher, gloo)
 one after another in the same process group and writes rank 0's findings to OUT (JSON):
 
@@ -11,6 +12,7 @@ one after another in the same process group and writes rank 0's findings to OUT 
   update must not depend on the layout, the split or the teacher's sharding);
 - ``resume``: losses of steps 3-4 of an uninterrupted dp=2 run, and of a run stopped after step 2
   (stop_after), checkpointed, and resumed by a fresh Trainer;
+- ``modes``: two steps of xtoken (with the chain term), alm and gold (metrics per step);
 - ``clip``: the global gradient norm of `parallel.clip_grad_norm_` on a TP+FSDP model vs the
   norm of the same gradients on an unsharded copy.
 """
@@ -41,7 +43,17 @@ TINY = {
 
 
 def make_cfg(
-    shards: str, run_dir: str, *, dp: int, tp: int, mb: int, accum: int, teacher_tp: int = 1, **top
+    shards: str,
+    run_dir: str,
+    *,
+    dp: int,
+    tp: int,
+    mb: int,
+    accum: int,
+    teacher_tp: int = 1,
+    loss: dict | None = None,
+    projection: str | None = None,
+    **top,
 ):
     student = str(paths.student_dir())
     d = {
@@ -59,9 +71,11 @@ def make_cfg(
                 "name": "t",
                 "overrides": TINY,
                 "tp": teacher_tp,
+                "projection": projection,
             }
         ],
-        "loss": {"mode": "kd_topk", "options": {"k": 8}, "ce_weight": 1.0, "kd_weight": 0.5},
+        "loss": loss
+        or {"mode": "kd_topk", "options": {"k": 8}, "ce_weight": 1.0, "kd_weight": 0.5},
         "data": {
             "shards": shards,
             "micro_batch_size": mb,
@@ -131,6 +145,20 @@ def case_resume(shards: str, tmp: Path) -> dict:
     return {"uninterrupted": losses[2:], "resumed": resumed, "resumed_at": resumed_at}
 
 
+def case_modes(shards: str, tmp: Path, projection: str) -> dict:
+    """Every cross-tokenizer mode through the loop (here on a same-tokenizer pair with its real,
+    identity-like projection): finite terms, and the loop's own check that each mode's count,
+    taken from the batch before the forward, equals the count the loss returns."""
+    out = {}
+    for mode, options in (("xtoken", {"k": 8, "chain_weight": 0.5}), ("alm", {}), ("gold", {})):
+        loss = {"mode": mode, "options": options, "ce_weight": 1.0, "kd_weight": 1.0}
+        kw = {"dp": 2, "tp": 1, "mb": 1, "accum": 2, "loss": loss, "projection": projection}
+        t = Trainer(cfg := make_cfg(shards, str(tmp / mode), **kw), preflight(cfg, world_size=2))
+        out[mode] = [t.train_step() for _ in range(2)]
+        t.close()
+    return out
+
+
 def case_clip() -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -151,7 +179,7 @@ def case_clip() -> dict:
     return {"sharded": float(norm), "reference": float(want)}
 
 
-def main(shards: str, out: str) -> None:
+def main(shards: str, out: str, projection: str) -> None:
     tmp = Path(out).parent / "runs"
     torch.set_num_threads(1)
     parallel.init_distributed(torch.device("cpu"))
@@ -159,6 +187,7 @@ def main(shards: str, out: str) -> None:
         "layouts": case_layouts(shards, tmp),
         "resume": case_resume(shards, tmp),
         "clip": case_clip(),
+        "modes": case_modes(shards, tmp, projection),
     }
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result, indent=2))
@@ -167,4 +196,4 @@ def main(shards: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelines import projection as P
 from pipelines.tokenizer import load_tokenizer
@@ -191,3 +192,18 @@ def test_mismatched_shards_are_refused_before_anything_loads(inputs):
     assert proc.returncode == 2, proc.stderr[-4000:]
     assert "FingerprintMismatchError" in proc.stderr and "teacher 0 tokenizer" in proc.stderr
     assert not run_dir.exists()  # the trainer was never built
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_debug_run_on_cuda_with_cuda_ipc_channel(inputs):
+    """The same run on a GPU: NCCL, the channel's ring shared by CUDA IPC handles."""
+    run_dir = inputs["tmp"] / "cuda"
+    args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=4",
+            "device=cuda", "eval.max_texts=2", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+    proc = run_trainer(args + COMMON, nproc=1)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    train = records(run_dir)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(r["shm_segments"] == 0 for r in train)  # no host shared memory on the GPU path
+    assert train[-1]["loss"] < train[0]["loss"]
