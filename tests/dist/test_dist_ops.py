@@ -11,18 +11,7 @@ from tests.dist.harness import load_cases
 
 # Bugs found by these cases in code owned by another component; strict, so a fix turns them red
 # until the marker is removed.
-KNOWN_BUGS = {
-    name: "trainer/losses/teacher_outputs._check_inputs compares spec.vocab_size with the LOCAL "
-    "lm_head width, so a TP-sharded teacher is refused (fix: width * tp size)"
-    for name in ("tp2_teacher_outputs_from_logits", "tp4_teacher_outputs_from_logits")
-}
-
-OP_CASES = [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[n]))
-    if n in KNOWN_BUGS
-    else n
-    for n in sorted(n for n in load_cases() if not n.startswith("loss_"))
-]
+OP_CASES = sorted(n for n in load_cases() if not n.startswith("loss_"))
 
 pytestmark = pytest.mark.slow
 
