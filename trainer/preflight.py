@@ -96,6 +96,11 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             raise ConfigError(f"config teachers[{i}].tp: {e}") from None
         teacher_rows.append(int(hf.vocab_size))
 
+    if not Path(cfg.data.shards).is_dir():
+        raise FileNotFoundError(
+            f"data.shards={cfg.data.shards}: no such shard directory; make it with "
+            f"`make align DATA='<glob>' OUT={cfg.data.shards}` (conf/experiment/*.yaml say which)"
+        )
     shards = (
         open_shards(cfg.data.shards, student=student.info(), teachers=[t.info() for t in teachers])
         if teachers
