@@ -135,6 +135,11 @@ def _vocab_width(model) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits to fp32 for the softmax; fp32 and fp64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def _prefill(model, ids_BT, *, mask_BT, pos_BT, limits):
     """Run the (left-padded) prefix rows in segments; the cache and the last position's logits."""
     cache, out, seg = None, None, max(1, limits.max_tokens // ids_BT.shape[0])
@@ -189,7 +194,7 @@ def _feed(model, cache, *, base_mask_CK, base_len_C, seqs, starts, limits, vocab
         if not keep.any():
             continue
         # log p = logit - logsumexp: no second [N, V] tensor for a full log-softmax
-        logits_NV = out.logits.reshape(-1, out.logits.shape[-1])[:, :vocab].float()
+        logits_NV = _upcast(out.logits.reshape(-1, out.logits.shape[-1])[:, :vocab])
         tgt_N = tgt_CT[:, s:e][keep]
         rows_N = keep.nonzero()[:, 0]  # the kept logits come in this row-major order
         logp_N = logits_NV.gather(1, tgt_N[:, None])[:, 0] - torch.logsumexp(logits_NV, -1)
@@ -236,7 +241,7 @@ def score_batch(model, items, plan: Plan, *, limits: BatchLimits, device, vocab:
     ids_BT, mask_BT = ids_BT.to(device), mask_BT.to(device)
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
     cache, last_BV = _prefill(model, ids_BT, mask_BT=mask_BT, pos_BT=pos_BT, limits=limits)
-    first_BV = torch.log_softmax(last_BV[:, :vocab].float(), dim=-1)  # [B, V]: small
+    first_BV = torch.log_softmax(_upcast(last_BV[:, :vocab]), dim=-1)  # [B, V]: small
     first_C = torch.tensor([c[0] for c in conts], device=device)
     total_C += first_BV[owner_C, first_C].double()
     misses_C += (first_BV.argmax(-1)[owner_C] != first_C).long()
