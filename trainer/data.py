@@ -127,16 +127,24 @@ class ShardReader:
         return f"{self.shard_set.files[f]} row {i}"
 
     def split(self, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-        """(train rows, held-out rows) as sorted global indices."""
+        """(train rows as sorted global indices, held-out rows ordered by (doc id, window)).
+
+        The held-out order is that of the text, not of the shard rows: a multi-worker align job
+        may write the same windows in another row order, and the eval set (its first rows) must
+        not change with it.
+        """
         held = np.zeros(self.num_rows, dtype=bool)
+        keys: list[tuple[str, int]] = []
         for f, t in enumerate(self.tables):
             docs = t.column("doc_id").to_pylist()
             wins = t.column("window").to_pylist()
             s = int(self.starts[f])
             for i, (d, w) in enumerate(zip(docs, wins)):
                 held[s + i] = is_held_out(d, w, eval_fraction)
+                keys.append((d, w))
         idx = np.arange(self.num_rows, dtype=np.int64)
-        return idx[~held], idx[held]
+        held_rows = sorted(idx[held].tolist(), key=lambda r: keys[r])
+        return idx[~held], np.asarray(held_rows, dtype=np.int64)
 
     def _list(self, t: pa.Table, col: str, i: int) -> np.ndarray:
         return t.column(col)[i].values.to_numpy(zero_copy_only=False)

@@ -7,10 +7,12 @@ built the way the trainer will: teacher outputs computed once from teacher logit
 and CP layout; student logits sliced to the rank's TP vocab shard (lm_head width 20 with 3
 padded columns, so the padding lives on the last TP shard).
 
-Per-position modes (`ce`, `kd_topk`) run on all 7 layouts. The chunk modes (`alm`, `xtoken`,
-`gold`) index aligned chunks by full-sequence positions and sum chain log-probs over a chunk's
-tokens before a nonlinearity, so they need a CP hook in trainer/losses (see the distributed
-helper's report); they run on the CP = 1 layouts (TP x DP).
+Every mode runs on all 7 layouts. The chunk modes (`alm`, `xtoken`, `gold`) index aligned chunks
+by full-sequence positions and sum chain log-probs over a chunk's tokens before a nonlinearity:
+they get the whole (DP-local) rows for their `ChunkIndex`, the whole teacher outputs, the student
+logits in the CP layout and a `CPContext` (trainer/losses/context.py). Their `_short` cases hold
+one short chunk per row, so every chunk lives in the first CP piece and CP rank 1 owns none: its
+loss must still join the backward all-reduce of the chain sums (a hang otherwise).
 Legend: B rows, S student width, T teacher width, V lm_head width.
 """
 
@@ -20,6 +22,8 @@ import torch
 
 from tests.dist.cases_loss import MATRIX_LAYOUTS, check_invariance
 from tests.dist.harness import Ctx, case
+from trainer.distributed import CPContext
+from trainer.distributed.collectives import all_reduce_
 from trainer.losses import (
     AlignedBatch,
     AlmConfig,
@@ -52,12 +56,13 @@ VT, VT_W = 22, 24
 CHUNK_ROWS = 5  # the library's row blocks: borders inside rows
 
 
-def make_aligned(gen: torch.Generator) -> AlignedBatch:
-    """B rows of BOS, 1-4 aligned chunks (1-3 tokens per side: 1:1, 1:N, N:1, N:M), EOS."""
+def make_aligned(gen: torch.Generator, *, max_chunks: int = 4) -> AlignedBatch:
+    """B rows of BOS, 1-max_chunks aligned chunks (1-3 tokens a side: 1:1, 1:N, N:1, N:M), EOS."""
     rows = []
     for b in range(B):
         s_ids, s_ch, t_ids, t_ch = [VS - 1], [-1], [VT - 1], [-1]
-        for c in range(1 + (b + int(torch.randint(0, 4, (1,), generator=gen))) % 4):
+        n_chunks = 1 + (b + int(torch.randint(0, 4, (1,), generator=gen))) % max_chunks
+        for c in range(n_chunks):
             ns, nt = (int(x) for x in torch.randint(1, 4, (2,), generator=gen))
             s_ids += torch.randint(0, VS - 2, (ns,), generator=gen).tolist()
             t_ids += torch.randint(0, VT - 2, (nt,), generator=gen).tolist()
@@ -89,7 +94,7 @@ def make_aligned(gen: torch.Generator) -> AlignedBatch:
 
 
 def _rows_of(ab: AlignedBatch, shard) -> AlignedBatch:
-    """The DP rows of an aligned batch (chunk modes run with CP = 1: rows only)."""
+    """The DP rows of an aligned batch, whole: chunk modes index full-sequence positions."""
     return AlignedBatch(**{k: shard(getattr(ab, k), vocab=False, seq=False) for k in _AB_FIELDS})
 
 
@@ -131,6 +136,19 @@ def _ce(ctx: Ctx) -> None:
         return out.sum, out.count
 
     check_invariance(ctx, student, run)
+    # the argmax-hit metric needs the global max over the vocab shards: make every other
+    # target the argmax, so hits and misses both occur
+    boost = torch.zeros_like(student)
+    boost.scatter_(-1, targets.clamp(min=0)[..., None], 12.0)
+    student = student + boost * (torch.arange(S) % 2 == 0)[None, :, None]
+    ref = ce(student, targets, vocab_size=VS)
+    ref_hits = ref.metrics["ce_correct"]
+    local = ctx.local(student, vocab=True)
+    out = ce(local, ctx.local(targets, vocab=False), vocab_size=VS, tp_group=ctx.groups.tp)
+    hits = out.metrics["ce_correct"].clone()
+    all_reduce_(all_reduce_(hits, ctx.groups.dp), ctx.groups.cp)
+    ctx.close("ce_correct", hits, ref_hits)
+    ctx.check("ce_correct sees hits and misses", 0 < int(ref_hits) < int(ref.count))
 
 
 def _kd_topk(ctx: Ctx, *, divergence: str, support: str) -> None:
@@ -166,9 +184,9 @@ def _kd_topk(ctx: Ctx, *, divergence: str, support: str) -> None:
     check_invariance(ctx, student, run)
 
 
-def _chunk_mode(ctx: Ctx, *, mode: str) -> None:
+def _chunk_mode(ctx: Ctx, *, mode: str, max_chunks: int = 4) -> None:
     gen = ctx.generator("data")
-    ab = make_aligned(gen)
+    ab = make_aligned(gen, max_chunks=max_chunks)
     student = _logits(gen, B, S, VS, VS_W)
     teacher = _logits(gen, B, T, VT, VT_W)
     t_targets = shift_targets(ab.teacher_ids, ab.teacher_len)
@@ -207,6 +225,7 @@ def _chunk_mode(ctx: Ctx, *, mode: str) -> None:
             config=config,
             chunk_size=CHUNK_ROWS,
             tp_group=groups.tp,
+            cp=CPContext(groups.cp, S),
             **extra,
         )
         return out.sum, out.count
@@ -254,9 +273,12 @@ for _layout in MATRIX_LAYOUTS:
     case(f"loss_lib_kd_topk_onpolicy_{_n}", _layout)(
         lambda ctx: _kd_topk(ctx, divergence="forward", support="columns")
     )
-    if _layout[1] == 1:  # chunk modes: CP needs a hook in trainer/losses (module docstring)
-        for _mode in ("alm", "xtoken", "gold"):
-            case(f"loss_lib_{_mode}_{_n}", _layout)(lambda ctx, m=_mode: _chunk_mode(ctx, mode=m))
+    for _mode in ("alm", "xtoken", "gold"):
+        case(f"loss_lib_{_mode}_{_n}", _layout)(lambda ctx, m=_mode: _chunk_mode(ctx, mode=m))
+        if _layout[1] == 2:
+            case(f"loss_lib_{_mode}_short_{_n}", _layout)(
+                lambda ctx, m=_mode: _chunk_mode(ctx, mode=m, max_chunks=1)
+            )
 
 case("tp2_teacher_outputs_from_logits", (2, 1, 2))(_teacher_outputs_tp)
 case("tp4_teacher_outputs_from_logits", (4, 1, 1))(_teacher_outputs_tp)

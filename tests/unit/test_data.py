@@ -87,6 +87,26 @@ def test_ranks_partition_the_training_rows_and_never_see_held_out_ones(shards):
     assert 0 < len(held) < len(rows)
 
 
+def test_eval_rows_follow_the_text_not_the_shard_row_order(shards, tmp_path):
+    """An align job with several workers may write the same windows in another order."""
+    shard_set, rows = shards
+    out = tmp_path / "reordered"
+    out.mkdir()
+    with ShardWriter(out / shard_name(0, 1), S.shard_schema(INFO, [INFO])) as w:
+        w.write_rows(rows[::-1])
+    meta = {"student": INFO.to_json(), "teachers": [INFO.to_json()]}
+    write_completed(out, meta, files={shard_name(0, 1): len(rows)})
+    reordered = open_shards(out, student=INFO, teachers=[INFO])
+
+    def texts(s):
+        st = stream(s)
+        return [st.reader.text(int(i)) for i in st.eval_rows]
+
+    held = [r for r in rows if is_held_out(r["doc_id"], r["window"], 0.2)]
+    want = [r["text"] for r in sorted(held, key=lambda r: (r["doc_id"], r["window"]))]
+    assert texts(shard_set) == texts(reordered) == want
+
+
 def test_shuffle_is_seeded_bounded_and_balanced(shards):
     shard_set, _ = shards
     a = [stream(shard_set, seed=1).next_row() for _ in range(1)]

@@ -24,15 +24,20 @@ Legend: B batch, S student positions, V student width, G chunks, N = B * S.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from trainer.losses.base import LossOutput, as_count, log1mexp, zero_sum_like
 from trainer.losses.ce import target_logprobs
+from trainer.losses.context import check_cp_shapes, chunk_sum, owned_rows, replicated
 from trainer.losses.rowwise import DEFAULT_CHUNK
 from trainer.losses.segments import ChunkIndex, segment_sum
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+
+if TYPE_CHECKING:
+    from trainer.distributed import CPContext
 
 BINARY_DIVERGENCES = ("kl", "reverse_kl", "ce")
 
@@ -90,22 +95,29 @@ def chunk_chains(
     vocab_size: int,
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
+    cp: CPContext | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(student chain log-prob [C] differentiable, teacher chain log-prob [C]) of chunks_C."""
+    """(student chain log-prob [C] differentiable, teacher chain log-prob [C]) of chunks_C.
+
+    Under CP each rank scores the chunk tokens it holds; the chain sums are finished over the
+    CP group, so every rank gets all C chains (`context.chunk_sum`).
+    """
     g = index.n_chunks
     wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks_C.device)
     wanted[chunks_C] = True
     st, te = index.student, index.teacher
     s_rows = (wanted[st.target_chunk] & (st.target_chunk >= 0)).nonzero().squeeze(1)
+    local, mine = owned_rows(s_rows, cp)
+    s_rows = s_rows[mine]
     logq, _ = target_logprobs(
         logits_NV,
-        s_rows,
+        local,
         st.targets[s_rows],
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
     )
-    ls = segment_sum(logq, st.target_chunk[s_rows], g)[chunks_C]
+    ls = chunk_sum(logq, st.target_chunk[s_rows], g, cp)[chunks_C]
     t_lp = teacher.target_logprob.reshape(-1).to(logq.dtype)
     lt = segment_sum(t_lp, te.target_chunk, g)[chunks_C]
     return ls, lt
@@ -129,20 +141,23 @@ def alm(
     config: AlmConfig,
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
+    cp: CPContext | None = None,
 ) -> LossOutput:
-    """Binarised chain-likelihood matching over aligned chunks (see the module docstring)."""
+    """Binarised chain-likelihood matching over aligned chunks (see the module docstring).
+
+    Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is counted
+    by the rank holding its start row; chains are finished over the CP group (`context`).
+    """
     teacher.require(("target_logprob",), mode="alm")
+    check_cp_shapes("alm", student_logits_BSV, index, cp)
+    if teacher.target_logprob.numel() != index.teacher.targets.numel():
+        raise ValueError("alm: teacher outputs do not match the ChunkIndex shapes")
     b, s, width = student_logits_BSV.shape
-    if (
-        b * s != index.student.targets.numel()
-        or teacher.target_logprob.numel() != index.teacher.targets.numel()
-    ):
-        raise ValueError("alm: logits / teacher outputs do not match the ChunkIndex shapes")
     logits = student_logits_BSV.reshape(b * s, width)
     chunks, metrics = complete_chunks(index)
-    count = as_count(chunks.numel(), logits.device)
+    metrics = replicated(metrics, cp)
     if chunks.numel() == 0:
-        return LossOutput(zero_sum_like(logits), count, metrics)
+        return LossOutput(zero_sum_like(logits), as_count(0, logits.device), metrics)
     ls, lt = chunk_chains(
         logits,
         teacher,
@@ -151,16 +166,18 @@ def alm(
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
+        cp=cp,
     )
+    _, own = owned_rows(index.student.start_rows()[chunks], cp)
     terms = binary_divergence(
         lt, ls, kind=config.divergence, temperature=config.temperature, eps=config.eps
     )
-    total = terms.sum()
+    total = terms[own].sum()  # indexed, never skipped: keeps the CP all-reduce in the graph
     metrics.update(
         {
             "kd_sum": total.detach(),
-            "teacher_chain_logprob_sum": lt.detach().sum(),
-            "student_chain_logprob_sum": ls.detach().sum(),
+            "teacher_chain_logprob_sum": lt.detach()[own].sum(),
+            "student_chain_logprob_sum": ls.detach()[own].sum(),
         }
     )
-    return LossOutput(total, count, metrics)
+    return LossOutput(total, as_count(int(own.sum()), logits.device), metrics)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import Tensor
 
 from trainer.losses import vocab_ops as vo
@@ -28,7 +27,8 @@ def _target_block(block_cV, local_r, targets_r, *, vocab_size, temperature, tp_g
         x = x / temperature
     logz = vo.logsumexp(x, tp_group)
     tgt = vo.gather(x, targets_r[:, None], tp_group)[:, 0]
-    return tgt - logz, torch.zeros_like(tgt).detach()  # no argmax over a sharded vocabulary
+    top = vo.max_value(x.detach(), tp_group)
+    return tgt - logz, (tgt.detach() >= top).to(tgt.dtype)
 
 
 def target_logprobs(
@@ -41,8 +41,8 @@ def target_logprobs(
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
 ) -> tuple[Tensor, Tensor]:
-    """(log q(target) [G] differentiable, argmax == target [G] as 0/1, zeros under TP) at rows
-    ``rows_G`` (sorted)."""
+    """(log q(target) [G] differentiable, target is an argmax [G] as 0/1) at rows ``rows_G``
+    (sorted)."""
     if rows_G.numel() == 0:
         z = zero_sum_like(logits_NV)
         return z.expand(0), z.detach().expand(0)

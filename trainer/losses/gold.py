@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,10 +54,14 @@ from trainer.losses.base import (
     zero_sum_like,
 )
 from trainer.losses.ce import target_logprobs
+from trainer.losses.context import check_cp_shapes, chunk_sum, owned_rows, replicated
 from trainer.losses.fused import matched_cross_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, ChunkSide, segment_sum
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+
+if TYPE_CHECKING:
+    from trainer.distributed import CPContext
 
 
 @dataclass(frozen=True)
@@ -232,8 +237,13 @@ def gold(
     config: GoldConfig,
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
+    cp: CPContext | None = None,
 ) -> LossOutput:
-    """Hybrid exact-map KL + sorted-probability L1 over aligned chunks (module docstring)."""
+    """Hybrid exact-map KL + sorted-probability L1 over aligned chunks (module docstring).
+
+    Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is computed
+    and counted by the rank holding the row that predicts its last token (`context`).
+    """
     teacher.require(
         ("col_logprobs", "col_rest_logprob", "rest_sorted_probs", "target_logprob"), mode="gold"
     )
@@ -242,32 +252,42 @@ def gold(
             f"gold: teacher shipped {teacher.col_logprobs.shape[-1]} columns, the exact map has "
             f"{tables.t_ids.numel()} pairs (build the teacher outputs with columns=tables.t_ids)"
         )
-    b, s, width = student_logits_BSV.shape
+    check_cp_shapes("gold", student_logits_BSV, index, cp)
     st, te = index.student, index.teacher
-    if b * s != st.targets.numel() or teacher.target_logprob.numel() != te.targets.numel():
-        raise ValueError("gold: logits / teacher outputs do not match the ChunkIndex shapes")
+    if teacher.target_logprob.numel() != te.targets.numel():
+        raise ValueError("gold: teacher outputs do not match the ChunkIndex shapes")
+    b, s, width = student_logits_BSV.shape
     logits = student_logits_BSV.reshape(b * s, width)
     chunks, metrics = complete_chunks(index)
-    count = as_count(chunks.numel(), logits.device)
+    metrics = replicated(metrics, cp)
     if chunks.numel() == 0:
-        return LossOutput(zero_sum_like(logits), count, metrics)
+        return LossOutput(zero_sum_like(logits), as_count(0, logits.device), metrics)
     g = index.n_chunks
     wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks.device)
     wanted[chunks] = True
-    # chain prefixes: every token of the chunk but the last, temperature 1
+    # chain prefixes: every token of the chunk but the last, temperature 1; under CP each rank
+    # scores the prefix tokens it holds and the sums are finished over the group
     t_pre_rows = _prefix_rows(te, wanted)
     t_lp = teacher.target_logprob.reshape(-1).float()
     lt_pre = segment_sum(t_lp[t_pre_rows], te.target_chunk[t_pre_rows], g)[chunks]
     s_pre_rows = _prefix_rows(st, wanted)
+    s_pre_local, s_pre_mine = owned_rows(s_pre_rows, cp)
+    s_pre_rows = s_pre_rows[s_pre_mine]
     lq_pre, _ = target_logprobs(
         logits,
-        s_pre_rows,
+        s_pre_local,
         st.targets[s_pre_rows],
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
     )
-    ls_pre = segment_sum(lq_pre, st.target_chunk[s_pre_rows], g)[chunks]
+    ls_pre_all = chunk_sum(lq_pre, st.target_chunk[s_pre_rows], g, cp)[chunks]
+    # the chunk's term lives on the rank holding the student row predicting its last token
+    sr, own = owned_rows(st.last_rows()[chunks], cp)
+    chunks, lt_pre, ls_pre = chunks[own], lt_pre[own], ls_pre_all[own]
+    count = as_count(chunks.numel(), logits.device)
+    if chunks.numel() == 0:  # keep the CP all-reduce of the chains in the graph (`context`)
+        return LossOutput(ls_pre.sum(), count, metrics)
     # teacher side at the row predicting each chunk's last token
     tr = te.last_rows()[chunks]
     m = tables.t_ids.numel()
@@ -280,7 +300,6 @@ def gold(
     t_resid = (t_um.exp() - t_sorted.sum(-1)).clamp(min=0) * scale[:, 0]
     weights = tables.weights(config)
     tables = tables.to(logits.device)
-    sr = st.last_rows()[chunks]
     if tp_group is None and config.divergence == "forward":
         # KL(P || Q) over the matched ids = sum P log P - sum P (ls_pre - logz + x_s): fused, one
         # gather over the M columns per block, no log-softmax, nothing of size V kept

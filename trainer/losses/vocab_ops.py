@@ -59,6 +59,16 @@ def logsumexp(x_NV: Tensor, tp_group=None) -> Tensor:
     return _vp().vp_logsumexp(x_NV, tp_group)
 
 
+def max_value(x_NV: Tensor, tp_group=None) -> Tensor:
+    """[N]: the largest value of each row over the whole vocabulary (no gradient)."""
+    top = x_NV.detach().amax(dim=-1)
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
+    return top
+
+
 def gather(x_NV: Tensor, ids: Tensor, tp_group=None) -> Tensor:
     """Values at global ids: ``ids`` is [K] (same columns for every row) or [N, K]; ids < 0 -> -inf."""
     valid = ids >= 0

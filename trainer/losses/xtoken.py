@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -47,11 +48,15 @@ from trainer.losses.base import (
     safe_log,
     zero_sum_like,
 )
+from trainer.losses.context import check_cp_shapes, owned_rows, replicated
 from trainer.losses.fused import logprobs_at_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, dedup_rows
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.losses.xtoken_tables import XTokenTables
+
+if TYPE_CHECKING:
+    from trainer.distributed import CPContext
 
 
 @dataclass(frozen=True)
@@ -158,16 +163,19 @@ def xtoken(
     config: XTokenConfig,
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
+    cp: CPContext | None = None,
 ) -> LossOutput:
-    """Cross-tokenizer KD over aligned chunks (see the module docstring)."""
+    """Cross-tokenizer KD over aligned chunks (see the module docstring).
+
+    Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's terms are
+    computed and counted by the rank holding its start row (`context`).
+    """
     teacher.require(("topk_ids", "topk_logprobs", "tail_logprob"), mode="xtoken")
+    check_cp_shapes("xtoken", student_logits_BSV, index, cp)
     b, s, width = student_logits_BSV.shape
     st, te = index.student, index.teacher
-    if (b * s, teacher.topk_ids.shape[0] * teacher.topk_ids.shape[1]) != (
-        st.targets.numel(),
-        te.targets.numel(),
-    ):
-        raise ValueError("xtoken: logits / teacher outputs do not match the ChunkIndex shapes")
+    if teacher.topk_ids.shape[0] * teacher.topk_ids.shape[1] != te.targets.numel():
+        raise ValueError("xtoken: teacher outputs do not match the ChunkIndex shapes")
     s_rows, t_rows = st.start_rows(), te.start_rows()
     both = (st.count > 0) & (te.count > 0)
     ok = both & (s_rows >= 0) & (t_rows >= 0)
@@ -178,56 +186,67 @@ def xtoken(
         "chunks_unpredicted": (both & ~ok).sum(),
         "chunks_multi_token": (ok & ((st.count > 1) | (te.count > 1))).sum(),
     }
-    count = as_count(chunks.numel(), logits.device)
+    metrics = replicated(metrics, cp)
+    total = zero_sum_like(logits)
     if chunks.numel() == 0:
-        return LossOutput(zero_sum_like(logits), count, metrics)
-    k = teacher.topk_ids.shape[-1]
-    tr = t_rows[chunks]
-    ids_G, logp_G = project_teacher(
-        teacher.topk_ids.reshape(-1, k)[tr].long(),
-        teacher.topk_logprobs.reshape(-1, k)[tr],
-        teacher.tail_logprob.reshape(-1)[tr],
-        tables=tables,
-    )
-    members = tuple(t.to(logits.device) for t in tables.members())
-    rows = s_rows[chunks]
-    if tp_group is None:
-
-        def lp_at(drop):
-            lp, rest, _ = logprobs_at_rows(
-                logits,
-                rows,
-                drop,
-                vocab_size=vocab_size,
-                temperature=config.temperature,
-                chunk_size=chunk_size,
-            )
-            return lp, rest
-
-        terms, q_rest = _terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
-    else:
-        fn = partial(
-            _xtoken_block, config=config, vocab_size=vocab_size, members=members, tp_group=tp_group
+        return LossOutput(total, as_count(0, logits.device), metrics)
+    rows, own = owned_rows(s_rows[chunks], cp)
+    mine = chunks[own]
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    metrics["teacher_rest_mass_sum"] = metrics["student_rest_mass_sum"] = zero
+    if mine.numel():
+        k = teacher.topk_ids.shape[-1]
+        tr = t_rows[mine]
+        ids_G, logp_G = project_teacher(
+            teacher.topk_ids.reshape(-1, k)[tr].long(),
+            teacher.topk_logprobs.reshape(-1, k)[tr],
+            teacher.tail_logprob.reshape(-1)[tr],
+            tables=tables,
         )
-        terms, q_rest = map_rows(fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size)
-    total = terms.sum()
-    metrics["teacher_rest_mass_sum"] = logp_G[:, -1].exp().sum()
-    metrics["student_rest_mass_sum"] = q_rest.sum()
+        metrics["teacher_rest_mass_sum"] = logp_G[:, -1].exp().sum()
+        members = tuple(t.to(logits.device) for t in tables.members())
+        if tp_group is None:
+
+            def lp_at(drop):
+                lp, rest, _ = logprobs_at_rows(
+                    logits,
+                    rows,
+                    drop,
+                    vocab_size=vocab_size,
+                    temperature=config.temperature,
+                    chunk_size=chunk_size,
+                )
+                return lp, rest
+
+            terms, q_rest = _terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
+        else:
+            fn = partial(
+                _xtoken_block,
+                config=config,
+                vocab_size=vocab_size,
+                members=members,
+                tp_group=tp_group,
+            )
+            terms, q_rest = map_rows(fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size)
+        total = terms.sum()
+        metrics["student_rest_mass_sum"] = q_rest.sum()
     if config.chain_weight > 0:
         teacher.require(("target_logprob",), mode="xtoken")
-        multi = chunks[(st.count[chunks] > 1) | (te.count[chunks] > 1)]
-        if multi.numel():
+        is_multi = (st.count[chunks] > 1) | (te.count[chunks] > 1)
+        if bool(is_multi.any()):  # the same on every CP rank: the index is replicated
             ls, lt = chunk_chains(
                 logits,
                 teacher,
                 index,
-                chunks_C=multi,
+                chunks_C=chunks[is_multi],
                 vocab_size=vocab_size,
                 chunk_size=chunk_size,
                 tp_group=tp_group,
+                cp=cp,
             )
-            chain = binary_divergence(lt, ls, kind="kl", temperature=1.0).sum()
+            chain_C = binary_divergence(lt, ls, kind="kl", temperature=1.0)
+            chain = chain_C[own[is_multi]].sum()  # indexed, never skipped (CP all-reduce)
             metrics["chain_sum"] = chain.detach()
             total = total + config.chain_weight * chain
     metrics["kd_sum"] = total.detach()
-    return LossOutput(total, count, metrics)
+    return LossOutput(total, as_count(mine.numel(), logits.device), metrics)
