@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.tiny import save_tiny_llama
 from trainer.channel import (
     ALIGN,
     ChannelConfig,
@@ -29,22 +30,10 @@ VOCAB = 49_152  # the real SmolLM2 tokenizer's vocabulary
 @pytest.fixture(scope="module")
 def tiny_teacher_dir(tmp_path_factory, student_dir):
     """A random-init 2-layer Llama with the real SmolLM2 tokenizer's vocabulary width."""
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(student_dir).vocab_size == VOCAB
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    out = tmp_path_factory.mktemp("tiny-teacher")
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-teacher"), VOCAB)
 
 
 @pytest.fixture(autouse=True)

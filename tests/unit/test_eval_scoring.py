@@ -20,10 +20,10 @@ from transformers import (
     AutoTokenizer,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    LlamaConfig,
     LlamaForCausalLM,
 )
 
+from tests import tiny
 from trainer.eval import data as eval_data
 from trainer.eval import evaluate_bpb, run_tasks
 from trainer.eval.bpb import text_windows
@@ -44,19 +44,16 @@ def smol_tok(student_dir):
 
 
 def _tiny_llama(vocab: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
+    return tiny.tiny_llama(
+        vocab,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
         initializer_range=0.2,
         tie_word_embeddings=True,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _tiny_gemma(vocab: int) -> Gemma3ForCausalLM:
