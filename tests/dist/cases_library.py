@@ -184,10 +184,8 @@ def _kd_topk(ctx: Ctx, *, divergence: str, support: str) -> None:
     check_invariance(ctx, student, run)
 
 
-def _chunk_mode(ctx: Ctx, *, mode: str, max_chunks: int = 4) -> None:
-    gen = ctx.generator("data")
-    ab = make_aligned(gen, max_chunks=max_chunks)
-    student = _logits(gen, B, S, VS, VS_W)
+def _chunk_loss(mode: str, gen: torch.Generator, ab: AlignedBatch):
+    """`run(s, groups, shard) -> LossOutput` of one chunk mode, its teacher made from logits."""
     teacher = _logits(gen, B, T, VT, VT_W)
     t_targets = shift_targets(ab.teacher_ids, ab.teacher_len)
     if mode == "alm":
@@ -200,11 +198,8 @@ def _chunk_mode(ctx: Ctx, *, mode: str, max_chunks: int = 4) -> None:
         tables = XTokenTables.from_arrays(
             ids, torch.rand(VT_W, 3, generator=gen), student_vocab_size=VS
         )
-        spec, extra, cols = (
-            xtoken_teacher_spec(config, teacher_vocab_size=VT),
-            {"tables": tables},
-            None,
-        )
+        spec = xtoken_teacher_spec(config, teacher_vocab_size=VT)
+        extra, cols = {"tables": tables}, None
         loss_fn = xtoken
     else:
         config = GoldConfig(divergence="forward", temperature=1.2)
@@ -217,7 +212,7 @@ def _chunk_mode(ctx: Ctx, *, mode: str, max_chunks: int = 4) -> None:
     te = teacher_outputs_from_logits(teacher, spec=spec, target_ids_BT=t_targets, columns=cols)
 
     def run(s, groups, shard):
-        out = loss_fn(
+        return loss_fn(
             s,
             _teacher_view(te, shard, seq=False),
             index_chunks(_rows_of(ab, shard)),
@@ -228,7 +223,34 @@ def _chunk_mode(ctx: Ctx, *, mode: str, max_chunks: int = 4) -> None:
             cp=CPContext(groups.cp, S),
             **extra,
         )
+
+    return run
+
+
+def _chunk_mode(ctx: Ctx, *, mode: str, max_chunks: int = 4) -> None:
+    gen = ctx.generator("data")
+    ab = make_aligned(gen, max_chunks=max_chunks)
+    student = _logits(gen, B, S, VS, VS_W)
+    loss = _chunk_loss(mode, gen, ab)
+
+    def run(s, groups, shard):
+        out = loss(s, groups, shard)
         return out.sum, out.count
+
+    check_invariance(ctx, student, run)
+
+
+def _three_teachers(ctx: Ctx) -> None:
+    """Three chunk-mode teachers in one objective: each finishes its chain sums with its own
+    CP all-reduce, so every rank must run the three backward all-reduces in the same order."""
+    gen = ctx.generator("data")
+    ab = make_aligned(gen)
+    student = _logits(gen, B, S, VS, VS_W)
+    losses = [_chunk_loss(mode, gen, ab) for mode in ("alm", "xtoken", "gold")]
+
+    def run(s, groups, shard):
+        outs = [loss(s, groups, shard) for loss in losses]
+        return sum(o.sum for o in outs), outs[0].count  # one objective; alm's count divides it
 
     check_invariance(ctx, student, run)
 
@@ -279,6 +301,8 @@ for _layout in MATRIX_LAYOUTS:
             case(f"loss_lib_{_mode}_short_{_n}", _layout)(
                 lambda ctx, m=_mode: _chunk_mode(ctx, mode=m, max_chunks=1)
             )
+    if _layout[1] == 2:
+        case(f"loss_lib_three_teachers_{_n}", _layout)(_three_teachers)
 
 case("tp2_teacher_outputs_from_logits", (2, 1, 2))(_teacher_outputs_tp)
 case("tp4_teacher_outputs_from_logits", (4, 1, 1))(_teacher_outputs_tp)
