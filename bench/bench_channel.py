@@ -13,6 +13,14 @@ Each method runs in its own consumer process (``python -m bench.bench_channel --
 peak RSS (``ru_maxrss``, sizes ascending) belongs to that method alone; the producer's peak is
 ``RUSAGE_CHILDREN`` after it is reaped. Figures: median seconds per microbatch, the ratio
 pipe / channel, and peak-RSS growth of consumer and producer.
+
+``--device cuda`` (``python -m bench.bench_channel --device cuda``, or the ``channel_cuda``
+section, `bench/bench_channel_cuda.py`) measures the GPU path with the same processes: the
+payload lives on the GPU; the baseline pickles the CUDA tensor (device -> host, pipe, host ->
+device on unpickling); the channel's ring is one CUDA allocation shared by IPC handle at start,
+the worker copies device to device and the student's stream waits on an interprocess event. The
+consumer reads every element (``sum``, which also synchronises), and its CUDA allocator peak is
+reported next to RSS.
 """
 
 from __future__ import annotations
@@ -39,7 +47,10 @@ def _reps(nbytes: int) -> int:
 
 
 def _touch(t: torch.Tensor) -> float:
-    """Read one float per 4 KiB page: every page faulted in, almost no arithmetic."""
+    """CPU: read one float per 4 KiB page (every page faulted in, almost no arithmetic). GPU:
+    read every element (a bandwidth-bound pass); ``float`` waits for it either way."""
+    if t.is_cuda:
+        return float(t.sum())
     return float(t.view(-1)[::1024].sum())
 
 
@@ -57,25 +68,25 @@ class PayloadTeacher:
         return {"payload": TensorSpec((self.nbytes // 4,), torch.float32)}
 
     def setup(self, ctx) -> None:
-        self._payload = torch.ones(self.nbytes // 4)
+        self._payload = torch.ones(self.nbytes // 4, device=ctx.device)
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"payload": self._payload}
 
 
-def _pipe_producer(conn, nbytes: int) -> None:
-    payload = {"payload": torch.ones(nbytes // 4)}
+def _pipe_producer(conn, nbytes: int, device: str) -> None:
+    payload = {"payload": torch.ones(nbytes // 4, device=device)}
     conn.send("ready")
     while conn.recv() == "go":
         conn.send_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _time_pipe(nbytes: int) -> list[float]:
+def _time_pipe(nbytes: int, device: str) -> list[float]:
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_pipe_producer, args=(child, nbytes), daemon=True)
+    proc = ctx.Process(target=_pipe_producer, args=(child, nbytes, device), daemon=True)
     proc.start()
     child.close()
     assert conn.recv() == "ready"
@@ -93,10 +104,10 @@ def _time_pipe(nbytes: int) -> list[float]:
     return times
 
 
-def _time_channel(nbytes: int) -> list[float]:
+def _time_channel(nbytes: int, device: str) -> list[float]:
     times = []
     config = ChannelConfig(depth=2, worker_threads=1)
-    with TeacherChannel(PayloadTeacher(nbytes), config=config) as ch:
+    with TeacherChannel(PayloadTeacher(nbytes), device=device, config=config) as ch:
         ch.wait_ready()
         for i in range(_reps(nbytes) + 4):
             t0 = time.perf_counter()
@@ -108,14 +119,20 @@ def _time_channel(nbytes: int) -> list[float]:
     return times
 
 
-def _run_method(method: str) -> None:
+def _run_method(method: str, device: str = "cpu") -> None:
     """Consumer process: one JSON line per size, with this process's and the producer's peaks."""
     torch.set_num_threads(1)
+    if device != "cpu":
+        # the CUDA context and the reduction kernels' RSS are not counted as the method's
+        _touch(torch.ones(1 << 10, device=device))
     base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     timer = _time_pipe if method == "pipe" else _time_channel
     for nbytes in SIZES:
-        times = timer(nbytes)
+        if device != "cpu":
+            torch.cuda.reset_peak_memory_stats()  # per size: the GPU memory is given back
+        times = timer(nbytes, device)
         row = {
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated() if device != "cpu" else 0,
             "nbytes": nbytes,
             "median_s": statistics.median(times),
             "consumer_peak_delta_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -125,15 +142,16 @@ def _run_method(method: str) -> None:
         print(json.dumps(row), flush=True)
 
 
-def _measure(method: str) -> dict[int, dict]:
+def _measure(method: str, device: str = "cpu") -> dict[int, dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.bench_channel", "--method", method],
+        [sys.executable, "-m", "bench.bench_channel", "--method", method, "--device", device],
         capture_output=True,
         text=True,
-        check=True,
         timeout=900,
-    ).stdout
-    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{method} on {device} failed:\n{out.stderr[-4000:]}")
+    rows = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
     return {r["nbytes"]: r for r in rows}
 
 
@@ -145,8 +163,7 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def main() -> str:
-    pipe, chan = _measure("pipe"), _measure("channel")
+def _cpu_section(pipe: dict, chan: dict) -> str:
     lines = [
         "## Logit channel: transfer vs pickling through a pipe",
         "",
@@ -181,8 +198,57 @@ def main() -> str:
     return "\n".join(lines)
 
 
+def _cuda_section(pipe: dict, chan: dict) -> str:
+    props = torch.cuda.get_device_properties(0)
+    lines = [
+        "## Logit channel on a GPU (CUDA IPC): transfer vs pickling through a pipe",
+        "",
+        f"Measured on one {props.name} ({props.total_memory >> 30} GiB) with "
+        "`python -m bench.run_all channel_cuda`; CI never runs it (no GPU there), and "
+        "`make bench` on a machine without CUDA keeps these cached figures. The same processes "
+        "as the CPU section, with the payload on the GPU. Baseline: `pickle` of the CUDA tensor "
+        "through a pipe (device -> host in the worker, the pipe, host -> device when the student "
+        "unpickles it). Channel: one CUDA allocation (depth 2) shared with the worker by IPC "
+        "handle once, at start; per microbatch the worker copies device to device into a slot "
+        "and records an interprocess event the student's stream waits on. The student reads "
+        "every element (`sum`, which also waits for the GPU). Median per microbatch; the "
+        "student's CUDA allocator peak at that size (the channel's is its ring: two slots) and "
+        "its peak RSS growth (sizes ascending, one consumer process per method).",
+        "",
+        "| payload | pickle + pipe | channel | pipe / channel | student CUDA peak "
+        "(pipe / channel) | student peak +RSS (pipe / channel) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in SIZES:
+        p, c = pipe[n], chan[n]
+        lines.append(
+            f"| {_size(n)} | {_ms(p['median_s'])} | {_ms(c['median_s'])} | "
+            f"{p['median_s'] / c['median_s']:.1f}x | "
+            f"{_size(p['gpu_peak_bytes'])} / {_size(c['gpu_peak_bytes'])} | "
+            f"{p['consumer_peak_delta_kib'] >> 10} / {c['consumer_peak_delta_kib'] >> 10} MiB |"
+        )
+    lines += [
+        "",
+        "The channel's small-payload time is its fixed cost per microbatch (two pipe messages, "
+        "the event, the liveness poll); the payload itself never leaves the GPU. The pickle "
+        "path moves it through host memory twice and through the pipe, so its cost grows with "
+        "the payload at host-copy speed.",
+    ]
+    return "\n".join(lines)
+
+
+def main(device: str = "cpu") -> str:
+    """The Markdown section for `device` ("cpu": shared memory; "cuda": CUDA IPC)."""
+    pipe, chan = _measure("pipe", device), _measure("channel", device)
+    return _cuda_section(pipe, chan) if device == "cuda" else _cpu_section(pipe, chan)
+
+
+def _arg(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--method"]:
-        _run_method(sys.argv[2])
+    if "--method" in sys.argv:
+        _run_method(_arg("--method", "channel"), _arg("--device", "cpu"))
     else:
-        print(main())
+        print(main(_arg("--device", "cpu")))

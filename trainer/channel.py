@@ -304,9 +304,15 @@ class SlotRing:
             v.fill_(float("nan") if v.is_floating_point() else -1)
 
     def close(self) -> None:
+        on_gpu = self._bytes is not None and self._bytes.is_cuda
         self._bytes = None
         if self._shm is not None:
             self._shm.close()
+        if on_gpu:
+            # A CUDA tensor shared by IPC stays allocated in its producer until torch sees that
+            # every consumer let go of it; without this the ring outlives close() (a new
+            # channel's ring would then come on top of it).
+            torch.cuda.ipc_collect()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +371,10 @@ class TeacherChannel:
     ) -> None:
         self.config = config or ChannelConfig()
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" alone: pin the current device, so the worker (which calls set_device with
+            # it, and needs an index there) uses the same GPU as the student
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.layout = plan_layout(
             program.input_spec(), program.output_spec(), depth=self.config.depth
         )

@@ -105,6 +105,12 @@ def pick_device(name: str) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("device=cuda but torch sees no CUDA device")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"device={name}: local rank {local_rank} has no GPU of its own "
+            f"({torch.cuda.device_count()} visible); start at most that many processes per node, "
+            "or use device=cpu"
+        )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -136,14 +136,22 @@ class WorkerProcess:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main,
-            args=(child_conn, ring.handle(), program, str(device), group),
-            kwargs={"threads": config.worker_threads, "parent_pid": os.getpid(), "events": events},
+            args=(child_conn, program, str(device), group),
+            kwargs={"threads": config.worker_threads, "parent_pid": os.getpid()},
             name=f"teacher-worker-{group.rank if group else 0}",
             daemon=True,  # killed by multiprocessing's atexit if the student forgets close()
         )
         proc.start()
         child_conn.close()
-        return cls(proc, parent_conn, device=device, config=config, events=events)
+        worker = cls(proc, parent_conn, device=device, config=config, events=events)
+        # The ring (and the CUDA events) travel as the first message, not as Process arguments:
+        # the Process object keeps its arguments, and a CUDA ring referenced there would stay
+        # allocated after close(). Pickled here, a CUDA tensor/event is sent as its IPC handle.
+        try:
+            parent_conn.send(("ring", ring.handle(), events))
+        except OSError:
+            raise worker._died("receiving the slot ring") from None
+        return worker
 
     @property
     def pid(self) -> int | None:
@@ -285,16 +293,15 @@ def _join_group(group: TeacherGroup, device: torch.device) -> tuple[TeacherConte
 
 def worker_main(
     conn,
-    ring_handle: tuple,
     program: TeacherProgram,
     device: str,
     group: TeacherGroup | None,
     *,
     threads: int | None,
     parent_pid: int,
-    events: list | None,
 ) -> None:
-    """Entry point of the worker process (spawned by ``WorkerProcess.start``)."""
+    """Entry point of the worker process (spawned by ``WorkerProcess.start``); its first message
+    is ``("ring", ring handle, CUDA events or None)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     _scrub_launcher_env()
@@ -307,6 +314,10 @@ def worker_main(
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         phase = "mapping the slot ring"
+        try:
+            _, ring_handle, events = conn.recv()
+        except (EOFError, OSError):
+            return  # the student is gone before it sent the ring
         ring = SlotRing.attach(ring_handle)
         ctx, handshake = TeacherContext(dev), None
         if group is not None:

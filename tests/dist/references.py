@@ -68,6 +68,7 @@ def value_and_grad(fn, x: torch.Tensor, weight: torch.Tensor | None = None, *, s
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     finite = torch.isfinite(out)
-    loss = torch.where(finite, out * weight.to(out.dtype), torch.zeros_like(out)).sum()
+    weight = weight.to(device=out.device, dtype=out.dtype)  # the CPU draw, on a GPU `out`
+    loss = torch.where(finite, out * weight, torch.zeros_like(out)).sum()
     (grad,) = torch.autograd.grad(loss, leaf)
     return out.detach(), grad

@@ -16,6 +16,7 @@ student process the signal tests launch.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -254,7 +255,12 @@ def test_student_exits_cleanly_on_dead_worker_sigterm_ctrl_c_and_sigkill(tiny_di
     results = {case: (p.wait(timeout=30), p.stderr.read()) for case, p in procs.items()}
 
     code, err = results["kill_worker"]
-    assert code == 1 and "was killed by signal SIGKILL while computing microbatch" in err
+    # killed mid-forward, the student's wait sees it; killed idle (a fast worker has already
+    # answered: the usual case on many cores), the student's next submit does
+    assert code == 1, err[-3000:]
+    assert re.search(r"was killed by signal SIGKILL while (computing|receiving) microbatch", err), (
+        err[-3000:]
+    )
     assert results["sigterm"][0] == 128 + signal.SIGTERM
     assert results["ctrl_c"][0] != 0 and "KeyboardInterrupt" in results["ctrl_c"][1]
     assert results["sigkill"][0] == -signal.SIGKILL

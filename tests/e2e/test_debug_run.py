@@ -28,6 +28,8 @@ from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
 
 PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
+# the CPU runs name their device: `auto` would put two ranks on a one-GPU machine's GPU
+CPU = [*COMMON, "device=cpu"]
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -66,7 +68,7 @@ def full_run(inputs) -> Path:
     run_dir = inputs["tmp"] / "full"
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
             "checkpoint.interval=4", "eval.max_texts=4", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
-    proc = run_trainer(args + COMMON, nproc=2)
+    proc = run_trainer(args + CPU, nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "held-out bits/byte  student after" in proc.stdout
     return run_dir
@@ -110,7 +112,7 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
             f"checkpoint.resume={ckpt}", "eval.max_texts=0", "checkpoint.export_at_end=false",
             f"teachers.0.projection={PROJECTION}"]  # fmt: skip
-    proc = run_trainer(args + COMMON, nproc=2)
+    proc = run_trainer(args + CPU, nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     resumed = {r["step"]: r["loss"] for r in records(run_dir)}
     full = {r["step"]: r["loss"] for r in records(full_run)}
@@ -157,7 +159,7 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
            str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
            f"run_dir={run_dir}", "steps=1000", "eval.max_texts=0", "checkpoint.save_at_end=false",
            "teachers.0.tp=2",  # the two workers form their own process group (teacher TP)
-           f"teachers.0.projection={PROJECTION}", *COMMON]  # fmt: skip
+           f"teachers.0.projection={PROJECTION}", *CPU]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
