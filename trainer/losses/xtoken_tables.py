@@ -113,7 +113,8 @@ class XTokenTables:
         if self.s_key is None:
             empty = torch.zeros(0, dtype=torch.int64)
             return empty, empty
-        pooled = (self.s_key != torch.arange(self.s_key.numel())).nonzero().squeeze(1)
+        ids = torch.arange(self.s_key.numel(), device=self.s_key.device)
+        pooled = (self.s_key != ids).nonzero().squeeze(1)
         return pooled, self.s_key[pooled]
 
     def to(self, device) -> XTokenTables:
