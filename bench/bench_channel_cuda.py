@@ -3,8 +3,8 @@
 The measurement is `bench.bench_channel` with ``device="cuda"`` (same producer/consumer
 processes, payload on the GPU). It needs a CUDA device, which CI and the usual 2-core machine do
 not have: there this section returns the figures cached in ``bench/results/channel_cuda.md`` by
-the last run on a GPU machine (marked as cached), so ``make bench`` neither fails nor drops
-them. Run it on a GPU with ``python -m bench.run_all channel_cuda``.
+the last run on a GPU machine (marked as cached; `run_all` then leaves the cached file as it
+is), so ``make bench`` neither fails nor drops them. Run it on a GPU with ``python -m bench.run_all channel_cuda``.
 """
 
 from __future__ import annotations
