@@ -45,8 +45,8 @@ def _reading(kd_bpb: dict, ce_bpb: dict) -> str:
         return (
             f"- CE-only wins here: the teacher's own held-out BPB ({best_teacher:.4f}) is worse "
             "than where in-domain CE fine-tuning takes the student, so the KD term pulls toward "
-            "a weaker distribution. A teacher that is stronger on the target text is what makes "
-            "distillation pay; this demo shows the machinery and measures it honestly."
+            "a weaker distribution. Distillation needs a teacher that is stronger on the target "
+            "text than the student can become on its own."
         )
     return "- CE-only reached a lower held-out BPB than distillation on the same data."
 
