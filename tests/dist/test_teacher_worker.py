@@ -22,13 +22,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
 from pipelines.paths import REPO_ROOT
+from tests.tiny import save_tiny_llama
 from trainer.channel import (
     SHM_PREFIX,
     ChannelConfig,
@@ -45,29 +45,12 @@ MAX_B, MAX_T, K = 3, 32, 8
 VOCAB = 49_152  # SmolLM2's tokenizer (the fixture checks it against the real config)
 
 
-def save_tiny_teacher(out: Path, vocab_size: int) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, student_dir):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(student_dir).vocab_size == VOCAB
-    return save_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), VOCAB)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-teacher"), VOCAB)
 
 
 @pytest.fixture(scope="module")
