@@ -163,6 +163,20 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def _rows(pipe: dict, chan: dict, extra, *, rss_last: bool = False) -> list[str]:
+    """Table rows: payload, both times, their ratio, the student's RSS growth and ``extra``."""
+    out = []
+    for n in SIZES:
+        p, c = pipe[n], chan[n]
+        rss = f"{p['consumer_peak_delta_kib'] >> 10} / {c['consumer_peak_delta_kib'] >> 10} MiB"
+        cells = [extra(p, c), rss] if rss_last else [rss, extra(p, c)]
+        out.append(
+            f"| {_size(n)} | {_ms(p['median_s'])} | {_ms(c['median_s'])} | "
+            f"{p['median_s'] / c['median_s']:.1f}x | " + " | ".join(cells) + " |"
+        )
+    return out
+
+
 def _cpu_section(pipe: dict, chan: dict) -> str:
     lines = [
         "## Logit channel: transfer vs pickling through a pipe",
@@ -178,14 +192,11 @@ def _cpu_section(pipe: dict, chan: dict) -> str:
         "(pipe / channel) | producer peak RSS (pipe / channel) |",
         "|---|---|---|---|---|---|",
     ]
-    for n in SIZES:
-        p, c = pipe[n], chan[n]
-        lines.append(
-            f"| {_size(n)} | {_ms(p['median_s'])} | {_ms(c['median_s'])} | "
-            f"{p['median_s'] / c['median_s']:.1f}x | "
-            f"{p['consumer_peak_delta_kib'] >> 10} / {c['consumer_peak_delta_kib'] >> 10} MiB | "
-            f"{p['producer_peak_kib'] >> 10} / {c['producer_peak_kib'] >> 10} MiB |"
-        )
+    lines += _rows(
+        pipe,
+        chan,
+        lambda p, c: f"{p['producer_peak_kib'] >> 10} / {c['producer_peak_kib'] >> 10} MiB",
+    )
     lines += [
         "",
         "The channel's time at 4 KiB is its fixed cost per microbatch (two pipe messages and "
@@ -219,14 +230,12 @@ def _cuda_section(pipe: dict, chan: dict) -> str:
         "(pipe / channel) | student peak +RSS (pipe / channel) |",
         "|---|---|---|---|---|---|",
     ]
-    for n in SIZES:
-        p, c = pipe[n], chan[n]
-        lines.append(
-            f"| {_size(n)} | {_ms(p['median_s'])} | {_ms(c['median_s'])} | "
-            f"{p['median_s'] / c['median_s']:.1f}x | "
-            f"{_size(p['gpu_peak_bytes'])} / {_size(c['gpu_peak_bytes'])} | "
-            f"{p['consumer_peak_delta_kib'] >> 10} / {c['consumer_peak_delta_kib'] >> 10} MiB |"
-        )
+    lines += _rows(
+        pipe,
+        chan,
+        lambda p, c: f"{_size(p['gpu_peak_bytes'])} / {_size(c['gpu_peak_bytes'])}",
+        rss_last=True,
+    )
     lines += [
         "",
         "The channel's small-payload time is its fixed cost per microbatch (two pipe messages, "
