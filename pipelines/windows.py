@@ -64,8 +64,11 @@ class WindowConfig:
             raise ValueError(f"WindowConfig.stride_chars must be >= 1, got {self.stride_chars}")
 
 
-def _pair_cuts(al: Alignment, *, n_s: int, n_t: int, n_bytes: int, i: int) -> dict[int, tuple]:
-    """byte position -> (student index, teacher index) of every trusted chunk end of one pair."""
+def _pair_cuts(
+    al: Alignment, *, n_s: int, n_t: int, n_bytes: int, i: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(byte positions, student index, teacher index) of every trusted chunk end of one pair,
+    positions ascending and distinct, the text's start and end included."""
     if al.chunk_byte_end is None or al.chunk_student_end is None or al.chunk_teacher_end is None:
         raise WindowError(f"teacher {i}: Alignment has no chunk ends; build it with align()")
     if al.student_chunk.size != n_s or al.teacher_chunk.size != n_t:
@@ -73,39 +76,40 @@ def _pair_cuts(al: Alignment, *, n_s: int, n_t: int, n_bytes: int, i: int) -> di
             f"teacher {i}: Alignment covers {al.student_chunk.size}/{al.teacher_chunk.size} "
             f"student/teacher tokens, the encodings have {n_s}/{n_t}"
         )
-    cuts = {0: (0, 0)}
     ok = al.chunk_byte_end >= 0
-    for p, s, t in zip(
-        al.chunk_byte_end[ok].tolist(),
-        al.chunk_student_end[ok].tolist(),
-        al.chunk_teacher_end[ok].tolist(),
-    ):
-        cuts[p] = (s, t)  # a later chunk ending at the same byte (zero-width) wins
-    cuts[n_bytes] = (n_s, n_t)
-    return cuts
+
+    def with_ends(x: np.ndarray, first: int, last: int) -> np.ndarray:
+        return np.concatenate([[first], x[ok], [last]]).astype(np.int64)
+
+    pos = with_ends(al.chunk_byte_end, 0, n_bytes)
+    s_idx = with_ends(al.chunk_student_end, 0, n_s)
+    t_idx = with_ends(al.chunk_teacher_end, 0, n_t)
+    # several entries at one byte (zero-width chunks, the text end): the LATER one wins
+    uniq, first_from_end = np.unique(pos[::-1], return_index=True)
+    keep = pos.size - 1 - first_from_end
+    return uniq, s_idx[keep], t_idx[keep]
 
 
 def _common_cuts(text_bytes: bytes, n_s: int, teachers) -> tuple[np.ndarray, np.ndarray, list]:
     """Byte positions cut by every pair, on character boundaries, with each side's token index."""
-    per_pair = [
+    pairs = [
         _pair_cuts(al, n_s=n_s, n_t=len(enc.ids), n_bytes=len(text_bytes), i=i)
         for i, (_, enc, al) in enumerate(teachers)
     ]
-    common = set(per_pair[0])
-    for cuts in per_pair[1:]:
-        common &= set(cuts)
+    pos = pairs[0][0]
+    for p, _, _ in pairs[1:]:
+        pos = np.intersect1d(pos, p, assume_unique=True)
+    at = [np.searchsorted(p, pos) for p, _, _ in pairs]  # where each common position sits
+    s_all = np.stack([s[j] for (_, s, _), j in zip(pairs, at)])  # [pairs, positions]
+    n = len(text_bytes)
     arr = np.frombuffer(text_bytes, np.uint8)
-    pos_list = []
-    for p in sorted(common):
-        if p > len(text_bytes) or (p < len(text_bytes) and (arr[p] & 0xC0) == 0x80):
-            continue  # inside a UTF-8 character: not a character position
-        if len({cuts[p][0] for cuts in per_pair}) != 1:
-            continue  # pairs disagree on the student token there (zero-width chunks): skip
-        pos_list.append(p)
-    pos = np.array(pos_list, np.int64)
-    s_idx = np.array([per_pair[0][p][0] for p in pos_list], np.int64)
-    t_idx = [np.array([cuts[p][1] for p in pos_list], np.int64) for cuts in per_pair]
-    return pos, s_idx, t_idx
+    inside = pos < n
+    on_char = pos <= n
+    on_char[inside] = (arr[pos[inside]] & 0xC0) != 0x80  # not inside a UTF-8 character
+    # pairs that disagree on the student token there (zero-width chunks) do not cut
+    keep = on_char & (s_all == s_all[0]).all(axis=0)
+    t_idx = [t[j][keep] for (_, _, t), j in zip(pairs, at)]
+    return pos[keep], s_all[0][keep], t_idx
 
 
 def _char_index(text: str, text_bytes: bytes, pos: np.ndarray) -> np.ndarray:
