@@ -64,11 +64,7 @@ class WindowConfig:
             raise ValueError(f"WindowConfig.stride_chars must be >= 1, got {self.stride_chars}")
 
 
-def _pair_cuts(
-    al: Alignment, *, n_s: int, n_t: int, n_bytes: int, i: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(byte positions, student index, teacher index) of every trusted chunk end of one pair,
-    positions ascending and distinct, the text's start and end included."""
+def _check_pair(al: Alignment, *, n_s: int, n_t: int, i: int) -> None:
     if al.chunk_byte_end is None or al.chunk_student_end is None or al.chunk_teacher_end is None:
         raise WindowError(f"teacher {i}: Alignment has no chunk ends; build it with align()")
     if al.student_chunk.size != n_s or al.teacher_chunk.size != n_t:
@@ -76,6 +72,14 @@ def _pair_cuts(
             f"teacher {i}: Alignment covers {al.student_chunk.size}/{al.teacher_chunk.size} "
             f"student/teacher tokens, the encodings have {n_s}/{n_t}"
         )
+
+
+def _pair_cuts(
+    al: Alignment, *, n_s: int, n_t: int, n_bytes: int, i: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(byte positions, student index, teacher index) of every trusted chunk end of one pair,
+    positions ascending and distinct, the text's start and end included."""
+    _check_pair(al, n_s=n_s, n_t=n_t, i=i)
     ok = al.chunk_byte_end >= 0
 
     def with_ends(x: np.ndarray, first: int, last: int) -> np.ndarray:
@@ -158,6 +162,31 @@ def cut_points(
     return CutPoints(_char_index(text, text_bytes, pos), s_idx, t_idx)
 
 
+def _whole_document(text, s_enc, teachers, *, config: WindowConfig, specials) -> CutPoints | None:
+    """The cut points [start, end] when the whole document fits one window, else None.
+
+    Most documents of a corpus of short texts fit: skipping the common-boundary search for them
+    halves the window stage. The greedy cut would take exactly this one window: every side fits
+    with its BOS and EOS, and the start is a cut of every pair (no zero-width chunk ends at byte
+    0 and shifts a pair's start index; then the full search decides).
+    """
+    n_s = len(s_enc.ids)
+    sides = [(n_s, config.max_student_tokens, specials)]
+    for i, (tok, enc, al) in enumerate(teachers):
+        _check_pair(al, n_s=n_s, n_t=len(enc.ids), i=i)
+        if bool((al.chunk_byte_end == 0).any()):
+            return None
+        t_specials = (
+            tok.bos_id if config.add_bos else None,
+            tok.eos_id if config.add_eos else None,
+        )
+        sides.append((len(enc.ids), config.max_teacher_tokens, t_specials))
+    if any(n + sum(x is not None for x in sp) > limit for n, limit, sp in sides):
+        return None
+    ends = [np.array([0, n], np.int64) for n, _, _ in sides]
+    return CutPoints(np.array([0, len(text)], np.int64), ends[0], ends[1:])
+
+
 def cut_windows(
     text: str,
     *,
@@ -171,13 +200,15 @@ def cut_windows(
         raise WindowError("cut_windows needs at least one teacher")
     if len(s_enc.ids) == 0 and all(len(enc.ids) == 0 for _, enc, _ in teachers):
         return []
-    cuts = cut_points(text, student=student, teachers=teachers)
-    chars, s_idx, t_idx = cuts.chars, cuts.student, cuts.teachers
-    last = len(chars) - 1
     s_bos = s_tok.bos_id if config.add_bos else None
     s_eos = s_tok.eos_id if config.add_eos else None
     t_bos = [t.bos_id if config.add_bos else None for t, _, _ in teachers]
     t_eos = [t.eos_id if config.add_eos else None for t, _, _ in teachers]
+    cuts = _whole_document(text, s_enc, teachers, config=config, specials=(s_bos, s_eos))
+    if cuts is None:
+        cuts = cut_points(text, student=student, teachers=teachers)
+    chars, s_idx, t_idx = cuts.chars, cuts.student, cuts.teachers
+    last = len(chars) - 1
     # each side: (boundary token indices, room for the text's tokens, room in the last window)
     sides = [(s_idx, config.max_student_tokens - (s_bos is not None), s_eos is not None)]
     sides += [
