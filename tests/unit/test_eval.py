@@ -22,7 +22,7 @@ from trainer.eval import generation as gen
 from trainer.eval import run_tasks
 from trainer.eval.__main__ import main as cli_main
 from trainer.eval.metrics import mean_se, paired_diff, ratio_se
-from trainer.eval.runner import check_fits
+from trainer.eval.runner import check_fits, model_names
 from trainer.eval.scoring import ModelDoesNotFitError, text_encoder
 from trainer.eval.tasks import GROUPS, TASKS, _load_all, load, resolve, stable_subset
 
@@ -245,3 +245,10 @@ def test_chat_template_only_when_asked(tiny_dirs, smol_tok, eval_data_ready):
     no_template.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         run_tasks(model, no_template, ["copa"], limit=1, chat=True)
+
+
+def test_model_columns_are_the_shortest_distinct_path_suffixes(tmp_path):
+    runs = [tmp_path / "runs" / r / "export" for r in ("demo", "demo-ce")]
+    assert model_names([str(r) for r in runs]) == ["demo/export", "demo-ce/export"]
+    assert model_names([str(tmp_path / "m" / "gemma")]) == ["gemma"]
+    assert model_names([str(runs[0])] * 2) == ["export#0", "export#1"]

@@ -345,14 +345,22 @@ def load_model(path: str | Path, *, device: str = "auto", dtype: str = "auto"):
     )
 
 
+def model_names(model_dirs: list[str]) -> list[str]:
+    """Column names: the shortest path suffixes that tell the models apart
+    (`runs/demo/export`, `runs/demo-ce/export` -> `demo/export`, `demo-ce/export`)."""
+    parts = [Path(d).resolve().parts[1:] or (str(d),) for d in model_dirs]
+    for k in range(1, max((len(p) for p in parts), default=1) + 1):
+        names = ["/".join(p[-k:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [f"{p[-1]}#{i}" for i, p in enumerate(parts)]  # the same directory twice
+
+
 def evaluate_models(
     model_dirs: list[str], tasks: str, *, device: str = "auto", dtype: str = "auto", **options
 ) -> dict:
     """Load each model in turn, run the tasks, return the JSON payload (models side by side)."""
-    names: list[str] = []
-    for d in model_dirs:
-        base = Path(d).name or str(d)
-        names.append(base if base not in names else f"{base}#{len(names)}")
+    names = model_names(model_dirs)
     payload = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tasks": [t.name for t in resolve(tasks)],
