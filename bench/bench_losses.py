@@ -366,8 +366,8 @@ def main() -> str:
         "case in a fresh process. ``x ours`` is the time over our fast path at the same T and "
         "mode (gold for TRL); ``x dense CE`` is the time over plain torch cross entropy forward+"
         "backward on the same fp32 [T, V_s] logits, measured in the same process (robust to the "
-        "machine's load, which other jobs kept at 4-11 on 2 cores during these runs: load "
-        f"{os.getloadavg()[0]:.1f} when this section started). Teacher side: the teacher worker building its `TeacherOutputs` "
+        f"machine's load; 1-minute load average {os.getloadavg()[0]:.1f} when this text was "
+        "written). Teacher side: the teacher worker building its `TeacherOutputs` "
         "from logits (not part of the loss time). TRL 1.16 ULDLoss is capped at T = 256 (it took "
         "115 s / +6.3 GiB at T = 1,024 here); naive dense paths at T = 1,024.\n",
         "| case | T | fwd+bwd s | x dense CE | x ours | peak extra MiB | teacher side s | check |",
