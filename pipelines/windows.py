@@ -162,28 +162,27 @@ def cut_points(
     return CutPoints(_char_index(text, text_bytes, pos), s_idx, t_idx)
 
 
-def _whole_document(text, s_enc, teachers, *, config: WindowConfig, specials) -> CutPoints | None:
+def _whole_document(
+    text, n_s: int, teachers, *, config: WindowConfig, specials
+) -> CutPoints | None:
     """The cut points [start, end] when the whole document fits one window, else None.
 
     Most documents of a corpus of short texts fit: skipping the common-boundary search for them
     halves the window stage. The greedy cut would take exactly this one window: every side fits
     with its BOS and EOS, and the start is a cut of every pair (no zero-width chunk ends at byte
-    0 and shifts a pair's start index; then the full search decides).
+    0 and shifts a pair's start index; then the full search decides). ``specials``: per side
+    (student first) the (BOS, EOS) ids that will be added, None = none.
     """
-    n_s = len(s_enc.ids)
-    sides = [(n_s, config.max_student_tokens, specials)]
-    for i, (tok, enc, al) in enumerate(teachers):
+    sizes = [n_s] + [len(enc.ids) for _, enc, _ in teachers]
+    limits = [config.max_student_tokens] + [config.max_teacher_tokens] * len(teachers)
+    for n, limit, pair in zip(sizes, limits, specials):
+        if n + sum(x is not None for x in pair) > limit:
+            return None
+    for i, (_, enc, al) in enumerate(teachers):
         _check_pair(al, n_s=n_s, n_t=len(enc.ids), i=i)
         if bool((al.chunk_byte_end == 0).any()):
             return None
-        t_specials = (
-            tok.bos_id if config.add_bos else None,
-            tok.eos_id if config.add_eos else None,
-        )
-        sides.append((len(enc.ids), config.max_teacher_tokens, t_specials))
-    if any(n + sum(x is not None for x in sp) > limit for n, limit, sp in sides):
-        return None
-    ends = [np.array([0, n], np.int64) for n, _, _ in sides]
+    ends = [np.array([0, n], np.int64) for n in sizes]
     return CutPoints(np.array([0, len(text)], np.int64), ends[0], ends[1:])
 
 
@@ -204,7 +203,8 @@ def cut_windows(
     s_eos = s_tok.eos_id if config.add_eos else None
     t_bos = [t.bos_id if config.add_bos else None for t, _, _ in teachers]
     t_eos = [t.eos_id if config.add_eos else None for t, _, _ in teachers]
-    cuts = _whole_document(text, s_enc, teachers, config=config, specials=(s_bos, s_eos))
+    specials = [(s_bos, s_eos), *zip(t_bos, t_eos)]
+    cuts = _whole_document(text, len(s_enc.ids), teachers, config=config, specials=specials)
     if cuts is None:
         cuts = cut_points(text, student=student, teachers=teachers)
     chars, s_idx, t_idx = cuts.chars, cuts.student, cuts.teachers

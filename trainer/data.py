@@ -134,16 +134,17 @@ class ShardReader:
         not change with it.
         """
         held = np.zeros(self.num_rows, dtype=bool)
-        keys: list[tuple[str, int]] = []
+        held_keys: dict[int, tuple[str, int]] = {}
         for f, t in enumerate(self.tables):
             docs = t.column("doc_id").to_pylist()
             wins = t.column("window").to_pylist()
             s = int(self.starts[f])
             for i, (d, w) in enumerate(zip(docs, wins)):
-                held[s + i] = is_held_out(d, w, eval_fraction)
-                keys.append((d, w))
+                if is_held_out(d, w, eval_fraction):
+                    held[s + i] = True
+                    held_keys[s + i] = (d, w)
         idx = np.arange(self.num_rows, dtype=np.int64)
-        held_rows = sorted(idx[held].tolist(), key=lambda r: keys[r])
+        held_rows = sorted(held_keys, key=held_keys.__getitem__)
         return idx[~held], np.asarray(held_rows, dtype=np.int64)
 
     def _list(self, t: pa.Table, col: str, i: int) -> np.ndarray:

@@ -14,9 +14,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from pipelines import paths
+from tests.tiny import save_tiny_llama
 from trainer.eval import data as eval_data
 from trainer.eval import generation as gen
 from trainer.eval import run_tasks
@@ -28,34 +29,19 @@ from trainer.eval.tasks import GROUPS, TASKS, _load_all, load, resolve, stable_s
 
 
 @pytest.fixture(scope="module")
-def eval_data_ready():
-    if not eval_data.is_complete():
-        pytest.fail(f"eval data missing in {eval_data.eval_data_dir()}: {eval_data.FETCH_HINT}")
-
-
-@pytest.fixture(scope="module")
-def smol_tok(student_dir):
-    return AutoTokenizer.from_pretrained(student_dir)
-
-
-@pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, smol_tok):
     """Two tiny random Llamas saved as HF directories with the real SmolLM2 tokenizer."""
     dirs = []
     for seed in (0, 1):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(
-            vocab_size=len(smol_tok),
-            hidden_size=32,
-            intermediate_size=64,
+        d = tmp_path_factory.mktemp(f"tiny{seed}")
+        save_tiny_llama(
+            d,
+            len(smol_tok),
+            seed=seed,
             num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
             max_position_embeddings=2048,
             tie_word_embeddings=True,
         )
-        d = tmp_path_factory.mktemp(f"tiny{seed}")
-        LlamaForCausalLM(cfg).save_pretrained(d)
         smol_tok.save_pretrained(d)
         dirs.append(d)
     return dirs

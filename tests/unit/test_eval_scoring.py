@@ -17,30 +17,17 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AutoTokenizer,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaForCausalLM,
 )
 
 from tests import tiny
-from trainer.eval import data as eval_data
 from trainer.eval import evaluate_bpb, run_tasks
 from trainer.eval.bpb import text_windows
 from trainer.eval.engine import plan_batches
 from trainer.eval.scoring import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
 from trainer.eval.tasks import TASKS, load
-
-
-@pytest.fixture(scope="session")
-def eval_data_ready():
-    if not eval_data.is_complete():
-        pytest.fail(f"eval data missing in {eval_data.eval_data_dir()}: {eval_data.FETCH_HINT}")
-
-
-@pytest.fixture(scope="session")
-def smol_tok(student_dir):
-    return AutoTokenizer.from_pretrained(student_dir)
 
 
 def _tiny_llama(vocab: int) -> LlamaForCausalLM:

@@ -118,15 +118,17 @@ class ChunkSide:
     targets: Tensor  # [B * width] token predicted at each position, -1 none
     target_chunk: Tensor  # [B * width] chunk of the token predicted at each position, -1 none
 
+    def _predicted(self) -> Tensor:
+        """[G] the chunk is non-empty and its first token has a predicting position."""
+        return (self.count > 0) & (self.first % self.width > 0)
+
     def start_rows(self) -> Tensor:
         """[G] position whose distribution predicts the chunk's first token; -1 if none."""
-        ok = (self.count > 0) & (self.first % self.width > 0)
-        return torch.where(ok, self.first - 1, -1)
+        return torch.where(self._predicted(), self.first - 1, -1)
 
     def last_rows(self) -> Tensor:
         """[G] position whose distribution predicts the chunk's last token; -1 if none."""
-        ok = (self.count > 0) & (self.first % self.width > 0)
-        return torch.where(ok, self.last - 1, -1)
+        return torch.where(self._predicted(), self.last - 1, -1)
 
 
 @dataclass(frozen=True)

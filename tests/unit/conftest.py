@@ -1,0 +1,20 @@
+"""Fixtures shared by the evaluation tests: the eval data check and the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.eval import data as eval_data
+
+
+@pytest.fixture(scope="session")
+def eval_data_ready():
+    if not eval_data.is_complete():
+        pytest.fail(f"eval data missing in {eval_data.eval_data_dir()}: {eval_data.FETCH_HINT}")
+
+
+@pytest.fixture(scope="session")
+def smol_tok(student_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(student_dir)
