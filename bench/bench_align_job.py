@@ -28,9 +28,8 @@ def _outside_beam(data: Path, t, s, window) -> dict:
 
     from pipelines import readers, shards
     from pipelines import schema as S
+    from pipelines.align import align_batch_flat, cut_windows, vocab_bytes
     from pipelines.align_dofns import chunk_docs
-    from pipelines.alignment import align_batch_flat, vocab_bytes
-    from pipelines.windows import cut_windows
 
     docs = [d for d in readers.read_file(str(data), data.name, readers.ReaderConfig())]
     docs = [d for d in docs if isinstance(d, readers.Doc)]
@@ -74,7 +73,7 @@ def _child(workers: int) -> dict:
 
     from pipelines import align_dofns as F
     from pipelines import align_job as J
-    from pipelines.windows import WindowConfig
+    from pipelines.align import WindowConfig
 
     data = paths.corpus_dir() / DATA
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())

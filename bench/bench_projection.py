@@ -22,7 +22,7 @@ def _child(mode: str) -> dict:
     import resource
 
     from pipelines import projection as P
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenizers import load_tokenizer
 
     t_dir, s_dir = paths.teacher_dir(), paths.student_dir()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -49,7 +49,7 @@ def _median(fn, reps: int = REPS) -> float:
 def _inputs(tmp: Path):
     """A 512-token window of real text as shards, the projection, and the microbatch."""
     from pipelines import projection as P
-    from pipelines.alignment import align
+    from pipelines.align import WindowConfig, align, cut_windows
     from pipelines.schema import shard_schema
     from pipelines.shards import (
         ShardWriter,
@@ -58,8 +58,7 @@ def _inputs(tmp: Path):
         window_to_row,
         write_completed,
     )
-    from pipelines.tokenizer import load_tokenizer
-    from pipelines.windows import WindowConfig, cut_windows
+    from pipelines.tokenizers import load_tokenizer
 
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(paths.teacher_dir())
     try:

@@ -28,9 +28,16 @@ import pyarrow as pa
 from apache_beam.metrics import Metrics
 
 from pipelines import readers, shards
-from pipelines.alignment import Alignment, AlignmentError, align_batch_flat, vocab_bytes
-from pipelines.tokenizer import Encoding, Tokenizer, load_tokenizer
-from pipelines.windows import WindowConfig, WindowError, cut_windows
+from pipelines.align import (
+    Alignment,
+    AlignmentError,
+    WindowConfig,
+    WindowError,
+    align_batch_flat,
+    cut_windows,
+    vocab_bytes,
+)
+from pipelines.tokenizers import Encoding, Tokenizer, load_tokenizer
 
 NAMESPACE = "tokenbridge"
 MAIN = "main"  # tag of a DoFn's main output

@@ -37,7 +37,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipelines import align_dofns as F
 from pipelines import paths, readers, shards
 from pipelines import schema as S
-from pipelines.windows import WindowConfig
+from pipelines.align import WindowConfig
 
 log = logging.getLogger("tokenbridge.align")
 

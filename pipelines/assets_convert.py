@@ -43,7 +43,7 @@ def verify_model_dir(directory: Path, *, reference, gguf: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenizers import load_tokenizer
 
     tok = load_tokenizer(directory)
     tok_gguf = load_tokenizer(gguf)

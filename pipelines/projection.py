@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from pipelines import paths
 from pipelines.schema import TokenizerInfo
-from pipelines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from pipelines.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 
 FORMAT_VERSION = "1"
 METHOD = "retokenize-geometric-v1"

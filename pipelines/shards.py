@@ -29,7 +29,7 @@ import pyarrow as pa
 from pipelines import schema as S
 
 if TYPE_CHECKING:
-    from pipelines.windows import Window
+    from pipelines.align import Window
 
 COMPLETED_VERSION = 1
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipelines.projection import Projection, load_projection
 from pipelines.shards import ShardSet, open_shards
-from pipelines.tokenizer import Tokenizer, load_tokenizer
+from pipelines.tokenizers import Tokenizer, load_tokenizer
 from trainer import models, parallel
 from trainer.checkpoint import list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig

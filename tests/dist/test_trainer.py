@@ -28,7 +28,7 @@ def report(tmp_path_factory, student_dir) -> dict:
         max_tokens=64,
     )
     from pipelines import projection as P
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenizers import load_tokenizer
 
     tok = load_tokenizer(student_dir)
     proj = P.save_projection(

@@ -1,7 +1,7 @@
 """Test inputs for the trainer, made with the real pipeline pieces (no Beam, so in seconds).
 
 `write_shards` tokenizes texts with the real tokenizers, aligns and windows them
-(`pipelines.alignment` / `pipelines.windows`) and writes a complete shard directory with
+(`pipelines.align`: alignment and windows) and writes a complete shard directory with
 `pipelines.shards` — the same rows the align job writes, minus the Beam runner.
 `shakespeare_docs` cuts the shipped corpus into small documents.
 """
@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 from pipelines import paths
-from pipelines.alignment import align
+from pipelines.align import WindowConfig, align, cut_windows
 from pipelines.schema import shard_schema
 from pipelines.shards import ShardWriter, shard_name, window_to_row, write_completed
-from pipelines.tokenizer import load_tokenizer
-from pipelines.windows import WindowConfig, cut_windows
+from pipelines.tokenizers import load_tokenizer
 
 REPO = paths.REPO_ROOT
 

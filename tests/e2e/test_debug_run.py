@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pipelines import projection as P
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
 
 PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"

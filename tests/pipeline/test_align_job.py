@@ -20,8 +20,7 @@ from pipelines import align_job as J
 from pipelines import readers as R
 from pipelines import schema as S
 from pipelines import shards
-from pipelines.alignment import align, vocab_bytes
-from pipelines.windows import WindowConfig, WindowError, cut_windows
+from pipelines.align import WindowConfig, WindowError, align, cut_windows, vocab_bytes
 
 UNICODE_DOC = (
     "Café naïve — “quoted” text, 日本語のテキスト and an emoji 🙂.\n\n"

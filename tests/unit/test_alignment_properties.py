@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.alignment import align, align_batch, vocab_bytes
-from pipelines.tokenizer import Encoding, load_tokenizer
+from pipelines.align import align, align_batch, vocab_bytes
+from pipelines.tokenizers import Encoding, load_tokenizer
 
 PAIRS = [
     ("smollm2", "gemma"),

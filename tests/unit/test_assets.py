@@ -118,7 +118,7 @@ def _safetensors_shapes(path) -> dict[str, list[int]]:
 @pytest.mark.parametrize("which", ["teacher", "student"])
 def test_converted_models(which, teacher_dir, student_dir):
     """Plain fp32 HF dirs: no quantizer left, vocab_size == embedding rows >= tokenizer ids."""
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenizers import load_tokenizer
 
     d = teacher_dir if which == "teacher" else student_dir
     config = json.loads((d / "config.json").read_text())

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from pipelines import schema as S
 from pipelines.projection import TENSORS, ProjectionMismatchError
 from pipelines.shards import FingerprintMismatchError, IncompleteShardsError
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 from tests.unit.test_data import synthetic_rows
 from trainer.config import ConfigError, from_dictconfig
 from trainer.distill import mode_config

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.dp_align import dp_chunks, edit_path
+from pipelines.align.dp import dp_chunks, edit_path
 
 
 def levenshtein(a: bytes, b: bytes) -> int:

@@ -19,9 +19,9 @@ import math
 import pytest
 import torch
 
-from pipelines.alignment import align
+from pipelines.align import align
 from pipelines.projection import build_projection
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 from trainer.losses import (
     AlmConfig,
     GoldConfig,

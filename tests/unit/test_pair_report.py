@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipelines import pair_report as pr
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

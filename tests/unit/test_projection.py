@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipelines import projection as P
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def test_list_array_offsets_are_exact():
 
 
 def test_windows_to_batch_equals_rows_of_window_to_row():
-    from pipelines.windows import Window
+    from pipelines.align import Window
 
     rng = np.random.default_rng(1)
 

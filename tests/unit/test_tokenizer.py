@@ -9,7 +9,7 @@ import pytest
 
 from pipelines import paths
 from pipelines.schema import TokenizerInfo
-from pipelines.tokenizer import (
+from pipelines.tokenizers import (
     BatchEncoding,
     EmptyTokenizerError,
     NoOffsetsError,
@@ -18,7 +18,7 @@ from pipelines.tokenizer import (
     UnknownTokenizerFormatError,
     load_tokenizer,
 )
-from pipelines.tokenizer_formats import read_llama_cpp_vocab_tests
+from pipelines.tokenizers.formats import read_llama_cpp_vocab_tests
 
 
 @pytest.mark.parametrize("family", paths.VOCAB_FAMILIES)

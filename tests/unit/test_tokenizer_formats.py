@@ -15,9 +15,9 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.tokenizer import EmptyTokenizerError, load_tokenizer
-from pipelines.tokenizer_bytes import byte_level_bytes
-from pipelines.tokenizer_formats import read_llama_cpp_vocab_tests
+from pipelines.tokenizers import EmptyTokenizerError, load_tokenizer
+from pipelines.tokenizers.formats import read_llama_cpp_vocab_tests
+from pipelines.tokenizers.token_bytes import byte_level_bytes
 
 
 def _gguf_vocab(path):

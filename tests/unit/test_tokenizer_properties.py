@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelines import paths
-from pipelines.tokenizer import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 
 SPACE_MARK = "\u2581"
 PIECES = [

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.alignment import align
-from pipelines.tokenizer import load_tokenizer
-from pipelines.windows import WindowConfig, WindowError, cut_points, cut_windows
+from pipelines.align import WindowConfig, WindowError, align, cut_points, cut_windows
+from pipelines.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

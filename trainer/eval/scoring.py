@@ -44,7 +44,7 @@ class TextEncoder:
 
 
 def text_encoder(tokenizer) -> TextEncoder:
-    """Adapter over a HF tokenizer (preferred) or a ``pipelines.tokenizer.Tokenizer``.
+    """Adapter over a HF tokenizer (preferred) or a ``pipelines.tokenizers.Tokenizer``.
 
     A HF tokenizer keeps its own default of special tokens (Gemma adds <bos>, SmolLM2 nothing),
     as lm-eval does; a text scored from its start is predicted from that BOS, or from the BOS

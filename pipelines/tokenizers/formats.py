@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipelines.tokenizer_bytes import (
+from pipelines.tokenizers.token_bytes import (
     SPACE_MARK,
     TextBytes,
     byte_level_bytes,
@@ -82,7 +82,7 @@ class Loaded:
 
 
 class FormatError(Exception):
-    """Raised by loaders; tokenizer.py maps `kind` to the public error classes."""
+    """Raised by loaders; `adapter` maps `kind` to the public error classes."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)

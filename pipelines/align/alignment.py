@@ -1,17 +1,21 @@
-"""Token alignment between two tokenizations of the same text (CONTRACTS section 2).
+"""Token alignment between two tokenizations of the same text, into the chunks of the shards.
+
+The chunk ids computed here, renumbered per window by `windows`, become the shards' chunk
+columns; their contract (from 0 in every window, non-decreasing, -1 on special tokens, chunk c
+covering the same text on both sides) is written down in `pipelines/schema.py`.
 
 A *chunk* is a minimal pair of token runs, one per side, that cover the same bytes of the text;
 its boundaries are the byte positions that are token boundaries on both sides. Chunks are
 1:1, 1:N, N:1 or N:M (student:teacher token counts).
 
-Fast path: one Numba kernel call per batch (`pipelines.alignment_kernel`) walks both sides'
+Fast path: one Numba kernel call per batch (`pipelines.align.kernel`) walks both sides'
 byte spans with two pointers, O(n + m) per row, over flat arrays (ids, byte offsets, row
 splits); no Python runs per token or per row. Each side's spans are checked: a token is
 *trusted* when it starts where everything before it ended (spans tile the text, no overlap, no
 gap) and, where the token byte table is known, its span is as long as its bytes (a lossy piece
 or a byte-fallback piece whose span was derived from a shared character is not). Chunks are cut
 only at positions that are trusted on both sides; a region between two such cuts that holds an
-untrusted token goes to the DP fallback (`pipelines.dp_align`), which re-chunks it from the
+untrusted token goes to the DP fallback (`pipelines.align.dp`), which re-chunks it from the
 tokens' canonical bytes. Every such region is counted (`Alignment.fallback_regions`,
 `used_fallback`), never silent. The usual row (lossless, every token trusted, no special token)
 takes a fused branch-free pass.
@@ -31,10 +35,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipelines.alignment_kernel import ERR_NO_TABLE, LEN_CAP, META_SPECIAL, align_kernel
+from pipelines.align.kernel import ERR_NO_TABLE, LEN_CAP, META_SPECIAL, align_kernel
 
 if TYPE_CHECKING:
-    from pipelines.tokenizer import BatchEncoding, Encoding, Tokenizer
+    from pipelines.tokenizers import BatchEncoding, Encoding, Tokenizer
 
 CHUNK_1_1, CHUNK_1_N, CHUNK_N_1, CHUNK_N_M = 0, 1, 2, 3  # student:teacher token counts
 CHUNK_KIND_NAMES = ("1:1", "1:N", "N:1", "N:M")
@@ -100,10 +104,11 @@ def vocab_bytes(source: Tokenizer | VocabBytes | list[bytes | None]) -> VocabByt
 class Alignment:
     """One text, one (student, teacher) pair. Chunk ids are monotone and contiguous from 0.
 
-    Beyond CONTRACTS section 2, each chunk c records where it ends: chunk_student_end[c] /
-    chunk_teacher_end[c] are the token indices one past it on each side, chunk_byte_end[c] the
-    byte position in the text (-1 inside a DP-fallback region, where offsets are not trusted).
-    Windows cut only at chunk ends with a known byte position.
+    Beyond the per-token chunk ids (the shards' columns, see `pipelines/schema.py`), each chunk
+    c records where it ends: chunk_student_end[c] / chunk_teacher_end[c] are the token indices
+    one past it on each side, chunk_byte_end[c] the byte position in the text (-1 inside a
+    DP-fallback region, where offsets are not trusted). Windows cut only at chunk ends with a
+    known byte position.
     """
 
     student_chunk: np.ndarray  # int32 [n_s], -1 on special tokens

@@ -1,4 +1,4 @@
-"""The Numba kernel behind `pipelines.alignment`: one call aligns a whole batch.
+"""The Numba kernel behind `pipelines.align.alignment`: one call aligns a whole batch.
 
 Per row, in order of likelihood:
 
@@ -6,7 +6,7 @@ Per row, in order of likelihood:
    zero-width token. Checking, walking and labelling are fused into one branch-free pass;
 2. the general path: `_trust` marks untrusted tokens and trusted boundaries, `_walk` cuts the row
    into regions at boundaries trusted on both sides, each region with an untrusted token goes
-   to the DP (`pipelines.dp_align.dp_region_chunks`), and `_label_row` turns the candidate
+   to the DP (`pipelines.align.dp.dp_region_chunks`), and `_label_row` turns the candidate
    chunks into labels, dropping chunks that hold a special token.
 
 Arguments are flat arrays (ids int32 [N], byte offsets int64 [N, 2], row splits int64 [B + 1])
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pipelines.dp_align import dp_region_chunks
+from pipelines.align.dp import dp_region_chunks
 
 ERR_NO_TABLE = 1  # a row needs the DP fallback but no token byte table was given
 META_SPECIAL = 1 << 15  # VocabBytes.meta: bit set on special tokens

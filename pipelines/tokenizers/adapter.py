@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines import tokenizer_formats as fmt
+import pipelines.tokenizers.formats as fmt
 from pipelines.schema import TokenizerInfo
-from pipelines.tokenizer_bytes import (
+from pipelines.tokenizers.token_bytes import (
     TextBytes,
     VocabTable,
     check_offsets,

@@ -1,13 +1,13 @@
 """DP fallback aligner: chunks two tokenizations from their tokens' canonical bytes alone.
 
-The fast path in `pipelines.alignment` walks byte offsets. Where offsets are missing or cannot be
-trusted (overlapping spans of byte-fallback pieces derived from character offsets, normalizers
-that change the text, a dummy-prefix space one side adds) it hands the span here. This module
-never looks at offsets: each side is the concatenation of its tokens' bytes (the *canonical*
-bytes, `Tokenizer.token_bytes()`), the two byte strings are aligned by an edit-distance path, and
-a chunk boundary is a node of that path where both sides are at a token boundary. Where both byte
-strings are identical the only zero-cost path is the diagonal, so the chunks are exactly the fast
-path's (tested as a property over real tokenizer pairs).
+The fast path in `pipelines.align.alignment` walks byte offsets. Where offsets are missing or
+cannot be trusted (overlapping spans of byte-fallback pieces derived from character offsets,
+normalizers that change the text, a dummy-prefix space one side adds) it hands the span here.
+This module never looks at offsets: each side is the concatenation of its tokens' bytes (the
+*canonical* bytes, `Tokenizer.token_bytes()`), the two byte strings are aligned by an edit-distance
+path, and a chunk boundary is a node of that path where both sides are at a token boundary. Where
+both byte strings are identical the only zero-cost path is the diagonal, so the chunks are exactly
+the fast path's (tested as a property over real tokenizer pairs).
 
 Cost: an O(L log L) anchoring step (byte k-grams unique to both sides, longest increasing chain)
 splits the problem into short gaps, each solved by a banded Needleman-Wunsch in O(gap * band), so
@@ -328,7 +328,7 @@ def dp_chunks(
     """Chunk two token sequences given only each token's bytes (no offsets, no ids).
 
     Returns (student_chunk int32 [n], teacher_chunk int32 [m], n_chunks). A convenience over the
-    kernel for callers holding byte pieces; `pipelines.alignment` calls the kernel directly.
+    kernel for callers holding byte pieces; `pipelines.align.alignment` calls the kernel directly.
     """
     a_off, a_data = pack_pieces(student_pieces)
     b_off, b_data = pack_pieces(teacher_pieces)

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pipelines.alignment import Alignment
-    from pipelines.tokenizer import Encoding, Tokenizer
+    from pipelines.align.alignment import Alignment
+    from pipelines.tokenizers import Encoding, Tokenizer
 
 
 class WindowError(ValueError):
