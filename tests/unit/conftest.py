@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from pipelines import paths
 from trainer.eval import data as eval_data
+from trainer.eval.tasks import FETCH_HINT
 
 
 @pytest.fixture(scope="session")
 def eval_data_ready():
     if not eval_data.is_complete():
-        pytest.fail(f"eval data missing in {eval_data.eval_data_dir()}: {eval_data.FETCH_HINT}")
+        pytest.fail(f"eval data missing in {paths.eval_data_dir()}: {FETCH_HINT}")
 
 
 @pytest.fixture(scope="session")

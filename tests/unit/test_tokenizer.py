@@ -127,7 +127,7 @@ def test_dummy_prefix_tokenizers_offsets(vocab_fixture):
 
 def test_gguf_and_converted_dir_agree(smollm2):
     """The GGUF the student was converted from gives the same vocabulary and the same ids."""
-    from pipelines.assets import student_gguf
+    from pipelines.assets.steps import student_gguf
 
     if not student_gguf().is_file():
         pytest.fail(f"missing asset {student_gguf()}: run `make models` first", pytrace=False)

