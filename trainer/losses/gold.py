@@ -42,19 +42,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.losses import vocab_ops as vo
-from trainer.losses.alm import complete_chunks
 from trainer.losses.base import (
     LossOutput,
+    OptionError,
     as_count,
     check_divergence,
+    check_option,
     compute_dtype,
     divergence,
+    empty_loss,
     log1mexp,
     safe_logaddexp,
-    zero_sum_like,
 )
 from trainer.losses.ce import target_logprobs
-from trainer.losses.context import check_cp_shapes, chunk_sum, owned_rows, replicated
+from trainer.losses.context import chunk_sum, open_chunk_loss, owned_rows
 from trainer.losses.fused import matched_cross_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, ChunkSide, segment_sum
@@ -75,11 +76,12 @@ class GoldConfig:
     uld_width: int | None = None  # None: |U_s| (exact)
 
     def __post_init__(self) -> None:
-        check_divergence(self.divergence, self.beta)
-        if self.temperature <= 0:
-            raise ValueError(f"GoldConfig.temperature must be > 0, got {self.temperature}")
+        check_divergence(self)
+        check_option(self, "temperature", self.temperature > 0, "> 0")
+        check_option(self, "uld_width", self.uld_width is None or self.uld_width >= 1, ">= 1")
         if (self.matched_weight is None) != (self.unmatched_weight is None):
-            raise ValueError("GoldConfig: set both matched_weight and unmatched_weight, or neither")
+            unset = "unmatched_weight" if self.unmatched_weight is None else "matched_weight"
+            raise OptionError("GoldConfig", unset, "set both weights, or neither (TRL's M / V_t)")
 
 
 @dataclass(frozen=True)
@@ -244,24 +246,18 @@ def gold(
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is computed
     and counted by the rank holding the row that predicts its last token (`context`).
     """
-    teacher.require(
-        ("col_logprobs", "col_rest_logprob", "rest_sorted_probs", "target_logprob"), mode="gold"
+    fields = ("col_logprobs", "col_rest_logprob", "rest_sorted_probs", "target_logprob")
+    logits, chunks, metrics = open_chunk_loss(
+        "gold", student_logits_BSV, teacher, index, cp, fields=fields
     )
     if teacher.col_logprobs.shape[-1] != tables.t_ids.numel():
         raise ValueError(
             f"gold: teacher shipped {teacher.col_logprobs.shape[-1]} columns, the exact map has "
             f"{tables.t_ids.numel()} pairs (build the teacher outputs with columns=tables.t_ids)"
         )
-    check_cp_shapes("gold", student_logits_BSV, index, cp)
-    st, te = index.student, index.teacher
-    if teacher.target_logprob.numel() != te.targets.numel():
-        raise ValueError("gold: teacher outputs do not match the ChunkIndex shapes")
-    b, s, width = student_logits_BSV.shape
-    logits = student_logits_BSV.reshape(b * s, width)
-    chunks, metrics = complete_chunks(index)
-    metrics = replicated(metrics, cp)
     if chunks.numel() == 0:
-        return LossOutput(zero_sum_like(logits), as_count(0, logits.device), metrics)
+        return empty_loss(logits, metrics)
+    st, te = index.student, index.teacher
     g = index.n_chunks
     wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks.device)
     wanted[chunks] = True

@@ -43,8 +43,10 @@ from trainer.losses.base import (
     LossOutput,
     as_count,
     check_divergence,
+    check_option,
     compute_dtype,
-    divergence,
+    divergence_terms,
+    empty_loss,
     safe_log,
     zero_sum_like,
 )
@@ -68,11 +70,10 @@ class XTokenConfig:
     chain_weight: float = 0.0  # > 0: binarised chain-likelihood term on multi-token chunks
 
     def __post_init__(self) -> None:
-        check_divergence(self.divergence, self.beta)
-        if self.k < 1 or self.temperature <= 0 or self.chain_weight < 0:
-            raise ValueError(
-                f"XTokenConfig: need k >= 1, temperature > 0, chain_weight >= 0: {self}"
-            )
+        check_divergence(self)
+        check_option(self, "k", self.k >= 1, ">= 1")
+        check_option(self, "temperature", self.temperature > 0, "> 0")
+        check_option(self, "chain_weight", self.chain_weight >= 0, ">= 0")
 
 
 def xtoken_teacher_spec(config: XTokenConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
@@ -143,14 +144,7 @@ def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, me
         lse = vo.logsumexp_excluding(x, drop, tp_group)
         return vo.gather(x, drop, tp_group) - logz[:, None], lse - logz
 
-    return _terms(logp_rL1, _bucket_logq(lp_at, ids_rL, members), config)
-
-
-def _terms(logp_rL1, logq_rL1, config) -> tuple[Tensor, Tensor]:
-    terms = divergence(
-        logp_rL1.to(logq_rL1.dtype), logq_rL1, kind=config.divergence, beta=config.beta
-    )
-    return terms * config.temperature**2, logq_rL1[:, -1].detach().exp()
+    return divergence_terms(logp_rL1, _bucket_logq(lp_at, ids_rL, members), config)
 
 
 def xtoken(
@@ -189,7 +183,7 @@ def xtoken(
     metrics = replicated(metrics, cp)
     total = zero_sum_like(logits)
     if chunks.numel() == 0:
-        return LossOutput(total, as_count(0, logits.device), metrics)
+        return empty_loss(logits, metrics)
     rows, own = owned_rows(s_rows[chunks], cp)
     mine = chunks[own]
     zero = torch.zeros((), dtype=torch.float32, device=logits.device)
@@ -218,7 +212,7 @@ def xtoken(
                 )
                 return lp, rest
 
-            terms, q_rest = _terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
+            terms, q_rest = divergence_terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
         else:
             fn = partial(
                 _xtoken_block,
