@@ -109,12 +109,14 @@ def open_chunk_loss(
     *,
     fields: tuple[str, ...],
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """What a chunk loss over the teacher's ``target_logprob`` starts with: the teacher ships
-    ``fields`` at the index's positions, the logits fit the index (`check_cp_shapes`); returns
-    the logits flat [N, V], the complete chunks [G] and the dropped-chunk counts (replicated)."""
+    """What every chunk loss starts with: the teacher ships ``fields`` (per teacher position,
+    [B, T, ...]) for the rows the index was built from, and the logits fit the index
+    (`check_cp_shapes`). Returns the logits flat [N, V], the complete chunks [G] and the
+    dropped-chunk counts (reported once per CP group)."""
     teacher.require(fields, mode=mode)
     check_cp_shapes(mode, logits_BSV, index, cp)
-    if teacher.target_logprob.numel() != index.teacher.targets.numel():
+    lead = getattr(teacher, fields[0])
+    if lead.shape[0] * lead.shape[1] != index.teacher.targets.numel():
         raise ValueError(f"{mode}: teacher outputs do not match the ChunkIndex shapes")
     b, s, width = logits_BSV.shape
     chunks, metrics = complete_chunks(index)
