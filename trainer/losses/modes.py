@@ -57,7 +57,8 @@ class LossMode:
     ``teacher_spec(options, tables, *, teacher_vocab_size) -> TeacherOutputSpec``;
     ``columns(tables) -> Tensor | None``; ``prepare(aligned, targets_BT) -> prep``;
     ``count(prep) -> int``; ``loss(logits_BTV, outputs, prep, *, tables, vocab_size, config)
-    -> LossOutput`` (``config``: the options). ``check(options)`` refuses what the trainer cannot run (yet).
+    -> LossOutput`` (``config``: the options, as the loss functions name them);
+    ``check(options)`` refuses what the trainer cannot run (yet).
     """
 
     name: str
@@ -105,7 +106,7 @@ class LossMode:
 
 def _fits(value: Any, hint: Any) -> bool:
     """Does a config value fit an options field's annotation (int, float, str, bool, X | None)?
-    bool is not an int here, and an int is a float (YAML and Hydra write 1 for 1.0)."""
+    bool is not an int here, and an int is a float (Hydra reads ``beta=1`` as an int)."""
     if typing.get_args(hint):  # X | None
         return any(_fits(value, h) for h in typing.get_args(hint))
     if hint is type(None):
