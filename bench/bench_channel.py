@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from trainer.channel import ChannelConfig, TeacherChannel, TensorSpec
+from trainer.teacher.channel import ChannelConfig, TeacherChannel
+from trainer.teacher.ring import TensorSpec
 
 SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20)  # bytes per microbatch
 

@@ -225,8 +225,8 @@ def _naive_xtoken(student, teacher, index, *, tables, cfg):
 
 
 def _naive_gold(student, teacher, index, *, tables, cfg, batch):
-    from trainer.losses.alm import complete_chunks
     from trainer.losses.base import divergence
+    from trainer.losses.context import complete_chunks
 
     st, te = index.student, index.teacher
     chunks, _ = complete_chunks(index)

@@ -109,10 +109,8 @@ def _pickle_transfer(tensors: dict) -> float:
 
 def breakdown(threads: int, tmp: Path) -> dict:
     from trainer import models
-    from trainer.channel import SlotRing, TensorSpec, plan_layout
     from trainer.config import ModelConfig, TeacherConfig
     from trainer.data import ShardReader, collate
-    from trainer.distill import TeacherModelProgram, teacher_forward
     from trainer.losses import (
         XTokenConfig,
         XTokenTables,
@@ -122,6 +120,8 @@ def breakdown(threads: int, tmp: Path) -> dict:
         xtoken_teacher_spec,
     )
     from trainer.losses.teacher_outputs import TeacherOutputs, teacher_outputs_from_logits
+    from trainer.teacher.program import TeacherModelProgram, teacher_forward
+    from trainer.teacher.ring import SlotRing, TensorSpec, plan_layout
 
     torch.set_num_threads(threads)
     _, shard_set, s_tok, t_tok = _inputs(tmp)
@@ -167,7 +167,7 @@ def breakdown(threads: int, tmp: Path) -> dict:
         r["teacher_outputs"] = _median(lambda: teacher_outputs_from_logits(logits_t, spec=spec))
     outs = t_fwd().tensors()
     prog = TeacherModelProgram(
-        TeacherConfig(path="x"), spec, None, max_batch=1, max_len=a.teacher_ids.shape[1]
+        TeacherConfig(path="x"), spec, max_batch=1, max_len=a.teacher_ids.shape[1]
     )
     ring = SlotRing.create(plan_layout(prog.input_spec(), prog.output_spec(), depth=2), device=torch.device("cpu"), shared=True)  # fmt: skip
     r["transfer_shm"] = _median(lambda: ring.write(0, "out", outs, where="bench"))

@@ -5,7 +5,9 @@ experiment/); the result is merged onto `TrainConfig` (so unknown keys and wrong
 once) and turned into these dataclasses, whose ``__post_init__`` checks every value and says
 which field is wrong and what it expected. Everything here is pure: nothing touches the file
 system or loads a model, so a bad config fails in milliseconds (file and fingerprint checks
-follow in `trainer.preflight`, still before any model loads).
+follow in `trainer.preflight`, still before any model loads). Loss modes and their options are
+checked against the loss-mode registry (`trainer.losses.modes.MODES`), field by field; the first
+such check imports the registry, and torch with it (about 2 s on these machines).
 
 Paths may use two resolvers: ``${artifacts:models/x}`` points under `pipelines.paths`'s
 artifacts folder (``TOKENBRIDGE_ARTIFACTS`` aware), ``${repo:outputs/x}`` under the repository
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -45,8 +48,16 @@ def _check_positive(where: str, value: float, *, allow_zero: bool = False) -> No
         )
 
 
+def _registry() -> ModuleType:
+    """`trainer.losses.modes` (MODES, KD_MODES, OptionError). Imported on first use, not with
+    this module: it brings torch (~2 s), and a config that Hydra already refuses (an unknown
+    key, a wrong type) should fail before that."""
+    import trainer.losses.modes
+
+    return trainer.losses.modes
+
+
 MODEL_INITS = ("pretrained", "random")
-LOSS_MODES = ("ce", "kd_topk", "xtoken", "gold", "alm")
 COMBINE_MODES = ("fixed", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
 TEACHER_PLACEMENTS = ("worker", "inprocess")
@@ -100,7 +111,7 @@ class TeacherConfig(ModelConfig):
         if self.tp < 1:
             _fail(f"{where}.tp", f"expected >= 1, got {self.tp}")
         if self.loss is not None:
-            _check_choice(f"{where}.loss", self.loss, LOSS_MODES[1:])
+            _check_choice(f"{where}.loss", self.loss, _registry().KD_MODES)
         _check_choice(f"{where}.dtype", self.dtype, DTYPES)
 
 
@@ -133,24 +144,33 @@ class DataConfig:
 class LossConfig:
     """Which distillation loss, and how it is combined with the student's own CE."""
 
-    mode: str = "ce"  # ce | kd_topk (same tokenizer) | xtoken | gold | alm
+    mode: str = "ce"  # ce | kd_topk (same tokenizer) | xtoken | gold | alm (trainer.losses.modes)
     ce_weight: float = 1.0  # lambda_ce
     kd_weight: float = 1.0  # lambda_kd
     # fixed: lambda_kd * KD + lambda_ce * CE; dynamic: stopgrad(|CE|/|KD|) * KD + CE
     combine: str = "fixed"
     temperature: float = 1.0
-    # further keyword options handed to the loss function as they are (top_k, divergence,
-    # beta, ...): the loss module documents and checks them
+    # the mode's own options (k, divergence, beta, ...): fields of its options dataclass
+    # (KDTopKConfig, XTokenConfig, GoldConfig, AlmConfig), checked here by name, type and value
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_choice("loss.mode", self.mode, LOSS_MODES)
+        _check_choice("loss.mode", self.mode, tuple(_registry().MODES))
         _check_choice("loss.combine", self.combine, COMBINE_MODES)
         _check_positive("loss.ce_weight", self.ce_weight, allow_zero=True)
         _check_positive("loss.kd_weight", self.kd_weight, allow_zero=True)
         _check_positive("loss.temperature", self.temperature)
         if self.mode == "ce" and self.ce_weight == 0:
             _fail("loss.ce_weight", "mode=ce with ce_weight=0 trains nothing")
+
+    def mode_options(self, mode: str) -> Any:
+        """The options dataclass of loss mode `mode` from ``options`` (``temperature`` fills a
+        temperature field they leave unset); ConfigError names the bad field."""
+        registry = _registry()
+        try:
+            return registry.MODES[mode].parse_options(self.options, temperature=self.temperature)
+        except registry.OptionError as e:
+            _fail(f"loss.options.{e.field}", e.reason)
 
 
 @dataclass
@@ -311,6 +331,10 @@ class TrainConfig:
             t.check(i)
         if self.loss.mode != "ce" and not self.teachers:
             _fail("teachers", f"loss.mode={self.loss.mode} needs at least one teacher")
+        if self.loss.mode != "ce":
+            # the options of every mode that will read them (a teacher's own, else loss.mode)
+            for mode in dict.fromkeys(self.teacher_modes()):
+                self.loss.mode_options(mode)
         if self.optim.warmup_steps > self.steps:
             _fail("optim.warmup_steps", f"{self.optim.warmup_steps} > steps={self.steps}")
 

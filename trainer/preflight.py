@@ -18,11 +18,7 @@ from trainer import models, parallel
 from trainer.checkpoint import list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig
 from trainer.data import ShardReader
-
-# loss modes comparing the teacher's and the student's distributions over one vocabulary
-SAME_TOKENIZER_MODES = ("kd_topk",)
-# loss modes that read the teacher -> student projection
-PROJECTION_MODES = ("xtoken", "gold")
+from trainer.losses.modes import MODES
 
 
 @dataclass
@@ -116,12 +112,14 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
         where = f"teachers[{i}]"
         same = tok.fingerprint == student.fingerprint
-        if cfg.kd_enabled and mode in SAME_TOKENIZER_MODES and not same:
+        record = MODES[mode]
+        if cfg.kd_enabled and record.same_tokenizer and not same:
+            others = [m for m, r in MODES.items() if r.distills and not r.same_tokenizer]
             raise ConfigError(
                 f"config {where}: loss {mode} needs the student's tokenizer, but teacher "
-                f"{tok.name} has another vocabulary; use xtoken, gold or alm"
+                f"{tok.name} has another vocabulary; use one of {others}"
             )
-        needs = cfg.kd_enabled and mode in PROJECTION_MODES
+        needs = cfg.kd_enabled and record.projection
         if needs and not t_cfg.projection:
             raise ConfigError(
                 f"config {where}.projection: loss {mode} needs a projection file "

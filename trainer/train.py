@@ -34,23 +34,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainer import checkpoint as ckpt
 from trainer import models, parallel
-from trainer.channel import SHM_PREFIX
 from trainer.config import TrainConfig
 from trainer.data import MicrobatchLoader, ShardReader, ShardStream, pad_id
-from trainer.distill import (
-    Feed,
-    KDTerm,
-    Queued,
-    build_kd_terms,
-    ce_term,
-    combine_terms,
-    open_teachers,
-    teacher_weights,
-)
+from trainer.distill import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
 from trainer.eval import evaluate_bpb
 from trainer.losses.teacher_outputs import TeacherOutputs
 from trainer.metrics import MetricsLogger, format_summary, peak_memory_gib
 from trainer.preflight import Prepared
+from trainer.teacher.feed import Feed, Queued, open_teachers
+from trainer.teacher.ring import SHM_PREFIX
 
 EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT to export the student after the current step
 

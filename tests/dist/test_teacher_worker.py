@@ -29,17 +29,12 @@ import torch
 
 from pipelines.paths import REPO_ROOT
 from tests.tiny import save_tiny_llama
-from trainer.channel import (
-    SHM_PREFIX,
-    ChannelConfig,
-    ChannelError,
-    TeacherChannel,
-    TeacherTimeoutError,
-    TeacherWorkerError,
-)
+from trainer.config import TeacherConfig
 from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher_compute import HFTeacher, TeacherOutputsRecipe
-from trainer.teacher_worker import TeacherContext, TeacherGroup
+from trainer.teacher.channel import ChannelConfig, TeacherChannel
+from trainer.teacher.program import TeacherModelProgram
+from trainer.teacher.ring import SHM_PREFIX, ChannelError, TeacherTimeoutError, TeacherWorkerError
+from trainer.teacher.worker import TeacherContext, TeacherGroup
 
 MAX_B, MAX_T, K = 3, 32, 8
 VOCAB = 49_152  # SmolLM2's tokenizer (the fixture checks it against the real config)
@@ -88,10 +83,10 @@ def config(**kw) -> ChannelConfig:
     return ChannelConfig(**{"depth": 2, "timeout_s": 60, "worker_threads": 1, **kw})
 
 
-def program(model_dir: str) -> HFTeacher:
+def program(model_dir: str) -> TeacherModelProgram:
+    """The trainer's teacher program on a pretrained directory (loaded where it runs)."""
     spec = TeacherOutputSpec(vocab_size=VOCAB, topk=K, target=True)
-    recipe = TeacherOutputsRecipe(spec)
-    return HFTeacher(model_dir, recipe, max_batch=MAX_B, max_len=MAX_T)
+    return TeacherModelProgram(TeacherConfig(path=model_dir), spec, max_batch=MAX_B, max_len=MAX_T)
 
 
 def our_shm() -> set[str]:

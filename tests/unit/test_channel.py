@@ -1,28 +1,30 @@
-"""Unit tests of the logit channel: slot layout, spec checks, shared-memory arena, top-k recipe,
-and the whole API in in-process mode (same code as the worker path, minus the process)."""
+"""Unit tests of the logit channel: slot layout, spec checks, shared-memory arena, the teacher
+program's outputs, and the whole API in in-process mode (the same channel as the worker path,
+with the inline backend)."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.tiny import save_tiny_llama
-from trainer.channel import (
+from trainer.config import TeacherConfig
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher.channel import ChannelConfig, TeacherChannel
+from trainer.teacher.program import TeacherModelProgram, teacher_forward
+from trainer.teacher.ring import (
     ALIGN,
-    ChannelConfig,
     ChannelError,
     ShmArena,
     SlotRing,
-    TeacherChannel,
     TensorSpec,
     check_shapes,
     plan_layout,
 )
-from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher_compute import HFTeacher, TeacherOutputsRecipe
-from trainer.teacher_worker import TeacherContext
+from trainer.teacher.worker import TeacherContext
 
 VOCAB = 49_152  # the real SmolLM2 tokenizer's vocabulary
 
@@ -118,29 +120,51 @@ def test_ring_views_are_contiguous_prefixes():
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
-def test_recipe_targets_and_columns_match_dense_log_softmax():
+def test_teacher_forward_targets_and_columns_match_dense_log_softmax():
+    """The program's compute, on a stand-in model with known logits: the lm_head applied three
+    positions at a time (the chunked path) and whole (a model without ``.model``) agree with a
+    dense log-softmax."""
     g = torch.Generator().manual_seed(1)
-    B, T, V = 2, 7, 50
-    logits = torch.randn(B, T, V, generator=g) * 3
+    B, T, H, V = 2, 7, 6, 50
+    hidden = torch.randn(B, T, H, generator=g)
+    head = torch.nn.Linear(H, V, bias=False)
+    torch.nn.init.normal_(head.weight, std=3.0, generator=g)
+    logits = head(hidden).detach()
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.int64)
     mask[1, 5:] = 0  # right padding
     cols = torch.tensor([3, 7, 11, 40])
     spec = TeacherOutputSpec(vocab_size=V, topk=4, columns=4, target=True)
-    recipe = TeacherOutputsRecipe(spec, columns=cols)
-    out = recipe(logits, {"input_ids": ids, "attention_mask": mask})
-    assert check_shapes(recipe.spec_for(max_batch=B, max_len=T), out, where="t")
+    chunked = SimpleNamespace(
+        model=lambda **kw: SimpleNamespace(last_hidden_state=hidden),
+        lm_head=head,
+        config=SimpleNamespace(),
+    )
+    whole = lambda **kw: SimpleNamespace(logits=logits)  # noqa: E731
+    program = TeacherModelProgram(
+        TeacherConfig(path="unused"), spec, columns=cols, max_batch=B, max_len=T
+    )
     logp = torch.log_softmax(logits.double(), dim=-1)
     want = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         for t in range(int(mask[b].sum()) - 1):  # a next token exists inside the row
             want[b, t] = logp[b, t, ids[b, t + 1]]
-    torch.testing.assert_close(out["target_logprob"].double(), want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(out["col_logprobs"].double(), logp[..., cols], rtol=0, atol=1e-5)
     top = torch.topk(logp, 4, dim=-1)
-    torch.testing.assert_close(out["topk_logprobs"].double(), top.values, rtol=0, atol=1e-5)
+    for model in (chunked, whole):
+        with torch.no_grad():
+            out = teacher_forward(model, ids, mask, spec=spec, columns=cols, chunk=3).tensors()
+        assert check_shapes(program.output_spec(), out, where="t")
+        torch.testing.assert_close(out["target_logprob"].double(), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out["col_logprobs"].double(), logp[..., cols], rtol=0, atol=1e-5)
+        torch.testing.assert_close(out["topk_logprobs"].double(), top.values, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="give that many ids"):
-        TeacherOutputsRecipe(spec, columns=cols[:2])
+        TeacherModelProgram(
+            TeacherConfig(path="unused"), spec, columns=cols[:2], max_batch=B, max_len=T
+        )
+
+
+def program(model_dir: str, spec: TeacherOutputSpec, **kw) -> TeacherModelProgram:
+    return TeacherModelProgram(TeacherConfig(path=model_dir), spec, **kw)
 
 
 def _batch(rows: int, length: int, seed: int):
@@ -152,8 +176,8 @@ def _batch(rows: int, length: int, seed: int):
 
 
 def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
-    recipe = TeacherOutputsRecipe(TeacherOutputSpec(vocab_size=VOCAB, topk=4, target=True))
-    make = lambda: HFTeacher(tiny_teacher_dir, recipe, max_batch=2, max_len=12)  # noqa: E731
+    spec = TeacherOutputSpec(vocab_size=VOCAB, topk=4, target=True)
+    make = lambda: program(tiny_teacher_dir, spec, max_batch=2, max_len=12)  # noqa: E731
     reference = make()
     reference.setup(TeacherContext(torch.device("cpu")))
     config = ChannelConfig(mode="inprocess", depth=2, poison=True)
@@ -204,9 +228,9 @@ def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
 
 
 def test_inprocess_teacher_error_propagates_and_breaks_the_channel(tiny_teacher_dir):
-    recipe = TeacherOutputsRecipe(TeacherOutputSpec(vocab_size=VOCAB, topk=2))
-    program = HFTeacher(tiny_teacher_dir, recipe, max_batch=1, max_len=4)
-    with TeacherChannel(program, config=ChannelConfig(mode="inprocess")) as ch:
+    spec = TeacherOutputSpec(vocab_size=VOCAB, topk=2)
+    teacher = program(tiny_teacher_dir, spec, max_batch=1, max_len=4)
+    with TeacherChannel(teacher, config=ChannelConfig(mode="inprocess")) as ch:
         bad = {
             "input_ids": torch.tensor([[1, VOCAB + 5]]),
             "attention_mask": torch.ones(1, 2).long(),

@@ -8,6 +8,10 @@ inputs (no model is built anywhere in this file).
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import time
+
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -18,8 +22,8 @@ from pipelines.shards import FingerprintMismatchError, IncompleteShardsError
 from pipelines.tokenizers import load_tokenizer
 from tests.unit.test_data import synthetic_rows
 from trainer.config import ConfigError, from_dictconfig
-from trainer.distill import mode_config
-from trainer.main import hydra_overrides, load_config
+from trainer.losses.modes import MODES
+from trainer.main import hydra_overrides, load_config, main
 from trainer.preflight import preflight
 from trainer.train import lr_lambda
 
@@ -82,12 +86,49 @@ def test_lr_warms_up_then_decays_to_the_floor():
 
 def test_loss_options_are_checked_against_the_mode():
     ov = ["conf=debug", "loss.options.k=4", "loss.options.divergence=jsd", "+loss.options.beta=0.3"]
-    xc = mode_config("xtoken", load_config(ov).loss)
+    xc = load_config(ov).loss.mode_options("xtoken")
     assert (xc.k, xc.divergence, xc.beta, xc.temperature) == (4, "jsd", 0.3, 1.0)
-    with pytest.raises(ConfigError, match=r"loss.options: xtoken takes .* not \['topk'\]"):
-        mode_config("xtoken", load_config(["conf=debug", "+loss.options.topk=4"]).loss)
-    with pytest.raises(ConfigError, match="loss.options for kd_topk"):
-        mode_config("kd_topk", load_config(["+loss.options.divergence=nope"]).loss)
+    with pytest.raises(ConfigError, match=r"loss.options.topk: xtoken takes only .* not 'topk'"):
+        load_config(["conf=debug", "+loss.options.topk=4"])
+    # loss.mode=ce reads no options; asked for another mode's, they are checked all the same
+    with pytest.raises(ConfigError, match="loss.options.divergence: kd_topk: expected one of"):
+        load_config(["+loss.options.divergence=nope"]).loss.mode_options("kd_topk")
+
+
+def _refuse_preflight(cfg, **kw):
+    raise AssertionError("the config should have failed before the preflight")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+loss.options.kk=3", r"loss\.options\.kk: xtoken takes only \[.*'k'.*\], not 'kk'"),
+        ("loss.options.k=-1", r"loss\.options\.k: xtoken: expected >= 1, got -1"),
+        ("loss.options.k=abc", r"loss\.options\.k: xtoken: expected int, got 'abc'"),
+        ("loss.options.divergence=kl", r"loss\.options\.divergence: xtoken: expected one of"),
+        ("loss.options.chain_weight=-1", r"loss\.options\.chain_weight: xtoken: expected >= 0"),
+        ("loss.mode=kd_topk", r"loss\.options\.chain_weight: kd_topk takes only"),
+        # a teacher's own mode reads the same options
+        ("teachers.0.loss=alm", r"loss\.options\.k: alm takes only"),
+        ("teachers.0.loss=ce", r"teachers\[0\]\.loss: expected one of \['kd_topk'"),
+    ],
+)
+def test_bad_loss_options_exit_2_in_the_config_before_anything_loads(
+    override, message, monkeypatch, capsys
+):
+    """`main` as the command line runs it: refused by config validation, naming the field, in
+    well under 3 s; the preflight (the first step that reads a file) is never reached."""
+    monkeypatch.setattr("trainer.preflight.preflight", _refuse_preflight)
+    t0 = time.perf_counter()
+    assert main(["conf=debug", override]) == 2
+    assert time.perf_counter() - t0 < 3
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and re.search(message, err), err
+
+
+def test_the_trainer_runs_only_kd_topk_with_the_teachers_support(student_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"loss.options.support: kd_topk: the trainer takes"):
+        cfg_for(student_dir, tmp_path, loss={"mode": "kd_topk", "options": {"support": "columns"}})
 
 
 def test_mesh_shape_must_match_the_world():
@@ -181,6 +222,17 @@ def test_same_tokenizer_loss_with_another_tokenizer_is_refused(tmp_path, student
     shards = write_synthetic(tmp_path / "pair", smol, [gemma])
     with pytest.raises(ConfigError, match="kd_topk needs the student's tokenizer"):
         preflight(cfg_for(student_dir, shards, teacher=teacher_dir), world_size=1)
+
+
+def test_preflight_takes_the_same_tokenizer_rule_from_the_registry(
+    tmp_path, student_dir, teacher_dir, smol, monkeypatch
+):
+    gemma = load_tokenizer(teacher_dir).info()
+    shards = write_synthetic(tmp_path / "pair", smol, [gemma])
+    cfg = cfg_for(student_dir, shards, teacher=teacher_dir, mode="alm")
+    monkeypatch.setitem(MODES, "alm", dataclasses.replace(MODES["alm"], same_tokenizer=True))
+    with pytest.raises(ConfigError, match="alm needs the student's tokenizer"):
+        preflight(cfg, world_size=1)
 
 
 def test_a_fresh_start_over_an_earlier_run_is_refused(tmp_path, student_dir, smol):

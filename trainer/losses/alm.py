@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trainer.losses.base import LossOutput, as_count, log1mexp, zero_sum_like
+from trainer.losses.base import LossOutput, as_count, check_option, empty_loss, log1mexp
 from trainer.losses.ce import target_logprobs
-from trainer.losses.context import check_cp_shapes, chunk_sum, owned_rows, replicated
+from trainer.losses.context import chunk_sum, open_chunk_loss, owned_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK
 from trainer.losses.segments import ChunkIndex, segment_sum
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
@@ -49,10 +49,10 @@ class AlmConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.divergence not in BINARY_DIVERGENCES:
-            raise ValueError(f"AlmConfig.divergence must be one of {BINARY_DIVERGENCES}")
-        if self.temperature <= 0 or self.eps < 0:
-            raise ValueError(f"AlmConfig: need temperature > 0 and eps >= 0: {self}")
+        ok = self.divergence in BINARY_DIVERGENCES
+        check_option(self, "divergence", ok, f"one of {list(BINARY_DIVERGENCES)}")
+        check_option(self, "temperature", self.temperature > 0, "> 0")
+        check_option(self, "eps", self.eps >= 0, ">= 0")
 
 
 def alm_teacher_spec(config: AlmConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
@@ -123,15 +123,6 @@ def chunk_chains(
     return ls, lt
 
 
-def complete_chunks(index: ChunkIndex) -> tuple[Tensor, dict[str, Tensor]]:
-    """Chunks whose chains are complete on both sides, and the counts of those dropped."""
-    st, te = index.student, index.teacher
-    both = (st.count > 0) & (te.count > 0)
-    ok = both & (st.start_rows() >= 0) & (te.start_rows() >= 0)
-    dropped = {"chunks_empty_side": (~both).sum(), "chunks_unpredicted": (both & ~ok).sum()}
-    return ok.nonzero().squeeze(1), dropped
-
-
 def alm(
     student_logits_BSV: Tensor,
     teacher: TeacherOutputs,
@@ -148,16 +139,11 @@ def alm(
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is counted
     by the rank holding its start row; chains are finished over the CP group (`context`).
     """
-    teacher.require(("target_logprob",), mode="alm")
-    check_cp_shapes("alm", student_logits_BSV, index, cp)
-    if teacher.target_logprob.numel() != index.teacher.targets.numel():
-        raise ValueError("alm: teacher outputs do not match the ChunkIndex shapes")
-    b, s, width = student_logits_BSV.shape
-    logits = student_logits_BSV.reshape(b * s, width)
-    chunks, metrics = complete_chunks(index)
-    metrics = replicated(metrics, cp)
+    logits, chunks, metrics = open_chunk_loss(
+        "alm", student_logits_BSV, teacher, index, cp, fields=("target_logprob",)
+    )
     if chunks.numel() == 0:
-        return LossOutput(zero_sum_like(logits), as_count(0, logits.device), metrics)
+        return empty_loss(logits, metrics)
     ls, lt = chunk_chains(
         logits,
         teacher,

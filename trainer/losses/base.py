@@ -57,11 +57,33 @@ def zero_sum_like(logits: Tensor) -> Tensor:
     return logits.reshape(-1)[:0].sum().to(compute_dtype(logits))
 
 
-def check_divergence(kind: str, beta: float) -> None:
-    if kind not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
-    if kind == "jsd" and not 0.0 < beta < 1.0:
-        raise ValueError(f"generalized JSD needs 0 < beta < 1, got beta={beta}")
+def empty_loss(logits: Tensor, metrics: dict[str, Tensor]) -> LossOutput:
+    """No term in this microbatch: a zero sum still connected to ``logits``, and count 0."""
+    return LossOutput(zero_sum_like(logits), as_count(0, logits.device), metrics)
+
+
+class OptionError(ValueError):
+    """An invalid option of a loss mode; ``field`` names it (the trainer's config reports it as
+    ``loss.options.<field>``)."""
+
+    def __init__(self, owner: str, field: str, reason: str) -> None:
+        self.owner, self.field, self.reason = owner, field, reason
+        super().__init__(f"{owner}.{field}: {reason}")
+
+
+def check_option(options: object, name: str, ok: bool, expected: str) -> None:
+    """Raise an `OptionError` naming ``options.<name>`` unless ``ok``."""
+    if not ok:
+        value = getattr(options, name)
+        raise OptionError(type(options).__name__, name, f"expected {expected}, got {value!r}")
+
+
+def check_divergence(options) -> None:
+    """``options.divergence`` is one of `DIVERGENCES`, with 0 < ``options.beta`` < 1 for jsd."""
+    kind = options.divergence
+    check_option(options, "divergence", kind in DIVERGENCES, f"one of {list(DIVERGENCES)}")
+    jsd_ok = kind != "jsd" or 0.0 < options.beta < 1.0
+    check_option(options, "beta", jsd_ok, "0 < beta < 1 (generalized JSD)")
 
 
 def _expected_log_ratio(loga: Tensor, logb: Tensor) -> Tensor:
@@ -95,6 +117,18 @@ def divergence(logp_NK: Tensor, logq_NK: Tensor, *, kind: str, beta: float = 0.5
             logq_NK, logm
         )
     raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
+
+
+def divergence_terms(logp_NK: Tensor, logq_NK: Tensor, options) -> tuple[Tensor, Tensor]:
+    """tau^2 * D(p || q) per row over K categories whose last is the rest (tail) bucket, with
+    D, beta and tau from ``options``; and the student's rest mass per row (detached, a metric).
+
+    The tau^2 factor keeps the gradient's scale independent of the temperature (Hinton et al.).
+    """
+    terms = divergence(
+        logp_NK.to(logq_NK.dtype), logq_NK, kind=options.divergence, beta=options.beta
+    )
+    return terms * options.temperature**2, logq_NK[:, -1].detach().exp()
 
 
 def log1mexp(x: Tensor) -> Tensor:

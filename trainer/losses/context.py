@@ -19,6 +19,9 @@ straddle a piece border, so the modes need three things, all here:
 - `replicated(metrics, cp)`: metrics computed from the replicated index (dropped-chunk counts)
   are reported by CP rank 0 only, so sums over ranks stay exact.
 
+`complete_chunks` and `open_chunk_loss` are the start every chunk mode shares (the checks, the
+flat logits, the chunks whose both sides are present and predicted, the dropped-chunk counts).
+
 Every rank of a CP group must run the same all-reduces, forward and backward: a rank that owns
 no chunk still keeps its loss connected to the sums (index them with an all-false mask, never
 skip them), or the other ranks' backward waits for it forever. With ``cp=None`` (or a CP group
@@ -35,6 +38,7 @@ import torch
 from torch import Tensor
 
 from trainer.losses.segments import ChunkIndex, segment_sum
+from trainer.losses.teacher_outputs import TeacherOutputs
 
 if TYPE_CHECKING:  # trainer.distributed is imported lazily (see vocab_ops)
     from trainer.distributed import CPContext
@@ -85,3 +89,35 @@ def check_cp_shapes(mode: str, logits_BSV: Tensor, index: ChunkIndex, cp: CPCont
             f"{mode}: student logits {tuple(logits_BSV.shape)} (CP = {cp_size(cp)}) do not "
             f"match the ChunkIndex ({index.student.targets.numel()} student positions)"
         )
+
+
+def complete_chunks(index: ChunkIndex) -> tuple[Tensor, dict[str, Tensor]]:
+    """Chunks whose chains are complete on both sides, and the counts of those dropped."""
+    st, te = index.student, index.teacher
+    both = (st.count > 0) & (te.count > 0)
+    ok = both & (st.start_rows() >= 0) & (te.start_rows() >= 0)
+    dropped = {"chunks_empty_side": (~both).sum(), "chunks_unpredicted": (both & ~ok).sum()}
+    return ok.nonzero().squeeze(1), dropped
+
+
+def open_chunk_loss(
+    mode: str,
+    logits_BSV: Tensor,
+    teacher: TeacherOutputs,
+    index: ChunkIndex,
+    cp: CPContext | None,
+    *,
+    fields: tuple[str, ...],
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """What every chunk loss starts with: the teacher ships ``fields`` (per teacher position,
+    [B, T, ...]) for the rows the index was built from, and the logits fit the index
+    (`check_cp_shapes`). Returns the logits flat [N, V], the complete chunks [G] and the
+    dropped-chunk counts (reported once per CP group)."""
+    teacher.require(fields, mode=mode)
+    check_cp_shapes(mode, logits_BSV, index, cp)
+    lead = getattr(teacher, fields[0])
+    if lead.shape[0] * lead.shape[1] != index.teacher.targets.numel():
+        raise ValueError(f"{mode}: teacher outputs do not match the ChunkIndex shapes")
+    b, s, width = logits_BSV.shape
+    chunks, metrics = complete_chunks(index)
+    return logits_BSV.reshape(b * s, width), chunks, replicated(metrics, cp)

@@ -42,19 +42,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.losses import vocab_ops as vo
-from trainer.losses.alm import complete_chunks
 from trainer.losses.base import (
     LossOutput,
+    OptionError,
     as_count,
     check_divergence,
+    check_option,
     compute_dtype,
     divergence,
+    empty_loss,
     log1mexp,
     safe_logaddexp,
-    zero_sum_like,
 )
 from trainer.losses.ce import target_logprobs
-from trainer.losses.context import check_cp_shapes, chunk_sum, owned_rows, replicated
+from trainer.losses.context import chunk_sum, open_chunk_loss, owned_rows
 from trainer.losses.fused import matched_cross_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, ChunkSide, segment_sum
@@ -75,11 +76,12 @@ class GoldConfig:
     uld_width: int | None = None  # None: |U_s| (exact)
 
     def __post_init__(self) -> None:
-        check_divergence(self.divergence, self.beta)
-        if self.temperature <= 0:
-            raise ValueError(f"GoldConfig.temperature must be > 0, got {self.temperature}")
+        check_divergence(self)
+        check_option(self, "temperature", self.temperature > 0, "> 0")
+        check_option(self, "uld_width", self.uld_width is None or self.uld_width >= 1, ">= 1")
         if (self.matched_weight is None) != (self.unmatched_weight is None):
-            raise ValueError("GoldConfig: set both matched_weight and unmatched_weight, or neither")
+            unset = "unmatched_weight" if self.unmatched_weight is None else "matched_weight"
+            raise OptionError("GoldConfig", unset, "set both weights, or neither (TRL's M / V_t)")
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,12 @@ class GoldTables:
         A student id claimed by several teacher ids keeps the first (a category must appear once
         on each side); the other teacher ids count as unmatched.
         """
+        # rows past the teacher's tokenizer (a padded lm_head) and student ids past the student's
+        # tokenizer are never real tokens: they cannot pair
         e = np.asarray(exact_t2s, dtype=np.int64)[:teacher_vocab_size]
         t = np.nonzero((e >= 0) & (e < student_vocab_size))[0]
         s = e[t]
+        # t is ascending, so np.unique's first index keeps the smallest teacher id per student id
         s_first, first_idx = np.unique(s, return_index=True)
         t = t[first_idx]
         if t.size == 0:
@@ -108,6 +113,7 @@ class GoldTables:
                 "gold: the exact map is empty (no teacher token has a byte-identical student "
                 "token within the vocab sizes); the matched KL would silently be 0"
             )
+        # pairs in teacher-id order: the teacher ships its columns in the order of t_ids
         order = np.argsort(t)
         unmatched = np.setdiff1d(np.arange(student_vocab_size), s_first)
         return GoldTables(
@@ -169,15 +175,20 @@ def _tail_terms(kl, qu, lpre, trest, tsorted, tresid, *, config, weights):
     """The rest bucket of the matched part and the ULD part, from log u_s at the unmatched
     columns ``qu`` [r, U]; returns (terms, matched, unmatched) per row."""
     if config.rest_bucket:  # every divergence is a sum over categories: add the rest bucket's
+        # the student's rest: its unmatched mass after the chunk's earlier tokens, plus
+        # 1 - exp(lpre), the probability that the text did not go on with those tokens at all
         q_rest = safe_logaddexp(torch.logsumexp(qu, -1), log1mexp(lpre))
         kl = kl + divergence(
             trest.to(qu.dtype)[:, None], q_rest[:, None], kind=config.divergence, beta=config.beta
         )
+    # ULD compares the unmatched values by rank, not by token (the vocabularies differ there):
+    # both sides sorted descending, the shorter zero-padded
     s_sorted = qu.exp().sort(dim=-1, descending=True).values
     t_sorted = tsorted.to(qu.dtype)
     width = max(s_sorted.shape[-1], t_sorted.shape[-1])
     s_sorted = F.pad(s_sorted, (0, width - s_sorted.shape[-1]))
     t_sorted = F.pad(t_sorted, (0, width - t_sorted.shape[-1]))
+    # tresid: the teacher's unmatched mass it did not ship (uld_width < |U_s|), against zeros
     uld = (s_sorted - t_sorted).abs().sum(-1) + tresid.to(qu.dtype)
     return weights[0] * kl + weights[1] * uld, kl.detach(), uld.detach()
 
@@ -244,24 +255,18 @@ def gold(
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is computed
     and counted by the rank holding the row that predicts its last token (`context`).
     """
-    teacher.require(
-        ("col_logprobs", "col_rest_logprob", "rest_sorted_probs", "target_logprob"), mode="gold"
+    fields = ("col_logprobs", "col_rest_logprob", "rest_sorted_probs", "target_logprob")
+    logits, chunks, metrics = open_chunk_loss(
+        "gold", student_logits_BSV, teacher, index, cp, fields=fields
     )
     if teacher.col_logprobs.shape[-1] != tables.t_ids.numel():
         raise ValueError(
             f"gold: teacher shipped {teacher.col_logprobs.shape[-1]} columns, the exact map has "
             f"{tables.t_ids.numel()} pairs (build the teacher outputs with columns=tables.t_ids)"
         )
-    check_cp_shapes("gold", student_logits_BSV, index, cp)
-    st, te = index.student, index.teacher
-    if teacher.target_logprob.numel() != te.targets.numel():
-        raise ValueError("gold: teacher outputs do not match the ChunkIndex shapes")
-    b, s, width = student_logits_BSV.shape
-    logits = student_logits_BSV.reshape(b * s, width)
-    chunks, metrics = complete_chunks(index)
-    metrics = replicated(metrics, cp)
     if chunks.numel() == 0:
-        return LossOutput(zero_sum_like(logits), as_count(0, logits.device), metrics)
+        return empty_loss(logits, metrics)
+    st, te = index.student, index.teacher
     g = index.n_chunks
     wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks.device)
     wanted[chunks] = True
@@ -292,11 +297,14 @@ def gold(
     tr = te.last_rows()[chunks]
     m = tables.t_ids.numel()
     cols_TM = teacher.col_logprobs.reshape(-1, m)  # [G, M] merged rows are built per block
+    # the teacher's rest bucket, as the student's: its unmatched mass after the chunk's earlier
+    # tokens (scaled by their chain probability), plus 1 - exp(lt_pre)
     t_um = teacher.col_rest_logprob.reshape(-1)[tr].float()
     t_rest = safe_logaddexp(t_um + lt_pre, log1mexp(lt_pre))
     w_sorted = teacher.rest_sorted_probs.shape[-1]
     t_sorted = teacher.rest_sorted_probs.reshape(-1, w_sorted)[tr].float()
     scale = lt_pre.exp()[:, None]
+    # unmatched mass past the shipped sorted values (clamped: float error can make it < 0)
     t_resid = (t_um.exp() - t_sorted.sum(-1)).clamp(min=0) * scale[:, 0]
     weights = tables.weights(config)
     tables = tables.to(logits.device)

@@ -34,9 +34,10 @@ from trainer.losses.base import (
     LossOutput,
     as_count,
     check_divergence,
+    check_option,
     compute_dtype,
-    divergence,
-    zero_sum_like,
+    divergence_terms,
+    empty_loss,
 )
 from trainer.losses.fused import logprobs_at_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
@@ -52,13 +53,10 @@ class KDTopKConfig:
     support: str = "teacher"  # teacher (teacher's top-k) | columns (on-policy: given ids)
 
     def __post_init__(self) -> None:
-        check_divergence(self.divergence, self.beta)
-        if self.k < 1 or self.temperature <= 0:
-            raise ValueError(f"KDTopKConfig: need k >= 1 and temperature > 0, got {self}")
-        if self.support not in ("teacher", "columns"):
-            raise ValueError(
-                f"KDTopKConfig.support must be 'teacher' or 'columns', got {self.support!r}"
-            )
+        check_divergence(self)
+        check_option(self, "k", self.k >= 1, ">= 1")
+        check_option(self, "temperature", self.temperature > 0, "> 0")
+        check_option(self, "support", self.support in ("teacher", "columns"), "teacher or columns")
 
 
 def kd_topk_teacher_spec(config: KDTopKConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
@@ -105,14 +103,7 @@ def _kd_block(block_cV, local_r, ids_rK, logp_rK1, *, config, vocab_size, tp_gro
         ],
         dim=-1,
     )
-    return _terms(logp_rK1, logq, config)
-
-
-def _terms(logp_rK1, logq_rK1, config) -> tuple[Tensor, Tensor]:
-    terms = divergence(
-        logp_rK1.to(logq_rK1.dtype), logq_rK1, kind=config.divergence, beta=config.beta
-    )
-    return terms * config.temperature**2, logq_rK1[:, -1].detach().exp()
+    return divergence_terms(logp_rK1, logq, config)
 
 
 def kd_topk(
@@ -146,7 +137,7 @@ def kd_topk(
     logits = student_logits_BTV.reshape(b * t, width)
     count = as_count(rows.numel(), logits.device)
     if rows.numel() == 0:
-        return LossOutput(zero_sum_like(logits), count, {})
+        return empty_loss(logits, {})
     ids_G = ids.reshape(-1, k)[rows].long()
     logp_G = torch.cat([lp.reshape(-1, k)[rows].float(), rest.reshape(-1, 1)[rows].float()], -1)
     logp_G = logp_G.masked_fill(
@@ -162,7 +153,7 @@ def kd_topk(
             temperature=config.temperature,
             chunk_size=chunk_size,
         )
-        terms, q_tail = _terms(logp_G, torch.cat([lp, rest[:, None]], -1), config)
+        terms, q_tail = divergence_terms(logp_G, torch.cat([lp, rest[:, None]], -1), config)
     else:
         fn = partial(_kd_block, config=config, vocab_size=vocab_size, tp_group=tp_group)
         terms, q_tail = map_rows(fn, logits, rows, ids_G, logp_G, chunk_size=chunk_size)

@@ -43,12 +43,14 @@ from trainer.losses.base import (
     LossOutput,
     as_count,
     check_divergence,
+    check_option,
     compute_dtype,
-    divergence,
+    divergence_terms,
+    empty_loss,
     safe_log,
     zero_sum_like,
 )
-from trainer.losses.context import check_cp_shapes, owned_rows, replicated
+from trainer.losses.context import open_chunk_loss, owned_rows, replicated
 from trainer.losses.fused import logprobs_at_rows
 from trainer.losses.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from trainer.losses.segments import ChunkIndex, dedup_rows
@@ -68,11 +70,10 @@ class XTokenConfig:
     chain_weight: float = 0.0  # > 0: binarised chain-likelihood term on multi-token chunks
 
     def __post_init__(self) -> None:
-        check_divergence(self.divergence, self.beta)
-        if self.k < 1 or self.temperature <= 0 or self.chain_weight < 0:
-            raise ValueError(
-                f"XTokenConfig: need k >= 1, temperature > 0, chain_weight >= 0: {self}"
-            )
+        check_divergence(self)
+        check_option(self, "k", self.k >= 1, ">= 1")
+        check_option(self, "temperature", self.temperature > 0, "> 0")
+        check_option(self, "chain_weight", self.chain_weight >= 0, ">= 0")
 
 
 def xtoken_teacher_spec(config: XTokenConfig, *, teacher_vocab_size: int) -> TeacherOutputSpec:
@@ -91,14 +92,21 @@ def project_teacher(
     g, k = ids_GK.shape
     if bool((ids_GK >= tables.t2s_ids.shape[0]).any()):
         raise ValueError(f"a teacher id is >= the projection's {tables.t2s_ids.shape[0]} rows")
+    # empty top-k slots (id -1: fewer finite logits than k) carry no mass; their rows are
+    # clamped to 0 only to index the table, and masked out again
     p = torch.where(ids_GK >= 0, logp_GK.float().exp(), 0.0)
     rows = ids_GK.clamp(min=0)
     s_ids = torch.where((ids_GK >= 0)[..., None], tables.t2s_ids[rows], -1)  # [G, K, P]
     w = tables.t2s_weights[rows] * (ids_GK >= 0)[..., None]
+    # teacher token j spreads p_j over its projection slots; several teacher tokens may land in
+    # the same student bucket, so equal ids of a row are merged into one category (dedup_rows)
     contrib = p[..., None] * w
     uniq, mass = dedup_rows(s_ids.reshape(g, -1), contrib.reshape(g, -1))
+    # the rest bucket: the teacher's tail outside its top-k, plus the share of each top-k token
+    # that its projection row does not place (rows may sum to < 1)
     rest = tail_G.float().exp() + (p * (1.0 - w.sum(-1))).sum(-1)
     logp = torch.cat([safe_log(mass), safe_log(rest)[:, None]], dim=-1)
+    # padding slots of the deduplicated support (id -1) are categories of probability 0
     return uniq, logp.masked_fill(
         torch.cat([uniq < 0, torch.zeros_like(rest, dtype=torch.bool)[:, None]], -1), float("-inf")
     )
@@ -143,14 +151,7 @@ def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, me
         lse = vo.logsumexp_excluding(x, drop, tp_group)
         return vo.gather(x, drop, tp_group) - logz[:, None], lse - logz
 
-    return _terms(logp_rL1, _bucket_logq(lp_at, ids_rL, members), config)
-
-
-def _terms(logp_rL1, logq_rL1, config) -> tuple[Tensor, Tensor]:
-    terms = divergence(
-        logp_rL1.to(logq_rL1.dtype), logq_rL1, kind=config.divergence, beta=config.beta
-    )
-    return terms * config.temperature**2, logq_rL1[:, -1].detach().exp()
+    return divergence_terms(logp_rL1, _bucket_logq(lp_at, ids_rL, members), config)
 
 
 def xtoken(
@@ -170,33 +171,25 @@ def xtoken(
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's terms are
     computed and counted by the rank holding its start row (`context`).
     """
-    teacher.require(("topk_ids", "topk_logprobs", "tail_logprob"), mode="xtoken")
-    check_cp_shapes("xtoken", student_logits_BSV, index, cp)
-    b, s, width = student_logits_BSV.shape
+    fields = ("topk_ids", "topk_logprobs", "tail_logprob")
+    logits, chunks, metrics = open_chunk_loss(
+        "xtoken", student_logits_BSV, teacher, index, cp, fields=fields
+    )
     st, te = index.student, index.teacher
-    if teacher.topk_ids.shape[0] * teacher.topk_ids.shape[1] != te.targets.numel():
-        raise ValueError("xtoken: teacher outputs do not match the ChunkIndex shapes")
-    s_rows, t_rows = st.start_rows(), te.start_rows()
-    both = (st.count > 0) & (te.count > 0)
-    ok = both & (s_rows >= 0) & (t_rows >= 0)
-    chunks = ok.nonzero().squeeze(1)
-    logits = student_logits_BSV.reshape(b * s, width)
-    metrics = {
-        "chunks_empty_side": (~both).sum(),
-        "chunks_unpredicted": (both & ~ok).sum(),
-        "chunks_multi_token": (ok & ((st.count > 1) | (te.count > 1))).sum(),
-    }
-    metrics = replicated(metrics, cp)
+    # 1:N, N:1 and N:M chunks: one distribution term each (at their start), + the chain term
+    is_multi = (st.count[chunks] > 1) | (te.count[chunks] > 1)
+    metrics.update(replicated({"chunks_multi_token": is_multi.sum()}, cp))
     total = zero_sum_like(logits)
     if chunks.numel() == 0:
-        return LossOutput(total, as_count(0, logits.device), metrics)
-    rows, own = owned_rows(s_rows[chunks], cp)
+        return empty_loss(logits, metrics)
+    # the start row of a chunk is the position whose distribution predicts its first token
+    rows, own = owned_rows(st.start_rows()[chunks], cp)
     mine = chunks[own]
     zero = torch.zeros((), dtype=torch.float32, device=logits.device)
     metrics["teacher_rest_mass_sum"] = metrics["student_rest_mass_sum"] = zero
     if mine.numel():
         k = teacher.topk_ids.shape[-1]
-        tr = t_rows[mine]
+        tr = te.start_rows()[mine]
         ids_G, logp_G = project_teacher(
             teacher.topk_ids.reshape(-1, k)[tr].long(),
             teacher.topk_logprobs.reshape(-1, k)[tr],
@@ -218,7 +211,7 @@ def xtoken(
                 )
                 return lp, rest
 
-            terms, q_rest = _terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
+            terms, q_rest = divergence_terms(logp_G, _bucket_logq(lp_at, ids_G, members), config)
         else:
             fn = partial(
                 _xtoken_block,
@@ -232,7 +225,6 @@ def xtoken(
         metrics["student_rest_mass_sum"] = q_rest.sum()
     if config.chain_weight > 0:
         teacher.require(("target_logprob",), mode="xtoken")
-        is_multi = (st.count[chunks] > 1) | (te.count[chunks] > 1)
         if bool(is_multi.any()):  # the same on every CP rank: the index is replicated
             ls, lt = chunk_chains(
                 logits,

@@ -1,23 +1,25 @@
-"""The teacher worker process: loads a teacher next to a student rank and fills the channel's slots.
+"""The teacher worker process: loads a teacher next to a student rank and fills the ring's slots.
 
 Why a process: the teacher's forward for microbatch i+1 overlaps the student's step on
 microbatch i, the teacher may be sharded differently from the student (its own process group),
 and a teacher that crashes or hangs must not take the student down silently. The student side
 (``WorkerProcess``) spawns the worker, sends it per microbatch only ``(seq, slot, shapes)`` over a
 pipe, and while waiting polls both the pipe and the process's liveness, so a dead worker is an
-error within ``poll_s`` and a hung one within ``timeout_s``.
+error within ``poll_s`` and a hung one within the timeout it is given. ``WorkerProcess`` is one
+of the two backends of `trainer.teacher.channel.TeacherChannel` (the other calls the teacher
+inline); this module knows only the ring (`trainer.teacher.ring`), never the channel.
 
 What the worker computes is a ``TeacherProgram``: a picklable recipe, light until ``setup`` (which
-runs in the worker and loads the model), with the input/output specs that size the ring:
-``trainer.teacher_compute.HFTeacher`` (minimal: tests, benchmarks, debugging) or the trainer's
-configured ``trainer.distill.TeacherModelProgram``.
+runs in the worker and loads the model), with the input/output specs that size the ring — the
+trainer's `trainer.teacher.program.TeacherModelProgram`, or any object with these four methods
+(the channel benchmark ships a fixed payload).
 
 Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init_method`` and
 ``world_size`` on every rank, ``rank`` = the student rank) and the workers call
 ``init_process_group`` among themselves. Inside a worker that group is the default group
 (``dist.group.WORLD``); it is handed to ``TeacherProgram.setup`` as ``ctx.group`` so the program
-can build its own device mesh / TP layout (``HFTeacher.parallelize``), independent of the
-student's mesh. The workers are daemonic, so they cannot start processes of their own.
+can build its own device mesh / TP layout, independent of the student's mesh. The workers are
+daemonic, so they cannot start processes of their own.
 
 The worker drops the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*...)
 it inherits from a torchrun student, so nothing in it can join the student's rendezvous by
@@ -26,9 +28,8 @@ accident; its only process group is the ``TeacherGroup`` it is given.
 Failure and cleanup: errors inside the worker come back with its traceback text; it ignores
 SIGINT (Ctrl-C reaches the whole process group; the student decides), dies with its parent on
 Linux (``PR_SET_PDEATHSIG``; the parent is the *thread* that started it, so start channels from
-the main thread), and exits when the pipe closes.
-
-Legend: B = microbatch rows, T = tokens per row, V = teacher vocabulary.
+the main thread), and exits when the pipe closes. CUDA: the two processes' streams are ordered
+by interprocess events, one per slot and direction.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp  # registers the reductions that send CUDA tensors/events as IPC handles
 
-from trainer.channel import (
-    ChannelConfig,
+from trainer.teacher.ring import (
     ChannelError,
     SlotRing,
     TeacherTimeoutError,
@@ -108,11 +108,14 @@ def _exit_text(code: int | None) -> str:
 
 
 class WorkerProcess:
-    """The student's handle on one worker: spawn, talk, watch, stop."""
+    """The student's handle on one worker: spawn, talk, watch, stop (the channel's backend for
+    ``mode="process"``; `trainer.teacher.channel.TeacherBackend` describes the methods)."""
 
-    def __init__(self, proc, conn, *, device: torch.device, config: ChannelConfig, events):
+    kind = "teacher worker"
+
+    def __init__(self, proc, conn, *, device: torch.device, poll_s: float, events):
         self._proc, self._conn = proc, conn
-        self.device, self.config = device, config
+        self.device, self.poll_s = device, poll_s
         self._free_events = events  # CUDA: recorded by the student when a slot may be written
         self._ready_events = None  # CUDA: recorded by the worker when a slot's outputs are done
         self.info: dict | None = None
@@ -124,26 +127,29 @@ class WorkerProcess:
         program: TeacherProgram,
         *,
         device: torch.device,
-        config: ChannelConfig,
         group: TeacherGroup | None,
+        threads: int | None,
+        poll_s: float,
     ) -> WorkerProcess:
+        """Spawn the worker and send it the ring; it loads the teacher on its own (see
+        ``wait_ready``). ``threads``: torch intra-op threads in the worker (None: torch's)."""
         events = None
         if device.type == "cuda":
             with torch.cuda.device(device):
-                events = [torch.cuda.Event(interprocess=True) for _ in range(config.depth)]
+                events = [torch.cuda.Event(interprocess=True) for _ in range(ring.layout.depth)]
         # spawn, not fork: the student may hold threads, CUDA contexts and process groups.
         ctx = tmp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main,
             args=(child_conn, program, str(device), group),
-            kwargs={"threads": config.worker_threads, "parent_pid": os.getpid()},
+            kwargs={"threads": threads, "parent_pid": os.getpid()},
             name=f"teacher-worker-{group.rank if group else 0}",
             daemon=True,  # killed by multiprocessing's atexit if the student forgets close()
         )
         proc.start()
         child_conn.close()
-        worker = cls(proc, parent_conn, device=device, config=config, events=events)
+        worker = cls(proc, parent_conn, device=device, poll_s=poll_s, events=events)
         # The ring (and the CUDA events) travel as the first message, not as Process arguments:
         # the Process object keeps its arguments, and a CUDA ring referenced there would stay
         # allocated after close(). Pickled here, a CUDA tensor/event is sent as its IPC handle.
@@ -167,7 +173,7 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if self._conn.poll(max(0.0, min(self.config.poll_s, left))):
+            if self._conn.poll(max(0.0, min(self.poll_s, left))):
                 try:
                     msg = self._conn.recv()
                 except (EOFError, OSError):

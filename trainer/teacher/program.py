@@ -1,0 +1,177 @@
+"""The teacher program: what a teacher computes for the loss, in a worker or in-process.
+
+One compute path for the trainer, the tests and the benchmarks. ``TeacherModelProgram`` builds a
+configured teacher (pretrained, or tiny random like the student; frozen), optionally tensor-
+parallel over the teachers' own process group, and turns its logits into the loss mode's
+teacher outputs (`trainer.losses.teacher_outputs`): never full-vocabulary fp32 logits, only what
+the loss reads (top-k + tail, columns, the realised next token's log-prob). ``teacher_forward``
+is that computation on a model already loaded, applying the lm_head a chunk of positions at a
+time, so [B, U, V_teacher] fp32 logits never exist at once (262,144 columns for Gemma).
+
+The program is a ``TeacherProgram`` (`trainer.teacher.worker`): picklable and light until
+``setup``, which loads the model where the program runs.
+
+Legend: B rows, U teacher positions, V teacher lm_head width, H hidden size, N columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer import models, parallel
+from trainer.config import TeacherConfig
+from trainer.losses.segments import shift_targets
+from trainer.losses.teacher_outputs import (
+    TeacherOutputs,
+    TeacherOutputSpec,
+    allocate_teacher_outputs,
+    teacher_output_fields,
+    teacher_outputs_from_logits,
+)
+from trainer.teacher.ring import TensorSpec
+from trainer.teacher.worker import TeacherContext
+
+
+@dataclass
+class TeacherModelProgram:
+    """A configured teacher as a channel program (picklable; the model is built in `setup`).
+
+    ``columns``: the global column ids [N] the spec asks for (the exact-map teacher ids of
+    `gold`), or None. ``max_batch`` / ``max_len`` bound a microbatch and size the ring.
+
+    Tensor parallel (``model_cfg.tp > 1``): the teachers of a TP group may serve student ranks
+    with different microbatches, so each call all-gathers the group's inputs (padded to a common
+    length), runs the sharded model on all of them, and keeps its own rows.
+    """
+
+    model_cfg: TeacherConfig
+    spec: TeacherOutputSpec
+    _: KW_ONLY
+    columns: torch.Tensor | None = None
+    max_batch: int
+    max_len: int
+    dtype: str = "float32"
+    lm_head_chunk: int = 128
+    _model: Any = dataclasses.field(default=None, init=False, repr=False)
+    _tp_group: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # refused here, in the student, rather than in the worker at the first microbatch
+        if self.spec.per_position_columns:
+            raise ValueError("TeacherModelProgram: per-position columns need column ids as input")
+        n = 0 if self.columns is None else self.columns.numel()
+        if n != self.spec.columns:
+            raise ValueError(
+                f"TeacherModelProgram: the spec asks for {self.spec.columns} columns, "
+                f"{n} column ids given; give that many ids"
+            )
+
+    def input_spec(self) -> dict[str, TensorSpec]:
+        shape = (self.max_batch, self.max_len)
+        return {
+            "input_ids": TensorSpec(shape, torch.int64),
+            "attention_mask": TensorSpec(shape, torch.int64),
+        }
+
+    def output_spec(self) -> dict[str, TensorSpec]:
+        fields = teacher_output_fields(self.spec, self.max_batch, self.max_len)
+        return {k: TensorSpec(shape, dtype) for k, (shape, dtype) in fields.items()}
+
+    def setup(self, ctx: TeacherContext) -> None:
+        model = models.freeze(
+            models.build_model(
+                self.model_cfg, dtype=models.torch_dtype(self.dtype), device=ctx.device
+            )
+        )
+        tp = self.model_cfg.tp
+        if tp > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"teacher {self.model_cfg.name}: tp={tp} needs a process group")
+            world = dist.get_world_size()
+            mesh = parallel.build_mesh(ctx.device, dp=world // tp, tp=tp)
+            parallel.apply_tp(model, mesh.tp, parallel.tp_plan(model.config.model_type))
+            self._tp_group = mesh.tp_group
+        self._model = model
+
+    def __getstate__(self) -> dict:
+        # only the recipe travels to the worker; the model is built there
+        return {**self.__dict__, "_model": None, "_tp_group": None}
+
+    def _gather(self, ids_BU: torch.Tensor, mask_BU: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        g = self._tp_group
+        n = dist.get_world_size(g)
+        shape = torch.tensor([ids_BU.shape[0], ids_BU.shape[1]], device=ids_BU.device)
+        shapes = [torch.zeros_like(shape) for _ in range(n)]
+        dist.all_gather(shapes, shape, group=g)
+        B, U = max(int(s[0]) for s in shapes), max(int(s[1]) for s in shapes)
+        pad = (0, U - ids_BU.shape[1], 0, B - ids_BU.shape[0])
+        ids, mask = torch.nn.functional.pad(ids_BU, pad), torch.nn.functional.pad(mask_BU, pad)
+        all_ids, all_mask = (
+            [torch.empty_like(ids) for _ in range(n)],
+            [torch.empty_like(mask) for _ in range(n)],
+        )
+        dist.all_gather(all_ids, ids, group=g)
+        dist.all_gather(all_mask, mask, group=g)
+        me = dist.get_rank(g)
+        return torch.cat(all_ids), torch.cat(all_mask), me * B, B
+
+    @torch.no_grad()
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._model is None:
+            raise RuntimeError("TeacherModelProgram called before setup()")
+        ids_BU, mask_BU = inputs["input_ids"], inputs["attention_mask"]
+        B, U = ids_BU.shape
+        start = 0
+        if self._tp_group is not None:
+            ids_BU, mask_BU, start, _ = self._gather(ids_BU, mask_BU)
+        outs = teacher_forward(
+            self._model,
+            ids_BU,
+            mask_BU,
+            spec=self.spec,
+            columns=self.columns,
+            chunk=self.lm_head_chunk,
+        )
+        return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
+
+
+def teacher_forward(
+    model,
+    ids_BU: torch.Tensor,
+    mask_BU: torch.Tensor,
+    *,
+    spec: TeacherOutputSpec,
+    columns,
+    chunk: int,
+) -> TeacherOutputs:
+    """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
+    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits)."""
+    len_B = mask_BU.sum(1)
+    tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
+    base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if base is None or head is None:
+        logits = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        return teacher_outputs_from_logits(logits, spec=spec, target_ids_BT=tgt_BU, columns=columns)
+    hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
+    # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    out = allocate_teacher_outputs(spec, *ids_BU.shape, device=ids_BU.device)
+    U = ids_BU.shape[1]
+    for t0 in range(0, U, chunk):
+        n = min(chunk, U - t0)
+        logits = head(hidden_BUH[:, t0 : t0 + n])
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        teacher_outputs_from_logits(
+            logits,
+            spec=spec,
+            target_ids_BT=None if tgt_BU is None else tgt_BU[:, t0 : t0 + n],
+            columns=columns,
+            out=out.narrow_t(t0, n),
+        )
+    return out
