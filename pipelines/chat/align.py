@@ -119,6 +119,7 @@ class SideTokens:
     spans: np.ndarray  # int64 [m, 2]: char span of each message's content in text
     ids: np.ndarray  # int32 [n]
     offsets: np.ndarray  # int64 [n, 2]: char offsets into text
+    byte_offsets: np.ndarray  # int64 [n, 2]: into text's UTF-8 (bits per byte counts these)
     message: np.ndarray  # int32 [n]: message index (turn), -1 between turns
     role: np.ndarray  # int8 [n]: rows.ROLE_ID of that message, -1
     kind: np.ndarray  # int8 [n]: markers.TOKEN_* (scaffold, content, open, close)
@@ -149,7 +150,9 @@ class ChatAlignment:
 def _side_tokens(conv, r: Rendering, tok: RenderedTokens, lay) -> SideTokens:
     roles = np.array([rows.ROLE_ID[m.role] for m in conv.messages], np.int8)
     role = np.where(lay.message >= 0, roles[np.maximum(lay.message, 0)], -1).astype(np.int8)
-    return SideTokens(r.text, r.spans, tok.ids, tok.offsets, lay.message, role, lay.kind)
+    return SideTokens(
+        r.text, r.spans, tok.ids, tok.offsets, tok.byte_offsets, lay.message, role, lay.kind
+    )
 
 
 def _common_range(s: RenderedTokens, ls, t: RenderedTokens, lt, k: int):
