@@ -1,32 +1,24 @@
 """Conversations -> per-token arrays per side: ids, chunks, train flags, message and role ids.
 
-For a batch of conversations and one student + K teachers (`ChatSide`, prepared once):
+`align_conversations` takes a batch of parsed conversations, a student and K teachers
+(`ChatSide`, prepared once per tokenizer + template by `prepare_side`) and returns a `ChatBatch`:
 
 1. each side renders each conversation with its own template and locates the contents
    (`pipelines.chat.render`); a refusal by any side dead-letters the conversation;
-2. each side tokenizes its renderings (`pipelines.chat.encode`) and finds every message's
-   content tokens and turn markers (`pipelines.chat.markers`);
-3. per (student, teacher) pair, the content of every message is aligned by the ordinary offset
-   aligner, all messages of the batch in one kernel call; turn markers are paired by message;
-4. the student's train flags are set (`train_flags`).
+2. each side tokenizes all its renderings in one adapter call (`pipelines.chat.encode`) and
+   finds every message's content tokens and turn markers (`pipelines.chat.markers`);
+3. per (student, teacher) pair, all contents of the batch are aligned in one aligner call and
+   turn markers are paired by message (`pipelines.chat.pairs`);
+4. the student's train flags are set (`pipelines.chat.train`).
 
-Chunks, per pair: ids from 0, non-decreasing along both sides, each id present on both sides.
-`chunk_kind` says what a chunk is: the aligner's text kinds (`CHUNK_1_1` .. `CHUNK_N_M`: both
-sides cover byte-equal content text), `CHUNK_OPEN` (the two turn-open markers of one message) or
-`CHUNK_EOT` (the two end-of-turn runs after one message: whitespace the template puts before its
-close token, if any, and the token). Marker chunks are never text-aligned.
+Everything per token is in flat numpy arrays with row splits (`SideBatch`, `PairBatch`), what a
+columnar job writes; `ChatBatch.row(b)` gives one conversation as views (`ChatAlignment`).
 
-Straddling tokens: a token whose bytes cross a content's edge (it merges content with template
-text) belongs to no chunk. A content's text chunks run between the first and the last byte
-positions inside the content that are token boundaries on **both** sides, so chunk text stays
-byte-equal; the tokens outside that range on either side get chunk -1 (`PairChunks.loose`
-counts them). A straddling token of an assistant content is still trained (CE): the student has
-to produce it to say the content.
-
-The end-of-turn event, for the trainer: at an EOT chunk the student's probability of stopping is
-the chain probability of its run (usually one token, its end-of-turn id) at that position, the
-teacher's the same for its own run; the KD term is the binary KL between the two Bernoullis
-(stop here / go on), KL(p_t || p_s) = p_t log(p_t / p_s) + (1 - p_t) log((1 - p_t) / (1 - p_s)).
+The end-of-turn event, for the trainer: at an EOT chunk (`pairs.CHUNK_EOT`) the student's
+probability of stopping is the chain probability of its run (usually one token, its end-of-turn
+id) at that position, the teacher's the same for its own run; the KD term is the binary KL
+between the two Bernoullis (stop here / go on),
+KL(p_t || p_s) = p_t log(p_t / p_s) + (1 - p_t) log((1 - p_t) / (1 - p_s)).
 No vocabulary projection is needed: each model's own marker carries the event.
 """
 
@@ -37,15 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.chat import rows
-from pipelines.chat.backend import Tokenizer, align_flat
-from pipelines.chat.encode import RenderedTokens, SpecialMatcher, encode_renderings
-from pipelines.chat.markers import TOKEN_CONTENT, TemplateMarkers, layout, markers_from_probe
+from pipelines.chat.backend import Tokenizer
+from pipelines.chat.encode import RenderedBatch, SpecialMatcher, encode_renderings
+from pipelines.chat.markers import TemplateMarkers, layout, markers_from_probe
+from pipelines.chat.pairs import PairBatch, align_pair
 from pipelines.chat.render import Rendering, render_conversation
 from pipelines.chat.rows import Conversation, DeadLetter, Message
-from pipelines.chat.templates import ChatTemplate
+from pipelines.chat.templates import ChatTemplate, content_transparent
 from pipelines.chat.train import train_flags
-
-CHUNK_OPEN, CHUNK_EOT = 4, 5  # chunk kinds beyond the aligner's 0..3 (text chunks)
 
 _PROBE = (
     ("system", "You answer questions about plays."),
@@ -64,9 +55,11 @@ class ChatSide:
     tokenizer: Tokenizer
     template: ChatTemplate
     matcher: SpecialMatcher
-    markers: TemplateMarkers
+    markers: TemplateMarkers | None
     bos_token: str
     eos_token: str
+    tables: tuple[np.ndarray, np.ndarray] | None = None  # markers as vocab lookups
+    transparent: bool = False  # templates.content_transparent: one render per conversation
 
     def to_json(self) -> dict:
         """What stats.json records for this side."""
@@ -74,11 +67,17 @@ class ChatSide:
             "tokenizer": self.tokenizer.info().to_json(),
             "template": self.template.to_json(),
             "markers": self.markers.to_json(self.tokenizer),
+            "content_transparent": self.transparent,
         }
 
     def render(self, conv: Conversation) -> Rendering | DeadLetter:
         return render_conversation(
-            conv, self.template, bos_token=self.bos_token, eos_token=self.eos_token, side=self.name
+            conv,
+            self.template,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            side=self.name,
+            transparent=self.transparent,
         )
 
 
@@ -102,18 +101,21 @@ def prepare_side(tokenizer: Tokenizer, template: ChatTemplate, *, name: str = ""
             f"{name}: chat template {template.name!r} ({template.source}) cannot render a plain "
             f"user/assistant conversation: {probe.reason}: {probe.detail}"
         )
-    scaffolding = "".join(
-        probe.text[a:b] for a, b in zip([0, *probe.spans[:, 1]], [*probe.spans[:, 0], None])
-    )
+    edges = zip([0, *probe.spans[:, 1].tolist()], [*probe.spans[:, 0].tolist(), None])
+    scaffolding = "".join(probe.text[a:b] for a, b in edges)
     matcher = SpecialMatcher.build(tokenizer, [template.text, bos, eos, scaffolding])
-    tokens = encode_renderings(tokenizer, matcher, [probe])[0]
-    markers = markers_from_probe(tokens, probe.text)
-    return ChatSide(name, tokenizer, template, matcher, markers, bos, eos)
+    markers = markers_from_probe(encode_renderings(tokenizer, matcher, [probe]), probe.text)
+    tables = markers.tables(tokenizer.vocab_size)
+    transparent = content_transparent(template)
+    return ChatSide(name, tokenizer, template, matcher, markers, bos, eos, tables, transparent)
+
+
+# ---------------------------------------------------------------- results
 
 
 @dataclass(frozen=True)
 class SideTokens:
-    """One side of one conversation."""
+    """One side of one conversation (views into a SideBatch)."""
 
     text: str  # the rendering
     spans: np.ndarray  # int64 [m, 2]: char span of each message's content in text
@@ -126,8 +128,31 @@ class SideTokens:
 
 
 @dataclass(frozen=True)
+class SideBatch:
+    """One side of a batch, flat: conversation b owns tokens [token_splits[b], ...[b + 1])."""
+
+    texts: list[str]
+    spans: np.ndarray  # int64 [M, 2] char spans; conversation b owns [span_splits[b], ...)
+    span_splits: np.ndarray  # int64 [B + 1]
+    ids: np.ndarray  # int32 [N]
+    offsets: np.ndarray  # int64 [N, 2]
+    byte_offsets: np.ndarray  # int64 [N, 2]
+    message: np.ndarray  # int32 [N]
+    role: np.ndarray  # int8 [N]
+    kind: np.ndarray  # int8 [N]
+    token_splits: np.ndarray  # int64 [B + 1]
+
+    def row(self, b: int) -> SideTokens:
+        lo, hi = int(self.token_splits[b]), int(self.token_splits[b + 1])
+        m0, m1 = int(self.span_splits[b]), int(self.span_splits[b + 1])
+        return SideTokens(self.texts[b], self.spans[m0:m1], self.ids[lo:hi], self.offsets[lo:hi],
+                          self.byte_offsets[lo:hi], self.message[lo:hi], self.role[lo:hi],
+                          self.kind[lo:hi])  # fmt: skip
+
+
+@dataclass(frozen=True)
 class PairChunks:
-    """The chunks of one (student, teacher) pair in one conversation."""
+    """The chunks of one (student, teacher) pair in one conversation (views)."""
 
     student_chunk: np.ndarray  # int32 [n_s], -1 = no chunk
     teacher_chunk: np.ndarray  # int32 [n_t]
@@ -141,124 +166,61 @@ class PairChunks:
 
 @dataclass(frozen=True)
 class ChatAlignment:
+    """One conversation: the student, its train flags, and per teacher its side and chunks."""
+
     student: SideTokens
     train: np.ndarray  # bool [n_s]: token is a training target (see pipelines.chat.train)
     teachers: tuple[SideTokens, ...]
-    pairs: tuple[PairChunks, ...]  # per teacher
+    pairs: tuple[PairChunks, ...]
 
 
-def _side_tokens(conv, r: Rendering, tok: RenderedTokens, lay) -> SideTokens:
-    roles = np.array([rows.ROLE_ID[m.role] for m in conv.messages], np.int8)
-    role = np.where(lay.message >= 0, roles[np.maximum(lay.message, 0)], -1).astype(np.int8)
-    return SideTokens(
-        r.text, r.spans, tok.ids, tok.offsets, tok.byte_offsets, lay.message, role, lay.kind
-    )
+@dataclass(frozen=True)
+class ChatBatch:
+    """`align_conversations`' result: the aligned conversations in flat arrays (what a
+    columnar job writes) and the refused ones. index[b] is the input position of row b."""
+
+    index: np.ndarray  # int64 [B]
+    student: SideBatch
+    train: np.ndarray  # bool [N_s]
+    teachers: tuple[SideBatch, ...]
+    pairs: tuple[PairBatch, ...]
+    dead: tuple[tuple[int, DeadLetter], ...]  # (input position, why)
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+    def row(self, b: int) -> ChatAlignment:
+        lo, hi = int(self.student.token_splits[b]), int(self.student.token_splits[b + 1])
+        pairs = []
+        for p, t in zip(self.pairs, self.teachers):
+            c0, c1 = int(p.chunk_splits[b]), int(p.chunk_splits[b + 1])
+            t0, t1 = int(t.token_splits[b]), int(t.token_splits[b + 1])
+            pairs.append(PairChunks(p.student_chunk[lo:hi], p.teacher_chunk[t0:t1], c1 - c0,
+                                    p.chunk_kind[c0:c1], p.chunk_message[c0:c1],
+                                    p.chunk_exact[c0:c1], int(p.fallback_regions[b]),
+                                    int(p.loose[b])))  # fmt: skip
+        teachers = tuple(t.row(b) for t in self.teachers)
+        return ChatAlignment(self.student.row(b), self.train[lo:hi], teachers, tuple(pairs))
+
+    def results(self) -> list[ChatAlignment | DeadLetter]:
+        """One entry per input conversation, in input order (tests, small tools)."""
+        out: list = [None] * (len(self) + len(self.dead))
+        for b, i in enumerate(self.index.tolist()):
+            out[i] = self.row(b)
+        for i, dead in self.dead:
+            out[i] = dead
+        return out
 
 
-def _common_range(s: RenderedTokens, ls, t: RenderedTokens, lt, k: int):
-    """Token ranges on both sides of message k's text chunks: [a, b) of the content's bytes
-    bounded by boundaries common to both sides (module docstring), or None."""
-    s0, s1 = ls.inside[k]
-    t0, t1 = lt.inside[k]
-    if s1 <= s0 or t1 <= t0:
-        return None
-    sb = s.byte_offsets[s0:s1] - s.span_bytes[k, 0]
-    tb = t.byte_offsets[t0:t1] - t.span_bytes[k, 0]
-    length = s.span_bytes[k, 1] - s.span_bytes[k, 0]
-    if sb[0, 0] == 0 == tb[0, 0] and sb[-1, 1] == length == tb[-1, 1]:
-        return (s0, s1, t0, t1, 0)
-    starts = np.intersect1d(sb[:, 0], tb[:, 0])
-    ends = np.intersect1d(sb[:, 1], tb[:, 1])
-    if not starts.size or not ends.size or ends[-1] <= starts[0]:
-        return None
-    a, b = int(starts[0]), int(ends[-1])
-    ss = s0 + np.searchsorted(sb[:, 0], a), s0 + np.searchsorted(sb[:, 1], b, side="right")
-    ts = t0 + np.searchsorted(tb[:, 0], a), t0 + np.searchsorted(tb[:, 1], b, side="right")
-    return (int(ss[0]), int(ss[1]), int(ts[0]), int(ts[1]), a)
-
-
-def _align_pair(convs, s_toks, s_lays, t_toks, t_lays, s_tab, t_tab) -> list[PairChunks]:
-    """Every message of every conversation as one row of one aligner call, then per
-    conversation the chunk ids with marker chunks in between (module docstring)."""
-    rows_, ids_s, bo_s, ids_t, bo_t, ll_s, ll_t = [], [], [], [], [], [], []
-    for c, conv in enumerate(convs):
-        s, t = s_toks[c], t_toks[c]
-        for k in range(len(conv.messages)):
-            r = _common_range(s, s_lays[c], t, t_lays[c], k)
-            if r is None:
-                continue
-            a0, a1, b0, b1, a = r
-            rows_.append((c, k, a0, a1, b0, b1))
-            ids_s.append(s.ids[a0:a1])
-            ids_t.append(t.ids[b0:b1])
-            bo_s.append(s.byte_offsets[a0:a1] - (s.span_bytes[k, 0] + a))
-            bo_t.append(t.byte_offsets[b0:b1] - (t.span_bytes[k, 0] + a))
-            ll_s.append(bool(s.lossless[a0:a1].all()))
-            ll_t.append(bool(t.lossless[b0:b1].all()))
-    splits = lambda parts: np.cumsum([0, *map(len, parts)]).astype(np.int64)  # noqa: E731
-    cat = lambda parts, shape: np.concatenate(parts) if parts else np.zeros(shape, np.int64)  # noqa: E731
-    res = align_flat(
-        student_ids=cat(ids_s, 0),
-        student_byte_offsets=cat(bo_s, (0, 2)),
-        student_splits=splits(ids_s),
-        teacher_ids=cat(ids_t, 0),
-        teacher_byte_offsets=cat(bo_t, (0, 2)),
-        teacher_splits=splits(ids_t),
-        student_lossless=np.array(ll_s, bool),
-        teacher_lossless=np.array(ll_t, bool),
-        student_bytes=s_tab,
-        teacher_bytes=t_tab,
-    )
-    by_conv: dict[int, dict[int, int]] = {}
-    for j, (c, k, *_rest) in enumerate(rows_):
-        by_conv.setdefault(c, {})[k] = j
-    return [
-        _assemble(conv, s_toks[c], s_lays[c], t_toks[c], t_lays[c], res, rows_, by_conv.get(c, {}))
-        for c, conv in enumerate(convs)
-    ]
-
-
-def _assemble(conv, s, ls, t, lt, res, rows_, row_of) -> PairChunks:
-    s_chunk = np.full(s.ids.size, -1, np.int32)
-    t_chunk = np.full(t.ids.size, -1, np.int32)
-    kinds, msgs, exact = [], [], []
-    fallback = 0
-    nxt = 0
-    for k in range(len(conv.messages)):
-        if ls.open[k] >= 0 and lt.open[k] >= 0:
-            s_chunk[ls.open[k]] = t_chunk[lt.open[k]] = nxt
-            kinds.append(CHUNK_OPEN), msgs.append(k), exact.append(True)
-            nxt += 1
-        j = row_of.get(k)
-        if j is not None:
-            _, _, a0, a1, b0, b1 = rows_[j]
-            rs = res.student_chunk[res.student_splits[j] : res.student_splits[j + 1]]
-            rt = res.teacher_chunk[res.teacher_splits[j] : res.teacher_splits[j + 1]]
-            s_chunk[a0:a1] = np.where(rs >= 0, rs + nxt, -1)
-            t_chunk[b0:b1] = np.where(rt >= 0, rt + nxt, -1)
-            c0, c1 = int(res.chunk_splits[j]), int(res.chunk_splits[j + 1])
-            kinds.extend(res.chunk_kind[c0:c1].tolist())
-            exact.extend(res.chunk_exact[c0:c1].tolist())
-            msgs.extend([k] * (c1 - c0))
-            fallback += int(res.fallback_regions[j])
-            nxt += c1 - c0
-        if ls.close[k, 0] >= 0 and lt.close[k, 0] >= 0:
-            s_chunk[ls.close[k, 0] : ls.close[k, 1]] = nxt
-            t_chunk[lt.close[k, 0] : lt.close[k, 1]] = nxt
-            kinds.append(CHUNK_EOT), msgs.append(k), exact.append(True)
-            nxt += 1
-    loose = int(((ls.kind == TOKEN_CONTENT) & (s_chunk < 0)).sum())
-    loose += int(((lt.kind == TOKEN_CONTENT) & (t_chunk < 0)).sum())
-    return PairChunks(
-        s_chunk,
-        t_chunk,
-        nxt,
-        np.array(kinds, np.int8),
-        np.array(msgs, np.int32),
-        np.array(exact, bool),
-        fallback,
-        loose,
-    )
+def _side_batch(convs, renderings, tok: RenderedBatch, lay) -> SideBatch:
+    roles = np.array([rows.ROLE_ID[m.role] for c in convs for m in c.messages], np.int8)
+    first = np.repeat(tok.span_splits[:-1], np.diff(tok.token_splits))
+    glob = first + np.maximum(lay.message, 0)
+    role = np.where(lay.message >= 0, roles[glob] if roles.size else -1, -1).astype(np.int8)
+    spans = np.concatenate([r.spans for r in renderings]) if renderings else np.zeros((0, 2))
+    return SideBatch([r.text for r in renderings], spans.astype(np.int64), tok.span_splits,
+                     tok.ids, tok.offsets, tok.byte_offsets, lay.message, role, lay.kind,
+                     tok.token_splits)  # fmt: skip
 
 
 def align_conversations(
@@ -267,41 +229,36 @@ def align_conversations(
     student: ChatSide,
     teachers: list[ChatSide],
     train_on: str = rows.TRAIN_ASSISTANT,
-) -> list[ChatAlignment | DeadLetter]:
-    """Align a batch of conversations (see the module docstring); one result per input."""
+) -> ChatBatch:
+    """Align a batch of conversations (see the module docstring)."""
     if not teachers:
         raise ValueError("align_conversations needs at least one teacher side")
     sides = [student, *teachers]
-    out: list[ChatAlignment | DeadLetter | None] = [None] * len(convs)
-    rendered = [[side.render(c) for side in sides] for c in convs]
-    live = []
-    for i, per_side in enumerate(rendered):
-        dead = next((r for r in per_side if isinstance(r, DeadLetter)), None)
-        if dead is None:
-            live.append(i)
-        else:
-            out[i] = dead
+    rendered = [[side.render(c) for c in convs] for side in sides]
+    dead: dict[int, DeadLetter] = {}
+    for per_side in rendered:  # the student's refusal is reported first
+        for i, r in enumerate(per_side):
+            if isinstance(r, DeadLetter) and i not in dead:
+                dead[i] = r
+    live = [i for i in range(len(convs)) if i not in dead]
     lconvs = [convs[i] for i in live]
-    toks, lays = [], []
-    for j, side in enumerate(sides):
-        rs = [rendered[i][j] for i in live]
-        tk = encode_renderings(side.tokenizer, side.matcher, rs)
-        toks.append(tk)
-        lays.append([layout(t, r.text, side.markers) for t, r in zip(tk, rs)])
-    pairs = [
-        _align_pair(lconvs, toks[0], lays[0], toks[j], lays[j], student.tokenizer, side.tokenizer)
+    batches, toks, lays = [], [], []
+    for side, per_side in zip(sides, rendered):
+        rs = [per_side[i] for i in live]
+        tok = encode_renderings(side.tokenizer, side.matcher, rs)
+        lay = layout(tok, side.markers, side.tables)
+        toks.append(tok)
+        lays.append(lay)
+        batches.append(_side_batch(lconvs, rs, tok, lay))
+    pairs = tuple(
+        align_pair(toks[0], lays[0], toks[j], lays[j],
+                   student_bytes=student.tokenizer, teacher_bytes=side.tokenizer)
         for j, side in enumerate(teachers, start=1)
-    ]
-    for n, i in enumerate(live):
-        conv = convs[i]
-        train = train_flags(conv, lays[0][n], train_on=train_on)
-        if not train.any():
-            out[i] = DeadLetter(rows.NOTHING_TO_TRAIN, "messages", "no student token is trained")
-            continue
-        sides_tokens = [
-            _side_tokens(conv, rendered[i][j], toks[j][n], lays[j][n]) for j in range(len(sides))
-        ]
-        out[i] = ChatAlignment(
-            sides_tokens[0], train, tuple(sides_tokens[1:]), tuple(p[n] for p in pairs)
-        )
-    return out
+    )  # fmt: skip
+    train = train_flags(lconvs, lays[0], train_on=train_on)
+    trained = np.add.reduceat(train, toks[0].token_splits[:-1]) if train.size else np.zeros(0)
+    if live and (trained == 0).any():  # unreachable: parse_row refuses such rows
+        b = int(np.flatnonzero(trained == 0)[0])
+        raise ValueError(f"conversation {live[b]}: a trainable turn gave no student token")
+    return ChatBatch(np.array(live, np.int64), batches[0], train, tuple(batches[1:]), pairs,
+                     tuple(sorted(dead.items())))  # fmt: skip

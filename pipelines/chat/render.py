@@ -3,7 +3,8 @@
 Searching the rendering for each content is not safe: a content can also occur in the template's
 own text before it (a user who writes "user" right after the header ``<|im_start|>user``), and a
 search would then find the header and shift the whole alignment. So each conversation is rendered
-twice by the same template call:
+twice by the same template call (once when the template provably only writes contents,
+`templates.content_transparent`: then (1) without markers is (2)):
 
 1. *marked*: every content wrapped in two private-use characters, ``OPEN + content + CLOSE``;
    the markers say exactly where each content landed, whatever the template wrote around it;
@@ -87,13 +88,25 @@ def _strip_markers(marked: str, pair: tuple[str, str]) -> tuple[str, list[tuple[
 
 
 def render_conversation(
-    conv: Conversation, template: ChatTemplate, *, bos_token: str, eos_token: str, side: str
+    conv: Conversation,
+    template: ChatTemplate,
+    *,
+    bos_token: str,
+    eos_token: str,
+    side: str,
+    transparent: bool = False,
 ) -> Rendering | DeadLetter:
-    """Render `conv` with `template` and locate each content (see the module docstring)."""
+    """Render `conv` with `template` and locate each content (see the module docstring).
+
+    transparent: the template only writes contents (`templates.content_transparent`), so the
+    marked rendering without its markers is the real one and the second render is skipped.
+    """
     specials = {"bos_token": bos_token, "eos_token": eos_token}
-    real, err = _try_render(template, [m.as_dict() for m in conv.messages], specials)
-    if err is not None:
-        return DeadLetter(rows.TEMPLATE_ERROR, "messages", err, side)
+    real = None
+    if not transparent:
+        real, err = _try_render(template, [m.as_dict() for m in conv.messages], specials)
+        if err is not None:
+            return DeadLetter(rows.TEMPLATE_ERROR, "messages", err, side)
     pair = _markers(conv)
     if pair is None:  # contents use every marker we have: cannot locate them safely
         return DeadLetter(
@@ -102,8 +115,12 @@ def render_conversation(
     marked_msgs = [m.as_dict(pair[0] + m.content + pair[1]) for m in conv.messages]
     marked, err = _try_render(template, marked_msgs, specials)
     if err is not None:
-        return DeadLetter(rows.TEMPLATE_REWROTE, "messages", f"depends on content: {err}", side)
+        reason = rows.TEMPLATE_ERROR if transparent else rows.TEMPLATE_REWROTE
+        return DeadLetter(
+            reason, "messages", err if transparent else f"depends on content: {err}", side
+        )
     text, spans, problem = _strip_markers(marked, pair)
+    real = text if transparent else real
     n = len(conv.messages)
     if not problem and len(spans) < n:
         first = _first_missing(conv, text, spans)

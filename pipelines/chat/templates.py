@@ -8,9 +8,9 @@ A model without one (Gemma-3-270M is a base model) gets the template the user na
 or one we ship (`SHIPPED`). There is no fallback guess: `resolve_template` raises, naming the
 places it looked and the options.
 
-Rendering goes through transformers' own template call (`render_jinja_template`: its sandboxed
-jinja environment with trim_blocks / lstrip_blocks, `raise_exception`, `tojson`), never through
-string formatting of ours, so a rendering is exactly what `apply_chat_template` gives.
+Rendering goes through transformers' own compiled template (its sandboxed jinja environment with
+trim_blocks / lstrip_blocks, `raise_exception`, `tojson`), never through string formatting of
+ours, so a rendering is exactly what `apply_chat_template(..., tokenize=False)` gives (tested).
 
 Converted model directories: `copy_gguf_template` writes a GGUF's template as
 ``chat_template.jinja`` next to the converted tokenizer (the asset conversion calls it), so the
@@ -19,6 +19,7 @@ model directory carries its template and stats can name its source.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -193,15 +194,76 @@ def resolve_template(model: str | Path, *, override: str | Path | None = None) -
 
 
 def render(template: ChatTemplate, messages: list[dict], *, bos_token: str, eos_token: str) -> str:
-    """One conversation through transformers' chat-template call (no generation prompt: the
-    conversation is complete). Raises whatever the template raises."""
-    from transformers.utils.chat_template_utils import render_jinja_template
+    """One conversation through transformers' compiled chat template, called as its
+    `render_jinja_template` / `apply_chat_template` call it (no generation prompt: the
+    conversation is complete). Their input sanitising is skipped: our messages are already
+    plain dicts of strings. Raises whatever the template raises."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    rendered, _ = render_jinja_template(
-        [messages],
-        chat_template=template.text,
+    return _compile_jinja_template(template.text).render(
+        messages=messages,
+        tools=None,
+        documents=None,
         add_generation_prompt=False,
         bos_token=bos_token,
         eos_token=eos_token,
     )
-    return rendered[0]
+
+
+# nodes that capture, filter or re-route output: content written inside them may be transformed
+_CAPTURING = ("AssignBlock", "FilterBlock", "Macro", "CallBlock")
+
+
+@functools.lru_cache(maxsize=64)
+def _transparent(text: str) -> bool:
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    tree = _compile_jinja_template(text).environment.parse(text)
+    parent: dict[int, nodes.Node] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in node.iter_child_nodes():
+            parent[id(child)] = node
+            stack.append(child)
+    if any(tree.find_all(tuple(getattr(nodes, n) for n in _CAPTURING))):
+        return False
+    reads = set()
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+        if isinstance(node, nodes.Getattr):
+            if node.attr == "content":
+                reads.add(id(node))
+            continue
+        if isinstance(node.arg, nodes.Const):
+            if node.arg.value == "content":
+                reads.add(id(node))
+        elif not (isinstance(node.node, nodes.Name) and node.node.name == "messages"):
+            return False  # a dict read by a computed key: it could be the content
+    for const in tree.find_all(nodes.Const):
+        # 'content' anywhere but as the key of a read (`.get('content')`, attribute='content')
+        if const.value == "content" and id(parent.get(id(const))) not in reads:
+            return False
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+        if id(node) not in reads:
+            continue
+        up = parent.get(id(node))
+        while isinstance(up, nodes.Add | nodes.Concat):
+            up = parent.get(id(up))
+        if not isinstance(up, nodes.Output):
+            return False
+    return True
+
+
+def content_transparent(template: ChatTemplate) -> bool:
+    """True when the template can only *write* message contents, never look at them.
+
+    Checked on the template's syntax tree: every read of a message's ``content`` flows through
+    ``+`` / ``~`` straight into the output (no filter, test, condition, slice, method, variable
+    or captured block); no dict is read by a computed key; the string 'content' appears
+    nowhere else. Then the rendering with marked contents, markers removed, *is* the real
+    rendering, and one render per conversation is enough (`pipelines.chat.render`). Templates
+    that look at contents (Gemma's official ``| trim``, ``is string`` tests) are rendered twice
+    and compared. Conservative: a False only costs the second render.
+    """
+    return _transparent(template.text)

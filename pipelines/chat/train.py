@@ -20,24 +20,31 @@ from __future__ import annotations
 import numpy as np
 
 from pipelines.chat import rows
-from pipelines.chat.markers import Layout
+from pipelines.chat.markers import Layout, fill_ranges
 from pipelines.chat.rows import Conversation
 
 
-def train_flags(conv: Conversation, lay: Layout, *, train_on: str) -> np.ndarray:
-    """bool [n] over the student's tokens (see the module docstring)."""
-    n = lay.kind.size
-    if train_on == rows.TRAIN_ALL:
-        return np.ones(n, bool)
+def picked_messages(convs: list[Conversation], *, train_on: str) -> np.ndarray:
+    """bool [M] over the batch's messages (flat, in order): the turns that are trained."""
     if train_on not in rows.TRAIN_MODES:
         raise ValueError(f"train_on must be one of {rows.TRAIN_MODES}, got {train_on!r}")
-    picked = [k for k, m in enumerate(conv.messages) if m.trainable]
-    if train_on == rows.TRAIN_LAST:
-        picked = picked[-1:]
-    flags = np.zeros(n, bool)
-    for k in picked:
-        c0, c1 = lay.content[k]
-        flags[c0:c1] = True
-        if lay.close[k, 0] >= 0:
-            flags[lay.close[k, 0] : lay.close[k, 1]] = True
+    flags = []
+    for c in convs:
+        f = [m.trainable for m in c.messages]
+        if train_on == rows.TRAIN_LAST and any(f):
+            last = len(f) - 1 - f[::-1].index(True)
+            f = [k == last for k in range(len(f))]
+        flags.extend(f)
+    return np.array(flags, bool)
+
+
+def train_flags(convs: list[Conversation], lay: Layout, *, train_on: str) -> np.ndarray:
+    """bool [N] over the student's tokens of a batch (see the module docstring)."""
+    if train_on == rows.TRAIN_ALL:
+        return np.ones(lay.kind.size, bool)
+    picked = picked_messages(convs, train_on=train_on)
+    flags = np.zeros(lay.kind.size, bool)
+    fill_ranges(lay.content[picked, 0], lay.content[picked, 1], True, flags)
+    closed = picked & (lay.close[:, 0] >= 0)
+    fill_ranges(lay.close[closed, 0], lay.close[closed, 1], True, flags)
     return flags

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from pipelines.chat import rows, templates
-from pipelines.chat.align import CHUNK_EOT, CHUNK_OPEN, align_conversations, prepare_side
+from pipelines.chat.align import align_conversations, prepare_side
 from pipelines.chat.backend import load_tokenizer
 from pipelines.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, TOKEN_OPEN
+from pipelines.chat.pairs import CHUNK_EOT, CHUNK_OPEN
 from pipelines.chat.rows import Conversation, DeadLetter, Message
 from pipelines.chat.templates import ChatTemplate
 
@@ -134,7 +135,7 @@ def check_train_round_trip(res, c: Conversation, student, *, last_only=False):
 
 
 def run(convs, student, *teachers, **kw):
-    out = align_conversations(list(convs), student=student, teachers=list(teachers), **kw)
+    out = align_conversations(list(convs), student=student, teachers=list(teachers), **kw).results()
     assert len(out) == len(convs)
     return out
 

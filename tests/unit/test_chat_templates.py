@@ -167,3 +167,57 @@ def test_a_template_that_raises_is_a_template_error():
 def test_contents_with_marker_characters_use_other_markers():
     c = conv(("user", "\U000f0001\U000f0002 odd"), ("assistant", "fine\ue000"))
     spans_ok(render(c, templates.shipped_template("chatml")), c)
+
+
+# ---------------------------------------------------------------- one render when safe
+
+LOOKS = {
+    "trim": "{% for m in messages %}{{ m['content'] | trim }}{% endfor %}",
+    "test": "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}{% endfor %}",
+    "slice": "{% for m in messages %}{{ m.content[:3] }}{% endfor %}",
+    "get": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
+    "variable": "{% for m in messages %}{% set c = m.content %}{{ c }}{% endfor %}",
+    "computed key": "{% for m in messages %}{% for k in m %}{{ m[k] }}{% endfor %}{% endfor %}",
+    "filter block": "{% for m in messages %}{% filter upper %}{{ m.content }}{% endfilter %}{% endfor %}",
+    "attribute": "{{ messages | map(attribute='content') | join }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOKS))
+def test_templates_that_look_at_contents_are_not_transparent(name):
+    assert not templates.content_transparent(ChatTemplate(name, "file", LOOKS[name]))
+
+
+def test_transparent_templates_render_once_with_the_same_result(student_dir, vocab_fixture):
+    found = [templates.model_template(student_dir)]
+    found += [templates.model_template(vocab_fixture(f)) for f in ("phi-3", "qwen2")]
+    indexed = "{% for m in messages %}{{ '<' ~ m.role ~ '>' ~ messages[loop.index0]['content'] }}{% endfor %}"
+    found += [templates.shipped_template(n) for n in templates.SHIPPED]
+    found += [
+        ChatTemplate("indexed", "file", indexed),
+        ChatTemplate("json", "file", "{{ messages | tojson }}"),
+    ]
+    convs = [
+        conv(("user", "Hi"), ("assistant", "Hello.")),
+        conv(
+            ("system", ""),
+            ("user", ' "Q" \n'),
+            ("assistant", "A."),
+            ("user", "B"),
+            ("assistant", "C"),
+        ),
+        conv(("user", "user"), ("tool", "12"), ("assistant", "  x ")),
+    ]
+    for tpl in found:
+        assert templates.content_transparent(tpl), tpl.name
+        for c in convs:
+            kw = {"bos_token": "<s>", "eos_token": "</s>", "side": "x"}
+            once = render_conversation(c, tpl, transparent=True, **kw)
+            twice = render_conversation(c, tpl, transparent=False, **kw)
+            if isinstance(twice, DeadLetter):
+                assert isinstance(once, DeadLetter) and once.reason in (
+                    twice.reason,
+                    rows.TEMPLATE_ERROR,
+                )
+            else:
+                assert once.text == twice.text and np.array_equal(once.spans, twice.spans)
