@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +79,15 @@ def gguf_chat_template(path: str | Path) -> str | None:
     """The ``tokenizer.chat_template`` metadata string of a GGUF file, or None.
 
     Reads the key/value header only (gguf's GGUFReader also parses every array and tensor
-    description, ~10 s per vocabulary file here; this takes milliseconds).
+    description, ~10 s per vocabulary file here; this takes well under a second), once per
+    file version.
     """
+    st = os.stat(path)
+    return _gguf_template(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_template(path: str, _mtime: int, _size: int) -> str | None:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         buf = memoryview(mm)
         try:

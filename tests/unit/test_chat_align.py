@@ -294,3 +294,21 @@ def test_nothing_to_align_is_not_an_error(smol, teachers):
     pair = res.pairs[0]
     assert 0 not in pair.chunk_message[pair.chunk_kind < CHUNK_OPEN].tolist()
     assert pair.chunk_kind[0] == CHUNK_OPEN and pair.chunk_message[0] == 0
+
+
+def test_the_flat_batch_is_what_the_rows_view(smol, teachers):
+    g, l3 = teachers["gemma"], teachers["llama3"]
+    batch = align_conversations([SINGLE, TOOL, MULTI], student=smol, teachers=[g, l3])
+    assert batch.index.tolist() == [0, 2] and [i for i, _ in batch.dead] == [1]
+    s = batch.student
+    assert s.token_splits[-1] == s.ids.size == batch.train.size
+    for p, t in zip(batch.pairs, batch.teachers):
+        assert p.student_chunk.size == s.ids.size and p.teacher_chunk.size == t.ids.size
+        assert p.chunk_splits[-1] == p.chunk_kind.size == p.chunk_message.size
+    rows_ = [batch.row(b) for b in range(len(batch))]
+    assert np.array_equal(np.concatenate([r.student.ids for r in rows_]), s.ids)
+    assert np.array_equal(np.concatenate([r.train for r in rows_]), batch.train)
+    for p in range(2):
+        cat = np.concatenate([r.pairs[p].teacher_chunk for r in rows_])
+        assert np.array_equal(cat, batch.pairs[p].teacher_chunk)
+    assert batch.results()[1].reason == rows.TEMPLATE_ERROR
