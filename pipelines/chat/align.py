@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.chat import rows
-from pipelines.chat.backend import Tokenizer
 from pipelines.chat.encode import RenderedBatch, SpecialMatcher, encode_renderings
 from pipelines.chat.markers import TemplateMarkers, layout, markers_from_probe
 from pipelines.chat.pairs import PairBatch, align_pair
@@ -37,6 +36,7 @@ from pipelines.chat.render import Rendering, render_conversation
 from pipelines.chat.rows import Conversation, DeadLetter, Message
 from pipelines.chat.templates import ChatTemplate, content_transparent
 from pipelines.chat.train import train_flags
+from pipelines.tokenizers.adapter import Tokenizer
 
 _PROBE = (
     ("system", "You answer questions about plays."),

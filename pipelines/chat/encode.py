@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.chat.backend import Tokenizer
 from pipelines.chat.render import Rendering
+from pipelines.tokenizers.adapter import Tokenizer
 
 
 @dataclass(frozen=True)

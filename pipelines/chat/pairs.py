@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.chat.backend import align_flat
+from pipelines.align.alignment import align_flat
 from pipelines.chat.encode import RenderedBatch
 from pipelines.chat.markers import TOKEN_CONTENT, Layout, fill_ranges
 

@@ -12,11 +12,11 @@ import pytest
 
 from pipelines.chat import rows, templates
 from pipelines.chat.align import align_conversations, prepare_side
-from pipelines.chat.backend import load_tokenizer
 from pipelines.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, TOKEN_OPEN
 from pipelines.chat.pairs import CHUNK_EOT, CHUNK_OPEN
 from pipelines.chat.rows import Conversation, DeadLetter, Message
 from pipelines.chat.templates import ChatTemplate
+from pipelines.tokenizers import load_tokenizer
 
 # ---------------------------------------------------------------- sides (loaded once per module)
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipelines.chat import example, rows, templates
 from pipelines.chat.align import ChatAlignment, align_conversations, prepare_side
-from pipelines.chat.backend import load_tokenizer
+from pipelines.tokenizers import load_tokenizer
 
 
 def test_rebuilds_byte_for_byte(tmp_path, corpus_dir):
