@@ -22,8 +22,8 @@ from tests.unit.test_data import synthetic_rows
 from trainer.config import ConfigError, from_dictconfig
 from trainer.distill import mode_config
 from trainer.main import hydra_overrides, load_config, main
+from trainer.optim import lr_lambda
 from trainer.preflight import preflight
-from trainer.train import lr_lambda
 
 
 def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
