@@ -125,10 +125,10 @@ def nonfinite_terms(
 def nonfinite_message(step: int, found: Sequence[str], *, last_checkpoint: Path | None) -> str:
     """Why a run stops at `step`, and how to go on."""
     where = (
-        f"the last good checkpoint is {last_checkpoint} (a rerun of the same command resumes "
+        f"The last good checkpoint is {last_checkpoint} (a rerun of the same command resumes "
         "from the newest one: checkpoint.resume=auto)"
         if last_checkpoint is not None
-        else "no checkpoint was saved before it (checkpoint.interval=N saves every N steps)"
+        else "No checkpoint was saved before it (checkpoint.interval=N saves every N steps)"
     )
     return (
         f"step {step}: non-finite {', '.join(found)}; the step was not applied and the run "
