@@ -146,8 +146,10 @@ class Trainer:
 
         # teachers and loss terms
         self.kd_terms: list[KDTerm] = build_kd_terms(cfg, prepared, device=self.device)
-        self.kd_weights = teacher_weights(cfg, self.kd_terms) if self.kd_terms else None
-        self._kd_weight_list = self.kd_weights.tolist() if self.kd_terms else []
+        weights = teacher_weights(cfg, self.kd_terms) if self.kd_terms else None
+        self._kd_weight_list = weights.tolist() if weights is not None else []
+        # on the device once: a host tensor would be copied over (a sync) every microbatch
+        self.kd_weights = weights.to(self.device) if weights is not None else None
         self._kd_scale: float | None = None  # dynamic combine: last step's |CE| / |KD|
         self.channels = open_teachers(
             cfg,
@@ -263,10 +265,12 @@ class Trainer:
         """This rank's [ce, kd_0.., tokens] over the step (on the device, not read back) and
         each microbatch's KD pre-counts (`KDTerm.count`: host ints)."""
         pre = [[t.count(p) for t, p in zip(self.kd_terms, q.prep)] for q in step]
-        ce = sum((q.mb.targets_BT != IGNORE).sum() for q in step)
-        tokens = sum(q.mb.attention_mask_BT.sum() for q in step)
-        kd = torch.tensor(pre, dtype=torch.float64).reshape(len(step), -1).sum(0)
-        local = torch.cat([ce.reshape(1).double(), kd.to(self.device), tokens.reshape(1).double()])
+        local = torch.zeros(2 + len(self.kd_terms), dtype=torch.float64, device=self.device)
+        local[0] = sum((q.mb.targets_BT != IGNORE).sum() for q in step)
+        for j in range(len(self.kd_terms)):
+            # a scalar fill: copying a host tensor over would wait for the device
+            local[1 + j] = sum(row[j] for row in pre)
+        local[-1] = sum(q.mb.attention_mask_BT.sum() for q in step)
         return local, pre
 
     def _loss_sum_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
