@@ -11,6 +11,9 @@ A checkpoint is one ``torch.distributed.checkpoint`` directory per saved step,
 Saving is atomic: every rank writes into ``step-N.tmp``; after DCP's own final barrier rank 0
 renames it to ``step-N``, so a directory without ``.tmp`` is always whole, and only the newest
 ``keep`` are kept. ``checkpoint.resume=auto`` picks the newest whole one.
+
+The export (`export_student`) is the whole student gathered to rank 0 and written by
+`trainer.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.config import CheckpointConfig
+from trainer import models
+from trainer.config import CheckpointConfig, ModelConfig
 
 STEP_PREFIX = "step-"
+EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT: export the student after the next logged step
 
 
 class ModelOptimState(Stateful):
@@ -144,3 +149,26 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole unsharded student on rank 0's CPU (empty elsewhere); collective."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=opts)
+
+
+def export_requested(run_dir: Path, *, device: torch.device, is_main: bool) -> bool:
+    """True on every rank when rank 0 sees ``<run_dir>/EXPORT`` (the file is then removed).
+    Collective, and a host sync: the loop asks on logging steps only."""
+    flag = torch.zeros(1, device=device)
+    request = run_dir / EXPORT_REQUEST
+    if is_main and request.exists():
+        request.unlink()
+        flag += 1
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def export_student(
+    model: nn.Module, cfg: ModelConfig, out: Path, *, extra: dict, is_main: bool
+) -> Path:
+    """The student as a plain HF directory `out`, written by rank 0 (collective)."""
+    sd = full_model_state_dict(model)
+    if is_main:
+        models.export_hf(sd, cfg=cfg, out_dir=out, extra=extra)
+    dist.barrier()
+    return out

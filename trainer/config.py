@@ -1,8 +1,9 @@
 """The trainer's configuration: one structured dataclass per section, validated on construction.
 
 Hydra composes ``conf/train.yaml`` and its groups (model/, teachers/, loss/, data/, parallel/,
-experiment/); the result is merged onto `TrainConfig` (so unknown keys and wrong types fail at
-once) and turned into these dataclasses, whose ``__post_init__`` checks every value and says
+experiment/); every key of the result must be a field here (`trainer.config_keys`: Hydra's ``+``
+adds no key), then it is merged onto `TrainConfig` (wrong types fail at once) and turned into
+these dataclasses, whose ``__post_init__`` checks every value and says
 which field is wrong and what it expected. Everything here is pure: nothing touches the file
 system or loads a model, so a bad config fails in milliseconds (file and fingerprint checks
 follow in `trainer.preflight`, still before any model loads). Loss modes and their options are
@@ -25,6 +26,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipelines import paths
+from trainer.config_keys import unknown_key, unknown_keys
 
 
 class ConfigError(ValueError):
@@ -184,6 +186,11 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 = no clipping (the norm is still logged)
+    # a non-finite loss term or gradient norm: false = stop the run, naming the step, the term
+    # and the last good checkpoint; true = skip that step (no update, gradients zeroed) and go
+    # on. Stopping is the default: a NaN mostly means a bug or a diverged run, and silently
+    # skipping steps would hide it (docs/training.md)
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("optim.lr", self.lr)
@@ -373,8 +380,27 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
 
 
+_FREE_KEYS = (
+    "every key, with or without Hydra's + or ++, must be a field of trainer/config.py "
+    "(free keys only under loss.options and the models' overrides)"
+)
+
+
+def check_key(path: str) -> None:
+    """ConfigError unless the dotted `path` (``teachers.0.weight``) is a key of the schema."""
+    msg = unknown_key(path.split("."), TrainConfig)
+    if msg is not None:
+        raise ConfigError(f"config {msg}; {_FREE_KEYS}")
+
+
 def from_dictconfig(cfg: DictConfig | dict) -> TrainConfig:
     """Hydra's composed config -> a validated `TrainConfig` (ConfigError names the bad field)."""
+    # unknown keys first: OmegaConf's merge would keep a key Hydra added with `+` and
+    # `to_object` would then drop it without a word
+    plain = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    unknown = unknown_keys(plain, TrainConfig)
+    if unknown:
+        raise ConfigError(f"config {'; '.join(unknown)}; {_FREE_KEYS}")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
         obj = OmegaConf.to_object(merged)

@@ -5,7 +5,9 @@ Thin, as in torchtitan: compose and validate the config, run the checks that nee
 (`trainer.preflight`), build the `Trainer`, ``try: train() finally: close()``, destroy the
 process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml`` (``experiment=<name>``
 works too); every other argument is a Hydra override (``optim.lr=1e-4``,
-``teachers.0.weight=0.5``, ``+parallel.threads=1``...).
+``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist in `trainer.config`:
+``+``/``++`` add no keys (they are accepted and checked the same), except under the open
+``loss.options`` and ``model.overrides`` (``+loss.options.beta=0.3``).
 
 Exit codes: 0 done, 2 invalid config or inputs (nothing was loaded), 1 any other failure.
 """
@@ -37,6 +39,21 @@ def hydra_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+def check_override_keys(overrides: list[str]) -> None:
+    """ConfigError for an override whose key is not in the schema, before Hydra composes: for
+    ``optim.lrr=1`` Hydra's own message suggests ``+optim.lrr=1``, which would run and ignore
+    it. Config-group choices (``loss=xtoken``, ``experiment=demo``) are Hydra's to check."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from trainer.config import check_key
+
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.key_or_group
+        if (CONF_DIR / key).is_dir() or key.split(".")[0] == "hydra":
+            continue
+        check_key(key)
+
+
 def load_config(argv: list[str]):
     """Compose conf/train.yaml with the overrides into a validated `TrainConfig`."""
     from hydra import compose, initialize_config_dir
@@ -46,9 +63,11 @@ def load_config(argv: list[str]):
     from trainer.config import ConfigError, from_dictconfig, register_schema
 
     register_schema()
+    overrides = hydra_overrides(argv)
     try:
+        check_override_keys(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            composed = compose(config_name="train", overrides=hydra_overrides(argv))
+            composed = compose(config_name="train", overrides=overrides)
     except HydraException as e:
         raise ConfigError(f"config: {e}") from None
     OmegaConf.resolve(composed)

@@ -238,9 +238,10 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
         norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm > 0:
+        # a tensor factor, not `coef.item()`: reading it would wait for the device every step
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef.item())
+            torch._foreach_mul_(grads, coef)
     return total
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -33,26 +32,29 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainer import checkpoint as ckpt
-from trainer import models, parallel
+from trainer import models, optim, parallel
 from trainer.config import TrainConfig
-from trainer.data import MicrobatchLoader, ShardReader, ShardStream, pad_id
+from trainer.data import IGNORE, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
 from trainer.eval import evaluate_bpb
 from trainer.losses.teacher_outputs import TeacherOutputs
-from trainer.metrics import MetricsLogger, format_summary, peak_memory_gib
+from trainer.metrics import (
+    MetricsLogger,
+    NonFiniteError,
+    StepNumbers,
+    format_summary,
+    nonfinite_message,
+    nonfinite_terms,
+    peak_memory_gib,
+    read_bpb,
+    read_step,
+    train_metrics,
+    weighted_kd,
+    write_bpb,
+)
 from trainer.preflight import Prepared
 from trainer.teacher.feed import Feed, Queued, open_teachers
 from trainer.teacher.ring import SHM_PREFIX
-
-EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT to export the student after the current step
-
-
-def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier after `step` optimizer steps: linear warmup, then cosine to min_ratio."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def shm_usage() -> dict[str, float]:
@@ -84,6 +86,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0  # non-finite steps skipped (optim.skip_nonfinite)
         self._closers: list[Any] = []
         try:
             self._build(cfg, prepared, tp)
@@ -130,28 +133,15 @@ class Trainer:
             mp_policy=mp,
             reshard_after_forward=cfg.parallel.reshard_after_forward,
         )
-        o = cfg.optim
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]  # norms, biases
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": o.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=o.lr,
-            betas=tuple(o.betas),
-            eps=o.eps,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_lambda(
-                s, warmup=o.warmup_steps, total=cfg.steps, min_ratio=o.min_lr_ratio
-            ),
-        )
+        self.optimizer = optim.build_optimizer(self.model, cfg.optim)
+        self.scheduler = optim.build_scheduler(self.optimizer, cfg.optim, steps=cfg.steps)
 
         # teachers and loss terms
         self.kd_terms: list[KDTerm] = build_kd_terms(cfg, prepared, device=self.device)
-        self.kd_weights = teacher_weights(cfg, self.kd_terms) if self.kd_terms else None
+        weights = teacher_weights(cfg, self.kd_terms) if self.kd_terms else None
+        self._kd_weight_list = weights.tolist() if weights is not None else []
+        # on the device once: a host tensor would be copied over (a sync) every microbatch
+        self.kd_weights = weights.to(self.device) if weights is not None else None
         self._kd_scale: float | None = None  # dynamic combine: last step's |CE| / |KD|
         self.channels = open_teachers(
             cfg,
@@ -216,17 +206,19 @@ class Trainer:
         return self.checkpointer.save(self.step, self.state_dict())
 
     # ---------------------------------------------------------------------------------------
-    # data + teacher pipeline
-
-    # ---------------------------------------------------------------------------------------
     # the verbs
 
     def forward_backward_step(
-        self, q: Queued, teacher_outputs: list[TeacherOutputs], *, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Forward + backward of one microbatch. Returns each term's share of the step loss
-        (local sum / global count; [ce, kd_0.., total], detached) and the losses' own metric
-        sums (additive: summed over microbatches and ranks by the caller)."""
+        self,
+        q: Queued,
+        teacher_outputs: list[TeacherOutputs],
+        *,
+        counts: torch.Tensor,
+        precounts: list[int],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward + backward of one microbatch, with no host sync. Returns, detached,
+        ``[ce, kd_0.., total, missed_0..]`` (each term's share of the step loss: local sum /
+        global count; each KD term's |count - pre-count|) and the losses' own metric sums."""
         mb = q.mb
         logits_BTV = self.model(
             input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT, use_cache=False
@@ -236,15 +228,10 @@ class Trainer:
                 ce_out = ce_term(logits_BTV.detach(), mb, vocab_size=self.vocab_used)
         else:
             ce_out = ce_term(logits_BTV, mb, vocab_size=self.vocab_used)
-        kd_outs = []
-        for i, (term, outs) in enumerate(zip(self.kd_terms, teacher_outputs)):
-            out = term.loss(logits_BTV, outs, q.prep[i])
-            if int(out.count) != term.count(q.prep[i]):  # the count the step was divided by
-                raise RuntimeError(
-                    f"teacher {term.name}: {term.mode} counted {int(out.count)} terms, the "
-                    f"pre-count said {term.count(q.prep[i])} (rows {mb.rows})"
-                )
-            kd_outs.append(out)
+        kd_outs = [
+            term.loss(logits_BTV, outs, q.prep[i])
+            for i, (term, outs) in enumerate(zip(self.kd_terms, teacher_outputs))
+        ]
         total, parts = combine_terms(
             self.cfg.loss,
             ce_out,
@@ -254,28 +241,55 @@ class Trainer:
             scale=self._kd_scale,
         )
         total.backward()
-        extra = {}
-        for term, out in zip(self.kd_terms, kd_outs):
-            extra.update({f"{term.name}/{k}": float(v) for k, v in out.metrics.items()})
-        return torch.stack([*parts, total.detach()]).double(), extra
+        # the step was divided by the pre-counts, so a loss that counts otherwise would be
+        # scaled wrongly; kept on the device and checked once per step (`_check_counts`):
+        # `int(out.count)` here would wait for the device on every microbatch
+        missed = [(o.count - c).abs().double() for o, c in zip(kd_outs, precounts)]
+        sums = {
+            f"{term.name}/{k}": v
+            for term, out in zip(self.kd_terms, kd_outs)
+            for k, v in out.metrics.items()
+            if k.endswith("_sum")  # the ones logged (as means per KD term)
+        }
+        return torch.stack([*parts, total.detach(), *missed]).double(), sums
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over `grad_accum` microbatches on every dp rank."""
+    def _step_counts(self, step: list[Queued]) -> tuple[torch.Tensor, list[list[int]]]:
+        """This rank's [ce, kd_0.., tokens] over the step (on the device, not read back) and
+        each microbatch's KD pre-counts (`KDTerm.count`: host ints)."""
+        pre = [[t.count(p) for t, p in zip(self.kd_terms, q.prep)] for q in step]
+        local = torch.zeros(2 + len(self.kd_terms), dtype=torch.float64, device=self.device)
+        local[0] = sum((q.mb.targets_BT != IGNORE).sum() for q in step)
+        for j in range(len(self.kd_terms)):
+            # a scalar fill: copying a host tensor over would wait for the device
+            local[1 + j] = sum(row[j] for row in pre)
+        local[-1] = sum(q.mb.attention_mask_BT.sum() for q in step)
+        return local, pre
+
+    def _loss_sum_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
+        """The names of the losses' metric sums on any dp rank, in one order (they may differ:
+        xtoken has a chain sum only where multi-token chunks occurred); swapped as host objects
+        on logging steps only, then reduced with the losses in one tensor all-reduce."""
+        if not self.kd_terms or self.mesh.dp_size == 1:
+            return sorted(sums)
+        every: list[list[str]] = [[] for _ in range(self.mesh.dp_size)]
+        dist.all_gather_object(every, sorted(sums), group=self.mesh.dp_group)
+        return sorted(set().union(*every))
+
+    def train_step(self, *, log: bool = True) -> dict[str, float] | None:
+        """One optimizer step over `grad_accum` microbatches on every dp rank; its metrics on a
+        logging step, else None. The step's numbers stay on the device until ONE read, after
+        the gradient norm and before the optimizer step: the non-finite guard needs the losses
+        and the norm there, and the norm is computed for clipping anyway. Other host-side
+        work (metric names swapped between ranks, /dev/shm scan, the record) waits for a
+        logging step."""
         t0 = time.perf_counter()
-        n_mb = self.cfg.data.grad_accum
+        n_mb, n_terms = self.cfg.data.grad_accum, len(self.kd_terms)
         step = self.feed.peek(n_mb)
         # every term's global count, known before the first backward: [ce, kd_0.., tokens]
-        local = torch.tensor(
-            [
-                [q.mb.num_targets, *(t.count(p) for t, p in zip(self.kd_terms, q.prep))]
-                + [int(q.mb.attention_mask_BT.sum())]
-                for q in step
-            ],
-            dtype=torch.float64,
-        ).sum(0)
-        counts = parallel.all_reduce_sum(local.to(self.device), self.mesh.dp_group)
-        shares = torch.zeros(2 + len(self.kd_terms), dtype=torch.float64, device=self.device)
-        extra: dict[str, float] = {}
+        local, precounts = self._step_counts(step)
+        counts = parallel.all_reduce_sum(local, self.mesh.dp_group)
+        shares = torch.zeros(2 + 2 * n_terms, dtype=torch.float64, device=self.device)
+        sums: dict[str, torch.Tensor] = {}
         teacher_s = 0.0
         for i in range(n_mb):
             # reduce-scatter the gradients once per step, after the last microbatch
@@ -284,10 +298,12 @@ class Trainer:
             try:
                 outs = [TeacherOutputs(**r.outputs) for r in received]
                 teacher_s += sum(r.teacher_s for r in received)
-                part, more = self.forward_backward_step(q, outs, counts=counts[:-1])
+                part, more = self.forward_backward_step(
+                    q, outs, counts=counts[:-1], precounts=precounts[i]
+                )
                 shares += part
-                for k, v in more.items():
-                    extra[k] = extra.get(k, 0.0) + v
+                for k, v in more.items() if log else ():
+                    sums[k] = sums[k] + v.double() if k in sums else v.double()
             finally:
                 for r in received:
                     r.release()
@@ -295,51 +311,66 @@ class Trainer:
         grad_norm = parallel.clip_grad_norm_(
             list(self.model.parameters()), self.cfg.optim.grad_clip
         )
+        names = self._loss_sum_names(sums) if log else []
+        if names:
+            zero = shares.new_zeros(())
+            shares = torch.cat([shares, torch.stack([sums.get(k, zero) for k in names])])
+        parallel.all_reduce_sum(shares, self.mesh.dp_group)
+        nums = read_step(shares, counts, grad_norm, n_terms=n_terms, names=names)
+        self._check_counts(nums, step)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        applied = self._apply_or_guard(nums)
+        self.step += 1
+        self.tokens_seen += int(nums.counts[-1])
+        if applied and self.kd_terms and self.cfg.loss.combine == "dynamic":
+            kd = weighted_kd(self._kd_weight_list, nums.losses[1:-1])
+            self._kd_scale = abs(nums.losses[0]) / max(abs(kd), 1e-8)  # next step's |CE|/|KD|
+        if not log:
+            return None
+        measured = {
+            **shm_usage(),
+            "lr": lr,
+            "step_s": time.perf_counter() - t0,
+            "teacher_s": teacher_s,
+            "memory_gib": peak_memory_gib(self.device),
+            "epoch": self.loader.epoch,
+        }
+        terms = [t.name for t in self.kd_terms]
+        return train_metrics(nums, terms=terms, kd_weights=self._kd_weight_list, host=measured)
+
+    def _check_counts(self, nums: StepNumbers, step: list[Queued]) -> None:
+        """Every KD term counted what its pre-count said (over the step and all ranks: every
+        rank raises alike)."""
+        for term, miss, count in zip(self.kd_terms, nums.missed, nums.counts[1:-1]):
+            if miss:
+                raise RuntimeError(
+                    f"teacher {term.name}: {term.mode} counted {int(miss)} terms more or fewer "
+                    f"than the pre-count of {int(count)} step {self.step + 1} was divided by "
+                    f"(this rank's rows {[r for q in step for r in q.mb.rows]})"
+                )
+
+    def _apply_or_guard(self, nums: StepNumbers) -> bool:
+        """The optimizer step, unless a loss term or the gradient norm is not finite: then stop
+        (NonFiniteError), or with optim.skip_nonfinite drop the gradients and go on (the data
+        is consumed, the LR schedule advances). Every rank holds the same reduced numbers, so
+        every rank decides alike. True when applied."""
+        terms = [t.name for t in self.kd_terms]
+        found = nonfinite_terms(nums.losses, terms=terms, grad_norm=nums.grad_norm)
+        if found and not self.cfg.optim.skip_nonfinite:
+            last = ckpt.list_checkpoints(self.checkpointer.folder)
+            last_good = last[-1][1] if last else None
+            raise NonFiniteError(nonfinite_message(self.step + 1, found, last_checkpoint=last_good))
+        if found:
+            self.skipped_steps += 1
+            self.metrics.write(
+                f"step {self.step + 1}: non-finite {', '.join(found)}: skipped, no update "
+                f"(optim.skip_nonfinite; {self.skipped_steps} so far)"
+            )
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        parallel.all_reduce_sum(shares, self.mesh.dp_group)
-        tokens = int(counts[-1])
-        self.tokens_seen += tokens
-        dt = time.perf_counter() - t0
-        m = {"loss": float(shares[-1]), "ce": float(shares[0])}
-        if self.kd_terms:
-            kd_means = [float(x) for x in shares[1:-1]]
-            for t, v, c in zip(self.kd_terms, kd_means, counts[1:-1]):
-                m[f"kd/{t.name}"] = v
-                # alignment coverage: KD terms (tokens or chunks) per student target token
-                m[f"coverage/{t.name}"] = float(c) / max(1.0, float(counts[0]))
-            kd = float(sum(w * v for w, v in zip(self.kd_weights.tolist(), kd_means)))
-            m["kd"] = kd
-            if self.cfg.loss.combine == "dynamic":
-                self._kd_scale = abs(m["ce"]) / max(abs(kd), 1e-8)
-        m.update(
-            **shm_usage(),
-            grad_norm=float(grad_norm),
-            lr=lr,
-            tokens=tokens,
-            tokens_per_s=tokens / dt,
-            step_s=dt,
-            teacher_s=teacher_s,
-            memory_gib=peak_memory_gib(self.device),
-            epoch=self.loader.epoch,
-        )
-        # the losses' own metric sums over all dp ranks (their keys may differ between ranks,
-        # e.g. a chain term only where multi-token chunks occurred: gathered as objects), per term
-        if self.kd_terms and self.mesh.dp_size > 1:
-            every: list[dict[str, float]] = [{} for _ in range(self.mesh.dp_size)]
-            dist.all_gather_object(every, extra, group=self.mesh.dp_group)
-            extra = {}
-            for d in every:
-                for k, v in d.items():
-                    extra[k] = extra.get(k, 0.0) + v
-        for t, c in zip(self.kd_terms, counts[1:-1]):
-            for k, v in extra.items():
-                if k.startswith(f"{t.name}/") and k.endswith("_sum"):
-                    m[f"{k[: -len('_sum')]}_mean"] = v / max(1.0, float(c))
-        return m
+        return not found
 
     def evaluate(self) -> float:
         """Held-out bits per byte of the student (same texts on every rank: FSDP collectives
@@ -373,45 +404,19 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def export_requested(self) -> bool:
-        """True on every rank when rank 0 sees ``<run_dir>/EXPORT`` (``touch`` it to ask for
-        an export of the student at the end of the current step); the file is removed."""
-        flag = torch.zeros(1, device=self.device)
-        request = self.run_dir / EXPORT_REQUEST
-        if self.is_main and request.exists():
-            request.unlink()
-            flag += 1
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
-
     def _export(self, name: str = "export") -> Path:
-        """The student as a plain HF directory <run_dir>/<name> (collective)."""
-        sd = ckpt.full_model_state_dict(self.model)
+        extra = {"step": self.step, "run": self.cfg.name}
         out = self.run_dir / name
-        if self.is_main:
-            models.export_hf(
-                sd, cfg=self.cfg.model, out_dir=out, extra={"step": self.step, "run": self.cfg.name}
-            )
-        dist.barrier()
-        return out
-
-    def _bpb_state(self) -> dict:
-        """BPB measured earlier in this run (kept across a resume, never across fresh starts)."""
-        path = self.run_dir / "bpb.json"
-        fresh = self.resumed_from is None
-        return json.loads(path.read_text()) if path.is_file() and not fresh else {}
-
-    def _save_bpb_state(self, state: dict) -> None:
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "bpb.json").write_text(json.dumps(state, indent=2))
+        return ckpt.export_student(
+            self.model, self.cfg.model, out, extra=extra, is_main=self.is_main
+        )
 
     def train(self) -> dict:
         """Run to `steps` (or `stop_after`): eval before, train, eval/checkpoint, export, summary."""
         cfg = self.cfg
         end = cfg.stop_after or cfg.steps
         do_eval = bool(self.eval_texts)
-        bpb = self._bpb_state()
+        bpb = read_bpb(self.run_dir, fresh=self.resumed_from is None)
         if do_eval and "student_before" not in bpb and self.step == 0:
             bpb["student_before"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_before"]}, kind="eval")
@@ -420,12 +425,13 @@ class Trainer:
             self.metrics.log(
                 self.step, {f"bpb/{k}": v for k, v in bpb["teachers"].items()}, kind="eval"
             )
-        self._save_bpb_state(bpb)
+        write_bpb(self.run_dir, bpb, enabled=self.is_main)
         t_start, first_step = time.perf_counter(), self.step
         last_ckpt = None
         while self.step < end:
-            m = self.train_step()
-            if self.step % cfg.logging.interval == 0 or self.step == end:
+            nxt = self.step + 1
+            m = self.train_step(log=nxt % cfg.logging.interval == 0 or nxt == end)
+            if m is not None:  # a logging step
                 self.metrics.log(self.step, m)
             self.metrics.advance()
             if (
@@ -437,10 +443,10 @@ class Trainer:
                 self.metrics.log(self.step, {"bpb": self.evaluate()}, kind="eval")
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 last_ckpt = self.save_checkpoint()
-            if self.export_requested():
-                self.metrics.write(
-                    f"exported the student: {self._export(f'export-step-{self.step}')}"
-                )
+            if m is not None and ckpt.export_requested(
+                self.run_dir, device=self.device, is_main=self.is_main
+            ):
+                self.metrics.write(f"exported: {self._export(f'export-step-{self.step}')}")
         train_s = time.perf_counter() - t_start
         if cfg.checkpoint.save_at_end and (
             last_ckpt is None or not last_ckpt.name.endswith(f"{self.step:08d}")
@@ -449,7 +455,7 @@ class Trainer:
         if do_eval and self.step == cfg.steps:
             bpb["student_after"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_after"]}, kind="eval")
-            self._save_bpb_state(bpb)
+            write_bpb(self.run_dir, bpb, enabled=self.is_main)
         export = self._export() if cfg.checkpoint.export_at_end and self.step == cfg.steps else None
         summary = {
             "name": cfg.name,
@@ -457,6 +463,7 @@ class Trainer:
             "steps_this_run": self.step - first_step,
             "train_seconds": round(train_s, 1),
             "tokens": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
             "bpb": bpb,
             "eval_texts": len(self.eval_texts),
             "eval_bytes": sum(len(t.encode("utf-8")) for t in self.eval_texts),

@@ -9,8 +9,8 @@ import pytest
 
 from tests.dist.harness import load_cases
 
-# Bugs found by these cases in code owned by another component; strict, so a fix turns them red
-# until the marker is removed.
+# every case of the launch except the loss-library ones (test_loss_invariance.py checks those);
+# none is expected to fail: a case that finds a bug fails here, under its own name
 OP_CASES = sorted(n for n in load_cases() if not n.startswith("loss_"))
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,8 @@ from tests.unit.test_data import synthetic_rows
 from trainer.config import ConfigError, from_dictconfig
 from trainer.losses.modes import MODES
 from trainer.main import hydra_overrides, load_config, main
+from trainer.optim import lr_lambda
 from trainer.preflight import preflight
-from trainer.train import lr_lambda
 
 
 def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
@@ -69,6 +69,33 @@ def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
 def test_bad_values_name_their_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
         load_config(overrides)
+
+
+@pytest.mark.parametrize("prefix", ["", "+", "++"])
+def test_unknown_keys_are_refused_with_or_without_plus(prefix):
+    with pytest.raises(ConfigError, match=r"config optim.lrr: no such key \(closest: optim.lr\)"):
+        load_config([f"{prefix}optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"threads: no such key \(closest: parallel.threads\)"):
+        load_config([f"{prefix}threads=1"])
+    with pytest.raises(ConfigError, match=r"teachers.0.wieght: no such key .*teachers.0.weight"):
+        load_config(["conf=debug", f"{prefix}teachers.0.wieght=1"])
+    with pytest.raises(ConfigError, match=r"model.foo: no such key \(model has path, init"):
+        load_config([f"{prefix}model.foo.bar=1"])
+
+
+def test_open_sections_take_free_keys_and_dicts_are_checked_too(student_dir):
+    cfg = load_config(["conf=debug", "+model.overrides.rope_theta=5.0", "+loss.options.beta=0.3"])
+    assert cfg.model.overrides["rope_theta"] == 5.0 and cfg.loss.options["beta"] == 0.3
+    d = {"model": {"path": str(student_dir)}, "data": {"shards": "x"}, "optim": {"lrr": 1}}
+    with pytest.raises(ConfigError, match=r"optim.lrr: no such key \(closest: optim.lr\)"):
+        from_dictconfig(d)
+
+
+def test_main_refuses_an_unknown_key_with_exit_code_2_before_loading(capsys):
+    t0 = time.perf_counter()
+    assert main(["conf=debug", "+optim.lrr=1"]) == 2
+    assert time.perf_counter() - t0 < 3.0  # nothing loaded: no tokenizer, no model
+    assert "optim.lrr: no such key (closest: optim.lr)" in capsys.readouterr().err
 
 
 def test_conf_is_experiment_and_options_are_refused():
