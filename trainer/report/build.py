@@ -63,20 +63,12 @@ def _bpb_cells(run: Run) -> list[str]:
     ]
 
 
+RUN_COLUMNS = ["run", "steps", "tokens", "train s", "BPB before", "BPB after", "teacher BPB"]
+RUN_COLUMNS += ["last loss", "last CE", "last KD", "folder"]
+
+
 def runs_table(runs: list[Run], colors: list[str]) -> str:
-    head = [
-        "run",
-        "steps",
-        "tokens",
-        "train s",
-        "BPB before",
-        "BPB after",
-        "teacher BPB",
-        "last loss",
-        "last CE",
-        "last KD",
-        "folder",
-    ]
+    """A row per run: its colour, length, held-out BPB and last logged losses."""
     rows = []
     for run, color in zip(runs, colors):
         steps = run.summary.get("steps")
@@ -96,52 +88,53 @@ def runs_table(runs: list[Run], colors: list[str]) -> str:
                 str(run.path),
             ]
         )
-    return H.table(head, rows)
+    return H.table(RUN_COLUMNS, rows)
+
+
+def _at(values, i: int):
+    """values[i] of a per-teacher stats list, None when the stats lack it."""
+    return values[i] if isinstance(values, list) and i < len(values) else None
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
+SHARD_COLUMNS = ["run", "teacher", "documents", "windows", "student tokens", "teacher tokens"]
+SHARD_COLUMNS += ["chunks", "exact chunks", "fallback docs", "dead letters"]
 
 
 def shards_table(runs: list[Run]) -> str:
-    head = [
-        "run",
-        "teacher",
-        "documents",
-        "windows",
-        "student tokens",
-        "teacher tokens",
-        "chunks",
-        "exact chunks",
-        "fallback docs",
-        "dead letters",
-    ]
+    """The shards' stats.json, a row per teacher, once per shard folder."""
     rows, seen = [], set()
     for run in runs:
         st = run.shard_stats
         if not st or run.shards in seen:
             continue
         seen.add(run.shards)
-        tokens = st.get("tokens", {})
         names = run.summary.get("teachers") or []
         for i, t in enumerate(st.get("teachers", [])):
-            teacher = names[i] if i < len(names) else t.get("name", f"t{i}")
-            exact = (st.get("exact_chunk_fraction") or [None] * (i + 1))[i]
-            fallback = (st.get("fallback_rate") or [None] * (i + 1))[i]
+            tokens = st.get("tokens", {})
             rows.append(
                 [
                     run.name,
-                    teacher,
+                    _at(names, i) or t.get("name", f"t{i}"),
                     H.fmt(st.get("documents")),
                     H.fmt(st.get("windows")),
                     H.fmt(tokens.get("student")),
-                    H.fmt((tokens.get("teachers") or [None] * (i + 1))[i]),
-                    H.fmt((st.get("chunks") or [None] * (i + 1))[i]),
-                    "—" if exact is None else f"{exact:.1%}",
-                    "—" if fallback is None else f"{fallback:.1%}",
+                    H.fmt(_at(tokens.get("teachers"), i)),
+                    H.fmt(_at(st.get("chunks"), i)),
+                    _pct(_at(st.get("exact_chunk_fraction"), i)),
+                    _pct(_at(st.get("fallback_rate"), i)),
                     H.fmt(st.get("dead_letters")),
                 ]
             )
     if not rows:
         return ""
     where = ", ".join(sorted({str(r.shards) for r in runs if r.shard_stats}))
-    return f'<h2>Aligned shards</h2><p class="sub">{H.esc(where)}</p>' + H.table(head, rows, left=2)
+    return f'<h2>Aligned shards</h2><p class="sub">{H.esc(where)}</p>' + H.table(
+        SHARD_COLUMNS, rows, left=2
+    )
 
 
 def render_page(runs: list[Run], charts: list[tuple[Panel | Bars, bytes, str]]) -> str:

@@ -171,7 +171,10 @@ def chunk_kinds(runs: list[Run], colors: list[str]) -> Bars | None:
         stats = run.shard_stats or {}
         for i, kinds in enumerate(stats.get("chunk_kinds", [])):
             names = run.summary.get("teachers") or []
-            teacher = names[i] if i < len(names) else stats["teachers"][i].get("name", f"t{i}")
+            infos = stats.get("teachers") or []
+            teacher = names[i] if i < len(names) else f"t{i}"
+            if i >= len(names) and i < len(infos):  # unnamed in the summary: the tokenizer's name
+                teacher = infos[i].get("name", teacher)
             where = (run.shards, i)
             if where in seen:
                 label, c, counts = groups[seen[where]]
