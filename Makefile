@@ -18,12 +18,13 @@ TASKS   ?=
 LIMIT   ?=
 MODEL   ?=
 BENCH   ?=
+RUNS    ?= runs/demo
 ALIGN_ARGS ?=
 
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo projection align train eval bench clean
+.PHONY: help setup models test lint format demo projection align train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -62,6 +63,9 @@ train: models  ## one-process training run on the demo config (see README for to
 eval: models  ## evaluation suite: MODEL=a[,b] TASKS= LIMIT=
 	$(PY) -m trainer.eval --model '$(MODEL)' $(if $(TASKS),--tasks $(TASKS)) $(if $(LIMIT),--limit $(LIMIT))
 
+report: $(SETUP)  ## run report (HTML + PNGs) of RUNS=runs/a [runs/b ...], side by side
+	$(PY) -m trainer.report $(RUNS)
+
 DEMO_ALIGN := outputs/align/demo
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU)
 	@echo "== 1/4 tokenizer pair report"
@@ -74,6 +78,7 @@ demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolL
 	@echo "== 4/4 distil SmolLM2-135M from Gemma-3-270M (xtoken + CE), bits/byte before and after"
 	rm -rf runs/demo
 	$(PY) trainer/main.py conf=demo
+	@echo "== run report (plots, open in a browser): runs/demo/report/report.html"
 
 # bench-only baselines (TRL's aligner and ULD loss), installed without their heavy deps
 BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1 xxhash==4.1.0

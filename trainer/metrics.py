@@ -259,6 +259,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("tensorboard", "tensorboard"),
         ("checkpoint", "checkpoint"),
         ("export", "exported student"),
+        ("report", "run report"),
     ):
         if summary.get(key) is not None:
             lines.append(f"{label + ':':22s}{summary[key]}")

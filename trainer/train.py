@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainer import checkpoint as ckpt
-from trainer import models, optim, parallel
+from trainer import models, optim, parallel, report
 from trainer.config import TrainConfig
 from trainer.data import IGNORE, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
@@ -472,11 +472,14 @@ class Trainer:
             "checkpoint": str(last_ckpt) if last_ckpt else None,
             "export": str(export) if export else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "shards": str(Path(self.prep.shards.dir).resolve()),  # the run report's chunk stats
+            "teachers": [t.name for t in cfg.teachers],
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.metrics.close()
+            summary["report"] = report.after_run(self.run_dir)  # never raises: logs one line
             print(format_summary(summary), flush=True)
         return summary
 

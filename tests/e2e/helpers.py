@@ -13,8 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from pipelines import paths
-from pipelines.align import WindowConfig, align, cut_windows
+from pipelines.align import CHUNK_KIND_NAMES, WindowConfig, align, cut_windows
 from pipelines.schema import shard_schema
 from pipelines.shards import ShardWriter, shard_name, window_to_row, write_completed
 from pipelines.tokenizers import load_tokenizer
@@ -51,12 +53,16 @@ def write_shards(
     teachers = [load_tokenizer(t) for t in teacher_dirs]
     config = WindowConfig(max_student_tokens=max_tokens, max_teacher_tokens=max_tokens)
     rows = []
+    kinds = np.zeros((len(teachers), len(CHUNK_KIND_NAMES)), dtype=np.int64)
     for doc_id, text in docs:
         s_enc = student.encode(text)
         t_parts = []
-        for t in teachers:
+        for i, t in enumerate(teachers):
             t_enc = t.encode(text)
-            t_parts.append((t, t_enc, align(s_enc, t_enc)))
+            al = align(s_enc, t_enc)
+            counts = np.bincount(al.chunk_kind.astype(np.int64), minlength=kinds.shape[1])
+            kinds[i] += counts[: kinds.shape[1]]
+            t_parts.append((t, t_enc, al))
         for w in cut_windows(text, student=(student, s_enc), teachers=t_parts, config=config):
             rows.append(window_to_row(doc_id, w))
     schema = shard_schema(student.info(), [t.info() for t in teachers])
@@ -71,6 +77,8 @@ def write_shards(
         "student": student.info().to_json(),
         "teachers": [t.info().to_json() for t in teachers],
         "windows": len(rows),
+        # as the align job counts them (per document, before windowing): the run report plots them
+        "chunk_kinds": [dict(zip(CHUNK_KIND_NAMES, map(int, k))) for k in kinds],
     }
     write_completed(out, stats, files=files)
     return out

@@ -2,11 +2,10 @@
 
 Tiny random-init student (SmolLM2 tokenizer) and teacher (Gemma 3 tokenizer) on real aligned
 shards of the shipped corpus and the real projection, xtoken loss through the shared-memory
-channel. Four launches: a full run (loss falls, channel memory constant, eval and export), a run
-resumed from the full run's mid-way checkpoint (same losses), a run whose teacher workers form
-their own tensor-parallel group and one of them is killed (clear error, non-zero exit, no
-orphan), and a run with mismatched shards (refused before
-anything is built).
+channel. Four launches: a full run (loss falls, channel memory constant, eval, export, the run
+report), a run resumed from the full run's mid-way checkpoint (same losses), a run whose teacher
+workers form their own tensor-parallel group and one of them is killed (clear error, non-zero
+exit, no orphan), and a run with mismatched shards (refused before anything is built).
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import torch
 from pipelines import projection as P
 from pipelines.tokenizers import load_tokenizer
 from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
+from tests.unit.test_report import check_numbers, check_page
+from trainer.report import write_report
 
 PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
@@ -71,6 +72,7 @@ def full_run(inputs) -> Path:
     proc = run_trainer(args + CPU, nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "held-out bits/byte  student after" in proc.stdout
+    assert f"run report:           {run_dir / 'report' / 'report.html'}" in proc.stdout
     return run_dir
 
 
@@ -90,6 +92,27 @@ def test_full_run_learns_and_reuses_channel_memory(full_run):
     assert bpb["student_after"] < bpb["student_before"]
     assert bpb["teachers"]["gemma3-tiny"] > 0
     assert list((full_run / "tensorboard").iterdir())
+
+
+def test_run_report_shows_the_run_and_one_killed_early(full_run, tmp_path):
+    """The report the trainer wrote at the end, and one of this run beside a copy of it killed
+    after two steps (no summary, no bpb.json, a cut last line), on the same axes."""
+    html = full_run / "report" / "report.html"
+    check_page(html)
+    pngs = {p.stem for p in html.parent.glob("*.png")}
+    assert {"loss", "ce", "kd", "bpb", "lr", "grad_norm", "tokens_per_s", "coverage",
+            "chunk_kinds", "step_time"} <= pngs  # fmt: skip
+    assert check_numbers(html.parent / "report.json", {"full": full_run}) >= 10
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    head = (full_run / "metrics.jsonl").read_text().splitlines(keepends=True)[:4]
+    (killed / "metrics.jsonl").write_text("".join(head) + head[-1][:20])
+    both = write_report([full_run, killed], out=tmp_path / "both")
+    check_page(both)
+    data = json.loads((both.parent / "report.json").read_text())
+    assert [x["label"] for x in data["panels"]["loss"]["lines"]] == ["full", "killed"]
+    assert check_numbers(both.parent / "report.json", {"full": full_run, "killed": killed}) >= 20
+    assert "killed: no summary.json" in both.read_text()
 
 
 def test_export_is_a_plain_hf_directory(full_run):

@@ -2,7 +2,9 @@
 
 Evaluates one or more HF model directories on the tasks (default: every likelihood task; add
 ``gen`` for generation, ``text:PATH`` for a text file's bits per byte), prints one Markdown table
-with a column per model and the paired differences, and writes the JSON (+ the table as .md).
+with a column per model and the paired differences, and writes the JSON, the table as .md, and
+beside them a bar chart of each task's primary metric with standard-error bars (.png) and a
+self-contained page with the chart and the table (.html).
 Without ``--model`` it evaluates the shipped student and teacher side by side.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipelines import paths
+from trainer.eval.chart import write_eval_report
 from trainer.eval.report import markdown_table, timing_table, write_results
 from trainer.eval.runner import evaluate_models
 from trainer.eval.scoring import ModelDoesNotFitError
@@ -89,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(payload))
     print(timing_table(payload))
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    try:
+        png, page = write_eval_report(payload, json_path)
+        print(f"chart: {png}; page (chart + table): {page}", file=sys.stderr)
+    except Exception as e:  # the results are written; a failed chart must not hide them
+        print(f"eval chart not written ({type(e).__name__}: {e})", file=sys.stderr)
     return 0
 
 

@@ -27,6 +27,17 @@ def _fmt(value: float, se: float, *, signed: bool = False) -> str:
     return v if se is None or math.isnan(se) else f"{v} ± {se:.3f}"
 
 
+def model_names(model_dirs: list[str]) -> list[str]:
+    """Column (and run report legend) names: the shortest path suffixes that tell them apart
+    (`runs/demo/export`, `runs/demo-ce/export` -> `demo/export`, `demo-ce/export`)."""
+    parts = [Path(d).resolve().parts[1:] or (str(d),) for d in model_dirs]
+    for k in range(1, max((len(p) for p in parts), default=1) + 1):
+        names = ["/".join(p[-k:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [f"{p[-1]}#{i}" for i, p in enumerate(parts)]  # the same directory twice
+
+
 def table_rows(payload: dict) -> list[dict]:
     """One dict per (task, metric): values per model and differences against the first."""
     names = list(payload["models"])
@@ -58,17 +69,26 @@ def table_rows(payload: dict) -> list[dict]:
     return rows
 
 
-def markdown_table(payload: dict) -> str:
+def table_cells(payload: dict) -> tuple[list[str], list[list[str]]]:
+    """The side-by-side table as text cells (header, rows): the Markdown table and the HTML
+    page beside the chart (`trainer.eval.chart`) show the same cells."""
     names = list(payload["models"])
     head = ["task", "metric", "n", *names, *(f"Δ {n} − {names[0]}" for n in names[1:])]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for row in table_rows(payload):
         metric = row["metric"] + ("*" if row["primary"] else "")
         metric += " ↓" if row["metric"] in LOWER_IS_BETTER else ""
         cells = [row["task"], metric, str(row["n"])]
         cells += [_fmt(*row["values"][n]) for n in names]
         cells += [_fmt(*row["diffs"].get(n, (math.nan, math.nan)), signed=True) for n in names[1:]]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    return head, rows
+
+
+def markdown_table(payload: dict) -> str:
+    head, rows = table_cells(payload)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     limit = payload.get("options", {}).get("limit")
     lines.append("")
     lines.append(
@@ -116,10 +136,14 @@ def timing_table(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write beside, then rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data, encoding="utf-8")
     os.replace(tmp, path)
 
 

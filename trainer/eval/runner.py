@@ -25,6 +25,7 @@ import torch
 from trainer.eval import generation as gen
 from trainer.eval.bpb import score_texts
 from trainer.eval.metrics import summarize
+from trainer.eval.report import model_names
 from trainer.eval.scoring import (
     BatchLimits,
     ModelDoesNotFitError,
@@ -343,17 +344,6 @@ def load_model(path: str | Path, *, device: str = "auto", dtype: str = "auto"):
             "params": params,
         },
     )
-
-
-def model_names(model_dirs: list[str]) -> list[str]:
-    """Column names: the shortest path suffixes that tell the models apart
-    (`runs/demo/export`, `runs/demo-ce/export` -> `demo/export`, `demo-ce/export`)."""
-    parts = [Path(d).resolve().parts[1:] or (str(d),) for d in model_dirs]
-    for k in range(1, max((len(p) for p in parts), default=1) + 1):
-        names = ["/".join(p[-k:]) for p in parts]
-        if len(set(names)) == len(names):
-            return names
-    return [f"{p[-1]}#{i}" for i, p in enumerate(parts)]  # the same directory twice
 
 
 def evaluate_models(
