@@ -107,6 +107,7 @@ class ProgressReporter:
         self.stream = stream or sys.stderr
         self.stop = threading.Event()
         self.t0 = time.monotonic()
+        self.totals: dict = {}
         self.bar = None
         if getattr(self.stream, "isatty", lambda: False)():
             with contextlib.suppress(ImportError):
@@ -122,7 +123,9 @@ class ProgressReporter:
             self.report()
 
     def report(self) -> str:
-        totals = read_totals(self.directory)
+        # never backwards: the finalize step removes the directory at the end
+        new = read_totals(self.directory)
+        totals = self.totals = {k: max(v, self.totals.get(k, 0)) for k, v in new.items()}
         line = progress_line(
             totals, total_bytes=self.total_bytes, elapsed=time.monotonic() - self.t0
         )

@@ -279,7 +279,9 @@ class ShardSet:
     files: list[Path]
     num_rows: int
     file_rows: list[int]
-    checksums: dict[str, dict] = dataclasses.field(default_factory=dict)  # COMPLETED v2: name -> bytes, hash
+    checksums: dict[str, dict] = dataclasses.field(
+        default_factory=dict
+    )  # COMPLETED v2: name -> bytes, hash
 
     def iter_batches(self, *, files: list[Path] | None = None) -> Iterator[pa.RecordBatch]:
         """Record batches of `files` (default: all), memory-mapped, in file order."""

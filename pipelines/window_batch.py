@@ -21,8 +21,6 @@ import pyarrow as pa
 from pipelines import schema as S
 from pipelines import window_kernel as K
 
-NONE = -2  # "no special token" for the kernels (ids are >= 0, chunk pads are -1)
-
 
 @dataclass(frozen=True)
 class BatchText:
@@ -148,10 +146,6 @@ def _list_column(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
 
 
-def _special(x: int | None) -> int:
-    return NONE if x is None else int(x)
-
-
 def to_record_batch(
     cut: Cut,
     text: BatchText,
@@ -178,8 +172,8 @@ def to_record_batch(
 
     def tokens(values, side: int, *, pad: int | None = None, shift=None) -> pa.Array:
         s = sides[side]
-        head = _special(s.bos) if pad is None else (pad if s.bos is not None else NONE)
-        tail = _special(s.eos) if pad is None else (pad if s.eos is not None else NONE)
+        head = (s.bos or 0) if pad is None else pad
+        tail = (s.eos or 0) if pad is None else pad
         offsets, flat = K.gather_lists(
             values,
             s.splits,
@@ -187,7 +181,9 @@ def to_record_batch(
             cut.w_lo[side],
             cut.w_hi[side],
             head,
+            s.bos is not None,
             tail,
+            s.eos is not None,
             eos,
             zeros if shift is None else shift,
             shift is not None,

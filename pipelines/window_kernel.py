@@ -252,17 +252,16 @@ def cut_kernel(text_u8, byte_splits, s_splits, t_splits, c_splits, c_send, c_ten
 
 
 @njit(cache=True)
-def gather_lists(values, row_base, w_row, lo, hi, head, tail, w_tail, shift, renumber):
+def gather_lists(values, row_base, w_row, lo, hi, head, has_head, tail, has_tail, w_tail, shift,
+                 renumber):  # fmt: skip
     """One list column: window j holds [head] + values[row_base[row] + lo : ... + hi] + [tail].
 
-    head / tail: the value to add, or < -1 for none (tail only where w_tail[j]); with
-    `renumber`, values >= 0 become value - shift[j] (chunk ids counted from 0 per window) and
-    negative ones stay -1. Returns (offsets int32 [W + 1], values int32).
+    The head goes first in every window if `has_head`, the tail last where `has_tail` and
+    w_tail[j]; with `renumber`, values >= 0 become value - shift[j] (chunk ids counted from 0
+    per window) and negative ones stay -1. Returns (offsets int32 [W + 1], values int32).
     """
     n_w = w_row.size
     offsets = np.zeros(n_w + 1, np.int32)
-    has_head = head >= -1
-    has_tail = tail >= -1
     total = 0
     for j in range(n_w):
         total += hi[j] - lo[j] + has_head + (has_tail and w_tail[j])
