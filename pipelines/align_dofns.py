@@ -20,6 +20,8 @@ with several outputs emit ``(tag, value)`` pairs that the job splits with `selec
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import threading
 import time
 from dataclasses import dataclass
@@ -61,7 +63,15 @@ def cached_tokenizer(path: str) -> Tokenizer:
     with _TOKENIZERS_LOCK:
         if path not in _TOKENIZERS:
             _TOKENIZERS[path] = load_tokenizer(path)
+            release_free_memory()
         return _TOKENIZERS[path]
+
+
+def release_free_memory() -> None:
+    """Hand freed heap back to the OS (glibc only; elsewhere a no-op). Parsing Gemma's 33 MB
+    tokenizer.json leaves ~185 MB of freed temporaries that glibc keeps: in every worker."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def count(name: str, n: int = 1) -> None:

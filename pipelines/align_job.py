@@ -69,10 +69,13 @@ def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
     return paths.REPO_ROOT / "outputs" / "align" / "__".join(parts)
 
 
-def match_inputs(patterns: list[str]) -> tuple[list[F.InputSplit], int, int]:
+def match_inputs(
+    patterns: list[str], *, split_bytes: int | None = None
+) -> tuple[list[F.InputSplit], int, int]:
     """Glob patterns -> (read tasks, total bytes, files). A large uncompressed local jsonl file
-    becomes several byte-range tasks. A pattern matching nothing is an error (a typo in DATA
-    must not produce an empty, complete shard directory)."""
+    becomes byte-range tasks of `split_bytes` (default: about 1/16 of the input, 1-64 MB). A
+    pattern matching nothing is an error (a typo in DATA must not produce an empty, complete
+    shard directory)."""
     found, bases, sizes = [], [], {}
     for pattern in patterns:
         metas = FileSystems.match([pattern])[0].metadata_list
@@ -85,7 +88,7 @@ def match_inputs(patterns: list[str]) -> tuple[list[F.InputSplit], int, int]:
                 sizes[m.path] = m.size_in_bytes
     ids = readers.doc_ids_for(found, bases)
     total = sum(sizes.values())
-    split_bytes = min(max(total // SPLITS_PER_RUN, SPLIT_MIN), SPLIT_MAX)
+    split_bytes = split_bytes or min(max(total // SPLITS_PER_RUN, SPLIT_MIN), SPLIT_MAX)
     tasks = []
     for path in found:
         size = sizes[path]

@@ -213,3 +213,25 @@ def test_windows_to_batch_equals_rows_of_window_to_row():
     assert fast.equals(slow) and fast.schema.equals(schema, check_metadata=True)
     with pytest.raises(ValueError, match="other than 1 teacher"):
         shards.windows_to_batch(items, S.shard_schema(STUDENT, TEACHERS[:1]))
+
+
+def test_marker_v2_checksums_and_v1_still_read(tmp_path):
+    import hashlib
+
+    files = _write_dir(tmp_path, _rows(2))
+    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    assert marker["version"] == shards.COMPLETED_VERSION == 2
+    data = (tmp_path / S.STATS_FILE).read_bytes()
+    assert marker["checksums"][S.STATS_FILE] == {
+        "bytes": len(data),
+        "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest(),
+    }
+    assert shards.open_shards(tmp_path).checksums == marker["checksums"]
+    # a directory written before marker version 2 (no checksums) still opens
+    v1 = {k: marker[k] for k in ("schema_version", "files", "num_rows")} | {"version": 1}
+    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(v1))
+    ss = shards.open_shards(tmp_path)
+    assert ss.num_rows == sum(files.values()) and ss.checksums == {}
+    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(v1 | {"version": 9}))
+    with pytest.raises(ValueError, match="rebuild"):
+        shards.open_shards(tmp_path)
