@@ -13,6 +13,7 @@ alone at 16 copies; time per token flat from 4 to 16 copies (within 15%).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -32,10 +33,8 @@ DATA = "kjv.jsonl"
 def _tree_rss(proc: psutil.Process) -> int:
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):  # a worker that just exited
             total += p.memory_info().rss
-        except psutil.Error:
-            pass
     return total
 
 
@@ -152,12 +151,16 @@ def main() -> str:
     return _section(rows, cores=cores, copies=copies)
 
 
+def _cpu() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"
+
+
 def _section(rows, *, cores: int, copies: list[int]) -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if "model name" in x)
-    except (OSError, StopIteration):
-        pass
+    cpu = _cpu()
     lines = [
         "## Align job at scale (issue 19) — KJV copies and one long document",
         "",
@@ -180,7 +183,7 @@ def _section(rows, *, cores: int, copies: list[int]) -> str:
             f"{tok['tokenize_s']:.1f} | {job['job_s'] / tok['tokenize_s']:.2f}x |"
         )
     lines.append("")
-    for name, tok, job, one in rows:
+    for name, _, job, one in rows:
         if one is not None:
             lines.append(
                 f"- 2 workers vs 1 ({name}): {one['job_s']:.1f} s -> {job['job_s']:.1f} s, "
