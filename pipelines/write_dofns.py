@@ -18,6 +18,7 @@ from pathlib import Path
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
 
 from pipelines import job_stats, rolling, shards
 from pipelines import schema as S
@@ -133,18 +134,22 @@ class FinalizeDoFn(beam.DoFn):
         self.out_dir, self.tmp_dir, self.header = out_dir, tmp_dir, header
         self.student_path, self.teacher_paths = student, list(teachers)
 
-    def setup(self):
-        # the tokenizers are in this worker's cache already (the align DoFn loaded them)
-        student = cached_tokenizer(self.student_path)
-        teachers = [cached_tokenizer(p) for p in self.teacher_paths]
-        self.infos = {
-            "student": student.info().to_json(),
-            "teachers": [t.info().to_json() for t in teachers],
-        }
+    def _infos(self, out: Path, index: dict) -> dict:
+        """The tokenizers, from a written shard's metadata; loaded only for a run without rows
+        (this worker may never have loaded them: no need to, for a header)."""
+        if index:
+            with pa.memory_map(str(out / next(iter(index))), "r") as src:
+                meta = S.read_meta(pa.ipc.open_file(src).schema, where=next(iter(index)))
+            student, teachers = meta.student, meta.teachers
+        else:
+            student = cached_tokenizer(self.student_path).info()
+            teachers = [cached_tokenizer(p).info() for p in self.teacher_paths]
+        return {"student": student.to_json(), "teachers": [t.to_json() for t in teachers]}
 
     def process(self, summary):
         out, tmp = Path(self.out_dir), Path(self.tmp_dir)
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=shards.shard_name)
+        infos = self._infos(out, index)
         files = {name: int(info["rows"]) for name, info in index.items()}
         dead_parts = dict(summary["dead_parts"])
         for name, n in dead_parts.items():
@@ -154,7 +159,7 @@ class FinalizeDoFn(beam.DoFn):
         dead_info = rolling.concat_parts(
             tmp, list(dead_parts), out / S.DEAD_LETTER_FILE, sort_below=DEAD_SORT_BELOW
         )
-        header = {"schema_version": S.SCHEMA_VERSION, **self.infos, **self.header}
+        header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
         stats = job_stats.final_stats(header, summary["stats"], dict(summary["dead"]), files)
         checksums = {name: _checksum(info) for name, info in index.items()}
         checksums[S.DEAD_LETTER_FILE] = _checksum(dead_info)

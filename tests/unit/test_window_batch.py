@@ -217,3 +217,38 @@ WORDS = st.sampled_from(
 def test_property_equals_reference(toks, texts, max_s, max_t, stride):
     cfg = WindowConfig(max_student_tokens=max_s, max_teacher_tokens=max_t, stride_chars=stride)
     assert_same(texts, toks["smollm2"], [toks["gemma"], toks["qwen2"]], cfg)
+
+
+def test_piece_rows_start_late_and_keep_only_final_windows(toks, texts):
+    """A row planned as a piece: windows start at start_byte (or the nearest cut point before
+    it, flagged), and only windows whose end and next cut point lie <= final_byte are kept; the
+    row then reports where the first unkept window starts."""
+    cfg = WindowConfig(max_student_tokens=32, max_teacher_tokens=32)
+    s_tok, t_tok = toks["smollm2"], toks["gemma"]
+    doc = texts[0][:3000]
+    whole, _ = batch_rows([doc], s_tok, [t_tok], cfg)
+    starts = whole.column("char_start").to_pylist()
+    ends = whole.column("char_end").to_pylist()
+    s_enc, t_enc = s_tok.encode_batch([doc]), t_tok.encode_batch([doc])
+    al = align_batch_flat(s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok))  # fmt: skip
+    student = WB.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
+    teachers = [(WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
+    text = WB.BatchText.from_texts([doc])  # ASCII: bytes are characters
+
+    def piece(start: int, final: int):
+        plan = WB.RowPlan(np.array([start]), np.array([final]), np.array([False]),
+                          np.array([False]), np.array([True]))  # fmt: skip
+        return WB.cut_batch(text, student, teachers, max_student_tokens=32,
+                            max_teacher_tokens=32, stride_chars=None, plan=plan)  # fmt: skip
+
+    cut = piece(starts[3], 2000)
+    assert not cut.seam_moved[0]
+    got = list(zip(cut.w_chars[0].tolist(), cut.w_chars[1].tolist()))
+    assert got == list(zip(starts, ends))[3 : 3 + len(got)] and len(got) > 3
+    assert ends[2 + len(got)] <= 2000 < ends[3 + len(got)] + 200  # stopped near final_byte
+    assert cut.next_pos[1, 0] == starts[3 + len(got)]
+    spans = s_enc.byte_offsets
+    k = next(k for k in range(len(spans)) if spans[k, 0] > starts[5] and spans[k, 1] - spans[k, 0] >= 3)  # fmt: skip
+    mid = int(spans[k, 0]) + 1  # inside a student token: not a cut point
+    moved = piece(mid, 2000)
+    assert moved.seam_moved[0] and starts[5] <= moved.w_chars[0, 0] < mid
