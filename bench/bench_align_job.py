@@ -60,15 +60,27 @@ def _outside_beam(data: Path, t, s, window) -> dict:
             text = WB.BatchText.from_texts(texts)
             student = WB.Side(se.ids, se.row_splits, s.bos_id, s.eos_id)
             teachers = [(WB.Side(te.ids, te.row_splits, t.bos_id, t.eos_id), al)]
-            cut = WB.cut_batch(text, student, teachers, max_student_tokens=window.max_student_tokens,
-                               max_teacher_tokens=window.max_teacher_tokens,
-                               stride_chars=window.stride_chars,
-                               plan=WB.RowPlan.whole(text, al.row_error == 0))  # fmt: skip
+            cut = WB.cut_batch(
+                text,
+                student,
+                teachers,
+                max_student_tokens=window.max_student_tokens,
+                max_teacher_tokens=window.max_teacher_tokens,
+                stride_chars=window.stride_chars,
+                plan=WB.RowPlan.whole(text, al.row_error == 0),
+            )
             t3 = time.perf_counter()
             zeros = np.zeros(len(texts), np.int64)
-            rows = WB.to_record_batch(cut, text, student, teachers,
-                                      doc_ids=pa.array([d.doc_id for d in batch]),
-                                      char_base=zeros, window_base=zeros, schema=schema)  # fmt: skip
+            rows = WB.to_record_batch(
+                cut,
+                text,
+                student,
+                teachers,
+                doc_ids=pa.array([d.doc_id for d in batch]),
+                char_base=zeros,
+                window_base=zeros,
+                schema=schema,
+            )
             t4 = time.perf_counter()
             parts.write(rows)
             t5 = time.perf_counter()

@@ -146,8 +146,11 @@ def main() -> str:
             job = _measure(_job_code(data, out, cores))
             one = _measure(_job_code(data, out, 1)) if name == f"KJV x{copies[1]}" else None
             rows.append((name, tok, job, one))
-            print(f"   {name}: job {job['job_s']:.1f} s, tokenize {tok['tokenize_s']:.1f} s, "
-                  f"peak {job['peak_rss_gb']:.2f} GB", flush=True)  # fmt: skip
+            print(
+                f"   {name}: job {job['job_s']:.1f} s, tokenize {tok['tokenize_s']:.1f} s, "
+                f"peak {job['peak_rss_gb']:.2f} GB",
+                flush=True,
+            )
     return _section(rows, cores=cores, copies=copies)
 
 

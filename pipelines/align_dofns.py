@@ -79,7 +79,7 @@ def count(name: str, n: int = 1) -> None:
 
 
 class StageTimer:
-    """``with StageTimer("tokenize"):`` adds the elapsed microseconds to ``stage_us.<name>``."""
+    """``with self._timer("tokenize"):`` adds the elapsed microseconds to ``stage_us.<name>``."""
 
     def __init__(self, name: str):
         self.dist = Metrics.distribution(NAMESPACE, f"stage_us.{name}")
@@ -175,8 +175,15 @@ class AlignWindowsDoFn(beam.DoFn):
     teacher), cut the windows of the whole batch and build its Arrow rows. Long documents go
     piece by piece (one `Windows` per piece). Failures per document -> (DEAD, record)."""
 
-    def __init__(self, student: str, teachers: list[str], *, window: WindowConfig,
-                 pieces: PieceConfig, progress_dir: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        student: str,
+        teachers: list[str],
+        *,
+        window: WindowConfig,
+        pieces: PieceConfig,
+        progress_dir: str | None = None,
+    ):
         self.student_path, self.teacher_paths = student, list(teachers)
         self.window, self.pieces, self.progress_dir = window, pieces, progress_dir
 
@@ -194,31 +201,23 @@ class AlignWindowsDoFn(beam.DoFn):
         ]
         self.progress = progress.sink_for(self.progress_dir)
         # the first kernel calls load (or compile) the Numba code: do it here, not in the first
-        # batch, so the stage times measure the work (and without counters: this is no input)
-        s_enc = self.student.encode_batch([_WARMUP])
-        t_encs = [t.encode_batch([_WARMUP]) for t in self.teachers]
-        als = [
-            align_batch_flat(s_enc, t, student_bytes=self.student_bytes, teacher_bytes=tb)
-            for t, tb in zip(t_encs, self.teacher_bytes)
-        ]
+        # batch, so the stage times measure the work (no timers, no counters: this is no input)
+        self.timing = False
+        s_enc, t_encs = self._encode([_WARMUP])
+        als = self._align(s_enc, t_encs)
         text = WB.BatchText.from_texts([_WARMUP])
         student, teachers = self._sides(s_enc, t_encs, als)
-        cut = WB.cut_batch(
-            text,
-            student,
-            teachers,
-            max_student_tokens=self.window.max_student_tokens,
-            max_teacher_tokens=self.window.max_teacher_tokens,
-            stride_chars=self.window.stride_chars,
-            plan=WB.RowPlan.whole(text, np.ones(1, np.bool_)),
-        )
+        cut = self._cut(text, student, teachers, WB.RowPlan.whole(text, np.ones(1, np.bool_)))
         zeros = np.zeros(1, np.int64)
-        WB.to_record_batch(cut, text, student, teachers, doc_ids=pa.array(["w"]), char_base=zeros,
-                           window_base=zeros, schema=self.schema)  # fmt: skip
+        self._rows(cut, text, student, teachers, doc_ids=["w"], char_base=zeros, window_base=zeros)
+        self.timing = True
+
+    def _timer(self, stage: str):
+        return StageTimer(stage) if self.timing else contextlib.nullcontext()
 
     def _encode(self, texts: list[str]):
         try:
-            with StageTimer("tokenize"):
+            with self._timer("tokenize"):
                 return self.student.encode_batch(texts), [
                     t.encode_batch(texts) for t in self.teachers
                 ]
@@ -226,7 +225,7 @@ class AlignWindowsDoFn(beam.DoFn):
             raise _StageError(TOKENIZER_ERROR, e) from e
 
     def _align(self, s_enc, t_encs):
-        with StageTimer("align"):
+        with self._timer("align"):
             return [
                 align_batch_flat(s_enc, t, student_bytes=self.student_bytes, teacher_bytes=tb)
                 for t, tb in zip(t_encs, self.teacher_bytes)
@@ -235,11 +234,13 @@ class AlignWindowsDoFn(beam.DoFn):
     def _sides(self, s_enc, t_encs, als):
         (sb, se), *ts = self.specials
         student = WB.Side(s_enc.ids, s_enc.row_splits, sb, se)
-        teachers = [(WB.Side(e.ids, e.row_splits, b, x), al) for e, (b, x), al in zip(t_encs, ts, als)]  # fmt: skip
+        teachers = [
+            (WB.Side(e.ids, e.row_splits, b, x), al) for e, (b, x), al in zip(t_encs, ts, als)
+        ]
         return student, teachers
 
     def _cut(self, text, student, teachers, plan):
-        with StageTimer("windows"):
+        with self._timer("windows"):
             return WB.cut_batch(
                 text,
                 student,
@@ -251,10 +252,17 @@ class AlignWindowsDoFn(beam.DoFn):
             )
 
     def _rows(self, cut, text, student, teachers, *, doc_ids, char_base, window_base):
-        with StageTimer("to_arrow"):
-            return WB.to_record_batch(cut, text, student, teachers, doc_ids=pa.array(doc_ids, pa.string()),
-                                      char_base=char_base, window_base=window_base,
-                                      schema=self.schema)  # fmt: skip
+        with self._timer("to_arrow"):
+            return WB.to_record_batch(
+                cut,
+                text,
+                student,
+                teachers,
+                doc_ids=pa.array(doc_ids, pa.string()),
+                char_base=char_base,
+                window_base=window_base,
+                schema=self.schema,
+            )
 
     def _window_stats(self, vec, batch: pa.RecordBatch) -> int:
         """Windows and tokens of `batch` into `vec`; returns all tokens (progress)."""
@@ -310,7 +318,11 @@ class AlignWindowsDoFn(beam.DoFn):
         for al in als:
             for b in np.flatnonzero(al.row_error):
                 if row_ok[b]:
-                    yield dead(readers.dead_letter(batch.file, ALIGN_ERROR, _row_error(al, b), doc_id=ids[b]))  # fmt: skip
+                    yield dead(
+                        readers.dead_letter(
+                            batch.file, ALIGN_ERROR, _row_error(al, b), doc_id=ids[b]
+                        )
+                    )
                 row_ok[b] = False
         text = WB.BatchText.from_texts(texts)
         student, teachers = self._sides(s_enc, t_encs, als)
@@ -319,7 +331,9 @@ class AlignWindowsDoFn(beam.DoFn):
         for b in np.flatnonzero(row_ok & (n_win == 0)):
             yield dead(self._no_windows(cut, b, file=batch.file, doc_id=ids[b]))
         zeros = np.zeros(len(texts), np.int64)
-        rows = self._rows(cut, text, student, teachers, doc_ids=ids, char_base=zeros, window_base=zeros)  # fmt: skip
+        rows = self._rows(
+            cut, text, student, teachers, doc_ids=ids, char_base=zeros, window_base=zeros
+        )
         vec = self.layout.zeros()
         has = n_win > 0
         self.layout.add(vec, "documents", int(has.sum()))
@@ -369,16 +383,24 @@ class AlignWindowsDoFn(beam.DoFn):
             try:
                 s_enc, t_encs = self._encode([ptext])
             except _StageError as e:
-                yield dead(readers.dead_letter(batch.file, e.reason, e.detail + where, doc_id=doc_id))  # fmt: skip
+                yield dead(
+                    readers.dead_letter(batch.file, e.reason, e.detail + where, doc_id=doc_id)
+                )
                 break
             als = self._align(s_enc, t_encs)
             bad = [_row_error(al, 0) for al in als if al.row_error[0]]
             if bad:
-                yield dead(readers.dead_letter(batch.file, ALIGN_ERROR, bad[0] + where, doc_id=doc_id))  # fmt: skip
+                yield dead(
+                    readers.dead_letter(batch.file, ALIGN_ERROR, bad[0] + where, doc_id=doc_id)
+                )
                 break
             fallback |= np.array([al.fallback_regions[0] > 0 for al in als])
             ptext_bytes = WB.BatchText.from_texts([ptext])
-            final = len(ptext_bytes.data) if piece.last else len(text[piece.start : piece.final_to].encode())  # fmt: skip
+            final = (
+                len(ptext_bytes.data)
+                if piece.last
+                else len(text[piece.start : piece.final_to].encode())
+            )
             plan = WB.RowPlan(
                 np.array([len(text[piece.start : piece.cut_from].encode())], np.int64),
                 np.array([final], np.int64),
@@ -402,8 +424,15 @@ class AlignWindowsDoFn(beam.DoFn):
                 count("seams_moved")
                 lay.add(vec, "seams_moved", 1)
             base = np.array([piece.start], np.int64)
-            rows = self._rows(cut, ptext_bytes, student, teachers, doc_ids=[doc_id], char_base=base,
-                              window_base=np.array([n_windows], np.int64))  # fmt: skip
+            rows = self._rows(
+                cut,
+                ptext_bytes,
+                student,
+                teachers,
+                doc_ids=[doc_id],
+                char_base=base,
+                window_base=np.array([n_windows], np.int64),
+            )
             n_windows += rows.num_rows
             self._piece_stats(vec, cut, als, s_enc, t_encs)
             tokens = self._window_stats(vec, rows)

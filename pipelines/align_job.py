@@ -153,8 +153,13 @@ class AlignWindows(beam.PTransform):
 
     def __init__(self, cfg: JobConfig, *, progress_dir: str | None):
         super().__init__()
-        self.fn = F.AlignWindowsDoFn(cfg.student, cfg.teachers, window=cfg.window,
-                                     pieces=cfg.pieces, progress_dir=progress_dir)  # fmt: skip
+        self.fn = F.AlignWindowsDoFn(
+            cfg.student,
+            cfg.teachers,
+            window=cfg.window,
+            pieces=cfg.pieces,
+            progress_dir=progress_dir,
+        )
 
     def expand(self, batches):
         out = split(batches | "AlignCut" >> beam.ParDo(self.fn), [F.MAIN, F.DEAD])
@@ -216,8 +221,9 @@ class JobConfig:
     overwrite: bool = False
 
 
-def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, total_bytes: int,
-                   input_files: int, run_id: str) -> dict:  # fmt: skip
+def build_pipeline(
+    p: beam.Pipeline, cfg: JobConfig, *, tasks, total_bytes: int, input_files: int, run_id: str
+) -> dict:
     """Assemble the job on pipeline `p` (tests call this with a TestPipeline); returns the
     main PCollections by name (dead letters, written records, final stats) for assertions."""
     out = str(cfg.out)
@@ -283,10 +289,18 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--text-field", default="text", help="jsonl field / parquet column")
     ap.add_argument("--txt-mode", choices=readers.TXT_MODES, default="file")
     ap.add_argument("--shard-mb", type=float, default=ROLL_MB, help="shard files roll at this")
-    ap.add_argument("--piece-chars", type=int, default=PieceConfig.piece_chars,
-                    help="documents longer than this go in pieces")  # fmt: skip
-    ap.add_argument("--piece-overlap", type=int, default=PieceConfig.overlap_chars,
-                    help="context (chars) each side of a piece seam")  # fmt: skip
+    ap.add_argument(
+        "--piece-chars",
+        type=int,
+        default=PieceConfig.piece_chars,
+        help="documents longer than this go in pieces",
+    )
+    ap.add_argument(
+        "--piece-overlap",
+        type=int,
+        default=PieceConfig.overlap_chars,
+        help="context (chars) each side of a piece seam",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
     args, beam_args = ap.parse_known_args(argv)
     window = WindowConfig(
@@ -324,8 +338,7 @@ def run(argv: list[str] | None = None) -> dict:
     run_id = uuid.uuid4().hex[:12]
     log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
     p = beam.Pipeline(options=PipelineOptions(beam_args))
-    build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files,
-                   run_id=run_id)  # fmt: skip
+    build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
     prog = rolling.run_dir(cfg.out, run_id) / "progress"
     with progress.ProgressReporter(prog, total_bytes=total_bytes):
         result = p.run()

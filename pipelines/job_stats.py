@@ -16,8 +16,15 @@ CHUNK_KIND_NAMES = ("1:1", "1:N", "N:1", "N:M")  # student:teacher tokens, align
 class StatsLayout:
     """Where each statistic lives in the vector, for `n_teachers` teachers."""
 
-    SCALARS = ("documents", "windows", "student_tokens", "long_documents", "pieces",
-               "seams_moved", "uncuttable_spans")  # fmt: skip
+    SCALARS = (
+        "documents",
+        "windows",
+        "student_tokens",
+        "long_documents",
+        "pieces",
+        "seams_moved",
+        "uncuttable_spans",
+    )
     PER_TEACHER = ("teacher_tokens", "exact_chunks", "fallback_documents", "dropped_tokens")
 
     def __init__(self, n_teachers: int):

@@ -123,18 +123,6 @@ def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.R
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
-def batch_to_bytes(batch: pa.RecordBatch) -> bytes:
-    """A RecordBatch as an Arrow IPC stream: a compact value to shuffle between Beam stages."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
-
-
-def batch_from_bytes(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(data).read_all()
-
-
 def _tmp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
 

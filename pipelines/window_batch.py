@@ -204,8 +204,9 @@ def to_record_batch(
         "student_ids": tokens(student.ids, 0),
     }
     for i, (side, al) in enumerate(teachers):
-        first, count = K.chunk_shift(al.student_chunk, student.splits, rows, cut.w_lo[0],
-                                     cut.w_hi[0])  # fmt: skip
+        first, count = K.chunk_shift(
+            al.student_chunk, student.splits, rows, cut.w_lo[0], cut.w_hi[0]
+        )
         cols[S.teacher_ids_column(i)] = tokens(side.ids, i + 1)
         cols[S.teacher_chunk_column(i)] = tokens(al.teacher_chunk, i + 1, pad=-1, shift=first)
         cols[S.teacher_student_chunk_column(i)] = tokens(al.student_chunk, 0, pad=-1, shift=first)

@@ -35,8 +35,9 @@ class WriteShardsDoFn(beam.DoFn):
         self.parts: rolling.RollingParts | None = None
 
     def start_bundle(self):
-        self.parts = rolling.RollingParts(self.tmp_dir, kind="shard", fmt="arrow",
-                                          roll_bytes=self.roll_bytes)  # fmt: skip
+        self.parts = rolling.RollingParts(
+            self.tmp_dir, kind="shard", fmt="arrow", roll_bytes=self.roll_bytes
+        )
 
     def process(self, item: Windows):
         batch = item.batch
@@ -65,8 +66,9 @@ class WriteDeadLettersDoFn(beam.DoFn):
         self.parts: rolling.RollingParts | None = None
 
     def start_bundle(self):
-        self.parts = rolling.RollingParts(self.tmp_dir, kind="dead", fmt="jsonl",
-                                          roll_bytes=self.roll_bytes)  # fmt: skip
+        self.parts = rolling.RollingParts(
+            self.tmp_dir, kind="dead", fmt="jsonl", roll_bytes=self.roll_bytes
+        )
 
     def process(self, record: dict):
         yield ("dead", self.parts.write([record]), record["reason"])
@@ -129,8 +131,9 @@ class FinalizeDoFn(beam.DoFn):
     """The single last step: parts renamed into place, the dead letters joined, stats.json, then
     COMPLETED (with each file's rows, size and checksum), then the temporary directory goes."""
 
-    def __init__(self, out_dir: str, tmp_dir: str, *, header: dict, student: str,
-                 teachers: list[str]):  # fmt: skip
+    def __init__(
+        self, out_dir: str, tmp_dir: str, *, header: dict, student: str, teachers: list[str]
+    ):
         self.out_dir, self.tmp_dir, self.header = out_dir, tmp_dir, header
         self.student_path, self.teacher_paths = student, list(teachers)
 

@@ -163,7 +163,9 @@ def _cli(data: str, out, teacher: str, student: str, *extra) -> list[str]:
     return argv + ["--max-student-tokens", "64", "--max-teacher-tokens", "64", *extra]
 
 
-def test_killed_run_publishes_nothing_and_a_rerun_completes(tmp_path, vocab_fixture, pair_paths, corpus_dir):  # fmt: skip
+def test_killed_run_publishes_nothing_and_a_rerun_completes(
+    tmp_path, vocab_fixture, pair_paths, corpus_dir
+):
     """Two worker processes (the default runner on a 2-core machine, asked for explicitly):
     both take part (each writes its own progress file), a SIGKILL mid-run leaves no COMPLETED
     and no shard file, a plain re-run completes with every document."""
@@ -177,9 +179,13 @@ def test_killed_run_publishes_nothing_and_a_rerun_completes(tmp_path, vocab_fixt
     argv = _cli(f"{data}/*.jsonl", out, teacher, student, "--shard-mb", "0.05")
     argv += ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
     code = f"from pipelines import align_job as J; J.main({argv!r})"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=paths.REPO_ROOT,
-                            start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=paths.REPO_ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     pids, manifests = set(), []
     try:
         deadline = time.monotonic() + 300

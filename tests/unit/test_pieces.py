@@ -42,7 +42,9 @@ def reference(text, s_path, t_paths, window):
     parts = []
     for t in ts:
         te = t.encode(text)
-        parts.append((t, te, align(se, te, student_bytes=vocab_bytes(s), teacher_bytes=vocab_bytes(t))))  # fmt: skip
+        parts.append(
+            (t, te, align(se, te, student_bytes=vocab_bytes(s), teacher_bytes=vocab_bytes(t)))
+        )
     ws = cut_windows(text, student=(s, se), teachers=parts, config=window)
     rows = [shards.window_to_row("doc0", w) for w in ws]
     return [
@@ -86,8 +88,9 @@ def test_text_without_breaks_still_tiles(teacher_dir, student_dir):
     text = ("abcdefghij" * 300 + "Z") * 4  # 12,004 characters, one "word"
     window = WindowConfig(max_student_tokens=64, max_teacher_tokens=64)
     pieces = PieceConfig(piece_chars=2048, overlap_chars=128)
-    rows, dead, lay, vec = run_dofn(str(student_dir), [str(teacher_dir)], [text], window=window,
-                                    pieces=pieces)  # fmt: skip
+    rows, dead, lay, vec = run_dofn(
+        str(student_dir), [str(teacher_dir)], [text], window=window, pieces=pieces
+    )
     assert dead == [] and rows[0]["char_start"] == 0 and rows[-1]["char_end"] == len(text)
     for a, b in zip(rows, rows[1:]):
         assert b["window"] == a["window"] + 1
@@ -105,16 +108,18 @@ def test_uncuttable_span_in_a_long_document_drops_only_that_span(teacher_dir, st
     text = hamlet[:5000] + " " + word + " " + hamlet[5000:10000]
     window = WindowConfig(max_student_tokens=8, max_teacher_tokens=8)
     pieces = PieceConfig(piece_chars=2048, overlap_chars=128)
-    rows, dead, lay, vec = run_dofn(str(student_dir), [str(teacher_dir)], [text], window=window,
-                                    pieces=pieces)  # fmt: skip
+    rows, dead, lay, vec = run_dofn(
+        str(student_dir), [str(teacher_dir)], [text], window=window, pieces=pieces
+    )
     assert [d["reason"] for d in dead] == [F.UNCUTTABLE]
     assert "characters [" in dead[0]["detail"] and "piece" in dead[0]["detail"]
     c0 = int(dead[0]["detail"].split("[")[1].split(",")[0])
     assert 5000 <= c0 < 5001 + len(word)
     assert lay.scalar(vec, "uncuttable_spans") >= 1 and rows[-1]["char_end"] == len(text)
     # the same text as a short document is dropped whole (today's rule)
-    rows2, dead2, _, _ = run_dofn(str(student_dir), [str(teacher_dir)], [text], window=window,
-                                  pieces=PieceConfig())  # fmt: skip
+    rows2, dead2, _, _ = run_dofn(
+        str(student_dir), [str(teacher_dir)], [text], window=window, pieces=PieceConfig()
+    )
     assert rows2 == [] and [d["reason"] for d in dead2] == [F.UNCUTTABLE]
 
 

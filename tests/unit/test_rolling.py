@@ -81,8 +81,12 @@ def test_finalize_refuses_unclosed_or_miscounted_parts(tmp_path):
     parts = rolling.RollingParts(tmp, kind="shard", fmt="arrow", roll_bytes=1 << 30)
     name = parts.write(_batch(0, 4))  # never closed: no manifest, as after a crash
     with pytest.raises(RuntimeError, match="no manifest"):
-        rolling.finalize_parts(tmp_path, tmp, {name: {"rows": 4, "key": ("d", 0)}}, name_for=shards.shard_name)  # fmt: skip
+        rolling.finalize_parts(
+            tmp_path, tmp, {name: {"rows": 4, "key": ("d", 0)}}, name_for=shards.shard_name
+        )
     parts.close()
     with pytest.raises(RuntimeError, match="4 rows on disk"):
-        rolling.finalize_parts(tmp_path, tmp, {name: {"rows": 5, "key": ("d", 0)}}, name_for=shards.shard_name)  # fmt: skip
+        rolling.finalize_parts(
+            tmp_path, tmp, {name: {"rows": 5, "key": ("d", 0)}}, name_for=shards.shard_name
+        )
     parts.abort()  # nothing open: a no-op

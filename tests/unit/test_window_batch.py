@@ -59,8 +59,13 @@ def batch_rows(texts, s_tok, t_toks, cfg, *, force_fallback=False):
     teachers = []
     for t in t_toks:
         t_enc = t.encode_batch(texts)
-        al = align_batch_flat(s_enc, t_enc, student_bytes=vocab_bytes(s_tok),
-                              teacher_bytes=vocab_bytes(t), force_fallback=force_fallback)  # fmt: skip
+        al = align_batch_flat(
+            s_enc,
+            t_enc,
+            student_bytes=vocab_bytes(s_tok),
+            teacher_bytes=vocab_bytes(t),
+            force_fallback=force_fallback,
+        )
         teachers.append((WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t, cfg)), al))
     text = WB.BatchText.from_texts(texts)
     cut = WB.cut_batch(
@@ -75,8 +80,9 @@ def batch_rows(texts, s_tok, t_toks, cfg, *, force_fallback=False):
     schema = S.shard_schema(s_tok.info(), [t.info() for t in t_toks])
     zeros = np.zeros(len(texts), np.int64)
     ids = pa.array([f"d{i:03d}" for i in range(len(texts))])
-    rows = WB.to_record_batch(cut, text, student, teachers, doc_ids=ids, char_base=zeros,
-                              window_base=zeros, schema=schema)  # fmt: skip
+    rows = WB.to_record_batch(
+        cut, text, student, teachers, doc_ids=ids, char_base=zeros, window_base=zeros, schema=schema
+    )
     return rows, cut
 
 
@@ -91,7 +97,7 @@ def reference_rows(texts, s_tok, t_toks, cfg, *, force_fallback=False):
             student_bytes=vocab_bytes(s_tok),
             teacher_bytes=vocab_bytes(t),
             force_fallback=force_fallback,
-        )  # fmt: skip
+        )
         for t, e in zip(t_toks, encs)
     ]
     items, errors = [], {}
@@ -156,7 +162,9 @@ def test_empty_and_skipped_rows(toks):
     s_tok, t_tok = toks["smollm2"], toks["gemma"]
     texts = ["", "some text", "more text"]
     s_enc, t_enc = s_tok.encode_batch(texts), t_tok.encode_batch(texts)
-    al = align_batch_flat(s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok))  # fmt: skip
+    al = align_batch_flat(
+        s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok)
+    )
     text = WB.BatchText.from_texts(texts)
     cut = WB.cut_batch(
         text,
@@ -180,15 +188,25 @@ def test_extra_token_columns_ride_along(toks):
     s_enc = s_tok.encode_batch(texts)
     student = WB.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
     t_enc = t_tok.encode_batch(texts)
-    al = align_batch_flat(s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok))  # fmt: skip
+    al = align_batch_flat(
+        s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok)
+    )
     teachers = [(WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
     schema = S.shard_schema(s_tok.info(), [t_tok.info()])
     schema = schema.append(pa.field("student_mask", pa.list_(pa.int32()), nullable=False))
     position = np.arange(len(s_enc.ids), dtype=np.int32)  # the token's index: easy to check
     zeros = np.zeros(1, np.int64)
-    got = WB.to_record_batch(cut, WB.BatchText.from_texts(texts), student, teachers,
-                             doc_ids=pa.array(["d"]), char_base=zeros, window_base=zeros,
-                             schema=schema, extras={"student_mask": (0, position, -7)})  # fmt: skip
+    got = WB.to_record_batch(
+        cut,
+        WB.BatchText.from_texts(texts),
+        student,
+        teachers,
+        doc_ids=pa.array(["d"]),
+        char_base=zeros,
+        window_base=zeros,
+        schema=schema,
+        extras={"student_mask": (0, position, -7)},
+    )
     masks = got.column("student_mask").to_pylist()
     ids = got.column("student_ids").to_pylist()
     assert len(masks) > 1 and [len(m) for m in masks] == [len(i) for i in ids]
@@ -230,16 +248,30 @@ def test_piece_rows_start_late_and_keep_only_final_windows(toks, texts):
     starts = whole.column("char_start").to_pylist()
     ends = whole.column("char_end").to_pylist()
     s_enc, t_enc = s_tok.encode_batch([doc]), t_tok.encode_batch([doc])
-    al = align_batch_flat(s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok))  # fmt: skip
+    al = align_batch_flat(
+        s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok)
+    )
     student = WB.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
     teachers = [(WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
     text = WB.BatchText.from_texts([doc])  # ASCII: bytes are characters
 
     def piece(start: int, final: int):
-        plan = WB.RowPlan(np.array([start]), np.array([final]), np.array([False]),
-                          np.array([False]), np.array([True]))  # fmt: skip
-        return WB.cut_batch(text, student, teachers, max_student_tokens=32,
-                            max_teacher_tokens=32, stride_chars=None, plan=plan)  # fmt: skip
+        plan = WB.RowPlan(
+            np.array([start]),
+            np.array([final]),
+            np.array([False]),
+            np.array([False]),
+            np.array([True]),
+        )
+        return WB.cut_batch(
+            text,
+            student,
+            teachers,
+            max_student_tokens=32,
+            max_teacher_tokens=32,
+            stride_chars=None,
+            plan=plan,
+        )
 
     cut = piece(starts[3], 2000)
     assert not cut.seam_moved[0]
@@ -248,7 +280,9 @@ def test_piece_rows_start_late_and_keep_only_final_windows(toks, texts):
     assert ends[2 + len(got)] <= 2000 < ends[3 + len(got)] + 200  # stopped near final_byte
     assert cut.next_pos[1, 0] == starts[3 + len(got)]
     spans = s_enc.byte_offsets
-    k = next(k for k in range(len(spans)) if spans[k, 0] > starts[5] and spans[k, 1] - spans[k, 0] >= 3)  # fmt: skip
+    k = next(
+        k for k in range(len(spans)) if spans[k, 0] > starts[5] and spans[k, 1] - spans[k, 0] >= 3
+    )
     mid = int(spans[k, 0]) + 1  # inside a student token: not a cut point
     moved = piece(mid, 2000)
     assert moved.seam_moved[0] and starts[5] <= moved.w_chars[0, 0] < mid
