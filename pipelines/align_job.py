@@ -7,9 +7,9 @@
 
 The pipeline reads as its own table of contents::
 
-    ReadDocs -> AlignWindows -> WriteShards ---------\\
-         \\-----------\\-> WriteDeadLetters -> Finalize (shards renamed into place,
-                                                       stats.json, COMPLETED)
+    ReadDocs --> AlignWindows --> WriteShards -------+--> Finalize: parts renamed into place,
+        |              |                             |    stats.json, COMPLETED last
+        +--------------+--> WriteDeadLetters --------+
 
 Memory stays flat as the corpus grows: elements are batches of documents (`DocBatch`) and of
 window rows (Arrow RecordBatches), a document longer than ``--piece-chars`` is cut in pieces
@@ -265,15 +265,21 @@ def job_metrics(result) -> dict:
 
 
 def default_runner_args(beam_args: list[str], cores: int | None = None) -> list[str]:
-    """FnApiRunner with one worker process per core, unless the caller chose a runner or a
-    worker count (``--direct_num_workers 1`` runs in this process)."""
+    """FnApiRunner with one worker process per core, unless the caller chose a runner.
+
+    ``--direct_num_workers N`` alone would run N threads in one process (the GIL allows no
+    speed-up), so N > 1 comes with ``--direct_running_mode multi_processing`` unless the caller
+    named a mode; ``--direct_num_workers 1`` runs in this process."""
     if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
         return beam_args
+    opts = PipelineOptions(beam_args).get_all_options()
     out = ["--runner", DEFAULT_RUNNER, *beam_args]
-    cores = cores or len(os.sched_getaffinity(0))
-    chose = any(a.startswith("--direct_num_workers") for a in beam_args)
-    if not chose and cores > 1:
-        out += ["--direct_num_workers", str(cores), "--direct_running_mode", "multi_processing"]
+    workers = opts.get("direct_num_workers")
+    if not any(a.startswith("--direct_num_workers") for a in beam_args):
+        workers = cores or len(os.sched_getaffinity(0))
+        out += ["--direct_num_workers", str(workers)]
+    if workers > 1 and not any(a.startswith("--direct_running_mode") for a in beam_args):
+        out += ["--direct_running_mode", "multi_processing"]
     return out
 
 

@@ -249,9 +249,21 @@ def test_prepare_out_dir_and_input_matching(tmp_path):
         "--direct_running_mode",
         "multi_processing",
     ]
-    assert J.default_runner_args([], cores=1) == ["--runner", J.DEFAULT_RUNNER]
+    assert J.default_runner_args([], cores=1) == [
+        "--runner",
+        J.DEFAULT_RUNNER,
+        "--direct_num_workers",
+        "1",
+    ]
     one = ["--direct_num_workers", "1"]
     assert J.default_runner_args(one, cores=2) == ["--runner", J.DEFAULT_RUNNER, *one]
+    four = ["--direct_num_workers=4"]  # worker processes, not threads sharing one GIL
+    assert J.default_runner_args(four, cores=2)[-2:] == [
+        "--direct_running_mode",
+        "multi_processing",
+    ]
+    threads = [*four, "--direct_running_mode", "multi_threading"]
+    assert J.default_runner_args(threads, cores=2) == ["--runner", J.DEFAULT_RUNNER, *threads]
     assert cfg.out.parent.name == "align" and cfg.out.parent.parent.name == "outputs"
     _, beam_args = J.parse_args(["--data", "x", "--teacher", "t", "--student", "s", "--runner=X"])
     assert beam_args == ["--runner=X"]
