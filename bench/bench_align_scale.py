@@ -4,7 +4,9 @@ Per input: the job's wall time with the default runner (one worker process per c
 one worker, tokens/s, the peak RSS of the whole process tree (launcher + Beam workers, sampled
 every 0.1 s with psutil), and, in the same run, the time of tokenizing the same texts with both
 tokenizers alone (`Tokenizer.encode_batch`, offsets included, batches as the job makes them, one
-process). Each measurement runs in a fresh subprocess. Targets: peak RSS flat in corpus size
+process). CPU s: user + system seconds of each measured process tree, both including their
+start-up (imports, tokenizer loading: once per worker in the job). Each measurement runs in a
+fresh subprocess. Targets: peak RSS flat in corpus size
 (16 copies <= 1.3x of 1 copy and <= 1.5 GB; the 40 MB document <= 2 GB); job <= 1.5x tokenizing
 alone at 16 copies; time per token flat from 4 to 16 copies (within 15%).
 
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -38,9 +41,17 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _measure(code: str) -> dict:
-    """Run `code` in a fresh interpreter; -> its last stdout line (JSON) + wall, peak tree RSS."""
+    """Run `code` in a fresh interpreter; -> its last stdout line (JSON) + wall, peak tree RSS,
+    and the CPU seconds of the whole tree (a reaped child's rusage includes its own reaped
+    children, the Beam workers): less sensitive to other load than wall time."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cpu0 = _cpu_children()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -59,7 +70,8 @@ def _measure(code: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"bench child failed:\n{err[-4000:]}")
     res = json.loads(out.strip().splitlines()[-1])
-    return {**res, "process_wall_s": wall, "peak_rss_gb": peak / 1e9}
+    cpu = _cpu_children() - cpu0
+    return {**res, "process_wall_s": wall, "peak_rss_gb": peak / 1e9, "cpu_s": cpu}
 
 
 def _job_code(data: str, out: Path, workers: int) -> str:
@@ -137,6 +149,7 @@ def main() -> str:
     copies = [int(x) for x in os.environ.get("ALIGN_SCALE_COPIES", "1,4,16").split(",")]
     doc_mb = int(os.environ.get("ALIGN_SCALE_DOC_MB", "40"))
     cores = len(os.sched_getaffinity(0))
+    load0 = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
@@ -156,7 +169,8 @@ def main() -> str:
                 f"peak {job['peak_rss_gb']:.2f} GB",
                 flush=True,
             )
-    return _section(rows, cores=cores, copies=copies, startup=startup)
+    loads = (load0, os.getloadavg()[0])
+    return _section(rows, cores=cores, copies=copies, startup=startup, loads=loads)
 
 
 def _cpu() -> str:
@@ -167,7 +181,7 @@ def _cpu() -> str:
     return platform.processor() or "cpu"
 
 
-def _section(rows, *, cores: int, copies: list[int], startup: dict) -> str:
+def _section(rows, *, cores: int, copies: list[int], startup: dict, loads) -> str:
     cpu = _cpu()
     lines = [
         "## Align job at scale (issue 19) — KJV copies and one long document",
@@ -175,11 +189,16 @@ def _section(rows, *, cores: int, copies: list[int], startup: dict) -> str:
         f"CPU: {cpu}, {cores} cores. Default runner: FnApiRunner with {cores} worker processes. "
         "Gemma-3-270M teacher x SmolLM2-135M student, 512-token windows. Peak RSS: the whole "
         "process tree (launcher + workers). Tokenize alone: both tokenizers' `encode_batch` "
-        "(offsets included) over the same texts, one process, measured in the same run.",
+        "(offsets included) over the same texts, one process, measured in the same run. "
+        f"1-minute load average {loads[0]:.1f} at the start, {loads[1]:.1f} at the end: the "
+        "machine may be shared, so wall times are noisy (a 2-process job suffers more from other "
+        "load than 1-process tokenization); CPU seconds are the steadier figure. Before issue 19 "
+        "(the issue's table, same machine type): KJV x16 147 s and 2.86 GB, a 41 MB document "
+        "105 s and 7.3 GB.",
         "",
         "| input | documents | tokens (s+t) | job s | tokens/s | us/token | peak RSS GB | "
-        "tokenize alone s | job / tokenize |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "tokenize alone s | job / tokenize | CPU s: job / tokenize process |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     per_tok = {}
     for name, tok, job, _ in rows:
@@ -188,7 +207,8 @@ def _section(rows, *, cores: int, copies: list[int], startup: dict) -> str:
         lines.append(
             f"| {name} | {job['documents']:,} | {job['tokens'] / 1e6:.1f} M | {job['job_s']:.1f} | "
             f"{job['tokens'] / job['job_s'] / 1e6:.2f} M | {us:.2f} | {job['peak_rss_gb']:.2f} | "
-            f"{tok['tokenize_s']:.1f} | {job['job_s'] / tok['tokenize_s']:.2f}x |"
+            f"{tok['tokenize_s']:.1f} | {job['job_s'] / tok['tokenize_s']:.2f}x | "
+            f"{job['cpu_s']:.0f} / {tok['cpu_s']:.0f} = {job['cpu_s'] / tok['cpu_s']:.2f}x |"
         )
     lines.append("")
     for name, tok, job, one in rows:
@@ -197,7 +217,8 @@ def _section(rows, *, cores: int, copies: list[int], startup: dict) -> str:
                 f"- {cores} workers vs 1 ({name}): {one['job_s']:.1f} s -> {job['job_s']:.1f} s, "
                 f"speed-up **{one['job_s'] / job['job_s']:.2f}x**; peak RSS "
                 f"{one['peak_rss_gb']:.2f} -> {job['peak_rss_gb']:.2f} GB; 1 worker / tokenize "
-                f"alone: {one['job_s'] / tok['tokenize_s']:.2f}x."
+                f"alone: {one['job_s'] / tok['tokenize_s']:.2f}x wall, "
+                f"{one['cpu_s'] / tok['cpu_s']:.2f}x CPU."
             )
     lines.append(
         f"- fixed start-up (the job on 200 verses): {startup[cores]['job_s']:.1f} s with "
