@@ -2,10 +2,13 @@
 
 A shard directory holds ``shard-XXXXX-of-YYYYY.arrow`` files (Arrow IPC *file* format, so a
 reader can memory-map them and jump to any record batch), ``dead_letter.jsonl``, ``stats.json``
-and ``COMPLETED``, written last. Every file is first written under a hidden temporary name and
-then renamed, so a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker:
-a directory that looks complete is complete. ``COMPLETED`` lists the shard files and their row
-counts, so stale files from an earlier crashed run are never picked up.
+and ``COMPLETED``, written last. Every file is first written under a hidden temporary name (the
+align job: rolled part files in a temporary directory, `pipelines.rolling`) and then renamed, so
+a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker: a directory that
+looks complete is complete. ``COMPLETED`` is the shard index: it lists the shard files and their
+row counts (so stale files from an earlier crashed run are never picked up) and, from marker
+version 2 on, every file's size and blake2b checksum as computed while it was written. Markers of
+version 1 (no checksums) are still read.
 
 The reader (`open_shards`) refuses a directory without the marker, a schema version it does not
 know, and shards made with tokenizers other than the ones the caller is about to train with
@@ -15,6 +18,8 @@ know, and shards made with tokenizers other than the ones the caller is about to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import uuid
@@ -31,7 +36,8 @@ from pipelines import schema as S
 if TYPE_CHECKING:
     from pipelines.align import Window
 
-COMPLETED_VERSION = 1
+COMPLETED_VERSION = 2
+READABLE_COMPLETED_VERSIONS = (1, 2)
 
 
 class IncompleteShardsError(RuntimeError):
@@ -115,18 +121,6 @@ def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.R
             np.fromiter((w.teacher_n_chunks[i] for w in ws), np.int32, len(ws))
         )
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
-
-
-def batch_to_bytes(batch: pa.RecordBatch) -> bytes:
-    """A RecordBatch as an Arrow IPC stream: a compact value to shuffle between Beam stages."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
-
-
-def batch_from_bytes(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(data).read_all()
 
 
 def _tmp_path(final: Path) -> Path:
@@ -213,12 +207,17 @@ def write_dead_letters(out_dir: str | os.PathLike, records: Iterable[dict]) -> i
 
 
 def write_completed(
-    out_dir: str | os.PathLike, stats: dict, *, files: dict[str, int] | None = None
+    out_dir: str | os.PathLike,
+    stats: dict,
+    *,
+    files: dict[str, int] | None = None,
+    checksums: dict[str, dict] | None = None,
 ) -> None:
     """Write stats.json, then the COMPLETED marker (last, atomically).
 
     `files` maps shard file name -> row count; by default every ``*.arrow`` file in the directory.
-    Every listed file must exist: the marker promises the directory is whole.
+    Every listed file must exist: the marker promises the directory is whole. `checksums`: file
+    name -> {"bytes", "blake2b"} of the files the caller wrote (stats.json's is added here).
     """
     out = Path(out_dir)
     if files is None:
@@ -226,14 +225,19 @@ def write_completed(
     missing = [f for f in files if not (out / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing shard files {missing}")
-    atomic_write_bytes(
-        out / S.STATS_FILE, (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
-    )
+    stats_bytes = (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(out / S.STATS_FILE, stats_bytes)
+    sums = dict(checksums or {})
+    sums[S.STATS_FILE] = {
+        "bytes": len(stats_bytes),
+        "blake2b": hashlib.blake2b(stats_bytes, digest_size=16).hexdigest(),
+    }
     marker = {
         "version": COMPLETED_VERSION,
         "schema_version": S.SCHEMA_VERSION,
         "files": dict(sorted(files.items())),
         "num_rows": int(sum(files.values())),
+        "checksums": dict(sorted(sums.items())),
     }
     atomic_write_bytes(out / S.COMPLETED_MARKER, (json.dumps(marker, indent=2) + "\n").encode())
 
@@ -263,6 +267,9 @@ class ShardSet:
     files: list[Path]
     num_rows: int
     file_rows: list[int]
+    checksums: dict[str, dict] = dataclasses.field(
+        default_factory=dict
+    )  # COMPLETED v2: name -> bytes, hash
 
     def iter_batches(self, *, files: list[Path] | None = None) -> Iterator[pa.RecordBatch]:
         """Record batches of `files` (default: all), memory-mapped, in file order."""
@@ -311,10 +318,16 @@ def open_shards(
         listed = marker["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise IncompleteShardsError(f"{marker_path}: unreadable marker ({e})") from None
+    if int(marker.get("version", 1)) not in READABLE_COMPLETED_VERSIONS:
+        raise ValueError(
+            f"{marker_path}: marker version {marker.get('version')}, this code reads versions "
+            f"{READABLE_COMPLETED_VERSIONS}; re-run the align job with this code to rebuild it"
+        )
     if int(marker.get("schema_version", -1)) != S.SCHEMA_VERSION:
         raise ValueError(
             f"{marker_path}: shard schema version {marker.get('schema_version')}, "
-            f"this code reads version {S.SCHEMA_VERSION}"
+            f"this code reads version {S.SCHEMA_VERSION}; re-run the align job with this code "
+            "to rebuild it"
         )
     files = [d / name for name in sorted(listed)]
     missing = [p.name for p in files if not p.is_file()]
@@ -354,4 +367,4 @@ def open_shards(
             )
         for i, (found, want) in enumerate(zip(meta.teachers, teachers)):
             _check_tokenizer(f"teacher {i}", found, want, str(d))
-    return ShardSet(d, meta, files, int(sum(file_rows)), file_rows)
+    return ShardSet(d, meta, files, int(sum(file_rows)), file_rows, marker.get("checksums", {}))
