@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -453,4 +454,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines import cli
+
+    sys.exit(cli.run(main, prog="projection"))

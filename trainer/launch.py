@@ -1,0 +1,100 @@
+"""``python -m trainer.launch [torchrun options] trainer/main.py conf=<name> [overrides]``
+
+torchrun, with its failure report cut to what the ranks already said. Plain ``torchrun`` works
+the same, but when a rank fails its launcher process ends with a traceback of its own and a
+``ChildFailedError`` box (one section per rank, the peers it stopped included), plus a warning
+for each rank it stops; that comes from torchrun's own ``main`` (an uncaught exception), so
+nothing inside a rank can turn it off, and ``LOGLEVEL=ERROR`` only drops the warnings. This
+launcher calls the same ``torch.distributed.run.run`` and catches that exception instead:
+
+- a rank already printed its line (`pipelines.cli` notes it in torchrun's error file): nothing
+  more is printed;
+- no rank did (a rank killed by a signal, say the out-of-memory killer, or only peers that lost
+  their link): one line for the first failure;
+
+and the exit code is the failing rank's (2 bad config or inputs, 1 a failed run, 130
+interrupted) instead of torchrun's 1 for everything. ``TOKENBRIDGE_DEBUG=1`` restores
+torchrun's own logging and report (with the same exit code).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from pipelines import cli  # noqa: E402
+
+
+def failure_line(failures: dict) -> str | None:
+    """The line for a failed launch, or None when a rank has already printed one.
+
+    ``failures``: global rank -> torchrun's ``ProcessFailure`` (exitcode, pid, error file data).
+    """
+    notes = {r: _note(f) for r, f in failures.items()}
+    if any(n.get("kind") == "printed" for n in notes.values()):
+        return None
+    # a rank that died without a word (a signal) explains more than a peer that lost its link
+    silent = [r for r in failures if not notes[r]]
+    rank = min(silent or failures, key=lambda r: (failures[r].timestamp, r))
+    f = failures[rank]
+    if notes[rank]:
+        return notes[rank]["line"]
+    if f.exitcode < 0:
+        name = signal.Signals(-f.exitcode).name
+        what = f"was killed by signal {name}"
+        if name == "SIGKILL":
+            what += " (if no one did, the kernel's out-of-memory killer probably did: `dmesg`)"
+    else:
+        what = f"exited with code {f.exitcode} without a message"
+    return f"tokenbridge train [rank {rank}]: the process (pid {f.pid}) {what}"
+
+
+def _note(failure) -> dict:
+    data = getattr(failure, "error_file_data", None) or {}
+    msg = data.get("message")
+    return msg.get("tokenbridge", {}) if isinstance(msg, dict) else {}
+
+
+def exit_code(failures: dict) -> int:
+    """The code of the rank that reported the failure (else of the first to fail); 1 for a
+    rank killed by a signal."""
+    printed = [r for r, f in failures.items() if _note(f).get("kind") == "printed"]
+    first = min(printed or failures, key=lambda r: (failures[r].timestamp, r))
+    code = failures[first].exitcode
+    return code if code > 0 else cli.EXIT_RUN
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    debug = cli.debug_enabled()
+    if not debug:
+        # "Sending process N closing signal SIGTERM", "failed (exitcode: 1) local_rank: 0 ...":
+        # the ranks' own lines say it better
+        for name in ("torch.distributed.elastic", "torch.distributed.run"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ[cli.LAUNCHER_ENV] = "1"  # the ranks inherit it: they leave notes (pipelines.cli)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        line = traceback.format_exc() if debug else failure_line(e.failures)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return exit_code(e.failures)
+    except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks were stopped
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
