@@ -21,9 +21,9 @@ the run, a non-finite all-reduced loss; ``Rule(everywhere=True)`` or ``same_on_e
 reported by rank 0; the others wait a moment, are normally stopped by the launcher once rank 0
 has exited, and report it themselves only if still alive (so rank 0 did not fail). Any other error
 is reported by the rank it happened on, and a rank that fails only because a peer died
-(``Rule(quiet=True)``: "Connection closed by peer") exits 1 without a word. Under torchrun each
-rank started by `trainer.launch` also leaves its line in torchrun's error file, which the
-launcher reads to say nothing twice.
+(``Rule(quiet=True)``: "Connection closed by peer") exits 1 without a word; Ctrl-C, which
+reaches every rank, is said by rank 0. Each rank started by `trainer.launch` also leaves its
+line in torchrun's error file, which the launcher reads to say nothing twice.
 """
 
 from __future__ import annotations
@@ -161,6 +161,8 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
         return rule.code
     if everywhere and rank != 0 and world > 1 and not debug:
         _tell_launcher(line, e, "quiet")
+        if isinstance(e, KeyboardInterrupt):
+            return rule.code  # Ctrl-C reaches every rank of the terminal's job: rank 0 says it
         time.sleep(PEER_WAIT_S)  # normally the launcher stops us here, rank 0 having reported
     if debug:
         traceback.print_exception(e, file=sys.stderr)

@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if not debug:
         # "Sending process N closing signal SIGTERM", "failed (exitcode: 1) local_rank: 0 ...":
         # the ranks' own lines say it better
-        for name in ("torch.distributed.elastic", "torch.distributed.run"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        # (each of torch's elastic modules sets its own logger's level: set them all)
+        for name in list(logging.Logger.manager.loggerDict):
+            if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ[cli.LAUNCHER_ENV] = "1"  # the ranks inherit it: they leave notes (pipelines.cli)
     try:

@@ -276,7 +276,7 @@ class Trainer:
         logging step, else None. The step's numbers stay on the device until ONE read, after
         the gradient norm and before the optimizer step: the non-finite guard needs the losses
         and the norm there, and the norm is computed for clipping anyway. Other host-side
-        work (metric names swapped between ranks, /dev/shm scan, the record) waits for a
+        work (metric names swapped between ranks, the shared-memory count, the record) waits for a
         logging step."""
         t0 = time.perf_counter()
         n_mb, n_terms = self.cfg.data.grad_accum, len(self.kd_terms)

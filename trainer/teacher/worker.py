@@ -39,6 +39,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -148,7 +149,8 @@ class WorkerProcess:
             name=f"teacher-worker-{group.rank if group else 0}",
             daemon=True,  # killed by multiprocessing's atexit if the student forgets close()
         )
-        proc.start()
+        with _sigint_ignored():
+            proc.start()
         child_conn.close()
         worker = cls(
             proc,
@@ -256,6 +258,22 @@ class WorkerProcess:
             self._conn.close()
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Start the worker with SIGINT ignored: a new Python keeps an inherited SIG_IGN, so a
+    Ctrl-C while the worker is still importing (seconds) does not print a KeyboardInterrupt
+    traceback from it; the student decides what Ctrl-C means. Main thread only (as is
+    ``signal``); elsewhere the worker ignores SIGINT once ``worker_main`` runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker side.
 
@@ -277,8 +295,6 @@ def _thread_lock_for_progress_bars() -> None:
     # student. A worker killed outright never unregisters it, and the tracker then warns about
     # a "leaked semaphore" when the student exits. One process needs only a thread lock.
     try:
-        import threading
-
         from tqdm import tqdm
     except ImportError:
         return
