@@ -109,18 +109,18 @@ def hydra_message(e: Exception) -> str:
     items after it ("Available options in 'experiment': debug, demo"), and the cause it wraps
     ("Error merging override optim.lr=abc (Value 'abc' could not be converted to Float)")."""
     text = str(e).split("Config search path:")[0]
-    out = ""
+    parts: list[str] = []
     for raw in text.splitlines():
         part = raw.strip()
-        if part:
-            sep = (
-                ", "
-                if raw[:1].isspace() and not out.endswith(":")
-                else " "
-                if out.endswith(":")
-                else "; "
-            )
-            out = f"{out}{sep if out else ''}{part}"
+        if not part:
+            continue
+        if parts and parts[-1].endswith(":"):  # a heading, then its first item
+            parts[-1] += " " + part
+        elif parts and raw[:1].isspace():  # the next (indented) item of that list
+            parts[-1] += ", " + part
+        else:
+            parts.append(part)
+    out = "; ".join(parts)
     cause = e.__cause__ and str(e.__cause__).strip().splitlines()
     return f"{out} ({cause[0].strip()})" if cause and cause[0].strip() not in out else out
 

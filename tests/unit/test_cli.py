@@ -170,3 +170,15 @@ def test_beam_apitools_warning_is_dropped_other_warnings_print(caplog):
         "a warning that matters",
         "beam says something",
     ]
+
+
+def test_hydra_errors_fold_into_the_one_line(capsys):
+    from trainer.main import main
+
+    assert main(["conf=nope"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "tokenbridge train: ConfigError: config: In 'train': Could not find 'experiment/nope'; "
+        "Available options in 'experiment': "
+    )
+    assert {"debug", "demo"} <= set(lines[0].rsplit(": ", 1)[1].split(", "))

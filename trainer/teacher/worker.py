@@ -350,7 +350,8 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """Entry point of the worker process (spawned by ``WorkerProcess.start``); its first message
-    is ``("ring", ring handle, CUDA events or None)``."""
+    is ``("ring", ring handle, CUDA events or None)``, answered with ``("mapped",)`` once the
+    ring is mapped, then ``("ready", info)`` once the teacher is loaded."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     _scrub_launcher_env()
