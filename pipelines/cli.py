@@ -18,8 +18,9 @@ with the debug switch.
 
 Several ranks (torchrun): an error every rank raises alike (the config, inputs checked before
 the run, a non-finite all-reduced loss; ``Rule(everywhere=True)`` or ``same_on_every_rank``) is
-reported by rank 0; the others wait a moment, are normally stopped by the launcher once rank 0
-has exited, and report it themselves only if still alive (so rank 0 did not fail). Any other error
+reported by rank 0; the others leave it to `trainer.launch` (which says it if rank 0 was stopped
+first) or, under plain torchrun, wait a moment (torchrun stops them once rank 0 has exited) and
+report it themselves only if still alive (so rank 0 did not fail). Any other error
 is reported by the rank it happened on, and a rank that fails only because a peer died
 (``Rule(quiet=True)``: "Connection closed by peer") exits 1 without a word; Ctrl-C, which
 reaches every rank, is said by rank 0. Each rank started by `trainer.launch` also leaves its
@@ -151,19 +152,24 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
         _tell_launcher(line, e, "printed")
         return EXIT_RUN
     everywhere = rule.everywhere or getattr(e, "tokenbridge_everywhere", False)
-    # said for every rank by rank 0: no rank in the line
-    shown = (rank, 1 if everywhere and rank == 0 else world)
-    line = format_line(prog, e, hint=rule.hint_for(e), rank=shown[0], world=shown[1])
+    hint = rule.hint_for(e)
+    line = format_line(prog, e, hint=hint, rank=rank, world=world)
+    if everywhere and not debug:  # said once for every rank: no rank in the line
+        line = format_line(prog, e, hint=hint)
     if rule.code == EXIT_RUN and not debug:
         line += f" ({DEBUG_ENV}=1 shows the traceback)"
     if rule.quiet and not debug:
         _tell_launcher(line, e, "quiet")
         return rule.code
     if everywhere and rank != 0 and world > 1 and not debug:
-        _tell_launcher(line, e, "quiet")
-        if isinstance(e, KeyboardInterrupt):
-            return rule.code  # Ctrl-C reaches every rank of the terminal's job: rank 0 says it
-        time.sleep(PEER_WAIT_S)  # normally the launcher stops us here, rank 0 having reported
+        # Rank 0 says it. Under trainer.launch this rank leaves it to the launcher (said there
+        # if rank 0 was stopped before it could) and ends now; Ctrl-C reaches every rank.
+        if _tell_launcher(line, e, "held") or isinstance(e, KeyboardInterrupt):
+            return rule.code
+        # plain torchrun stops this rank once rank 0 has exited; still alive after the wait,
+        # rank 0 did not fail, and this rank says it
+        time.sleep(PEER_WAIT_S)
+        line = format_line(prog, e, hint=hint, rank=rank, world=world)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     _say(line)
@@ -176,13 +182,14 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _tell_launcher(line: str, e: BaseException, kind: str) -> None:
+def _tell_launcher(line: str, e: BaseException, kind: str) -> bool:
     """Under `trainer.launch`, leave the line in torchrun's error file (``TORCHELASTIC_ERROR_FILE``,
     in the layout torchrun reads), so the launcher knows whether a rank already said it
-    ("printed") or not ("quiet")."""
+    ("printed"), left an error every rank met to be said ("held"), or only lost a peer ("quiet").
+    True when the note was written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or not os.environ.get(LAUNCHER_ENV):
-        return  # plain torchrun would log an error of its own about a file it cannot copy
+        return False  # plain torchrun would log an error of its own about a file it cannot copy
     data = {
         "message": {
             "message": f"{type(e).__name__}: {first_line(e)}",
@@ -197,4 +204,5 @@ def _tell_launcher(line: str, e: BaseException, kind: str) -> None:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:
-        pass  # the launcher then prints its own line; nothing here is worth a second failure
+        return False  # the launcher then prints its own line
+    return True

@@ -9,8 +9,9 @@ launcher calls the same ``torch.distributed.run.run`` and catches that exception
 
 - a rank already printed its line (`pipelines.cli` notes it in torchrun's error file): nothing
   more is printed;
-- no rank did (a rank killed by a signal, say the out-of-memory killer, or only peers that lost
-  their link): one line for the first failure;
+- no rank did (a rank killed by a signal, say the out-of-memory killer; rank 0 stopped before it
+  could report an error every rank met; only peers that lost their link): one line, for the
+  failure that explains most;
 
 and the exit code is the failing rank's (2 bad config or inputs, 1 a failed run, 130
 interrupted) instead of torchrun's 1 for everything. ``TOKENBRIDGE_DEBUG=1`` restores
@@ -32,20 +33,32 @@ if __name__ == "__main__" and not __package__:
 from pipelines import cli  # noqa: E402
 
 
-def failure_line(failures: dict) -> str | None:
-    """The line for a failed launch, or None when a rank has already printed one.
+def explain(failures: dict) -> tuple[str | None, int]:
+    """What to print for a failed launch (None: a rank already printed its line) and the exit
+    code: that rank's, or the one of the failure the line describes (1 for a signal).
 
-    ``failures``: global rank -> torchrun's ``ProcessFailure`` (exitcode, pid, error file data).
+    ``failures``: global rank -> torchrun's ``ProcessFailure`` (exitcode, pid, timestamp, error
+    file data with the rank's note, `pipelines.cli`).
     """
     notes = {r: _note(f) for r, f in failures.items()}
-    if any(n.get("kind") == "printed" for n in notes.values()):
-        return None
-    # a rank that died without a word (a signal) explains more than a peer that lost its link
-    silent = [r for r in failures if not notes[r]]
-    rank = min(silent or failures, key=lambda r: (failures[r].timestamp, r))
+    by_time = sorted(failures, key=lambda r: (failures[r].timestamp, r))
+    printed = [r for r in by_time if notes[r].get("kind") == "printed"]
+    if printed:
+        return None, _code(failures[printed[0]])
+
+    def telling(r: int) -> int:
+        # nobody spoke: a rank killed from outside (the OOM killer) explains most, then an
+        # error every rank met (its reporter, rank 0, stopped first), then a lost link; a rank
+        # stopped by torchrun itself (SIGTERM, SIGINT) explains nothing
+        f, kind = failures[r], notes[r].get("kind")
+        if f.exitcode < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT):
+            return 0
+        return {"held": 1, "quiet": 2}.get(kind, 3)
+
+    rank = min(by_time, key=telling)
     f = failures[rank]
     if notes[rank]:
-        return notes[rank]["line"]
+        return notes[rank]["line"], _code(f)
     if f.exitcode < 0:
         name = signal.Signals(-f.exitcode).name
         what = f"was killed by signal {name}"
@@ -53,7 +66,7 @@ def failure_line(failures: dict) -> str | None:
             what += " (if no one did, the kernel's out-of-memory killer probably did: `dmesg`)"
     else:
         what = f"exited with code {f.exitcode} without a message"
-    return f"tokenbridge train [rank {rank}]: the process (pid {f.pid}) {what}"
+    return f"tokenbridge train [rank {rank}]: the process (pid {f.pid}) {what}", _code(f)
 
 
 def _note(failure) -> dict:
@@ -62,13 +75,8 @@ def _note(failure) -> dict:
     return msg.get("tokenbridge", {}) if isinstance(msg, dict) else {}
 
 
-def exit_code(failures: dict) -> int:
-    """The code of the rank that reported the failure (else of the first to fail); 1 for a
-    rank killed by a signal."""
-    printed = [r for r, f in failures.items() if _note(f).get("kind") == "printed"]
-    first = min(printed or failures, key=lambda r: (failures[r].timestamp, r))
-    code = failures[first].exitcode
-    return code if code > 0 else cli.EXIT_RUN
+def _code(failure) -> int:
+    return failure.exitcode if failure.exitcode > 0 else cli.EXIT_RUN
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        line = traceback.format_exc() if debug else failure_line(e.failures)
+        line, code = explain(e.failures)
+        if debug:
+            line = traceback.format_exc()
         if line:
             print(line, file=sys.stderr, flush=True)
-        return exit_code(e.failures)
+        return code
     except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks were stopped
         return 128 + int(e.sigval)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import types
 
 import pytest
@@ -95,7 +96,7 @@ def test_ranks_say_it_once(capsys, monkeypatch):
     everywhere = cli.same_on_every_rank(ValueError("config x: bad"))
     code, lines, _ = run(everywhere, capsys, rank=0, world_size=2)
     assert code == 2 and lines == ["tokenbridge tool: ValueError: config x: bad"]
-    # rank 1 waits for rank 0 to say it; still alive after the wait, it says it itself
+    # plain torchrun: rank 1 waits for rank 0 to say it; still alive after the wait, it says it
     slept = []
     monkeypatch.setattr(cli.time, "sleep", slept.append)
     code, lines, _ = run(cli.same_on_every_rank(ValueError("bad")), capsys, rank=1, world_size=2)
@@ -124,36 +125,44 @@ def test_trainer_rules_name_worker_timeout_and_nonfinite_errors(capsys):
         hydra_overrides(["--lr", "1"])
 
 
-def test_launcher_note_and_its_reading(capsys, monkeypatch, tmp_path):
-    """What a rank leaves in torchrun's error file, and the launcher's one line from it."""
+def test_launcher_notes_and_its_reading(capsys, monkeypatch, tmp_path):
+    """What ranks leave in torchrun's error files under trainer.launch, and what the launcher
+    makes of them: nothing when a rank printed its line, else the line that explains most."""
     monkeypatch.setenv(cli.LAUNCHER_ENV, "1")
-    files = {}
-    for rank, exc in (
-        (0, TimeoutError("no answer")),
-        (1, RuntimeError("Connection closed by peer")),
-    ):
-        files[rank] = tmp_path / f"{rank}.json"
-        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[rank]))
-        run(exc, capsys, rules=RULES, rank=rank, world_size=2)
-    notes = {r: json.loads(f.read_text())["message"] for r, f in files.items()}
-    assert notes[0]["tokenbridge"]["kind"] == "printed" and int(notes[0]["extraInfo"]["timestamp"])
-    assert notes[1]["tokenbridge"]["kind"] == "quiet"
+    cases = {
+        "printed": (0, TimeoutError("no answer")),
+        "quiet": (1, RuntimeError("Connection closed by peer")),
+        "held": (1, cli.same_on_every_rank(ValueError("config x: bad"))),
+    }
+    notes, said = {}, {}
+    for kind, (rank, exc) in cases.items():
+        path = tmp_path / f"{kind}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        said[kind] = run(exc, capsys, rules=RULES, rank=rank, world_size=2)[1]
+        notes[kind] = json.loads(path.read_text())["message"]
+        assert notes[kind]["tokenbridge"]["kind"] == kind and int(
+            notes[kind]["extraInfo"]["timestamp"]
+        )
+    assert said["quiet"] == said["held"] == []  # held: said by rank 0, else by the launcher
+    assert notes["held"]["tokenbridge"]["line"] == "tokenbridge tool: ValueError: config x: bad"
 
-    def failure(rank, code, t):
-        data = {"message": notes[rank]} if rank in notes else {}
+    def failure(rank, code, note=None, t=5):
+        data = {"message": notes[note]} if note else {}
         return types.SimpleNamespace(
             exitcode=code, pid=100 + rank, timestamp=t, error_file_data=data
         )
 
-    both = {0: failure(0, 1, 5), 1: failure(1, 1, 5)}
-    assert launch.failure_line(both) is None and launch.exit_code(both) == 1
-    del notes[0]  # rank 0 killed by the OOM killer, rank 1 lost its link: say rank 0's end
-    both = {0: failure(0, -9, 6), 1: failure(1, 1, 5)}
-    line = launch.failure_line(both)
+    term = -signal.SIGTERM  # a rank torchrun stopped
+    assert launch.explain({0: failure(0, 1, "printed"), 1: failure(1, 1, "quiet")}) == (None, 1)
+    # rank 0 stopped before it could say an error every rank met: the launcher says it, code 2
+    held = launch.explain({0: failure(0, term), 1: failure(1, 2, "held")})
+    assert held == ("tokenbridge tool: ValueError: config x: bad", 2)
+    # rank 0 killed by the OOM killer, rank 1 lost its link: rank 0's end is the news
+    line, code = launch.explain({0: failure(0, -signal.SIGKILL, t=6), 1: failure(1, 1, "quiet")})
     assert line.startswith("tokenbridge train [rank 0]: the process (pid 100) was killed by")
-    assert "out-of-memory" in line and launch.exit_code(both) == 1
-    alone = {1: failure(1, 1, 5)}  # only a lost link: its line, said by the launcher
-    assert launch.failure_line(alone) == notes[1]["tokenbridge"]["line"]
+    assert "out-of-memory" in line and code == 1
+    lost = launch.explain({0: failure(0, term), 1: failure(1, 1, "quiet")})
+    assert lost == (notes["quiet"]["tokenbridge"]["line"], 1)
 
 
 def test_beam_apitools_warning_is_dropped_other_warnings_print(caplog):
