@@ -29,8 +29,10 @@ line in torchrun's error file, which the launcher reads to say nothing twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -148,8 +150,9 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
         # not a failure we know how to explain: a bug, and its traceback is what helps
         traceback.print_exception(e, file=sys.stderr)
         line = format_line(prog, e, rank=rank, world=world)
-        _say(f"{line} (an internal error: please report it with the traceback above)")
-        _tell_launcher(line, e, "printed")
+        with _no_sigterm():
+            _say(f"{line} (an internal error: please report it with the traceback above)")
+            _tell_launcher(line, e, "printed", EXIT_RUN)
         return EXIT_RUN
     everywhere = rule.everywhere or getattr(e, "tokenbridge_everywhere", False)
     hint = rule.hint_for(e)
@@ -159,22 +162,39 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
     if rule.code == EXIT_RUN and not debug:
         line += f" ({DEBUG_ENV}=1 shows the traceback)"
     if rule.quiet and not debug:
-        _tell_launcher(line, e, "quiet")
+        _tell_launcher(line, e, "quiet", rule.code)
         return rule.code
     if everywhere and rank != 0 and world > 1 and not debug:
         # Rank 0 says it. Under trainer.launch this rank leaves it to the launcher (said there
         # if rank 0 was stopped before it could) and ends now; Ctrl-C reaches every rank.
-        if _tell_launcher(line, e, "held") or isinstance(e, KeyboardInterrupt):
+        if _tell_launcher(line, e, "held", rule.code) or isinstance(e, KeyboardInterrupt):
             return rule.code
         # plain torchrun stops this rank once rank 0 has exited; still alive after the wait,
         # rank 0 did not fail, and this rank says it
         time.sleep(PEER_WAIT_S)
         line = format_line(prog, e, hint=hint, rank=rank, world=world)
-    if debug:
-        traceback.print_exception(e, file=sys.stderr)
-    _say(line)
-    _tell_launcher(line, e, "printed")
+    with _no_sigterm():
+        if debug:
+            traceback.print_exception(e, file=sys.stderr)
+        _say(line)
+        _tell_launcher(line, e, "printed", rule.code)
     return rule.code
+
+
+@contextlib.contextmanager
+def _no_sigterm():
+    """Ignore SIGTERM while the line is printed and noted: torchrun stops the other ranks as
+    soon as one exits, and a rank stopped between the two would have its line said twice (by
+    the launcher too) or not at all. The report takes milliseconds; the rank exits right after."""
+    try:
+        before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are the main thread's to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _say(line: str) -> None:
@@ -182,7 +202,7 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _tell_launcher(line: str, e: BaseException, kind: str) -> bool:
+def _tell_launcher(line: str, e: BaseException, kind: str, code: int) -> bool:
     """Under `trainer.launch`, leave the line in torchrun's error file (``TORCHELASTIC_ERROR_FILE``,
     in the layout torchrun reads), so the launcher knows whether a rank already said it
     ("printed"), left an error every rank met to be said ("held"), or only lost a peer ("quiet").
@@ -197,7 +217,7 @@ def _tell_launcher(line: str, e: BaseException, kind: str) -> bool:
                 "py_callstack": "".join(traceback.format_exception(e)) if debug_enabled() else line,
                 "timestamp": str(int(time.time())),
             },
-            "tokenbridge": {"kind": kind, "line": line},
+            "tokenbridge": {"kind": kind, "line": line, "code": code},
         }
     }
     try:

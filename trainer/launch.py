@@ -44,7 +44,7 @@ def explain(failures: dict) -> tuple[str | None, int]:
     by_time = sorted(failures, key=lambda r: (failures[r].timestamp, r))
     printed = [r for r in by_time if notes[r].get("kind") == "printed"]
     if printed:
-        return None, _code(failures[printed[0]])
+        return None, _code(failures[printed[0]], notes[printed[0]])
 
     def telling(r: int) -> int:
         # nobody spoke: a rank killed from outside (the OOM killer) explains most, then an
@@ -58,7 +58,7 @@ def explain(failures: dict) -> tuple[str | None, int]:
     rank = min(by_time, key=telling)
     f = failures[rank]
     if notes[rank]:
-        return notes[rank]["line"], _code(f)
+        return notes[rank]["line"], _code(f, notes[rank])
     if f.exitcode < 0:
         name = signal.Signals(-f.exitcode).name
         what = f"was killed by signal {name}"
@@ -75,7 +75,10 @@ def _note(failure) -> dict:
     return msg.get("tokenbridge", {}) if isinstance(msg, dict) else {}
 
 
-def _code(failure) -> int:
+def _code(failure, note: dict | None = None) -> int:
+    # the code the rank meant to exit with (torchrun may have stopped it a moment later)
+    if note and isinstance(note.get("code"), int):
+        return note["code"]
     return failure.exitcode if failure.exitcode > 0 else cli.EXIT_RUN
 
 

@@ -130,7 +130,7 @@ def test_launcher_notes_and_its_reading(capsys, monkeypatch, tmp_path):
     makes of them: nothing when a rank printed its line, else the line that explains most."""
     monkeypatch.setenv(cli.LAUNCHER_ENV, "1")
     cases = {
-        "printed": (0, TimeoutError("no answer")),
+        "printed": (0, FileNotFoundError("x: missing")),
         "quiet": (1, RuntimeError("Connection closed by peer")),
         "held": (1, cli.same_on_every_rank(ValueError("config x: bad"))),
     }
@@ -153,7 +153,9 @@ def test_launcher_notes_and_its_reading(capsys, monkeypatch, tmp_path):
         )
 
     term = -signal.SIGTERM  # a rank torchrun stopped
-    assert launch.explain({0: failure(0, 1, "printed"), 1: failure(1, 1, "quiet")}) == (None, 1)
+    assert launch.explain({0: failure(0, 2, "printed"), 1: failure(1, 1, "quiet")}) == (None, 2)
+    # stopped by torchrun just after it reported: its code is the one it meant
+    assert launch.explain({0: failure(0, term, "printed"), 1: failure(1, 2, "held")}) == (None, 2)
     # rank 0 stopped before it could say an error every rank met: the launcher says it, code 2
     held = launch.explain({0: failure(0, term), 1: failure(1, 2, "held")})
     assert held == ("tokenbridge tool: ValueError: config x: bad", 2)
