@@ -377,7 +377,8 @@ def summary_line(stats: dict, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # force: importing Beam already configured the root logger (see pipelines/__init__.py)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     cfg, _ = parse_args(argv)
     stats = run(argv)
@@ -386,4 +387,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from pipelines import cli
+
+    sys.exit(cli.run(main, sys.argv[1:], prog="align"))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -54,18 +53,15 @@ from trainer.metrics import (
 )
 from trainer.preflight import Prepared
 from trainer.teacher.feed import Feed, Queued, open_teachers
-from trainer.teacher.ring import SHM_PREFIX
+from trainer.teacher.ring import shm_mappings
 
 
 def shm_usage() -> dict[str, float]:
-    """This process's shared-memory segments (teacher channel rings): count and bytes. Constant
-    over a run when slots are reused, never re-allocated."""
-    prefix = f"{SHM_PREFIX}{os.getpid()}_"
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return {}
-    sizes = [p.stat().st_size for p in shm.iterdir() if p.name.startswith(prefix)]
-    return {"shm_segments": len(sizes), "shm_bytes": sum(sizes)}
+    """The shared-memory segments this process maps (teacher channel rings; their names are
+    unlinked once the worker maps them, so /dev/shm does not list them): count and bytes.
+    Constant over a run when slots are reused, never re-allocated."""
+    maps = shm_mappings()
+    return {"shm_segments": len(maps), "shm_bytes": sum(maps.values())}
 
 
 class Trainer:
@@ -280,7 +276,7 @@ class Trainer:
         logging step, else None. The step's numbers stay on the device until ONE read, after
         the gradient norm and before the optimizer step: the non-finite guard needs the losses
         and the norm there, and the norm is computed for clipping anyway. Other host-side
-        work (metric names swapped between ranks, /dev/shm scan, the record) waits for a
+        work (metric names swapped between ranks, the shared-memory count, the record) waits for a
         logging step."""
         t0 = time.perf_counter()
         n_mb, n_terms = self.cfg.data.grad_accum, len(self.kd_terms)
