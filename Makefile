@@ -81,7 +81,7 @@ demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolL
 	@echo "== run report (plots, open in a browser): runs/demo/report/report.html"
 
 # bench-only baselines (TRL's aligner and ULD loss), installed without their heavy deps
-BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1 xxhash==4.1.0
+BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1
 $(VENV)/.stamp-bench: $(SETUP)
 	$(VENV)/bin/pip install -q --no-deps $(BENCH_DEPS)
 	touch $@
