@@ -58,7 +58,9 @@ def new_hash(algo: str = HASH):
     try:
         return HASHES[algo]()
     except KeyError:
-        raise IntegrityError(f"unknown checksum algorithm {algo!r} (known: {sorted(HASHES)})")
+        raise IntegrityError(
+            f"unknown checksum algorithm {algo!r} (known: {sorted(HASHES)})"
+        ) from None
 
 
 def entry(size: int, digest: str, algo: str = HASH) -> dict:

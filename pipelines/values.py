@@ -105,7 +105,9 @@ def _check_chunks(batch, column: str, n_chunks: np.ndarray, *, where: str, first
     return offsets
 
 
-def _same_lengths(a: np.ndarray, b: np.ndarray, *, where: str, first_row: int, column: str, of: str):
+def _same_lengths(
+    a: np.ndarray, b: np.ndarray, *, where: str, first_row: int, column: str, of: str
+):
     if not np.array_equal(np.diff(a), np.diff(b)):
         row = int(np.flatnonzero(np.diff(a) != np.diff(b))[0])
         raise BadValueError(

@@ -79,15 +79,19 @@ def _print(d: Path, reports: list[integrity.FileReport], out) -> int:
     return damaged
 
 
-def verify_path(d: Path, out=sys.stdout) -> int:
+def verify_path(d: Path, out=None) -> int:
     """Verify one directory (recognising its kind); returns the number of damaged things."""
+    out = out or sys.stdout
     if (d / MARKER).is_file():
         try:
             marker = integrity.read_marker(d, MARKER)
         except integrity.IntegrityError as e:
             print(f"{d}: DAMAGED marker: {e}", file=out)
             return 1
-        print(f"{d}: {marker.get('kind', 'shards')} (marker version {marker.get('version', 1)})", file=out)
+        print(
+            f"{d}: {marker.get('kind', 'shards')} (marker version {marker.get('version', 1)})",
+            file=out,
+        )
         return _print(d, verify_marked(d, marker), out)
     if (d / "checkpoints").is_dir():
         d = d / "checkpoints"
@@ -112,7 +116,9 @@ def verify_path(d: Path, out=sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.verify", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipelines.verify", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("dirs", nargs="+", type=Path, help="shard, cache or checkpoint directories")
     args = ap.parse_args(argv)
     damaged = 0

@@ -158,7 +158,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
         )
-        self.resumed_from = self.checkpointer.resume_path()
+        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
         self.metrics = MetricsLogger(

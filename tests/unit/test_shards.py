@@ -29,7 +29,7 @@ def _row(doc: int, window: int, n_s: int, n_t: list[int]) -> dict:
         row[S.teacher_ids_column(i)] = rng.integers(0, 50, n, dtype=np.int32)
         row[S.teacher_chunk_column(i)] = np.arange(n, dtype=np.int32) // 2
         row[S.teacher_student_chunk_column(i)] = np.arange(n_s, dtype=np.int32)
-        row[S.teacher_n_chunks_column(i)] = n
+        row[S.teacher_n_chunks_column(i)] = max(n, n_s)  # every index below: values check it
     return row
 
 
