@@ -81,6 +81,28 @@ def describe(e: dict) -> str:
     return f"{algo} {e[algo]} over {e['bytes']} bytes"
 
 
+@dataclass
+class Cost:
+    """What checksums cost this process: bytes and seconds hashed by writers (the hash update
+    alone, not the write) and by verification (the read + hash). A run's summary reports it."""
+
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "hash_at_write_s": round(self.write_seconds, 4),
+            "hashed_at_write_bytes": self.write_bytes,
+            "verify_s": round(self.seconds, 4),
+            "verified_bytes": self.bytes,
+        }
+
+
+COST = Cost()
+
+
 class HashingSink:
     """A binary file that hashes what goes through it (pyarrow, torch.save and pickle write to
     any such object). `close` flushes and fsyncs; `entry()` is then the file's marker entry."""
@@ -94,7 +116,10 @@ class HashingSink:
 
     def write(self, data) -> int:
         view = memoryview(data)
+        t0 = time.perf_counter()
         self.hash.update(view)
+        COST.write_seconds += time.perf_counter() - t0
+        COST.write_bytes += view.nbytes
         self.size += view.nbytes
         return self.file.write(view)
 
@@ -122,17 +147,6 @@ class HashingSink:
 
     def entry(self) -> dict:
         return entry(self.size, self.digest(), self.algo)
-
-
-@dataclass
-class Cost:
-    """Bytes hashed and seconds spent verifying in this process (the bench reads it)."""
-
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-COST = Cost()
 
 
 def hash_file(path: str | os.PathLike, algo: str = HASH) -> dict:
