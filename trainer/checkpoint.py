@@ -162,8 +162,8 @@ def verify_checkpoint(path: Path) -> str | None:
         sums = integrity.read_marker(path, MARKER)["checksums"]
         for name in sorted(sums):
             integrity.verify_file(path / name, sums[name])
-    except (integrity.IntegrityError, KeyError, TypeError) as e:
-        return str(e)
+    except (integrity.IntegrityError, OSError, KeyError, TypeError) as e:
+        return str(e)  # OSError: a file gone, e.g. moved aside by rank 0 while another read it
     return None
 
 
@@ -171,7 +171,8 @@ def _move_aside(path: Path) -> Path:
     aside, n = path.with_name(path.name + DAMAGED), 1
     while aside.exists():
         aside, n = path.with_name(f"{path.name}{DAMAGED}.{n}"), n + 1
-    path.rename(aside)
+    with contextlib.suppress(FileNotFoundError):  # another process moved it first: same verdict
+        path.rename(aside)
     return aside
 
 

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from pipelines.projection import Projection, load_projection
 from pipelines.shards import ShardSet, open_shards
 from pipelines.tokenizers import Tokenizer, load_tokenizer
@@ -71,7 +73,8 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             f"{old[-1][0]}) and checkpoint.resume=none; continue it with checkpoint.resume=auto, "
             "or use another run_dir (or delete this one)"
         )
-    rank = int(os.environ.get("RANK", "0"))
+    # the global rank: torchrun's env, or the group's when one exists (multi-process tests)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     resume = find_resume(Path(cfg.run_dir) / "checkpoints", cfg.checkpoint, rank=rank)
     for note in resume.notes if rank == 0 else []:
         print(f"tokenbridge: {note}", file=sys.stderr, flush=True)
