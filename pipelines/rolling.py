@@ -5,8 +5,8 @@ the teacher cache can use the same classes):
 
 1. Each worker writes what it gets to *part* files in the run's temporary directory
    (``<out>/.align-tmp-<run>/``), a new part when the current one reaches ``roll_bytes``.
-   Every byte goes through a blake2b hash as it is written (`HashingSink`, the one place a
-   checksum is computed), so no file is read back to checksum it.
+   Every byte goes through the hash as it is written (`pipelines.integrity.HashingSink`, the
+   one place a checksum is computed), so no file is read back to checksum it.
 2. Closing a part (on rolling, and at the end of the bundle) writes its footer, fsyncs it, and
    then writes its manifest ``<part>.done`` (rows, bytes, checksum). A part without a manifest
    was cut short by a crash.
@@ -25,7 +25,6 @@ rename, so a killed run leaves nothing that a reader takes for a shard.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -35,47 +34,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipelines import schema as S
+from pipelines.integrity import HashingSink
 
 TMP_PREFIX = ".align-tmp-"
 MANIFEST_SUFFIX = ".done"
-HASH = "blake2b"
 
 
 def run_dir(out: str | os.PathLike, run_id: str) -> Path:
     return Path(out) / f"{TMP_PREFIX}{run_id}"
-
-
-class HashingSink:
-    """A binary file that hashes what goes through it (pyarrow writes to any such object)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self.hash = hashlib.blake2b(digest_size=16)
-        self.size = 0
-        self.closed = False
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self.hash.update(view)
-        self.size += view.nbytes
-        return self.file.write(view)
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            self.closed = True
-
-    def digest(self) -> str:
-        return self.hash.hexdigest()
 
 
 def _write_json(path: Path, obj) -> None:
@@ -135,7 +101,7 @@ class RollingParts:
             self.arrow.close()
             self.arrow = None
         self.sink.close()
-        manifest = {"rows": self.rows, "bytes": self.sink.size, HASH: self.sink.digest()}
+        manifest = {"rows": self.rows, **self.sink.entry()}
         _write_json(self.dir / (name + MANIFEST_SUFFIX), manifest)
         self.sink = None
         self.seq += 1
@@ -210,7 +176,7 @@ def concat_parts(tmp: Path, names: list[str], dest: Path, *, sort_below: int) ->
     finally:
         sink.close()
         tmp_dest.unlink(missing_ok=True)
-    return {"rows": rows, "bytes": sink.size, HASH: sink.digest()}
+    return {"rows": rows, **sink.entry()}
 
 
 def remove_tmp(tmp: Path) -> None:

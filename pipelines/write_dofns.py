@@ -20,7 +20,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from pipelines import job_stats, rolling, shards
+from pipelines import integrity, job_stats, rolling, shards
 from pipelines import schema as S
 from pipelines.align_dofns import StageTimer, Windows, cached_tokenizer, count
 
@@ -172,7 +172,9 @@ class FinalizeDoFn(beam.DoFn):
 
 
 def _checksum(info: dict) -> dict:
-    return {"bytes": int(info["bytes"]), rolling.HASH: info[rolling.HASH]}
+    """A part's manifest (rows, bytes, checksum, first key) -> its marker entry."""
+    algo = integrity.entry_algo(info)
+    return integrity.entry(info["bytes"], info[algo], algo)
 
 
 def header_for(cfg, *, input_files: int, input_bytes: int) -> dict:

@@ -2,20 +2,27 @@
 
 A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
 with another tokenizer, a TP size that does not split the heads, a same-tokenizer loss on a
-pair with different tokenizers) fails here, in seconds, with a message that names the file and
-the field. Only tokenizers, shard metadata, projection tables and config.json files are read.
+pair with different tokenizers, a damaged shard or checkpoint) fails here, in seconds, with a
+message that names the file and the field. Only tokenizers, shard metadata, projection tables
+and config.json files are read, plus, to verify them, the shard files (``data.verify``:
+`first_open` and `preflight` both hash them here, as the row-length scan maps every file) and
+the checkpoint to resume from (`trainer.checkpoint.find_resume`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch.distributed as dist
 
 from pipelines.projection import Projection, load_projection
 from pipelines.shards import ShardSet, open_shards
 from pipelines.tokenizers import Tokenizer, load_tokenizer
 from trainer import models, parallel
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint import find_resume, list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig
 from trainer.data import ShardReader
 from trainer.losses.modes import MODES
@@ -32,6 +39,7 @@ class Prepared:
     student_rows: int  # lm_head width from config.json (the tokenizer may be smaller)
     teacher_rows: list[int]
     teacher_max_len: list[int]  # longest teacher row per teacher (sizes the channel slots)
+    resume: Path | None = None  # the verified checkpoint to resume from (None: start fresh)
 
 
 def _model_dir(cfg: ModelConfig, where: str) -> Path:
@@ -65,6 +73,11 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             f"{old[-1][0]}) and checkpoint.resume=none; continue it with checkpoint.resume=auto, "
             "or use another run_dir (or delete this one)"
         )
+    # the global rank: torchrun's env, or the group's when one exists (multi-process tests)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    resume = find_resume(Path(cfg.run_dir) / "checkpoints", cfg.checkpoint, rank=rank)
+    for note in resume.notes if rank == 0 else []:
+        print(f"tokenbridge: {note}", file=sys.stderr, flush=True)
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
 
@@ -98,9 +111,14 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             f"`make align DATA='<glob>' OUT={cfg.data.shards}` (conf/experiment/*.yaml say which)"
         )
     shards = (
-        open_shards(cfg.data.shards, student=student.info(), teachers=[t.info() for t in teachers])
+        open_shards(
+            cfg.data.shards,
+            student=student.info(),
+            teachers=[t.info() for t in teachers],
+            verify=cfg.data.verify,
+        )
         if teachers
-        else _open_student_only(cfg.data.shards, student)
+        else open_shards(cfg.data.shards, student=student.info(), verify=cfg.data.verify)
     )
 
     # the longest rows, from the Arrow list lengths: a row over the limit fails now, not at step N
@@ -145,9 +163,5 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         student_rows,
         teacher_rows,
         teacher_max[: len(teachers)],
+        resume=resume.path,
     )
-
-
-def _open_student_only(dir: str, student: Tokenizer) -> ShardSet:
-    """CE-only runs without configured teachers still read aligned shards (student side)."""
-    return open_shards(dir, student=student.info())

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from pipelines import integrity
 from trainer import checkpoint as ckpt
 from trainer import models, optim, parallel, report
 from trainer.config import TrainConfig
@@ -154,7 +155,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
         )
-        self.resumed_from = self.checkpointer.resume_path()
+        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
         self.metrics = MetricsLogger(
@@ -470,6 +471,7 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "shards": str(Path(self.prep.shards.dir).resolve()),  # the run report's chunk stats
             "teachers": [t.name for t in cfg.teachers],
+            "integrity": integrity.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
