@@ -212,12 +212,14 @@ def write_completed(
     *,
     files: dict[str, int] | None = None,
     checksums: dict[str, dict] | None = None,
+    schema_version: int = S.SCHEMA_VERSION,
 ) -> None:
     """Write stats.json, then the COMPLETED marker (last, atomically).
 
     `files` maps shard file name -> row count; by default every ``*.arrow`` file in the directory.
     Every listed file must exist: the marker promises the directory is whole. `checksums`: file
     name -> {"bytes", "blake2b"} of the files the caller wrote (stats.json's is added here).
+    `schema_version`: of the files listed (the teacher cache has its own).
     """
     out = Path(out_dir)
     if files is None:
@@ -234,7 +236,7 @@ def write_completed(
     }
     marker = {
         "version": COMPLETED_VERSION,
-        "schema_version": S.SCHEMA_VERSION,
+        "schema_version": schema_version,
         "files": dict(sorted(files.items())),
         "num_rows": int(sum(files.values())),
         "checksums": dict(sorted(sums.items())),
