@@ -90,12 +90,13 @@ class CacheSet:
         def values(name: str) -> np.ndarray:
             return batch.column(name)[i].values.to_numpy(zero_copy_only=False)
 
-        tail = values("tail_logprob").astype(np.float32, copy=False)
+        # copies (U values each): the arrays handed out must not be views of a read-only map
+        tail = values("tail_logprob").astype(np.float32, copy=True)
         u = tail.shape[0]
         lp = CF.decode_logprobs(values("topk_logprobs"), meta.logprob_dtype).reshape(u, meta.k)
         ids = CF.unpack_ids(batch.column("topk_ids")[i].as_buffer(), meta.id_bits, u * meta.k)
         ids = np.where(lp > -np.inf, ids.reshape(u, meta.k), -1)
-        target = values("target_logprob").astype(np.float32) if meta.target else None
+        target = values("target_logprob").astype(np.float32, copy=True) if meta.target else None
         return CachedRow(ids, lp, tail, target)
 
     def where(self, row: int) -> str:
