@@ -20,11 +20,15 @@ MODEL   ?=
 BENCH   ?=
 RUNS    ?= runs/demo
 ALIGN_ARGS ?=
+SHARDS  ?= outputs/align/demo
+CACHE_ARGS ?=
+# K is the projection's k (8) unless given; the teacher cache's own default is 32 (xtoken's k)
+CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo projection align train eval report bench clean
+.PHONY: help setup models test lint format demo projection align teacher-cache train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -56,6 +60,9 @@ projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=
 
 align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several ok), STUDENT=, OUT=, ALIGN_ARGS=)
 	$(PY) -m pipelines.align_job --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
+
+teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
+	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
 
 train: models  ## one-process training run on the demo config (see README for torchrun)
 	$(PY) trainer/main.py conf=demo

@@ -47,17 +47,17 @@ def check_spec(meta: CacheMeta, spec: TeacherOutputSpec, *, where: str, mode: st
     if spec.topk and spec.topk != meta.k:
         raise CacheMismatchError(
             f"{where}: the cache holds the top-{meta.k}, {mode} asks for k={spec.topk}; "
-            f"set loss.options.k={meta.k} or {REBUILD} --k {spec.topk}"
+            f"set loss.options.k={meta.k}, or rebuild the cache with K={spec.topk}"
         )
     if spec.topk and spec.temperature != meta.temperature:
         raise CacheMismatchError(
             f"{where}: the cache holds log-probs at temperature {meta.temperature}, {mode} "
-            f"uses {spec.temperature}; {REBUILD} --temperature {spec.temperature}"
+            f"uses {spec.temperature}; rebuild the cache with --temperature {spec.temperature}"
         )
     if spec.target and not meta.target:
         raise CacheMismatchError(
             f"{where}: {mode} reads the target log-probs (chunk chains), this cache was built "
-            f"without them (--no-target); {REBUILD} without --no-target"
+            "without them (--no-target); rebuild the cache without --no-target"
         )
 
 
