@@ -48,8 +48,12 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+LOADS: list[float] = []  # 1-minute load average at the start of every command (other jobs)
+
+
 def _run(cmd: list[str], *, env: dict | None = None) -> tuple[str, float, float]:
     """(stdout, wall seconds, peak RSS GiB of the whole process tree, sampled every 0.2 s)."""
+    LOADS.append(os.getloadavg()[0])
     t0 = time.perf_counter()
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
@@ -169,7 +173,9 @@ def render(cache: dict, live_fwd: dict, runs: dict) -> str:
     lines = [
         "## Teacher cache (offline teacher outputs)",
         "",
-        f"CPU: {_cpu()}, 2 cores shared with other jobs: every ratio below is within this one run. "
+        f"CPU: {_cpu()}, {os.cpu_count()} cores shared with other jobs (1-minute load average "
+        f"{min(LOADS):.1f}-{max(LOADS):.1f} at the starts of the commands below): every ratio "
+        "is within this one run, and the load moves between runs. "
         f"Inputs: {cache['rows']} demo windows ({cache['teacher_tokens']:,} Gemma tokens) of "
         "Hamlet, aligned by `make align` with the demo's 256-token windows.",
         "",

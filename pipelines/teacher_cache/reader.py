@@ -63,23 +63,40 @@ class CachedRow:
 
 
 class CacheSet:
-    """A complete, checked cache joined to a shard set (see `open_cache`)."""
+    """A complete, checked cache joined to a shard set (see `open_cache`). Each file stays a
+    memory-mapped Arrow reader; a record batch is fetched (zero-copy) when a row of it is read,
+    so an open cache holds per file only its batches' row offsets, plus the join."""
 
     def __init__(self, directory: Path, meta: CF.CacheMeta, files: list[Path], stats: dict):
         self.dir, self.meta, self.files, self.stats = directory, meta, files, stats
-        self.batches: list[list[pa.RecordBatch]] = []
+        self.readers: list[pa.ipc.RecordBatchFileReader] = []
         self.batch_starts: list[np.ndarray] = []
         for path in files:
-            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-            bs = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            self.batches.append(bs)
-            self.batch_starts.append(np.cumsum([0] + [b.num_rows for b in bs]))
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+                found = CF.read_file_meta(reader.schema, where=str(path))
+                sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+            except pa.ArrowInvalid as e:
+                raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from None
+            if found != meta:
+                raise CacheMismatchError(
+                    f"{path}: its metadata differs from {directory}/stats.json"
+                )
+            self.readers.append(reader)
+            self.batch_starts.append(np.cumsum([0, *sizes]))
         self.file_of = np.zeros(0, np.int32)  # per global shard row: cache file
-        self.row_of = np.zeros(0, np.int64)  # ... and row in it
+        self.row_of = np.zeros(0, np.int32)  # ... and row in it
+
+    def file_rows(self, f: int) -> int:
+        return int(self.batch_starts[f][-1])
+
+    def batches(self, f: int):
+        for i in range(self.readers[f].num_record_batches):
+            yield self.readers[f].get_batch(i)
 
     def _locate(self, f: int, r: int) -> tuple[pa.RecordBatch, int]:
         b = int(np.searchsorted(self.batch_starts[f], r, side="right") - 1)
-        return self.batches[f][b], r - int(self.batch_starts[f][b])
+        return self.readers[f].get_batch(b), r - int(self.batch_starts[f][b])
 
     def read(self, row: int) -> CachedRow:
         """The outputs stored for global shard row `row`."""
@@ -154,10 +171,10 @@ def _join(cs: CacheSet, shard_set: SH.ShardSet, d: Path) -> None:
     starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
     n = int(starts[-1])
     file_of = np.full(n, -1, np.int32)
-    row_of = np.zeros(n, np.int64)
-    for f, batches in enumerate(cs.batches):
+    row_of = np.zeros(n, np.int32)
+    for f in range(len(cs.files)):
         at = 0
-        for b in batches:
+        for b in cs.batches(f):
             idx = pc.index_in(b.column("shard_file"), value_set=pa.array(names, pa.string()))
             if idx.null_count:
                 raise CacheMismatchError(
@@ -207,19 +224,10 @@ def open_cache(directory: str | os.PathLike, expected: Expected) -> CacheSet:
     if missing:
         raise IncompleteCacheError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
     check_expected(meta, expected, d)
-    for path in files:
-        try:
-            with pa.memory_map(str(path), "r") as src:
-                reader = pa.ipc.open_file(src)
-                found = CF.read_file_meta(reader.schema, where=str(path))
-                rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid as e:
-            raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from None
-        if found != meta:
-            raise CacheMismatchError(f"{path}: its metadata differs from {d / S.STATS_FILE}")
-        if rows != int(marker["files"][path.name]):
-            listed = marker["files"][path.name]
-            raise ValueError(f"{path}: {rows} rows, {S.COMPLETED_MARKER} says {listed}")
     cs = CacheSet(d, meta, files, stats)
+    for f, path in enumerate(files):
+        listed = int(marker["files"][path.name])
+        if cs.file_rows(f) != listed:
+            raise ValueError(f"{path}: {cs.file_rows(f)} rows, {S.COMPLETED_MARKER} says {listed}")
     _join(cs, expected.shards, d)
     return cs
