@@ -59,8 +59,8 @@ class Feed:
             if not self.channels or in_flight >= self.depth:
                 break
             if not q.submitted:
-                for term, ch in zip(self.terms, self.channels):
-                    ch.submit(q.mb.teacher_inputs(term.index))
+                for term, prep, ch in zip(self.terms, q.prep, self.channels):
+                    ch.submit(term.teacher_inputs(q.mb, prep))
                 q.submitted, in_flight = True, in_flight + 1
 
     def peek(self, n: int) -> list[Queued]:
@@ -117,6 +117,7 @@ def open_teachers(
                 max_batch=cfg.data.micro_batch_size,
                 max_len=max_len[term.index],
                 dtype=t_cfg.dtype,
+                used_mask=True,  # outputs only where the loss reads them (`KDTerm.teacher_inputs`)
             )
             inprocess = cfg.parallel.teacher_placement == "inprocess"
             group = None
