@@ -1,9 +1,17 @@
-"""The align job: raw text -> aligned Arrow shards for the trainer (``make align``).
+"""The align job: raw text or conversations -> aligned Arrow shards for the trainer (``make align``).
 
     python -m pipelines.align_job --data 'corpus/*.txt' --teacher T [--teacher T2 ...] \\
         --student S [--out DIR] [--max-student-tokens 512] [--max-teacher-tokens 512] \\
         [--text-field text] [--txt-mode file|blocks] [--shard-mb 128] [--piece-chars N] \\
         [--overwrite] [Beam pipeline options, e.g. --direct_num_workers 1]
+
+Conversations (rows of ``messages`` or ``prompt`` + ``completion``, jsonl or parquet) are
+detected from the first record of the first file (``--row-format`` names it instead) and take
+the conversation path (`pipelines.chat_dofns`): every side renders each conversation with its
+own chat template (``--chat-template`` for the student, ``--teacher-chat-template`` once per
+teacher, for models without one: a shipped name or a .jinja file; ``own`` = the model's), one
+conversation per row, ``--train-on`` assistant | last_assistant | all, and
+``--long-conversations`` too_long | keep_suffix for conversations over the token limits.
 
 The pipeline reads as its own table of contents::
 
@@ -43,10 +51,15 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines import align_dofns as F
+from pipelines import chat_dofns as C
 from pipelines import paths, progress, readers, rolling, shards
 from pipelines import schema as S
 from pipelines import write_dofns as W
 from pipelines.align import WindowConfig
+from pipelines.chat import fit
+from pipelines.chat import rows as chat_rows
+from pipelines.chat.read import peek_format
+from pipelines.chat.templates import resolve_template
 from pipelines.pieces import PieceConfig
 
 log = logging.getLogger("tokenbridge.align")
@@ -132,27 +145,40 @@ def split(pcoll, tags: list[str]) -> dict:
 
 
 class ReadDocs(beam.PTransform):
-    """Read tasks -> `DocBatch` elements (``batches``) and ``dead_letter`` records."""
+    """Read tasks -> `DocBatch` elements (conversation jobs: `RowBatch`) (``batches``) and
+    ``dead_letter`` records."""
 
-    def __init__(self, tasks: list[F.InputSplit], *, config, progress_dir: str | None):
+    def __init__(self, tasks: list[F.InputSplit], *, cfg: JobConfig, progress_dir: str | None):
         super().__init__()
-        self.tasks, self.config, self.progress_dir = tasks, config, progress_dir
+        self.tasks = tasks
+        if cfg.chat is None:
+            self.fn = F.ReadSplitDoFn(cfg.reader, progress_dir=progress_dir)
+        else:  # conversation rows (`RowBatch` elements)
+            self.fn = C.ReadChatDoFn(cfg.chat.row_format, progress_dir=progress_dir)
 
     def expand(self, pbegin):
         # Create spreads the tasks (file names and byte ranges, not rows) over the workers
         tasks = pbegin | "Files" >> beam.Create(self.tasks)
-        read = tasks | "Read" >> beam.ParDo(
-            F.ReadSplitDoFn(self.config, progress_dir=self.progress_dir)
-        )
+        read = tasks | "Read" >> beam.ParDo(self.fn)
         out = split(read, [F.MAIN, F.DEAD])
         return {"batches": out[F.MAIN], F.DEAD: out[F.DEAD]}
 
 
 class AlignWindows(beam.PTransform):
-    """`DocBatch` -> `Windows` (tokenize, align, cut, Arrow rows) and ``dead_letter``."""
+    """`DocBatch` -> `Windows` (tokenize, align, cut, Arrow rows) and ``dead_letter``; for a
+    conversation job `RowBatch` -> `Windows` (render, align, fit, Arrow rows)."""
 
     def __init__(self, cfg: JobConfig, *, progress_dir: str | None):
         super().__init__()
+        if cfg.chat is not None:  # one row per conversation, no window cutting
+            self.fn = C.AlignChatDoFn(
+                cfg.student,
+                cfg.teachers,
+                chat=cfg.chat,
+                window=cfg.window,
+                progress_dir=progress_dir,
+            )
+            return
         self.fn = F.AlignWindowsDoFn(
             cfg.student,
             cfg.teachers,
@@ -219,6 +245,7 @@ class JobConfig:
     pieces: PieceConfig = PieceConfig()
     roll_bytes: int = ROLL_MB << 20
     overwrite: bool = False
+    chat: C.ChatConfig | None = None  # a conversation job
 
 
 def build_pipeline(
@@ -230,7 +257,7 @@ def build_pipeline(
     tmp = str(rolling.run_dir(cfg.out, run_id))
     prog = str(Path(tmp) / "progress")
     header = W.header_for(cfg, input_files=input_files, input_bytes=total_bytes)
-    read = p | "ReadDocs" >> ReadDocs(tasks, config=cfg.reader, progress_dir=prog)
+    read = p | "ReadDocs" >> ReadDocs(tasks, cfg=cfg, progress_dir=prog)
     aligned = read["batches"] | "AlignWindows" >> AlignWindows(cfg, progress_dir=prog)
     written = aligned["windows"] | "WriteShards" >> WriteShards(tmp, roll_bytes=cfg.roll_bytes)
     dead = (read[F.DEAD], aligned[F.DEAD]) | "AllDeadLetters" >> beam.Flatten()
@@ -308,6 +335,24 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         help="context (chars) each side of a piece seam",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
+    chat = ap.add_argument_group("conversations")
+    chat.add_argument(
+        "--row-format",
+        choices=("auto", chat_rows.TEXT, chat_rows.MESSAGES, chat_rows.PROMPT_COMPLETION),
+        default="auto",
+        help="auto: from the first record of the first file (conversations: per file)",
+    )
+    chat.add_argument("--chat-template", default=None, help="student's: a shipped name or .jinja")
+    chat.add_argument(
+        "--teacher-chat-template",
+        action="append",
+        default=[],
+        help="once per --teacher, in order ('own' = the model's template)",
+    )
+    chat.add_argument(
+        "--train-on", choices=chat_rows.TRAIN_MODES, default=chat_rows.TRAIN_ASSISTANT
+    )
+    chat.add_argument("--long-conversations", choices=fit.OVERFLOW_MODES, default=fit.TOO_LONG)
     args, beam_args = ap.parse_known_args(argv)
     window = WindowConfig(
         max_student_tokens=args.max_student_tokens,
@@ -325,8 +370,58 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         pieces=PieceConfig(piece_chars=args.piece_chars, overlap_chars=args.piece_overlap),
         roll_bytes=max(int(args.shard_mb * (1 << 20)), 1),
         overwrite=args.overwrite,
+        chat=chat_config(args),
     )
     return cfg, default_runner_args(beam_args)
+
+
+def job_row_format(data: list[str]) -> str:
+    """The row format of a job from the first record of its first file: ``text`` unless that
+    record is a conversation (a glob matching nothing is left to `match_inputs` to report)."""
+    for pattern in data:
+        metas = FileSystems.match([pattern])[0].metadata_list
+        if metas:
+            first = min(metas, key=lambda m: m.path).path
+            return peek_format(first) or chat_rows.TEXT
+    return chat_rows.TEXT
+
+
+def chat_config(args) -> C.ChatConfig | None:
+    """The conversation part of the job, or None for a text job. Templates are resolved here,
+    before any worker starts: a model without one and no template named is an error now."""
+    fmt = args.row_format if args.row_format != "auto" else job_row_format(args.data)
+    named = args.chat_template is not None or args.teacher_chat_template
+    if fmt == chat_rows.TEXT:
+        if named:
+            raise ValueError(
+                "--chat-template / --teacher-chat-template given, but the rows are text "
+                f"(--row-format {args.row_format}); conversations are 'messages' or "
+                "'prompt' + 'completion' rows"
+            )
+        return None
+    overrides = list(args.teacher_chat_template) or ["own"] * len(args.teacher)
+    if len(overrides) != len(args.teacher):
+        raise ValueError(
+            f"--teacher-chat-template given {len(overrides)} times for {len(args.teacher)} "
+            "teachers: give it once per --teacher, in order ('own' = the model's template)"
+        )
+
+    def template(model: str, override: str | None, who: str):
+        try:
+            return resolve_template(model, override=None if override == "own" else override)
+        except ValueError as e:
+            flag = "--chat-template" if who == "student" else "--teacher-chat-template"
+            raise ValueError(f"{who}: {e} ({flag})") from None
+
+    return C.ChatConfig(
+        student_template=template(args.student, args.chat_template, "student"),
+        teacher_templates=tuple(
+            template(t, o, f"teacher {i}") for i, (t, o) in enumerate(zip(args.teacher, overrides))
+        ),
+        row_format=None if args.row_format == "auto" else fmt,
+        train_on=args.train_on,
+        long_conversations=args.long_conversations,
+    )
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -367,6 +462,13 @@ def summary_line(stats: dict, out: Path) -> str:
         f"t{i}: " + " ".join(f"{k}={v}" for k, v in ck.items())
         for i, ck in enumerate(stats["chunk_kinds"])
     )
+    chat = stats.get("chat")
+    if chat is not None:
+        kinds += (
+            f"; conversations {chat['conversations']} ({chat['truncated_conversations']} "
+            f"truncated), trained tokens {chat['trained_tokens']}, end-of-turn pairs "
+            f"{chat['eot_pairs']}, loose tokens {chat['loose_tokens']}"
+        )
     return (
         f"{out}: {stats['documents']} documents -> {stats['windows']} windows in "
         f"{stats['shards']} shards; tokens student={stats['tokens']['student']} "

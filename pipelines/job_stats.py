@@ -24,8 +24,19 @@ class StatsLayout:
         "pieces",
         "seams_moved",
         "uncuttable_spans",
+        "trained_tokens",  # conversations: student tokens with a train code
+        "trained_bytes",  # conversations: UTF-8 bytes of the trained contents
+        "truncated_conversations",  # conversations: kept as their latest turns (keep_suffix)
     )
-    PER_TEACHER = ("teacher_tokens", "exact_chunks", "fallback_documents", "dropped_tokens")
+    PER_TEACHER = (
+        "teacher_tokens",
+        "exact_chunks",
+        "fallback_documents",
+        "dropped_tokens",
+        "loose_tokens",  # conversations: content tokens in no chunk (they straddle an edge)
+        "eot_pairs",  # conversations: end-of-turn pairs
+        "open_pairs",  # conversations: turn-open marker pairs
+    )
 
     def __init__(self, n_teachers: int):
         self.n = n_teachers
@@ -70,7 +81,7 @@ def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict
     chunks = [int(k.sum()) for k in kinds]
     exact = layout.get(vec, "exact_chunks")
     fallback = layout.get(vec, "fallback_documents")
-    return {
+    out = {
         **header,
         "documents": docs,
         "windows": layout.scalar(vec, "windows"),
@@ -93,3 +104,15 @@ def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict
         "dead_letters": int(sum(dropped.values())),
         "drops_by_reason": dict(sorted((k, int(v)) for k, v in dropped.items())),
     }
+    if "chat" in header:  # a conversation job: what only conversations have
+        out["chat"] = {
+            **header["chat"],
+            "conversations": docs,
+            "truncated_conversations": layout.scalar(vec, "truncated_conversations"),
+            "trained_tokens": layout.scalar(vec, "trained_tokens"),
+            "trained_bytes": layout.scalar(vec, "trained_bytes"),
+            "loose_tokens": [int(x) for x in layout.get(vec, "loose_tokens")],
+            "eot_pairs": [int(x) for x in layout.get(vec, "eot_pairs")],
+            "open_pairs": [int(x) for x in layout.get(vec, "open_pairs")],
+        }
+    return out

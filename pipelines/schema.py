@@ -16,6 +16,23 @@ common refinement of all tokenizers; per-pair columns keep each pair's chunks mi
 Teachers are numbered 0..K-1.
 The file metadata stores the schema version, the tokenizer fingerprints and the teacher names, so
 a reader can refuse shards made with other tokenizers.
+
+Conversation shards (schema version 2, metadata ``tokenbridge.chat``: the train mode and each
+side's chat template and turn markers) are the text columns plus, per row (one conversation, as
+rendered by the student's template: ``text``):
+
+- ``messages``: the conversation's messages as JSON (what each template rendered);
+- ``trained_bytes``: UTF-8 bytes of the trained messages' contents (bits per byte of a chat
+  eval counts these);
+- ``student_train`` / ``teacher{i}_train``: per token a train code (`TRAIN_*`): 0 = not a
+  target, 1 = content of a trained message, 2 = its end-of-turn run, 3 = other (scaffolding,
+  with train mode ``all``). A token with a code > 0 is a *target*: the position before it is
+  trained (CE, KD) on predicting it;
+- ``teacher{i}_chunk_kind``: per chunk its kind: 0..3 the aligner's text chunks (1:1, 1:N,
+  N:1, N:M), `CHUNK_OPEN` a pair of turn-open markers, `CHUNK_EOT` a pair of end-of-turn runs
+  (never text-aligned: each model's own markers, paired by message).
+
+Version 1 shards (text only, no version-2 columns) are still read, as text.
 """
 
 from __future__ import annotations
@@ -25,7 +42,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what this code writes
+READABLE_SCHEMA_VERSIONS = (1, 2)
 COMPLETED_MARKER = "COMPLETED"
 STATS_FILE = "stats.json"
 DEAD_LETTER_FILE = "dead_letter.jsonl"
@@ -35,6 +53,14 @@ SHARD_SUFFIX = ".arrow"
 META_SCHEMA_VERSION = b"tokenbridge.schema_version"
 META_STUDENT = b"tokenbridge.student"  # json: {"name":..., "fingerprint":..., "vocab_size":...}
 META_TEACHERS = b"tokenbridge.teachers"  # json list of the same, in teacher order
+META_CHAT = b"tokenbridge.chat"  # json: train mode, per side template + markers (chat shards)
+
+# conversation shards: per-row and per-token columns, train codes, chunk kinds beyond 0..3
+MESSAGES_COLUMN = "messages"
+TRAINED_BYTES_COLUMN = "trained_bytes"
+STUDENT_TRAIN_COLUMN = "student_train"
+TRAIN_NONE, TRAIN_CONTENT, TRAIN_END_OF_TURN, TRAIN_OTHER = 0, 1, 2, 3
+CHUNK_OPEN, CHUNK_EOT = 4, 5
 
 PROVENANCE_FIELDS = [
     pa.field("doc_id", pa.string(), nullable=False),
@@ -61,6 +87,14 @@ def teacher_n_chunks_column(i: int) -> str:
     return f"teacher{i}_n_chunks"
 
 
+def teacher_train_column(i: int) -> str:
+    return f"teacher{i}_train"
+
+
+def teacher_chunk_kind_column(i: int) -> str:
+    return f"teacher{i}_chunk_kind"
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
     """What a shard remembers of a tokenizer, to refuse mismatches later."""
@@ -77,7 +111,11 @@ class TokenizerInfo:
         return TokenizerInfo(str(d["name"]), str(d["fingerprint"]), int(d["vocab_size"]))
 
 
-def shard_schema(student: TokenizerInfo, teachers: list[TokenizerInfo]) -> pa.Schema:
+def shard_schema(
+    student: TokenizerInfo, teachers: list[TokenizerInfo], *, chat: dict | None = None
+) -> pa.Schema:
+    """The schema of a shard: text columns, plus the conversation columns when `chat` (the
+    ``tokenbridge.chat`` metadata) is given."""
     if not teachers:
         raise ValueError("an aligned shard needs at least one teacher tokenizer")
     fields = list(PROVENANCE_FIELDS)
@@ -96,6 +134,19 @@ def shard_schema(student: TokenizerInfo, teachers: list[TokenizerInfo]) -> pa.Sc
         META_STUDENT: json.dumps(student.to_json()).encode(),
         META_TEACHERS: json.dumps([t.to_json() for t in teachers]).encode(),
     }
+    if chat is not None:
+        codes = pa.list_(pa.int8())
+        fields += [
+            pa.field(MESSAGES_COLUMN, pa.string(), nullable=False),
+            pa.field(TRAINED_BYTES_COLUMN, pa.int64(), nullable=False),
+            pa.field(STUDENT_TRAIN_COLUMN, codes, nullable=False),
+        ]
+        for i in range(len(teachers)):
+            fields += [
+                pa.field(teacher_train_column(i), codes, nullable=False),
+                pa.field(teacher_chunk_kind_column(i), codes, nullable=False),
+            ]
+        meta[META_CHAT] = json.dumps(chat, sort_keys=True).encode()
     return pa.schema(fields, metadata=meta)
 
 
@@ -104,6 +155,21 @@ class ShardMeta:
     schema_version: int
     student: TokenizerInfo
     teachers: list[TokenizerInfo]
+    chat: dict | None = None  # conversation shards: train mode, templates, markers
+
+    @property
+    def is_chat(self) -> bool:
+        return self.chat is not None
+
+
+def check_version(version: int, *, where: str) -> None:
+    """Refuse a schema version this code cannot read, saying how to rebuild."""
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise ValueError(
+            f"{where}: shard schema version {version}, this code reads versions "
+            f"{list(READABLE_SCHEMA_VERSIONS)}; rebuild the shards with this code "
+            "(make align DATA=... OUT=<this directory> ALIGN_ARGS=--overwrite)"
+        )
 
 
 def read_meta(schema: pa.Schema, *, where: str = "<schema>") -> ShardMeta:
@@ -112,10 +178,8 @@ def read_meta(schema: pa.Schema, *, where: str = "<schema>") -> ShardMeta:
     if META_SCHEMA_VERSION not in meta:
         raise ValueError(f"{where}: not a tokenbridge shard (no {META_SCHEMA_VERSION.decode()})")
     version = int(meta[META_SCHEMA_VERSION])
-    if version != SCHEMA_VERSION:
-        raise ValueError(
-            f"{where}: shard schema version {version}, this code reads version {SCHEMA_VERSION}"
-        )
+    check_version(version, where=where)
     student = TokenizerInfo.from_json(json.loads(meta[META_STUDENT]))
     teachers = [TokenizerInfo.from_json(t) for t in json.loads(meta[META_TEACHERS])]
-    return ShardMeta(version, student, teachers)
+    chat = json.loads(meta[META_CHAT]) if META_CHAT in meta else None
+    return ShardMeta(version, student, teachers, chat)

@@ -316,7 +316,10 @@ class ShardSet:
 
     @property
     def schema(self) -> pa.Schema:
-        return S.shard_schema(self.meta.student, self.meta.teachers)
+        if self.files:  # the files' own (a version-1 directory read by this code is version 1)
+            with pa.memory_map(str(self.files[0]), "r") as src:
+                return pa.ipc.open_file(src).schema
+        return S.shard_schema(self.meta.student, self.meta.teachers, chat=self.meta.chat)
 
     def stats(self) -> dict:
         return json.loads((self.dir / S.STATS_FILE).read_text())
@@ -356,12 +359,7 @@ def _read_marker(d: Path) -> dict:
             f"{marker_path}: marker version {marker.get('version')}, this code reads versions "
             f"{READABLE_COMPLETED_VERSIONS}; re-run the align job with this code to rebuild it"
         )
-    if int(marker.get("schema_version", -1)) != S.SCHEMA_VERSION:
-        raise ValueError(
-            f"{marker_path}: shard schema version {marker.get('schema_version')}, "
-            f"this code reads version {S.SCHEMA_VERSION}; re-run the align job with this code "
-            "to rebuild it"
-        )
+    S.check_version(int(marker.get("schema_version", -1)), where=str(marker_path))
     return marker
 
 
@@ -411,9 +409,10 @@ def open_shards(
     if meta is None:  # an empty run: nothing aligned, metadata from stats.json
         stats = json.loads((d / S.STATS_FILE).read_text())
         meta = S.ShardMeta(
-            S.SCHEMA_VERSION,
+            int(marker["schema_version"]),
             S.TokenizerInfo.from_json(stats["student"]),
             [S.TokenizerInfo.from_json(t) for t in stats["teachers"]],
+            stats.get("chat_meta"),
         )
     if student is not None:
         _check_tokenizer("student", meta.student, student, str(d))

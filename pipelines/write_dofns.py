@@ -147,7 +147,10 @@ class FinalizeDoFn(beam.DoFn):
         else:
             student = cached_tokenizer(self.student_path).info()
             teachers = [cached_tokenizer(p).info() for p in self.teacher_paths]
-        return {"student": student.to_json(), "teachers": [t.to_json() for t in teachers]}
+        out = {"student": student.to_json(), "teachers": [t.to_json() for t in teachers]}
+        if index and meta.chat is not None:  # conversations: templates and markers per side
+            out["chat_meta"] = meta.chat
+        return out
 
     def process(self, summary):
         out, tmp = Path(self.out_dir), Path(self.tmp_dir)
@@ -181,4 +184,5 @@ def header_for(cfg, *, input_files: int, input_bytes: int) -> dict:
         "window_config": dataclasses.asdict(cfg.window),
         "piece_config": dataclasses.asdict(cfg.pieces),
         "reader_config": dataclasses.asdict(cfg.reader),
+        **({"chat": cfg.chat.header()} if cfg.chat is not None else {}),
     }

@@ -11,6 +11,11 @@ The stream's whole position (epoch, cursor, the row indices in the buffer, the R
 small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
 the uninterrupted run would have read.
 
+Conversation shards carry a train code per token: `train_targets` turns them into the target
+mask (a position keeps its target only if the token it predicts is trained), and each
+teacher's chunk kinds ride along in its `AlignedBatch` (`chunk_kinds`). Shards without these
+columns (text, schema version 1) train on every target, as before.
+
 Legend: B rows in the microbatch, T student positions, U teacher positions.
 """
 
@@ -44,6 +49,8 @@ class Microbatch:
     aligned: list[AlignedBatch] = field(default_factory=list)  # per teacher
     texts: list[str] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # global row indices (provenance)
+    # conversation shards: the student's train codes (pipelines.schema.TRAIN_*), 0 on padding
+    train_BT: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> int:
@@ -58,7 +65,8 @@ class Microbatch:
 
     def to(self, device: torch.device) -> Microbatch:
         def mv(a: AlignedBatch) -> AlignedBatch:
-            return AlignedBatch(**{f.name: getattr(a, f.name).to(device) for f in fields(a)})
+            moved = {f.name: getattr(a, f.name) for f in fields(a)}
+            return AlignedBatch(**{k: v if v is None else v.to(device) for k, v in moved.items()})
 
         return Microbatch(
             self.input_ids_BT.to(device),
@@ -67,6 +75,7 @@ class Microbatch:
             [mv(a) for a in self.aligned],
             self.texts,
             self.rows,
+            None if self.train_BT is None else self.train_BT.to(device),
         )
 
 
@@ -189,11 +198,47 @@ class ShardReader:
                     "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
                 }
             )
+        if self.is_chat:
+            self._chat_columns(out, t, i)
         return out
+
+    @property
+    def is_chat(self) -> bool:
+        """Conversation shards (train codes, chunk kinds; `pipelines.schema`)."""
+        return self.shard_set.meta.is_chat
+
+    def _chat_columns(self, out: dict, t: pa.Table, i: int) -> None:
+        """A conversation row's train codes and trained bytes, and each teacher's train codes
+        and chunk kinds (in `out`, next to the ids they belong to)."""
+        out["train"] = self._list(t, S.STUDENT_TRAIN_COLUMN, i)
+        out["trained_bytes"] = int(t.column(S.TRAINED_BYTES_COLUMN)[i].as_py())
+        for k, teacher in enumerate(out["teachers"]):
+            teacher["train"] = self._list(t, S.teacher_train_column(k), i)
+            teacher["chunk_kind"] = self._list(t, S.teacher_chunk_kind_column(k), i)
 
     def text(self, row: int) -> str:
         f, i = self.locate(row)
         return self.tables[f].column("text")[i].as_py()
+
+
+def train_targets(targets_BT: torch.Tensor, train_BT: torch.Tensor) -> torch.Tensor:
+    """The target mask of conversation rows: position t keeps its target only if token t + 1
+    is trained (train code > 0), else IGNORE. CE and every KD mode follow the targets."""
+    trained_next = torch.zeros_like(train_BT, dtype=torch.bool)
+    trained_next[:, :-1] = train_BT[:, 1:] > 0
+    return torch.where(trained_next, targets_BT, IGNORE)
+
+
+def chunk_kinds(teachers: list[dict]) -> torch.Tensor:
+    """[B, max n_chunks] chunk kinds of one teacher's rows, -1 past a row's chunks."""
+    width = max([int(x["n_chunks"]) for x in teachers] + [1])
+    out = np.full((len(teachers), width), -1, dtype=np.int64)
+    for b, x in enumerate(teachers):
+        kinds = x["chunk_kind"]
+        if len(kinds) != int(x["n_chunks"]):
+            raise ValueError(f"row {b}: {len(kinds)} chunk kinds for {x['n_chunks']} chunks")
+        out[b, : len(kinds)] = kinds
+    return torch.from_numpy(out)
 
 
 def collate(
@@ -216,7 +261,13 @@ def collate(
     targets = torch.full_like(ids, IGNORE)
     targets[:, :-1] = ids[:, 1:]
     targets[pos_T[None, :] + 1 >= len_B[:, None]] = IGNORE
-    mb = Microbatch(ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [])
+    train = None
+    if "train" in rows[0]:  # conversation rows: train only on the flagged tokens
+        train = _pad_rows([r["train"] for r in rows], T, S.TRAIN_NONE)
+        targets = train_targets(targets, train)
+    mb = Microbatch(
+        ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [], train_BT=train
+    )
     for k, pad in enumerate(teacher_pads):
         tr = [r["teachers"][k] for r in rows]
         for x, n in zip(tr, lens):
@@ -233,6 +284,7 @@ def collate(
                 teacher_len=torch.tensor(tlens, dtype=torch.int64),
                 teacher_chunk=_pad_rows([x["chunk"] for x in tr], U, -1),
                 n_chunks=torch.tensor([x["n_chunks"] for x in tr], dtype=torch.int64),
+                chunk_kind=chunk_kinds(tr) if "chunk_kind" in tr[0] else None,
             )
         )
     return mb
@@ -342,6 +394,10 @@ class MicrobatchLoader:
     def eval_texts(self, limit: int) -> list[str]:
         """The first `limit` held-out window texts (the same on every rank)."""
         return [self.stream.reader.text(int(i)) for i in self.stream.eval_rows[:limit]]
+
+    def eval_rows(self, limit: int) -> list[dict]:
+        """The first `limit` held-out rows, whole (`ShardReader.row`; conversations)."""
+        return [self.stream.reader.row(int(i)) for i in self.stream.eval_rows[:limit]]
 
     def state_dict(self) -> dict:
         # one opaque blob: DCP stores bytes as they are, and the position is tiny

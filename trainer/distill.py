@@ -5,9 +5,10 @@
 This module joins the two for the loop:
 
 - `KDTerm`: one teacher's term: its loss mode (a registry record) and options, its projection
-  tables, the teacher-output spec that mode needs (never more), and three calls the loop makes
+  tables, the teacher-output spec that mode needs (never more), and the calls the loop makes
   per microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so
-  the step's global count is all-reduced before the first backward) and ``loss``;
+  the step's global count is all-reduced before the first backward), ``teacher_inputs`` (the
+  teacher's ids, attention mask and the positions its outputs are read at) and ``loss``;
 - `combine_terms`: CE and every teacher's KD, each divided by its global count, combined.
 
 Legend: B rows, T student positions, V student vocabulary (lm_head width).
@@ -59,6 +60,16 @@ class KDTerm:
     def count(self, prep: Any) -> int:
         return self.record.count(prep)
 
+    def teacher_inputs(self, mb: Microbatch, prep: Any) -> dict[str, torch.Tensor]:
+        """What the teacher reads for this term: its ids and attention mask [B, U], and
+        ``used_mask`` [B, U]: the positions whose outputs the loss reads (the teacher computes
+        outputs there only; on conversations, the trained chunks' rows)."""
+        inputs = mb.teacher_inputs(self.index)
+        width = inputs["input_ids"].shape[1]
+        rows = self.record.teacher_rows
+        used = rows(prep, width) if rows is not None else inputs["attention_mask"] > 0
+        return {**inputs, "used_mask": used.to(torch.bool)}
+
     def loss(self, logits_BTV: torch.Tensor, outs: TeacherOutputs, prep: Any) -> LossOutput:
         return self.record.loss(
             logits_BTV,
@@ -88,12 +99,14 @@ def build_kd_terms(cfg: TrainConfig, prepared, *, device: torch.device) -> list[
                 prepared.projections[i], teacher_vocab_size=t_vocab, student_vocab_size=vocab
             )
         spec = record.teacher_spec(options, tables, teacher_vocab_size=t_vocab)
+        spec = record.spec_for(spec, turns=prepared.shards.meta.is_chat)
         tables = tables.to(device) if tables is not None else None
         terms.append(KDTerm(i, t_cfg.name, mode, options, spec, tables, vocab))
     return terms
 
 
 def ce_term(logits_BTV: torch.Tensor, mb: Microbatch, *, vocab_size: int) -> LossOutput:
+    # targets are IGNORE at untrained positions (conversations: `trainer.data.train_targets`)
     return ce(logits_BTV, mb.targets_BT, vocab_size=vocab_size)
 
 

@@ -36,7 +36,7 @@ from trainer import models, optim, parallel, report
 from trainer.config import TrainConfig
 from trainer.data import IGNORE, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
-from trainer.eval import evaluate_bpb
+from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.losses.teacher_outputs import TeacherOutputs
 from trainer.metrics import (
     MetricsLogger,
@@ -110,6 +110,8 @@ class Trainer:
             pad_to_multiple=cfg.data.pad_to_multiple,
         )
         self.eval_texts = self.loader.eval_texts(cfg.eval.max_texts)
+        # conversation shards: bits per byte of the trained contents (`trained_bpb`)
+        self.eval_rows = self.loader.eval_rows(cfg.eval.max_texts) if reader.is_chat else []
         mult = cfg.data.pad_to_multiple
         teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
@@ -373,11 +375,25 @@ class Trainer:
     def evaluate(self) -> float:
         """Held-out bits per byte of the student (same texts on every rank: FSDP collectives
         need every rank to run the same number of forwards)."""
+        if self.eval_rows:
+            rows = [(r["student_ids"], r["train"], r["trained_bytes"]) for r in self.eval_rows]
+            return self._trained_bpb(self.model, rows, vocab_size=self.vocab_used)
         res = evaluate_bpb(
             self.model,
             self.prep.student_tok,
             self.eval_texts,
             batch_size=self.cfg.eval.batch_size,
+            device=self.device,
+        )
+        return float(res["bpb"])
+
+    def _trained_bpb(self, model, rows, *, vocab_size: int) -> float:
+        # whole rows, as many as a training microbatch (their full logits fit, as in training)
+        res = trained_bpb(
+            model,
+            rows,
+            vocab_size=vocab_size,
+            batch_size=self.cfg.data.micro_batch_size,
             device=self.device,
         )
         return float(res["bpb"])
@@ -388,18 +404,25 @@ class Trainer:
         weights are never loaded."""
         result: dict[str, float] = {}
         if self.is_main:
-            for t_cfg, tok in zip(self.cfg.teachers, self.prep.teacher_toks):
+            for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
                 if t_cfg.cache:
                     continue
                 model = models.freeze(models.build_model(t_cfg, device=self.device))
-                res = evaluate_bpb(
-                    model,
-                    tok,
-                    self.eval_texts,
-                    batch_size=self.cfg.eval.batch_size,
-                    device=self.device,
-                )
-                result[t_cfg.name] = float(res["bpb"])
+                if self.eval_rows:  # its own tokens and train codes, the same trained bytes
+                    rows = [
+                        (r["teachers"][i]["ids"], r["teachers"][i]["train"], r["trained_bytes"])
+                        for r in self.eval_rows
+                    ]
+                    result[t_cfg.name] = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
+                else:
+                    res = evaluate_bpb(
+                        model,
+                        tok,
+                        self.eval_texts,
+                        batch_size=self.cfg.eval.batch_size,
+                        device=self.device,
+                    )
+                    result[t_cfg.name] = float(res["bpb"])
                 del model
         box = [result]
         dist.broadcast_object_list(box, src=0)
@@ -467,7 +490,11 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "bpb": bpb,
             "eval_texts": len(self.eval_texts),
-            "eval_bytes": sum(len(t.encode("utf-8")) for t in self.eval_texts),
+            "eval_bytes": (
+                sum(r["trained_bytes"] for r in self.eval_rows)
+                if self.eval_rows
+                else sum(len(t.encode("utf-8")) for t in self.eval_texts)
+            ),
             "metrics": str(self.metrics.jsonl_path) if cfg.logging.jsonl else None,
             "tensorboard": str(self.metrics.tb_dir) if cfg.logging.tensorboard else None,
             "checkpoint": str(last_ckpt) if last_ckpt else None,

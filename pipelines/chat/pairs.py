@@ -24,8 +24,7 @@ import numpy as np
 from pipelines.align.alignment import align_flat
 from pipelines.chat.encode import RenderedBatch
 from pipelines.chat.markers import TOKEN_CONTENT, Layout, fill_ranges
-
-CHUNK_OPEN, CHUNK_EOT = 4, 5  # chunk kinds beyond the aligner's 0..3 (text chunks)
+from pipelines.schema import CHUNK_EOT, CHUNK_OPEN  # kinds beyond the aligner's 0..3 (text)
 
 
 @dataclass(frozen=True)

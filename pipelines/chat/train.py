@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipelines import schema as S
 from pipelines.chat import rows
-from pipelines.chat.markers import Layout, fill_ranges
+from pipelines.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, Layout, fill_ranges
 from pipelines.chat.rows import Conversation
 
 
@@ -48,3 +49,24 @@ def train_flags(convs: list[Conversation], lay: Layout, *, train_on: str) -> np.
     closed = picked & (lay.close[:, 0] >= 0)
     fill_ranges(lay.close[closed, 0], lay.close[closed, 1], True, flags)
     return flags
+
+
+def side_flags(side, picked: np.ndarray, *, train_on: str) -> np.ndarray:
+    """bool [N] over any side's tokens (a `SideBatch`): the same rule as `train_flags`, read
+    from the side's per-token message and kind (teachers get the flags their student has, for
+    their own tokens: a teacher's held-out bits per byte counts the same contents)."""
+    if train_on == rows.TRAIN_ALL:
+        return np.ones(side.kind.size, bool)
+    row = np.repeat(np.arange(side.token_splits.size - 1), np.diff(side.token_splits))
+    glob = side.span_splits[row] + np.maximum(side.message, 0)
+    in_msg = side.message >= 0
+    chosen = np.zeros(side.kind.size, bool)
+    chosen[in_msg] = picked[glob[in_msg]]
+    return chosen & ((side.kind == TOKEN_CONTENT) | (side.kind == TOKEN_CLOSE))
+
+
+def train_codes(flags: np.ndarray, kind: np.ndarray) -> np.ndarray:
+    """int8 [N] shard train codes (`pipelines.schema.TRAIN_*`) from flags and token kinds."""
+    codes = np.where(kind == TOKEN_CONTENT, S.TRAIN_CONTENT, S.TRAIN_OTHER)
+    codes = np.where(kind == TOKEN_CLOSE, S.TRAIN_END_OF_TURN, codes)
+    return np.where(flags, codes, S.TRAIN_NONE).astype(np.int8)

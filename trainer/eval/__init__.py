@@ -16,6 +16,7 @@ import importlib
 
 _LAZY = {
     "evaluate_bpb": "trainer.eval.bpb",
+    "trained_bpb": "trainer.eval.bpb",
     "run_tasks": "trainer.eval.runner",
     "load_model": "trainer.eval.runner",
     "EvalOptions": "trainer.eval.runner",

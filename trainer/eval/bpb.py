@@ -10,12 +10,23 @@ token its first target needs), scored once, through the same batched scorer as t
 
 The trainer's inline eval calls ``evaluate_bpb`` on a small fixed list of texts; it returns the
 raw sums too, so a data-parallel caller can all-reduce ``nats`` and ``bytes`` before dividing.
+
+Conversation shards (`trained_bpb`): the bytes are those of the **trained contents** only (the
+assistant replies, by default) and the nats those of the tokens that spell them (train code
+`TRAIN_CONTENT`), each predicted from the whole rendered conversation before it. Scaffolding,
+prompts and end-of-turn markers count in neither: a student that only learnt the template
+would not look better. A token that straddles a content's edge counts whole (its scaffolding
+byte is a newline at most).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+import torch
+
+from pipelines.schema import TRAIN_CONTENT
 from trainer.eval.scoring import BatchLimits, ScoreItem, TextEncoder, score_items, text_encoder
 
 
@@ -112,4 +123,60 @@ def evaluate_bpb(
         "tokens": ntok,
         "texts": len(texts),
         "windows": sum(per["windows"]),
+    }
+
+
+@torch.no_grad()
+def trained_bpb(
+    model,
+    rows: list[tuple[np.ndarray, np.ndarray, int]],
+    *,
+    vocab_size: int,
+    batch_size: int = 2,
+    device=None,
+) -> dict:
+    """Bits per byte of the trained contents of conversation rows (module docstring).
+
+    ``rows``: (token ids, train codes, trained bytes) per row, one model's side of a shard row
+    (`pipelines.schema`: ``student_ids`` / ``student_train`` / ``trained_bytes``, or a
+    teacher's). Same keys as `evaluate_bpb`; ``tokens`` counts the scored content tokens.
+    """
+    from trainer.losses.ce import ce  # the trainer's CE: one definition of "-log q(target)"
+
+    if not rows:
+        raise ValueError("trained_bpb needs at least one row")
+    was_training = model.training
+    model.eval()
+    nats, n_tokens = 0.0, 0
+    try:
+        for b0 in range(0, len(rows), batch_size):
+            part = rows[b0 : b0 + batch_size]
+            width = max(len(ids) for ids, _, _ in part)
+            ids = torch.zeros((len(part), width), dtype=torch.int64)
+            targets = torch.full((len(part), width), -1, dtype=torch.int64)
+            mask = torch.zeros((len(part), width), dtype=torch.int64)
+            for i, (x, codes, _) in enumerate(part):
+                n = len(x)
+                ids[i, :n], mask[i, :n] = torch.as_tensor(np.asarray(x, np.int64)), 1
+                content = torch.as_tensor(np.asarray(codes[1:]) == TRAIN_CONTENT)
+                targets[i, : n - 1] = torch.where(content, ids[i, 1:n], -1)
+            logits = model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+            ).logits
+            out = ce(logits, targets.to(logits.device), vocab_size=vocab_size)
+            nats += float(out.sum)
+            n_tokens += int(out.count)
+    finally:
+        model.train(was_training)
+    nbytes = sum(int(b) for _, _, b in rows)
+    if nbytes == 0:
+        raise ValueError("trained_bpb: the rows train on no content (0 bytes)")
+    return {
+        "bpb": nats / (math.log(2) * nbytes),
+        "bits_per_token": nats / (math.log(2) * max(n_tokens, 1)),
+        "nats": nats,
+        "bytes": nbytes,
+        "tokens": n_tokens,
+        "texts": len(rows),
+        "windows": len(rows),
     }

@@ -92,11 +92,15 @@ def check_cp_shapes(mode: str, logits_BSV: Tensor, index: ChunkIndex, cp: CPCont
 
 
 def complete_chunks(index: ChunkIndex) -> tuple[Tensor, dict[str, Tensor]]:
-    """Chunks whose chains are complete on both sides, and the counts of those dropped."""
+    """Chunks whose chains are complete on both sides (and selected: `ChunkIndex.select`,
+    conversations' train masks), and the counts of those dropped."""
     st, te = index.student, index.teacher
     both = (st.count > 0) & (te.count > 0)
     ok = both & (st.start_rows() >= 0) & (te.start_rows() >= 0)
     dropped = {"chunks_empty_side": (~both).sum(), "chunks_unpredicted": (both & ~ok).sum()}
+    if index.select is not None:
+        dropped["chunks_unselected"] = (ok & ~index.select).sum()
+        ok = ok & index.select
     return ok.nonzero().squeeze(1), dropped
 
 

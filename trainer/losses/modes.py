@@ -19,7 +19,13 @@ lives in ``trainer.losses.<mode>``):
 - `prepare`, `count`, `loss`: what the loop calls per microbatch (`trainer.distill.KDTerm`).
   ``prepare`` sees the batch alone (the chunk index, or the mask of distilled positions), so
   ``count`` is known before any forward and the step's global count is all-reduced before its
-  first backward.
+  first backward. ``teacher_rows`` says, from the same preparation, which teacher positions the
+  loss reads: the teacher computes outputs there only.
+
+Conversations: the targets ``prepare`` receives are masked by the shards' train flags. The
+chunk modes (``chunked``) prepare a `turns.ChunkSplit`: their own loss on the trained text
+chunks, plus the end-of-turn term (`turns.eot`) on the trained turn-marker pairs, in one sum and
+one count; their teacher then also ships ``target_logprob`` (`LossMode.spec_for`).
 
 Adding a mode is its loss module plus one record in `MODES`. ``ce`` is a record too (no
 teacher, no options): the student's own cross entropy, computed by the loop on every step.
@@ -40,11 +46,11 @@ from torch import Tensor
 
 from trainer.losses.alm import AlmConfig, alm, alm_teacher_spec
 from trainer.losses.base import LossOutput, OptionError
-from trainer.losses.context import complete_chunks
 from trainer.losses.gold import GoldConfig, GoldTables, gold, gold_teacher_spec
 from trainer.losses.kd_topk import KDTopKConfig, kd_topk, kd_topk_teacher_spec
-from trainer.losses.segments import AlignedBatch, ChunkIndex, index_chunks
+from trainer.losses.segments import AlignedBatch, index_chunks
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+from trainer.losses.turns import ChunkSplit, eot, split_chunks, with_turns
 from trainer.losses.xtoken import XTokenConfig, XTokenTables, xtoken, xtoken_teacher_spec
 
 
@@ -62,6 +68,7 @@ class LossMode:
     ``columns(tables) -> Tensor | None``; ``prepare(aligned, targets_BT) -> prep``;
     ``count(prep) -> int``; ``loss(logits_BTV, outputs, prep, *, tables, vocab_size, config)
     -> LossOutput`` (``config``: the options, as the loss functions name them);
+    ``teacher_rows(prep, width) -> [B, width] bool`` (the teacher positions read);
     ``check(options)`` refuses what the trainer cannot run (yet).
     """
 
@@ -77,6 +84,16 @@ class LossMode:
     loss: Callable[..., LossOutput] | None = None
     check: Callable[[Any], None] | None = None
     no_cache: str | None = None
+    teacher_rows: Callable[[Any, int], Tensor] | None = None
+    chunked: bool = False  # reads a ChunkIndex: conversations add the end-of-turn term
+
+    def spec_for(self, spec: TeacherOutputSpec, *, turns: bool) -> TeacherOutputSpec:
+        """The teacher spec for shards with turn-marker chunks (`turns`): a chunk mode's
+        end-of-turn term reads the teacher's target log-probs."""
+        if turns and self.chunked and not spec.target:
+            return spec.union(TeacherOutputSpec(spec.vocab_size, target=True,
+                                                temperature=spec.temperature))  # fmt: skip
+        return spec
 
     @property
     def distills(self) -> bool:
@@ -144,13 +161,36 @@ def _position_mask(aligned: AlignedBatch, targets_BT: Tensor) -> Tensor:
     return targets_BT >= 0
 
 
-def _chunk_index(aligned: AlignedBatch, targets_BT: Tensor) -> ChunkIndex:
-    return index_chunks(aligned)
+def _position_rows(mask_BT: Tensor, width: int) -> Tensor:
+    """Same tokenizer: the teacher reads the distilled positions (its rows may be wider)."""
+    rows = mask_BT.new_zeros((mask_BT.shape[0], width))
+    n = min(width, mask_BT.shape[1])
+    rows[:, :n] = mask_BT[:, :n]
+    return rows
 
 
-def _complete_chunk_count(index: ChunkIndex) -> int:
-    # the chunks every chunk mode keeps (both sides present and predicted)
-    return int(complete_chunks(index)[0].numel())
+def _chunk_split(aligned: AlignedBatch, targets_BT: Tensor) -> ChunkSplit:
+    # the chunks every chunk mode keeps: both sides present and predicted, and trained
+    return split_chunks(index_chunks(aligned), targets_BT)
+
+
+def _chunk_rows(split: ChunkSplit, width: int) -> Tensor:
+    return split.teacher_positions()
+
+
+def _chunk_mode(loss_fn: Callable[..., LossOutput]) -> Callable[..., LossOutput]:
+    """A chunk mode's loss over a `ChunkSplit`: its own term on the text chunks, plus the
+    end-of-turn term on the turn-marker pairs (conversations)."""
+
+    def loss(logits_BTV, outs: TeacherOutputs, split: ChunkSplit, *, tables, vocab_size, config,
+             **kw) -> LossOutput:  # fmt: skip
+        text = loss_fn(logits_BTV, outs, split.text, tables=tables, vocab_size=vocab_size,
+                       config=config, **kw)  # fmt: skip
+        if split.turns is None:
+            return text
+        return with_turns(text, eot(logits_BTV, outs, split.turns, vocab_size=vocab_size, **kw))
+
+    return loss
 
 
 def _teacher_support_only(options: KDTopKConfig) -> None:
@@ -169,8 +209,8 @@ def _kd_topk_loss(logits_BTV, outs: TeacherOutputs, mask_BT, *, tables, vocab_si
     return kd_topk(logits_BTV, outs, mask_BT, vocab_size=vocab_size, config=config)
 
 
-def _alm_loss(logits_BTV, outs: TeacherOutputs, index, *, tables, vocab_size, config):
-    return alm(logits_BTV, outs, index, vocab_size=vocab_size, config=config)
+def _alm_loss(logits_BTV, outs: TeacherOutputs, index, *, tables, vocab_size, config, **kw):
+    return alm(logits_BTV, outs, index, vocab_size=vocab_size, config=config, **kw)
 
 
 def _xtoken_tables(projection, *, teacher_vocab_size: int, student_vocab_size: int):
@@ -202,6 +242,7 @@ MODES: dict[str, LossMode] = {
         count=lambda mask_BT: int(mask_BT.sum()),
         loss=_kd_topk_loss,
         check=_teacher_support_only,
+        teacher_rows=_position_rows,
     ),
     "xtoken": LossMode(
         "xtoken",
@@ -209,9 +250,11 @@ MODES: dict[str, LossMode] = {
         projection=True,
         tables=_xtoken_tables,
         teacher_spec=_without_tables(xtoken_teacher_spec),
-        prepare=_chunk_index,
-        count=_complete_chunk_count,
-        loss=xtoken,
+        prepare=_chunk_split,
+        count=ChunkSplit.count,
+        loss=_chunk_mode(xtoken),
+        teacher_rows=_chunk_rows,
+        chunked=True,
     ),
     "gold": LossMode(
         "gold",
@@ -220,9 +263,11 @@ MODES: dict[str, LossMode] = {
         tables=GoldTables.from_projection,
         teacher_spec=gold_teacher_spec,
         columns=_gold_columns,
-        prepare=_chunk_index,
-        count=_complete_chunk_count,
-        loss=gold,
+        prepare=_chunk_split,
+        count=ChunkSplit.count,
+        loss=_chunk_mode(gold),
+        teacher_rows=_chunk_rows,
+        chunked=True,
         no_cache=(
             "it reads the teacher's log-probs on every exact-map id plus its largest unmatched "
             "probabilities at every position (about 46,000 + the unmatched student ids per "
@@ -234,9 +279,11 @@ MODES: dict[str, LossMode] = {
         "alm",
         AlmConfig,
         teacher_spec=_without_tables(alm_teacher_spec),
-        prepare=_chunk_index,
-        count=_complete_chunk_count,
-        loss=_alm_loss,
+        prepare=_chunk_split,
+        count=ChunkSplit.count,
+        loss=_chunk_mode(_alm_loss),
+        teacher_rows=_chunk_rows,
+        chunked=True,
     ),
 }
 

@@ -52,6 +52,8 @@ def teacher_nll(teacher: TeacherOutputs, index: ChunkIndex) -> tuple[Tensor, Ten
     """(sum of -log p over the teacher's chunk tokens, number of those tokens), no grad."""
     teacher.require(("target_logprob",), mode="multi_teacher")
     rows = index.teacher.target_chunk >= 0
+    if index.select is not None:  # conversations: the trained chunks only
+        rows = rows & index.select[index.teacher.target_chunk.clamp(min=0)]
     lp = teacher.target_logprob.reshape(-1)[rows].detach().double()
     return -lp.sum(), as_count(int(rows.sum()), lp.device)
 

@@ -40,6 +40,9 @@ class AlignedBatch:
     teacher_len: Tensor  # [B]
     teacher_chunk: Tensor  # [B, T]
     n_chunks: Tensor  # [B]
+    # conversation shards: per chunk its kind ([B, max n_chunks], -1 past a row's chunks):
+    # 0..3 text chunks, schema.CHUNK_OPEN / CHUNK_EOT turn-marker pairs; None = all text
+    chunk_kind: Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.student_ids.shape[0]
@@ -50,6 +53,12 @@ class AlignedBatch:
             "teacher_chunk": (self.teacher_chunk, tuple(self.teacher_ids.shape)),
             "n_chunks": (self.n_chunks, (b,)),
         }
+        if self.chunk_kind is not None and (
+            self.chunk_kind.dim() != 2 or self.chunk_kind.shape[0] != b
+        ):
+            raise ValueError(
+                f"AlignedBatch.chunk_kind: expected [{b}, C], got {self.chunk_kind.shape}"
+            )
         if self.student_ids.dim() != 2 or self.teacher_ids.dim() != 2:
             raise ValueError("AlignedBatch: student_ids and teacher_ids must be [B, T]")
         if self.teacher_ids.shape[0] != b:
@@ -137,6 +146,10 @@ class ChunkIndex:
     chunk_row: Tensor  # [G] batch row of each chunk
     student: ChunkSide
     teacher: ChunkSide
+    kind: Tensor | None = None  # [G] chunk kinds (conversation shards), None = all text
+    # [G] bool: the chunks a loss may use (trained, of the loss's kinds; `trainer.losses.turns`);
+    # None = all. `context.complete_chunks` applies it, so every chunk mode and its count do
+    select: Tensor | None = None
 
 
 def _side(ids_BT: Tensor, len_B: Tensor, chunk_BT: Tensor, *, offsets_B: Tensor, g: int, who: str):
@@ -194,7 +207,12 @@ def index_chunks(batch: AlignedBatch) -> ChunkIndex:
         who="teacher",
     )
     chunk_row = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
-    return ChunkIndex(g, chunk_row, student, teacher)
+    kind = None
+    if batch.chunk_kind is not None:
+        # row b's chunks are global ids offsets[b] + c, c < n_chunks[b]: kinds in that order
+        c = torch.arange(g, device=n.device) - offsets[chunk_row]
+        kind = batch.chunk_kind[chunk_row, c]
+    return ChunkIndex(g, chunk_row, student, teacher, kind=kind)
 
 
 def segment_sum(values_N: Tensor, seg_N: Tensor, n_segments: int) -> Tensor:

@@ -122,8 +122,9 @@ class CachedTeacher:
         self._pending: deque[tuple[list[int], list[int], int]] = deque()
         self._seq = 0
 
-    def submit(self, mb) -> None:
-        """Remember the microbatch's rows (read on `receive`, in submission order)."""
+    def submit(self, mb, prep=None) -> None:
+        """Remember the microbatch's rows (read on `receive`, in submission order); every
+        position is stored, so the term's preparation (its used positions) is not needed."""
         a = mb.aligned[self.index]
         self._pending.append((list(mb.rows), a.teacher_len.tolist(), int(a.teacher_ids.shape[1])))
 

@@ -33,17 +33,18 @@ from trainer.teacher.worker import TeacherGroup
 
 
 class LiveTeacher:
-    """A channel as a feed source: a microbatch in, its teacher inputs (ids, mask) submitted."""
+    """A channel as a feed source: a microbatch in, its term's teacher inputs (ids, mask, the
+    used positions: `KDTerm.teacher_inputs`) submitted."""
 
-    def __init__(self, channel: TeacherChannel, index: int):
-        self.channel, self.index = channel, index
+    def __init__(self, channel: TeacherChannel, term: KDTerm):
+        self.channel, self.term = channel, term
 
     @property
     def depth(self) -> int:
         return self.channel.config.depth
 
-    def submit(self, mb: Microbatch) -> None:
-        self.channel.submit(mb.teacher_inputs(self.index))
+    def submit(self, mb: Microbatch, prep) -> None:
+        self.channel.submit(self.term.teacher_inputs(mb, prep))
 
     def receive(self) -> Received:
         return self.channel.receive()
@@ -85,8 +86,8 @@ class Feed:
             if not self.sources or in_flight >= self.depth:
                 break
             if not q.submitted:
-                for source in self.sources:
-                    source.submit(q.mb)
+                for source, prep in zip(self.sources, q.prep):
+                    source.submit(q.mb, prep)
                 q.submitted, in_flight = True, in_flight + 1
 
     def peek(self, n: int) -> list[Queued]:
@@ -151,6 +152,7 @@ def open_teachers(
                 max_batch=cfg.data.micro_batch_size,
                 max_len=max_len[term.index],
                 dtype=t_cfg.dtype,
+                used_mask=True,  # outputs only where the loss reads them (`KDTerm.teacher_inputs`)
             )
             inprocess = cfg.parallel.teacher_placement == "inprocess"
             group = None
@@ -169,7 +171,7 @@ def open_teachers(
             )
             channel = TeacherChannel(program, device=device, config=ch_cfg, group=group)
             channels.append(channel)
-            sources.append(LiveTeacher(channel, term.index))
+            sources.append(LiveTeacher(channel, term))
         for ch in channels:
             ch.wait_ready()
     except BaseException:

@@ -47,6 +47,9 @@ class TeacherModelProgram:
     Tensor parallel (``model_cfg.tp > 1``): the teachers of a TP group may serve student ranks
     with different microbatches, so each call all-gathers the group's inputs (padded to a common
     length), runs the sharded model on all of them, and keeps its own rows.
+
+    ``used_mask``: the inputs then carry a bool [B, U] ``used_mask`` (the trainer's
+    `KDTerm.teacher_inputs`) and outputs are computed at those positions only (`teacher_forward`).
     """
 
     model_cfg: TeacherConfig
@@ -57,6 +60,7 @@ class TeacherModelProgram:
     max_len: int
     dtype: str = "float32"
     lm_head_chunk: int = 128
+    used_mask: bool = False
     _model: Any = dataclasses.field(default=None, init=False, repr=False)
     _tp_group: Any = dataclasses.field(default=None, init=False, repr=False)
 
@@ -73,10 +77,13 @@ class TeacherModelProgram:
 
     def input_spec(self) -> dict[str, TensorSpec]:
         shape = (self.max_batch, self.max_len)
-        return {
+        spec = {
             "input_ids": TensorSpec(shape, torch.int64),
             "attention_mask": TensorSpec(shape, torch.int64),
         }
+        if self.used_mask:
+            spec["used_mask"] = TensorSpec(shape, torch.bool)
+        return spec
 
     def output_spec(self) -> dict[str, TensorSpec]:
         fields = teacher_output_fields(self.spec, self.max_batch, self.max_len)
@@ -102,23 +109,24 @@ class TeacherModelProgram:
         # only the recipe travels to the worker; the model is built there
         return {**self.__dict__, "_model": None, "_tp_group": None}
 
-    def _gather(self, ids_BU: torch.Tensor, mask_BU: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _gather(self, *tensors_BU: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """The TP group's inputs, each padded to the group's largest [B, U] and concatenated;
+        and where this rank's rows start."""
         g = self._tp_group
         n = dist.get_world_size(g)
+        ids_BU = tensors_BU[0]
         shape = torch.tensor([ids_BU.shape[0], ids_BU.shape[1]], device=ids_BU.device)
         shapes = [torch.zeros_like(shape) for _ in range(n)]
         dist.all_gather(shapes, shape, group=g)
         B, U = max(int(s[0]) for s in shapes), max(int(s[1]) for s in shapes)
         pad = (0, U - ids_BU.shape[1], 0, B - ids_BU.shape[0])
-        ids, mask = torch.nn.functional.pad(ids_BU, pad), torch.nn.functional.pad(mask_BU, pad)
-        all_ids, all_mask = (
-            [torch.empty_like(ids) for _ in range(n)],
-            [torch.empty_like(mask) for _ in range(n)],
-        )
-        dist.all_gather(all_ids, ids, group=g)
-        dist.all_gather(all_mask, mask, group=g)
-        me = dist.get_rank(g)
-        return torch.cat(all_ids), torch.cat(all_mask), me * B, B
+        out = []
+        for t in tensors_BU:
+            t = torch.nn.functional.pad(t, pad)
+            every = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(every, t, group=g)
+            out.append(torch.cat(every))
+        return out, dist.get_rank(g) * B
 
     @torch.no_grad()
     def __call__(
@@ -129,10 +137,14 @@ class TeacherModelProgram:
         if self._model is None:
             raise RuntimeError("TeacherModelProgram called before setup()")
         ids_BU, mask_BU = inputs["input_ids"], inputs["attention_mask"]
+        used_BU = inputs.get("used_mask") if self.used_mask else None
         B, U = ids_BU.shape
         start = 0
         if self._tp_group is not None:
-            ids_BU, mask_BU, start, _ = self._gather(ids_BU, mask_BU)
+            given = [ids_BU, mask_BU] + ([] if used_BU is None else [used_BU.to(torch.uint8)])
+            gathered, start = self._gather(*given)
+            ids_BU, mask_BU = gathered[:2]
+            used_BU = None if used_BU is None else gathered[2].bool()
         outs = teacher_forward(
             self._model,
             ids_BU,
@@ -140,6 +152,7 @@ class TeacherModelProgram:
             spec=self.spec,
             columns=self.columns,
             chunk=self.lm_head_chunk,
+            used_BU=used_BU,
             on_logits=on_logits,
         )
         return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
@@ -153,11 +166,21 @@ def teacher_forward(
     spec: TeacherOutputSpec,
     columns,
     chunk: int,
+    used_BU: torch.Tensor | None = None,
     on_logits=None,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
-    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). ``on_logits``:
-    called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits [B, n, V]."""
+    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits).
+
+    ``used_BU`` (bool [B, U]): only those positions get outputs: the model body still runs over
+    every token (each position's context), but the lm_head (for Gemma 170M of its 270M
+    parameters, 262,144 columns) and the output reductions run on the used rows only, gathered.
+    The other positions are filled NaN (ids -1), so a loss that read one would fail loudly.
+    ``on_logits``: called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits
+    [B, n, V] (the teacher cache samples ids from them); not with ``used_BU``.
+    """
+    if on_logits is not None and used_BU is not None:
+        raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")
     len_B = mask_BU.sum(1)
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
@@ -165,17 +188,25 @@ def teacher_forward(
         logits = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
         if on_logits is not None:
             on_logits(0, logits)
-        return teacher_outputs_from_logits(logits, spec=spec, target_ids_BT=tgt_BU, columns=columns)
+        out = teacher_outputs_from_logits(logits, spec=spec, target_ids_BT=tgt_BU, columns=columns)
+        return out if used_BU is None else _blank_unused(out, used_BU)
     hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
     softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def logits_of(h):
+        logits = head(h)
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    if used_BU is not None and not bool(used_BU.all()):
+        return _used_rows_only(
+            hidden_BUH, tgt_BU, used_BU, logits_of, spec=spec, columns=columns, chunk=chunk
+        )
     out = allocate_teacher_outputs(spec, *ids_BU.shape, device=ids_BU.device)
     U = ids_BU.shape[1]
     for t0 in range(0, U, chunk):
         n = min(chunk, U - t0)
-        logits = head(hidden_BUH[:, t0 : t0 + n])
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits_of(hidden_BUH[:, t0 : t0 + n])
         if on_logits is not None:
             on_logits(t0, logits)
         teacher_outputs_from_logits(
@@ -185,4 +216,38 @@ def teacher_forward(
             columns=columns,
             out=out.narrow_t(t0, n),
         )
+    return out
+
+
+def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk):
+    """Outputs at the used positions: their hidden states gathered into one row [1, N], the
+    lm_head applied `chunk` * B rows at a time, then scattered into the [B, U] outputs."""
+    B, U, H = hidden_BUH.shape
+    rows = used_BU.reshape(-1).nonzero().squeeze(1)
+    flat = allocate_teacher_outputs(spec, 1, rows.numel(), device=hidden_BUH.device)
+    h_N = hidden_BUH.reshape(B * U, H)[rows][None]
+    t_N = None if tgt_BU is None else tgt_BU.reshape(-1)[rows][None]
+    per_position = columns is not None and columns.dim() == 3  # [B, U, N] -> [1, N_used, N]
+    c_N = columns.reshape(B * U, -1)[rows][None] if per_position else columns
+    step = max(1, chunk * B)
+    for r0 in range(0, rows.numel(), step):
+        n = min(step, rows.numel() - r0)
+        teacher_outputs_from_logits(
+            logits_of(h_N[:, r0 : r0 + n]),
+            spec=spec,
+            target_ids_BT=None if t_N is None else t_N[:, r0 : r0 + n],
+            columns=c_N[:, r0 : r0 + n] if per_position else c_N,
+            out=flat.narrow_t(r0, n),
+        )
+    out = allocate_teacher_outputs(spec, B, U, device=hidden_BUH.device)
+    for name, dst in out.tensors().items():
+        dst.fill_(float("nan") if dst.is_floating_point() else -1)
+        dst.view(B * U, *dst.shape[2:])[rows] = getattr(flat, name)[0]
+    return out
+
+
+def _blank_unused(out: TeacherOutputs, used_BU: torch.Tensor) -> TeacherOutputs:
+    """NaN (ids -1) at the positions no loss reads."""
+    for dst in out.tensors().values():
+        dst[~used_BU] = float("nan") if dst.is_floating_point() else -1
     return out
