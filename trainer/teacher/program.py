@@ -8,6 +8,20 @@ the loss reads (top-k + tail, columns, the realised next token's log-prob). ``te
 is that computation on a model already loaded, applying the lm_head a chunk of positions at a
 time, so [B, U, V_teacher] fp32 logits never exist at once (262,144 columns for Gemma).
 
+Under tensor parallelism (``tp > 1``, over the teachers' own process group) the lm_head is
+column-parallel too (`parallel.apply_tp`): each teacher rank holds [B, chunk, V_teacher / tp]
+logits, and the outputs are computed on that shard with the TP group (`teacher_outputs_from_
+logits(tp_group=)`): top-k over the sharded vocabulary (local top-k, candidates gathered),
+logZ by a distributed logsumexp, projected / exact-map columns gathered at their global ids,
+tail and rest masses as distributed logsumexps. What every TP rank then holds, and ships, is
+the same small per-position record as at tp = 1; the full teacher logits are never gathered.
+
+Layouts: the teacher ranks of a TP group may serve student ranks with different microbatches
+(another dp or cp layout than the student's): each call gathers the group's inputs, runs them
+all, and keeps its own rows, so the student receives its rows whatever the two layouts. A
+teacher runs whole rows; a context-parallel student takes its own positions of them
+(`TeacherOutputs.cp_shard`, for the per-position modes).
+
 The program is a ``TeacherProgram`` (`trainer.teacher.worker`): picklable and light until
 ``setup``, which loads the model where the program runs.
 
@@ -25,6 +39,8 @@ import torch.distributed as dist
 
 from trainer import models, parallel
 from trainer.config import TeacherConfig
+from trainer.distributed import build_mesh
+from trainer.distributed.dtensor import unwrap_vocab_sharded
 from trainer.losses.segments import shift_targets
 from trainer.losses.teacher_outputs import (
     TeacherOutputs,
@@ -93,9 +109,9 @@ class TeacherModelProgram:
             if not dist.is_initialized():
                 raise RuntimeError(f"teacher {self.model_cfg.name}: tp={tp} needs a process group")
             world = dist.get_world_size()
-            mesh = parallel.build_mesh(ctx.device, dp=world // tp, tp=tp)
-            parallel.apply_tp(model, mesh.tp, parallel.tp_plan(model.config.model_type))
-            self._tp_group = mesh.tp_group
+            groups = build_mesh(ctx.device, dp=world // tp, tp=tp)
+            parallel.apply_tp(model, groups.tp_mesh, parallel.tp_plan(model.config.model_type))
+            self._tp_group = groups.tp
         self._model = model
 
     def __getstate__(self) -> dict:
@@ -150,13 +166,17 @@ def teacher_forward(
     chunk: int,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
-    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits)."""
+    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
+    sharded lm_head (TP) gives DTensor logits: the outputs are computed on the local shard."""
     len_B = mask_BU.sum(1)
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if base is None or head is None:
-        logits = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
-        return teacher_outputs_from_logits(logits, spec=spec, target_ids_BT=tgt_BU, columns=columns)
+        out = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        logits, tp_group = unwrap_vocab_sharded(out)
+        return teacher_outputs_from_logits(
+            logits, spec=spec, target_ids_BT=tgt_BU, columns=columns, tp_group=tp_group
+        )
     hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -164,7 +184,7 @@ def teacher_forward(
     U = ids_BU.shape[1]
     for t0 in range(0, U, chunk):
         n = min(chunk, U - t0)
-        logits = head(hidden_BUH[:, t0 : t0 + n])
+        logits, tp_group = unwrap_vocab_sharded(head(hidden_BUH[:, t0 : t0 + n]))
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         teacher_outputs_from_logits(
@@ -173,5 +193,6 @@ def teacher_forward(
             target_ids_BT=None if tgt_BU is None else tgt_BU[:, t0 : t0 + n],
             columns=columns,
             out=out.narrow_t(t0, n),
+            tp_group=tp_group,
         )
     return out
