@@ -10,7 +10,9 @@ Every run sees the same global batch (4 rows per step, 2 microbatches) and disti
 tiny same-tokenizer teachers at once, one per loss mode (kd_topk, xtoken, gold, alm: each KD term
 is logged on its own), so one run covers every mode. Probes record, per rank and training
 forward, the logits' local shape and DTensor placement, the decoder activations' length, and
-any module output as wide as the whole vocabulary (``probes/rank<r>.json``).
+any module output as wide as the whole vocabulary (``probes/rank<r>.json``). The ``two`` set
+also compares cp = 2 and tp = 2 forwards and gradients of tiny tied Llama and sliding-window
+Gemma 3 models with the whole model (``model_checks.json``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ STEPS = 2
 
 def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top) -> object:
     student = str(paths.student_dir())
+    teacher_tp = layout.pop("teacher_tp", 1)
     teachers = [
         {
             "path": student,
@@ -55,7 +58,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
             "name": mode,
             "loss": mode,
             "overrides": TINY,
-            "tp": layout.pop("teacher_tp", 1) if i == 0 else 1,
+            "tp": teacher_tp,
             "projection": projection if mode in ("xtoken", "gold") else None,
         }
         for i, mode in enumerate(MODES)
@@ -165,7 +168,8 @@ def runs(which: str) -> dict[str, dict]:
             "tp2": {"layout": {"tp": 2}, "probe": True},  # teachers at tp=1
             "cp2": {"layout": {"cp": 2}, "probe": True},  # teachers whole (cp=1)
             "dp2": {"layout": {"dp_shard": 2, "mb": 1}},
-            # the reverse of tp2: the student whole, the kd_topk teacher at tp=2
+            # the reverse of tp2: the student whole, every teacher at tp=2 (top-k, columns,
+            # sorted rest and target log-probs from vocab-sharded teacher logits)
             "dp2_teacher_tp2": {"layout": {"dp_shard": 2, "mb": 1, "teacher_tp": 2}},
         }
     if which == "four":
@@ -174,12 +178,103 @@ def runs(which: str) -> dict[str, dict]:
     raise ValueError(f"unknown set {which!r}")
 
 
+def _tiny(kind: str):
+    """A tiny tied-embedding Llama, or a Gemma 3 whose layers alternate sliding (window 5) and
+    full attention, softcapped logits and a scaled embedding: the model-level parts."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}
+    shape.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama":
+        cfg = LlamaConfig(tie_word_embeddings=True, initializer_range=0.2, **shape)
+    else:
+        layers = ["sliding_attention", "full_attention"]
+        cfg = Gemma3TextConfig(sliding_window=5, layer_types=layers, **shape)
+        cfg.final_logit_softcapping = 5.0
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+
+def model_checks() -> dict:
+    """cp = 2 and tp = 2 forwards + backwards of tiny Llama and Gemma 3 models against the whole
+    model in this process: max |difference| / max |reference| of the logits and of every
+    parameter's gradient."""
+    from trainer.cp_attention import model_inputs
+    from trainer.data import Microbatch
+    from trainer.distributed import build_mesh, to_cp_layout
+    from trainer.distributed.dtensor import unwrap_vocab_sharded
+
+    ids_BT = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    w_BTV = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(4))
+    mb = Microbatch(ids_BT, torch.ones_like(ids_BT), ids_BT)
+    out = {}
+    for kind in ("llama", "gemma3"):
+        ref = _tiny(kind)
+        logits_BTV = ref(input_ids=ids_BT, use_cache=False).logits
+        (logits_BTV * w_BTV).sum().backward()
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        # cp = 2: each rank its positions; the objective is the sum of the ranks' terms
+        groups = build_mesh(torch.device("cpu"), dp=1, cp=2, tp=1)
+        model = _tiny(kind)
+        parallel.apply_cp(model, 2)
+        rows = mb.student_rows(cp_size=2, cp_rank=groups.cp_rank)
+        kw = model_inputs(
+            rows.input_ids_BL,
+            attention_mask_BL=rows.attention_mask_BL,
+            position_ids_BL=rows.position_ids_BL,
+            group=groups.cp,
+            seq_len=16,
+            cp_size=2,
+            cp_rank=groups.cp_rank,
+        )
+        local = model(**kw, use_cache=False).logits
+        w_local = to_cp_layout(w_BTV, cp_size=2, cp_rank=groups.cp_rank)
+        (local * w_local).sum().backward()
+        diff = {
+            "logits": float(
+                (local - to_cp_layout(logits_BTV, cp_size=2, cp_rank=groups.cp_rank)).abs().max()
+            )
+        }
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=groups.cp)
+            diff[n] = _rel(p.grad, want[n])
+        out[f"{kind}_cp2"] = diff
+        # tp = 2: vocab-sharded logits (DTensor), tied embedding gradient gathered
+        groups = build_mesh(torch.device("cpu"), dp=1, cp=1, tp=2)
+        model = _tiny(kind)
+        plan = parallel.tp_plan(model.config.model_type)
+        names = parallel.apply_tp(model, groups.tp_mesh, plan)
+        logits = model(input_ids=ids_BT, use_cache=False).logits
+        local, _ = unwrap_vocab_sharded(logits)
+        v0 = groups.tp_rank * local.shape[-1]
+        # the sum over the tp ranks of their columns' terms is the whole objective
+        (local * w_BTV[..., v0 : v0 + local.shape[-1]]).sum().backward()
+        parallel.sync_replicated_grads(model, names, groups.tp)
+        diff = {"logits": _rel(logits.full_tensor(), logits_BTV)}
+        diff["tied"] = float(model.lm_head.weight is model.model.embed_tokens.weight)
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            diff[n] = _rel(g, want[n])
+        out[f"{kind}_tp2"] = diff
+    return out
+
+
 def main(which: str, shards: str, projection: str, out_dir: str) -> None:
     out = Path(out_dir)
     torch.set_num_threads(1)
     # the HTML run report (matplotlib, ~10 s a run here) is tested elsewhere
     train_module.report.after_run = lambda run_dir: None
     parallel.init_distributed(torch.device("cpu"))
+    if which == "two":
+        checks = model_checks()
+        if dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "model_checks.json").write_text(json.dumps(checks, indent=1))
     for name, spec in runs(which).items():
         run_dir = str(out / name)
         layout = dict(spec.get("layout", {}))
