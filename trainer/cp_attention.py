@@ -12,7 +12,9 @@ held by other ranks. This is the all-gather form of CP (as Llama 3 was trained):
 - the queries stay local, and a mask built once per forward lets local query i (global position
   p_i) see key j iff j <= p_i (and, for sliding-window layers, p_i - j < window): causal by
   global positions, whatever the layout;
-- SDPA does the rest.
+- SDPA runs once per local piece, on the keys up to the piece's end only: piece j of P
+  positions costs P * (j + 1) P, so each rank does (2 CP + 1) P^2 of the (2 CP)^2 P^2 / 2
+  causal work - balanced, and without the masked-out half a single [L, T] call would compute.
 
 It runs wherever SDPA and the collectives run (gloo on CPU, NCCL on GPU). Communication per
 layer is an all-gather of K and V, (CP - 1) / CP of [B, H_kv, T, D] twice: small next to the
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.distributed.collectives import Group
-from trainer.distributed.context_parallel import cp_all_gather, cp_positions
+from trainer.distributed.context_parallel import cp_all_gather, cp_piece_bounds, cp_positions
 
 CP_ATTENTION = "tokenbridge_cp"
 
@@ -48,13 +50,15 @@ class CPAttention:
 
     `positions_L`: the global positions of this rank's tokens (layout order); `allowed_11LT`:
     the causal mask by global positions (True = may attend), shared by every full-attention
-    layer.
+    layer; `pieces`: per local piece, its local rows [lo, hi) and the end of the keys it can
+    see (its last position + 1).
     """
 
     group: Group
     seq_len: int
     positions_L: Tensor
     allowed_11LT: Tensor
+    pieces: tuple[tuple[int, int, int], ...]
 
     @classmethod
     def build(
@@ -63,10 +67,17 @@ class CPAttention:
         pos_L = cp_positions(seq_len, cp_size, cp_rank, device=device)
         keys_T = torch.arange(seq_len, device=device)
         allowed_LT = keys_T[None, :] <= pos_L[:, None]
-        return cls(group, seq_len, pos_L, allowed_LT[None, None])
+        lo, pieces = 0, []
+        for start, end in cp_piece_bounds(seq_len, cp_size, cp_rank):
+            pieces.append((lo, lo + end - start, end))
+            lo += end - start
+        return cls(group, seq_len, pos_L, allowed_LT[None, None], tuple(pieces))
 
-    def window(self, sliding_window: int) -> Tensor:
-        """The mask of a sliding-window layer: causal, and at most `sliding_window` back."""
+    def mask(self, sliding_window: int | None) -> Tensor:
+        """The mask of a layer: causal, and for a sliding-window layer at most `sliding_window`
+        positions back."""
+        if not sliding_window:
+            return self.allowed_11LT
         keys_T = torch.arange(self.seq_len, device=self.positions_L.device)
         near_LT = self.positions_L[:, None] - keys_T[None, :] < sliding_window
         return self.allowed_11LT & near_LT[None, None]
@@ -114,15 +125,21 @@ def cp_attention_forward(
     key_BKTD = cp_all_gather(key_BKLD, cp.group, dim=2)
     value_BKTD = cp_all_gather(value_BKLD, cp.group, dim=2)
     n_rep = query_BHLD.shape[1] // key_BKTD.shape[1]
-    allowed = cp.window(sliding_window) if sliding_window else cp.allowed_11LT
-    out_BHLD = F.scaled_dot_product_attention(
-        query_BHLD,
-        _repeat_kv(key_BKTD, n_rep),
-        _repeat_kv(value_BKTD, n_rep),
-        attn_mask=allowed,
-        dropout_p=dropout,
-        scale=scaling,
-    )
+    key_BHTD, value_BHTD = _repeat_kv(key_BKTD, n_rep), _repeat_kv(value_BKTD, n_rep)
+    allowed_11LT = cp.mask(sliding_window)
+    outs = []
+    for lo, hi, k_end in cp.pieces:  # a piece sees no key past its own end: skip them
+        outs.append(
+            F.scaled_dot_product_attention(
+                query_BHLD[:, :, lo:hi],
+                key_BHTD[:, :, :k_end],
+                value_BHTD[:, :, :k_end],
+                attn_mask=allowed_11LT[:, :, lo:hi, :k_end],
+                dropout_p=dropout,
+                scale=scaling,
+            )
+        )
+    out_BHLD = torch.cat(outs, dim=2)
     return out_BHLD.transpose(1, 2).contiguous(), None
 
 

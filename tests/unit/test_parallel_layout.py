@@ -81,7 +81,10 @@ def test_cp_mask_is_causal_by_global_positions():
         assert pos.tolist() == ([0, 1, 6, 7] if rank == 0 else [2, 3, 4, 5])
         want = torch.arange(8)[None, :] <= pos[:, None]
         assert torch.equal(cp.allowed_11LT[0, 0], want)
-        near = cp.window(3)[0, 0]
+        # (local rows [lo, hi), keys seen up to): piece j of 2 positions sees keys < 2 (j + 1)
+        assert cp.pieces == (((0, 2, 2), (2, 4, 8)) if rank == 0 else ((0, 2, 4), (2, 4, 6)))
+        assert cp.mask(None) is cp.allowed_11LT
+        near = cp.mask(3)[0, 0]
         assert torch.equal(near, want & (pos[:, None] - torch.arange(8)[None, :] < 3))
 
 
