@@ -91,15 +91,7 @@ def _rank_main(rank: int, world_size: int, case: dict) -> dict:
     rows = mb.student_rows(cp_size=cp, cp_rank=groups.cp_rank)
     targets = rows.targets_BL  # per-position CE: this rank's positions, no CPContext needed
     count = global_count((targets >= 0).sum(), dp_group=None, cp_group=groups.cp)
-    kw = model_inputs(
-        rows.input_ids_BL,
-        attention_mask_BL=rows.attention_mask_BL,
-        position_ids_BL=rows.position_ids_BL,
-        group=groups.cp,
-        seq_len=rows.seq_len,
-        cp_size=cp,
-        cp_rank=groups.cp_rank,
-    )
+    kw = model_inputs(rows, group=groups.cp)
     found = {}
 
     def step() -> None:

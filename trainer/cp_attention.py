@@ -33,6 +33,7 @@ Legend: B rows, H heads (local under TP), L = T / CP local positions, T position
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from torch import Tensor
 
 from trainer.distributed.collectives import Group
 from trainer.distributed.context_parallel import cp_all_gather, cp_piece_bounds, cp_positions
+
+if TYPE_CHECKING:
+    from trainer.data import StudentRows
 
 CP_ATTENTION = "tokenbridge_cp"
 
@@ -153,31 +157,27 @@ def register() -> None:
     AttentionMaskInterface.register(CP_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-def model_inputs(
-    input_ids_BL: Tensor,
-    *,
-    attention_mask_BL: Tensor,
-    position_ids_BL: Tensor | None,
-    group: Group,
-    seq_len: int,
-    cp_size: int,
-    cp_rank: int,
-) -> dict:
-    """Keyword arguments of the model's forward for this rank's share of a microbatch.
+def model_inputs(rows: StudentRows, *, group: Group) -> dict:
+    """Keyword arguments of the model's forward for this rank's share of a microbatch
+    (`Microbatch.student_rows`), `group` its cp group.
 
     cp = 1: ids and the padding mask, exactly as an unsharded forward. cp > 1: the local ids,
     their global position ids, and the CP mask passed as a 4-D ``attention_mask``
     (transformers passes a 4-D mask through untouched, so no [L, L] mask is built for nothing)
     plus the ``cp_attention`` keyword, which reaches every attention call.
     """
-    if cp_size == 1:
-        return {"input_ids": input_ids_BL, "attention_mask": attention_mask_BL}
+    if rows.cp_size == 1:
+        return {"input_ids": rows.input_ids_BL, "attention_mask": rows.attention_mask_BL}
     cp = CPAttention.build(
-        group, seq_len=seq_len, cp_size=cp_size, cp_rank=cp_rank, device=input_ids_BL.device
+        group,
+        seq_len=rows.seq_len,
+        cp_size=rows.cp_size,
+        cp_rank=rows.cp_rank,
+        device=rows.input_ids_BL.device,
     )
     return {
-        "input_ids": input_ids_BL,
-        "position_ids": position_ids_BL,
+        "input_ids": rows.input_ids_BL,
+        "position_ids": rows.position_ids_BL,
         "attention_mask": cp.allowed_11LT,
         "cp_attention": cp,
     }

@@ -45,6 +45,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainer import cp_attention
+
 # Styles per module path inside one decoder layer. "replicated_grad" marks parameters that stay
 # whole on every TP rank but see only that rank's heads (Gemma's per-head q/k norms): their
 # gradients are partial sums and `sync_replicated_grads` all-reduces them over TP.
@@ -209,8 +211,6 @@ def apply_cp(model: nn.Module, cp_size: int) -> None:
     untouched). The function falls back to plain SDPA for whole-sequence forwards (eval)."""
     if cp_size == 1:
         return
-    from trainer import cp_attention
-
     check_cp(model.config, cp_size, where=type(model).__name__)
     cp_attention.register()
     model.set_attn_implementation(cp_attention.CP_ATTENTION)

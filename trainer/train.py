@@ -230,19 +230,11 @@ class Trainer:
 
     def forward(self, mb: Microbatch) -> torch.Tensor:
         """The student's logits on this rank, [B, L, V / tp]: its CP positions of every row
-        (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns a
-        DTensor sharded on the vocabulary; only its local shard leaves here (`unwrap_vocab_
-        sharded` checks the placement), so full-vocabulary logits never exist on one rank."""
+        (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns
+        a DTensor sharded on the vocabulary; only its local shard leaves here (the unwrap
+        checks the placement), so full-vocabulary logits never exist on one rank."""
         rows = mb.student_rows(cp_size=self.mesh.cp_size, cp_rank=self.mesh.cp_rank)
-        kw = model_inputs(
-            rows.input_ids_BL,
-            attention_mask_BL=rows.attention_mask_BL,
-            position_ids_BL=rows.position_ids_BL,
-            group=self.mesh.cp,
-            seq_len=rows.seq_len,
-            cp_size=rows.cp_size,
-            cp_rank=rows.cp_rank,
-        )
+        kw = model_inputs(rows, group=self.mesh.cp)
         logits_BLV, _ = unwrap_vocab_sharded(self.model(**kw, use_cache=False).logits)
         return logits_BLV
 

@@ -223,15 +223,7 @@ def model_checks() -> dict:
         model = _tiny(kind)
         parallel.apply_cp(model, 2)
         rows = mb.student_rows(cp_size=2, cp_rank=groups.cp_rank)
-        kw = model_inputs(
-            rows.input_ids_BL,
-            attention_mask_BL=rows.attention_mask_BL,
-            position_ids_BL=rows.position_ids_BL,
-            group=groups.cp,
-            seq_len=16,
-            cp_size=2,
-            cp_rank=groups.cp_rank,
-        )
+        kw = model_inputs(rows, group=groups.cp)
         local = model(**kw, use_cache=False).logits
         w_local = to_cp_layout(w_BTV, cp_size=2, cp_rank=groups.cp_rank)
         (local * w_local).sum().backward()

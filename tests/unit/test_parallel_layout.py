@@ -96,15 +96,7 @@ def test_students_cp_share_is_its_positions_of_whole_row_targets():
     mb = collate(rows, student_pad=0, teacher_pads=[], pad_to_multiple=8)
     whole = mb.student_rows()
     assert whole.input_ids_BL is mb.input_ids_BT and whole.position_ids_BL is None
-    kw = model_inputs(
-        whole.input_ids_BL,
-        attention_mask_BL=whole.attention_mask_BL,
-        position_ids_BL=None,
-        group=None,
-        seq_len=16,
-        cp_size=1,
-        cp_rank=0,
-    )
+    kw = model_inputs(whole, group=None)
     assert set(kw) == {"input_ids", "attention_mask"}  # cp = 1: the unsharded forward exactly
     for rank in (0, 1):
         part = mb.student_rows(cp_size=2, cp_rank=rank)
