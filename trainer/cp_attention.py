@@ -32,7 +32,7 @@ Legend: B rows, H heads (local under TP), L = T / CP local positions, T position
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +63,7 @@ class CPAttention:
     positions_L: Tensor
     allowed_11LT: Tensor
     pieces: tuple[tuple[int, int, int], ...]
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -85,6 +86,22 @@ class CPAttention:
         keys_T = torch.arange(self.seq_len, device=self.positions_L.device)
         near_LT = self.positions_L[:, None] - keys_T[None, :] < sliding_window
         return self.allowed_11LT & near_LT[None, None]
+
+    def piece_masks(self, dtype: torch.dtype, sliding_window: int | None) -> list[Tensor]:
+        """Additive masks (0 / -inf) [1, 1, P, k_end] per local piece, made once per forward,
+        dtype and window, shared by the layers. Why not the boolean mask: SDPA converts it to
+        such a tensor on every call and keeps that copy for backward, one per layer (64 MiB a
+        layer at 8k tokens)."""
+        key = (dtype, sliding_window)
+        if key not in self._masks:
+            allowed_11LT = self.mask(sliding_window)
+            masks = []
+            for lo, hi, k_end in self.pieces:
+                seen_11PK = allowed_11LT[:, :, lo:hi, :k_end]
+                zeros = torch.zeros(seen_11PK.shape, dtype=dtype, device=seen_11PK.device)
+                masks.append(zeros.masked_fill_(~seen_11PK, float("-inf")))
+            self._masks[key] = masks
+        return self._masks[key]
 
 
 def _repeat_kv(x_BKTD: Tensor, n_rep: int) -> Tensor:
@@ -130,15 +147,16 @@ def cp_attention_forward(
     value_BKTD = cp_all_gather(value_BKLD, cp.group, dim=2)
     n_rep = query_BHLD.shape[1] // key_BKTD.shape[1]
     key_BHTD, value_BHTD = _repeat_kv(key_BKTD, n_rep), _repeat_kv(value_BKTD, n_rep)
-    allowed_11LT = cp.mask(sliding_window)
+    masks = cp.piece_masks(query_BHLD.dtype, sliding_window)
     outs = []
-    for lo, hi, k_end in cp.pieces:  # a piece sees no key past its own end: skip them
+    for (lo, hi, k_end), mask_11PK in zip(cp.pieces, masks):
+        # a piece sees no key past its own end: those keys are not computed at all
         outs.append(
             F.scaled_dot_product_attention(
                 query_BHLD[:, :, lo:hi],
                 key_BHTD[:, :, :k_end],
                 value_BHTD[:, :, :k_end],
-                attn_mask=allowed_11LT[:, :, lo:hi, :k_end],
+                attn_mask=mask_11PK,
                 dropout_p=dropout,
                 scale=scaling,
             )

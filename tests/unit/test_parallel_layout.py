@@ -84,6 +84,9 @@ def test_cp_mask_is_causal_by_global_positions():
         # (local rows [lo, hi), keys seen up to): piece j of 2 positions sees keys < 2 (j + 1)
         assert cp.pieces == (((0, 2, 2), (2, 4, 8)) if rank == 0 else ((0, 2, 4), (2, 4, 6)))
         assert cp.mask(None) is cp.allowed_11LT
+        # the additive masks SDPA gets, one per piece: 0 where seen, -inf elsewhere
+        for (lo, hi, k_end), m in zip(cp.pieces, cp.piece_masks(torch.float32, None)):
+            assert torch.equal(m[0, 0] == 0, want[lo:hi, :k_end])
         near = cp.mask(3)[0, 0]
         assert torch.equal(near, want & (pos[:, None] - torch.arange(8)[None, :] < 3))
 
