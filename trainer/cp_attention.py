@@ -27,7 +27,8 @@ falls back to transformers' SDPA function with transformers' own masks, so the s
 serves both. Padding needs no key mask: rows are right-padded and causal, so a real position
 never sees a pad.
 
-Legend: B rows, H heads (local under TP), L = T / CP local positions, T positions, D head dim.
+Legend: B rows, H heads (local under TP), K K/V heads, L = T / CP local positions, T positions,
+D head dim, P = T / (2 CP) positions of a piece.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class CPAttention:
         return self.allowed_11LT & near_LT[None, None]
 
     def piece_masks(self, dtype: torch.dtype, sliding_window: int | None) -> list[Tensor]:
-        """Additive masks (0 / -inf) [1, 1, P, k_end] per local piece, made once per forward,
+        """Additive masks (0 / -inf) [1, 1, P, keys seen] per local piece, made once per forward,
         dtype and window, shared by the layers. Why not the boolean mask: SDPA converts it to
         such a tensor on every call and keeps that copy for backward, one per layer (64 MiB a
         layer at 8k tokens)."""
@@ -97,9 +98,9 @@ class CPAttention:
             allowed_11LT = self.mask(sliding_window)
             masks = []
             for lo, hi, k_end in self.pieces:
-                seen_11PK = allowed_11LT[:, :, lo:hi, :k_end]
-                zeros = torch.zeros(seen_11PK.shape, dtype=dtype, device=seen_11PK.device)
-                masks.append(zeros.masked_fill_(~seen_11PK, float("-inf")))
+                seen_11PT = allowed_11LT[:, :, lo:hi, :k_end]
+                zeros = torch.zeros(seen_11PT.shape, dtype=dtype, device=seen_11PT.device)
+                masks.append(zeros.masked_fill_(~seen_11PT, float("-inf")))
             self._masks[key] = masks
         return self._masks[key]
 
@@ -149,14 +150,14 @@ def cp_attention_forward(
     key_BHTD, value_BHTD = _repeat_kv(key_BKTD, n_rep), _repeat_kv(value_BKTD, n_rep)
     masks = cp.piece_masks(query_BHLD.dtype, sliding_window)
     outs = []
-    for (lo, hi, k_end), mask_11PK in zip(cp.pieces, masks):
+    for (lo, hi, k_end), mask_11PT in zip(cp.pieces, masks):
         # a piece sees no key past its own end: those keys are not computed at all
         outs.append(
             F.scaled_dot_product_attention(
                 query_BHLD[:, :, lo:hi],
                 key_BHTD[:, :, :k_end],
                 value_BHTD[:, :, :k_end],
-                attn_mask=mask_11PK,
+                attn_mask=mask_11PT,
                 dropout_p=dropout,
                 scale=scaling,
             )
