@@ -51,6 +51,12 @@ def _status_mib(field: str) -> float:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
 
 
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        found = re.search(r"model name\s*:\s*(.+)", f.read())
+    return found.group(1).strip() if found else "unknown CPU"
+
+
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the current resident set
@@ -156,6 +162,7 @@ def main() -> str:
     lines = [
         "## Student step under TP and CP (CPU, gloo; `bench/bench_parallel.py`)",
         "",
+        f"{_cpu_model()}, {os.cpu_count()} cores. "
         "Forward + CE + backward + AdamW through the trainer's verbs, one torch thread per "
         f"process (tp = {TP} shares both cores, cp = 2 uses both, the baselines one). Peak = "
         "resident-set "
