@@ -19,12 +19,17 @@ LIMIT   ?=
 MODEL   ?=
 BENCH   ?=
 RUNS    ?= runs/demo
+DIR     ?=
 ALIGN_ARGS ?=
+SHARDS  ?= outputs/align/demo
+CACHE_ARGS ?=
+# K is the projection's k (8) unless given; the teacher cache's own default is 32 (xtoken's k)
+CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo projection align train eval report bench clean
+.PHONY: help setup models test lint format demo projection align teacher-cache verify train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -57,6 +62,12 @@ projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=
 align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several ok), STUDENT=, OUT=, ALIGN_ARGS=)
 	$(PY) -m pipelines.align_job --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
 
+verify: $(SETUP)  ## checksums (+ values) of DIR=<shards | cache | checkpoint(s) | run dir>; exit 2 on damage
+	$(PY) -m pipelines.verify $(DIR)
+
+teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
+	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
+
 train: models  ## one-process training run on the demo config (see README for torchrun)
 	$(PY) trainer/main.py conf=demo
 
@@ -81,7 +92,7 @@ demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolL
 	@echo "== run report (plots, open in a browser): runs/demo/report/report.html"
 
 # bench-only baselines (TRL's aligner and ULD loss), installed without their heavy deps
-BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1 xxhash==4.1.0
+BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1
 $(VENV)/.stamp-bench: $(SETUP)
 	$(VENV)/bin/pip install -q --no-deps $(BENCH_DEPS)
 	touch $@

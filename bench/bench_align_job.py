@@ -24,47 +24,74 @@ DATA = "kjv.jsonl"  # 6.6 MB, 31,102 verses
 
 def _outside_beam(data: Path, t, s, window) -> dict:
     """The job's stages on the same batches, called directly (seconds per stage)."""
+    import numpy as np
     import pyarrow as pa
 
-    from pipelines import readers, shards
+    from pipelines import readers, rolling
     from pipelines import schema as S
-    from pipelines.align import align_batch_flat, cut_windows, vocab_bytes
-    from pipelines.align_dofns import chunk_docs
+    from pipelines.align import align_batch_flat, vocab_bytes
+    from pipelines.align import window_batch as WB
+    from pipelines.align_dofns import BATCH_CHARS, BATCH_DOCS
 
     docs = [d for d in readers.read_file(str(data), data.name, readers.ReaderConfig())]
     docs = [d for d in docs if isinstance(d, readers.Doc)]
-    batches = list(chunk_docs(docs))  # the job's batching rule
+    batches, cur, chars = [], [], 0
+    for d in docs:  # the job's batching rule
+        if cur and (chars + len(d.text) > BATCH_CHARS or len(cur) >= BATCH_DOCS):
+            batches.append(cur)
+            cur, chars = [], 0
+        cur.append(d)
+        chars += len(d.text)
+    batches += [cur] if cur else []
     vb_s, vb_t = vocab_bytes(s), vocab_bytes(t)
     schema = S.shard_schema(s.info(), [t.info()])
     secs = dict.fromkeys(("tokenize", "align", "windows", "to_arrow", "write"), 0.0)
-    tables = []
-    for batch in batches:
-        texts = [d.text for d in batch]
-        t0 = time.perf_counter()
-        se, te = s.encode_batch(texts), t.encode_batch(texts)
-        t1 = time.perf_counter()
-        al = align_batch_flat(se, te, student_bytes=vb_s, teacher_bytes=vb_t)
-        rows_al = [al.row(b) for b in range(len(batch))]
-        t2 = time.perf_counter()
-        rows = []
-        for b, d in enumerate(batch):
-            ws = cut_windows(
-                d.text, student=(s, se.row(b)), teachers=[(t, te.row(b), rows_al[b])], config=window
-            )
-            rows += [(d.doc_id, w) for w in ws]
-        t3 = time.perf_counter()
-        tables.append(pa.Table.from_batches([shards.windows_to_batch(rows, schema)]))
-        t4 = time.perf_counter()
-        secs["tokenize"] += t1 - t0
-        secs["align"] += t2 - t1
-        secs["windows"] += t3 - t2
-        secs["to_arrow"] += t4 - t3
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        table = pa.concat_tables(tables).sort_by([("doc_id", "ascending"), ("window", "ascending")])
-        with shards.ShardWriter(Path(tmp) / "x.arrow", schema) as w:
-            w.write_table(table)
-    secs["write"] = time.perf_counter() - t0
+        parts = rolling.RollingParts(tmp, kind="shard", fmt="arrow", roll_bytes=128 << 20)
+        for k, batch in enumerate([batches[0], *batches]):  # the first: kernel warm-up
+            if k == 1:
+                secs = dict.fromkeys(secs, 0.0)
+            texts = [d.text for d in batch]
+            t0 = time.perf_counter()
+            se, te = s.encode_batch(texts), t.encode_batch(texts)
+            t1 = time.perf_counter()
+            al = align_batch_flat(se, te, student_bytes=vb_s, teacher_bytes=vb_t)
+            t2 = time.perf_counter()
+            text = WB.BatchText.from_texts(texts)
+            student = WB.Side(se.ids, se.row_splits, s.bos_id, s.eos_id)
+            teachers = [(WB.Side(te.ids, te.row_splits, t.bos_id, t.eos_id), al)]
+            cut = WB.cut_batch(
+                text,
+                student,
+                teachers,
+                max_student_tokens=window.max_student_tokens,
+                max_teacher_tokens=window.max_teacher_tokens,
+                stride_chars=window.stride_chars,
+                plan=WB.RowPlan.whole(text, al.row_error == 0),
+            )
+            t3 = time.perf_counter()
+            zeros = np.zeros(len(texts), np.int64)
+            rows = WB.to_record_batch(
+                cut,
+                text,
+                student,
+                teachers,
+                doc_ids=pa.array([d.doc_id for d in batch]),
+                char_base=zeros,
+                window_base=zeros,
+                schema=schema,
+            )
+            t4 = time.perf_counter()
+            parts.write(rows)
+            t5 = time.perf_counter()
+            secs["tokenize"] += t1 - t0
+            secs["align"] += t2 - t1
+            secs["windows"] += t3 - t2
+            secs["to_arrow"] += t4 - t3
+            secs["write"] += t5 - t4
+        t0 = time.perf_counter()
+        parts.close()
+        secs["write"] += time.perf_counter() - t0
     return secs
 
 
@@ -82,9 +109,9 @@ def _child(workers: int) -> dict:
     load_s = time.perf_counter() - t0
     out = paths.REPO_ROOT / "outputs" / "bench" / f"align_{workers}w"
     argv = ["--data", str(data), "--teacher", t_dir, "--student", s_dir, "--out", str(out)]
-    argv += ["--overwrite"]
+    argv += ["--overwrite", "--direct_num_workers", str(workers)]
     if workers > 1:
-        argv += ["--direct_num_workers", str(workers), "--direct_running_mode", "multi_processing"]
+        argv += ["--direct_running_mode", "multi_processing"]
     t0 = time.perf_counter()
     stats = J.run(argv)
     job_s = time.perf_counter() - t0

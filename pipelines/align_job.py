@@ -2,32 +2,40 @@
 
     python -m pipelines.align_job --data 'corpus/*.txt' --teacher T [--teacher T2 ...] \\
         --student S [--out DIR] [--max-student-tokens 512] [--max-teacher-tokens 512] \\
-        [--text-field text] [--txt-mode file|blocks] [--num-shards N] [--overwrite] \\
-        [Beam pipeline options, e.g. --runner FnApiRunner --direct_num_workers 2 \\
-         --direct_running_mode multi_processing]
+        [--text-field text] [--txt-mode file|blocks] [--shard-mb 128] [--piece-chars N] \\
+        [--overwrite] [Beam pipeline options, e.g. --direct_num_workers 1]
 
 The pipeline reads as its own table of contents::
 
-    ReadDocs -> TokenizeAndAlign -> CutWindows -> WriteShards
-                                        \\-> ComputeStats -> Finalize (stats.json, COMPLETED)
+    ReadDocs --> AlignWindows --> WriteShards -------+--> Finalize: parts renamed into place,
+        |              |                             |    stats.json, COMPLETED last
+        +--------------+--> WriteDeadLetters --------+
 
-Every stage sends bad input to dead letters (``dead_letter.jsonl``) and counters. The last
-step runs on the global combine of everything written, so ``COMPLETED`` appears only after
-every shard file and the dead-letter file are in place; a crashed run leaves no marker. The
-default runner is Beam's in-process ``FnApiRunner``; any other runner (Dask, Dataflow, Flink,
-Spark) is chosen with the usual ``--runner`` options (``OUT`` must then be a filesystem that
-every worker and this process share).
+Memory stays flat as the corpus grows: elements are batches of documents (`DocBatch`) and of
+window rows (Arrow RecordBatches), a document longer than ``--piece-chars`` is cut in pieces
+(`pipelines.pieces`), rows stream into rolling part files (`pipelines.rolling`), and the only
+grouping is the final one over small per-batch records. Every stage sends bad input to dead
+letters (``dead_letter.jsonl``) and counters. ``COMPLETED`` appears only after every shard is in
+place; a killed run leaves no marker and no file a reader would take for a shard.
+
+The default runner is Beam's ``FnApiRunner`` with one worker process per core (the plain
+DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
+runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
+then be a filesystem that every worker and this process share). Progress goes to stderr every
+~10 s (`pipelines.progress`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import math
+import os
+import shutil
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import apache_beam as beam
@@ -35,15 +43,18 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines import align_dofns as F
-from pipelines import paths, readers, shards
+from pipelines import paths, progress, readers, rolling, shards
 from pipelines import schema as S
+from pipelines import write_dofns as W
 from pipelines.align import WindowConfig
+from pipelines.pieces import PieceConfig
 
 log = logging.getLogger("tokenbridge.align")
 
 DEFAULT_RUNNER = "FnApiRunner"  # the plain DirectRunner tries to download Prism
-BYTES_PER_SHARD = 16 << 20  # of input text; ~5x that in Arrow (ids + chunk columns)
-BYTES_PER_GROUP = 4 << 20  # of input text per tokenization group (the unit of parallelism)
+ROLL_MB = 128  # shard files roll at this size (Arrow bytes)
+SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
+SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
 
 
 def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
@@ -58,20 +69,38 @@ def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
     return paths.REPO_ROOT / "outputs" / "align" / "__".join(parts)
 
 
-def match_inputs(patterns: list[str]) -> tuple[list[tuple[str, str]], int]:
-    """Glob patterns -> [(path, doc id prefix)], total bytes; a pattern matching nothing is an
-    error (a typo in DATA must not produce an empty, complete shard directory)."""
-    found, bases, total = [], [], 0
+def match_inputs(
+    patterns: list[str], *, split_bytes: int | None = None
+) -> tuple[list[F.InputSplit], int, int]:
+    """Glob patterns -> (read tasks, total bytes, files). A large uncompressed local jsonl file
+    becomes byte-range tasks of `split_bytes` (default: about 1/16 of the input, 1-64 MB). A
+    pattern matching nothing is an error (a typo in DATA must not produce an empty, complete
+    shard directory)."""
+    found, bases, sizes = [], [], {}
     for pattern in patterns:
         metas = FileSystems.match([pattern])[0].metadata_list
         if not metas:
             raise FileNotFoundError(f"--data {pattern!r} matches no file")
         for m in sorted(metas, key=lambda m: m.path):
-            found.append(m.path)
-            bases.append(readers.glob_base(pattern))
-            total += m.size_in_bytes
+            if m.path not in sizes:
+                found.append(m.path)
+                bases.append(readers.glob_base(pattern))
+                sizes[m.path] = m.size_in_bytes
     ids = readers.doc_ids_for(found, bases)
-    return [(p, ids[p]) for p in dict.fromkeys(found)], total
+    total = sum(sizes.values())
+    split_bytes = split_bytes or min(max(total // SPLITS_PER_RUN, SPLIT_MIN), SPLIT_MAX)
+    tasks = []
+    for path in found:
+        size = sizes[path]
+        splits = (
+            readers.plan_splits(path, size, split_bytes)
+            if readers.splittable(path)
+            else [readers.Split()]
+        )
+        for sp in splits:
+            end = size if sp.end is None else sp.end
+            tasks.append(F.InputSplit(path, ids[path], sp, end - sp.start))
+    return tasks, total, len(found)
 
 
 def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
@@ -92,6 +121,8 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
     for p in stale:
         if p.is_file():
             p.unlink()
+    for d in out.glob(f"{rolling.TMP_PREFIX}*"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def split(pcoll, tags: list[str]) -> dict:
@@ -101,101 +132,83 @@ def split(pcoll, tags: list[str]) -> dict:
 
 
 class ReadDocs(beam.PTransform):
-    """Files -> documents, grouped into tokenization batches. Outputs: ``batches`` (lists of
-    `readers.Doc`) and ``dead_letter``."""
+    """Read tasks -> `DocBatch` elements (``batches``) and ``dead_letter`` records."""
 
-    def __init__(self, files: list[tuple[str, str]], *, config, num_groups: int):
+    def __init__(self, tasks: list[F.InputSplit], *, config, progress_dir: str | None):
         super().__init__()
-        self.files, self.config, self.num_groups = files, config, num_groups
+        self.tasks, self.config, self.progress_dir = tasks, config, progress_dir
 
     def expand(self, pbegin):
-        read = (
-            pbegin
-            | "Files" >> beam.Create(self.files)
-            | "SpreadFiles" >> beam.Reshuffle()
-            | "Read" >> beam.ParDo(F.ReadFileDoFn(self.config))
+        # Create spreads the tasks (file names and byte ranges, not rows) over the workers
+        tasks = pbegin | "Files" >> beam.Create(self.tasks)
+        read = tasks | "Read" >> beam.ParDo(
+            F.ReadSplitDoFn(self.config, progress_dir=self.progress_dir)
         )
         out = split(read, [F.MAIN, F.DEAD])
-        n = self.num_groups
-        batches = (
-            out[F.MAIN]
-            | "KeyByGroup" >> beam.Map(lambda docs: (F.shard_of(docs[0].doc_id, n), docs))
-            | "Group" >> beam.GroupByKey()
-            | "SplitBatches" >> beam.ParDo(F.SplitBatchesDoFn())
-        )
-        return {"batches": batches, F.DEAD: out[F.DEAD]}
+        return {"batches": out[F.MAIN], F.DEAD: out[F.DEAD]}
 
 
-class TokenizeAndAlign(beam.PTransform):
-    """Batches of docs -> lists of `AlignedDoc` (one encode_batch per tokenizer per batch)."""
+class AlignWindows(beam.PTransform):
+    """`DocBatch` -> `Windows` (tokenize, align, cut, Arrow rows) and ``dead_letter``."""
 
-    def __init__(self, student: str, teachers: list[str]):
+    def __init__(self, cfg: JobConfig, *, progress_dir: str | None):
         super().__init__()
-        self.student, self.teachers = student, teachers
+        self.fn = F.AlignWindowsDoFn(
+            cfg.student,
+            cfg.teachers,
+            window=cfg.window,
+            pieces=cfg.pieces,
+            progress_dir=progress_dir,
+        )
 
     def expand(self, batches):
-        out = batches | "EncodeAlign" >> beam.ParDo(
-            F.TokenizeAlignDoFn(self.student, self.teachers)
-        )
-        out = split(out, [F.MAIN, F.DEAD])
-        return {"aligned": out[F.MAIN], F.DEAD: out[F.DEAD]}
-
-
-class CutWindows(beam.PTransform):
-    """Aligned docs -> (shard, Arrow rows of its windows); stats; uncuttable docs as dead."""
-
-    def __init__(self, student, teachers, *, config, schema, num_shards):
-        super().__init__()
-        self.fn = F.CutWindowsDoFn(
-            student, teachers, config=config, schema=schema, num_shards=num_shards
-        )
-
-    def expand(self, aligned):
-        out = split(aligned | "Cut" >> beam.ParDo(self.fn), [F.MAIN, F.STATS, F.DEAD])
-        return {"rows": out[F.MAIN], F.STATS: out[F.STATS], F.DEAD: out[F.DEAD]}
+        out = split(batches | "AlignCut" >> beam.ParDo(self.fn), [F.MAIN, F.DEAD])
+        return {"windows": out[F.MAIN], F.DEAD: out[F.DEAD]}
 
 
 class WriteShards(beam.PTransform):
-    """(shard, Arrow rows) -> one atomically written file per shard -> ("file", name, rows)."""
+    """`Windows` -> rolling Arrow parts -> one record per batch written."""
 
-    def __init__(self, out_dir: str, *, schema, num_shards: int):
+    def __init__(self, tmp_dir: str, *, roll_bytes: int):
         super().__init__()
-        self.fn = F.WriteShardDoFn(out_dir, schema=schema, num_shards=num_shards)
+        self.fn = W.WriteShardsDoFn(tmp_dir, roll_bytes=roll_bytes)
 
-    def expand(self, rows):
-        return rows | "GroupByShard" >> beam.GroupByKey() | "Write" >> beam.ParDo(self.fn)
+    def expand(self, windows):
+        return windows | "Write" >> beam.ParDo(self.fn)
 
 
 class WriteDeadLetters(beam.PTransform):
-    def __init__(self, out_dir: str):
+    """Dead-letter records -> rolling jsonl parts -> one record per dead letter."""
+
+    def __init__(self, tmp_dir: str, *, roll_bytes: int):
         super().__init__()
-        self.out_dir = out_dir
+        self.fn = W.WriteDeadLettersDoFn(tmp_dir, roll_bytes=roll_bytes)
 
     def expand(self, dead):
-        return (
-            dead
-            | "KeyAll" >> beam.Map(lambda r: (None, r))
-            | "GroupAll" >> beam.GroupByKey()
-            | "Write" >> beam.ParDo(F.WriteDeadLettersDoFn(self.out_dir))
-        )
+        return dead | "Write" >> beam.ParDo(self.fn)
 
 
-class ComputeStats(beam.PTransform):
-    """Written files + per-batch stats + drops -> one summary element (a global combine, so it
-    exists only once all its inputs are complete)."""
+class Finalize(beam.PTransform):
+    """Records of everything written -> one summary (a global combine, so it exists only once
+    all its inputs are complete) -> parts in place, stats.json, COMPLETED -> the stats."""
 
-    def expand(self, parts):
+    def __init__(self, fn: W.FinalizeDoFn):
+        super().__init__()
+        self.fn = fn
+
+    def expand(self, records):
         # a seed element, so the combine has input even for a run with nothing in it; and no
         # default value (CombineGlobally's default is a side input, recomputed by Dask)
-        seed = parts[0].pipeline | "Seed" >> beam.Create([("stats", {})])
-        return (
-            (*parts, seed)
+        seed = records[0].pipeline | "Seed" >> beam.Create([("stats", None)])
+        summary = (
+            (*records, seed)
             | "Merge" >> beam.Flatten()
-            | "Sum" >> beam.CombineGlobally(F.SummaryCombineFn()).without_defaults()
+            | "Sum" >> beam.CombineGlobally(W.SummaryCombineFn()).without_defaults()
         )
+        return summary | "Publish" >> beam.ParDo(self.fn)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class JobConfig:
     data: list[str]
     student: str
@@ -203,44 +216,28 @@ class JobConfig:
     out: Path
     window: WindowConfig
     reader: readers.ReaderConfig
-    num_shards: int = 0  # 0 = from the input size (BYTES_PER_SHARD), at least 1
+    pieces: PieceConfig = PieceConfig()
+    roll_bytes: int = ROLL_MB << 20
     overwrite: bool = False
 
 
-def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, files, total_bytes, infos) -> dict:
+def build_pipeline(
+    p: beam.Pipeline, cfg: JobConfig, *, tasks, total_bytes: int, input_files: int, run_id: str
+) -> dict:
     """Assemble the job on pipeline `p` (tests call this with a TestPipeline); returns the
-    main PCollections by name (dead letters, written files, final stats) for assertions."""
-    student_info, teacher_infos = infos
-    schema = S.shard_schema(student_info, teacher_infos)
-    num_shards = cfg.num_shards or max(1, math.ceil(total_bytes / BYTES_PER_SHARD))
-    num_groups = max(16, math.ceil(total_bytes / BYTES_PER_GROUP))
+    main PCollections by name (dead letters, written records, final stats) for assertions."""
     out = str(cfg.out)
-    header = {
-        "schema_version": S.SCHEMA_VERSION,
-        "student": student_info.to_json(),
-        "teachers": [t.to_json() for t in teacher_infos],
-        "data": list(cfg.data),
-        "input_files": len(files),
-        "input_bytes": int(total_bytes),
-        "num_shards": num_shards,
-        "window_config": dataclasses.asdict(cfg.window),
-        "reader_config": dataclasses.asdict(cfg.reader),
-    }
-    read = p | "ReadDocs" >> ReadDocs(files, config=cfg.reader, num_groups=num_groups)
-    aligned = read["batches"] | "TokenizeAndAlign" >> TokenizeAndAlign(cfg.student, cfg.teachers)
-    windows = aligned["aligned"] | "CutWindows" >> CutWindows(
-        cfg.student, cfg.teachers, config=cfg.window, schema=schema, num_shards=num_shards
-    )
-    written = windows["rows"] | "WriteShards" >> WriteShards(
-        out, schema=schema, num_shards=num_shards
-    )
-    dead = (read[F.DEAD], aligned[F.DEAD], windows[F.DEAD]) | "AllDeadLetters" >> beam.Flatten()
-    dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(out)
-    summary = (written, windows[F.STATS], dropped) | "ComputeStats" >> ComputeStats()
+    tmp = str(rolling.run_dir(cfg.out, run_id))
+    prog = str(Path(tmp) / "progress")
+    header = W.header_for(cfg, input_files=input_files, input_bytes=total_bytes)
+    read = p | "ReadDocs" >> ReadDocs(tasks, config=cfg.reader, progress_dir=prog)
+    aligned = read["batches"] | "AlignWindows" >> AlignWindows(cfg, progress_dir=prog)
+    written = aligned["windows"] | "WriteShards" >> WriteShards(tmp, roll_bytes=cfg.roll_bytes)
+    dead = (read[F.DEAD], aligned[F.DEAD]) | "AllDeadLetters" >> beam.Flatten()
+    dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(tmp, roll_bytes=cfg.roll_bytes)
     # the last transform built: runners that compute only the final node (Dask) compute it all
-    final = summary | "Finalize" >> beam.ParDo(
-        F.FinalizeDoFn(out, schema=schema, num_shards=num_shards, header=header)
-    )
+    fn = W.FinalizeDoFn(out, tmp, header=header, student=cfg.student, teachers=cfg.teachers)
+    final = (written, dropped) | "Finalize" >> Finalize(fn)
     return {"dead_letters": dead, "written": written, "stats": final}
 
 
@@ -267,6 +264,25 @@ def job_metrics(result) -> dict:
     return out
 
 
+def default_runner_args(beam_args: list[str], cores: int | None = None) -> list[str]:
+    """FnApiRunner with one worker process per core, unless the caller chose a runner.
+
+    ``--direct_num_workers N`` alone would run N threads in one process (the GIL allows no
+    speed-up), so N > 1 comes with ``--direct_running_mode multi_processing`` unless the caller
+    named a mode; ``--direct_num_workers 1`` runs in this process."""
+    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
+        return beam_args
+    opts = PipelineOptions(beam_args).get_all_options()
+    out = ["--runner", DEFAULT_RUNNER, *beam_args]
+    workers = opts.get("direct_num_workers")
+    if not any(a.startswith("--direct_num_workers") for a in beam_args):
+        workers = cores or len(os.sched_getaffinity(0))
+        out += ["--direct_num_workers", str(workers)]
+    if workers > 1 and not any(a.startswith("--direct_running_mode") for a in beam_args):
+        out += ["--direct_running_mode", "multi_processing"]
+    return out
+
+
 def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", action="append", required=True, help="glob(s) of input files")
@@ -278,7 +294,19 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--stride-chars", type=int, default=None, help="window overlap (chars)")
     ap.add_argument("--text-field", default="text", help="jsonl field / parquet column")
     ap.add_argument("--txt-mode", choices=readers.TXT_MODES, default="file")
-    ap.add_argument("--num-shards", type=int, default=0, help="0 = from the input size")
+    ap.add_argument("--shard-mb", type=float, default=ROLL_MB, help="shard files roll at this")
+    ap.add_argument(
+        "--piece-chars",
+        type=int,
+        default=PieceConfig.piece_chars,
+        help="documents longer than this go in pieces",
+    )
+    ap.add_argument(
+        "--piece-overlap",
+        type=int,
+        default=PieceConfig.overlap_chars,
+        help="context (chars) each side of a piece seam",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
     args, beam_args = ap.parse_known_args(argv)
     window = WindowConfig(
@@ -294,37 +322,41 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         out=out,
         window=window,
         reader=readers.ReaderConfig(text_field=args.text_field, txt_mode=args.txt_mode),
-        num_shards=args.num_shards,
+        pieces=PieceConfig(piece_chars=args.piece_chars, overlap_chars=args.piece_overlap),
+        roll_bytes=max(int(args.shard_mb * (1 << 20)), 1),
         overwrite=args.overwrite,
     )
-    if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
-        beam_args = ["--runner", DEFAULT_RUNNER, *beam_args]
-    return cfg, beam_args
+    return cfg, default_runner_args(beam_args)
 
 
 def run(argv: list[str] | None = None) -> dict:
     """Run the job; returns the stats written to stats.json plus ``wall_s`` and ``metrics``
-    (Beam counters and stage times, where the runner reports them); raises if the run failed."""
+    (Beam counters and stage times, where the runner reports them); raises if the run failed.
+
+    The tokenizers are loaded by the workers only (this process would hold a third copy)."""
     cfg, beam_args = parse_args(argv)
     t0 = time.perf_counter()
-    student = F.cached_tokenizer(cfg.student)
-    teachers = [F.cached_tokenizer(t) for t in cfg.teachers]
-    infos = (student.info(), [t.info() for t in teachers])
-    files, total_bytes = match_inputs(cfg.data)
+    for path in [cfg.student, *cfg.teachers]:
+        if "://" not in path and not Path(path).exists():
+            raise FileNotFoundError(f"tokenizer {path!r} does not exist")
+    tasks, total_bytes, n_files = match_inputs(cfg.data)
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
-    log.info("align: %d files, %.1f MB -> %s", len(files), total_bytes / 1e6, cfg.out)
+    run_id = uuid.uuid4().hex[:12]
+    log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
     p = beam.Pipeline(options=PipelineOptions(beam_args))
-    build_pipeline(p, cfg, files=files, total_bytes=total_bytes, infos=infos)
-    result = p.run()
-    try:
-        result.wait_until_finish()
-    finally:
-        client = getattr(result, "client", None)  # DaskRunner opens its own client
-        if client is not None:
-            client.close()
+    build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
+    prog = rolling.run_dir(cfg.out, run_id) / "progress"
+    with progress.ProgressReporter(prog, total_bytes=total_bytes):
+        result = p.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            client = getattr(result, "client", None)  # DaskRunner opens its own client
+            if client is not None:
+                client.close()
     if not (cfg.out / S.COMPLETED_MARKER).is_file():
         raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
-    stats = shards.open_shards(cfg.out, student=infos[0], teachers=infos[1]).stats()
+    stats = shards.open_shards(cfg.out).stats()
     stats["wall_s"] = time.perf_counter() - t0
     stats["metrics"] = job_metrics(result)
     return stats
@@ -345,7 +377,8 @@ def summary_line(stats: dict, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # force: importing Beam already configured the root logger (see pipelines/__init__.py)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     cfg, _ = parse_args(argv)
     stats = run(argv)
@@ -354,4 +387,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from pipelines import cli
+
+    sys.exit(cli.run(main, sys.argv[1:], prog="align"))

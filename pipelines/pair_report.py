@@ -175,4 +175,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipelines import cli
+
+    sys.exit(cli.run(main, prog="pair_report"))

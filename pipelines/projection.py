@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -369,20 +370,26 @@ def load_projection(
 ) -> Projection:
     """Read a projection, refusing other tokenizers, a malformed file, or an exact map that
     covers fewer than `min_exact_coverage` of the smaller vocabulary."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     where = str(path)
     if not Path(path).is_file():
         raise FileNotFoundError(f"{where}: no projection file (build it with `make projection`)")
-    with safe_open(where, framework="np") as f:
-        meta = dict(f.metadata() or {})
-        missing = [n for n in TENSORS if n not in f.keys()]  # noqa: SIM118 - safe_open API
-        if missing or meta.get("format_version") != FORMAT_VERSION:
-            raise ProjectionMismatchError(
-                f"{where}: not a tokenbridge projection v{FORMAT_VERSION} "
-                f"(format_version={meta.get('format_version')}, missing tensors {missing})"
-            )
-        arrays = {n: f.get_tensor(n) for n in TENSORS}
+    try:
+        with safe_open(where, framework="np") as f:
+            meta = dict(f.metadata() or {})
+            missing = [n for n in TENSORS if n not in f.keys()]  # noqa: SIM118 - safe_open API
+            if missing or meta.get("format_version") != FORMAT_VERSION:
+                raise ProjectionMismatchError(
+                    f"{where}: not a tokenbridge projection v{FORMAT_VERSION} "
+                    f"(format_version={meta.get('format_version')}, missing tensors {missing})"
+                )
+            arrays = {n: f.get_tensor(n) for n in TENSORS}
+    except SafetensorError as e:  # a damaged file: refused by name, as every reader does
+        raise ProjectionMismatchError(
+            f"{where}: damaged, not a readable safetensors file ({e}); rebuild it with "
+            "`make projection`"
+        ) from None
     _check_side(meta, "teacher", teacher, where)
     _check_side(meta, "student", student, where)
     t_rows, s_rows, k = int(meta["teacher_rows"]), int(meta["student_rows"]), int(meta["k"])
@@ -453,4 +460,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines import cli
+
+    sys.exit(cli.run(main, prog="projection"))

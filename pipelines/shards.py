@@ -2,19 +2,26 @@
 
 A shard directory holds ``shard-XXXXX-of-YYYYY.arrow`` files (Arrow IPC *file* format, so a
 reader can memory-map them and jump to any record batch), ``dead_letter.jsonl``, ``stats.json``
-and ``COMPLETED``, written last. Every file is first written under a hidden temporary name and
-then renamed, so a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker:
-a directory that looks complete is complete. ``COMPLETED`` lists the shard files and their row
-counts, so stale files from an earlier crashed run are never picked up.
+and ``COMPLETED``, written last. Every file is first written under a hidden temporary name (the
+align job: rolled part files in a temporary directory, `pipelines.rolling`) and then renamed, so
+a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker: a directory that
+looks complete is complete. ``COMPLETED`` is the shard index: it lists the shard files and their
+row counts (so stale files from an earlier crashed run are never picked up) and every file's
+size and checksum as computed while it was written (`pipelines.integrity`: xxh3_64 from marker
+version 3 on, blake2b in version 2). Markers of version 1 (no checksums) are still read, unverified.
 
 The reader (`open_shards`) refuses a directory without the marker, a schema version it does not
-know, and shards made with tokenizers other than the ones the caller is about to train with
-(compared by fingerprint, the hash of the vocabulary).
+know, shards made with tokenizers other than the ones the caller is about to train with
+(compared by fingerprint, the hash of the vocabulary), and, per its `verify` mode, a file whose
+checksum differs from the marker (`first_open`: when `ShardSet.read_table` first maps it;
+`preflight`: every file, in `open_shards`; `never`). Values are checked per record batch by
+`pipelines.values` before a row reaches a model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import uuid
@@ -26,12 +33,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from pipelines import integrity
 from pipelines import schema as S
 
 if TYPE_CHECKING:
     from pipelines.align import Window
 
-COMPLETED_VERSION = 1
+COMPLETED_VERSION = 3
+READABLE_COMPLETED_VERSIONS = (1, 2, 3)
+KIND = "shards"  # the marker's kind, for `pipelines.verify`
 
 
 class IncompleteShardsError(RuntimeError):
@@ -117,18 +127,6 @@ def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.R
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
-def batch_to_bytes(batch: pa.RecordBatch) -> bytes:
-    """A RecordBatch as an Arrow IPC stream: a compact value to shuffle between Beam stages."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
-
-
-def batch_from_bytes(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(data).read_all()
-
-
 def _tmp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
 
@@ -149,7 +147,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 class ShardWriter:
     """Writes one Arrow IPC file atomically: rows go to a hidden temporary file, renamed on
-    `close()`; an exception inside ``with`` (or `abort()`) removes the temporary file.
+    `close()`; an exception inside ``with`` (or `abort()`) removes the temporary file. The bytes
+    are hashed on their way to the file: after `close()`, `checksum` is the file's marker entry
+    (pass it to `write_completed`).
 
     ``with ShardWriter(path, schema) as w: w.write_rows(rows)`` or ``w.write_table(table)``.
     """
@@ -158,8 +158,9 @@ class ShardWriter:
         self.path = Path(path)
         self.schema = schema
         self.num_rows = 0
+        self.checksum: dict | None = None
         self._tmp = _tmp_path(self.path)
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._file = integrity.HashingSink(self._tmp)  # closed in close()/abort()
         self._writer = pa.ipc.new_file(self._file, schema)
 
     def write_rows(self, rows: list[dict]) -> None:
@@ -181,16 +182,15 @@ class ShardWriter:
 
     def close(self) -> Path:
         self._writer.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._file.close()  # flush + fsync
+        self.checksum = self._file.entry()
         os.replace(self._tmp, self.path)
         return self.path
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the file is being thrown away
             self._writer.close()
-        self._file.close()
+        self._file.file.close()
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:
@@ -213,12 +213,24 @@ def write_dead_letters(out_dir: str | os.PathLike, records: Iterable[dict]) -> i
 
 
 def write_completed(
-    out_dir: str | os.PathLike, stats: dict, *, files: dict[str, int] | None = None
+    out_dir: str | os.PathLike,
+    stats: dict,
+    *,
+    files: dict[str, int] | None = None,
+    checksums: dict[str, dict] | None = None,
+    kind: str = KIND,
+    schema_version: int = S.SCHEMA_VERSION,
 ) -> None:
     """Write stats.json, then the COMPLETED marker (last, atomically).
 
     `files` maps shard file name -> row count; by default every ``*.arrow`` file in the directory.
-    Every listed file must exist: the marker promises the directory is whole.
+    Every listed file must exist: the marker promises the directory is whole. `checksums`: file
+    name -> marker entry (`pipelines.integrity.entry`) of the files the caller wrote, as its
+    writer computed them (`ShardWriter.checksum`, the rolling parts' manifests); stats.json's is
+    added here. A listed shard without one is hashed here, from disk: only for callers that
+    wrote it by other means (every writer in this repository passes its own).
+    `kind` and `schema_version`: of the files listed (the teacher cache has its own of both;
+    `pipelines.verify` checks the values of ``kind="shards"`` files only).
     """
     out = Path(out_dir)
     if files is None:
@@ -226,14 +238,23 @@ def write_completed(
     missing = [f for f in files if not (out / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing shard files {missing}")
-    atomic_write_bytes(
-        out / S.STATS_FILE, (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
-    )
+    stats_bytes = (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(out / S.STATS_FILE, stats_bytes)
+    sums = dict(checksums or {})
+    for name in files:
+        if name not in sums:
+            sums[name] = integrity.hash_file(out / name)
+    h = integrity.new_hash()
+    h.update(stats_bytes)
+    sums[S.STATS_FILE] = integrity.entry(len(stats_bytes), h.hexdigest())
     marker = {
         "version": COMPLETED_VERSION,
-        "schema_version": S.SCHEMA_VERSION,
+        "kind": kind,
+        "schema_version": schema_version,
         "files": dict(sorted(files.items())),
         "num_rows": int(sum(files.values())),
+        "hash": integrity.HASH,
+        "checksums": dict(sorted(sums.items())),
     }
     atomic_write_bytes(out / S.COMPLETED_MARKER, (json.dumps(marker, indent=2) + "\n").encode())
 
@@ -263,14 +284,31 @@ class ShardSet:
     files: list[Path]
     num_rows: int
     file_rows: list[int]
+    checksums: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> entry
+    verify: str = "first_open"  # integrity.VERIFY_MODES
+
+    def check_file(self, path: Path) -> None:
+        """Verify `path` against the marker unless `verify` is never (or the marker, of version
+        1, has no checksum): once per process (`integrity.verify_once`)."""
+        e = self.checksums.get(path.name)
+        if self.verify != "never" and e is not None:
+            integrity.verify_once(path, e, hint=_REBUILD)
+
+    def read_table(self, path: Path) -> pa.Table:
+        """The whole file as a table memory-mapped (zero-copy), its checksum verified first."""
+        self.check_file(path)
+        with _arrow_errors(path, self.checksums.get(path.name)):
+            return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
 
     def iter_batches(self, *, files: list[Path] | None = None) -> Iterator[pa.RecordBatch]:
         """Record batches of `files` (default: all), memory-mapped, in file order."""
         for path in self.files if files is None else files:
-            with pa.memory_map(str(path), "r") as src:
+            self.check_file(path)
+            expected = self.checksums.get(path.name)
+            with _arrow_errors(path, expected), pa.memory_map(str(path), "r") as src:
                 reader = pa.ipc.open_file(src)
-                for i in range(reader.num_record_batches):
-                    yield reader.get_batch(i)
+                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            yield from batches
 
     def table(self) -> pa.Table:
         batches = list(self.iter_batches())
@@ -284,22 +322,24 @@ class ShardSet:
         return json.loads((self.dir / S.STATS_FILE).read_text())
 
 
-def open_shards(
-    dir: str | os.PathLike,
-    *,
-    student: S.TokenizerInfo | None = None,
-    teachers: list[S.TokenizerInfo] | None = None,
-) -> ShardSet:
-    """Open a complete shard directory, refusing what the trainer must not read.
+_REBUILD = "re-copy it or re-run the align job (`python -m pipelines.verify DIR` checks them all)"
 
-    Raises `IncompleteShardsError` without COMPLETED (or when a listed file is missing),
-    ValueError on a schema version mismatch or an unreadable shard, and
-    `FingerprintMismatchError` when `student` / `teachers` (in order) differ from the ones
-    recorded in the shards.
-    """
-    d = Path(dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"{d}: no such shard directory")
+
+@contextlib.contextmanager
+def _arrow_errors(path: Path, expected: dict | None):
+    """Arrow's errors on a file (raw ``OSError: Read out of bounds``, ...) as one line naming
+    it; when its checksum is known and differs, the `DamagedFileError` that says so instead."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        if expected is not None:
+            integrity.verify_file(path, expected, hint=_REBUILD)
+        raise integrity.IntegrityError(
+            f"{path}: not a readable Arrow IPC file ({str(e).splitlines()[0]})"
+        ) from None
+
+
+def _read_marker(d: Path) -> dict:
     marker_path = d / S.COMPLETED_MARKER
     if not marker_path.is_file():
         raise IncompleteShardsError(
@@ -308,28 +348,59 @@ def open_shards(
         )
     try:
         marker = json.loads(marker_path.read_text())
-        listed = marker["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        marker["files"].items()
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise IncompleteShardsError(f"{marker_path}: unreadable marker ({e})") from None
+    if int(marker.get("version", 1)) not in READABLE_COMPLETED_VERSIONS:
+        raise ValueError(
+            f"{marker_path}: marker version {marker.get('version')}, this code reads versions "
+            f"{READABLE_COMPLETED_VERSIONS}; re-run the align job with this code to rebuild it"
+        )
     if int(marker.get("schema_version", -1)) != S.SCHEMA_VERSION:
         raise ValueError(
             f"{marker_path}: shard schema version {marker.get('schema_version')}, "
-            f"this code reads version {S.SCHEMA_VERSION}"
+            f"this code reads version {S.SCHEMA_VERSION}; re-run the align job with this code "
+            "to rebuild it"
         )
+    return marker
+
+
+def open_shards(
+    dir: str | os.PathLike,
+    *,
+    student: S.TokenizerInfo | None = None,
+    teachers: list[S.TokenizerInfo] | None = None,
+    verify: str = "first_open",
+) -> ShardSet:
+    """Open a complete shard directory, refusing what the trainer must not read.
+
+    Raises `IncompleteShardsError` without COMPLETED (or when a listed file is missing),
+    ValueError on a schema version mismatch, `integrity.IntegrityError` on an unreadable or
+    (`verify="preflight"`: any file; else: a file whose footer does not parse) damaged shard,
+    and `FingerprintMismatchError` when `student` / `teachers` (in order) differ from the ones
+    recorded in the shards. Only the files' footers and batch headers are read here.
+    """
+    if verify not in integrity.VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected one of {integrity.VERIFY_MODES}")
+    d = Path(dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such shard directory")
+    marker = _read_marker(d)
+    listed, sums = marker["files"], marker.get("checksums", {})
     files = [d / name for name in sorted(listed)]
     missing = [p.name for p in files if not p.is_file()]
     if missing:
         raise IncompleteShardsError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
+    if verify == "preflight":  # what a reader reads (the dead letters are the verify command's)
+        for name in sorted(n for n in sums if n in listed or n == S.STATS_FILE):
+            integrity.verify_once(d / name, sums[name], hint=_REBUILD)
     meta: S.ShardMeta | None = None
     file_rows = []
     for path in files:
-        try:
-            with pa.memory_map(str(path), "r") as src:
-                reader = pa.ipc.open_file(src)
-                m = S.read_meta(reader.schema, where=str(path))
-                rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid as e:
-            raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from None
+        with _arrow_errors(path, sums.get(path.name)), pa.memory_map(str(path), "r") as src:
+            reader = pa.ipc.open_file(src)
+            m = S.read_meta(reader.schema, where=str(path))
+            rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
         if rows != int(listed[path.name]):
             raise ValueError(f"{path}: {rows} rows, {S.COMPLETED_MARKER} says {listed[path.name]}")
         if meta is None:
@@ -354,4 +425,4 @@ def open_shards(
             )
         for i, (found, want) in enumerate(zip(meta.teachers, teachers)):
             _check_tokenizer(f"teacher {i}", found, want, str(d))
-    return ShardSet(d, meta, files, int(sum(file_rows)), file_rows)
+    return ShardSet(d, meta, files, int(sum(file_rows)), file_rows, sums, verify)

@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipelines import paths
+from pipelines.integrity import VERIFY_MODES
 from trainer.config_keys import unknown_key, unknown_keys
 
 
@@ -102,6 +103,10 @@ class TeacherConfig(ModelConfig):
     tp: int = 1
     loss: str | None = None  # per-teacher loss mode; default: loss.mode
     dtype: str = "float32"  # the frozen teacher's weights and compute (no master copy needed)
+    # an offline teacher cache (`make teacher-cache`): read its outputs instead of running the
+    # teacher (no worker, no weights loaded); refused unless built from these shards with this
+    # teacher, k and temperature (docs/training.md, "Teacher cache")
+    cache: str | None = None
 
     def __post_init__(self) -> None:
         self._validate("teachers[?]")
@@ -129,8 +134,13 @@ class DataConfig:
     shuffle_buffer: int = 256  # rows held for the bounded shuffle (0 = file order)
     seed: int = 0
     eval_fraction: float = 0.05  # share of documents held out (by doc id hash) for eval BPB
+    # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
+    # first_open (each file when first mapped) | preflight (all before any model) | never
+    verify: str = "first_open"
 
     def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            _fail("data.verify", f"expected one of {list(VERIFY_MODES)}, got {self.verify!r}")
         if not self.shards or self.shards == MISSING:
             _fail("data.shards", "a shard directory (from `make align`) is required")
         for name in ("micro_batch_size", "grad_accum", "max_student_tokens", "pad_to_multiple"):
@@ -258,6 +268,9 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0 = only at the end)
     keep: int = 2  # keep the newest N checkpoints
     resume: str = "auto"  # auto (newest in the run dir, if any) | none | <checkpoint path>
+    # resume=auto and the newest checkpoint fails its checksums: false = move it aside and
+    # resume from the newest that verifies; true = refuse (docs/integrity.md)
+    strict: bool = False
     save_at_end: bool = True
     export_at_end: bool = True  # student as a plain HF dir (safetensors + tokenizer)
 

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import torch
 
 from pipelines import schema as S
+from pipelines import values
 from trainer.distributed.context_parallel import cp_positions, to_cp_layout
 from trainer.losses.segments import AlignedBatch
 
@@ -134,18 +135,35 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class ShardReader:
-    """Random access to the rows of a `pipelines.shards.ShardSet`, memory-mapped."""
+    """Random access to the rows of a `pipelines.shards.ShardSet`, memory-mapped.
+
+    Each file is verified against its checksum when mapped (`ShardSet.read_table`, per
+    ``data.verify``), and each record batch's values are checked (`pipelines.values`) the first
+    time one of its rows is read, before that row reaches a model."""
 
     def __init__(self, shard_set, *, max_student_tokens: int):
         self.shard_set = shard_set
         self.num_teachers = len(shard_set.meta.teachers)
         self.max_student_tokens = max_student_tokens
-        self.tables: list[pa.Table] = []
-        for path in shard_set.files:
-            src = pa.memory_map(str(path), "r")
-            self.tables.append(pa.ipc.open_file(src).read_all())  # zero-copy over the map
+        self.tables: list[pa.Table] = [shard_set.read_table(p) for p in shard_set.files]
+        # per file: the first row of each record batch (a table's chunks are the file's batches)
+        self.batch_starts = [
+            np.cumsum([0] + [len(c) for c in t.column(0).chunks]) for t in self.tables
+        ]
+        self.checked: set[tuple[int, int]] = set()  # (file, batch) whose values were checked
         self.starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
+
+    def check_values(self, f: int, i: int) -> None:
+        """Check the record batch holding row `i` of file `f`, once (cheap after the first)."""
+        b = int(np.searchsorted(self.batch_starts[f], i, side="right") - 1)
+        if (f, b) not in self.checked:
+            t, first = self.tables[f], int(self.batch_starts[f][b])
+            batch = t.slice(first, int(self.batch_starts[f][b + 1]) - first).to_batches()[0]
+            values.check_batch(
+                batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
+            )
+            self.checked.add((f, b))
 
     def max_lengths(self) -> tuple[int, list[int]]:
         """(longest student row, longest row of each teacher), without reading the rows."""
@@ -197,6 +215,7 @@ class ShardReader:
 
     def row(self, row: int) -> dict:
         f, i = self.locate(row)
+        self.check_values(f, i)
         t = self.tables[f]
         ids = self._list(t, "student_ids", i)
         if len(ids) > self.max_student_tokens:

@@ -9,12 +9,18 @@ works too); every other argument is a Hydra override (``optim.lr=1e-4``,
 ``+``/``++`` add no keys (they are accepted and checked the same), except under the open
 ``loss.options`` and ``model.overrides`` (``+loss.options.beta=0.3``).
 
-Exit codes: 0 done, 2 invalid config or inputs (nothing was loaded), 1 any other failure.
+A failure ends with one line on stderr and an exit code (`pipelines.cli`, rules in
+`trainer.errors`): 2 invalid config or inputs (a config key, a missing or damaged file, shards
+made with other tokenizers), 1 the run failed (a teacher worker died, a non-finite loss), 130
+interrupted; ``TOKENBRIDGE_DEBUG=1`` adds the traceback. Under torchrun an error every rank
+meets alike is reported by rank 0, any other by the rank it happened on; ``python -m
+trainer.launch`` (torchrun's arguments) also replaces torchrun's own failure report.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -22,7 +28,54 @@ if __name__ == "__main__" and not __package__:
     # run as a script: import the repo's packages, not the sibling modules of this folder
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from pipelines import cli  # noqa: E402  (after the path fix above)
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# What a rank prints when its gloo / NCCL link breaks because another process died: that process
+# reports the cause, this one exits 1 without a word (`pipelines.cli`, Rule.quiet).
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",  # NCCL
+)
+
+
+def _peer_lost(e: BaseException) -> bool:
+    return any(m in str(e) for m in PEER_LOST)
+
+
+def _worker_hint(e: BaseException) -> str:
+    if "SIGKILL" in str(e):
+        return (
+            "nothing in tokenbridge sends SIGKILL: if no one did, the kernel's out-of-memory "
+            "killer probably did (see `dmesg`)"
+        )
+    return ""
+
+
+# Named, not imported: these modules import torch, which a config error should not wait for.
+RULES = (
+    cli.Rule(
+        ("trainer.teacher.ring.TeacherTimeoutError",),
+        hint="raise parallel.teacher_timeout_s if the teacher is only slow",
+    ),
+    cli.Rule(("trainer.teacher.ring.TeacherWorkerError",), hint=_worker_hint),
+    cli.Rule(("trainer.teacher.ring.ChannelError",)),
+    # computed from all-reduced numbers: every rank stops at the same step
+    cli.Rule(("trainer.metrics.NonFiniteError",), everywhere=True),
+    cli.Rule(("pipelines.shards.IncompleteShardsError",), cli.EXIT_USAGE),
+    # a damaged file or out-of-range value met during the run (docs/integrity.md): the data's
+    # fault, named in one line; nothing was trained on it
+    cli.Rule(("pipelines.integrity.IntegrityError",), cli.EXIT_USAGE),
+    cli.Rule(
+        ("torch.OutOfMemoryError",),
+        hint="lower data.micro_batch_size (raise data.grad_accum to keep the batch)",
+    ),
+    cli.Rule((RuntimeError,), quiet=True, match=_peer_lost),
+    cli.Rule(("torch.distributed.DistError",)),
+)
 
 
 def hydra_overrides(argv: list[str]) -> list[str]:
@@ -32,7 +85,7 @@ def hydra_overrides(argv: list[str]) -> list[str]:
         if a.startswith("conf="):
             a = "experiment=" + a[len("conf=") :]
         elif a.startswith("-"):
-            raise SystemExit(
+            raise cli.UsageError(
                 f"unknown option {a!r}: arguments are conf=<name> and key=value overrides"
             )
         out.append(a)
@@ -54,6 +107,27 @@ def check_override_keys(overrides: list[str]) -> None:
         check_key(key)
 
 
+def hydra_message(e: Exception) -> str:
+    """Hydra's multi-line error as one line: its lines up to the config search path, a heading's
+    items after it ("Available options in 'experiment': debug, demo"), and the cause it wraps
+    ("Error merging override optim.lr=abc (Value 'abc' could not be converted to Float)")."""
+    text = str(e).split("Config search path:")[0]
+    parts: list[str] = []
+    for raw in text.splitlines():
+        part = raw.strip()
+        if not part:
+            continue
+        if parts and parts[-1].endswith(":"):  # a heading, then its first item
+            parts[-1] += " " + part
+        elif parts and raw[:1].isspace():  # the next (indented) item of that list
+            parts[-1] += ", " + part
+        else:
+            parts.append(part)
+    out = "; ".join(parts)
+    cause = e.__cause__ and str(e.__cause__).strip().splitlines()
+    return f"{out} ({cause[0].strip()})" if cause and cause[0].strip() not in out else out
+
+
 def load_config(argv: list[str]):
     """Compose conf/train.yaml with the overrides into a validated `TrainConfig`."""
     from hydra import compose, initialize_config_dir
@@ -69,25 +143,21 @@ def load_config(argv: list[str]):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             composed = compose(config_name="train", overrides=overrides)
     except HydraException as e:
-        raise ConfigError(f"config: {e}") from None
+        raise ConfigError(f"config: {hydra_message(e)}") from e
     OmegaConf.resolve(composed)
     return from_dictconfig(composed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from trainer.config import ConfigError
-
-    rank = int(os.environ.get("RANK", "0"))
+def run(argv: list[str]) -> int:
+    """Check, build, train, close (the body of `main`; failures are `main`'s to report)."""
     try:
         cfg = load_config(argv)
         from trainer.preflight import preflight
 
         prepared = preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
-        # everything a user can fix without code changes; nothing has been loaded yet
-        print(f"[rank {rank}] tokenbridge: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 2
+    except Exception as e:
+        # nothing is loaded yet, and every rank reads the same config and files
+        raise cli.same_on_every_rank(e) from None
 
     import torch.distributed as dist
 
@@ -105,5 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return cli.run(run, argv, prog="train", rules=RULES, rank=rank, world_size=world)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The run is over and closed. A SIGTERM from here on (torchrun stopping this rank because
+    # another one failed) ends the process as is, instead of raising SystemExit (the channel's
+    # handler) inside Python's exit handlers, which would print "Exception ignored in atexit".
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(code)

@@ -3,23 +3,32 @@
 A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
 with another tokenizer, a TP size that does not split the heads or the vocabulary, a model
 whose attention cannot be sequence-sharded under CP, a same-tokenizer loss on a pair with
-different tokenizers) fails here, in seconds, with a message that names the file and the
-field. Only tokenizers, shard metadata, projection tables and config.json files are read.
+different tokenizers, a damaged shard or checkpoint) fails here, in seconds, with a message
+that names the file and the field. Only tokenizers, shard metadata, projection tables and
+config.json files are read, plus, to verify them, the shard files (``data.verify``:
+`first_open` and `preflight` both hash them here, as the row-length scan maps every file) and
+the checkpoint to resume from (`trainer.checkpoint.find_resume`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch.distributed as dist
 
 from pipelines.projection import Projection, load_projection
 from pipelines.shards import ShardSet, open_shards
+from pipelines.teacher_cache.reader import CacheSet
 from pipelines.tokenizers import Tokenizer, load_tokenizer
 from trainer import models, parallel
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint import find_resume, list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig
 from trainer.data import ShardReader
 from trainer.losses.modes import MODES
+from trainer.teacher.cache import open_teacher_cache
 
 
 @dataclass
@@ -33,6 +42,8 @@ class Prepared:
     student_rows: int  # lm_head width from config.json (the tokenizer may be smaller)
     teacher_rows: list[int]
     teacher_max_len: list[int]  # longest teacher row per teacher (sizes the channel slots)
+    resume: Path | None = None  # the verified checkpoint to resume from (None: start fresh)
+    caches: list[CacheSet | None] = field(default_factory=list)  # per teacher (teachers[i].cache)
 
 
 def _model_dir(cfg: ModelConfig, where: str) -> Path:
@@ -66,6 +77,11 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             f"{old[-1][0]}) and checkpoint.resume=none; continue it with checkpoint.resume=auto, "
             "or use another run_dir (or delete this one)"
         )
+    # the global rank: torchrun's env, or the group's when one exists (multi-process tests)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    resume = find_resume(Path(cfg.run_dir) / "checkpoints", cfg.checkpoint, rank=rank)
+    for note in resume.notes if rank == 0 else []:
+        print(f"tokenbridge: {note}", file=sys.stderr, flush=True)
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
 
@@ -100,9 +116,14 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             f"`make align DATA='<glob>' OUT={cfg.data.shards}` (conf/experiment/*.yaml say which)"
         )
     shards = (
-        open_shards(cfg.data.shards, student=student.info(), teachers=[t.info() for t in teachers])
+        open_shards(
+            cfg.data.shards,
+            student=student.info(),
+            teachers=[t.info() for t in teachers],
+            verify=cfg.data.verify,
+        )
         if teachers
-        else _open_student_only(cfg.data.shards, student)
+        else open_shards(cfg.data.shards, student=student.info(), verify=cfg.data.verify)
     )
 
     # the longest rows, from the Arrow list lengths: a row over the limit fails now, not at step N
@@ -147,9 +168,23 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         student_rows,
         teacher_rows,
         teacher_max[: len(teachers)],
+        resume=resume.path,
+        caches=_caches(cfg, teachers, shards),
     )
 
 
-def _open_student_only(dir: str, student: Tokenizer) -> ShardSet:
-    """CE-only runs without configured teachers still read aligned shards (student side)."""
-    return open_shards(dir, student=student.info())
+def _caches(cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet) -> list:
+    """Each teacher's offline cache, checked against the shards, the teacher and its loss (a
+    teacher without one, or whose term is off, gets None)."""
+    out = []
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
+        if not (t_cfg.cache and cfg.kd_enabled and t_cfg.weight > 0):
+            out.append(None)
+            continue
+        options = cfg.loss.mode_options(mode)
+        out.append(
+            open_teacher_cache(
+                t_cfg, index=i, mode=mode, options=options, tokenizer=tok.info(), shards=shards
+            )
+        )
+    return out

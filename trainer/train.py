@@ -2,8 +2,8 @@
 
 Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
 (TP plan, CP attention, then FSDP2) -> optimizer and LR schedule -> teacher channels (a worker
-process per rank, or in-process) -> resume. Every file and fingerprint check ran before, in
-`trainer.preflight`.
+process per rank, or in-process, or an offline cache read in place of the teacher) -> resume.
+Every file and fingerprint check ran before, in `trainer.preflight`.
 
 The loss invariant, where it holds: each term is a local SUM divided by the GLOBAL count of its
 step (summed over the step's microbatches and all-reduced over the data- and context-parallel
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from pipelines import integrity
 from trainer import checkpoint as ckpt
 from trainer import models, optim, parallel, report
 from trainer.config import TrainConfig
@@ -66,18 +66,15 @@ from trainer.metrics import (
 )
 from trainer.preflight import Prepared
 from trainer.teacher.feed import Feed, Queued, open_teachers
-from trainer.teacher.ring import SHM_PREFIX
+from trainer.teacher.ring import shm_mappings
 
 
 def shm_usage() -> dict[str, float]:
-    """This process's shared-memory segments (teacher channel rings): count and bytes. Constant
-    over a run when slots are reused, never re-allocated."""
-    prefix = f"{SHM_PREFIX}{os.getpid()}_"
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return {}
-    sizes = [p.stat().st_size for p in shm.iterdir() if p.name.startswith(prefix)]
-    return {"shm_segments": len(sizes), "shm_bytes": sum(sizes)}
+    """The shared-memory segments this process maps (teacher channel rings; their names are
+    unlinked once the worker maps them, so /dev/shm does not list them): count and bytes.
+    Constant over a run when slots are reused, never re-allocated."""
+    maps = shm_mappings()
+    return {"shm_segments": len(maps), "shm_bytes": sum(maps.values())}
 
 
 class Trainer:
@@ -165,6 +162,7 @@ class Trainer:
             world=self.world,
             max_len=teacher_max,
             threads=cfg.parallel.threads or None,
+            caches=prepared.caches,
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
@@ -172,7 +170,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
         )
-        self.resumed_from = self.checkpointer.resume_path()
+        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
         self.metrics = MetricsLogger(
@@ -317,7 +315,7 @@ class Trainer:
         logging step, else None. The step's numbers stay on the device until ONE read, after
         the gradient norm and before the optimizer step: the non-finite guard needs the losses
         and the norm there, and the norm is computed for clipping anyway. Other host-side
-        work (metric names swapped between ranks, /dev/shm scan, the record) waits for a
+        work (metric names swapped between ranks, the shared-memory count, the record) waits for a
         logging step."""
         t0 = time.perf_counter()
         n_mb, n_terms = self.cfg.data.grad_accum, len(self.kd_terms)
@@ -425,10 +423,13 @@ class Trainer:
 
     def teacher_bpb(self) -> dict[str, float]:
         """The teachers' held-out BPB (once per run, for reference), computed on rank 0 with an
-        unsharded copy of each teacher and broadcast."""
+        unsharded copy of each teacher and broadcast. Not for a teacher read from a cache: its
+        weights are never loaded."""
         result: dict[str, float] = {}
         if self.is_main:
             for t_cfg, tok in zip(self.cfg.teachers, self.prep.teacher_toks):
+                if t_cfg.cache:
+                    continue
                 model = models.freeze(models.build_model(t_cfg, device=self.device))
                 res = evaluate_bpb(
                     model,
@@ -513,6 +514,7 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "shards": str(Path(self.prep.shards.dir).resolve()),  # the run report's chunk stats
             "teachers": [t.name for t in cfg.teachers],
+            "integrity": integrity.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

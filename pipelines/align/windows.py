@@ -1,5 +1,8 @@
 """Training windows cut at the same character position for the student and every teacher.
 
+This module is the per-document reference: the align job cuts whole batches with the same rules
+in Numba (`pipelines.align.window_batch`), and the tests hold the two equal.
+
 A long document is split into windows of at most `max_student_tokens` / `max_teacher_tokens`
 tokens (BOS/EOS included). Each window ends, on every side, at one character position that is a
 chunk boundary of every (student, teacher_i) pair, so the student's and each teacher's tokens in

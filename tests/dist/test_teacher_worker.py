@@ -5,7 +5,9 @@ ids of real text (a small vocabulary keeps 24 top-k steps cheap; the unit tests 
 262k-wide Gemma head): outputs through the worker equal in-process ones; slots are reused with no
 growth of shared memory or open files; a killed, hung or failing worker gives a clear error in
 bounded time; a student killed by SIGTERM / Ctrl-C / SIGKILL or failing on a dead worker exits
-non-zero and leaves no process and no /dev/shm segment behind. The CUDA IPC twin is marked
+non-zero with one line (its traceback only with TOKENBRIDGE_DEBUG=1) and leaves no process, no
+/dev/shm segment and nothing for Python's resource tracker to report behind (the segment's name
+is unlinked as soon as the worker has mapped it). The CUDA IPC twin is marked
 ``cuda`` (skipped without a GPU). Worker starts are the cost here (~3 s
 each on 2 cores), so each test starts its workers together.
 
@@ -33,7 +35,13 @@ from trainer.config import TeacherConfig
 from trainer.losses.teacher_outputs import TeacherOutputSpec
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
 from trainer.teacher.program import TeacherModelProgram
-from trainer.teacher.ring import SHM_PREFIX, ChannelError, TeacherTimeoutError, TeacherWorkerError
+from trainer.teacher.ring import (
+    SHM_PREFIX,
+    ChannelError,
+    TeacherTimeoutError,
+    TeacherWorkerError,
+    shm_mappings,
+)
 from trainer.teacher.worker import TeacherContext, TeacherGroup
 
 MAX_B, MAX_T, K = 3, 32, 8
@@ -90,6 +98,7 @@ def program(model_dir: str) -> TeacherModelProgram:
 
 
 def our_shm() -> set[str]:
+    """Our segments still named in /dev/shm (none once the worker has mapped them)."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"{SHM_PREFIX}{os.getpid()}_")}
 
 
@@ -128,11 +137,12 @@ def test_round_trip_equals_inprocess_slots_reused_then_worker_killed(tiny_dir, b
                 ptrs[r.slot].add(r.outputs["topk_logprobs"].data_ptr())
             if i == 2:
                 worker = psutil.Process(ch.worker_pid)
-                base = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), our_shm())
+                base = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), shm_mappings())
         # 24 steps: one buffer per slot, the same segment, no new files or mappings.
         assert all(len(p) == 1 for p in ptrs.values()) and ptrs[0] != ptrs[1]
-        now = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), our_shm())
-        assert now == base and base[3] == {ch.shm_name} and base[2] >= 1
+        now = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), shm_mappings())
+        assert now == base and set(base[3]) == {ch.shm_name} and base[2] >= 1
+        assert not our_shm()  # mapped by both: its name is gone
 
         # Kill the worker while it computes: a clear error, well inside the 60 s timeout.
         ch.submit(batches[5])
@@ -206,10 +216,11 @@ def test_teacher_group_then_load_error_compute_error_and_hang(tiny_dir, batches,
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
 
 
-def _launch(model_dir: str) -> subprocess.Popen:
+def _launch(model_dir: str, env: dict | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.dist.test_teacher_worker", "student", model_dir],
         cwd=REPO_ROOT,
+        env={**os.environ, "TOKENBRIDGE_DEBUG": "", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -219,29 +230,40 @@ def _launch(model_dir: str) -> subprocess.Popen:
 
 
 def test_student_exits_cleanly_on_dead_worker_sigterm_ctrl_c_and_sigkill(tiny_dir):
-    cases = ("kill_worker", "sigterm", "ctrl_c", "sigkill")
-    procs = {case: _launch(tiny_dir) for case in cases}
+    cases = ("kill_worker", "kill_worker_debug", "sigterm", "ctrl_c", "sigkill")
+    debug = {"TOKENBRIDGE_DEBUG": "1"}
+    procs = {case: _launch(tiny_dir, debug if "debug" in case else None) for case in cases}
     ready = {}
     for case, p in procs.items():
         line = p.stdout.readline()  # "READY <worker pid> <shm name>" once it is stepping
         assert line.startswith("READY"), (case, line, p.stderr.read() if p.poll() else "")
         ready[case] = (int(line.split()[1]), line.split()[2])
     os.kill(ready["kill_worker"][0], signal.SIGKILL)
+    os.kill(ready["kill_worker_debug"][0], signal.SIGKILL)
     procs["sigterm"].send_signal(signal.SIGTERM)
     os.killpg(procs["ctrl_c"].pid, signal.SIGINT)  # Ctrl-C reaches student and worker
     procs["sigkill"].kill()  # no cleanup code runs in the student at all
     results = {case: (p.wait(timeout=30), p.stderr.read()) for case, p in procs.items()}
 
-    code, err = results["kill_worker"]
     # killed mid-forward, the student's wait sees it; killed idle (a fast worker has already
     # answered: the usual case on many cores), the student's next submit does
-    assert code == 1, err[-3000:]
-    assert re.search(r"was killed by signal SIGKILL while (computing|receiving) microbatch", err), (
-        err[-3000:]
+    killed = (
+        r"tokenbridge student: TeacherWorkerError: teacher worker \(pid \d+\) was killed by "
+        r"signal SIGKILL while (computing|receiving) microbatch \d+; .*out-of-memory killer"
     )
+    code, err = results["kill_worker"]
+    # the worker's "Loading weights" progress bar is output, not an error
+    lines = [ln for ln in err.splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert code == 1 and len(lines) == 1 and re.match(killed, lines[0]), err[-3000:]
+    code, err = results["kill_worker_debug"]
+    assert code == 1 and "Traceback" in err and re.match(killed, err.splitlines()[-1]), err
     assert results["sigterm"][0] == 128 + signal.SIGTERM
-    assert results["ctrl_c"][0] != 0 and "KeyboardInterrupt" in results["ctrl_c"][1]
+    code, err = results["ctrl_c"]
+    assert code == 130 and err.splitlines()[-1] == "tokenbridge student: interrupted", err
     assert results["sigkill"][0] == -signal.SIGKILL
+    for case, (_, err) in results.items():  # the resource tracker had nothing to report
+        assert "resource_tracker" not in err and "leaked" not in err, (case, err[-3000:])
+        assert ("Traceback" in err) == (case == "kill_worker_debug"), (case, err[-3000:])
     for case, (pid, name) in ready.items():
         # SIGKILL of the student: the worker follows it (PR_SET_PDEATHSIG) and Python's
         # resource tracker unlinks the segment; both take a moment.
@@ -310,4 +332,8 @@ def _student(model_dir: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["student"]:
-    _student(sys.argv[2])
+    from pipelines import cli
+    from trainer.main import RULES
+
+    # as trainer/main.py does: a failure is one line (the traceback with TOKENBRIDGE_DEBUG=1)
+    sys.exit(cli.run(lambda argv: _student(sys.argv[2]), prog="student", rules=RULES))

@@ -2,16 +2,22 @@
 
 Tiny random-init student (SmolLM2 tokenizer) and teacher (Gemma 3 tokenizer) on real aligned
 shards of the shipped corpus and the real projection, xtoken loss through the shared-memory
-channel. Four launches: a full run (loss falls, channel memory constant, eval, export, the run
+channel. Launches: a full run (loss falls, channel memory constant, eval, export, the run
 report), a run resumed from the full run's mid-way checkpoint (same losses), a run whose teacher
-workers form their own tensor-parallel group and one of them is killed (clear error, non-zero
-exit, no orphan), and a run with mismatched shards (refused before anything is built).
+workers form their own tensor-parallel group and one of them is killed (under `trainer.launch`:
+one line from the rank that lost its worker, exit 1, no orphan, no /dev/shm segment, nothing from
+torchrun or Python's resource tracker), a run with mismatched shards (refused before anything is
+built, in one line), and the integrity cases of issue 20: a copy of the full run whose newest
+checkpoint is truncated (refused with checkpoint.strict=true; else resumed from the older one,
+same losses) and a copy of the shards with 32 bytes changed (refused in one line, exit 2).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,7 +184,7 @@ def _cmdline(pid: int) -> str:
 
 def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
     run_dir = inputs["tmp"] / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc_per_node=2",
            str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
            f"run_dir={run_dir}", "steps=1000", "eval.max_texts=0", "checkpoint.save_at_end=false",
            "teachers.0.tp=2",  # the two workers form their own process group (teacher TP)
@@ -200,8 +206,14 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode != 0
-    assert f"teacher worker (pid {workers[0]}) was killed by signal SIGKILL" in err
+    # one line, from the rank whose worker died; its peer, cut off, says nothing
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err[-6000:]
+    assert re.match(
+        rf"tokenbridge train \[rank [01]/2\]: TeacherWorkerError: teacher worker \(pid "
+        rf"{workers[0]}\) was killed by signal SIGKILL while \w+ microbatch \d+; ",
+        lines[0],
+    ), lines
     time.sleep(1.0)
     assert not [p for p in family if _alive(p)], "orphaned processes"
     name = "tokenbridge_"
@@ -214,8 +226,10 @@ def test_mismatched_shards_are_refused_before_anything_loads(inputs):
     args = ["conf=debug", f"data.shards={inputs['wrong']}", f"run_dir={run_dir}",
             f"teachers.0.projection={PROJECTION}"]  # fmt: skip
     proc = run_trainer(args, nproc=1)
-    assert proc.returncode == 2, proc.stderr[-4000:]
-    assert "FingerprintMismatchError" in proc.stderr and "teacher 0 tokenizer" in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-4000:]
+    assert lines[0].startswith(f"tokenbridge train: FingerprintMismatchError: {inputs['wrong']}")
+    assert "teacher 0 tokenizer" in lines[0] and "re-run the align job" in lines[0]
     assert not run_dir.exists()  # the trainer was never built
 
 
@@ -232,3 +246,57 @@ def test_debug_run_on_cuda_with_cuda_ipc_channel(inputs):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(r["shm_segments"] == 0 for r in train)  # no host shared memory on the GPU path
     assert train[-1]["loss"] < train[0]["loss"]
+
+
+def _one_line(stderr: str, *needles: str) -> str:
+    """The single ``tokenbridge:`` line of `stderr`, holding every needle; no traceback."""
+    lines = [x for x in stderr.splitlines() if "tokenbridge: " in x]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-4000:]
+    assert all(n in lines[0] for n in needles), lines[0]
+    return lines[0]
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(inputs, full_run):
+    """Issue 20: the newest checkpoint truncated. strict: refused before anything loads, exit 2;
+    default: one line, moved aside, resumed at step 4 with the uninterrupted run's losses."""
+    run_dir = inputs["tmp"] / "fallback"
+    shutil.copytree(full_run / "checkpoints", run_dir / "checkpoints")
+    newest = run_dir / "checkpoints" / "step-00000008"
+    f = newest / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
+            "eval.max_texts=0", "checkpoint.export_at_end=false",
+            f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+    proc = run_trainer([*args, "checkpoint.strict=true", *CPU], nproc=1)
+    assert proc.returncode == 2
+    _one_line(proc.stderr, "DamagedCheckpointError", str(f), "expected xxh3_64", "strict=true")
+    assert f.is_file()
+    proc = run_trainer(args + CPU, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    notes = [x for x in proc.stderr.splitlines() if "is damaged" in x]
+    assert len(notes) == 1 and str(f) in notes[0], proc.stderr[-4000:]
+    assert notes[0].endswith("moved aside to step-00000008.damaged; resuming from step-00000004")
+    assert (run_dir / "checkpoints" / "step-00000008.damaged" / "__0_0.distcp").is_file()
+    resumed = {r["step"]: r["loss"] for r in records(run_dir)}
+    full = {r["step"]: r["loss"] for r in records(full_run)}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
+
+
+def test_changed_shard_bytes_are_refused_in_one_line(inputs):
+    """Issue 20: 32 bytes changed inside a shard's data (which used to train, or crash at the
+    embedding): exit 2, one line naming the file and both checksums, nothing built."""
+    shards = inputs["tmp"] / "damaged-shards"
+    shutil.copytree(inputs["shards"], shards)
+    f = sorted(shards.glob("shard-*.arrow"))[0]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 32] = b"\xfa\xff\xff\x7f" * 8
+    f.write_bytes(bytes(data))
+    run_dir = inputs["tmp"] / "damaged-run"
+    args = ["conf=debug", f"data.shards={shards}", f"run_dir={run_dir}",
+            f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+    proc = run_trainer(args, nproc=1)
+    assert proc.returncode == 2
+    _one_line(proc.stderr, "DamagedFileError", str(f), "expected xxh3_64", "found xxh3_64")
+    assert not run_dir.exists()

@@ -1,5 +1,6 @@
 """The align job on a real distributed engine: Beam's DaskRunner over a loopback LocalCluster
-(two worker processes), giving the same shards, stats and dead letters as the FnApiRunner.
+(two worker processes), giving the same rows, stats and dead letters as the FnApiRunner (the
+rows' order and their split into rolled files depend on the runner's bundles).
 
 The teacher here is the Phi-3 vocabulary (SentencePiece with byte fallback, like Gemma, but it
 loads in a second where Gemma's 262k vocabulary takes ~10-30 s in every fresh worker process)."""
@@ -14,7 +15,7 @@ from pipelines import align_job as J
 from pipelines import schema as S
 from pipelines import shards
 
-SKIP_KEYS = {"wall_s", "metrics"}
+SKIP_KEYS = {"wall_s", "metrics", "shards"}  # files roll per bundle: runners differ
 
 
 def test_dask_local_cluster_matches_fnapi_runner(tmp_path, pair_paths, vocab_fixture, corpus_dir):
@@ -27,10 +28,10 @@ def test_dask_local_cluster_matches_fnapi_runner(tmp_path, pair_paths, vocab_fix
     verses = (corpus_dir / "kjv.jsonl").read_text().splitlines()[:40]
     (data / "verses.jsonl").write_text("\n".join([*verses, '{"no_text": 1}']) + "\n")
     (data / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
-    base = ["--data", f"{data}/*", "--teacher", t, "--student", s, "--num-shards", "2"]
+    base = ["--data", f"{data}/*", "--teacher", t, "--student", s, "--shard-mb", "0.01"]
     base += ["--max-student-tokens", "64", "--max-teacher-tokens", "64"]
 
-    fn_stats = J.run([*base, "--out", str(tmp_path / "fn")])
+    fn_stats = J.run([*base, "--out", str(tmp_path / "fn"), "--direct_num_workers", "1"])
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
     ) as cluster:
@@ -52,10 +53,9 @@ def test_dask_local_cluster_matches_fnapi_runner(tmp_path, pair_paths, vocab_fix
         k: v for k, v in fn_stats.items() if k not in SKIP_KEYS
     }
     fn_set, dask_set = shards.open_shards(tmp_path / "fn"), shards.open_shards(tmp_path / "dask")
-    assert [p.name for p in dask_set.files] == [p.name for p in fn_set.files]
-    for a, b in zip(fn_set.files, dask_set.files):
-        assert shards.open_shards(tmp_path / "dask").table().num_rows == fn_set.num_rows
-        assert a.read_bytes() == b.read_bytes()  # byte-identical shards
+    assert len(dask_set.files) > 1  # rolled files, written by the Dask workers
+    order = [("doc_id", "ascending"), ("window", "ascending")]
+    assert dask_set.table().sort_by(order).equals(fn_set.table().sort_by(order))  # same rows
     dead = [
         json.loads(x) for x in (tmp_path / "dask" / S.DEAD_LETTER_FILE).read_text().splitlines()
     ]

@@ -133,3 +133,31 @@ def test_doc_ids_and_glob_base():
     assert R.glob_base("*.txt") == ""
     ids = R.doc_ids_for(["/d/a/x.txt", "/d/b/x.txt", "/d/a/y.txt"], ["/d/a", "/d/b", "/d/a"])
     assert ids == {"/d/a/x.txt": "/d/a/x.txt", "/d/b/x.txt": "/d/b/x.txt", "/d/a/y.txt": "y.txt"}
+
+
+def test_jsonl_byte_ranges_read_like_the_whole_file(tmp_path):
+    """Ranges cut at line starts, each knowing its first row: same documents, ids and dead
+    letters (rows, lines) as one whole-file read, for any range size."""
+    p = tmp_path / "r.jsonl"
+    lines = []
+    for i in range(300):
+        if i % 37 == 5:
+            lines.append(b"{broken")
+        elif i % 53 == 7:
+            lines.append(b"")
+        else:
+            lines.append(json.dumps({"text": f"row {i} caf\u00e9 " + "x" * (i % 17)}).encode())
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    whole = list(R.read_file(str(p), "r.jsonl", R.ReaderConfig()))
+    size = p.stat().st_size
+    for split_bytes in (50, 333, 4096, size):
+        splits = R.plan_splits(str(p), size, split_bytes)
+        assert splits[0].start == 0 and splits[-1].end is None
+        assert all(a.end == b.start for a, b in zip(splits, splits[1:]))
+        got, consumed = [], 0
+        for sp in splits:
+            pos = R.Position()
+            got += list(R.read_file(str(p), "r.jsonl", R.ReaderConfig(), split=sp, pos=pos))
+            consumed += pos.bytes
+        assert got == whole and consumed == size, split_bytes
+    assert R.splittable(str(p)) and not R.splittable(str(tmp_path / "r.jsonl.gz"))

@@ -23,6 +23,7 @@ from trainer.teacher.ring import (
     TensorSpec,
     check_shapes,
     plan_layout,
+    shm_mappings,
 )
 from trainer.teacher.worker import TeacherContext
 
@@ -100,6 +101,27 @@ def test_shm_arena_attach_sees_writes_and_close_unlinks():
     assert not os.path.exists(path)
     with pytest.raises(FileNotFoundError):
         ShmArena(4096, name=owner.name)  # attaching never recreates a released segment
+
+
+def test_shm_name_goes_once_mapped_views_outlive_close():
+    """The lifetime the trainer relies on: unlinking the name (as the student does once the
+    worker has mapped the segment) leaves both mappings working and /dev/shm empty; a view kept
+    past close() still reads valid memory (it used to read an unmapped page: a segfault)."""
+    owner = ShmArena(1 << 16)
+    other = ShmArena(1 << 16, name=owner.name)
+    owner.unlink()
+    assert not os.path.exists(f"/dev/shm/{owner.name}")
+    assert shm_mappings()[owner.name] >= 2 << 16  # both mappings, here in one process
+    owner.tensor[:4] = torch.tensor([9, 8, 7, 6], dtype=torch.uint8)
+    assert other.tensor[:4].tolist() == [9, 8, 7, 6]
+    view = owner.tensor[:4]
+    owner.close()
+    other.close()
+    assert view.tolist() == [9, 8, 7, 6] and owner.tensor is None
+    view.fill_(1)  # writable too: the mapping is the view's until it goes
+    del view
+    assert owner.name not in shm_mappings()  # the last view gone, the memory is unmapped
+    owner.close()  # idempotent
 
 
 def test_ring_views_are_contiguous_prefixes():

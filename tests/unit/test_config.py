@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from pipelines import schema as S
+from pipelines.cli import UsageError
 from pipelines.projection import TENSORS, ProjectionMismatchError
 from pipelines.shards import FingerprintMismatchError, IncompleteShardsError
 from pipelines.tokenizers import load_tokenizer
@@ -100,7 +101,7 @@ def test_main_refuses_an_unknown_key_with_exit_code_2_before_loading(capsys):
 
 def test_conf_is_experiment_and_options_are_refused():
     assert hydra_overrides(["conf=demo", "a.b=1"]) == ["experiment=demo", "a.b=1"]
-    with pytest.raises(SystemExit, match="unknown option"):
+    with pytest.raises(UsageError, match="unknown option"):
         hydra_overrides(["--lr", "1"])
 
 

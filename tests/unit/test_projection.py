@@ -172,6 +172,9 @@ def test_malformed_files_are_refused(tmp_path):
     save_file({"t2s_ids": np.zeros((2, 2), np.int32)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(P.ProjectionMismatchError, match="missing tensors"):
         P.load_projection(tmp_path / "x.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:20])
+    with pytest.raises(P.ProjectionMismatchError, match=r"cut.safetensors: damaged.*make proj"):
+        P.load_projection(tmp_path / "cut.safetensors")  # refused by name, not a Rust panic
 
 
 def test_padded_rows_and_model_rows(vocab_fixture, teacher_dir, student_dir):

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from pipelines import paths
+from pipelines import cli, paths
 from trainer.eval.chart import write_eval_report
 from trainer.eval.report import markdown_table, timing_table, write_results
 from trainer.eval.runner import evaluate_models
 from trainer.eval.scoring import ModelDoesNotFitError
-from trainer.eval.tasks import GROUPS, TASKS, EvalDataError
+from trainer.eval.tasks import GROUPS, TASKS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,7 +59,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+# a model too big for the device: the user picks a smaller batch, dtype or device (exit 2)
+RULES = (cli.Rule((ModelDoesNotFitError,), cli.EXIT_USAGE),)
+
+
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv, prog="eval", rules=RULES)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     models = [m for m in args.model.split(",") if m.strip()]
     if not models:
@@ -71,23 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = paths.REPO_ROOT / "outputs" / "eval" / f"eval-{stamp}.json"
-    try:
-        payload = evaluate_models(
-            models,
-            args.tasks,
-            device=args.device,
-            dtype=args.dtype,
-            limit=args.limit,
-            batch_size=args.batch_size,
-            batch_tokens=args.batch_tokens,
-            max_length=args.max_length,
-            chat=args.chat,
-            gen_max_tokens=args.gen_max_tokens,
-            progress=not args.no_progress,
-        )
-    except (EvalDataError, ModelDoesNotFitError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    payload = evaluate_models(
+        models,
+        args.tasks,
+        device=args.device,
+        dtype=args.dtype,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens,
+        max_length=args.max_length,
+        chat=args.chat,
+        gen_max_tokens=args.gen_max_tokens,
+        progress=not args.no_progress,
+    )
     json_path, md_path = write_results(payload, out)
     print(markdown_table(payload))
     print(timing_table(payload))

@@ -3,7 +3,7 @@
 Writes report.html (self-contained: charts embedded, opens offline), a PNG per chart and
 report.json (the plotted numbers) for one run, or for several runs side by side on the same
 axes, each run a colour. Default output: RUN_DIR/report for one run, RUN_DIR/report-vs-<others>
-for several. Exit code 2 when a folder is not a run folder.
+for several. A folder that is not a run folder: one line and exit code 2 (`pipelines.cli`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipelines import cli
 from trainer.report.build import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv, prog="report")
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m trainer.report",
         description=__doc__,
@@ -24,11 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", type=Path, help="run folders (runs/<name>)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: see above)")
     args = ap.parse_args(argv)
-    try:
-        path = write_report(args.runs, out=args.out)
-    except FileNotFoundError as e:
-        print(f"tokenbridge report: {e}", file=sys.stderr)
-        return 2
+    path = write_report(args.runs, out=args.out)
     print(f"run report: {path}")
     return 0
 

@@ -18,12 +18,14 @@ block. The teacher is never more than ``depth`` microbatches ahead: ``submit`` n
 slot, i.e. one that was received and released. Any failure of the teacher breaks the channel:
 later calls raise, naming the first error.
 
-Cleanup: ``close()`` (or the ``with`` block) stops the worker and unlinks the segment; an
-``atexit`` hook closes channels left open, SIGTERM is turned into ``SystemExit`` so that hook
-and ``finally`` blocks run, Ctrl-C is a ``KeyboardInterrupt`` as usual (the worker ignores
-SIGINT). If the student is SIGKILLed, the worker dies with it (PR_SET_PDEATHSIG) and Python's
-resource tracker unlinks the segment. CUDA: ``teacher_s`` is the worker's launch time, not GPU
-time.
+Cleanup: the shared-memory segment's name is unlinked as soon as the worker has mapped it
+(`trainer.teacher.ring.ShmArena`: the memory lives on while either process maps it), so no
+ending leaves a file in /dev/shm or anything for Python's resource tracker to report.
+``close()`` (or the ``with`` block) stops the worker; an ``atexit`` hook closes channels left
+open, SIGTERM is turned into ``SystemExit`` so that hook and ``finally`` blocks run, Ctrl-C is a
+``KeyboardInterrupt`` as usual (the worker ignores SIGINT). If the student is SIGKILLed, the
+worker dies with it (PR_SET_PDEATHSIG). CUDA: ``teacher_s`` is the worker's launch time, not
+GPU time.
 """
 
 from __future__ import annotations

@@ -137,7 +137,11 @@ class TeacherModelProgram:
         return torch.cat(all_ids), torch.cat(all_mask), me * B, B
 
     @torch.no_grad()
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, inputs: dict[str, torch.Tensor], *, on_logits=None
+    ) -> dict[str, torch.Tensor]:
+        """The spec's outputs for one microbatch. ``on_logits(t0, logits_BnV)`` (optional) sees
+        each chunk of positions' logits as well (the teacher cache samples ids from them)."""
         if self._model is None:
             raise RuntimeError("TeacherModelProgram called before setup()")
         ids_BU, mask_BU = inputs["input_ids"], inputs["attention_mask"]
@@ -152,8 +156,17 @@ class TeacherModelProgram:
             spec=self.spec,
             columns=self.columns,
             chunk=self.lm_head_chunk,
+            on_logits=on_logits,
         )
         return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
+
+
+def _whole_vocab(tp_group) -> None:
+    if tp_group is not None:
+        raise ValueError(
+            "teacher_forward: on_logits reads whole-vocabulary logits, but this teacher's "
+            "lm_head is vocab-sharded (tp > 1); run it at tp=1"
+        )
 
 
 def teacher_forward(
@@ -164,16 +177,22 @@ def teacher_forward(
     spec: TeacherOutputSpec,
     columns,
     chunk: int,
+    on_logits=None,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
     a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
-    sharded lm_head (TP) gives DTensor logits: the outputs are computed on the local shard."""
+    sharded lm_head (TP) gives DTensor logits: the outputs are computed on the local shard.
+    ``on_logits``: called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits
+    [B, n, V] (whole vocabulary: refused under TP)."""
     len_B = mask_BU.sum(1)
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if base is None or head is None:
         out = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
         logits, tp_group = unwrap_vocab_sharded(out)
+        if on_logits is not None:
+            _whole_vocab(tp_group)
+            on_logits(0, logits)
         return teacher_outputs_from_logits(
             logits, spec=spec, target_ids_BT=tgt_BU, columns=columns, tp_group=tp_group
         )
@@ -187,6 +206,9 @@ def teacher_forward(
         logits, tp_group = unwrap_vocab_sharded(head(hidden_BUH[:, t0 : t0 + n]))
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
+        if on_logits is not None:
+            _whole_vocab(tp_group)
+            on_logits(t0, logits)
         teacher_outputs_from_logits(
             logits,
             spec=spec,

@@ -5,8 +5,9 @@ pickling them through a pipe costs seconds at scale; here the student and its te
 buffer allocated once, and only a few integers (slot, sequence number, actual shapes) travel
 per microbatch (`trainer.teacher.worker`, `trainer.teacher.channel`). Two placements:
 
-- CPU: one POSIX shared-memory segment (``/dev/shm/tokenbridge_<pid>_<hex>``), created and
-  unlinked by the student, mapped by the worker (or a plain tensor when nobody else maps it);
+- CPU: one POSIX shared-memory segment (``/dev/shm/tokenbridge_<pid>_<hex>``), created by the
+  student, mapped by the worker, then unlinked by the student at once (`ShmArena`), so nothing
+  is left behind however either ends (or a plain tensor when nobody else maps it);
 - GPU: one CUDA allocation on the student's device, shared with the worker once by its CUDA
   IPC handle (torch.multiprocessing pickles CUDA tensors as IPC handles).
 
@@ -29,7 +30,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any
+from pathlib import Path
 
 import torch
 
@@ -141,40 +142,66 @@ def check_shapes(spec: Spec, tensors: Mapping[str, torch.Tensor], *, where: str)
 class ShmArena:
     """A POSIX shared-memory segment viewed as a uint8 tensor (CPU, cross-process).
 
-    The creator owns the name: it registers it with Python's resource tracker (which unlinks it
-    if the creator is killed outright) and unlinks it in ``close``. Others map it by path and
-    never create or unlink it.
+    The creator names the segment and registers it with Python's resource tracker (which
+    unlinks it if the creator is killed before it could). The worker maps it by path, never
+    creating or unlinking it, and says so; the creator then unlinks the name at once
+    (``unlink``). Both mappings stay valid — a segment lives while anything maps it — and
+    nothing is left in /dev/shm for the tracker to clean up or warn about, however either
+    process ends. ``close`` unlinks it too, if the worker never got that far.
+
+    The mapping belongs to the tensors: each view holds the ``mmap`` object (``torch.frombuffer``
+    keeps a reference to the buffer, not a lock on it), and the memory is unmapped when the last
+    view goes. ``close`` drops the arena's own reference only, never unmapping memory a view
+    still reads; a view kept past ``close`` reads valid (if stale) memory, never a freed page.
     """
 
     def __init__(self, nbytes: int, *, name: str | None = None) -> None:
         self.nbytes = nbytes
         self.owner = name is None
+        self._shm: shared_memory.SharedMemory | None = None
         if self.owner:
             name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-            self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-                name=name, create=True, size=nbytes
-            )
-            buf: Any = self._shm.buf
-        else:
-            # Map by path with O_RDWR and no O_CREAT: attaching never creates a stray segment.
-            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-            try:
-                buf = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            self._shm = None
+            # creates (exclusively), sizes and registers the name; its own mapping is not used
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+            self._shm.close()
+        # Map by path with O_RDWR and no O_CREAT: attaching never creates a stray segment.
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        try:
+            buf = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
         self.name: str = name
         self.tensor: torch.Tensor | None = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 
+    def unlink(self) -> None:
+        """Remove the name (owner only; idempotent). Mappings made before stay valid."""
+        if self._shm is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()  # also unregisters it from the resource tracker
+            self._shm = None
+
     def close(self) -> None:
         self.tensor = None
-        if self._shm is not None:
-            # BufferError: a caller still holds a view; the mapping goes when that view does.
-            with contextlib.suppress(BufferError):
-                self._shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
-            self._shm = None
+        self.unlink()
+
+
+def shm_mappings(pid: int | str = "self") -> dict[str, int]:
+    """The ring segments a process maps: name -> bytes mapped (``/proc/<pid>/maps``; a segment
+    unlinked after mapping shows there as ``(deleted)``). Empty where /proc is missing."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or SHM_PREFIX not in fields[5]:
+            continue
+        name = Path(fields[5].removesuffix(" (deleted)")).name
+        if name.startswith(SHM_PREFIX):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out[name] = out.get(name, 0) + end - start
+    return out
 
 
 class SlotRing:
@@ -218,6 +245,11 @@ class SlotRing:
     @property
     def shm_name(self) -> str | None:
         return self._shm.name if self._shm is not None else None
+
+    def mapped_elsewhere(self) -> None:
+        """The worker has mapped the ring: unlink its name (`ShmArena`; no-op off shared memory)."""
+        if self._shm is not None:
+            self._shm.unlink()
 
     def _live(self) -> torch.Tensor:
         if self._bytes is None:

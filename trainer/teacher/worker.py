@@ -39,6 +39,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -113,8 +114,9 @@ class WorkerProcess:
 
     kind = "teacher worker"
 
-    def __init__(self, proc, conn, *, device: torch.device, poll_s: float, events):
+    def __init__(self, proc, conn, *, device: torch.device, poll_s: float, events, on_mapped):
         self._proc, self._conn = proc, conn
+        self._on_mapped = on_mapped  # the worker has mapped the ring: its name can go
         self.device, self.poll_s = device, poll_s
         self._free_events = events  # CUDA: recorded by the student when a slot may be written
         self._ready_events = None  # CUDA: recorded by the worker when a slot's outputs are done
@@ -147,9 +149,17 @@ class WorkerProcess:
             name=f"teacher-worker-{group.rank if group else 0}",
             daemon=True,  # killed by multiprocessing's atexit if the student forgets close()
         )
-        proc.start()
+        with _sigint_ignored():
+            proc.start()
         child_conn.close()
-        worker = cls(proc, parent_conn, device=device, poll_s=poll_s, events=events)
+        worker = cls(
+            proc,
+            parent_conn,
+            device=device,
+            poll_s=poll_s,
+            events=events,
+            on_mapped=ring.mapped_elsewhere,
+        )
         # The ring (and the CUDA events) travel as the first message, not as Process arguments:
         # the Process object keeps its arguments, and a CUDA ring referenced there would stay
         # allocated after close(). Pickled here, a CUDA tensor/event is sent as its IPC handle.
@@ -178,10 +188,15 @@ class WorkerProcess:
                     msg = self._conn.recv()
                 except (EOFError, OSError):
                     raise self._died(what) from None
+                if msg[0] == "mapped":
+                    self._on_mapped()
+                    continue
                 if msg[0] == "error":
                     _, phase, tb = msg
+                    last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback"
                     raise TeacherWorkerError(
-                        f"teacher worker (pid {self.pid}) failed while {phase}; its traceback:\n{tb}"
+                        f"teacher worker (pid {self.pid}) failed while {phase}: {last}\n"
+                        f"its traceback:\n{tb}"
                     )
                 return msg
             if not self._proc.is_alive():
@@ -243,6 +258,22 @@ class WorkerProcess:
             self._conn.close()
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Start the worker with SIGINT ignored: a new Python keeps an inherited SIG_IGN, so a
+    Ctrl-C while the worker is still importing (seconds) does not print a KeyboardInterrupt
+    traceback from it; the student decides what Ctrl-C means. Main thread only (as is
+    ``signal``); elsewhere the worker ignores SIGINT once ``worker_main`` runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker side.
 
@@ -256,6 +287,18 @@ def _die_with_parent(parent_pid: int) -> None:
             pass
     if os.getppid() != parent_pid:
         os._exit(1)  # the student died before we could ask to follow it
+
+
+def _thread_lock_for_progress_bars() -> None:
+    # tqdm (transformers' "Loading weights" bar) creates a multiprocessing lock on first use: a
+    # named semaphore registered with the resource tracker, which this process shares with the
+    # student. A worker killed outright never unregisters it, and the tracker then warns about
+    # a "leaked semaphore" when the student exits. One process needs only a thread lock.
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 # What torchrun / torch.distributed.elastic tell a student rank. A worker inherits the student's
@@ -307,10 +350,12 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """Entry point of the worker process (spawned by ``WorkerProcess.start``); its first message
-    is ``("ring", ring handle, CUDA events or None)``."""
+    is ``("ring", ring handle, CUDA events or None)``, answered with ``("mapped",)`` once the
+    ring is mapped, then ``("ready", info)`` once the teacher is loaded."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     _scrub_launcher_env()
+    _thread_lock_for_progress_bars()
     ring = None
     phase = "starting"
     try:
@@ -325,6 +370,7 @@ def worker_main(
         except (EOFError, OSError):
             return  # the student is gone before it sent the ring
         ring = SlotRing.attach(ring_handle)
+        conn.send(("mapped",))  # the student unlinks the segment's name now (ShmArena)
         ctx, handshake = TeacherContext(dev), None
         if group is not None:
             phase = f"joining the teacher group at {group.init_method}"

@@ -1,0 +1,119 @@
+"""Checkpoint integrity: checksums written with every DCP save, verified on resume; a damaged
+newest checkpoint is moved aside and the newest good one resumed, or refused in strict mode.
+
+A one-process gloo group and a tiny model: the real `Checkpointer`, `find_resume` and DCP, in
+a second. (The end-to-end fallback of a real 2-rank run is in tests/e2e/test_debug_run.py.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import xxhash
+
+from pipelines import verify
+from trainer import checkpoint as ckpt
+from trainer.config import CheckpointConfig
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    if dist.is_initialized():  # another test left a one-process group: use it as it is
+        assert dist.get_world_size() == 1
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _state(step: int) -> dict:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    return {"app": ckpt.ModelOptimState(model, opt), "step": step, "blob": {"x": b"\x01" * 100}}
+
+
+@pytest.fixture
+def run(group, tmp_path):
+    """A checkpoints folder with steps 4 and 8 (keep=3)."""
+    folder = tmp_path / "checkpoints"
+    saver = ckpt.Checkpointer(folder, CheckpointConfig(keep=3), rank=0)
+    for step in (4, 8):
+        saver.save(step, _state(step))
+    return folder
+
+
+def _resume(folder, **kw):
+    return ckpt.find_resume(folder, CheckpointConfig(**kw), rank=0)
+
+
+def _loaded_step(path) -> int:
+    state = _state(0)
+    ckpt.Checkpointer(path.parent, CheckpointConfig(), rank=0).load(path, state)
+    return int(state["step"])
+
+
+def test_marker_lists_every_file_with_the_checksum_of_its_bytes(run):
+    d = ckpt.step_dir(run, 8)
+    marker = json.loads((d / ckpt.MARKER).read_text())
+    assert marker["kind"] == "checkpoint" and marker["step"] == 8 and marker["hash"] == "xxh3_64"
+    on_disk = {p.name for p in d.iterdir()} - {ckpt.MARKER}
+    assert set(marker["checksums"]) == on_disk and {".metadata", "__0_0.distcp"} <= on_disk
+    for name, e in marker["checksums"].items():  # computed while writing == from disk now
+        data = (d / name).read_bytes()
+        assert e == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}
+    r = _resume(run)
+    assert r.path == d and r.notes == [] and _loaded_step(r.path) == 8
+
+
+@pytest.mark.parametrize("damage", ["truncate", "change"])
+def test_damaged_newest_falls_back_to_the_newest_good_one(run, damage, capsys):
+    f = ckpt.step_dir(run, 8) / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2 : len(data) // 2 + 32] = b"\x00" * 32
+        f.write_bytes(bytes(data))
+    assert verify.main([str(run)]) == 2
+    assert f"DAMAGED  __0_0.distcp: {f}: damaged: expected xxh3_64" in capsys.readouterr().out
+    with pytest.raises(ckpt.DamagedCheckpointError, match="strict=true refuses"):
+        _resume(run, strict=True)
+    assert f.exists()  # strict mode moves nothing
+    r = _resume(run)
+    assert r.path == ckpt.step_dir(run, 4) and _loaded_step(r.path) == 4
+    (note,) = r.notes
+    assert note.startswith(f"checkpoint step-00000008 is damaged ({f}: damaged: expected xxh3_64")
+    assert note.endswith("moved aside to step-00000008.damaged; resuming from step-00000004")
+    aside = run / "step-00000008.damaged"
+    assert (aside / "__0_0.distcp").is_file()  # moved aside, never deleted
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [4]
+    assert verify.main([str(run)]) == 0  # the aside one is named, not counted
+
+
+def test_named_damaged_checkpoint_is_refused_and_legacy_one_resumed(run):
+    d = ckpt.step_dir(run, 4)
+    (d / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(
+        ckpt.DamagedCheckpointError, match=r"checkpoint.resume=.*\.metadata: damaged"
+    ):
+        _resume(run, resume=str(d))
+    # written before markers: resumed unverified, and the run says so
+    (ckpt.step_dir(run, 8) / ckpt.MARKER).unlink()
+    r = _resume(run)
+    assert r.path == ckpt.step_dir(run, 8) and "not verified" in r.notes[0]
+
+
+def test_every_checkpoint_damaged_is_refused_then_a_rerun_starts_fresh(run):
+    for step in (4, 8):
+        (ckpt.step_dir(run, step) / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ckpt.DamagedCheckpointError, match="no checkpoint in .* verifies"):
+        _resume(run)
+    assert _resume(run).path is None and len(list(run.glob("*.damaged"))) == 2

@@ -1,0 +1,170 @@
+"""Damaged shard directories, one per row of issue 20's table, and hand-built bad values.
+
+Each damage is done to bytes on disk the way a full disk or a bad copy does it, to a directory
+written by the real writers (`ShardWriter`, `write_completed`); each must be refused with one
+line naming the file and the expected and found checksum (or the row and column of a bad value),
+by the reader and by ``python -m pipelines.verify`` (exit code 2), before a row reaches a model.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from pipelines import integrity, shards, values, verify
+from pipelines import schema as S
+from tests.unit.test_shards import STUDENT, TEACHERS, _row, _rows, _write_dir
+from trainer.data import ShardReader
+
+NAME = shards.shard_name(0, 2)
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    _write_dir(tmp_path, _rows(4), per_file=4)
+    return tmp_path
+
+
+def _batch_metadata_at(data: bytes) -> int:
+    """Byte offset of the first record batch's flatbuffer metadata in an Arrow IPC file:
+    magic (8), then the schema message (0xFFFFFFFF, length, metadata), then the batch's."""
+    (schema_len,) = struct.unpack_from("<i", data, 12)
+    return 8 + 8 + schema_len + 8
+
+
+def _verify_cli(d, capsys) -> tuple[int, str]:
+    code = verify.main([str(d)])
+    return code, capsys.readouterr().out
+
+
+def _one_line_damaged(err: str, path) -> None:
+    assert "\n" not in err and str(path) in err
+    assert "damaged: expected xxh3_64 " in err and ", found xxh3_64 " in err
+
+
+def test_clean_directory_verifies_and_reads_the_same_rows_in_every_mode(shard_dir, capsys):
+    code, out = _verify_cli(shard_dir, capsys)
+    assert code == 0 and out.count("  OK  ") == 3 and "0 damaged" in out  # 2 shards, stats
+    rows = {}
+    for mode in integrity.VERIFY_MODES:
+        reader = ShardReader(shards.open_shards(shard_dir, verify=mode), max_student_tokens=64)
+        rows[mode] = [reader.row(i) for i in range(reader.num_rows)]
+    for mode in ("preflight", "never"):
+        for a, b in zip(rows["first_open"], rows[mode]):
+            assert np.array_equal(a["student_ids"], b["student_ids"]) and a["text"] == b["text"]
+
+
+def test_truncated_shard(shard_dir, capsys):
+    path = shard_dir / NAME
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(integrity.DamagedFileError) as e:
+        shards.open_shards(shard_dir, verify="never")  # footer unreadable: checksum says why
+    _one_line_damaged(str(e.value), path)
+    assert f"over {len(data)} bytes, found" in str(e.value)
+    code, out = _verify_cli(shard_dir, capsys)
+    assert code == 2 and f"DAMAGED  {NAME}: {path}: damaged" in out and "1 damaged" in out
+
+
+def test_changed_record_batch_metadata(shard_dir, capsys):
+    path = shard_dir / NAME
+    data = bytearray(path.read_bytes())
+    at = _batch_metadata_at(data)
+    data[at + 24 : at + 40] = b"\xff" * 16  # what used to be a raw pyarrow OSError, unnamed
+    path.write_bytes(bytes(data))
+    with pytest.raises(integrity.DamagedFileError) as e:
+        shards.open_shards(shard_dir)
+    _one_line_damaged(str(e.value), path)
+    assert _verify_cli(shard_dir, capsys)[0] == 2
+
+
+def test_changed_data_buffer(shard_dir, capsys):
+    """32 bytes inside student_ids: the checksum refuses the file; with verify=never the value
+    check stops the row before the model, naming file, row and column."""
+    path = shard_dir / NAME
+    data = bytearray(path.read_bytes())
+    first = _row(0, 0, 3, [2, 5])["student_ids"].tobytes()
+    at = bytes(data).index(first)
+    data[at : at + 32] = struct.pack("<i", 2_147_483_642) * 8
+    path.write_bytes(bytes(data))
+    with pytest.raises(integrity.DamagedFileError) as e:
+        ShardReader(shards.open_shards(shard_dir), max_student_tokens=64)  # first_open
+    _one_line_damaged(str(e.value), path)
+    with pytest.raises(integrity.DamagedFileError):
+        shards.open_shards(shard_dir, verify="preflight")
+    reader = ShardReader(shards.open_shards(shard_dir, verify="never"), max_student_tokens=64)
+    with pytest.raises(values.BadValueError, match=rf"{NAME} row 0 column student_ids: value "
+                       r"2147483642 at position 0 outside \[0, 100\)"):  # fmt: skip
+        reader.row(0)
+    code, out = _verify_cli(shard_dir, capsys)
+    assert code == 2 and "DAMAGED" in out
+
+
+def _bad_dir(tmp_path, edit) -> tuple:
+    rows = _rows(3)
+    edit(rows[3])
+    _write_dir(tmp_path, rows, per_file=6)
+    return shards.open_shards(tmp_path), tmp_path / shards.shard_name(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "column", "detail"),
+    [
+        (lambda r: r["student_ids"].__setitem__(1, 100), "student_ids", "value 100 at position 1"),
+        (lambda r: r["teacher1_ids"].__setitem__(0, -3), "teacher1_ids", r"value -3 .* \[0, 50\)"),
+        (lambda r: r["teacher0_chunk"].__setitem__(-1, 99), "teacher0_chunk", "chunk index 99"),
+        (lambda r: r.__setitem__("teacher1_n_chunks", -1), "teacher1_n_chunks", "-1 < 0"),
+        (
+            lambda r: r.__setitem__("teacher0_student_chunk", np.zeros(1, np.int32)),
+            "teacher0_student_chunk",
+            "length differs from student_ids",
+        ),
+    ],
+)
+def test_out_of_range_values_in_a_hand_built_shard(tmp_path, capsys, edit, column, detail):
+    """Checksums are right (the writer wrote these values): the value checks catch them."""
+    ss, path = _bad_dir(tmp_path, edit)
+    reader = ShardReader(ss, max_student_tokens=64)
+    with pytest.raises(values.BadValueError, match=rf"row 3 column {column}: {detail}") as e:
+        reader.row(0)  # the batch is checked whole when its first row is read
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    code, out = _verify_cli(tmp_path, capsys)
+    assert code == 2 and f"row 3 column {column}" in out
+
+
+def test_check_batch_costs_no_python_per_row():
+    """A 200k-row batch checks in well under a second (numpy reductions only)."""
+    import time
+
+    n = 200_000
+    batch = shards.rows_to_batch([_row(0, 0, 3, [2, 5])], S.shard_schema(STUDENT, TEACHERS))
+    big = __import__("pyarrow").concat_tables([__import__("pyarrow").table(batch)] * n)
+    b = big.combine_chunks().to_batches()[0]
+    meta = S.ShardMeta(S.SCHEMA_VERSION, STUDENT, TEACHERS)
+    t0 = time.perf_counter()
+    values.check_batch(b, meta, where="x")
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_missing_and_unlisted_files_and_v1_marker(shard_dir, capsys):
+    (shard_dir / "stray.txt").write_text("x")
+    (shard_dir / S.STATS_FILE).unlink()
+    code, out = _verify_cli(shard_dir, capsys)
+    assert code == 2 and "found no such file" in out and "stray.txt  (not listed" in out
+    marker = json.loads((shard_dir / S.COMPLETED_MARKER).read_text())
+    v1 = {k: marker[k] for k in ("schema_version", "files", "num_rows")} | {"version": 1}
+    (shard_dir / S.COMPLETED_MARKER).write_text(json.dumps(v1))
+    code, out = _verify_cli(shard_dir, capsys)
+    assert code == 0 and "no checksum recorded (marker version 1)" in out
+
+
+def test_verify_once_hashes_a_file_once_per_process(shard_dir):
+    ss = shards.open_shards(shard_dir)
+    e = ss.checksums[NAME]
+    before = integrity.COST.bytes
+    integrity.verify_once(shard_dir / NAME, e)
+    assert integrity.verify_once(shard_dir / NAME, e) is False
+    assert integrity.COST.bytes - before in (0, e["bytes"])
