@@ -217,11 +217,11 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """The device mesh (dp_shard x tp) of the student, mixed precision, and teacher placement."""
+    """The device mesh (dp_shard x cp x tp) of the student, mixed precision, teacher placement."""
 
-    dp_shard: int = -1  # -1: world_size / tp
-    tp: int = 1
-    cp: int = 1  # context parallel: loss-level only for now; model-level CP needs CUDA
+    dp_shard: int = -1  # -1: world_size / (cp * tp)
+    tp: int = 1  # tensor parallel: heads, MLP and the vocabulary (lm_head, embeddings) split
+    cp: int = 1  # context parallel: each sequence split over cp ranks (load-balanced layout)
     param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy
     reduce_dtype: str = "float32"
     reshard_after_forward: bool = True
@@ -237,8 +237,8 @@ class ParallelConfig:
             _fail("parallel.dp_shard", f"expected -1 (auto) or >= 1, got {self.dp_shard}")
         if self.tp < 1:
             _fail("parallel.tp", f"expected >= 1, got {self.tp}")
-        if self.cp != 1:
-            _fail("parallel.cp", f"only cp=1 is supported by the trainer so far, got {self.cp}")
+        if self.cp < 1:
+            _fail("parallel.cp", f"expected >= 1, got {self.cp}")
         _check_choice("parallel.param_dtype", self.param_dtype, DTYPES)
         _check_choice("parallel.reduce_dtype", self.reduce_dtype, DTYPES)
         _check_choice("parallel.teacher_placement", self.teacher_placement, TEACHER_PLACEMENTS)
@@ -248,16 +248,17 @@ class ParallelConfig:
         if self.threads < 0:
             _fail("parallel.threads", f"expected >= 0, got {self.threads}")
 
-    def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(dp_shard, tp) for `world_size` processes, or ConfigError when they do not multiply."""
-        dp = world_size // self.tp if self.dp_shard == -1 else self.dp_shard
-        if dp * self.tp != world_size:
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        """(dp_shard, cp, tp) for `world_size` processes, or ConfigError when they do not
+        multiply."""
+        dp = world_size // (self.cp * self.tp) if self.dp_shard == -1 else self.dp_shard
+        if dp < 1 or dp * self.cp * self.tp != world_size:
             _fail(
                 "parallel",
-                f"dp_shard={self.dp_shard} x tp={self.tp} must equal the world size "
-                f"{world_size} (torchrun --nproc_per_node)",
+                f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} must equal the world "
+                f"size {world_size} (torchrun --nproc_per_node)",
             )
-        return dp, self.tp
+        return dp, self.cp, self.tp
 
 
 @dataclass
@@ -355,6 +356,15 @@ class TrainConfig:
             # the options of every mode that will read them (a teacher's own, else loss.mode)
             for mode in dict.fromkeys(self.teacher_modes()):
                 self.loss.mode_options(mode)
+        cp = self.parallel.cp
+        if cp > 1 and self.data.pad_to_multiple % (2 * cp):
+            # the load-balanced layout cuts every row into 2 * cp equal pieces
+            _fail(
+                "data.pad_to_multiple",
+                f"parallel.cp={cp} cuts each sequence into 2 * cp = {2 * cp} equal pieces, so "
+                f"the padded length must divide by {2 * cp}; pad_to_multiple="
+                f"{self.data.pad_to_multiple} does not (use a multiple of {2 * cp})",
+            )
         if self.optim.warmup_steps > self.steps:
             _fail("optim.warmup_steps", f"{self.optim.warmup_steps} > steps={self.steps}")
 

@@ -7,6 +7,10 @@ rows whose index is r modulo the dp size, in order, through a bounded shuffle bu
 a seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
 microbatches, which the collectives of FSDP need).
 
+Under context parallelism the microbatch stays whole (the teachers read whole rows, and the
+chunk index is built from them); `Microbatch.student_rows` gives the student's share on one CP
+rank: its positions of every row in the load-balanced layout, with their global position ids.
+
 The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
 small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
 the uninterrupted run would have read.
@@ -16,7 +20,8 @@ mask (a position keeps its target only if the token it predicts is trained), and
 teacher's chunk kinds ride along in its `AlignedBatch` (`chunk_kinds`). Shards without these
 columns (text, schema version 1) train on every target, as before.
 
-Legend: B rows in the microbatch, T student positions, U teacher positions.
+Legend: B rows in the microbatch, T student positions, U teacher positions, L = T / CP positions
+on one context-parallel rank.
 """
 
 from __future__ import annotations
@@ -33,9 +38,27 @@ import torch
 
 from pipelines import schema as S
 from pipelines import values
+from trainer.distributed.context_parallel import cp_positions, to_cp_layout
 from trainer.losses.segments import AlignedBatch
 
 IGNORE = -1  # target id of positions that are not trained on (as trainer.losses expects)
+
+
+@dataclass
+class StudentRows:
+    """The student's share of a microbatch on one context-parallel rank (all of it at cp = 1).
+
+    Targets are shifted on the whole row first, then laid out, so no position needs another
+    rank's token. ``position_ids_BL`` is None at cp = 1 (the model's own 0..T-1).
+    """
+
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    targets_BL: torch.Tensor
+    position_ids_BL: torch.Tensor | None
+    seq_len: int  # T, the whole (padded) row length
+    cp_size: int = 1
+    cp_rank: int = 0
 
 
 @dataclass
@@ -55,6 +78,28 @@ class Microbatch:
     @property
     def num_targets(self) -> int:
         return int((self.targets_BT != IGNORE).sum())
+
+    def student_rows(self, *, cp_size: int = 1, cp_rank: int = 0) -> StudentRows:
+        """This CP rank's positions of every row (`StudentRows`); the same tensors at cp = 1."""
+        seq_len = self.input_ids_BT.shape[1]
+        if cp_size == 1:
+            return StudentRows(
+                self.input_ids_BT, self.attention_mask_BT, self.targets_BT, None, seq_len
+            )
+        pos_L = cp_positions(seq_len, cp_size, cp_rank, device=self.input_ids_BT.device)
+
+        def local(x_BT: torch.Tensor) -> torch.Tensor:
+            return to_cp_layout(x_BT, cp_size=cp_size, cp_rank=cp_rank, dim=1)
+
+        return StudentRows(
+            local(self.input_ids_BT),
+            local(self.attention_mask_BT),
+            local(self.targets_BT),
+            pos_L.expand(self.input_ids_BT.shape[0], -1),
+            seq_len,
+            cp_size,
+            cp_rank,
+        )
 
     def teacher_inputs(self, i: int) -> dict[str, torch.Tensor]:
         """What teacher i's forward reads: its ids and attention mask [B, U]."""

@@ -11,13 +11,18 @@ This module joins the two for the loop:
   teacher's ids, attention mask and the positions its outputs are read at) and ``loss``;
 - `combine_terms`: CE and every teacher's KD, each divided by its global count, combined.
 
-Legend: B rows, T student positions, V student vocabulary (lm_head width).
+Parallel layouts: the terms are computed on this rank's positions (CP layout, ``cp``) and
+vocabulary shard (``tp_group``); each divides its local SUM by the GLOBAL count, the count
+all-reduced over dp and cp, never tp (TP ranks hold the same terms).
+
+Legend: B rows, T student positions, L of them on this CP rank, V student vocabulary (lm_head
+width; its local shard under TP).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +34,9 @@ from trainer.losses.combine import CombineConfig, combine
 from trainer.losses.modes import MODES, LossMode
 from trainer.losses.multi_teacher import combine_teachers, static_weights
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
+
+if TYPE_CHECKING:
+    from trainer.distributed import CPContext
 
 
 @dataclass
@@ -57,8 +65,9 @@ class KDTerm:
         except ValueError as e:
             raise ValueError(f"teacher {self.name}, rows {mb.rows}: {e}") from None
 
-    def count(self, prep: Any) -> int:
-        return self.record.count(prep)
+    def count(self, prep: Any, cp: CPContext | None = None) -> int:
+        """The terms this rank's `loss` will count (its CP share; TP ranks count alike)."""
+        return self.record.count(prep, cp)
 
     def teacher_inputs(self, mb: Microbatch, prep: Any) -> dict[str, torch.Tensor]:
         """What the teacher reads for this term: its ids and attention mask [B, U], and
@@ -70,14 +79,26 @@ class KDTerm:
         used = rows(prep, width) if rows is not None else inputs["attention_mask"] > 0
         return {**inputs, "used_mask": used.to(torch.bool)}
 
-    def loss(self, logits_BTV: torch.Tensor, outs: TeacherOutputs, prep: Any) -> LossOutput:
+    def loss(
+        self,
+        logits_BLV: torch.Tensor,
+        outs: TeacherOutputs,
+        prep: Any,
+        *,
+        tp_group=None,
+        cp: CPContext | None = None,
+    ) -> LossOutput:
+        """``logits_BLV``: this rank's positions and vocabulary shard (``tp_group``), the
+        teacher's outputs and ``prep`` over whole rows (`trainer.losses.modes`)."""
         return self.record.loss(
-            logits_BTV,
+            logits_BLV,
             outs,
             prep,
             tables=self.tables,
             vocab_size=self.vocab_size,
             config=self.options,
+            tp_group=tp_group,
+            cp=cp,
         )
 
 
@@ -105,9 +126,18 @@ def build_kd_terms(cfg: TrainConfig, prepared, *, device: torch.device) -> list[
     return terms
 
 
-def ce_term(logits_BTV: torch.Tensor, mb: Microbatch, *, vocab_size: int) -> LossOutput:
+def ce_term(
+    logits_BLV: torch.Tensor,
+    mb: Microbatch,
+    *,
+    vocab_size: int,
+    tp_group=None,
+    cp: CPContext | None = None,
+) -> LossOutput:
+    """The student's CE on this rank's positions (``cp``) and vocabulary shard (``tp_group``)."""
     # targets are IGNORE at untrained positions (conversations: `trainer.data.train_targets`)
-    return ce(logits_BTV, mb.targets_BT, vocab_size=vocab_size)
+    targets = mb.targets_BT if cp is None else cp.shard(mb.targets_BT)
+    return ce(logits_BLV, targets, vocab_size=vocab_size, tp_group=tp_group)
 
 
 def combine_terms(

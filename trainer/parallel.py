@@ -1,36 +1,51 @@
-"""Process group, device mesh, and the parallelism verbs applied to a plain HF model.
+"""Process group start-up and the parallelism verbs applied to a plain HF causal LM.
 
-Order (as in torchtitan): `apply_tp` with the model's plan, then `apply_fsdp` (FSDP2
-``fully_shard`` per decoder layer, then the root). The model code knows nothing of this; a
-per-model-type plan (a dict: module path inside a decoder layer -> style) does. The student and
-each teacher get their own mesh, so a teacher may use another TP size than the student.
+Order (as in torchtitan): `apply_tp` with the model's plan, `apply_cp`, then `apply_fsdp`
+(FSDP2 ``fully_shard`` per decoder layer, then the root). The model code knows nothing of this;
+a per-model-type plan (a dict: module path inside a decoder layer -> style) does. The groups
+and the (dp_shard, cp, tp) device mesh are `trainer.distributed.ParallelGroups` (`build_mesh`);
+the student and each teacher get their own, so a teacher may use another layout.
+
+Tensor parallel: attention heads and MLP columns split over tp (the layer plan), and the
+vocabulary too: the lm_head is column-parallel with its output left sharded (a DTensor,
+``Shard(-1)``: [B, T, V / tp] per rank), the input embedding row-parallel (each rank holds the
+same vocabulary rows as its lm_head shard; an id outside them reads zeros, summed over tp). Tied
+embeddings (SmolLM2, Gemma) stay ONE parameter: both styles shard the [V, H] weight on dim 0,
+so after sharding the lm_head points at the embedding's DTensor again and gets the gradient of
+both uses. The full [B, T, V] logits never exist on one rank in training.
+
+Context parallel: `apply_cp` routes attention through `trainer.cp_attention` (K and V all-gathered
+over cp, a causal mask by global positions); the caller feeds each rank its positions in the
+load-balanced layout with their global position ids (RoPE).
 
 One code path for 1 and N processes: a plain ``python trainer/main.py`` becomes world size 1
 with an in-memory store. gloo on CPU, NCCL on GPU.
 
 Gradient scale: the loop divides the local SUM loss by the GLOBAL count itself, so FSDP must sum
-gradients over data-parallel ranks instead of averaging them (`apply_fsdp` sets the divide
-factor to 1).
+gradients over the data- and context-parallel ranks instead of averaging them (`apply_fsdp`
+sets the divide factor to 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
+
+from trainer import cp_attention
 
 # Styles per module path inside one decoder layer. "replicated_grad" marks parameters that stay
 # whole on every TP rank but see only that rank's heads (Gemma's per-head q/k norms): their
@@ -65,39 +80,6 @@ def _style(name: str) -> ParallelStyle:
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[name]()
 
 
-@dataclass
-class Mesh:
-    """A (dp_shard, tp) device mesh and the groups the loop needs."""
-
-    mesh: DeviceMesh
-    dp_size: int
-    tp_size: int
-
-    @property
-    def dp(self) -> DeviceMesh:
-        return self.mesh["dp_shard"]
-
-    @property
-    def tp(self) -> DeviceMesh:
-        return self.mesh["tp"]
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.dp.get_group()
-
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.tp.get_group()
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dp.get_local_rank()
-
-    @property
-    def tp_rank(self) -> int:
-        return self.tp.get_local_rank()
-
-
 def pick_device(name: str) -> torch.device:
     """ "auto" -> this rank's CUDA device when there is one, else CPU."""
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
@@ -130,12 +112,6 @@ def init_distributed(device: torch.device, *, timeout_s: float = 600.0) -> tuple
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(device: torch.device, *, dp: int, tp: int) -> Mesh:
-    """A fresh (dp_shard, tp) mesh over all ranks; ranks of one TP group are adjacent."""
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    return Mesh(mesh, dp, tp)
-
-
 def tp_plan(model_type: str) -> dict[str, str]:
     if model_type not in TP_PLANS:
         raise ValueError(
@@ -145,20 +121,40 @@ def tp_plan(model_type: str) -> dict[str, str]:
 
 
 def check_tp(hf_config, tp: int, *, where: str) -> None:
-    """Refuse a TP size that does not split the heads evenly (checked before loading weights)."""
+    """Refuse a TP size that does not split the heads, the MLP or the vocabulary evenly (checked
+    before loading weights: the vocab-parallel ops need equal shards)."""
     if tp == 1:
         return
     tp_plan(hf_config.model_type)
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    inter = hf_config.intermediate_size
     for name, n in (
         ("num_attention_heads", heads),
         ("num_key_value_heads", kv),
-        ("intermediate_size", inter),
+        ("intermediate_size", hf_config.intermediate_size),
+        ("vocab_size (the lm_head width)", hf_config.vocab_size),
     ):
         if n % tp:
             raise ValueError(f"{where}: tp={tp} does not divide {name}={n}")
+
+
+def check_cp(hf_config, cp: int, *, where: str) -> None:
+    """Refuse CP for a model whose attention cannot be sequence-sharded by `trainer.cp_attention`
+    (before loading weights): one without a plan here (its attention may not go through
+    transformers' attention interface), or one with attention-logit softcapping (SDPA has none)."""
+    if cp == 1:
+        return
+    if hf_config.model_type not in TP_PLANS:
+        raise ValueError(
+            f"{where}: cp={cp} needs attention through transformers' attention interface with "
+            f"global position ids; model_type {hf_config.model_type!r} is not known to do that "
+            f"(known: {sorted(TP_PLANS)})"
+        )
+    if getattr(hf_config, "attn_logit_softcapping", None):
+        raise ValueError(
+            f"{where}: cp={cp} runs attention with SDPA, which has no attention-logit "
+            f"softcapping (attn_logit_softcapping={hf_config.attn_logit_softcapping})"
+        )
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -169,9 +165,36 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def shard_vocab(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The lm_head column-parallel with vocab-sharded DTensor logits, the input embedding
+    row-parallel (vocabulary rows), one shared parameter when the two are tied (module doc)."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no lm_head to shard over the vocabulary")
+    tied = head.weight is emb.weight
+    styles = {
+        _module_name(model, emb): RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        ),
+        # left a DTensor: the loss reads its placement and unwraps the local shard
+        _module_name(model, head): ColwiseParallel(
+            output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    parallelize_module(model, tp_mesh, styles)
+    if tied:
+        # the lm_head was distributed from the old plain weight: point it at the embedding's
+        # DTensor again (same [V, H] rows per rank: both styles shard dim 0)
+        head.weight = emb.weight
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> list[str]:
-    """Shard attention and MLP of every decoder layer over `tp_mesh` (embeddings, norms and the
-    lm_head stay whole). Returns the names of the parameters whose gradients need
+    """Shard attention and MLP of every decoder layer over `tp_mesh`, and the vocabulary
+    (`shard_vocab`); norms stay whole. Returns the names of the parameters whose gradients need
     `sync_replicated_grads` (names, because FSDP replaces the parameter objects later)."""
     if tp_mesh.size() == 1:
         return []
@@ -179,24 +202,54 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> lis
     replicated = tuple(f".{path}." for path, v in plan.items() if v == "replicated_grad")
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, styles)
+    shard_vocab(model, tp_mesh)
     return [n for n, _ in model.named_parameters() if any(r in n for r in replicated)]
+
+
+def apply_cp(model: nn.Module, cp_size: int) -> None:
+    """Attention through `trainer.cp_attention` (a no-op at cp = 1, so that path keeps SDPA
+    untouched). The function falls back to plain SDPA for whole-sequence forwards (eval)."""
+    if cp_size == 1:
+        return
+    check_cp(model.config, cp_size, where=type(model).__name__)
+    cp_attention.register()
+    model.set_attn_implementation(cp_attention.CP_ATTENTION)
+
+
+@contextlib.contextmanager
+def gathered_logits(model: nn.Module):
+    """Within the block the lm_head returns whole logits (eval only: the scorer asks for a few
+    positions' rows, bounded by its ``max_logits``; no gradient). Outside, and in training,
+    they stay vocab-sharded."""
+    head = model.get_output_embeddings()
+
+    def full(module, inputs, out):
+        return out.full_tensor() if isinstance(out, DTensor) else out
+
+    handle = head.register_forward_hook(full) if head is not None else None
+    try:
+        yield model
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def apply_fsdp(
     model: nn.Module,
-    dp_mesh: DeviceMesh,
+    fsdp_mesh: DeviceMesh,
     *,
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """FSDP2 over `dp_mesh`: one unit per decoder layer, then the root (embeddings, final norm,
-    lm_head). Gradients are summed, not averaged, over the dp ranks (see the module doc)."""
+    """FSDP2 over `fsdp_mesh` (dp, or dp x cp flattened): one unit per decoder layer, then the
+    root (embeddings, final norm, lm_head). Gradients are summed, not averaged, over its ranks
+    (see the module doc)."""
     for layer in decoder_layers(model):
         fully_shard(
-            layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+            layer, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
         )
     fully_shard(
-        model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
     )
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -243,10 +296,3 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
         for grads in groups.values():
             torch._foreach_mul_(grads, coef)
     return total
-
-
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum `t` over `group` in place (a no-op for a group of one) and return it."""
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t

@@ -1,10 +1,11 @@
 """Checks that run before any model loads: files, tokenizers, fingerprints, layouts.
 
 A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
-with another tokenizer, a TP size that does not split the heads, a same-tokenizer loss on a
-pair with different tokenizers, a damaged shard or checkpoint) fails here, in seconds, with a
-message that names the file and the field. Only tokenizers, shard metadata, projection tables
-and config.json files are read, plus, to verify them, the shard files (``data.verify``:
+with another tokenizer, a TP size that does not split the heads or the vocabulary, a model
+whose attention cannot be sequence-sharded under CP, a same-tokenizer loss on a pair with
+different tokenizers, a damaged shard or checkpoint) fails here, in seconds, with a message
+that names the file and the field. Only tokenizers, shard metadata, projection tables and
+config.json files are read, plus, to verify them, the shard files (``data.verify``:
 `first_open` and `preflight` both hash them here, as the row-length scan maps every file) and
 the checkpoint to resume from (`trainer.checkpoint.find_resume`).
 """
@@ -85,10 +86,11 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
 
     student_hf = models.model_config(cfg.model)
-    try:
-        parallel.check_tp(student_hf, cfg.parallel.tp, where="model")
-    except ValueError as e:
-        raise ConfigError(f"config parallel.tp: {e}") from None
+    for key, check in (("tp", parallel.check_tp), ("cp", parallel.check_cp)):
+        try:
+            check(student_hf, getattr(cfg.parallel, key), where="model")
+        except ValueError as e:
+            raise ConfigError(f"config parallel.{key}: {e}") from None
     student_rows = int(student_hf.vocab_size)
     if student_rows < student.vocab_size:
         raise ConfigError(

@@ -1,21 +1,29 @@
 """The training loop: the verbs forward_backward_step, train_step, train, state_dict, load_state_dict.
 
-Build order (`Trainer.__init__`): process group and mesh -> data -> student (TP plan, then
-FSDP2) -> optimizer and LR schedule -> teacher channels (a worker process per rank, or
-in-process, or an offline cache read in place of the teacher) -> resume. Every file and fingerprint check ran before, in `trainer.preflight`.
+Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
+(TP plan, CP attention, then FSDP2) -> optimizer and LR schedule -> teacher channels (a worker
+process per rank, or in-process, or an offline cache read in place of the teacher) -> resume.
+Every file and fingerprint check ran before, in `trainer.preflight`.
 
 The loss invariant, where it holds: each term is a local SUM divided by the GLOBAL count of its
-step (summed over the step's microbatches and all-reduced over the data-parallel ranks, never
-over tensor-parallel ones), known before the first backward of the step because counts depend
-on the batch only. FSDP sums (does not average) gradients, so the result is the gradient of the
-global mean, for any microbatch split and any dp size.
+step (summed over the step's microbatches and all-reduced over the data- and context-parallel
+ranks, never over tensor-parallel ones, which hold the same terms), known before the first
+backward of the step because counts depend on the batch only. FSDP sums (does not average)
+gradients over dp x cp, so the result is the gradient of the global mean, for any microbatch
+split and any dp, cp or tp size.
+
+Layouts (`forward`): every rank of a dp group reads the same microbatch, whole; its student
+forward sees this CP rank's positions of every row (load-balanced layout, global position ids)
+and returns this TP rank's vocabulary shard of the logits, [B, T / cp, V / tp]. The losses take
+that local block with the TP group and a `CPContext`; the teachers ran the whole rows.
 
 The teacher runs ahead: microbatches are drawn from the data stream into a small queue and
 submitted to the teacher channels as soon as a slot is free, so the teacher's forward on the
 next microbatch overlaps the student's step on this one. A checkpoint records the data position
 before the first queued-but-unused microbatch.
 
-Legend: B rows, T student positions, V student vocabulary (lm_head width).
+Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
+(lm_head width; V / tp of it on this rank).
 """
 
 from __future__ import annotations
@@ -34,8 +42,12 @@ from pipelines import integrity
 from trainer import checkpoint as ckpt
 from trainer import models, optim, parallel, report
 from trainer.config import TrainConfig
-from trainer.data import IGNORE, MicrobatchLoader, ShardReader, ShardStream, pad_id
+from trainer.cp_attention import model_inputs
+from trainer.data import IGNORE, Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
+from trainer.distributed import CPContext, build_mesh
+from trainer.distributed.collectives import group_size
+from trainer.distributed.dtensor import unwrap_vocab_sharded
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.losses.teacher_outputs import TeacherOutputs
 from trainer.metrics import (
@@ -76,8 +88,8 @@ class Trainer:
         self.rank, self.world = parallel.init_distributed(self.device)
         if cfg.parallel.threads:
             torch.set_num_threads(cfg.parallel.threads)
-        dp, tp = cfg.parallel.mesh_shape(self.world)
-        self.mesh = parallel.build_mesh(self.device, dp=dp, tp=tp)
+        dp, cp, tp = cfg.parallel.mesh_shape(self.world)
+        self.mesh = build_mesh(self.device, dp=dp, cp=cp, tp=tp)
         self.run_dir = Path(cfg.run_dir)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
@@ -86,12 +98,12 @@ class Trainer:
         self.skipped_steps = 0  # non-finite steps skipped (optim.skip_nonfinite)
         self._closers: list[Any] = []
         try:
-            self._build(cfg, prepared, tp)
+            self._build(cfg, prepared)
         except BaseException:
             self.close()  # teacher workers and shared memory must not outlive a failed build
             raise
 
-    def _build(self, cfg: TrainConfig, prepared: Prepared, tp: int) -> None:
+    def _build(self, cfg: TrainConfig, prepared: Prepared) -> None:
         # data: this dp rank's share of the shards
         reader = ShardReader(prepared.shards, max_student_tokens=cfg.data.max_student_tokens)
         stream = ShardStream(
@@ -115,20 +127,22 @@ class Trainer:
         mult = cfg.data.pad_to_multiple
         teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
-        # student: TP plan, then FSDP2
+        # student: TP plan, CP attention, then FSDP2
         self.model = models.build_model(cfg.model, device=self.device)
         self.vocab_V = models.vocab_width(self.model)
         self.vocab_used = prepared.student_tok.vocab_size
         self.model.train()
+        tp = self.mesh.tp_size
         plan = parallel.tp_plan(self.model.config.model_type) if tp > 1 else {}
-        self.replicated_grads = parallel.apply_tp(self.model, self.mesh.tp, plan)
+        self.replicated_grads = parallel.apply_tp(self.model, self.mesh.tp_mesh, plan)
+        parallel.apply_cp(self.model, self.mesh.cp_size)
         mp = MixedPrecisionPolicy(
             param_dtype=models.torch_dtype(cfg.parallel.param_dtype),
             reduce_dtype=models.torch_dtype(cfg.parallel.reduce_dtype),
         )
         parallel.apply_fsdp(
             self.model,
-            self.mesh.dp,
+            self.mesh.fsdp_mesh,
             mp_policy=mp,
             reshard_after_forward=cfg.parallel.reshard_after_forward,
         )
@@ -208,6 +222,22 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # the verbs
 
+    def cp_context(self, mb: Microbatch) -> CPContext | None:
+        """What the losses need to know of this rank's CP share of `mb` (None at cp = 1)."""
+        if self.mesh.cp_size == 1:
+            return None
+        return CPContext(self.mesh.cp, mb.input_ids_BT.shape[1])
+
+    def forward(self, mb: Microbatch) -> torch.Tensor:
+        """The student's logits on this rank, [B, L, V / tp]: its CP positions of every row
+        (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns
+        a DTensor sharded on the vocabulary; only its local shard leaves here (the unwrap
+        checks the placement), so full-vocabulary logits never exist on one rank."""
+        rows = mb.student_rows(cp_size=self.mesh.cp_size, cp_rank=self.mesh.cp_rank)
+        kw = model_inputs(rows, group=self.mesh.cp)
+        logits_BLV, _ = unwrap_vocab_sharded(self.model(**kw, use_cache=False).logits)
+        return logits_BLV
+
     def forward_backward_step(
         self,
         q: Queued,
@@ -220,16 +250,15 @@ class Trainer:
         ``[ce, kd_0.., total, missed_0..]`` (each term's share of the step loss: local sum /
         global count; each KD term's |count - pre-count|) and the losses' own metric sums."""
         mb = q.mb
-        logits_BTV = self.model(
-            input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT, use_cache=False
-        ).logits
+        logits_BLV = self.forward(mb)
+        par = {"tp_group": self.mesh.tp, "cp": self.cp_context(mb)}
         if self.kd_terms and self.cfg.loss.ce_weight == 0:
             with torch.no_grad():  # CE is always reported, but needs no graph here
-                ce_out = ce_term(logits_BTV.detach(), mb, vocab_size=self.vocab_used)
+                ce_out = ce_term(logits_BLV.detach(), mb, vocab_size=self.vocab_used, **par)
         else:
-            ce_out = ce_term(logits_BTV, mb, vocab_size=self.vocab_used)
+            ce_out = ce_term(logits_BLV, mb, vocab_size=self.vocab_used, **par)
         kd_outs = [
-            term.loss(logits_BTV, outs, q.prep[i])
+            term.loss(logits_BLV, outs, q.prep[i], **par)
             for i, (term, outs) in enumerate(zip(self.kd_terms, teacher_outputs))
         ]
         total, parts = combine_terms(
@@ -255,24 +284,32 @@ class Trainer:
 
     def _step_counts(self, step: list[Queued]) -> tuple[torch.Tensor, list[list[int]]]:
         """This rank's [ce, kd_0.., tokens] over the step (on the device, not read back) and
-        each microbatch's KD pre-counts (`KDTerm.count`: host ints)."""
-        pre = [[t.count(p) for t, p in zip(self.kd_terms, q.prep)] for q in step]
+        each microbatch's KD pre-counts (`KDTerm.count`: host ints). Under CP each rank counts
+        the positions and chunk terms it computes, so the sum over dp and cp is the global
+        count; TP ranks count alike and are never summed."""
+        cps = [self.cp_context(q.mb) for q in step]
+        pre = [[t.count(p, cp) for t, p in zip(self.kd_terms, q.prep)] for q, cp in zip(step, cps)]
         local = torch.zeros(2 + len(self.kd_terms), dtype=torch.float64, device=self.device)
-        local[0] = sum((q.mb.targets_BT != IGNORE).sum() for q in step)
+
+        def mine(x_BT: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
+            return x_BT if cp is None else cp.shard(x_BT)
+
+        local[0] = sum((mine(q.mb.targets_BT, cp) != IGNORE).sum() for q, cp in zip(step, cps))
         for j in range(len(self.kd_terms)):
             # a scalar fill: copying a host tensor over would wait for the device
             local[1 + j] = sum(row[j] for row in pre)
-        local[-1] = sum(q.mb.attention_mask_BT.sum() for q in step)
+        local[-1] = sum(mine(q.mb.attention_mask_BT, cp).sum() for q, cp in zip(step, cps))
         return local, pre
 
     def _loss_sum_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
-        """The names of the losses' metric sums on any dp rank, in one order (they may differ:
-        xtoken has a chain sum only where multi-token chunks occurred); swapped as host objects
-        on logging steps only, then reduced with the losses in one tensor all-reduce."""
-        if not self.kd_terms or self.mesh.dp_size == 1:
+        """The names of the losses' metric sums on any dp or cp rank, in one order (they may
+        differ: xtoken has a chain sum only where multi-token chunks occurred); swapped as host
+        objects on logging steps only, then reduced with the losses in one tensor all-reduce."""
+        n = group_size(self.mesh.dp_cp)
+        if not self.kd_terms or n == 1:
             return sorted(sums)
-        every: list[list[str]] = [[] for _ in range(self.mesh.dp_size)]
-        dist.all_gather_object(every, sorted(sums), group=self.mesh.dp_group)
+        every: list[list[str]] = [[] for _ in range(n)]
+        dist.all_gather_object(every, sorted(sums), group=self.mesh.dp_cp)
         return sorted(set().union(*every))
 
     def train_step(self, *, log: bool = True) -> dict[str, float] | None:
@@ -287,7 +324,7 @@ class Trainer:
         step = self.feed.peek(n_mb)
         # every term's global count, known before the first backward: [ce, kd_0.., tokens]
         local, precounts = self._step_counts(step)
-        counts = parallel.all_reduce_sum(local, self.mesh.dp_group)
+        counts = self.mesh.sum_over_tokens_(local)  # over dp and cp, never tp
         shares = torch.zeros(2 + 2 * n_terms, dtype=torch.float64, device=self.device)
         sums: dict[str, torch.Tensor] = {}
         teacher_s = 0.0
@@ -307,7 +344,7 @@ class Trainer:
             finally:
                 for r in received:
                     r.release()
-        parallel.sync_replicated_grads(self.model, self.replicated_grads, self.mesh.tp_group)
+        parallel.sync_replicated_grads(self.model, self.replicated_grads, self.mesh.tp)
         grad_norm = parallel.clip_grad_norm_(
             list(self.model.parameters()), self.cfg.optim.grad_clip
         )
@@ -315,7 +352,7 @@ class Trainer:
         if names:
             zero = shares.new_zeros(())
             shares = torch.cat([shares, torch.stack([sums.get(k, zero) for k in names])])
-        parallel.all_reduce_sum(shares, self.mesh.dp_group)
+        self.mesh.sum_over_tokens_(shares)
         nums = read_step(shares, counts, grad_norm, n_terms=n_terms, names=names)
         self._check_counts(nums, step)
         lr = self.scheduler.get_last_lr()[0]
@@ -374,17 +411,20 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Held-out bits per byte of the student (same texts on every rank: FSDP collectives
-        need every rank to run the same number of forwards)."""
-        if self.eval_rows:
-            rows = [(r["student_ids"], r["train"], r["trained_bytes"]) for r in self.eval_rows]
-            return self._trained_bpb(self.model, rows, vocab_size=self.vocab_used)
-        res = evaluate_bpb(
-            self.model,
-            self.prep.student_tok,
-            self.eval_texts,
-            batch_size=self.cfg.eval.batch_size,
-            device=self.device,
-        )
+        need every rank to run the same number of forwards). Whole sequences on every rank (the
+        CP attention falls back to SDPA) and whole logits (TP): at the scored positions for
+        text, for the microbatch's rows on conversations (as in training)."""
+        with parallel.gathered_logits(self.model):
+            if self.eval_rows:
+                rows = [(r["student_ids"], r["train"], r["trained_bytes"]) for r in self.eval_rows]
+                return self._trained_bpb(self.model, rows, vocab_size=self.vocab_used)
+            res = evaluate_bpb(
+                self.model,
+                self.prep.student_tok,
+                self.eval_texts,
+                batch_size=self.cfg.eval.batch_size,
+                device=self.device,
+            )
         return float(res["bpb"])
 
     def _trained_bpb(self, model, rows, *, vocab_size: int) -> float:

@@ -118,3 +118,23 @@ def test_nccl_tp2_cp2_ops():
     per_rank = spawn(_nccl_worker, world_size=2, backend="nccl", timeout_s=120.0)
     errors = [e for r in per_rank for e in r]
     assert not errors, "\n".join(errors)
+
+
+def test_cp_attention_function_on_cuda_single_rank():
+    """The CP attention function's own path (global-position mask, per-piece SDPA, the K/V
+    all-gather of a group of one) on CUDA against transformers' SDPA on the same model."""
+    from tests.tiny import tiny_llama
+    from trainer import cp_attention
+
+    ref = tiny_llama(64).cuda()
+    model = tiny_llama(64).cuda()
+    cp_attention.register()
+    model.set_attn_implementation(cp_attention.CP_ATTENTION)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    cp = cp_attention.CPAttention.build(None, seq_len=16, cp_size=1, cp_rank=0, device="cuda")
+    kw = {"position_ids": cp.positions_L.expand(2, -1), "attention_mask": cp.allowed_11LT}
+    got = model(input_ids=ids, cp_attention=cp, use_cache=False, **kw).logits
+    want = ref(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, **TOL)
+    # without the keyword the same model is plain SDPA (eval, sampling)
+    torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want, **TOL)

@@ -161,9 +161,13 @@ def test_the_trainer_runs_only_kd_topk_with_the_teachers_support(student_dir, tm
 
 def test_mesh_shape_must_match_the_world():
     cfg = load_config(["parallel.tp=2"])
-    assert cfg.parallel.mesh_shape(4) == (2, 2)
+    assert cfg.parallel.mesh_shape(4) == (2, 1, 2)
     with pytest.raises(ConfigError, match="must equal the world size 3"):
         cfg.parallel.mesh_shape(3)
+    cfg = load_config(["parallel.tp=2", "parallel.cp=2"])
+    assert cfg.parallel.mesh_shape(8) == (2, 2, 2)
+    with pytest.raises(ConfigError, match="cp=2 x tp=2 must equal the world size 2"):
+        cfg.parallel.mesh_shape(2)
 
 
 # --- preflight: real tokenizers, synthetic shards ---------------------------------------------

@@ -3,8 +3,10 @@
 Plain local tensors plus explicit process groups; a group of `None` is world size 1, so the
 single-process path is the same code. Module map:
 
-- `collectives`: group helpers, `ParallelGroups`, differentiable all-reduces for the two
-  objective conventions (replicated over TP, summed over CP/DP), `global_count`.
+- `collectives`: group helpers, differentiable all-reduces for the two objective conventions
+  (replicated over TP, summed over CP/DP), `global_count`.
+- `mesh`: `ParallelGroups`, the one model of a rank's TP / CP / DP groups, and `build_mesh`
+  (the trainer's (dp_shard, cp, tp) device mesh).
 - `vocab_parallel`: logsumexp, log-softmax, softmax, gather at global ids, target log-probs
   (temperature, top-k/top-p), global top-k - chunked autograd Functions.
 - `vocab_parallel_xent`: entropy and soft-target cross entropy.
@@ -17,13 +19,7 @@ single-process path is the same code. Module map:
 """
 
 from trainer.distributed.all_to_all import seq_to_vocab_parallel, vocab_to_seq_parallel
-from trainer.distributed.collectives import (
-    SINGLE,
-    ParallelGroups,
-    all_reduce_sum,
-    global_count,
-    reduce_from_tp,
-)
+from trainer.distributed.collectives import all_reduce_sum, global_count, reduce_from_tp
 from trainer.distributed.context_parallel import (
     CPContext,
     cp_all_gather,
@@ -36,6 +32,7 @@ from trainer.distributed.context_parallel import (
     next_token_targets,
     to_cp_layout,
 )
+from trainer.distributed.mesh import SINGLE, ParallelGroups, build_mesh
 from trainer.distributed.packed import packed_cp_positions, packed_logprobs
 from trainer.distributed.vocab_parallel import (
     vp_gather,
@@ -52,6 +49,7 @@ __all__ = [
     "SINGLE",
     "ParallelGroups",
     "all_reduce_sum",
+    "build_mesh",
     "cp_all_gather",
     "cp_local_rows",
     "cp_positions",

@@ -13,15 +13,14 @@ Why two conventions: the three kinds of groups mean different things for the obj
 
 `global_count` is the one divisor of the loss: counts all-reduced over DP and CP ranks only. TP
 ranks hold copies of the same tokens, so summing counts over TP would under-weight the loss by
-1/TP (a known bug of NeMo RL's KD path, which all-reduces over the whole world).
+1/TP (a known bug of NeMo RL's KD path, which all-reduces over the whole world). The groups
+themselves are modelled once, by `mesh.ParallelGroups`.
 
 A group of `None` (or torch.distributed not initialised) means world size 1: every helper is then
 a plain local op, so single-process code runs the very same path.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -126,48 +125,3 @@ def global_count(
     all_reduce_(total, dp_group)
     all_reduce_(total, cp_group)
     return total
-
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    """The process groups one rank's loss sees; `None` = that dimension has size 1.
-
-    `tp`: ranks sharing tokens, vocab split (replicated objective). `cp`: ranks splitting each
-    sequence (load-balanced layout). `dp`: ranks holding different sequences.
-    """
-
-    tp: Group = None
-    cp: Group = None
-    dp: Group = None
-
-    @property
-    def tp_size(self) -> int:
-        return group_size(self.tp)
-
-    @property
-    def tp_rank(self) -> int:
-        return group_rank(self.tp)
-
-    @property
-    def cp_size(self) -> int:
-        return group_size(self.cp)
-
-    @property
-    def cp_rank(self) -> int:
-        return group_rank(self.cp)
-
-    @property
-    def dp_size(self) -> int:
-        return group_size(self.dp)
-
-    @property
-    def dp_rank(self) -> int:
-        return group_rank(self.dp)
-
-    def global_count(self, count: torch.Tensor | int | float) -> torch.Tensor:
-        """`global_count(count, dp_group=self.dp, cp_group=self.cp)`."""
-        return global_count(count, dp_group=self.dp, cp_group=self.cp)
-
-
-SINGLE = ParallelGroups()
-"""World size 1 in every dimension: the single-process path."""

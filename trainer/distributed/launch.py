@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.distributed.collectives import ParallelGroups
+from trainer.distributed.mesh import ParallelGroups
 
 
 def _worker(

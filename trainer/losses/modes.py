@@ -30,7 +30,8 @@ one count; their teacher then also ships ``target_logprob`` (`LossMode.spec_for`
 Adding a mode is its loss module plus one record in `MODES`. ``ce`` is a record too (no
 teacher, no options): the student's own cross entropy, computed by the loop on every step.
 
-Legend: B rows, T student positions, V student lm_head width.
+Legend: B rows, T student positions (whole rows), L of them on this CP rank (T at cp = 1), V
+student lm_head width (its local shard under TP).
 """
 
 from __future__ import annotations
@@ -39,19 +40,23 @@ import dataclasses
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from trainer.losses.alm import AlmConfig, alm, alm_teacher_spec
 from trainer.losses.base import LossOutput, OptionError
+from trainer.losses.context import complete_chunks, owned_rows
 from trainer.losses.gold import GoldConfig, GoldTables, gold, gold_teacher_spec
 from trainer.losses.kd_topk import KDTopKConfig, kd_topk, kd_topk_teacher_spec
-from trainer.losses.segments import AlignedBatch, index_chunks
+from trainer.losses.segments import AlignedBatch, ChunkIndex, index_chunks
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.losses.turns import ChunkSplit, eot, split_chunks, with_turns
 from trainer.losses.xtoken import XTokenConfig, XTokenTables, xtoken, xtoken_teacher_spec
+
+if TYPE_CHECKING:  # trainer.distributed is imported lazily (see vocab_ops)
+    from trainer.distributed import CPContext
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,16 @@ class LossMode:
     Signatures: ``tables(projection, *, teacher_vocab_size, student_vocab_size)``;
     ``teacher_spec(options, tables, *, teacher_vocab_size) -> TeacherOutputSpec``;
     ``columns(tables) -> Tensor | None``; ``prepare(aligned, targets_BT) -> prep``;
-    ``count(prep) -> int``; ``loss(logits_BTV, outputs, prep, *, tables, vocab_size, config)
-    -> LossOutput`` (``config``: the options, as the loss functions name them);
-    ``teacher_rows(prep, width) -> [B, width] bool`` (the teacher positions read);
+    ``count(prep, cp) -> int``; ``loss(logits_BLV, outputs, prep, *, tables, vocab_size,
+    config, tp_group, cp) -> LossOutput`` (``config``: the options, as the loss functions name
+    them); ``teacher_rows(prep, width) -> [B, width] bool`` (the teacher positions read);
     ``check(options)`` refuses what the trainer cannot run (yet).
+
+    Parallel layouts: ``prepare`` sees whole rows; ``logits_BLV`` are this rank's positions (the
+    CP layout) and vocabulary shard (TP: ``tp_group``); ``cp`` is a `CPContext` over the whole
+    rows, or None at cp = 1. ``count`` counts the terms THIS rank's ``loss`` will count, so the
+    loop's global count is their sum over dp and cp ranks (never over tp, whose ranks hold the
+    same terms).
     """
 
     name: str
@@ -80,7 +91,7 @@ class LossMode:
     teacher_spec: Callable[..., TeacherOutputSpec] | None = None  # None: no teacher (ce)
     columns: Callable[[Any], Tensor | None] = lambda tables: None
     prepare: Callable[[AlignedBatch, Tensor], Any] | None = None
-    count: Callable[[Any], int] | None = None
+    count: Callable[[Any, CPContext | None], int] | None = None
     loss: Callable[..., LossOutput] | None = None
     check: Callable[[Any], None] | None = None
     no_cache: str | None = None
@@ -169,6 +180,37 @@ def _position_rows(mask_BT: Tensor, width: int) -> Tensor:
     return rows
 
 
+def _position_count(mask_BT: Tensor, cp: CPContext | None = None) -> int:
+    # the distilled positions this CP rank holds
+    return int((mask_BT if cp is None else cp.shard(mask_BT)).sum())
+
+
+def _chunk_count(term_row: str) -> Callable[[ChunkIndex, CPContext | None], int]:
+    """The complete chunks (both sides present and predicted) whose term this CP rank computes:
+    the holder of the student row the mode evaluates the chunk at (``start``: the row predicting
+    its first token, xtoken and alm; ``last``: the row predicting its last token, gold)."""
+
+    def count(index: ChunkIndex, cp: CPContext | None = None) -> int:
+        chunks = complete_chunks(index)[0]
+        if cp is None or cp.size == 1:
+            return int(chunks.numel())
+        rows = getattr(index.student, f"{term_row}_rows")()[chunks]
+        return int(owned_rows(rows, cp)[1].sum())
+
+    return count
+
+
+def _split_count(term_row: str) -> Callable[[ChunkSplit, CPContext | None], int]:
+    """A chunk mode's count over a `ChunkSplit`: its text chunks at ``term_row`` and the
+    end-of-turn pairs at their start rows (where `eot` counts them)."""
+    text, turns = _chunk_count(term_row), _chunk_count("start")
+
+    def count(split: ChunkSplit, cp: CPContext | None = None) -> int:
+        return text(split.text, cp) + (0 if split.turns is None else turns(split.turns, cp))
+
+    return count
+
+
 def _chunk_split(aligned: AlignedBatch, targets_BT: Tensor) -> ChunkSplit:
     # the chunks every chunk mode keeps: both sides present and predicted, and trained
     return split_chunks(index_chunks(aligned), targets_BT)
@@ -203,14 +245,25 @@ def _teacher_support_only(options: KDTopKConfig) -> None:
         )
 
 
-def _kd_topk_loss(logits_BTV, outs: TeacherOutputs, mask_BT, *, tables, vocab_size, config):
-    # same tokenizer: the teacher's rows may be padded wider than the student's
-    outs = outs.narrow_t(0, logits_BTV.shape[1])
-    return kd_topk(logits_BTV, outs, mask_BT, vocab_size=vocab_size, config=config)
+def _kd_topk_loss(
+    logits_BLV, outs: TeacherOutputs, mask_BT, *, tables, vocab_size, config, tp_group=None, cp=None
+):
+    # same tokenizer: the teacher's rows may be padded wider than the student's; under CP the
+    # student holds its own positions of them (the teacher ran the whole rows)
+    outs = outs.narrow_t(0, mask_BT.shape[1])
+    if cp is not None:
+        outs, mask_BT = outs.cp_shard(cp), cp.shard(mask_BT)
+    return kd_topk(
+        logits_BLV, outs, mask_BT, vocab_size=vocab_size, config=config, tp_group=tp_group
+    )
 
 
-def _alm_loss(logits_BTV, outs: TeacherOutputs, index, *, tables, vocab_size, config, **kw):
-    return alm(logits_BTV, outs, index, vocab_size=vocab_size, config=config, **kw)
+def _alm_loss(
+    logits_BLV, outs: TeacherOutputs, index, *, tables, vocab_size, config, tp_group=None, cp=None
+):
+    return alm(
+        logits_BLV, outs, index, vocab_size=vocab_size, config=config, tp_group=tp_group, cp=cp
+    )
 
 
 def _xtoken_tables(projection, *, teacher_vocab_size: int, student_vocab_size: int):
@@ -239,7 +292,7 @@ MODES: dict[str, LossMode] = {
         same_tokenizer=True,
         teacher_spec=_without_tables(kd_topk_teacher_spec),
         prepare=_position_mask,
-        count=lambda mask_BT: int(mask_BT.sum()),
+        count=_position_count,
         loss=_kd_topk_loss,
         check=_teacher_support_only,
         teacher_rows=_position_rows,
@@ -251,7 +304,7 @@ MODES: dict[str, LossMode] = {
         tables=_xtoken_tables,
         teacher_spec=_without_tables(xtoken_teacher_spec),
         prepare=_chunk_split,
-        count=ChunkSplit.count,
+        count=_split_count("start"),
         loss=_chunk_mode(xtoken),
         teacher_rows=_chunk_rows,
         chunked=True,
@@ -264,7 +317,7 @@ MODES: dict[str, LossMode] = {
         teacher_spec=gold_teacher_spec,
         columns=_gold_columns,
         prepare=_chunk_split,
-        count=ChunkSplit.count,
+        count=_split_count("last"),
         loss=_chunk_mode(gold),
         teacher_rows=_chunk_rows,
         chunked=True,
@@ -280,7 +333,7 @@ MODES: dict[str, LossMode] = {
         AlmConfig,
         teacher_spec=_without_tables(alm_teacher_spec),
         prepare=_chunk_split,
-        count=ChunkSplit.count,
+        count=_split_count("start"),
         loss=_chunk_mode(_alm_loss),
         teacher_rows=_chunk_rows,
         chunked=True,

@@ -138,6 +138,11 @@ class TeacherOutputs:
         """Views of positions [start, start + length) (to fill a slot chunk by chunk)."""
         return TeacherOutputs(**{k: v.narrow(1, start, length) for k, v in self.tensors().items()})
 
+    def cp_shard(self, cp) -> TeacherOutputs:
+        """This context-parallel rank's positions (`CPContext.shard` on dim 1): per-position
+        outputs of whole rows, re-laid out for a student that holds T / CP of them."""
+        return TeacherOutputs(**{k: cp.shard(v, dim=1) for k, v in self.tensors().items()})
+
     def to(self, device) -> TeacherOutputs:
         return TeacherOutputs(**{k: v.to(device) for k, v in self.tensors().items()})
 

@@ -8,6 +8,20 @@ the loss reads (top-k + tail, columns, the realised next token's log-prob). ``te
 is that computation on a model already loaded, applying the lm_head a chunk of positions at a
 time, so [B, U, V_teacher] fp32 logits never exist at once (262,144 columns for Gemma).
 
+Under tensor parallelism (``tp > 1``, over the teachers' own process group) the lm_head is
+column-parallel too (`parallel.apply_tp`): each teacher rank holds [B, chunk, V_teacher / tp]
+logits, and the outputs are computed on that shard with the TP group (`teacher_outputs_from_
+logits(tp_group=)`): top-k over the sharded vocabulary (local top-k, candidates gathered),
+logZ by a distributed logsumexp, projected / exact-map columns gathered at their global ids,
+tail and rest masses as distributed logsumexps. What every TP rank then holds, and ships, is
+the same small per-position record as at tp = 1; the full teacher logits are never gathered.
+
+Layouts: the teacher ranks of a TP group may serve student ranks with different microbatches
+(another dp or cp layout than the student's): each call gathers the group's inputs, runs them
+all, and keeps its own rows, so the student receives its rows whatever the two layouts. A
+teacher runs whole rows; a context-parallel student takes its own positions of them
+(`TeacherOutputs.cp_shard`, for the per-position modes).
+
 The program is a ``TeacherProgram`` (`trainer.teacher.worker`): picklable and light until
 ``setup``, which loads the model where the program runs.
 
@@ -25,6 +39,8 @@ import torch.distributed as dist
 
 from trainer import models, parallel
 from trainer.config import TeacherConfig
+from trainer.distributed import build_mesh
+from trainer.distributed.dtensor import unwrap_vocab_sharded
 from trainer.losses.segments import shift_targets
 from trainer.losses.teacher_outputs import (
     TeacherOutputs,
@@ -100,9 +116,9 @@ class TeacherModelProgram:
             if not dist.is_initialized():
                 raise RuntimeError(f"teacher {self.model_cfg.name}: tp={tp} needs a process group")
             world = dist.get_world_size()
-            mesh = parallel.build_mesh(ctx.device, dp=world // tp, tp=tp)
-            parallel.apply_tp(model, mesh.tp, parallel.tp_plan(model.config.model_type))
-            self._tp_group = mesh.tp_group
+            groups = build_mesh(ctx.device, dp=world // tp, tp=tp)
+            parallel.apply_tp(model, groups.tp_mesh, parallel.tp_plan(model.config.model_type))
+            self._tp_group = groups.tp
         self._model = model
 
     def __getstate__(self) -> dict:
@@ -158,6 +174,14 @@ class TeacherModelProgram:
         return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
 
 
+def _whole_vocab(tp_group) -> None:
+    if tp_group is not None:
+        raise ValueError(
+            "teacher_forward: on_logits reads whole-vocabulary logits, but this teacher's "
+            "lm_head is vocab-sharded (tp > 1); run it at tp=1"
+        )
+
+
 def teacher_forward(
     model,
     ids_BU: torch.Tensor,
@@ -170,14 +194,16 @@ def teacher_forward(
     on_logits=None,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
-    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits).
+    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
+    sharded lm_head (TP) gives DTensor logits: the outputs are computed on the local shard.
 
     ``used_BU`` (bool [B, U]): only those positions get outputs: the model body still runs over
     every token (each position's context), but the lm_head (for Gemma 170M of its 270M
     parameters, 262,144 columns) and the output reductions run on the used rows only, gathered.
     The other positions are filled NaN (ids -1), so a loss that read one would fail loudly.
     ``on_logits``: called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits
-    [B, n, V] (the teacher cache samples ids from them); not with ``used_BU``.
+    [B, n, V] (the teacher cache samples ids from them; whole vocabulary: refused under TP);
+    not with ``used_BU``.
     """
     if on_logits is not None and used_BU is not None:
         raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")
@@ -185,18 +211,23 @@ def teacher_forward(
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if base is None or head is None:
-        logits = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        out = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        logits, tp_group = unwrap_vocab_sharded(out)
         if on_logits is not None:
+            _whole_vocab(tp_group)
             on_logits(0, logits)
-        out = teacher_outputs_from_logits(logits, spec=spec, target_ids_BT=tgt_BU, columns=columns)
+        out = teacher_outputs_from_logits(
+            logits, spec=spec, target_ids_BT=tgt_BU, columns=columns, tp_group=tp_group
+        )
         return out if used_BU is None else _blank_unused(out, used_BU)
     hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
     softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def logits_of(h):
-        logits = head(h)
-        return torch.tanh(logits / softcap) * softcap if softcap else logits
+        """(logits, tp group): this rank's vocabulary shard under TP, softcapped."""
+        logits, group = unwrap_vocab_sharded(head(h))
+        return (torch.tanh(logits / softcap) * softcap if softcap else logits), group
 
     if used_BU is not None and not bool(used_BU.all()):
         return _used_rows_only(
@@ -206,8 +237,9 @@ def teacher_forward(
     U = ids_BU.shape[1]
     for t0 in range(0, U, chunk):
         n = min(chunk, U - t0)
-        logits = logits_of(hidden_BUH[:, t0 : t0 + n])
+        logits, tp_group = logits_of(hidden_BUH[:, t0 : t0 + n])
         if on_logits is not None:
+            _whole_vocab(tp_group)
             on_logits(t0, logits)
         teacher_outputs_from_logits(
             logits,
@@ -215,6 +247,7 @@ def teacher_forward(
             target_ids_BT=None if tgt_BU is None else tgt_BU[:, t0 : t0 + n],
             columns=columns,
             out=out.narrow_t(t0, n),
+            tp_group=tp_group,
         )
     return out
 
@@ -232,12 +265,14 @@ def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, ch
     step = max(1, chunk * B)
     for r0 in range(0, rows.numel(), step):
         n = min(step, rows.numel() - r0)
+        logits, tp_group = logits_of(h_N[:, r0 : r0 + n])
         teacher_outputs_from_logits(
-            logits_of(h_N[:, r0 : r0 + n]),
+            logits,
             spec=spec,
             target_ids_BT=None if t_N is None else t_N[:, r0 : r0 + n],
             columns=c_N[:, r0 : r0 + n] if per_position else c_N,
             out=flat.narrow_t(r0, n),
+            tp_group=tp_group,
         )
     out = allocate_teacher_outputs(spec, B, U, device=hidden_BUH.device)
     for name, dst in out.tensors().items():

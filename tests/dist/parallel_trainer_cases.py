@@ -1,0 +1,294 @@
+"""The trainer under TP, CP and DP, run as `trainer/main.py` runs it (a script, not a test module).
+
+``python tests/dist/parallel_trainer_cases.py SET SHARDS PROJECTION OUT`` (SET = ``ref``, one
+process) or ``python -m torch.distributed.run --nproc_per_node=N ... SET ...`` (SET = ``two``,
+``four``) runs, one after another in one process group, the runs of SET as main() does (config
+-> preflight -> Trainer -> train -> close) and leaves each run's folder (metrics.jsonl,
+checkpoints, export) under OUT/<run>; tests/dist/test_parallel_trainer.py compares them.
+
+Every run sees the same global batch (4 rows per step, 2 microbatches) and distils from four
+tiny same-tokenizer teachers at once, one per loss mode (kd_topk, xtoken, gold, alm: each KD term
+is logged on its own), so one run covers every mode. Probes record, per rank and training
+forward, the logits' local shape and DTensor placement, the decoder activations' length, and
+any module output as wide as the whole vocabulary (``probes/rank<r>.json``). The ``two`` set
+also compares cp = 2 and tp = 2 forwards and gradients of tiny tied Llama and sliding-window
+Gemma 3 models with the whole model (``model_checks.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from pipelines import paths
+from trainer import parallel
+from trainer import train as train_module
+from trainer.config import from_dictconfig
+from trainer.preflight import preflight
+from trainer.train import Trainer
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    # larger weights than HF's 0.02: peaked distributions, so every KD term is O(1) and a
+    # relative tolerance compares real values, not float noise around zero
+    "initializer_range": 0.2,
+}
+MODES = ("kd_topk", "xtoken", "gold", "alm")
+STEPS = 2
+
+
+def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top) -> object:
+    student = str(paths.student_dir())
+    teacher_tp = layout.pop("teacher_tp", 1)
+    teachers = [
+        {
+            "path": student,
+            "init": "random",
+            "seed": 2 + i,
+            "name": mode,
+            "loss": mode,
+            "overrides": TINY,
+            "tp": teacher_tp,
+            "projection": projection if mode in ("xtoken", "gold") else None,
+        }
+        for i, mode in enumerate(MODES)
+    ]
+    d = {
+        "name": Path(run_dir).name,
+        "run_dir": run_dir,
+        "steps": STEPS,
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": student, "init": "random", "seed": 1, "overrides": TINY},
+        "teachers": teachers,
+        "loss": {"mode": "kd_topk", "ce_weight": 1.0, "kd_weight": 0.5},
+        "data": {
+            "shards": shards,
+            "micro_batch_size": layout.pop("mb", 2),
+            "grad_accum": 2,
+            "shuffle_buffer": 0,  # file order: every layout sees the same global batch
+            "max_student_tokens": 64,
+            "eval_fraction": 0.1,
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 1.0},
+        "parallel": {"teacher_placement": "inprocess", **layout},
+        "checkpoint": {"resume": "auto", "save_at_end": False, "export_at_end": False},
+        "eval": {"max_texts": 2, "teacher": False},
+        "logging": {"jsonl": True, "tensorboard": False, "progress": False},
+        **top,
+    }
+    return from_dictconfig(d)
+
+
+def attach_probes(trainer: Trainer, record: list[dict]) -> None:
+    """Per training forward: T, the logits' local shape and placement, the decoder layers'
+    activation length, and the widest module output (local tensors)."""
+    model = trainer.model
+    vocab = trainer.vocab_V
+    state: dict = {"wide": []}
+
+    def any_full_vocab(module, inputs, out):
+        if not model.training:
+            return
+        for o in out if isinstance(out, tuple) else (out,):
+            local = o.to_local() if isinstance(o, DTensor) else o
+            if isinstance(local, torch.Tensor) and local.dim() and local.shape[-1] == vocab:
+                state["wide"].append(type(module).__name__)
+
+    def layer_length(module, inputs, out):
+        if model.training:
+            hidden = out[0] if isinstance(out, tuple) else out
+            state["layer_len"] = int(hidden.shape[1])
+
+    for m in model.modules():
+        m.register_forward_hook(any_full_vocab)
+    parallel.decoder_layers(model)[0].register_forward_hook(layer_length)
+    head = model.get_output_embeddings()
+    head.register_forward_hook(
+        lambda m, i, out: state.update(
+            placement=[str(p) for p in out.placements] if isinstance(out, DTensor) else None
+        )
+    )
+    forward = trainer.forward
+
+    def probed(mb):
+        state["wide"] = []
+        logits = forward(mb)
+        record.append(
+            {
+                "T": int(mb.input_ids_BT.shape[1]),
+                "logits_local": list(logits.shape),
+                "placement": state.get("placement"),
+                "layer_len": state.get("layer_len"),
+                "full_vocab_outputs": sorted(set(state["wide"])),
+                "vocab": vocab,
+            }
+        )
+        return logits
+
+    trainer.forward = probed
+
+
+def run(cfg, out: Path, *, probe: bool = False) -> None:
+    """What trainer/main.py does with a validated config, plus the probes."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    trainer = Trainer(cfg, preflight(cfg, world_size=world))
+    record: list[dict] = []
+    if probe:
+        attach_probes(trainer, record)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if probe:
+        folder = out / Path(cfg.run_dir).name / "probes"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{dist.get_rank()}.json"
+        earlier = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(earlier + record))
+
+
+def runs(which: str) -> dict[str, dict]:
+    """Run name -> {layout, probe, resume}; one process for ``ref``, 2 for ``two``, 4 for
+    ``four``."""
+    if which == "ref":
+        return {"ref": {}}
+    if which == "two":
+        return {
+            "tp2": {"layout": {"tp": 2}, "probe": True},  # teachers at tp=1
+            "cp2": {"layout": {"cp": 2}, "probe": True},  # teachers whole (cp=1)
+            "dp2": {"layout": {"dp_shard": 2, "mb": 1}},
+            # the reverse of tp2: the student whole, every teacher at tp=2 (top-k, columns,
+            # sorted rest and target log-probs from vocab-sharded teacher logits)
+            "dp2_teacher_tp2": {"layout": {"dp_shard": 2, "mb": 1, "teacher_tp": 2}},
+        }
+    if which == "four":
+        # step 1, a checkpoint, then step 2 by a fresh Trainer that resumed from it
+        return {"cp2_tp2": {"layout": {"cp": 2, "tp": 2}, "probe": True, "resume": True}}
+    raise ValueError(f"unknown set {which!r}")
+
+
+def _tiny(kind: str):
+    """A tiny tied-embedding Llama, or a Gemma 3 whose layers alternate sliding (window 5) and
+    full attention, softcapped logits and a scaled embedding: the model-level parts."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}
+    shape.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama":
+        cfg = LlamaConfig(tie_word_embeddings=True, initializer_range=0.2, **shape)
+    else:
+        layers = ["sliding_attention", "full_attention"]
+        cfg = Gemma3TextConfig(sliding_window=5, layer_types=layers, **shape)
+        cfg.final_logit_softcapping = 5.0
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+
+def model_checks() -> dict:
+    """cp = 2 and tp = 2 forwards + backwards of tiny Llama and Gemma 3 models against the whole
+    model in this process: max |difference| / max |reference| of the logits and of every
+    parameter's gradient."""
+    from trainer.cp_attention import model_inputs
+    from trainer.data import Microbatch
+    from trainer.distributed import build_mesh, to_cp_layout
+    from trainer.distributed.dtensor import unwrap_vocab_sharded
+
+    ids_BT = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    w_BTV = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(4))
+    mb = Microbatch(ids_BT, torch.ones_like(ids_BT), ids_BT)
+    out = {}
+    for kind in ("llama", "gemma3"):
+        ref = _tiny(kind)
+        logits_BTV = ref(input_ids=ids_BT, use_cache=False).logits
+        (logits_BTV * w_BTV).sum().backward()
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        # cp = 2: each rank its positions; the objective is the sum of the ranks' terms
+        groups = build_mesh(torch.device("cpu"), dp=1, cp=2, tp=1)
+        model = _tiny(kind)
+        parallel.apply_cp(model, 2)
+        rows = mb.student_rows(cp_size=2, cp_rank=groups.cp_rank)
+        kw = model_inputs(rows, group=groups.cp)
+        local = model(**kw, use_cache=False).logits
+        w_local = to_cp_layout(w_BTV, cp_size=2, cp_rank=groups.cp_rank)
+        (local * w_local).sum().backward()
+        diff = {
+            "logits": float(
+                (local - to_cp_layout(logits_BTV, cp_size=2, cp_rank=groups.cp_rank)).abs().max()
+            )
+        }
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=groups.cp)
+            diff[n] = _rel(p.grad, want[n])
+        out[f"{kind}_cp2"] = diff
+        # tp = 2: vocab-sharded logits (DTensor), tied embedding gradient gathered
+        groups = build_mesh(torch.device("cpu"), dp=1, cp=1, tp=2)
+        model = _tiny(kind)
+        plan = parallel.tp_plan(model.config.model_type)
+        names = parallel.apply_tp(model, groups.tp_mesh, plan)
+        logits = model(input_ids=ids_BT, use_cache=False).logits
+        local, _ = unwrap_vocab_sharded(logits)
+        v0 = groups.tp_rank * local.shape[-1]
+        # the sum over the tp ranks of their columns' terms is the whole objective
+        (local * w_BTV[..., v0 : v0 + local.shape[-1]]).sum().backward()
+        parallel.sync_replicated_grads(model, names, groups.tp)
+        diff = {"logits": _rel(logits.full_tensor(), logits_BTV)}
+        diff["tied"] = float(model.lm_head.weight is model.model.embed_tokens.weight)
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            diff[n] = _rel(g, want[n])
+        out[f"{kind}_tp2"] = diff
+    return out
+
+
+def main(which: str, shards: str, projection: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    torch.set_num_threads(1)
+    # the HTML run report (matplotlib, ~10 s a run here) is tested elsewhere
+    train_module.report.after_run = lambda run_dir: None
+    parallel.init_distributed(torch.device("cpu"))
+    if which == "two":
+        checks = model_checks()
+        if dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "model_checks.json").write_text(json.dumps(checks, indent=1))
+    for name, spec in runs(which).items():
+        run_dir = str(out / name)
+        layout = dict(spec.get("layout", {}))
+        probe = spec.get("probe", False)
+        if spec.get("resume"):
+            # stopped after step 1 with a checkpoint, then resumed by a fresh Trainer; the
+            # resumed run exports the student at its end (tied embeddings under TP included)
+            ck = {"resume": "auto", "save_at_end": True, "export_at_end": True}
+            first = make_cfg(shards, projection, run_dir, layout=dict(layout), checkpoint=ck)
+            first.stop_after = 1
+            run(first, out, probe=probe)
+            run(
+                make_cfg(shards, projection, run_dir, layout=layout, checkpoint=ck),
+                out,
+                probe=probe,
+            )
+        else:
+            cfg = make_cfg(shards, projection, run_dir, layout=layout)
+            run(cfg, out, probe=probe)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
