@@ -12,6 +12,8 @@ lives in ``trainer.losses.<mode>``):
 - `tables`, `teacher_spec`, `columns`: what the loop builds once per teacher
   (`trainer.distill.build_kd_terms`): the tables read from the projection, the teacher outputs
   the mode reads (never more) and the column ids the teacher must score;
+- `onpolicy_only`: a mode that reads the student's own samples (`trainer.onpolicy`): the
+  on-policy step may use it (``onpolicy.loss``), an off-policy ``loss.mode`` may not;
 - `prepare`, `count`, `loss`: what the loop calls per microbatch (`trainer.distill.KDTerm`).
   ``prepare`` sees the batch alone (the chunk index, or the mask of distilled positions), so
   ``count`` is known before any forward and the step's global count is all-reduced before its
@@ -39,6 +41,14 @@ from trainer.losses.base import LossOutput, OptionError
 from trainer.losses.context import complete_chunks
 from trainer.losses.gold import GoldConfig, GoldTables, gold, gold_teacher_spec
 from trainer.losses.kd_topk import KDTopKConfig, kd_topk, kd_topk_teacher_spec
+from trainer.losses.opd import (
+    OPDPGConfig,
+    OPDTopKConfig,
+    opd_pg,
+    opd_pg_teacher_spec,
+    opd_topk,
+    opd_topk_teacher_spec,
+)
 from trainer.losses.segments import AlignedBatch, ChunkIndex, index_chunks
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.losses.xtoken import XTokenConfig, XTokenTables, xtoken, xtoken_teacher_spec
@@ -72,6 +82,7 @@ class LossMode:
     count: Callable[[Any], int] | None = None
     loss: Callable[..., LossOutput] | None = None
     check: Callable[[Any], None] | None = None
+    onpolicy_only: bool = False  # reads rollouts (sampled ids, the policy's top-k)
 
     @property
     def distills(self) -> bool:
@@ -164,6 +175,15 @@ def _kd_topk_loss(logits_BTV, outs: TeacherOutputs, mask_BT, *, tables, vocab_si
     return kd_topk(logits_BTV, outs, mask_BT, vocab_size=vocab_size, config=config)
 
 
+def _opd_topk_loss(logits_BTV, outs: TeacherOutputs, mask_BT, *, tables, vocab_size, config):
+    outs = outs.narrow_t(0, logits_BTV.shape[1])
+    return opd_topk(logits_BTV, outs, mask_BT, vocab_size=vocab_size, config=config)
+
+
+def _opd_pg_loss(logits_BTV, outs: TeacherOutputs, index, *, tables, vocab_size, config):
+    return opd_pg(logits_BTV, outs, index, vocab_size=vocab_size, config=config)
+
+
 def _alm_loss(logits_BTV, outs: TeacherOutputs, index, *, tables, vocab_size, config):
     return alm(logits_BTV, outs, index, vocab_size=vocab_size, config=config)
 
@@ -226,6 +246,26 @@ MODES: dict[str, LossMode] = {
         prepare=_chunk_index,
         count=_complete_chunk_count,
         loss=_alm_loss,
+    ),
+    # on-policy (trainer.onpolicy): the student's own samples, scored by the teacher
+    "opd_topk": LossMode(
+        "opd_topk",
+        OPDTopKConfig,
+        same_tokenizer=True,
+        teacher_spec=_without_tables(opd_topk_teacher_spec),
+        prepare=_position_mask,
+        count=lambda mask_BT: int(mask_BT.sum()),
+        loss=_opd_topk_loss,
+        onpolicy_only=True,
+    ),
+    "opd_pg": LossMode(
+        "opd_pg",
+        OPDPGConfig,
+        teacher_spec=_without_tables(opd_pg_teacher_spec),
+        prepare=_chunk_index,
+        count=_complete_chunk_count,
+        loss=_opd_pg_loss,
+        onpolicy_only=True,
     ),
 }
 
