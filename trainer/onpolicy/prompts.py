@@ -45,6 +45,7 @@ class Prompt:
 
     ids: tuple[int, ...]
     key: str  # provenance: "<doc id>/<window>" or "<conversation id>#<turn>"
+    draw: int = 0  # how many times this prompt was drawn before (its epoch): seeds sampling
     reference: tuple[int, ...] = ()  # the dataset's own continuation (student ids)
     messages: tuple[dict, ...] | None = None  # chat: the conversation before the answer
 
@@ -87,7 +88,7 @@ class TextPrompts:
             eval_fraction=eval_fraction,
         )
 
-    def prompt(self, row: int) -> Prompt:
+    def prompt(self, row: int, *, draw: int = 0) -> Prompt:
         r = self.reader.row(row)
         ids = [int(x) for x in r["student_ids"]]
         # a prompt keeps at least one token, and leaves the window at least one as reference
@@ -95,10 +96,14 @@ class TextPrompts:
         f, i = self.reader.locate(row)
         table = self.reader.tables[f]
         key = f"{table.column('doc_id')[i].as_py()}/{table.column('window')[i].as_py()}"
-        return Prompt(tuple(ids[:p]), key, tuple(ids[p:]))
+        return Prompt(tuple(ids[:p]), key, draw, tuple(ids[p:]))
 
     def next_prompts(self, n: int) -> list[Prompt]:
-        return [self.prompt(self.stream.next_row()) for _ in range(n)]
+        out = []
+        for _ in range(n):
+            epoch = self.stream.epoch  # the epoch the row is drawn in (before the cursor wraps)
+            out.append(self.prompt(self.stream.next_row(), draw=epoch))
+        return out
 
     def held_out(self, n: int) -> list[Prompt]:
         return [self.prompt(int(r)) for r in self.stream.eval_rows[:n]]
@@ -187,7 +192,7 @@ class ChatPrompts:
         self.rng.shuffle(order)
         return order
 
-    def prompt(self, item: tuple[str, tuple[dict, ...], str]) -> Prompt | None:
+    def prompt(self, item: tuple[str, tuple[dict, ...], str], draw: int = 0) -> Prompt | None:
         key, messages, answer = item
         rendering = render_prompt(self.side, list(messages))
         if rendering is None:
@@ -196,7 +201,7 @@ class ChatPrompts:
         if len(enc.ids) > self.max_tokens:
             return None
         ref = self.tokenizer.encode(answer).ids
-        return Prompt(tuple(map(int, enc.ids)), key, tuple(map(int, ref)), messages)
+        return Prompt(tuple(map(int, enc.ids)), key, draw, tuple(map(int, ref)), messages)
 
     def next_prompts(self, n: int) -> list[Prompt]:
         out: list[Prompt] = []
@@ -204,7 +209,7 @@ class ChatPrompts:
         while len(out) < n:
             if self.cursor == len(self.order):
                 self.epoch, self.cursor, self.order = self.epoch + 1, 0, self._shuffled()
-            p = self.prompt(self.train[self.order[self.cursor]])
+            p = self.prompt(self.train[self.order[self.cursor]], self.epoch)
             self.cursor += 1
             misses = 0 if p is not None else misses + 1
             if misses > len(self.train):

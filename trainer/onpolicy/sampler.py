@@ -14,8 +14,10 @@ else that drew from it. Here:
   rows, not the longest one;
 - a token is drawn by inverse CDF (one uniform per row), and top-p never sorts the vocabulary:
   a draw outside the nucleus is redrawn (exact; see `choose`);
-- every draw comes from one ``torch.Generator`` the caller owns and checkpoints, so a resumed run
-  samples exactly what the uninterrupted one would;
+- every rollout draws from its own ``torch.Generator``, seeded by the caller from what the
+  rollout is (run seed, prompt, epoch, sample index), never from the global RNG: the same
+  prompt gets the same completion whatever batch, data-parallel rank or process it lands in,
+  and a resumed run samples exactly what the uninterrupted one would with nothing to restore;
 - under tensor parallelism (``tp_group``) vocab-sharded logits are gathered and each step's
   tokens are broadcast from the group's first rank, so every rank of a TP group holds the same
   tokens whatever the floating-point order of its reductions.
@@ -89,12 +91,18 @@ def _full(logits: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
-def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _uniforms(generators: Sequence[torch.Generator], device) -> torch.Tensor:
+    """[B, 1] float64: one uniform from each row's generator."""
+    u = [torch.rand(1, generator=g, device=device, dtype=torch.float64) for g in generators]
+    return torch.stack(u)
+
+
+def _draw(probs_BV: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row by inverse CDF: one uniform per row (not one random number per
     vocabulary entry, as the exponential race of ``torch.multinomial`` draws)."""
     cdf_BV = probs_BV.double().cumsum(-1)
-    u_B1 = torch.rand(probs_BV.shape[0], 1, generator=generator, device=probs_BV.device)
-    ids = torch.searchsorted(cdf_BV, u_B1.double() * cdf_BV[:, -1:])
+    u_B1 = _uniforms(generators, probs_BV.device)
+    ids = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:])
     return ids[:, 0].clamp(max=probs_BV.shape[-1] - 1)
 
 
@@ -107,7 +115,7 @@ def _in_nucleus(probs_BV: torch.Tensor, ids_B: torch.Tensor, top_p: float) -> to
 
 
 def choose(
-    logits_BV: torch.Tensor, *, config: SamplingConfig, generator: torch.Generator | None
+    logits_BV: torch.Tensor, *, config: SamplingConfig, generators: Sequence[torch.Generator]
 ) -> torch.Tensor:
     """The next token of every row [B] (greedy when temperature is 0).
 
@@ -119,13 +127,13 @@ def choose(
     if config.temperature == 0:
         return x.argmax(-1)
     probs_BV = torch.softmax(x / config.temperature, dim=-1)
-    ids_B = _draw(probs_BV, generator)
+    ids_B = _draw(probs_BV, generators)
     if config.top_p >= 1:
         return ids_B
     todo_B = ~_in_nucleus(probs_BV, ids_B, config.top_p)
     while bool(todo_B.any()):
         rows = todo_B.nonzero().squeeze(1)
-        again = _draw(probs_BV[rows], generator)
+        again = _draw(probs_BV[rows], [generators[i] for i in rows.tolist()])
         ids_B[rows] = again
         todo_B[rows] = ~_in_nucleus(probs_BV[rows], again, config.top_p)
     return ids_B
@@ -149,13 +157,15 @@ def sample(
     prompts: Sequence[Sequence[int]],
     *,
     config: SamplingConfig,
-    generator: torch.Generator | None,
+    seeds: Sequence[int] | None,
     stop_ids: Sequence[int],
     vocab_size: int,
     tp_group: dist.ProcessGroup | None = None,
 ) -> Rollouts:
     """Sample ``config.n_samples`` completions of every prompt (see the module docstring).
 
+    ``seeds``: one per rollout (prompt-major: prompt i's samples are rollouts
+    i * n_samples ...), each rollout's own generator; None only when greedy.
     ``vocab_size``: the tokenizer's size; lm_head columns past it are never sampled.
     ``stop_ids``: ids that end a completion (kept as its last token).
     """
@@ -179,6 +189,13 @@ def sample(
         mask_BP = mask_BP.repeat_interleave(n, 0)
         pos_BP = pos_BP.repeat_interleave(n, 0)
     rows = len(prompts) * n
+    if config.temperature > 0 and (seeds is None or len(seeds) != rows):
+        raise ValueError(f"sampling needs one seed per rollout ({rows}), got {seeds!r:.80}")
+    gens = []
+    for s in seeds or []:
+        g = torch.Generator(device=device)
+        g.manual_seed(int(s))
+        gens.append(g)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)
     tokens_RN = torch.full((rows, config.max_new_tokens), -1, dtype=torch.int64, device=device)
     topk_RNK = torch.zeros((rows, config.max_new_tokens, k), dtype=torch.int32, device=device)
@@ -188,7 +205,9 @@ def sample(
     root = dist.get_global_rank(tp_group, 0) if _tp_size(tp_group) > 1 else None
     for step in range(config.max_new_tokens):
         logits_BV = logits_BV[:, :vocab_size]
-        next_B = choose(logits_BV, config=config, generator=generator)
+        next_B = choose(
+            logits_BV, config=config, generators=[gens[i] for i in live_B.tolist()] if gens else []
+        )
         if root is not None:  # one rank's draw for the whole TP group
             dist.broadcast(next_B, src=root, group=tp_group)
         tokens_RN[live_B, step] = next_B

@@ -101,9 +101,6 @@ class OnPolicy:
         per_step = self.op.prompts_per_step * self.op.n_samples
         self.mb = self.op.micro_batch_size or per_step
         self.n_mb = per_step // self.mb
-        # one stream per data-parallel rank, the same on every rank of a TP group
-        self.generator = torch.Generator(device=trainer.device)
-        self.generator.manual_seed(zlib.crc32(f"{self.op.seed}/{mesh.dp_rank}".encode()))
         self.choice = random.Random(f"{self.op.seed}/lmbda")  # the same draw on every rank
         self.pending: Rollouts | None = None  # lag 1: sampled and submitted, not learnt yet
         self._pending_batches: list | None = None
@@ -134,11 +131,19 @@ class OnPolicy:
         """Is the next step on-policy? (One draw per step, alike on every rank.)"""
         return self.choice.random() < self.op.lmbda
 
-    def generate(self, prompts=None, *, generator=None) -> Rollouts:
+    def seeds(self, prompts, salt: str = "") -> list[int]:
+        """One sampling seed per rollout, from what it is (run seed, prompt, its draw, sample
+        index): the same completion in any layout, batch or resumed run (`sampler`)."""
+        return [
+            zlib.crc32(f"{self.op.seed}/{salt}{p.key}/{p.draw}/{s}".encode())
+            for p in prompts
+            for s in range(self.op.n_samples)
+        ]
+
+    def generate(self, prompts=None, *, salt: str = "") -> Rollouts:
         """Rollouts of this rank's next prompts (or of ``prompts``) with the current weights."""
-        prompts = (
-            prompts if prompts is not None else self.prompts.next_prompts(self.op.prompts_per_step)
-        )
+        if prompts is None:
+            prompts = self.prompts.next_prompts(self.op.prompts_per_step)
         model = self.tr.model
         was_training = model.training
         model.eval()
@@ -148,7 +153,7 @@ class OnPolicy:
                     model,
                     [p.ids for p in prompts],
                     config=self.sampling,
-                    generator=generator or self.generator,
+                    seeds=self.seeds(prompts, salt),
                     stop_ids=self.teachers.stop_ids,
                     vocab_size=self.tr.vocab_used,
                     tp_group=self.tp_group,
@@ -336,12 +341,10 @@ class OnPolicy:
         (sampled with a fixed seed, the same on every rank and every call)."""
         if not self.op.eval_prompts:
             return {}
-        gen = torch.Generator(device=self.tr.device)
-        gen.manual_seed(zlib.crc32(f"{self.op.seed}/eval".encode()))
         prompts = self.prompts.held_out(self.op.eval_prompts)
         if not prompts:
             return {}
-        r = self.generate(prompts, generator=gen)
+        r = self.generate(prompts, salt="eval/")
         batches = self.batches(r)
         self.submit(batches)
         outs, _ = self.receive(len(batches))
@@ -349,11 +352,11 @@ class OnPolicy:
         return completion_bpb(batches, outs, names, student=self.tr.prep.student_tok)
 
     def state_dict(self) -> bytes:
-        """This rank's on-policy position: prompts, sampler RNG, lambda RNG, pending rollouts."""
+        """This rank's on-policy position: prompts, the lambda RNG, pending rollouts (sampling
+        needs no state: each rollout's seed is derived from what it is)."""
         return pickle.dumps(
             {
                 "prompts": self.prompts.state_dict(),
-                "generator": self.generator.get_state(),
                 "choice": self.choice.getstate(),
                 "pending": self.pending,
             }
@@ -362,7 +365,6 @@ class OnPolicy:
     def load_state_dict(self, blob: bytes) -> None:
         state = pickle.loads(blob)
         self.prompts.load_state_dict(state["prompts"])
-        self.generator.set_state(state["generator"])
         self.choice.setstate(state["choice"])
         self.pending = state["pending"]
         if self.pending is not None:  # the teacher scores it again: the channels start empty
