@@ -319,7 +319,9 @@ class OnPolicyConfig:
     # mode for another tokenizer (xtoken, gold, alm) over the completion chunks
     loss: str = "opd_topk"
     teacher_losses: list[str] = field(default_factory=list)  # per teacher, overrides `loss`
-    options: dict[str, Any] = field(default_factory=dict)  # the modes' options (as loss.options)
+    # each mode's options, by mode name: {opd_topk: {k: 16}, xtoken: {k: 32}} (the fields of
+    # its options dataclass, as loss.options)
+    options: dict[str, Any] = field(default_factory=dict)
     # sum: weighted sum of the teachers' terms; mixture: one target distribution mixed in
     # probability space from teachers that share the student's tokenizer
     mix: str = "sum"
@@ -369,6 +371,17 @@ class OnPolicyConfig:
         given = list(self.teacher_losses)
         return [given[i] if i < len(given) and given[i] else self.loss for i in range(n_teachers)]
 
+    def mode_options(self, mode: str, temperature: float) -> Any:
+        """The options dataclass of on-policy mode `mode` (ConfigError names the bad field)."""
+        registry = _registry()
+        given = self.options.get(mode) or {}
+        if not isinstance(given, dict):
+            _fail(f"onpolicy.options.{mode}", f"expected a mapping of options, got {given!r}")
+        try:
+            return registry.MODES[mode].parse_options(given, temperature=temperature)
+        except registry.OptionError as e:
+            _fail(f"onpolicy.options.{mode}.{e.field}", e.reason)
+
     def check(self, teachers: list[TeacherConfig], temperature: float) -> None:
         """What needs the teachers and the registry (run by TrainConfig when enabled)."""
         registry = _registry()
@@ -377,12 +390,12 @@ class OnPolicyConfig:
         if len(self.teacher_losses) > len(teachers):
             _fail("onpolicy.teacher_losses", f"{len(teachers)} teachers, more modes given")
         modes = self.modes(len(teachers))
+        for key in self.options:
+            if key not in modes:
+                _fail(f"onpolicy.options.{key}", f"options of a mode no teacher uses ({modes})")
         for i, mode in enumerate(modes):
             _check_choice(f"onpolicy.teacher_losses[{i}]", mode, registry.KD_MODES)
-            try:
-                registry.MODES[mode].parse_options(self.options, temperature=temperature)
-            except registry.OptionError as e:
-                _fail(f"onpolicy.options.{e.field}", e.reason)
+            self.mode_options(mode, temperature)
             if teachers[i].tp != 1:
                 _fail(f"teachers[{i}].tp", "on-policy scoring runs tp=1 teachers so far")
         if self.mix == "mixture" and (len(set(modes)) != 1 or modes[0] not in MIXABLE):

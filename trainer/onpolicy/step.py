@@ -13,7 +13,8 @@ lambda; the draw comes from a seeded RNG that every rank holds alike and checkpo
 4. **Learn**: counts first (all-reduced over data-parallel ranks before the first backward),
    then per microbatch the student's forward, each teacher's term (``local sum / global
    count``), their weighted sum (or one term on the probability-space mixture of same-tokenizer
-   teachers) times ``loss.kd_weight``, backward; the gradient norm, the same non-finite guard
+   teachers), backward (``loss.kd_weight`` and ``ce_weight`` weigh the off-policy steps only:
+   an on-policy step's loss is its distillation term); the gradient norm, the same guard
    and optimizer step as `Trainer.train_step`. No CE: the student's likelihood of its own
    samples is not a target.
 
@@ -189,6 +190,17 @@ class OnPolicy:
             for ch, inputs in zip(self.channels, b.teacher_inputs):
                 ch.submit(inputs)
 
+    def score_all(self, batches) -> list[list[TeacherOutputs]]:
+        """Every microbatch's outputs, however many: at most a ring's worth in flight."""
+        outs: list[list[TeacherOutputs]] = []
+        depth = self.channels[0].config.depth
+        for m, (b, _) in enumerate(batches):
+            if m >= depth:
+                outs += self.receive(1)[0]
+            for ch, inputs in zip(self.channels, b.teacher_inputs):
+                ch.submit(inputs)
+        return outs + self.receive(len(batches) - len(outs))[0]
+
     def _timed_submit(self, batches, times: Counter) -> None:
         # in-process teachers compute inside submit: their time is the teacher's, not align's
         t0 = time.perf_counter()
@@ -277,7 +289,7 @@ class OnPolicy:
                 weights = self.weights
             means = [o.mean(counts[j]) for j, o in enumerate(kd)]
             total = sum(w * v for w, v in zip(weights, means))
-            (self.cfg.loss.kd_weight * total).backward()
+            total.backward()
             missed = [(o.count - c).abs().double() for o, c in zip(kd, precounts[m])]
             parts += torch.stack([*(v.detach().double() for v in means),
                                   total.detach().double(), *missed])  # fmt: skip
@@ -301,7 +313,7 @@ class OnPolicy:
         tr.tokens_seen += int(count_v[-1])
         if not log:
             return None
-        m = {"loss": self.cfg.loss.kd_weight * total_v, "kd": total_v, "grad_norm": norm, "lr": lr}
+        m = {"loss": total_v, "kd": total_v, "grad_norm": norm, "lr": lr}
         for name, v, c in zip(names, kd_means, count_v):
             m[f"kd/{name}"] = v
             m[f"coverage/{name}"] = c / max(1.0, stat_v[1])  # terms per sampled token
@@ -346,8 +358,7 @@ class OnPolicy:
             return {}
         r = self.generate(prompts, salt="eval/")
         batches = self.batches(r)
-        self.submit(batches)
-        outs, _ = self.receive(len(batches))
+        outs = self.score_all(batches)
         names = [t.name for t in self.teachers.terms]
         return completion_bpb(batches, outs, names, student=self.tr.prep.student_tok)
 

@@ -100,7 +100,7 @@ def build_teachers(
         if t_cfg.weight == 0:
             continue
         record = MODES[mode]
-        options = record.parse_options(op.options, temperature=cfg.loss.temperature)
+        options = op.mode_options(mode, cfg.loss.temperature)
         tables = None
         if record.tables is not None:
             projection = load_projection(
