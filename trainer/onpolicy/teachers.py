@@ -75,7 +75,7 @@ def _chat_side(cfg: TrainConfig, i: int, tok: Tokenizer) -> ChatSide | None:
     return prepare_side(tok, resolve_template(cfg.teachers[i].path, override=override))
 
 
-def _stop_for(tok: Tokenizer, side: ChatSide | None) -> int | None:
+def stop_for(tok: Tokenizer, side: ChatSide | None) -> int | None:
     """The teacher's own marker for "the completion ends here"."""
     if side is not None and side.markers is not None and len(side.markers.close_ids):
         return int(side.markers.close_ids[0])
@@ -118,7 +118,7 @@ def build_teachers(
             views.append(None)
             continue
         side = _chat_side(cfg, i, tok)
-        views.append(TeacherView(tok, 2 * max_len + 8, side, _stop_for(tok, side)))
+        views.append(TeacherView(tok, 2 * max_len + 8, side, stop_for(tok, side)))
     if not terms:
         raise ConfigError("config teachers: on-policy distillation needs a teacher with weight > 0")
     stops = {student.eos_id} if student.eos_id is not None else set()
