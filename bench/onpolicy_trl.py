@@ -5,8 +5,8 @@ KJV verse's first words as the user turn), same batch, the same number of new to
 thread; the teacher is one TRL's cross-tokenizer path accepts: byte-level, a tiny random Llama
 with the GPT-2 fixture vocabulary (llama.cpp's ggml-vocab-gpt-2.gguf, converted to an HF
 tokenizer). TRL: ``lmbda=1`` (every step on-policy: the student generates with ``generate``),
-``use_uld_loss=True`` (its cross-tokenizer loss), ``trainer.train()`` for a few steps, each step
-timed by a callback. Ours: the same rollout size through `trainer.onpolicy` (sampler, on-the-fly
+``use_uld_loss=True`` (its cross-tokenizer loss), gradient checkpointing off (as ours),
+``trainer.train()`` for a few steps, each step timed by a callback. Ours: the same rollout size through `trainer.onpolicy` (sampler, on-the-fly
 alignment, the teacher's scoring forward, `alm` over completion chunks, backward, AdamW).
 """
 
@@ -77,6 +77,7 @@ def trl_steps(tmp: Path, t_dir: Path, convs) -> list[float]:
         use_uld_loss=True, teacher_tokenizer_name_or_path=str(t_dir),
         max_completion_length=NEW, temperature=1.0, learning_rate=1e-5, report_to=[],
         use_cpu=True, save_strategy="no", logging_steps=1, dataloader_num_workers=0, seed=0,
+        gradient_checkpointing=False,  # like ours: no recomputation in backward
     )  # fmt: skip
     ds = Dataset.from_list([{"messages": c} for c in convs])
     trainer = GOLDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=ds,

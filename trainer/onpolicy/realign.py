@@ -38,6 +38,7 @@ from pipelines.chat.align import ChatSide
 from pipelines.chat.encode import encode_renderings
 from pipelines.chat.render import Rendering
 from pipelines.tokenizers import Encoding, Tokenizer, TokenizerError
+from trainer.onpolicy.prompts import render_prompt
 
 REPLACEMENT = "\ufffd"
 
@@ -205,7 +206,7 @@ def align_rollout(
     lt = lenient_text(data)
     s_enc = _student_encoding(np.asarray(ids, np.int64)[pos], offs, lt)
     invalid = _invalid_tokens(offs, lt.bad)
-    s_last = len(ids) - 1 if stopped and ids[-1] in completion[-1:] else None
+    s_last = len(ids) - 1 if stopped and completion else None  # the stop id ends the rollout
     try:
         if messages is not None and view.chat is not None:
             prefix_t, t_enc = _chat_teacher(view, messages, lt.text)
@@ -245,8 +246,6 @@ def _chat_teacher(view: TeacherView, messages, completion_text: str):
     """(teacher prefix ids, Encoding of the completion's teacher tokens) or (None, None) when
     the teacher's template refuses the conversation or no token boundary falls where the
     completion starts."""
-    from trainer.onpolicy.prompts import render_prompt
-
     side = view.chat
     r = render_prompt(side, list(messages))
     if r is None:
