@@ -71,6 +71,7 @@ def test_on_policy_run_reports_rollouts_terms_and_teacher_bpb(full_run):
         assert r["kd/gemma3-tiny"] == pytest.approx(r["kd/gemma3-tiny"])  # finite
         assert r["kd/smollm2-tiny-teacher"] >= 0
         assert r["rollout/count"] == 4 and 0 < r["rollout/len_mean"] <= 16
+        assert 0 <= r["rollout/stopped_frac"] <= 1 and r["rollout/gen_tokens_per_s"] > 0
         assert 0 < r["coverage/gemma3-tiny"] <= 1.0 + 1e-9
         assert r["coverage/smollm2-tiny-teacher"] == pytest.approx(1.0)
         for key in ("time/generate_s", "time/align_s", "time/teacher_wait_s", "time/student_s"):

@@ -152,3 +152,36 @@ def test_chat_completion_aligns_after_each_template(toks):
     assert t_text == "Bernardo speaks first, 1 night."
     assert t_tok.special_content(int(ra.teacher_ids[-1])) == "<end_of_turn>"
     assert ra.student_chunk[-1] == ra.teacher_chunk[-1] == ra.n_chunks - 1
+
+
+def test_chat_prompt_rollouts_batch_for_a_teacher_template(toks, student_dir):
+    """`ChatPrompts` (the shipped conversations, SmolLM2's own template) -> rollouts -> the
+    batch for Gemma: each teacher renders the prompt's messages in its template; only the
+    completion gets chunks; a rollout that stopped on the student's end-of-turn pairs it with
+    Gemma's."""
+    from pipelines import paths
+    from trainer.onpolicy.prompts import ChatPrompts
+
+    s_tok, t_tok = toks
+    data = paths.REPO_ROOT / "pipelines" / "chat" / "data" / "shakespeare_messages.jsonl"
+    src = ChatPrompts(data, s_tok, model_dir=student_dir, template=None, dp_rank=0, dp_size=1,
+                      seed=1, eval_fraction=0.0, max_tokens=512)  # fmt: skip
+    p = src.next_prompts(1)[0]
+    eot = int(src.side.markers.close_ids[0])
+    said = s_tok.encode("Marry, my lord.").ids.tolist()
+    r = Rollouts(prompts=[list(p.ids)] * 2, completions=[[*said, eot], said[:3]],
+                 stopped=[True, False], prompt_index=[0, 0])  # fmt: skip
+    r.meta = [{"key": p.key, "messages": p.messages}] * 2
+    t_side = prepare_side(t_tok, named_template("gemma"))
+    view = TeacherView(t_tok, 4096, t_side, int(t_side.markers.close_ids[0]))
+    b = build_batch(r, [0, 1], student=s_tok, teachers=[view], want_cols=[False], pad_id=0)
+    gemma = b.aligned[0]
+    assert not b.drops[0] and gemma.n_chunks.tolist()[0] > gemma.n_chunks.tolist()[1] > 0
+    n = len(p.ids)
+    assert (gemma.student_chunk[:, :n] == -1).all()
+    last = int(gemma.n_chunks[0]) - 1  # the stop pair: the last chunk on both sides
+    assert int(gemma.student_chunk[0, n + len(said)]) == last
+    t_row = gemma.teacher_ids[0][gemma.teacher_chunk[0] == last].tolist()
+    assert [t_tok.special_content(i) for i in t_row] == ["<end_of_turn>"]
+    t_text = t_tok.decode(gemma.teacher_ids[0][: int((gemma.teacher_ids[0] != 0).sum())].tolist())
+    assert p.messages[-1]["content"] in t_text and "<start_of_turn>model" in t_text

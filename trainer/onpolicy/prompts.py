@@ -165,6 +165,7 @@ class ChatPrompts:
         train: list[tuple[str, tuple[dict, ...], str]] = []
         held: list[tuple[str, tuple[dict, ...], str]] = []
         lines = Path(path).read_text(encoding="utf-8").splitlines()
+        seen: set[str] = set()
         for n, line in enumerate(lines):
             if not line.strip():
                 continue
@@ -173,6 +174,9 @@ class ChatPrompts:
             if isinstance(conv, chat_rows.DeadLetter):
                 continue  # the align job reports these; a prompt source just skips them
             cid = str(row.get("id", n))
+            if cid in seen:  # a repeated id: the line number keeps keys (and seeds) apart
+                cid = f"{cid}@{n + 1}"
+            seen.add(cid)
             msgs = tuple(m.as_dict() for m in conv.messages)
             for t, m in enumerate(conv.messages):
                 if m.role == "assistant" and t > 0:

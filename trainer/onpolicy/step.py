@@ -233,6 +233,7 @@ class OnPolicy:
         else:
             r = self.generate()
             times["generate_s"] += time.perf_counter() - t0
+            times["gen_tokens"] += r.new_tokens
             t1 = time.perf_counter()
             batches = self.batches(r)
             times["align_s"] += time.perf_counter() - t1
@@ -246,6 +247,7 @@ class OnPolicy:
             t3 = time.perf_counter()
             self.pending = self.generate()
             times["generate_s"] += time.perf_counter() - t3
+            times["gen_tokens"] += self.pending.new_tokens
             t4 = time.perf_counter()
             self._pending_batches = self.batches(self.pending)
             times["align_s"] += time.perf_counter() - t4
@@ -255,7 +257,10 @@ class OnPolicy:
         times["student_s"] += time.perf_counter() - t5
         if record is None:
             return None
+        gen_tokens = times.pop("gen_tokens", 0)
         record.update({f"time/{k}": v for k, v in times.items()})
+        if times["generate_s"] > 0:  # this rank's sampler speed over what it sampled this step
+            record["rollout/gen_tokens_per_s"] = gen_tokens / times["generate_s"]
         record.update(teacher_s=teacher_s, step_s=time.perf_counter() - t0, onpolicy=1.0)
         record["tokens_per_s"] = record["tokens"] / record["step_s"]
         return record
