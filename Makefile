@@ -29,7 +29,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo projection align teacher-cache verify train eval report bench clean
+.PHONY: help setup models test lint format demo demo-onpolicy projection align teacher-cache verify train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -99,6 +99,15 @@ $(VENV)/.stamp-bench: $(SETUP)
 
 bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one)
 	$(PY) -m bench.run_all $(BENCH)
+
+KJV_ALIGN := outputs/align/kjv
+demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samples KJV continuations, Gemma scores
+	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
+	test -f $(KJV_ALIGN)/COMPLETED || $(PY) -m pipelines.align_job --data $(ART)/corpus/kjv.jsonl \
+	  --teacher $(TEACHER) --student $(STUDENT) --out $(KJV_ALIGN) --overwrite \
+	  --max-student-tokens 128 --max-teacher-tokens 128
+	rm -rf runs/onpolicy_demo
+	$(PY) trainer/main.py conf=onpolicy_demo
 
 clean:  ## remove run outputs (keeps .venv and artifacts/)
 	rm -rf outputs runs .pytest_cache .ruff_cache

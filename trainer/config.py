@@ -315,6 +315,113 @@ class LoggingConfig:
             _fail("logging.interval", f"expected >= 1, got {self.interval}")
 
 
+ONPOLICY_PROMPTS = ("text", "chat")
+ONPOLICY_MIX = ("sum", "mixture")
+
+
+@dataclass
+class OnPolicyConfig:
+    """On-policy distillation (`trainer.onpolicy`, docs/onpolicy.md): the student samples
+    completions of prompts with its current weights, each teacher scores them in its worker."""
+
+    enabled: bool = False
+    # GKD's lambda: each step is on-policy with this probability (seeded, resumable), else an
+    # off-policy batch from the shards with loss.mode (ce when no off-policy KD is wanted)
+    lmbda: float = 1.0
+    # the on-policy KD mode of every teacher: opd_topk (same tokenizer: the student's top-k +
+    # tail), opd_pg (sampled reverse KL as a negative advantage, any tokenizer), or a chunk
+    # mode for another tokenizer (xtoken, gold, alm) over the completion chunks
+    loss: str = "opd_topk"
+    teacher_losses: list[str] = field(default_factory=list)  # per teacher, overrides `loss`
+    # each mode's options, by mode name: {opd_topk: {k: 16}, xtoken: {k: 32}} (the fields of
+    # its options dataclass, as loss.options)
+    options: dict[str, Any] = field(default_factory=dict)
+    # sum: weighted sum of the teachers' terms; mixture: one target distribution mixed in
+    # probability space from teachers that share the student's tokenizer
+    mix: str = "sum"
+    lag: int = 0  # 1: the teacher scores step i+1's rollouts while the student learns on step i
+    prompts: str = "text"  # text: a prefix of a shard window; chat: conversation rows
+    prompt_tokens: int = 32  # text prompts: student tokens of the window (BOS included)
+    chat_data: str = ""  # chat prompts: a JSONL file of `messages` rows
+    chat_template: str = ""  # the student's template ("" = its model's own)
+    teacher_chat_templates: list[str] = field(default_factory=list)  # per teacher, "" = own
+    prompts_per_step: int = 4  # per data-parallel rank
+    n_samples: int = 1  # completions per prompt
+    micro_batch_size: int = 0  # rollouts per forward/backward; 0 = a step's all at once
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    eval_prompts: int = 8  # held-out prompts: the teacher's bits/byte of the student's text
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lmbda <= 1.0:
+            _fail("onpolicy.lmbda", f"expected in [0, 1], got {self.lmbda}")
+        _check_choice("onpolicy.mix", self.mix, ONPOLICY_MIX)
+        _check_choice("onpolicy.prompts", self.prompts, ONPOLICY_PROMPTS)
+        if self.lag not in (0, 1):
+            _fail("onpolicy.lag", f"expected 0 (exact on-policy) or 1, got {self.lag}")
+        for name in ("prompt_tokens", "prompts_per_step", "n_samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                _fail(f"onpolicy.{name}", f"expected >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "eval_prompts"):
+            if getattr(self, name) < 0:
+                _fail(f"onpolicy.{name}", f"expected >= 0, got {getattr(self, name)}")
+        _check_positive("onpolicy.temperature", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("onpolicy.top_p", f"expected in (0, 1], got {self.top_p}")
+        rollouts = self.prompts_per_step * self.n_samples
+        if self.micro_batch_size and rollouts % self.micro_batch_size:
+            _fail(
+                "onpolicy.micro_batch_size",
+                f"{self.micro_batch_size} does not divide the {rollouts} rollouts of a step "
+                "(prompts_per_step x n_samples)",
+            )
+        if self.enabled and self.prompts == "chat" and not self.chat_data:
+            _fail("onpolicy.chat_data", "chat prompts need a JSONL file of `messages` rows")
+
+    def modes(self, n_teachers: int) -> list[str]:
+        """The on-policy loss mode of each teacher."""
+        given = list(self.teacher_losses)
+        return [given[i] if i < len(given) and given[i] else self.loss for i in range(n_teachers)]
+
+    def mode_options(self, mode: str, temperature: float) -> Any:
+        """The options dataclass of on-policy mode `mode` (ConfigError names the bad field)."""
+        registry = _registry()
+        given = self.options.get(mode) or {}
+        if not isinstance(given, dict):
+            _fail(f"onpolicy.options.{mode}", f"expected a mapping of options, got {given!r}")
+        try:
+            return registry.MODES[mode].parse_options(given, temperature=temperature)
+        except registry.OptionError as e:
+            _fail(f"onpolicy.options.{mode}.{e.field}", e.reason)
+
+    def check(self, teachers: list[TeacherConfig], temperature: float) -> None:
+        """What needs the teachers and the registry (run by TrainConfig when enabled)."""
+        registry = _registry()
+        if not teachers:
+            _fail("onpolicy.enabled", "on-policy distillation needs at least one teacher")
+        if len(self.teacher_losses) > len(teachers):
+            _fail("onpolicy.teacher_losses", f"{len(teachers)} teachers, more modes given")
+        modes = self.modes(len(teachers))
+        for key in self.options:
+            if key not in modes:
+                _fail(f"onpolicy.options.{key}", f"options of a mode no teacher uses ({modes})")
+        for i, mode in enumerate(modes):
+            _check_choice(f"onpolicy.teacher_losses[{i}]", mode, registry.KD_MODES)
+            self.mode_options(mode, temperature)
+            if teachers[i].tp != 1:
+                _fail(f"teachers[{i}].tp", "on-policy scoring runs tp=1 teachers so far")
+        if self.mix == "mixture" and (len(set(modes)) != 1 or modes[0] not in MIXABLE):
+            _fail(
+                "onpolicy.mix",
+                f"mixture needs one mode of {list(MIXABLE)} for every teacher, got {modes}",
+            )
+
+
+MIXABLE = ("opd_topk", "opd_pg")
+
+
 @dataclass
 class TrainConfig:
     """The whole run. `steps` sets the LR schedule; `stop_after` ends a run early (as if it
@@ -335,6 +442,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    onpolicy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -365,6 +473,15 @@ class TrainConfig:
                 f"the padded length must divide by {2 * cp}; pad_to_multiple="
                 f"{self.data.pad_to_multiple} does not (use a multiple of {2 * cp})",
             )
+        for i, mode in enumerate(self.teacher_modes()):
+            if self.loss.mode != "ce" and _registry().MODES[mode].onpolicy_only:
+                where = f"teachers[{i}].loss" if self.teachers[i].loss else "loss.mode"
+                _fail(where, f"{mode} reads the student's own samples: use it as onpolicy.loss")
+        if self.onpolicy.enabled:
+            self.onpolicy.check(self.teachers, self.loss.temperature)
+            if self.parallel.cp > 1:
+                # the sampler decodes with a KV cache and the on-policy losses read whole rows
+                _fail("parallel.cp", "on-policy steps run at cp=1 so far (tp and dp work)")
         if self.optim.warmup_steps > self.steps:
             _fail("optim.warmup_steps", f"{self.optim.warmup_steps} > steps={self.steps}")
 

@@ -247,6 +247,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"held-out bits/byte  student after:  {bpb['student_after']:.4f}{delta}")
     for name, v in bpb.get("teachers", {}).items():
         lines.append(f"held-out bits/byte  teacher {name}: {v:.4f}")
+    for when in ("before", "after"):  # on-policy: the teachers on the student's own text
+        for name, v in bpb.get(f"teacher_on_student_{when}", {}).items():
+            lines.append(f"teacher {name} bits/byte of student completions {when}: {v:.4f}")
     if "eval_texts" in summary:
         lines.append(
             f"(on {summary['eval_texts']} held-out windows, {summary.get('eval_bytes', 0)} bytes)"

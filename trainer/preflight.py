@@ -28,6 +28,7 @@ from trainer.checkpoint import find_resume, list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig
 from trainer.data import ShardReader
 from trainer.losses.modes import MODES
+from trainer.onpolicy.teachers import check_teachers as check_onpolicy
 from trainer.teacher.cache import open_teacher_cache
 
 
@@ -131,6 +132,7 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         shards, max_student_tokens=cfg.data.max_student_tokens
     ).max_lengths()
 
+    check_onpolicy(cfg, student, teachers)  # on-policy modes vs the tokenizers, before any model
     projections: list[Projection | None] = []
     for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
         where = f"teachers[{i}]"

@@ -64,6 +64,7 @@ from trainer.metrics import (
     weighted_kd,
     write_bpb,
 )
+from trainer.onpolicy.step import OnPolicy
 from trainer.preflight import Prepared
 from trainer.teacher.feed import Feed, Queued, open_teachers
 from trainer.teacher.ring import shm_mappings
@@ -168,6 +169,10 @@ class Trainer:
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
+        # on-policy distillation (trainer.onpolicy): its prompts, sampler and teacher channels
+        self.onpolicy = OnPolicy(self) if cfg.onpolicy.enabled else None
+        if self.onpolicy is not None:
+            self._closers.append(self.onpolicy)
 
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
@@ -193,12 +198,15 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs (DCP-ready: Stateful model+optim, per-rank blobs)."""
         position = self.feed.position()
+        mine = {"data": position["position"], "rng": ckpt.rng_state()}
+        if self.onpolicy is not None:
+            mine["onpolicy"] = self.onpolicy.state_dict()
         return {
             "app": ckpt.ModelOptimState(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            f"rank{self.rank}": {"data": position["position"], "rng": ckpt.rng_state()},
+            f"rank{self.rank}": mine,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -210,6 +218,8 @@ class Trainer:
         self.feed.reset()
         self.loader.load_state_dict({"position": mine["data"]})
         ckpt.set_rng_state(mine["rng"])
+        if self.onpolicy is not None:
+            self.onpolicy.load_state_dict(mine["onpolicy"])
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
@@ -386,12 +396,13 @@ class Trainer:
                     f"(this rank's rows {[r for q in step for r in q.mb.rows]})"
                 )
 
-    def _apply_or_guard(self, nums: StepNumbers) -> bool:
+    def _apply_or_guard(self, nums: StepNumbers, *, terms: list[str] | None = None) -> bool:
         """The optimizer step, unless a loss term or the gradient norm is not finite: then stop
         (NonFiniteError), or with optim.skip_nonfinite drop the gradients and go on (the data
         is consumed, the LR schedule advances). Every rank holds the same reduced numbers, so
-        every rank decides alike. True when applied."""
-        terms = [t.name for t in self.kd_terms]
+        every rank decides alike. True when applied. ``terms``: the KD terms' names (default:
+        the off-policy teachers)."""
+        terms = [t.name for t in self.kd_terms] if terms is None else terms
         found = nonfinite_terms(nums.losses, terms=terms, grad_norm=nums.grad_norm)
         if found and not self.cfg.optim.skip_nonfinite:
             last = ckpt.list_checkpoints(self.checkpointer.folder)
@@ -489,12 +500,18 @@ class Trainer:
             self.metrics.log(
                 self.step, {f"bpb/{k}": v for k, v in bpb["teachers"].items()}, kind="eval"
             )
+        if self.onpolicy is not None and "teacher_on_student_before" not in bpb and self.step == 0:
+            bpb["teacher_on_student_before"] = self.onpolicy.evaluate()
         write_bpb(self.run_dir, bpb, enabled=self.is_main)
         t_start, first_step = time.perf_counter(), self.step
         last_ckpt = None
         while self.step < end:
             nxt = self.step + 1
-            m = self.train_step(log=nxt % cfg.logging.interval == 0 or nxt == end)
+            log = nxt % cfg.logging.interval == 0 or nxt == end
+            if self.onpolicy is not None and self.onpolicy.takes_step():
+                m = self.onpolicy.step(log=log, last=nxt == cfg.steps)
+            else:
+                m = self.train_step(log=log)
             if m is not None:  # a logging step
                 self.metrics.log(self.step, m)
             self.metrics.advance()
@@ -519,6 +536,8 @@ class Trainer:
         if do_eval and self.step == cfg.steps:
             bpb["student_after"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_after"]}, kind="eval")
+            if self.onpolicy is not None:
+                bpb["teacher_on_student_after"] = self.onpolicy.evaluate()
             write_bpb(self.run_dir, bpb, enabled=self.is_main)
         export = self._export() if cfg.checkpoint.export_at_end and self.step == cfg.steps else None
         summary = {

@@ -17,6 +17,7 @@ import torch
 from tests.unit.test_loss_refs import logits_for, make_pair, random_t2s
 from trainer.config import ConfigError, from_dictconfig
 from trainer.losses.base import OptionError
+from trainer.losses.kd_topk import student_topk_ids
 from trainer.losses.modes import KD_MODES, MODES, NoOptions
 from trainer.losses.segments import collate_aligned, shift_targets
 from trainer.losses.teacher_outputs import teacher_outputs_from_logits
@@ -48,7 +49,7 @@ def _same_tokenizer(pair):
 
 def test_every_record_is_complete():
     assert MODES["ce"].options is NoOptions and not MODES["ce"].distills
-    assert set(KD_MODES) == {"kd_topk", "xtoken", "gold", "alm"}
+    assert set(KD_MODES) == {"kd_topk", "xtoken", "gold", "alm", "opd_topk", "opd_pg"}
     for name in KD_MODES:
         r = MODES[name]
         assert r.name == name and dataclasses.is_dataclass(r.options)
@@ -74,11 +75,14 @@ def test_each_mode_runs_from_its_record_alone(name):
             _projection(pair, 13), teacher_vocab_size=pair.vt, student_vocab_size=pair.vs
         )
     spec = r.teacher_spec(options, tables, teacher_vocab_size=pair.vt)
+    columns = r.columns(tables)
+    if spec.per_position_columns:  # on-policy top-k: the student's own top-k ids
+        columns = student_topk_ids(student.detach(), spec.columns, vocab_size=pair.vs)
     outs = teacher_outputs_from_logits(
         teacher,
         spec=spec,
         target_ids_BT=shift_targets(pair.batch.teacher_ids, pair.batch.teacher_len),
-        columns=r.columns(tables),
+        columns=columns,
     )
     targets_BT = shift_targets(pair.batch.student_ids, pair.batch.student_len)
     prep = r.prepare(pair.batch, targets_BT)
@@ -122,6 +126,10 @@ def test_config_knows_exactly_the_registry_modes(tmp_path):
         )
 
     for name in MODES:
+        if MODES[name].onpolicy_only:  # an on-policy mode is onpolicy.loss, never loss.mode
+            with pytest.raises(ConfigError, match="reads the student's own samples"):
+                cfg(name)
+            continue
         assert cfg(name).loss.mode == name
     for name in KD_MODES:
         assert cfg("ce", teacher_loss=name).teacher_modes() == [name]

@@ -16,6 +16,8 @@ lives in ``trainer.losses.<mode>``):
   None: the cache stores top-k ids and log-probs, the tail and the target log-probs
   (`pipelines.teacher_cache.format`); a mode that reads only those builds its teacher spec
   without tables, and the preflight checks the cache against that spec;
+- `onpolicy_only`: a mode that reads the student's own samples (`trainer.onpolicy`): the
+  on-policy step may use it (``onpolicy.loss``), an off-policy ``loss.mode`` may not;
 - `prepare`, `count`, `loss`: what the loop calls per microbatch (`trainer.distill.KDTerm`).
   ``prepare`` sees the batch alone (the chunk index, or the mask of distilled positions), so
   ``count`` is known before any forward and the step's global count is all-reduced before its
@@ -50,6 +52,14 @@ from trainer.losses.base import LossOutput, OptionError
 from trainer.losses.context import complete_chunks, owned_rows
 from trainer.losses.gold import GoldConfig, GoldTables, gold, gold_teacher_spec
 from trainer.losses.kd_topk import KDTopKConfig, kd_topk, kd_topk_teacher_spec
+from trainer.losses.opd import (
+    OPDPGConfig,
+    OPDTopKConfig,
+    opd_pg,
+    opd_pg_teacher_spec,
+    opd_topk,
+    opd_topk_teacher_spec,
+)
 from trainer.losses.segments import AlignedBatch, ChunkIndex, index_chunks
 from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.losses.turns import ChunkSplit, eot, split_chunks, with_turns
@@ -97,6 +107,7 @@ class LossMode:
     no_cache: str | None = None
     teacher_rows: Callable[[Any, int], Tensor] | None = None
     chunked: bool = False  # reads a ChunkIndex: conversations add the end-of-turn term
+    onpolicy_only: bool = False  # reads rollouts (sampled ids, the policy's top-k)
 
     def spec_for(self, spec: TeacherOutputSpec, *, turns: bool) -> TeacherOutputSpec:
         """The teacher spec for shards with turn-marker chunks (`turns`): a chunk mode's
@@ -258,6 +269,32 @@ def _kd_topk_loss(
     )
 
 
+def _whole_rows(mode: str, tp_group, cp) -> None:
+    # the on-policy step gives these whole logits on whole rows (`trainer.onpolicy.step`)
+    if tp_group is not None or cp is not None:
+        raise ValueError(f"{mode} takes whole logits on whole rows, not a TP/CP shard")
+
+
+def _opd_topk_loss(
+    logits_BTV, outs: TeacherOutputs, mask_BT, *, tables, vocab_size, config, tp_group=None, cp=None
+):
+    _whole_rows("opd_topk", tp_group, cp)
+    outs = outs.narrow_t(0, logits_BTV.shape[1])
+    return opd_topk(logits_BTV, outs, mask_BT, vocab_size=vocab_size, config=config)
+
+
+def _opd_pg_loss(
+    logits_BTV, outs: TeacherOutputs, index, *, tables, vocab_size, config, tp_group=None, cp=None
+):
+    _whole_rows("opd_pg", tp_group, cp)
+    return opd_pg(logits_BTV, outs, index, vocab_size=vocab_size, config=config)
+
+
+def _rollout_chunks(aligned: AlignedBatch, targets_BT: Tensor) -> ChunkIndex:
+    # the rollout rows aligned on the fly (`trainer.onpolicy.realign`); no train mask to apply
+    return index_chunks(aligned)
+
+
 def _alm_loss(
     logits_BLV, outs: TeacherOutputs, index, *, tables, vocab_size, config, tp_group=None, cp=None
 ):
@@ -337,6 +374,26 @@ MODES: dict[str, LossMode] = {
         loss=_chunk_mode(_alm_loss),
         teacher_rows=_chunk_rows,
         chunked=True,
+    ),
+    # on-policy (trainer.onpolicy): the student's own samples, scored by the teacher
+    "opd_topk": LossMode(
+        "opd_topk",
+        OPDTopKConfig,
+        same_tokenizer=True,
+        teacher_spec=_without_tables(opd_topk_teacher_spec),
+        prepare=_position_mask,
+        count=_position_count,
+        loss=_opd_topk_loss,
+        onpolicy_only=True,
+    ),
+    "opd_pg": LossMode(
+        "opd_pg",
+        OPDPGConfig,
+        teacher_spec=_without_tables(opd_pg_teacher_spec),
+        prepare=_rollout_chunks,
+        count=_chunk_count("start"),
+        loss=_opd_pg_loss,
+        onpolicy_only=True,
     ),
 }
 

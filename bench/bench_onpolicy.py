@@ -1,0 +1,177 @@
+"""On-policy distillation on CPU: our sampler vs HF `generate`, FSDP2 gathering for generation,
+the on-policy step broken into its phases, and TRL's GOLD trainer on-policy step next to ours.
+
+Part 1, sampler: the same model, batch, prompts and lengths, ``trainer.onpolicy.sampler.sample``
+against ``model.generate(do_sample=True, top_p, top_k=0)`` (both exactly N new tokens),
+alternating, median of 3 after a warm-up, one torch thread: the real SmolLM2-135M and a tiny
+random model with its tokenizer (where per-step overhead, not the weights, dominates).
+
+Part 2, FSDP2: a 2-rank gloo torchrun (`bench/onpolicy_fsdp.py`) samples with the FSDP2-wrapped
+student, with and without `sampler.gathered` (parameters gathered once per rollout phase):
+all-gathers counted and time per rollout.
+
+Part 3, the on-policy step with the demo models (SmolLM2-135M student samples, Gemma-3-270M
+scores through on-the-fly alignment): generate / align / teacher score / student forward +
+backward + AdamW, each timed alone in one process; the overhead of scoring + alignment over
+generation + student step.
+
+Part 4, TRL 1.16's GOLDTrainer (``lmbda=1``: on-policy, ULD loss) with the same student,
+prompts, batch and lengths and a teacher it accepts (byte-level: a tiny random model with the
+GPT-2 fixture vocabulary), its ``training_step`` next to our step with the same teacher
+(`bench/onpolicy_trl.py`, own process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from pipelines import paths
+
+B, PROMPT, NEW = 8, 16, 32
+REPS = 3
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+
+def prompts_from_kjv(tok, n: int, length: int) -> list[list[int]]:
+    """`n` prompts of `length` student tokens (BOS first) from KJV verses."""
+    lines = (paths.corpus_dir() / "kjv.jsonl").read_text().splitlines()
+    out = []
+    for line in lines[::97]:
+        ids = tok.encode(json.loads(line)["text"]).ids.tolist()
+        if len(ids) >= length - 1:
+            out.append([tok.bos_id, *ids[: length - 1]])
+        if len(out) == n:
+            return out
+    raise ValueError("not enough long verses")
+
+
+def _median_pair(ours, theirs) -> tuple[float, float]:
+    ours(), theirs()  # warm-up
+    a, b = [], []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        ours()
+        a.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        theirs()
+        b.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
+
+
+def sampler_vs_generate(model, prompts, vocab: int) -> dict:
+    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+
+    ids, mask = _left_pad(prompts, "cpu")
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=NEW)
+
+    def ours():
+        sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
+               vocab_size=vocab)  # fmt: skip
+
+    def theirs():
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.9, top_k=0,
+                           temperature=1.0, max_new_tokens=NEW, min_new_tokens=NEW,
+                           pad_token_id=0)  # fmt: skip
+
+    a, b = _median_pair(ours, theirs)
+    tokens = len(prompts) * NEW
+    return {"ours_tok_s": tokens / a, "hf_tok_s": tokens / b, "speedup": b / a}
+
+
+def part_sampler() -> dict:
+    from pipelines.tokenizers import load_tokenizer
+    from trainer import models
+    from trainer.config import ModelConfig
+
+    torch.set_num_threads(1)
+    tok = load_tokenizer(paths.student_dir())
+    prompts = prompts_from_kjv(tok, B, PROMPT)
+    res = {}
+    for name, cfg in (
+        ("smollm2-135m", ModelConfig(str(paths.student_dir()))),
+        (
+            "tiny (SmolLM2 vocab)",
+            ModelConfig(str(paths.student_dir()), init="random", overrides=TINY),
+        ),
+    ):
+        model = models.build_model(cfg).eval()
+        res[name] = sampler_vs_generate(model, prompts, tok.vocab_size)
+        del model
+    return res
+
+
+def part_fsdp() -> dict:
+    out = paths.REPO_ROOT / "outputs" / "bench" / "onpolicy_fsdp.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(paths.REPO_ROOT / "bench" / "onpolicy_fsdp.py"), str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run(cmd, cwd=paths.REPO_ROOT, check=True, timeout=1800, env=env)
+    return json.loads(out.read_text())
+
+
+def part_step() -> dict:
+    from bench.onpolicy_step import step_breakdown
+
+    return step_breakdown()
+
+
+def part_trl() -> dict:
+    out = paths.REPO_ROOT / "outputs" / "bench" / "onpolicy_trl.json"
+    cmd = [sys.executable, str(paths.REPO_ROOT / "bench" / "onpolicy_trl.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    proc = subprocess.run(cmd, cwd=paths.REPO_ROOT, timeout=1800, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"}
+    return json.loads(out.read_text())
+
+
+def main() -> str:
+    res = {"sampler": part_sampler(), "fsdp": part_fsdp(), "step": part_step(), "trl": part_trl()}
+    raw = paths.REPO_ROOT / "outputs" / "bench" / "onpolicy.json"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(res, indent=2))
+    return render(res)
+
+
+def render(res: dict) -> str:
+    from bench.onpolicy_step import render_step, render_trl
+
+    lines = [
+        "## On-policy distillation (CPU)",
+        "",
+        f"**Sampler vs HF `generate`**: batch {B}, {PROMPT}-token KJV prompts, exactly {NEW} "
+        "new tokens, temperature 1, top-p 0.9, one thread, median of 3 alternating runs.",
+        "",
+        "| model | ours tokens/s | HF generate tokens/s | speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, r in res["sampler"].items():
+        lines.append(f"| {name} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | "
+                     f"{r['speedup']:.2f}x |")  # fmt: skip
+    f = res["fsdp"]
+    lines += [
+        "",
+        f"**FSDP2 generation** (2 gloo ranks, {f['model']}, {f['rows']} rows x {f['new']} new "
+        "tokens per rank): parameter all-gathers and seconds per rollout phase.",
+        "",
+        "| | all-gathers | seconds |",
+        "|---|---:|---:|",
+        f"| per token (FSDP's default) | {f['plain_gathers']} | {f['plain_s']:.2f} |",
+        f"| gathered once (`sampler.gathered`) | {f['gathered_gathers']} | {f['gathered_s']:.2f} |",
+        "",
+    ]
+    lines += render_step(res["step"])
+    lines += render_trl(res["trl"])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""End to end on conf/experiment/onpolicy_debug: `trainer/main.py`, teacher workers, CPU.
+
+A tiny SmolLM2-tokenizer student samples completions of shard-window prefixes; a tiny
+Gemma-tokenizer teacher (on-the-fly alignment, opd_pg) and a tiny SmolLM2-tokenizer teacher
+(top-k OPD on the student's support) score them in their worker processes. Launches: a full
+run (metrics, the teachers' bits/byte of the student's completions before and after); the same
+run stopped after its checkpoint and resumed (same losses); a run with policy lag 1 and GKD
+mixing (lmbda 0.5: on- and off-policy steps), stopped and resumed likewise; a teacher worker
+killed while it scores (the clear error, in bounded time).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import projection as P
+from pipelines.tokenizers import load_tokenizer
+from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
+
+PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
+CPU = ["logging.progress=false", "parallel.threads=1", "device=cpu", "eval.max_texts=4"]
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
+    try:
+        P.load_projection(PROJECTION, teacher=load_tokenizer(teacher_dir).info(),
+                          student=load_tokenizer(student_dir).info())  # fmt: skip
+    except (FileNotFoundError, ValueError):
+        P.main(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
+                "--out", str(PROJECTION)])  # fmt: skip
+    tmp = tmp_path_factory.mktemp("onpolicy")
+    return write_shards(tmp / "shards", shakespeare_docs(24, chars=700), student_dir=student_dir,
+                        teacher_dirs=[teacher_dir, student_dir], max_tokens=64)  # fmt: skip
+
+
+# resume runs: teachers in-process and no evals (the full run covers workers and evals)
+LEAN = ("parallel.teacher_placement=inprocess", "eval.max_texts=0", "onpolicy.eval_prompts=0")
+
+
+def _run(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = ["conf=onpolicy_debug", f"data.shards={shards}", f"run_dir={run_dir}", *CPU, *extra]
+    proc = run_trainer(args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def full_run(shards, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("onpolicy_runs") / "full"
+    proc = _run(shards, run_dir)
+    assert "bits/byte of student completions after" in proc.stdout
+    return run_dir
+
+
+def test_on_policy_run_reports_rollouts_terms_and_teacher_bpb(full_run):
+    train = records(full_run)
+    assert [r["step"] for r in train] == list(range(1, 7))
+    for r in train:
+        assert r["onpolicy"] == 1.0
+        assert r["kd/gemma3-tiny"] == pytest.approx(r["kd/gemma3-tiny"])  # finite
+        assert r["kd/smollm2-tiny-teacher"] >= 0
+        assert r["rollout/count"] == 4 and 0 < r["rollout/len_mean"] <= 16
+        assert 0 <= r["rollout/stopped_frac"] <= 1 and r["rollout/gen_tokens_per_s"] > 0
+        assert 0 < r["coverage/gemma3-tiny"] <= 1.0 + 1e-9
+        assert r["coverage/smollm2-tiny-teacher"] == pytest.approx(1.0)
+        for key in ("time/generate_s", "time/align_s", "time/teacher_wait_s", "time/student_s"):
+            assert r[key] >= 0
+    bpb = json.loads((full_run / "summary.json").read_text())["bpb"]
+    for when in ("before", "after"):
+        got = bpb[f"teacher_on_student_{when}"]
+        assert set(got) == {"gemma3-tiny", "smollm2-tiny-teacher"}
+        assert all(v > 0 for v in got.values())
+    losses = [r["loss"] for r in train]
+    assert len(set(losses)) == len(losses) and all(r["grad_norm"] > 0 for r in train)
+
+
+def test_resume_across_on_policy_steps_is_exact(full_run, shards, tmp_path):
+    run_dir, full = tmp_path / "resumed", tmp_path / "full"
+    _run(shards, full, *LEAN)
+    _run(shards, run_dir, *LEAN, "stop_after=3")  # as if killed after the step-3 checkpoint
+    _run(shards, run_dir, *LEAN)
+    want = [r["loss"] for r in records(full)][3:]
+    # the in-process teachers compute what the workers do
+    assert [r["loss"] for r in records(full)] == pytest.approx(
+        [r["loss"] for r in records(full_run)], rel=1e-6
+    )
+    got = [r["loss"] for r in records(run_dir) if r["step"] > 3]
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
+    extra = ("onpolicy.lag=1", "onpolicy.lmbda=0.5", *LEAN)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(shards, full, *extra)
+    _run(shards, resumed, *extra, "stop_after=3")
+    _run(shards, resumed, *extra)
+    a = records(full)
+    kinds = [r.get("onpolicy", 0.0) for r in a]
+    assert 0 < sum(kinds) < len(kinds)  # both kinds of steps ran
+    b = [r for r in records(resumed) if r["step"] > 3]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-6)
+
+
+def test_teacher_worker_dying_while_scoring_is_a_clear_error(shards, tmp_path):
+    """The worker is killed with microbatches in flight: the step raises TeacherWorkerError
+    naming the worker and its signal, within bounded time (its liveness is polled)."""
+    script = REPO / "tests" / "e2e" / "onpolicy_kill.py"
+    proc = subprocess.run([sys.executable, str(script), str(shards), str(tmp_path / "run")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["error"] == "TeacherWorkerError"
+    assert "killed by signal SIGKILL" in got["message"]
+    assert got["seconds"] < 10

@@ -1,0 +1,70 @@
+"""The `onpolicy:` config section and the on-policy preflight refuse what cannot run, naming the
+field; the loss-mode registry holds the on-policy modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.tokenizers import load_tokenizer
+from trainer.config import ConfigError, from_dictconfig
+from trainer.losses.modes import KD_MODES, MODES
+from trainer.onpolicy.teachers import check_teachers
+
+
+def _cfg(student_dir, teacher_dir, onpolicy: dict, **top):
+    d = {
+        "model": {"path": str(student_dir)},
+        "teachers": [
+            {"path": str(teacher_dir), "name": "g", "projection": "x.safetensors"},
+            {"path": str(student_dir), "name": "s"},
+        ],
+        "data": {"shards": "/nowhere"},
+        "onpolicy": {"enabled": True, "teacher_losses": ["opd_pg", "opd_topk"], **onpolicy},
+        **top,
+    }
+    return from_dictconfig(d)
+
+
+def test_registry_has_the_on_policy_modes():
+    assert {"opd_topk", "opd_pg"} <= set(KD_MODES)
+    assert MODES["opd_topk"].onpolicy_only and MODES["opd_topk"].same_tokenizer
+    assert MODES["opd_pg"].onpolicy_only and not MODES["opd_pg"].same_tokenizer
+    assert not MODES["xtoken"].onpolicy_only
+
+
+@pytest.mark.parametrize(
+    "onpolicy, field",
+    [
+        ({"lmbda": 1.5}, "onpolicy.lmbda"),
+        ({"lag": 2}, "onpolicy.lag"),
+        ({"top_p": 0.0}, "onpolicy.top_p"),
+        ({"prompts_per_step": 3, "n_samples": 1, "micro_batch_size": 2}, "micro_batch_size"),
+        ({"prompts": "chat"}, "onpolicy.chat_data"),
+        ({"options": {"opd_topk": {"k": 0}}}, "onpolicy.options.opd_topk.k"),
+        ({"options": {"opd_topk": {"kk": 3}}}, "onpolicy.options.opd_topk.kk"),
+        ({"options": {"gold": {}}}, "onpolicy.options.gold"),
+        ({"teacher_losses": ["ce", "opd_topk"]}, "onpolicy.teacher_losses[0]"),
+        ({"mix": "mixture"}, "onpolicy.mix"),
+    ],
+)
+def test_bad_onpolicy_values_name_their_field(student_dir, teacher_dir, onpolicy, field):
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        _cfg(student_dir, teacher_dir, onpolicy)
+
+
+def test_an_on_policy_mode_is_not_an_off_policy_loss(student_dir, teacher_dir):
+    with pytest.raises(ConfigError, match="loss.mode: opd_topk reads the student's own samples"):
+        _cfg(student_dir, teacher_dir, {}, loss={"mode": "opd_topk"})
+
+
+def test_preflight_refuses_a_same_tokenizer_mode_on_another_tokenizer(student_dir, teacher_dir):
+    s, g = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
+    ok = _cfg(student_dir, teacher_dir, {"options": {"opd_topk": {"k": 4}}})
+    check_teachers(ok, s, [g, s])
+    bad = _cfg(student_dir, teacher_dir, {"teacher_losses": ["opd_topk", "opd_topk"]})
+    with pytest.raises(ConfigError, match=r"onpolicy.teacher_losses\[0\]: opd_topk needs"):
+        check_teachers(bad, s, [g, s])
+    mixed = _cfg(student_dir, teacher_dir, {"teacher_losses": ["opd_pg", "opd_pg"],
+                                            "mix": "mixture"})  # fmt: skip
+    with pytest.raises(ConfigError, match="mixture needs teachers with the student's tokenizer"):
+        check_teachers(mixed, s, [g, s])

@@ -1,0 +1,112 @@
+"""The on-policy sampler: greedy equals HF `generate`, the KV cache and left padding give the
+logits of a plain forward, stops and max_new_tokens, seeds, exact top-p, n samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny import tiny_llama
+from trainer.onpolicy.sampler import SamplingConfig, _left_pad, choose, gathered, sample
+
+V = 96
+PROMPTS = [[1, 5, 9, 11, 40, 41, 2], [1, 7], [1, 30, 31, 32, 33]]  # different lengths
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(V, seed=3)
+
+
+def test_greedy_equals_hf_generate(model):
+    cfg = SamplingConfig(temperature=0, max_new_tokens=12)
+    ours = sample(model, PROMPTS, config=cfg, seeds=None, stop_ids=[], vocab_size=V)
+    ids, mask = _left_pad(PROMPTS, "cpu")
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0
+        )
+    assert ours.completions == ref[:, ids.shape[1] :].tolist()
+    assert ours.stopped == [False] * 3 and ours.new_tokens == 36
+
+
+def test_cached_steps_see_the_logits_of_a_plain_forward(model):
+    """The recorded top-k at every sampled position equals the top-k of one forward over the
+    unpadded prompt + completion: positions, masks and the cache are right for every row."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10, record_topk=5)
+    r = sample(model, PROMPTS, config=cfg, seeds=[1, 2, 3], stop_ids=[], vocab_size=V)
+    for p, c, top in zip(r.prompts, r.completions, r.topk_ids):
+        seq = torch.tensor([p + c])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+        assert np.array_equal(logits.topk(5).indices.numpy(), top)
+
+
+def test_stops_at_a_stop_id_and_respects_max_new_tokens(model):
+    free = sample(
+        model, PROMPTS, config=SamplingConfig(temperature=0, max_new_tokens=9), seeds=None,
+        stop_ids=[], vocab_size=V,
+    )  # fmt: skip
+    stop = free.completions[0][3]
+    r = sample(
+        model, PROMPTS, config=SamplingConfig(temperature=0, max_new_tokens=9), seeds=None,
+        stop_ids=[stop], vocab_size=V,
+    )  # fmt: skip
+    for full, got, stopped in zip(free.completions, r.completions, r.stopped):
+        if stop in full:
+            cut = full.index(stop) + 1
+            assert got == full[:cut] and stopped  # the stop id is kept as the last token
+        else:
+            assert got == full and len(got) == 9 and not stopped
+    assert r.stopped[0]
+
+
+def test_seeds_make_sampling_reproducible_and_layout_free(model):
+    cfg = SamplingConfig(temperature=1.3, max_new_tokens=8)
+    a = sample(model, PROMPTS, config=cfg, seeds=[7, 8, 9], stop_ids=[], vocab_size=V)
+    b = sample(model, PROMPTS, config=cfg, seeds=[7, 8, 9], stop_ids=[], vocab_size=V)
+    assert a.completions == b.completions
+    # a rollout's completion depends on its prompt and seed, not on its batch
+    alone = sample(model, PROMPTS[1:2], config=cfg, seeds=[8], stop_ids=[], vocab_size=V)
+    assert alone.completions[0] == a.completions[1]
+    other = sample(model, PROMPTS, config=cfg, seeds=[1, 8, 9], stop_ids=[], vocab_size=V)
+    assert other.completions[0] != a.completions[0]
+
+
+def test_n_samples_share_one_prefill(model):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, n_samples=3)
+    r = sample(model, PROMPTS, config=cfg, seeds=list(range(9)), stop_ids=[], vocab_size=V)
+    assert r.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert r.prompts[4] == PROMPTS[1]
+    assert len({tuple(c) for c in r.completions[:3]}) > 1
+    greedy = SamplingConfig(temperature=0, max_new_tokens=6, n_samples=2)
+    g = sample(model, PROMPTS, config=greedy, seeds=None, stop_ids=[], vocab_size=V)
+    assert g.completions[0] == g.completions[1]
+
+
+def test_never_samples_past_the_tokenizer_vocabulary(model):
+    cfg = SamplingConfig(temperature=5.0, max_new_tokens=20)
+    r = sample(model, PROMPTS, config=cfg, seeds=[1, 2, 3], stop_ids=[], vocab_size=10)
+    assert max(max(c) for c in r.completions) < 10
+
+
+def test_top_p_is_exact():
+    """Frequencies of many draws match p restricted to the nucleus, renormalised; nothing
+    outside the nucleus is ever drawn."""
+    probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    logits = probs.log()[None].repeat(4000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    cfg = SamplingConfig(temperature=1.0, top_p=0.75)
+    got = choose(logits, config=cfg, generators=gens)
+    counts = torch.bincount(got, minlength=6).double() / 4000
+    # nucleus: 0.40 + 0.25 < 0.75, then 0.15 reaches it: tokens 0, 1, 2
+    want = torch.tensor([0.40, 0.25, 0.15, 0, 0, 0]) / 0.80
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts, want.double(), atol=0.03)
+
+
+def test_gathered_is_a_no_op_without_fsdp(model):
+    with gathered(model, reshard_after_forward=True):
+        out = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert out.shape == (1, 3, V)

@@ -1,0 +1,236 @@
+"""Where on-policy prompts come from: raw-text shards, or conversations rendered per template.
+
+A prompt is what the student continues: its own token ids (the truth the sampled ids extend),
+where it came from, and what a teacher needs to render it in its own form. Two sources with one
+interface (`PromptSource`: ``next_prompts``, ``held_out``, ``state_dict``):
+
+- `TextPrompts` (raw-text shards from `make align`): the first ``prompt_tokens`` student ids of
+  a window are the prompt ("continue this text"); the rest of the window is the dataset's own
+  continuation (``reference``). Rows are split exactly like the trainer's windows
+  (`trainer.data.ShardStream`: the held-out windows by a hash of doc id and window, the rest
+  dealt to the data-parallel ranks and shuffled with a seeded, checkpointed buffer), so the
+  held-out prompts are the prefixes of the held-out windows the BPB eval reads.
+- `ChatPrompts` (``messages`` rows, as the chat align job reads them): every assistant turn
+  gives a prompt, the conversation before it, rendered with the student's chat template and its
+  generation prompt (`pipelines.chat`), its control tokens split out as ids; the turn's own
+  content is the reference. Each teacher renders the same messages with its own template
+  (`trainer.onpolicy.rollouts`). Held-out conversations by a hash of their id.
+
+Both are resumable: their whole position is a small dict saved per rank in checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from pipelines.chat import rows as chat_rows
+from pipelines.chat.align import ChatSide, prepare_side
+from pipelines.chat.encode import encode_renderings
+from pipelines.chat.render import Rendering
+from pipelines.chat.templates import resolve_template
+from pipelines.tokenizers import Tokenizer
+from trainer.data import ShardReader, ShardStream
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt. ``ids`` are the student's (BOS or template scaffolding included)."""
+
+    ids: tuple[int, ...]
+    key: str  # provenance: "<doc id>/<window>" or "<conversation id>#<turn>"
+    draw: int = 0  # how many times this prompt was drawn before (its epoch): seeds sampling
+    reference: tuple[int, ...] = ()  # the dataset's own continuation (student ids)
+    messages: tuple[dict, ...] | None = None  # chat: the conversation before the answer
+
+
+class PromptSource(Protocol):
+    """What the on-policy step draws prompts from (one instance per rank)."""
+
+    def next_prompts(self, n: int) -> list[Prompt]: ...
+
+    def held_out(self, n: int) -> list[Prompt]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class TextPrompts:
+    """Prefixes of the training windows of this rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle_buffer: int,
+        eval_fraction: float,
+        prompt_tokens: int,
+    ):
+        if prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        self.reader, self.prompt_tokens = reader, prompt_tokens
+        self.stream = ShardStream(
+            reader,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            eval_fraction=eval_fraction,
+        )
+
+    def prompt(self, row: int, *, draw: int = 0) -> Prompt:
+        r = self.reader.row(row)
+        ids = [int(x) for x in r["student_ids"]]
+        # a prompt keeps at least one token, and leaves the window at least one as reference
+        p = max(1, min(self.prompt_tokens, len(ids) - 1))
+        f, i = self.reader.locate(row)
+        table = self.reader.tables[f]
+        key = f"{table.column('doc_id')[i].as_py()}/{table.column('window')[i].as_py()}"
+        return Prompt(tuple(ids[:p]), key, draw, tuple(ids[p:]))
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            epoch = self.stream.epoch  # the epoch the row is drawn in (before the cursor wraps)
+            out.append(self.prompt(self.stream.next_row(), draw=epoch))
+        return out
+
+    def held_out(self, n: int) -> list[Prompt]:
+        return [self.prompt(int(r)) for r in self.stream.eval_rows[:n]]
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+def render_prompt(side: ChatSide, messages: list[dict]) -> Rendering | None:
+    """The conversation rendered by ``side``'s template with its generation prompt (the text
+    the model continues), with every content located; None if the template refuses it."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    conv = chat_rows.Conversation(
+        tuple(chat_rows.Message(m["role"], m["content"], False) for m in messages)
+    )
+    closed = side.render(conv)  # content spans, checked as the align job checks them
+    if isinstance(closed, chat_rows.DeadLetter):
+        return None
+    text = _compile_jinja_template(side.template.text).render(
+        messages=messages,
+        tools=None,
+        documents=None,
+        add_generation_prompt=True,
+        bos_token=side.bos_token,
+        eos_token=side.eos_token,
+    )
+    # templates write the generation prompt after the conversation: the spans stay valid
+    if not text.startswith(closed.text):
+        return None
+    return Rendering(text, closed.spans)
+
+
+def _held_out(key: str, fraction: float) -> bool:
+    return fraction > 0 and zlib.crc32(key.encode()) < fraction * 2**32
+
+
+class ChatPrompts:
+    """One prompt per assistant turn of ``messages`` rows (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        *,
+        model_dir: str | Path,
+        template: str | None,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        eval_fraction: float,
+        max_tokens: int,
+    ):
+        self.max_tokens = max_tokens  # a longer rendered prompt is skipped
+        self.side = prepare_side(tokenizer, resolve_template(model_dir, override=template))
+        train: list[tuple[str, tuple[dict, ...], str]] = []
+        held: list[tuple[str, tuple[dict, ...], str]] = []
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        seen: set[str] = set()
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            conv = chat_rows.parse_row(row, fmt=chat_rows.MESSAGES)
+            if isinstance(conv, chat_rows.DeadLetter):
+                continue  # the align job reports these; a prompt source just skips them
+            cid = str(row.get("id", n))
+            if cid in seen:  # a repeated id: the line number keeps keys (and seeds) apart
+                cid = f"{cid}@{n + 1}"
+            seen.add(cid)
+            msgs = tuple(m.as_dict() for m in conv.messages)
+            for t, m in enumerate(conv.messages):
+                if m.role == "assistant" and t > 0:
+                    (held if _held_out(cid, eval_fraction) else train).append(
+                        (f"{cid}#{t}", msgs[:t], m.content)
+                    )
+        self.train, self.held = train[dp_rank::dp_size], held
+        if not self.train:
+            raise ValueError(f"{path}: no assistant turn left for data-parallel rank {dp_rank}")
+        self.tokenizer = tokenizer
+        self.rng = random.Random(f"{seed}/{dp_rank}")
+        self.epoch, self.cursor = 0, 0
+        self.order = self._shuffled()
+
+    def _shuffled(self) -> list[int]:
+        order = list(range(len(self.train)))
+        self.rng.shuffle(order)
+        return order
+
+    def prompt(self, item: tuple[str, tuple[dict, ...], str], draw: int = 0) -> Prompt | None:
+        key, messages, answer = item
+        rendering = render_prompt(self.side, list(messages))
+        if rendering is None:
+            return None
+        enc = encode_renderings(self.tokenizer, self.side.matcher, [rendering])
+        if len(enc.ids) > self.max_tokens:
+            return None
+        ref = self.tokenizer.encode(answer).ids
+        return Prompt(tuple(map(int, enc.ids)), key, draw, tuple(map(int, ref)), messages)
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        misses = 0
+        while len(out) < n:
+            if self.cursor == len(self.order):
+                self.epoch, self.cursor, self.order = self.epoch + 1, 0, self._shuffled()
+            p = self.prompt(self.train[self.order[self.cursor]], self.epoch)
+            self.cursor += 1
+            misses = 0 if p is not None else misses + 1
+            if misses > len(self.train):
+                raise ValueError("the student's chat template renders none of the prompts")
+            if p is not None:
+                out.append(p)
+        return out
+
+    def held_out(self, n: int) -> list[Prompt]:
+        found = (self.prompt(item) for item in self.held)
+        return [p for p in found if p is not None][:n]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "rng": self.rng.getstate(),
+                "order": np.asarray(self.order).tolist()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.rng.setstate(state["rng"])
+        self.order = [int(i) for i in state["order"]]

@@ -1,0 +1,182 @@
+"""Rollouts -> what the student's forward, each teacher and each loss read.
+
+A `RolloutBatch` holds a microbatch of rollouts (prompt + sampled completion, right-padded) and,
+per teacher, an `AlignedBatch` (`trainer.losses.segments`) with chunk ids on completion tokens
+only, so every loss mode of the registry applies to rollouts as it does to shard rows:
+
+- a teacher with the student's tokenizer reads the sampled ids themselves (never re-encoded);
+  each completion token is its own chunk, and with top-k OPD its input carries the sampling
+  policy's top-k ids at every position that predicts a completion token (``col_ids``, -1
+  elsewhere), the support it scores;
+- a teacher with another tokenizer reads its own tokens of the same bytes, aligned on the fly
+  (`trainer.onpolicy.realign`); a rollout it cannot take gets no chunk and a drop reason.
+
+``targets_BT`` holds the sampled tokens at the positions that predict them and -1 elsewhere
+(the prompt is context, never a target), so the position masks of the same-tokenizer modes
+cover the completion only.
+
+Legend: B rollouts, T student positions, U teacher positions, K top-k support.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipelines.tokenizers import Tokenizer
+from trainer.data import IGNORE
+from trainer.losses.segments import AlignedBatch
+from trainer.onpolicy.realign import TeacherView, align_rollout
+from trainer.onpolicy.sampler import Rollouts
+
+
+@dataclass
+class RolloutBatch:
+    """A microbatch of rollouts (see the module docstring)."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    targets_BT: torch.Tensor  # the sampled token at each position predicting one, else -1
+    aligned: list[AlignedBatch]  # per teacher
+    teacher_inputs: list[dict[str, torch.Tensor]]  # per teacher: its channel's inputs
+    drops: list[Counter] = field(default_factory=list)  # per teacher: reason -> rollouts
+    chunk_drops: list[Counter] = field(default_factory=list)  # per teacher: boundary, invalid
+    rollouts: int = 0
+
+    def to(self, device) -> RolloutBatch:
+        def mv(a: AlignedBatch) -> AlignedBatch:
+            return AlignedBatch(**{k: v.to(device) for k, v in a.__dict__.items()})
+
+        return RolloutBatch(
+            self.input_ids_BT.to(device),
+            self.attention_mask_BT.to(device),
+            self.targets_BT.to(device),
+            [mv(a) for a in self.aligned],
+            [{k: v.to(device) for k, v in t.items()} for t in self.teacher_inputs],
+            self.drops,
+            self.chunk_drops,
+            self.rollouts,
+        )
+
+
+def _pad(rows: list[np.ndarray], width: int, fill: int) -> torch.Tensor:
+    out = np.full((len(rows), width), fill, np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _same_tokenizer(seqs, n_prompt, *, topk, want_cols, width):
+    """Chunks and inputs of a same-tokenizer teacher: one chunk per completion token."""
+    chunks, cols = [], []
+    for s, p in zip(seqs, n_prompt):
+        c = np.full(len(s), -1, np.int64)
+        c[p:] = np.arange(len(s) - p)
+        chunks.append(c)
+    if want_cols:
+        k = topk[0].shape[1] if topk else 0
+        col = np.full((len(seqs), width, k), -1, np.int32)
+        for b, (s, p) in enumerate(zip(seqs, n_prompt)):
+            # position i predicts token i + 1: completion token j is predicted at p + j - 1
+            col[b, p - 1 : len(s) - 1] = topk[b]
+        cols = torch.from_numpy(col)
+    return chunks, cols
+
+
+def build_batch(
+    rollouts: Rollouts,
+    rows: list[int],
+    *,
+    student: Tokenizer,
+    teachers: list[TeacherView | None],
+    want_cols: list[bool],
+    pad_id: int,
+    pad_to_multiple: int = 8,
+) -> RolloutBatch:
+    """The microbatch of rollouts ``rows`` (indices into ``rollouts``). ``teachers[i]`` is None
+    for a teacher with the student's tokenizer; ``want_cols[i]``: it scores the policy's top-k."""
+    seqs = [np.asarray(rollouts.prompts[r] + rollouts.completions[r], np.int64) for r in rows]
+    n_prompt = [len(rollouts.prompts[r]) for r in rows]
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    width = _round_up(int(lens.max()), pad_to_multiple)
+    ids = _pad(seqs, width, pad_id)
+    mask = (torch.arange(width)[None, :] < lens[:, None]).long()
+    targets = torch.full_like(ids, IGNORE)
+    for b, (s, p) in enumerate(zip(seqs, n_prompt)):
+        targets[b, p - 1 : len(s) - 1] = torch.from_numpy(s[p:])
+    batch = RolloutBatch(ids, mask, targets, [], [], rollouts=len(rows))
+    topk = [rollouts.topk_ids[r] for r in rows] if rollouts.topk_ids is not None else None
+    for view, cols_wanted in zip(teachers, want_cols):
+        drops, chunk_drops = Counter(), Counter()
+        if view is None:
+            chunks, cols = _same_tokenizer(
+                seqs, n_prompt, topk=topk, want_cols=cols_wanted, width=width
+            )
+            t_rows, t_chunks = seqs, chunks
+            n_chunks = [len(s) - p for s, p in zip(seqs, n_prompt)]
+        else:
+            chunks, t_rows, t_chunks, n_chunks = [], [], [], []
+            for r in rows:
+                ra = align_rollout(
+                    rollouts.prompts[r],
+                    rollouts.completions[r],
+                    stopped=rollouts.stopped[r],
+                    student=student,
+                    view=view,
+                    messages=rollouts.meta[r].get("messages") if rollouts.meta else None,
+                )
+                if ra.dropped is not None:
+                    drops[ra.dropped] += 1
+                    n = len(rollouts.prompts[r]) + len(rollouts.completions[r])
+                    chunks.append(np.full(n, -1, np.int64))
+                    bos = view.tokenizer.bos_id
+                    t_rows.append(np.asarray([bos if bos is not None else 0], np.int64))
+                    t_chunks.append(np.full(1, -1, np.int64))
+                    n_chunks.append(0)
+                    continue
+                chunk_drops["boundary"] += ra.boundary_chunks
+                chunk_drops["invalid_utf8"] += ra.invalid_chunks
+                chunks.append(ra.student_chunk)
+                t_rows.append(ra.teacher_ids)
+                t_chunks.append(ra.teacher_chunk)
+                n_chunks.append(ra.n_chunks)
+            cols = None
+        t_lens = torch.tensor([len(t) for t in t_rows], dtype=torch.int64)
+        t_width = width if view is None else _round_up(int(t_lens.max()), pad_to_multiple)
+        t_pad = pad_id if view is None else _teacher_pad(view.tokenizer)
+        t_ids = _pad(t_rows, t_width, t_pad)
+        batch.aligned.append(
+            AlignedBatch(
+                student_ids=ids,
+                student_len=lens,
+                student_chunk=_pad(chunks, width, -1),
+                teacher_ids=t_ids,
+                teacher_len=t_lens,
+                teacher_chunk=_pad(t_chunks, t_width, -1),
+                n_chunks=torch.tensor(n_chunks, dtype=torch.int64),
+            )
+        )
+        inputs = {
+            "input_ids": t_ids,
+            "attention_mask": (torch.arange(t_width)[None, :] < t_lens[:, None]).long(),
+        }
+        if cols_wanted:
+            inputs["col_ids"] = cols
+        batch.teacher_inputs.append(inputs)
+        batch.drops.append(drops)
+        batch.chunk_drops.append(chunk_drops)
+    return batch
+
+
+def _teacher_pad(tok: Tokenizer) -> int:
+    for v in (tok.pad_id, tok.eos_id, 0):
+        if v is not None:
+            return int(v)
+    return 0

@@ -1,0 +1,271 @@
+"""The student's own sampler: batched, KV-cached, seeded, over a HF causal LM's forward.
+
+Why not ``model.generate``: its per-step machinery (input preparation, logits processors that
+sort the whole vocabulary for top-p, stopping criteria) costs more than the forward of a small
+model on CPU, finished rows keep being computed until the longest one ends, and its sampling
+draws from the global RNG, which a resumed run cannot replay without also replaying everything
+else that drew from it. Here:
+
+- the prompts are left-padded into one batch, prefilled once (only the last position's logits
+  are computed: ``logits_to_keep=1``), and with ``n_samples > 1`` the prefilled cache is
+  repeated per sample instead of prefilling each copy;
+- each step feeds one token per live row through the HF ``DynamicCache``; rows that stop (a stop
+  id: EOS, end-of-turn) leave the batch (``batch_select_indices``), so the cost follows the live
+  rows, not the longest one;
+- a token is drawn by inverse CDF (one uniform per row), and top-p never sorts the vocabulary:
+  a draw outside the nucleus is redrawn (exact; see `choose`);
+- every rollout draws from its own ``torch.Generator``, seeded by the caller from what the
+  rollout is (run seed, prompt, epoch, sample index), never from the global RNG: the same
+  prompt gets the same completion whatever batch, data-parallel rank or process it lands in,
+  and a resumed run samples exactly what the uninterrupted one would with nothing to restore;
+- under tensor parallelism (``tp_group``) vocab-sharded logits are gathered and each step's
+  tokens are broadcast from the group's first rank, so every rank of a TP group holds the same
+  tokens whatever the floating-point order of its reductions.
+
+`gathered` keeps an FSDP2 model's parameters unsharded for a whole rollout phase: without it
+every decoder layer is all-gathered again for every generated token.
+
+Legend: B live rows, P prompt positions, V lm_head width, K recorded top-k, N new tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the student samples (``temperature: 0`` is greedy)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    n_samples: int = 1  # completions per prompt
+    record_topk: int = 0  # K > 0: keep the policy's top-k ids at every sampled position
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1 or self.n_samples < 1 or self.record_topk < 0:
+            raise ValueError(f"invalid sampling sizes: {self}")
+
+
+@dataclass
+class Rollouts:
+    """Completions of a batch of prompts; rollout r answers prompt ``prompt_index[r]``."""
+
+    prompts: list[list[int]]  # per rollout: its prompt's ids
+    completions: list[list[int]]  # per rollout: sampled ids, the stop id included when it stopped
+    stopped: list[bool]  # per rollout: True = ended on a stop id, False = hit max_new_tokens
+    prompt_index: list[int]
+    topk_ids: list[np.ndarray] | None = None  # per rollout int32 [len(completion), K]
+    seconds: float = 0.0
+    meta: list[dict] = field(default_factory=list)  # per rollout, from the prompt source
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(c) for c in self.completions)
+
+
+def _tp_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    """Whole-vocabulary logits: a vocab-sharded DTensor (TP lm_head) is gathered."""
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
+def _uniforms(generators: Sequence[torch.Generator], device) -> torch.Tensor:
+    """[B, 1] float64: one uniform from each row's generator."""
+    u = [torch.rand(1, generator=g, device=device, dtype=torch.float64) for g in generators]
+    return torch.stack(u)
+
+
+def _draw(probs_BV: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row by inverse CDF: one uniform per row (not one random number per
+    vocabulary entry, as the exponential race of ``torch.multinomial`` draws)."""
+    cdf_BV = probs_BV.double().cumsum(-1)
+    u_B1 = _uniforms(generators, probs_BV.device)
+    ids = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:])
+    return ids[:, 0].clamp(max=probs_BV.shape[-1] - 1)
+
+
+def _in_nucleus(probs_BV: torch.Tensor, ids_B: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[B] bool: the token is in the top-p nucleus, i.e. the tokens more likely than it hold
+    less than top_p of the mass (the most likely token always is)."""
+    p_B1 = probs_BV.gather(1, ids_B[:, None])
+    ahead_B = torch.where(probs_BV > p_B1, probs_BV, 0.0).sum(-1)
+    return ahead_B < top_p
+
+
+def choose(
+    logits_BV: torch.Tensor, *, config: SamplingConfig, generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """The next token of every row [B] (greedy when temperature is 0).
+
+    Top-p without sorting the vocabulary: draw from the whole distribution and redraw the rows
+    whose token falls outside the nucleus. Conditioned on acceptance a draw follows p restricted
+    to the nucleus and renormalised, which is top-p sampling exactly; a draw is accepted with
+    probability >= top_p, so about 1 / top_p draws are needed."""
+    x = logits_BV.float()
+    if config.temperature == 0:
+        return x.argmax(-1)
+    probs_BV = torch.softmax(x / config.temperature, dim=-1)
+    ids_B = _draw(probs_BV, generators)
+    if config.top_p >= 1:
+        return ids_B
+    todo_B = ~_in_nucleus(probs_BV, ids_B, config.top_p)
+    while bool(todo_B.any()):
+        rows = todo_B.nonzero().squeeze(1)
+        again = _draw(probs_BV[rows], [generators[i] for i in rows.tolist()])
+        ids_B[rows] = again
+        todo_B[rows] = ~_in_nucleus(probs_BV[rows], again, config.top_p)
+    return ids_B
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for b, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {b} is empty (a prompt needs at least one token, e.g. BOS)")
+        ids[b, width - len(p) :] = p
+        mask[b, width - len(p) :] = 1
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    config: SamplingConfig,
+    seeds: Sequence[int] | None,
+    stop_ids: Sequence[int],
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Rollouts:
+    """Sample ``config.n_samples`` completions of every prompt (see the module docstring).
+
+    ``seeds``: one per rollout (prompt-major: prompt i's samples are rollouts
+    i * n_samples ...), each rollout's own generator; None only when greedy.
+    ``vocab_size``: the tokenizer's size; lm_head columns past it are never sampled.
+    ``stop_ids``: ids that end a completion (kept as its last token).
+    """
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    n, k = config.n_samples, config.record_topk
+    ids_BP, mask_BP = _left_pad(prompts, device)
+    pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids_BP,
+        attention_mask=mask_BP,
+        position_ids=pos_BP,
+        past_key_values=DynamicCache(),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache, logits_BV = out.past_key_values, _full(out.logits)[:, -1]
+    if n > 1:  # one prefill per prompt, the cache copied per sample
+        cache.batch_repeat_interleave(n)
+        logits_BV = logits_BV.repeat_interleave(n, 0)
+        mask_BP = mask_BP.repeat_interleave(n, 0)
+        pos_BP = pos_BP.repeat_interleave(n, 0)
+    rows = len(prompts) * n
+    if config.temperature > 0 and (seeds is None or len(seeds) != rows):
+        raise ValueError(f"sampling needs one seed per rollout ({rows}), got {seeds!r:.80}")
+    gens = []
+    for s in seeds or []:
+        g = torch.Generator(device=device)
+        g.manual_seed(int(s))
+        gens.append(g)
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)
+    tokens_RN = torch.full((rows, config.max_new_tokens), -1, dtype=torch.int64, device=device)
+    topk_RNK = torch.zeros((rows, config.max_new_tokens, k), dtype=torch.int32, device=device)
+    stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)
+    live_B = torch.arange(rows, device=device)  # the rollout each live row belongs to
+    mask_BT, pos_B1 = mask_BP, pos_BP[:, -1:]
+    root = dist.get_global_rank(tp_group, 0) if _tp_size(tp_group) > 1 else None
+    for step in range(config.max_new_tokens):
+        logits_BV = logits_BV[:, :vocab_size]
+        next_B = choose(
+            logits_BV, config=config, generators=[gens[i] for i in live_B.tolist()] if gens else []
+        )
+        if root is not None:  # one rank's draw for the whole TP group
+            dist.broadcast(next_B, src=root, group=tp_group)
+        tokens_RN[live_B, step] = next_B
+        if k:
+            topk_RNK[live_B, step] = logits_BV.topk(k, dim=-1).indices.to(torch.int32)
+        ended_B = torch.isin(next_B, stop)
+        stopped_R[live_B] = ended_B
+        if step == config.max_new_tokens - 1:
+            break
+        if bool(ended_B.any()):  # a host sync, once per step: finished rows leave the batch
+            keep_B = (~ended_B).nonzero().squeeze(1)
+            if keep_B.numel() == 0:
+                break
+            cache.batch_select_indices(keep_B)
+            live_B, next_B = live_B[keep_B], next_B[keep_B]
+            mask_BT, pos_B1 = mask_BT[keep_B], pos_B1[keep_B]
+        mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
+        pos_B1 = pos_B1 + 1
+        out = model(
+            input_ids=next_B[:, None],
+            attention_mask=mask_BT,
+            position_ids=pos_B1,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits_BV = _full(out.logits)[:, -1]
+    tokens = tokens_RN.cpu().numpy()
+    lens = (tokens >= 0).sum(1)
+    topk = topk_RNK.cpu().numpy() if k else None
+    index = [r // n for r in range(rows)]
+    return Rollouts(
+        prompts=[list(map(int, prompts[i])) for i in index],
+        completions=[tokens[r, : lens[r]].tolist() for r in range(rows)],
+        stopped=stopped_R.cpu().tolist(),
+        prompt_index=index,
+        topk_ids=None if topk is None else [topk[r, : lens[r]] for r in range(rows)],
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module, *, reshard_after_forward: bool) -> Iterator[None]:
+    """Keep an FSDP2 model's parameters unsharded for the whole block (one all-gather per layer
+    for a rollout phase instead of one per layer per token), then reshard and restore
+    ``reshard_after_forward`` (the value the model was wrapped with). A no-op for a plain model."""
+    mods = _fsdp_modules(model)
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in mods:
+            m.unshard()
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(reshard_after_forward, recurse=False)

@@ -1,0 +1,132 @@
+"""The on-policy teachers of a run: their loss terms, how each reads a rollout, their channels.
+
+Built once per rank by the on-policy step (`trainer.onpolicy.step`), from the config and what
+the preflight loaded:
+
+- one `trainer.distill.KDTerm` per teacher with a non-zero weight, for its on-policy mode
+  (``onpolicy.loss`` / ``onpolicy.teacher_losses``): the registry record, options, projection
+  tables (xtoken, gold) and the teacher-output spec (plus the realised token's log-prob, which
+  every on-policy teacher ships: `scoring.scoring_spec`);
+- per teacher a `TeacherView` when its tokenizer differs from the student's (on-the-fly
+  alignment: its tokenizer, its slot length, its chat template for chat prompts, the stop id
+  paired with the student's), None when it is the student's own (the sampled ids are scored
+  as they are);
+- `check_teachers`: what the preflight refuses before any model loads (a same-tokenizer mode on
+  another tokenizer, a projection mode without its file, a mixture of other tokenizers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelines.chat.align import ChatSide, prepare_side
+from pipelines.chat.templates import resolve_template
+from pipelines.projection import load_projection
+from pipelines.tokenizers import Tokenizer
+from trainer.config import ConfigError, TrainConfig
+from trainer.distill import KDTerm
+from trainer.losses.modes import MODES
+from trainer.onpolicy.realign import TeacherView
+from trainer.onpolicy.scoring import scoring_spec
+
+
+@dataclass
+class OnPolicyTeachers:
+    """Per kept teacher (weight > 0), in config order."""
+
+    terms: list[KDTerm]
+    views: list[TeacherView | None]  # None: the student's own tokenizer
+    weights: list[float]
+    topk: int  # the sampling policy's top-k the teachers score (0: none)
+    stop_ids: list[int]  # the student's stop ids (EOS, end-of-turn)
+
+
+def check_teachers(cfg: TrainConfig, student: Tokenizer, teachers: list[Tokenizer]) -> None:
+    """Refuse what cannot run, naming the field (the preflight calls this)."""
+    op = cfg.onpolicy
+    if not op.enabled:
+        return
+    for i, (mode, tok, t_cfg) in enumerate(zip(op.modes(len(teachers)), teachers, cfg.teachers)):
+        same = tok.fingerprint == student.fingerprint
+        record = MODES[mode]
+        if record.same_tokenizer and not same:
+            raise ConfigError(
+                f"config onpolicy.teacher_losses[{i}]: {mode} needs the student's tokenizer, "
+                f"teacher {tok.name} has another; use opd_pg, xtoken, gold or alm"
+            )
+        if record.projection and not t_cfg.projection:
+            raise ConfigError(
+                f"config teachers[{i}].projection: on-policy {mode} needs a projection file "
+                "(make projection TEACHER=... STUDENT=...)"
+            )
+        if op.mix == "mixture" and not same:
+            raise ConfigError(
+                f"config onpolicy.mix: a probability-space mixture needs teachers with the "
+                f"student's tokenizer; teacher {tok.name} has another (use mix=sum)"
+            )
+
+
+def _chat_side(cfg: TrainConfig, i: int, tok: Tokenizer) -> ChatSide | None:
+    op = cfg.onpolicy
+    if op.prompts != "chat":
+        return None
+    names = op.teacher_chat_templates
+    override = names[i] if i < len(names) and names[i] else None
+    return prepare_side(tok, resolve_template(cfg.teachers[i].path, override=override))
+
+
+def stop_for(tok: Tokenizer, side: ChatSide | None) -> int | None:
+    """The teacher's own marker for "the completion ends here"."""
+    if side is not None and side.markers is not None and len(side.markers.close_ids):
+        return int(side.markers.close_ids[0])
+    return tok.eos_id
+
+
+def build_teachers(
+    cfg: TrainConfig,
+    *,
+    student: Tokenizer,
+    teachers: list[Tokenizer],
+    student_chat: ChatSide | None,
+    max_len: int,
+) -> OnPolicyTeachers:
+    """Terms and views of the on-policy teachers (see the module docstring). ``max_len``: the
+    longest student row of a rollout; a teacher's slot holds twice that (another tokenizer may
+    need more tokens for the same bytes; a longer rollout is dropped and counted)."""
+    op = cfg.onpolicy
+    terms, views, weights = [], [], []
+    topk = 0
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, op.modes(len(teachers)))):
+        if t_cfg.weight == 0:
+            continue
+        record = MODES[mode]
+        options = op.mode_options(mode, cfg.loss.temperature)
+        tables = None
+        if record.tables is not None:
+            projection = load_projection(
+                t_cfg.projection, teacher=tok.info(), student=student.info()
+            )
+            tables = record.tables(
+                projection, teacher_vocab_size=tok.vocab_size, student_vocab_size=student.vocab_size
+            )
+        spec = scoring_spec(record.teacher_spec(options, tables, teacher_vocab_size=tok.vocab_size))
+        if spec.per_position_columns:
+            topk = max(topk, spec.columns)
+        terms.append(KDTerm(i, t_cfg.name, mode, options, spec, tables, student.vocab_size))
+        weights.append(t_cfg.weight)
+        if tok.fingerprint == student.fingerprint:
+            views.append(None)
+            continue
+        side = _chat_side(cfg, i, tok)
+        views.append(TeacherView(tok, 2 * max_len + 8, side, stop_for(tok, side)))
+    if not terms:
+        raise ConfigError("config teachers: on-policy distillation needs a teacher with weight > 0")
+    stops = {student.eos_id} if student.eos_id is not None else set()
+    if student_chat is not None and student_chat.markers is not None:
+        stops |= {int(i) for i in student_chat.markers.close_ids}
+    return OnPolicyTeachers(terms, views, weights, topk, sorted(stops))
+
+
+def teacher_max_len(views: list[TeacherView | None], student_max: int) -> list[int]:
+    """Slot length per teacher: the student's rows for its own tokenizer, else the view's."""
+    return [student_max if v is None else v.max_len for v in views]
