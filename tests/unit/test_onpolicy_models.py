@@ -77,7 +77,8 @@ def _run(setup, mode, options, j, teacher, *, scale: float = 1.0):
     prep = record.prepare(b.aligned[j], b.targets_BT)
     out = record.loss(x, outs, prep, tables=None, vocab_size=s_tok.vocab_size, config=options)
     out.sum.backward()
-    return out, x.grad, logits.logits.double() * scale, prep
+    # chunk modes prepare a ChunkSplit: its text view holds the trained (completion) chunks
+    return out, x.grad, logits.logits.double() * scale, getattr(prep, "text", prep)
 
 
 def _teacher_logp(teacher, inputs):
