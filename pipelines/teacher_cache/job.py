@@ -349,4 +349,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from pipelines import cli
+
+    sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))
