@@ -51,8 +51,8 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines import align_dofns as F
+from pipelines import beam_worker, paths, progress, readers, rolling, shards
 from pipelines import chat_dofns as C
-from pipelines import paths, progress, readers, rolling, shards
 from pipelines import schema as S
 from pipelines import write_dofns as W
 from pipelines.align import WindowConfig
@@ -438,7 +438,8 @@ def run(argv: list[str] | None = None) -> dict:
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
     run_id = uuid.uuid4().hex[:12]
     log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
-    p = beam.Pipeline(options=PipelineOptions(beam_args))
+    # FnApiRunner: its worker processes start without their chatter (pipelines.beam_worker)
+    p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
     prog = rolling.run_dir(cfg.out, run_id) / "progress"
     with progress.ProgressReporter(prog, total_bytes=total_bytes):

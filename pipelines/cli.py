@@ -1,8 +1,10 @@
 """How every tokenbridge command ends when it fails: one line, an exit code, no traceback.
 
 Each command line tool (`pipelines.align_job`, `pipelines.projection`, `pipelines.pair_report`,
-`pipelines.assets`, ``trainer/main.py``, `trainer.eval`, `trainer.report`) runs its ``main``
-through ``run``, which turns a failure the user can act on into a single line on stderr::
+`pipelines.assets`, `pipelines.teacher_cache`, `pipelines.verify`, `pipelines.chat.example`,
+``trainer/main.py``, `trainer.eval`, `trainer.eval.data`, `trainer.report`) runs its ``main``
+through ``run`` (tests/unit/test_cli.py checks that every ``__main__`` does), which turns a
+failure the user can act on into a single line on stderr::
 
     tokenbridge <command>[ [rank R/N]]: <ErrorType>: <what failed, where>[; <what to do>]
 
@@ -92,6 +94,17 @@ def is_a(e: BaseException, t: type[BaseException] | str) -> bool:
 BASE_RULES: tuple[Rule, ...] = (
     Rule((KeyboardInterrupt,), EXIT_INTERRUPTED, everywhere=True),
     Rule((FileExistsError,), EXIT_USAGE),
+    # a shard or cache directory whose writer did not finish (RuntimeErrors, named here so
+    # that every command reading one says it alike without importing its module first)
+    Rule(
+        (
+            "pipelines.shards.IncompleteShardsError",
+            "pipelines.teacher_cache.reader.IncompleteCacheError",
+        ),
+        EXIT_USAGE,
+    ),
+    # a download (`make models`, `python -m trainer.eval.data fetch`): the network or a checksum
+    Rule(("pipelines.assets.store.AssetError",), EXIT_RUN),
     Rule((FileNotFoundError, NotADirectoryError, IsADirectoryError), EXIT_USAGE),
     Rule((PermissionError,), EXIT_USAGE, "check the path's permissions"),
     # our input errors (config, tokenizers, fingerprints, damaged shards, projections) are

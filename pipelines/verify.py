@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipelines import integrity, values
+from pipelines import cli, integrity, values
 from pipelines import schema as S
 
 MARKER = "COMPLETED"
@@ -133,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, prog="verify"))

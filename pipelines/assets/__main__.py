@@ -6,6 +6,5 @@ import sys
 
 from pipelines import cli
 from pipelines.assets.steps import main
-from pipelines.assets.store import AssetError
 
-sys.exit(cli.run(main, prog="assets", rules=(cli.Rule((AssetError,), cli.EXIT_RUN),)))
+sys.exit(cli.run(main, prog="assets"))  # AssetError: one of cli.BASE_RULES

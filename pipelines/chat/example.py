@@ -19,9 +19,10 @@ import argparse
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
-from pipelines import paths
+from pipelines import cli, paths
 
 PLAYS = {  # corpus file stem -> title
     "hamlet_gut": "Hamlet",
@@ -138,4 +139,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main, prog="chat_example"))

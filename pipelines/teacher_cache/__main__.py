@@ -2,6 +2,7 @@
 
 import sys
 
+from pipelines import cli
 from pipelines.teacher_cache.job import main
 
-main(sys.argv[1:])
+sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))

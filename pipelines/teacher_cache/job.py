@@ -41,7 +41,7 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines import paths, progress, rolling, shards
+from pipelines import beam_worker, paths, progress, rolling, shards
 from pipelines import write_dofns as W
 from pipelines.align_dofns import DEAD, MAIN
 from pipelines.align_job import prepare_out_dir, split
@@ -300,7 +300,7 @@ def run(argv: list[str] | None = None) -> dict:
     }
     log.info("teacher-cache: %d rows, %d teacher tokens -> %s", shard_set.num_rows, total, cfg.out)
     launch_s = time.perf_counter() - t0
-    p = beam.Pipeline(options=PipelineOptions(beam_args))
+    p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, run_id=run_id, header=header)
     prog = rolling.run_dir(cfg.out, run_id) / "progress"
 
@@ -349,4 +349,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from pipelines import cli
+
+    sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))

@@ -49,6 +49,8 @@ def commands(tmp) -> dict[str, tuple[list[str], dict, int, str]]:
         "align": ([PY, "-m", "pipelines.align_job", "--data", f"{MISSING}/*.txt", "--teacher", t,
                    "--student", s, "--out", str(tmp / "out")], {}, 2,
                   f"tokenbridge align: FileNotFoundError: --data '{MISSING}/*.txt' matches no"),
+        "teacher_cache": ([PY, "-m", "pipelines.teacher_cache", "--shards", MISSING, "--teacher",
+                           t], {}, 2, f"tokenbridge teacher_cache: FileNotFoundError: {MISSING}: no"),
         "align_help": ([PY, "-m", "pipelines.align_job", "--help"], {}, 0, ""),
     }  # fmt: skip
 

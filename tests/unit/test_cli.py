@@ -13,11 +13,13 @@ import json
 import logging
 import signal
 import types
+from pathlib import Path
 
 import pytest
 
 from pipelines import cli
 from pipelines.shards import FingerprintMismatchError
+from tests.e2e.helpers import REPO
 from trainer import launch
 from trainer.main import RULES, hydra_overrides
 
@@ -66,6 +68,51 @@ def test_each_known_failure_is_one_line_and_its_exit_code(capsys, exc, code, lin
     assert got == code and len(lines) == 1 and lines[0].startswith(line), err
     assert "Traceback" not in err
     assert (f"{cli.DEBUG_ENV}=1 shows the traceback" in err) == (code == cli.EXIT_RUN)
+
+
+def test_unfinished_directories_and_downloads_are_known_failures(capsys):
+    """Named in cli.BASE_RULES (RuntimeErrors, else they would read as bugs), for every command
+    that meets them: the trainer, the teacher-cache job, `make models`, `trainer.eval.data`."""
+    from pipelines.assets.store import ChecksumError
+    from pipelines.shards import IncompleteShardsError
+    from pipelines.teacher_cache.reader import IncompleteCacheError
+
+    cases = [
+        (IncompleteShardsError("/s: no COMPLETED marker; rerun the align job"), 2),
+        (IncompleteCacheError("/c: no COMPLETED marker"), 2),
+        (ChecksumError("w.whl", expected="ab", found="cd"), 1),
+    ]
+    for exc, code in cases:
+        got, lines, err = run(exc, capsys)
+        assert got == code and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith(f"tokenbridge tool: {type(exc).__name__}: {exc}")
+
+
+def _entry_points() -> list[Path]:
+    """Every module a user runs: a ``__main__.py`` or one with a ``__main__`` block."""
+    found = []
+    for pkg in ("pipelines", "trainer"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if path.name == "__main__.py" or 'if __name__ == "__main__":' in text:
+                found.append(path)
+    return found
+
+
+def test_every_command_ends_through_cli_run():
+    """A command added later gets the one-line errors too: its module runs its ``main`` through
+    cli.run. trainer.launch is torchrun's wrapper: it reads the ranks' lines instead (tested
+    below)."""
+    points = _entry_points()
+    assert len(points) >= 12
+    missing = []
+    for path in points:
+        rel = path.relative_to(REPO).as_posix()
+        if rel == "trainer/launch.py":
+            continue
+        if "cli.run(" not in path.read_text(encoding="utf-8"):
+            missing.append(rel)
+    assert not missing, f"commands that do not end through pipelines.cli.run: {missing}"
 
 
 def test_debug_switch_adds_the_traceback_and_keeps_code_and_line(capsys, monkeypatch):

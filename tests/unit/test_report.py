@@ -25,7 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def fake_run(path: Path, *, steps: int, teachers=("gemma",), shards: Path | None = None) -> Path:
-    """A run folder as the trainer writes it: eval records at step 0 and the end, a train
+    """A run folder as the trainer writes it: eval records at step 0, mid-way and the end, a train
     record per step (kd/coverage per teacher when there are teachers), bpb.json, summary.json."""
     path.mkdir(parents=True)
     recs = [{"kind": "eval", "step": 0, "bpb": 2.0}]
@@ -39,6 +39,8 @@ def fake_run(path: Path, *, steps: int, teachers=("gemma",), shards: Path | None
             r[f"coverage/{t}"] = 0.9
         r["loss"] = r["ce"] + sum(r.get(f"kd/{t}", 0.0) for t in teachers)
         recs.append(r)
+        if s == steps // 2:  # an eval during the run (eval.interval)
+            recs.append({"kind": "eval", "step": s, "bpb": 1.9})
     recs.append({"kind": "eval", "step": steps, "bpb": 1.8})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     bpb = {"student_before": 2.0, "teachers": {t: 1.5 + i / 10 for i, t in enumerate(teachers)},
@@ -133,6 +135,8 @@ def test_report_numbers_equal_metrics_jsonl(tmp_path):
     assert check_numbers(html.parent / "report.json", {"demo": run}) >= 8
     loss = json.loads((html.parent / "report.json").read_text())["panels"]["loss"]["lines"][0]
     assert loss["values"][-1] == 39.0 and loss["smoothed"] is not None  # last record wins
+    bpb = json.loads((html.parent / "report.json").read_text())["panels"]["bpb"]["lines"][0]
+    assert (bpb["steps"], bpb["values"]) == ([0, 15, 30], [2.0, 1.9, 1.8])  # before/during/after
     text = html.read_text()
     assert "1 unreadable line(s) in metrics.jsonl skipped" in text
     assert "2.0000" in text and "1.8000 (-0.2000)" in text  # BPB before / after
@@ -200,3 +204,54 @@ def test_trainer_start_up_does_not_import_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def eval_payload() -> dict:
+    """Two models' results as `trainer.eval` writes them: COPA (multiple choice, primary acc)
+    for both, a held-out text (primary bpb) for the first only."""
+    from trainer.eval.metrics import summarize
+
+    def result(kind: str, primary: str, samples: dict) -> dict:
+        n = len(samples["id"])
+        return {"kind": kind, "primary": primary, "n": n, "samples": samples,
+                "metrics": summarize(kind, samples)}  # fmt: skip
+
+    def mc(acc: list[int]) -> dict:
+        n = len(acc)
+        return result("mc", "acc", {"id": list(range(n)), "acc": acc, "acc_norm": acc[::-1],
+                                    "acc_per_token": acc, "bits": [8.0 + i for i in range(n)],
+                                    "bytes": [10] * n})  # fmt: skip
+
+    text = result("text", "bpb", {"id": [0, 1], "bits": [900.0, 1100.0], "bytes": [1000, 1000],
+                                  "tokens": [250, 260]})  # fmt: skip
+    return {
+        "models": {
+            "demo/export": {"results": {"copa": mc([1, 0, 1, 1]), "text:/x/held_out.txt": text}},
+            "smollm2-135m": {"results": {"copa": mc([0, 0, 1, 0])}},
+        },
+        "tasks": ["copa", "text:/x/held_out.txt"],
+        "options": {"limit": 4},
+        "created": "now",
+    }
+
+
+def test_eval_chart_bars_are_the_primary_metric_with_its_standard_error(tmp_path):
+    from trainer.eval.chart import bars, write_eval_report
+
+    payload = eval_payload()
+    got = bars(payload)
+    assert [b["title"] for b in got] == ["copa: acc ↑  (n=4)", "text:held_out.txt: bpb ↓  (n=2)"]
+    for b, task in zip(got, payload["tasks"]):
+        for i, info in enumerate(payload["models"].values()):
+            res = info["results"].get(task)
+            want = (math.nan, math.nan) if res is None else (
+                res["metrics"][res["primary"]]["value"], res["metrics"][res["primary"]]["stderr"])  # fmt: skip
+            assert (b["values"][i], b["errors"][i]) == pytest.approx(want, nan_ok=True)
+    assert got[0]["values"] == [0.75, 0.25] and got[0]["errors"][0] == pytest.approx(0.25)
+    png, page = write_eval_report(payload, tmp_path / "r.json")
+    assert (png, page) == (tmp_path / "r.png", tmp_path / "r.html")
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    parsed = check_page(page)
+    assert len(parsed.imgs) == 1
+    text = page.read_text()
+    assert "0.750 ± 0.250" in text and "LIMIT=4" in text  # the table's cells beside the chart

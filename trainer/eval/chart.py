@@ -28,6 +28,24 @@ def primary_rows(payload: dict) -> list[dict]:
     return [r for r in table_rows(payload) if r["primary"]]
 
 
+def bars(payload: dict) -> list[dict]:
+    """What each panel draws, as plain data: the task's title, then per model (in column order)
+    the bar's height and its error bar. A model without the task (NaN) gets an empty bar with
+    a "—" label instead of one at zero that would read as a score."""
+    names = list(payload["models"])
+    out = []
+    for row in primary_rows(payload):
+        arrow = " ↓" if row["metric"] in LOWER_IS_BETTER else " ↑"
+        out.append(
+            {
+                "title": f"{_task_label(row['task'])}: {row['metric']}{arrow}  (n={row['n']})",
+                "values": [row["values"][n][0] for n in names],
+                "errors": [row["values"][n][1] for n in names],
+            }
+        )
+    return out
+
+
 def render_chart(payload: dict) -> bytes:
     """A grid of per-task bar charts as PNG bytes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -35,7 +53,7 @@ def render_chart(payload: dict) -> bytes:
 
     from trainer.report.plots import to_png
 
-    rows = primary_rows(payload)
+    rows = bars(payload)
     names = list(payload["models"])
     ncols = max(1, min(COLUMNS, len(rows)))
     nrows = max(1, math.ceil(len(rows) / ncols))
@@ -45,8 +63,7 @@ def render_chart(payload: dict) -> bytes:
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, row in zip(axes, rows):
-        values = [row["values"][n][0] for n in names]
-        errors = [row["values"][n][1] for n in names]
+        values, errors = row["values"], row["errors"]
         xs = list(range(len(names)))
         heights = [0.0 if math.isnan(v) else v for v in values]
         errs = [0.0 if math.isnan(e) else e for e in errors]
@@ -70,12 +87,7 @@ def render_chart(payload: dict) -> bytes:
                 xytext=(0, 2),
                 textcoords="offset points",
             )
-        arrow = " ↓" if row["metric"] in LOWER_IS_BETTER else " ↑"
-        ax.set_title(
-            f"{_task_label(row['task'])}: {row['metric']}{arrow}  (n={row['n']})",
-            fontsize=9,
-            loc="left",
-        )
+        ax.set_title(row["title"], fontsize=9, loc="left")
         ax.set_xticks(xs, [""] * len(xs))
         ax.tick_params(labelsize=7, length=0)
         top = max((h + e for h, e in zip(heights, errs)), default=0.0)

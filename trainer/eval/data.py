@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from pipelines import paths
+from pipelines import cli, paths
 from pipelines.assets import store
 from trainer.eval.tasks import FETCH_HINT, data_files
 
@@ -122,4 +123,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main, prog="eval_data"))
