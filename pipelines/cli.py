@@ -1,8 +1,9 @@
 """How every tokenbridge command ends when it fails: one line, an exit code, no traceback.
 
 Each command line tool (`pipelines.align_job`, `pipelines.projection`, `pipelines.pair_report`,
-`pipelines.assets`, ``trainer/main.py``, `trainer.eval`, `trainer.report`) runs its ``main``
-through ``run``, which turns a failure the user can act on into a single line on stderr::
+`pipelines.assets`, `pipelines.verify`, ``trainer/main.py``, `trainer.eval`, `trainer.report`)
+runs its ``main`` through ``run``, which turns a failure the user can act on into a single line
+on stderr::
 
     tokenbridge <command>[ [rank R/N]]: <ErrorType>: <what failed, where>[; <what to do>]
 

@@ -21,11 +21,13 @@ the value.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow as pa
 
 from pipelines import schema as S
-from pipelines.integrity import IntegrityError
+from pipelines.integrity import COST, IntegrityError
 
 
 class BadValueError(IntegrityError):
@@ -117,7 +119,17 @@ def _same_lengths(
 
 def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int = 0):
     """Raise `BadValueError` for the first value of `batch` out of its range (see the module
-    docstring). `where`: the file; `first_row`: the batch's first row in that file."""
+    docstring). `where`: the file; `first_row`: the batch's first row in that file. Its time
+    and rows count in `integrity.COST`."""
+    t0 = time.perf_counter()
+    try:
+        _check(batch, meta, where=where, first_row=first_row)
+    finally:
+        COST.check_seconds += time.perf_counter() - t0
+        COST.checked_rows += batch.num_rows
+
+
+def _check(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int) -> None:
     s_offsets, _ = _check_range(
         batch, "student_ids", lo=0, hi=meta.student.vocab_size, where=where,
         first_row=first_row, what=f"student vocabulary {meta.student.name}",

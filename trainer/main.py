@@ -158,18 +158,15 @@ def run(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from pipelines.integrity import IntegrityError
     from trainer.train import Trainer
 
+    # A damaged shard or an out-of-range value met during the run (pipelines.integrity's
+    # errors, ValueErrors) ends it like any input error: one line naming the file, exit 2
+    # (`pipelines.cli`), by the rank that read it; nothing was trained on that row.
     trainer = None
     try:
         trainer = Trainer(cfg, prepared)
         trainer.train()
-    except IntegrityError as e:
-        # a damaged file or out-of-range value met during the run (docs/integrity.md): the
-        # data's fault, named in one line; nothing was trained on it
-        print(f"[rank {rank}] tokenbridge: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 2
     finally:
         if trainer is not None:
             trainer.close()
