@@ -21,11 +21,15 @@ BENCH   ?=
 RUNS    ?= runs/demo
 DIR     ?=
 ALIGN_ARGS ?=
+SHARDS  ?= outputs/align/demo
+CACHE_ARGS ?=
+# K is the projection's k (8) unless given; the teacher cache's own default is 32 (xtoken's k)
+CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo projection align verify train eval report bench clean
+.PHONY: help setup models test lint format demo projection align teacher-cache verify train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -60,6 +64,9 @@ align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several
 
 verify: $(SETUP)  ## checksums (+ values) of DIR=<shards | cache | checkpoint(s) | run dir>; exit 2 on damage
 	$(PY) -m pipelines.verify $(DIR)
+
+teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
+	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
 
 train: models  ## one-process training run on the demo config (see README for torchrun)
 	$(PY) trainer/main.py conf=demo

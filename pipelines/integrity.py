@@ -68,6 +68,12 @@ def entry(size: int, digest: str, algo: str = HASH) -> dict:
     return {"bytes": int(size), algo: digest}
 
 
+def manifest_entry(info: dict) -> dict:
+    """A rolling part's manifest (rows, bytes, checksum, ...) -> its marker entry."""
+    algo = entry_algo(info)
+    return entry(info["bytes"], info[algo], algo)
+
+
 def entry_algo(e: dict) -> str:
     """The algorithm an entry was written with (its one key besides ``bytes``)."""
     algos = [k for k in e if k in HASHES]

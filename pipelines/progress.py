@@ -15,6 +15,7 @@ already is. Best effort: a file that cannot be written or read is skipped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -99,11 +100,24 @@ class ProgressReporter:
     """A daemon thread printing the summed worker counts every `interval` seconds.
 
     ``with ProgressReporter(dir, total_bytes=...):`` around the run; nothing is printed for a
-    run shorter than one interval.
+    run shorter than one interval. ``line(totals, elapsed=...)`` words the line (default: the
+    align job's, `progress_line`) and ``label`` names the bar; another job counts its own units
+    in the same three fields (the teacher cache: teacher tokens as "bytes", rows as
+    "documents").
     """
 
-    def __init__(self, directory, *, total_bytes: int, interval: float = 10.0, stream=None):
+    def __init__(
+        self,
+        directory,
+        *,
+        total_bytes: int,
+        interval: float = 10.0,
+        stream=None,
+        label: str = "align",
+        line=None,
+    ):
         self.directory, self.total_bytes, self.interval = Path(directory), total_bytes, interval
+        self.line = line or functools.partial(progress_line, total_bytes=total_bytes)
         self.stream = stream or sys.stderr
         self.stop = threading.Event()
         self.t0 = time.monotonic()
@@ -114,9 +128,9 @@ class ProgressReporter:
                 from tqdm import tqdm
 
                 self.bar = tqdm(
-                    total=total_bytes, unit="B", unit_scale=True, desc="align", file=self.stream
+                    total=total_bytes, unit="B", unit_scale=True, desc=label, file=self.stream
                 )
-        self.thread = threading.Thread(target=self._loop, name="align-progress", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=f"{label}-progress", daemon=True)
 
     def _loop(self) -> None:
         while not self.stop.wait(self.interval):
@@ -126,9 +140,7 @@ class ProgressReporter:
         # never backwards: the finalize step removes the directory at the end
         new = read_totals(self.directory)
         totals = self.totals = {k: max(v, self.totals.get(k, 0)) for k, v in new.items()}
-        line = progress_line(
-            totals, total_bytes=self.total_bytes, elapsed=time.monotonic() - self.t0
-        )
+        line = self.line(totals, elapsed=time.monotonic() - self.t0)
         if self.bar is not None:
             self.bar.n = min(totals["bytes"], self.total_bytes)
             self.bar.set_postfix_str(line.split(", ", 1)[1], refresh=True)

@@ -218,6 +218,8 @@ def write_completed(
     *,
     files: dict[str, int] | None = None,
     checksums: dict[str, dict] | None = None,
+    kind: str = KIND,
+    schema_version: int = S.SCHEMA_VERSION,
 ) -> None:
     """Write stats.json, then the COMPLETED marker (last, atomically).
 
@@ -227,6 +229,8 @@ def write_completed(
     writer computed them (`ShardWriter.checksum`, the rolling parts' manifests); stats.json's is
     added here. A listed shard without one is hashed here, from disk: only for callers that
     wrote it by other means (every writer in this repository passes its own).
+    `kind` and `schema_version`: of the files listed (the teacher cache has its own of both;
+    `pipelines.verify` checks the values of ``kind="shards"`` files only).
     """
     out = Path(out_dir)
     if files is None:
@@ -245,8 +249,8 @@ def write_completed(
     sums[S.STATS_FILE] = integrity.entry(len(stats_bytes), h.hexdigest())
     marker = {
         "version": COMPLETED_VERSION,
-        "kind": KIND,
-        "schema_version": S.SCHEMA_VERSION,
+        "kind": kind,
+        "schema_version": schema_version,
         "files": dict(sorted(files.items())),
         "num_rows": int(sum(files.values())),
         "hash": integrity.HASH,

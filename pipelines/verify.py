@@ -56,7 +56,8 @@ def verify_marked(d: Path, marker: dict) -> list[integrity.FileReport]:
         reports.append(
             integrity.FileReport(name, None, note="no checksum recorded (marker version 1)")
         )
-    if marker.get("kind") == "shards" or "schema_version" in marker:
+    # Shard markers of version 2 had no kind; every other writer names its own.
+    if marker.get("kind", "shards") == "shards" and "schema_version" in marker:
         by_name = {r.name: r for r in reports}
         for name in sorted(marker.get("files", {})):
             r = by_name[name]

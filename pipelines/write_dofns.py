@@ -164,17 +164,11 @@ class FinalizeDoFn(beam.DoFn):
         )
         header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
         stats = job_stats.final_stats(header, summary["stats"], dict(summary["dead"]), files)
-        checksums = {name: _checksum(info) for name, info in index.items()}
-        checksums[S.DEAD_LETTER_FILE] = _checksum(dead_info)
+        checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
+        checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
         shards.write_completed(out, stats, files=files, checksums=checksums)
         rolling.remove_tmp(tmp)
         yield stats
-
-
-def _checksum(info: dict) -> dict:
-    """A part's manifest (rows, bytes, checksum, first key) -> its marker entry."""
-    algo = integrity.entry_algo(info)
-    return integrity.entry(info["bytes"], info[algo], algo)
 
 
 def header_for(cfg, *, input_files: int, input_bytes: int) -> dict:

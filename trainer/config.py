@@ -103,6 +103,10 @@ class TeacherConfig(ModelConfig):
     tp: int = 1
     loss: str | None = None  # per-teacher loss mode; default: loss.mode
     dtype: str = "float32"  # the frozen teacher's weights and compute (no master copy needed)
+    # an offline teacher cache (`make teacher-cache`): read its outputs instead of running the
+    # teacher (no worker, no weights loaded); refused unless built from these shards with this
+    # teacher, k and temperature (docs/training.md, "Teacher cache")
+    cache: str | None = None
 
     def __post_init__(self) -> None:
         self._validate("teachers[?]")

@@ -66,6 +66,9 @@ RULES = (
     # computed from all-reduced numbers: every rank stops at the same step
     cli.Rule(("trainer.metrics.NonFiniteError",), everywhere=True),
     cli.Rule(("pipelines.shards.IncompleteShardsError",), cli.EXIT_USAGE),
+    # a damaged file or out-of-range value met during the run (docs/integrity.md): the data's
+    # fault, named in one line; nothing was trained on it
+    cli.Rule(("pipelines.integrity.IntegrityError",), cli.EXIT_USAGE),
     cli.Rule(
         ("torch.OutOfMemoryError",),
         hint="lower data.micro_batch_size (raise data.grad_accum to keep the batch)",

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
 from pipelines.projection import Projection, load_projection
 from pipelines.shards import ShardSet, open_shards
+from pipelines.teacher_cache.reader import CacheSet
 from pipelines.tokenizers import Tokenizer, load_tokenizer
 from trainer import models, parallel
 from trainer.checkpoint import find_resume, list_checkpoints
 from trainer.config import ConfigError, ModelConfig, TrainConfig
 from trainer.data import ShardReader
 from trainer.losses.modes import MODES
+from trainer.teacher.cache import open_teacher_cache
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Prepared:
     teacher_rows: list[int]
     teacher_max_len: list[int]  # longest teacher row per teacher (sizes the channel slots)
     resume: Path | None = None  # the verified checkpoint to resume from (None: start fresh)
+    caches: list[CacheSet | None] = field(default_factory=list)  # per teacher (teachers[i].cache)
 
 
 def _model_dir(cfg: ModelConfig, where: str) -> Path:
@@ -164,4 +167,22 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         teacher_rows,
         teacher_max[: len(teachers)],
         resume=resume.path,
+        caches=_caches(cfg, teachers, shards),
     )
+
+
+def _caches(cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet) -> list:
+    """Each teacher's offline cache, checked against the shards, the teacher and its loss (a
+    teacher without one, or whose term is off, gets None)."""
+    out = []
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
+        if not (t_cfg.cache and cfg.kd_enabled and t_cfg.weight > 0):
+            out.append(None)
+            continue
+        options = cfg.loss.mode_options(mode)
+        out.append(
+            open_teacher_cache(
+                t_cfg, index=i, mode=mode, options=options, tokenizer=tok.info(), shards=shards
+            )
+        )
+    return out

@@ -2,7 +2,7 @@
 
 Build order (`Trainer.__init__`): process group and mesh -> data -> student (TP plan, then
 FSDP2) -> optimizer and LR schedule -> teacher channels (a worker process per rank, or
-in-process) -> resume. Every file and fingerprint check ran before, in `trainer.preflight`.
+in-process, or an offline cache read in place of the teacher) -> resume. Every file and fingerprint check ran before, in `trainer.preflight`.
 
 The loss invariant, where it holds: each term is a local SUM divided by the GLOBAL count of its
 step (summed over the step's microbatches and all-reduced over the data-parallel ranks, never
@@ -148,6 +148,7 @@ class Trainer:
             world=self.world,
             max_len=teacher_max,
             threads=cfg.parallel.threads or None,
+            caches=prepared.caches,
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
@@ -383,10 +384,13 @@ class Trainer:
 
     def teacher_bpb(self) -> dict[str, float]:
         """The teachers' held-out BPB (once per run, for reference), computed on rank 0 with an
-        unsharded copy of each teacher and broadcast."""
+        unsharded copy of each teacher and broadcast. Not for a teacher read from a cache: its
+        weights are never loaded."""
         result: dict[str, float] = {}
         if self.is_main:
             for t_cfg, tok in zip(self.cfg.teachers, self.prep.teacher_toks):
+                if t_cfg.cache:
+                    continue
                 model = models.freeze(models.build_model(t_cfg, device=self.device))
                 res = evaluate_bpb(
                     model,

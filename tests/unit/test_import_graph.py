@@ -12,10 +12,13 @@ from its ``__init__``). Two choices, and why:
   those parents unless names are taken from them: Python runs a parent first whatever the order,
   so such an edge would call every package whose ``__init__`` re-exports its modules a cycle.
 
-Layering (DESIGN.md, "Layout"): `pipelines/` never imports `trainer` (the teacher-cache job will
-be the one exception, for the pure teacher compute: add it to `PIPELINES_MAY_IMPORT` by name),
-and nothing `trainer/` reaches through its imports, `pipelines` modules included, imports
-apache_beam.
+Layering (DESIGN.md, "Layout"): `pipelines/` never imports `trainer`, with one exception named
+in `PIPELINES_MAY_IMPORT`: the teacher cache's RunInference handler runs the trainer's teacher
+compute (`trainer.teacher.program`: the model build, the teacher outputs, and the config and
+context types they take), so a cached output is the live teacher's output by construction, not
+by a copy of the code. Nothing `trainer/` reaches through its imports, `pipelines` modules
+included, imports apache_beam (the handler imports it, so the trainer can never import the
+handler: no cycle through it either).
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from pathlib import Path
 from pipelines import paths
 
 ROOTS = ("pipelines", "trainer")
-PIPELINES_MAY_IMPORT: dict[str, set[str]] = {}  # pipelines module -> trainer modules it may use
+# pipelines module -> the trainer modules it may import (by name: a new one must be added here)
+PIPELINES_MAY_IMPORT: dict[str, set[str]] = {
+    "pipelines.teacher_cache.handler": {
+        "trainer.teacher.program",  # TeacherModelProgram, the worker's teacher compute
+        "trainer.teacher.worker",  # TeacherContext, what the program's setup takes
+        "trainer.config",  # TeacherConfig, how the program names its teacher
+        "trainer.losses.teacher_outputs",  # TeacherOutputSpec, what it computes
+        "trainer.models",  # the lm_head width from config.json (no weights)
+    },
+}
 
 
 @dataclass

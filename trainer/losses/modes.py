@@ -12,6 +12,10 @@ lives in ``trainer.losses.<mode>``):
 - `tables`, `teacher_spec`, `columns`: what the loop builds once per teacher
   (`trainer.distill.build_kd_terms`): the tables read from the projection, the teacher outputs
   the mode reads (never more) and the column ids the teacher must score;
+- `no_cache`: why the mode cannot read an offline teacher cache (``teachers[i].cache``), or
+  None: the cache stores top-k ids and log-probs, the tail and the target log-probs
+  (`pipelines.teacher_cache.format`); a mode that reads only those builds its teacher spec
+  without tables, and the preflight checks the cache against that spec;
 - `prepare`, `count`, `loss`: what the loop calls per microbatch (`trainer.distill.KDTerm`).
   ``prepare`` sees the batch alone (the chunk index, or the mask of distilled positions), so
   ``count`` is known before any forward and the step's global count is all-reduced before its
@@ -72,6 +76,7 @@ class LossMode:
     count: Callable[[Any], int] | None = None
     loss: Callable[..., LossOutput] | None = None
     check: Callable[[Any], None] | None = None
+    no_cache: str | None = None
 
     @property
     def distills(self) -> bool:
@@ -218,6 +223,12 @@ MODES: dict[str, LossMode] = {
         prepare=_chunk_index,
         count=_complete_chunk_count,
         loss=gold,
+        no_cache=(
+            "it reads the teacher's log-probs on every exact-map id plus its largest unmatched "
+            "probabilities at every position (about 46,000 + the unmatched student ids per "
+            "token for Gemma x SmolLM2, ~200 kB in fp32), too wide to store; run gold with the "
+            "live teacher, or xtoken / alm with the cache"
+        ),
     ),
     "alm": LossMode(
         "alm",

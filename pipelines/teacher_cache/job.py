@@ -1,0 +1,352 @@
+"""The teacher-cache job: aligned shards -> the teacher's outputs per position (``make teacher-cache``).
+
+    python -m pipelines.teacher_cache --shards DIR --teacher MODEL_DIR [--k 32] \\
+        [--temperature 1.0] [--logprob-dtype float16|bfloat16|float32] [--no-target] \\
+        [--samples R] [--teacher-index I] [--teacher-dtype float32] [--out DIR] [--overwrite] \\
+        [--init random --seed N --override key=value ...] [--batch-tokens 8192] \\
+        [Beam pipeline options]
+
+The pipeline, as its own table of contents::
+
+    Tasks (row ranges) --> ReadRows (token-bounded RowBatches) --> Score (RunInference, the
+    trainer's teacher program) --> WriteCache (rolling Arrow parts) --+--> Finalize: parts in
+    place, stats.json, COMPLETED last
+          bad rows, failed rows --> WriteDeadLetters --------------------+
+
+The format, keys and fingerprints are described in `pipelines.teacher_cache.format`; the trainer
+reads a cache with ``teachers[i].cache`` (`pipelines.teacher_cache.reader`). Memory stays flat:
+elements are row batches, rows stream into rolling part files, and the only grouping is the
+final one over small per-batch records. A complete output directory is refused unless
+``--overwrite``.
+
+Runner: Beam's ``FnApiRunner`` in this process by default (``--direct_num_workers 1``: the
+teacher's forward already uses every core through torch's threads, and each worker process
+would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink, Spark) through
+the usual ``--runner`` options, with OUT on a filesystem every worker shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.ml.inference.base import RunInference
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipelines import paths, progress, rolling, shards
+from pipelines import write_dofns as W
+from pipelines.align_dofns import DEAD, MAIN
+from pipelines.align_job import prepare_out_dir, split
+from pipelines.teacher_cache import dofns as D
+from pipelines.teacher_cache import handler as H
+from pipelines.teacher_cache.fingerprints import shards_fingerprint, weights_fingerprint
+from pipelines.teacher_cache.format import CacheMeta
+from pipelines.teacher_cache.reader import REBUILD
+from pipelines.tokenizers import load_tokenizer
+
+log = logging.getLogger("tokenbridge.teacher_cache")
+
+ROLL_MB = 128  # cache files roll at this size
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    shards: Path
+    out: Path
+    meta: CacheMeta
+    teacher: object  # trainer.config.TeacherConfig (built by the handler module)
+    batch_tokens: int = 8192  # padded teacher tokens per forward (rows x longest row)
+    max_rows: int = 64
+    rows_per_task: int = 512
+    roll_bytes: int = ROLL_MB << 20
+    device: str = "cpu"
+    threads: int | None = None
+    overwrite: bool = False
+
+
+def plan_tasks(shard_set: shards.ShardSet, rows_per_task: int) -> list[D.RowTask]:
+    """Row ranges of every shard file, `rows_per_task` rows each (the unit a worker reads)."""
+    return [
+        D.RowTask(str(path), a, min(a + rows_per_task, n))
+        for path, n in zip(shard_set.files, shard_set.file_rows)
+        for a in range(0, n, rows_per_task)
+    ]
+
+
+class ReadRows(beam.PTransform):
+    """Row tasks -> token-bounded `RowBatch`es (MAIN) and bad rows (DEAD)."""
+
+    def __init__(self, tasks: list[D.RowTask], cfg: JobConfig):
+        super().__init__()
+        self.tasks = tasks
+        self.fn = D.ReadRowBatchesDoFn(
+            teacher_index=int(cfg.meta.shards["teacher_index"]),
+            vocab_size=int(cfg.meta.teacher["vocab_size"]),
+            budget=cfg.batch_tokens,
+            max_rows=cfg.max_rows,
+        )
+
+    def expand(self, pbegin):
+        # Create spreads the tasks (row ranges, not rows) over the workers
+        read = pbegin | "Tasks" >> beam.Create(self.tasks) | "Read" >> beam.ParDo(self.fn)
+        return split(read, [MAIN, DEAD])
+
+
+class Score(beam.PTransform):
+    """`RowBatch` -> the teacher (RunInference) -> `ScoredBatch` (MAIN), failed rows (DEAD)."""
+
+    def __init__(self, handler: H.TeacherCacheHandler):
+        super().__init__()
+        self.handler = handler
+
+    def expand(self, batches):
+        scored = batches | "RunInference" >> RunInference(self.handler)
+        return split(scored | "Check" >> beam.FlatMap(D.split_scored), [MAIN, DEAD])
+
+
+def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, header: dict) -> dict:
+    """Assemble the job on `p`; returns the main PCollections by name (tests assert on them)."""
+    tmp = str(rolling.run_dir(cfg.out, run_id))
+    prog = str(Path(tmp) / "progress")
+    meta = cfg.meta
+    spec = H.teacher_spec(
+        int(meta.teacher["vocab_size"]), k=meta.k, temperature=meta.temperature, target=meta.target
+    )
+    handler = H.TeacherCacheHandler(
+        cfg.teacher,
+        spec,
+        device=cfg.device,
+        threads=cfg.threads,
+        samples=meta.samples,
+        sample_seed=meta.sample_seed,
+    )
+    read = p | "ReadRows" >> ReadRows(tasks, cfg)
+    scored = read[MAIN] | "Score" >> Score(handler)
+    written = scored[MAIN] | "WriteCache" >> beam.ParDo(
+        D.WriteCacheDoFn(tmp, meta=meta, roll_bytes=cfg.roll_bytes, progress_dir=prog)
+    )
+    dead = (read[DEAD], scored[DEAD]) | "AllDeadLetters" >> beam.Flatten()
+    dropped = dead | "WriteDeadLetters" >> beam.ParDo(
+        W.WriteDeadLettersDoFn(tmp, roll_bytes=cfg.roll_bytes)
+    )
+    seed = p | "Seed" >> beam.Create([("stats", None)])
+    summary = (
+        (written, dropped, seed)
+        | "Merge" >> beam.Flatten()
+        | "Sum" >> beam.CombineGlobally(W.SummaryCombineFn()).without_defaults()
+    )
+    fn = D.FinalizeCacheDoFn(str(cfg.out), tmp, meta=meta, header=header)
+    final = summary | "Finalize" >> beam.ParDo(fn)
+    return {"dead_letters": dead, "written": written, "stats": final}
+
+
+def _progress_line(totals: dict, *, total: int, elapsed: float) -> str:
+    done = min(totals["bytes"], total)
+    rate = totals["tokens"] / elapsed if elapsed > 0 else 0.0
+    eta = f"{elapsed * (total - done) / done:.0f} s" if done else "?"
+    return (
+        f"teacher-cache: {done:,}/{total:,} teacher tokens ({done / max(total, 1):.0%}), "
+        f"{totals['documents']:,} rows, {rate:,.0f} tokens/s, ETA {eta}"
+    )
+
+
+def default_out_dir(shards_dir: Path, teacher: str, k: int) -> Path:
+    return (
+        paths.REPO_ROOT
+        / "outputs"
+        / "teacher_cache"
+        / (f"{shards_dir.resolve().name}__{Path(teacher.rstrip('/')).name}__k{k}")
+    )
+
+
+def _teacher_index(shard_set: shards.ShardSet, fingerprint: str, given: int | None) -> int:
+    """Which teacher column of the shards TEACHER's tokenizer made (refused if none / unclear)."""
+    found = [i for i, t in enumerate(shard_set.meta.teachers) if t.fingerprint == fingerprint]
+    names = [t.name for t in shard_set.meta.teachers]
+    if given is not None:
+        if given not in found:
+            raise ValueError(
+                f"--teacher-index {given}: the shards' teacher {given} was tokenized with another "
+                f"tokenizer than --teacher's (shard teachers: {names})"
+            )
+        return given
+    if not found:
+        raise ValueError(
+            f"{shard_set.dir}: no teacher column was made with --teacher's tokenizer (shard "
+            f"teachers: {names}); align the data with this teacher first (make align)"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"teachers {found} of the shards share this tokenizer: pass --teacher-index"
+        )
+    return found[0]
+
+
+def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
+    """Arguments -> the job's config, checked against the shards and the teacher's tokenizer and
+    weights (which are hashed here: the fingerprint the trainer will compare)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", type=Path, required=True, help="aligned shard directory")
+    ap.add_argument("--teacher", required=True, help="teacher model directory (HF)")
+    ap.add_argument("--k", type=int, default=32, help="top-k stored per position")
+    ap.add_argument("--temperature", type=float, default=1.0, help="as loss.temperature")
+    ap.add_argument(
+        "--logprob-dtype", default="float16", choices=("float16", "bfloat16", "float32")
+    )
+    ap.add_argument("--no-target", action="store_true", help="do not store target log-probs")
+    ap.add_argument("--samples", type=int, default=0, help="R ids drawn per position (<= 255)")
+    ap.add_argument("--sample-seed", type=int, default=0)
+    ap.add_argument("--teacher-index", type=int, default=None, help="teacher column of the shards")
+    ap.add_argument("--teacher-dtype", default="float32", help="as teachers[i].dtype")
+    ap.add_argument("--init", default="pretrained", choices=("pretrained", "random"))
+    ap.add_argument("--seed", type=int, default=0, help="random init seed (as teachers[i].seed)")
+    ap.add_argument("--override", action="append", default=[], help="key=json (random init)")
+    ap.add_argument("--batch-tokens", type=int, default=8192, help="rows x longest row per forward")
+    ap.add_argument("--max-rows", type=int, default=64, help="rows per forward at most")
+    ap.add_argument("--rows-per-task", type=int, default=512)
+    ap.add_argument("--cache-mb", type=float, default=ROLL_MB, help="cache files roll at this")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
+    args, beam_args = ap.parse_known_args(argv)
+    overrides = {}
+    for item in args.override:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    teacher = H.teacher_config(
+        args.teacher, init=args.init, seed=args.seed, overrides=overrides, dtype=args.teacher_dtype
+    )
+    shard_set = shards.open_shards(args.shards)
+    tok = load_tokenizer(args.teacher)
+    if H.lm_head_rows(teacher) < tok.vocab_size:
+        raise ValueError(f"{args.teacher}: lm_head narrower than its tokenizer ({tok.vocab_size})")
+    index = _teacher_index(shard_set, tok.fingerprint, args.teacher_index)
+    weights = weights_fingerprint(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    meta = CacheMeta(
+        teacher={
+            "name": teacher.name,
+            "weights": weights,
+            "tokenizer": tok.fingerprint,
+            "vocab_size": tok.vocab_size,
+            "dtype": args.teacher_dtype,
+        },
+        shards={
+            "fingerprint": shards_fingerprint(shard_set),
+            "teacher_index": index,
+            "files": {p.name: int(n) for p, n in zip(shard_set.files, shard_set.file_rows)},
+        },
+        k=args.k,
+        temperature=args.temperature,
+        logprob_dtype=args.logprob_dtype,
+        target=not args.no_target,
+        samples=args.samples,
+        sample_seed=args.sample_seed,
+    )
+    out = args.out or default_out_dir(args.shards, args.teacher, args.k)
+    if out.resolve() == args.shards.resolve():
+        raise ValueError(f"--out {out} is the shard directory: choose another")
+    cfg = JobConfig(
+        shards=args.shards,
+        out=out,
+        meta=meta,
+        teacher=teacher,
+        batch_tokens=args.batch_tokens,
+        max_rows=args.max_rows,
+        rows_per_task=args.rows_per_task,
+        roll_bytes=max(int(args.cache_mb * (1 << 20)), 1),
+        device=args.device,
+        threads=args.threads,
+        overwrite=args.overwrite,
+    )
+    return cfg, default_runner_args(beam_args)
+
+
+def default_runner_args(beam_args: list[str]) -> list[str]:
+    """FnApiRunner in this process unless the caller chose a runner or a worker count."""
+    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
+        return beam_args
+    out = ["--runner", "FnApiRunner", *beam_args]
+    if not any(a.startswith("--direct_num_workers") for a in beam_args):
+        out += ["--direct_num_workers", "1"]
+    return out
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the job; returns stats.json's content plus ``launch_s`` (arguments, tokenizer, hash)."""
+    t0 = time.perf_counter()
+    cfg, beam_args = configure(argv)
+    shard_set = shards.open_shards(cfg.shards)
+    tasks = plan_tasks(shard_set, cfg.rows_per_task)
+    col = f"teacher{cfg.meta.shards['teacher_index']}_ids"
+    total = sum(int(x) for x in _list_lengths(shard_set, col))
+    prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
+    run_id = uuid.uuid4().hex[:12]
+    header = {
+        "out": str(cfg.out),
+        "shards_dir": str(cfg.shards.resolve()),
+        "teacher_path": str(cfg.teacher.path),
+        "batch_tokens": cfg.batch_tokens,
+        "device": cfg.device,
+        "started": time.time(),
+    }
+    log.info("teacher-cache: %d rows, %d teacher tokens -> %s", shard_set.num_rows, total, cfg.out)
+    launch_s = time.perf_counter() - t0
+    p = beam.Pipeline(options=PipelineOptions(beam_args))
+    build_pipeline(p, cfg, tasks=tasks, run_id=run_id, header=header)
+    prog = rolling.run_dir(cfg.out, run_id) / "progress"
+
+    def line(totals: dict, *, elapsed: float) -> str:
+        return _progress_line(totals, total=total, elapsed=elapsed)
+
+    with progress.ProgressReporter(prog, total_bytes=total, label="teacher-cache", line=line):
+        result = p.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            client = getattr(result, "client", None)  # DaskRunner opens its own client
+            if client is not None:
+                client.close()
+    if not (cfg.out / "COMPLETED").is_file():
+        raise RuntimeError(
+            f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"
+        )
+    stats = json.loads((cfg.out / "stats.json").read_text())
+    stats["launch_s"] = launch_s
+    return stats
+
+
+def _list_lengths(shard_set: shards.ShardSet, column: str):
+    import pyarrow.compute as pc
+
+    for batch in shard_set.iter_batches():
+        yield np.asarray(pc.sum(pc.list_value_length(batch.column(column))).as_py() or 0)
+
+
+def summary_line(stats: dict, out: Path) -> str:
+    c = stats["cache"]
+    return (
+        f"{out}: {stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "
+        f"{c['logprob_dtype']}, {stats['bytes_per_token']:.1f} bytes/token, "
+        f"{stats['teacher_tokens_per_s']:.0f} teacher tokens/s; dead letters "
+        f"{stats['dead_letters']} {stats['drops_by_reason']} ({stats['wall_s']:.1f} s)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    stats = run(argv)
+    print(summary_line(stats, Path(stats["out"])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

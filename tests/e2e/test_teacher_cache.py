@@ -1,0 +1,129 @@
+"""Training from an offline teacher cache (`make teacher-cache`, ``teachers[i].cache``).
+
+One process runs every case (tests/e2e/teacher_cache_cases.py). What is pinned:
+
+- fp32 storage: the per-step losses, KD terms, gradient norms and the final parameters of a run
+  from the cache equal the live teacher's (kd_topk, and xtoken with the chain term through the
+  Gemma projection), and the cached run starts no teacher worker and maps no ring;
+- fp16 storage: the first step's KD (same weights) within the bound derived below;
+- resuming mid-run from a checkpoint with a cache repeats the uninterrupted run's losses;
+- every cache that must not be read is refused by the preflight, before any model loads, with
+  a message naming the entry and what differs.
+
+The fp16 bound. A stored log-prob l becomes l(1 + d) with |d| <= 2^-11 (round to nearest; the
+tail and target log-probs stay fp32), so each teacher category's probability is multiplied by
+1 + r with |r| <= eta = exp(2^-11 L) - 1, L the largest |l| stored (xtoken's buckets and rest
+are sums of such probabilities and exact tails, so they too). For D = KL(P || Q) over those
+categories, with P' = P (1 + r):
+
+    D' - D = sum_c P_c r_c log(P_c / Q_c) + sum_c P'_c log(1 + r_c)
+    |D' - D| <= eta (H(P) + CE(P, Q)) + (1 + eta) eta / (1 - eta)
+             = eta (2 H(P) + D) + (1 + eta) eta / (1 - eta),     H(P) <= log(K + 1)
+
+and a step's KD (tau^2 D summed over terms, divided by their count) moves by at most
+eta KD + tau^2 eta (2 log(K + 1) + (1 + eta) / (1 - eta)). bf16: 2^-8 in place of 2^-11.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pipelines import projection as P
+from pipelines.tokenizers import load_tokenizer
+from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
+
+pytestmark = pytest.mark.slow
+PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
+REL = 1e-6
+
+
+def fp16_bound(kd: float, *, max_abs_logprob: float, k: int, tau: float = 1.0) -> float:
+    eta = math.expm1(2.0**-11 * max_abs_logprob)
+    return eta * kd + tau**2 * eta * (2 * math.log(k + 1) + (1 + eta) / (1 - eta))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, teacher_dir, student_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("teacher_cache_e2e")
+    try:
+        P.load_projection(PROJECTION, teacher=load_tokenizer(teacher_dir).info(),
+                          student=load_tokenizer(student_dir).info())  # fmt: skip
+    except (FileNotFoundError, ValueError):
+        P.main(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
+                "--out", str(PROJECTION)])  # fmt: skip
+    docs = shakespeare_docs(14, chars=700)
+    same = write_shards(
+        tmp / "same", docs[:10], student_dir=student_dir, teacher_dirs=[student_dir]
+    )
+    other = write_shards(
+        tmp / "other", docs[10:], student_dir=student_dir, teacher_dirs=[student_dir]
+    )
+    gemma = write_shards(
+        tmp / "gemma", docs[:6], student_dir=student_dir, teacher_dirs=[teacher_dir]
+    )
+    out = tmp / "report.json"
+    args = [str(same), str(other), str(gemma), str(PROJECTION), str(out)]
+    cmd = [sys.executable, "-m", "tests.e2e.teacher_cache_cases", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _same(a: dict, b: dict, keys: tuple[str, ...]) -> None:
+    for k in keys:
+        assert b[k] == pytest.approx(a[k], rel=REL, abs=REL), k
+
+
+@pytest.mark.parametrize("mode", ["kd_topk", "xtoken"])
+def test_fp32_cache_trains_exactly_as_the_live_teacher(report, mode):
+    r = report[mode]
+    live, cached = r["runs"]["live"], r["runs"]["fp32"]
+    assert len(live) == len(cached) == 4
+    for a, b in zip(live, cached):
+        _same(a, b, ("loss", "ce", "kd/t", "grad_norm"))
+    assert r["fp32_param_diff"] <= 1e-6
+    # no teacher worker, no ring: the cached run (placement `worker`) ran no teacher at all
+    assert r["fp32_sources"] == ["CachedTeacher"] and r["fp32_children"] == 0
+    assert r["fp32_shm"].get("shm_segments", 0) == 0
+    if mode == "xtoken":
+        assert all(m["kd/t"] > 0 for m in cached)
+
+
+def test_fp16_cache_stays_within_the_derived_bound(report):
+    r = report["kd_topk"]
+    kd32, kd16 = r["runs"]["fp32"][0]["kd/t"], r["runs"]["fp16"][0]["kd/t"]
+    bound = fp16_bound(kd32, max_abs_logprob=r["max_abs_logprob"], k=8)
+    assert abs(kd16 - kd32) <= bound, (kd16, kd32, bound)
+    assert kd16 != kd32  # rounded, not silently fp32
+    for a, b in zip(r["runs"]["fp32"], r["runs"]["fp16"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+
+
+def test_resume_with_a_cache_repeats_the_uninterrupted_losses(report):
+    r = report["resume"]
+    assert r["at"] == 2 and len(r["resumed"]) == 2
+    for a, b in zip(r["uninterrupted"], r["resumed"]):
+        assert b == pytest.approx(a, rel=REL, abs=REL)
+
+
+def test_caches_that_must_not_be_read_are_refused_before_training(report):
+    r = report["refused"]
+    assert r.pop("ok") is None
+    expect = {
+        "incomplete": "IncompleteCacheError: .* no COMPLETED marker",
+        "weights": r"teachers\[0\]\.cache=.* built with teacher weights random:",
+        "dtype": "built with teacher dtype float32, the run uses bfloat16",
+        "k": "holds the top-8, kd_topk asks for k=16",
+        "temperature": "temperature 1.0, kd_topk uses 2.0",
+        "shards": "built from other shards",
+        "gold": "ConfigError: config teachers\\[0\\].cache: loss gold cannot read a teacher cache",
+        "no_target": "reads the target log-probs .* without them",
+    }
+    for case, pattern in expect.items():
+        assert r[case] is not None and re.search(pattern, r[case]), (case, r[case])

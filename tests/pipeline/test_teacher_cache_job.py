@@ -1,0 +1,154 @@
+"""The teacher-cache job on Beam: the trainer's teacher program inside RunInference.
+
+On the FnApiRunner and on a Dask LocalCluster (two worker processes) it writes the same cache
+(rows keyed by shard file and row; the files' split follows the runner's bundles), whose fp32
+values are the teacher program's outputs on each row alone; rows with ids outside the teacher's
+vocabulary go to the dead letters; a complete directory is not overwritten unless asked. The
+tiny random-init teacher keeps SmolLM2's real tokenizer (the shards' teacher column).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from dask.distributed import LocalCluster
+
+from pipelines import schema as S
+from pipelines import shards
+from pipelines.teacher_cache import job as J
+from pipelines.teacher_cache.handler import Sampler, sample_keys
+from tests.dist.test_trainer_cases import TINY
+from tests.e2e.helpers import shakespeare_docs, write_shards
+from trainer.config import TeacherConfig
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher.program import TeacherModelProgram
+from trainer.teacher.worker import TeacherContext
+
+pytestmark = pytest.mark.slow
+SKIP_STATS = {"wall_s", "wall_tokens_per_s", "inference_s", "teacher_tokens_per_s", "started",
+              "files", "bytes", "bytes_per_token", "launch_s", "out", "batches"}  # fmt: skip
+
+
+def teacher_args(student_dir) -> list[str]:
+    args = ["--teacher", str(student_dir), "--init", "random", "--seed", "2"]
+    for k, v in TINY.items():
+        args += ["--override", f"{k}={v}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, student_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("teacher_cache")
+    docs = shakespeare_docs(10, chars=700)
+    d = write_shards(tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[student_dir])
+    base = ["--shards", str(d), *teacher_args(student_dir), "--k", "8", "--threads", "1"]
+    base += ["--logprob-dtype", "float32", "--samples", "4", "--rows-per-task", "12"]
+    base += ["--batch-tokens", "256", "--cache-mb", "0.02"]
+    return {"tmp": tmp, "shards": d, "base": base}
+
+
+@pytest.fixture(scope="module")
+def fn_cache(inputs) -> tuple:
+    out = inputs["tmp"] / "fn"
+    stats = J.run([*inputs["base"], "--out", str(out), "--direct_num_workers", "1"])
+    return out, stats
+
+
+def _rows(d) -> pa.Table:
+    files = sorted(d.glob("cache-*.arrow"))
+    tables = [pa.ipc.open_file(pa.memory_map(str(p))).read_all() for p in files]
+    return pa.concat_tables(tables).sort_by([("shard_file", "ascending"), ("row", "ascending")])
+
+
+def test_dask_local_cluster_writes_the_same_cache(inputs, fn_cache):
+    fn_dir, fn_stats = fn_cache
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+    ) as cluster:
+        dask_stats = J.run([*inputs["base"], "--out", str(inputs["tmp"] / "dask"),
+                            "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
+                            f"--dask_client_address={cluster.scheduler_address}",
+                            "--dask_npartitions=2"])  # fmt: skip
+    ss = shards.open_shards(inputs["shards"])
+    assert fn_stats["rows"] == ss.num_rows and fn_stats["dead_letters"] == 0
+    assert fn_stats["files"] > 1  # rolled
+    strip = lambda st: {k: v for k, v in st.items() if k not in SKIP_STATS}  # noqa: E731
+    assert strip(dask_stats) == strip(fn_stats)
+    assert _rows(inputs["tmp"] / "dask").equals(_rows(fn_dir))
+
+
+def test_cached_values_are_the_teacher_programs_outputs(inputs, fn_cache, student_dir):
+    fn_dir, stats = fn_cache
+    meta = stats["cache"]
+    assert meta["id_bits"] == 16 and meta["k"] == 8 and meta["target"]
+    assert meta["teacher"]["weights"].startswith("random:")
+    t_cfg = TeacherConfig(path=str(student_dir), init="random", seed=2, overrides=TINY)
+    spec = TeacherOutputSpec(49152, topk=8, target=True)
+    program = TeacherModelProgram(t_cfg, spec, max_batch=1, max_len=1)
+    program.setup(TeacherContext(torch.device("cpu")))
+    table = _rows(fn_dir)
+    ss = shards.open_shards(inputs["shards"])
+    ids = {p.name: [np.asarray(x) for b in ss.iter_batches(files=[p])
+                    for x in b.column(S.teacher_ids_column(0)).to_pylist()] for p in ss.files}  # fmt: skip
+    for i in range(0, table.num_rows, 5):  # every 5th row alone through the program
+        name, r = table.column("shard_file")[i].as_py(), table.column("row")[i].as_py()
+        x = torch.from_numpy(ids[name][r]).long()[None]
+        live = program({"input_ids": x, "attention_mask": torch.ones_like(x)})
+        u = x.shape[1]
+        lp = np.asarray(table.column("topk_logprobs")[i].as_py(), np.float32).reshape(u, 8)
+        raw = np.frombuffer(table.column("topk_ids")[i].as_buffer(), "<u2").reshape(u, 8)
+        torch.testing.assert_close(
+            torch.from_numpy(lp), live["topk_logprobs"][0], rtol=1e-6, atol=1e-6
+        )
+        assert np.array_equal(raw, live["topk_ids"][0].numpy())
+        tail = np.asarray(table.column("tail_logprob")[i].as_py(), np.float32)
+        torch.testing.assert_close(
+            torch.from_numpy(tail), live["tail_logprob"][0], rtol=1e-6, atol=1e-6
+        )
+        n = np.asarray(table.column("sample_n")[i].as_py())
+        counts = np.asarray(table.column("sample_counts")[i].as_py())
+        assert n.shape == (u,) and counts.sum() == 4 * u and n.sum() == counts.size
+
+
+def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(inputs, fn_cache, student_dir):
+    fn_dir, _ = fn_cache
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        J.run([*inputs["base"], "--out", str(fn_dir)])
+    # a shard whose teacher column holds an id past SmolLM2's 49,152
+    ss = shards.open_shards(inputs["shards"])
+    bad = inputs["tmp"] / "bad"
+    bad.mkdir()
+    table = ss.table().slice(0, 3)
+    col = S.teacher_ids_column(0)
+    rows = table.to_pylist()
+    rows[1][col] = [5, 60_000, 7]
+    rows[1][S.teacher_chunk_column(0)] = [0, 1, 2]
+    schema = S.shard_schema(ss.meta.student, ss.meta.teachers)
+    with shards.ShardWriter(bad / shards.shard_name(0, 1), schema) as w:
+        w.write_rows([{k: (np.asarray(v, np.int32) if isinstance(v, list) else v)
+                       for k, v in r.items()} for r in rows])  # fmt: skip
+    shards.write_completed(bad, json.loads((inputs["shards"] / "stats.json").read_text()),
+                           files={shards.shard_name(0, 1): 3})  # fmt: skip
+    args = [a if a != str(inputs["shards"]) else str(bad) for a in inputs["base"]]
+    stats = J.run([*args, "--out", str(inputs["tmp"] / "badcache")])
+    assert stats["rows"] == 2 and stats["drops_by_reason"] == {"id_out_of_range": 1}
+    dead = (inputs["tmp"] / "badcache" / S.DEAD_LETTER_FILE).read_text().splitlines()
+    assert json.loads(dead[0])["row"] == 1 and "60000" in json.loads(dead[0])["detail"]
+
+
+def test_sampled_ids_follow_the_teacher_and_not_the_batching():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0]))[None, None].repeat(3, 40, 1)
+    keys = sample_keys(7, "shard-00000-of-00001.arrow", np.arange(3))
+    whole = Sampler(keys, 40, r=200, vocab_size=5, temperature=1.0)
+    whole(0, logits)
+    freq = np.bincount(whole.ids.ravel(), minlength=5) / whole.ids.size
+    assert np.allclose(freq, [0.5, 0.25, 0.125, 0.125, 0.0], atol=0.01)
+    # the same rows in other batches and chunks of positions draw the same ids
+    parts = Sampler(keys[1:], 40, r=200, vocab_size=5, temperature=1.0)
+    parts(0, logits[1:, :16])
+    parts(16, logits[1:, 16:])
+    assert np.array_equal(parts.ids, whole.ids[1:])

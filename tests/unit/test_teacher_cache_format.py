@@ -1,0 +1,208 @@
+"""The teacher cache's format and reader: packed ids, log-prob codecs, the batch cutter, and
+`open_cache` refusing every mismatch before a trainer reads a row (hand-made caches written with
+the job's own row writer, `dofns.to_record_batch`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines import schema as S
+from pipelines import shards
+from pipelines.teacher_cache import dofns as D
+from pipelines.teacher_cache import format as CF
+from pipelines.teacher_cache import reader as R
+from pipelines.teacher_cache.fingerprints import shards_fingerprint
+from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
+from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.teacher.cache import CachedTeacher, check_spec
+
+STUDENT = S.TokenizerInfo("student", "a" * 64, 100)
+TEACHER = S.TokenizerInfo("teacher", "b" * 64, 300)
+K = 4
+
+
+@pytest.mark.parametrize("bits", [1, 7, 8, 13, 16, 18, 24, 25, 30, 32])
+def test_packed_ids_round_trip(bits):
+    rng = np.random.default_rng(bits)
+    ids = rng.integers(0, 1 << bits, 1001, dtype=np.int64)
+    ids[:2] = [0, (1 << bits) - 1]
+    buf = CF.pack_ids(ids, bits)
+    assert len(buf) == -(-ids.size * bits // 8)
+    assert np.array_equal(CF.unpack_ids(buf, bits, ids.size), ids)
+    with pytest.raises(ValueError, match="outside"):
+        CF.pack_ids(np.array([1 << bits]), bits)
+
+
+def test_id_width_follows_the_vocabulary():
+    assert CF.id_bits(262_144) == 18 and CF.id_bits(49_152) == 16 and CF.id_bits(2) == 1
+    ids = np.array([0, 513, 49_151])
+    assert CF.pack_ids(ids, 16) == ids.astype("<u2").tobytes()  # 16 bits: plain uint16
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_logprob_codecs_round_like_torch(dtype):
+    x = np.array([0.0, -1e-7, -0.3, -2.5, -17.123, -60000.0, -np.inf], np.float32)
+    x = np.concatenate([x, -np.random.default_rng(0).exponential(5, 500).astype(np.float32)])
+    got = CF.decode_logprobs(CF.encode_logprobs(x, dtype), dtype)
+    want = torch.from_numpy(x).to(getattr(torch, dtype)).float().numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_cut_batches_bounds_padded_tokens_and_rows():
+    lengths = np.array([5, 64, 30, 31, 2, 64, 100, 7, 8, 9])
+    groups = D.cut_batches(lengths, budget=128, max_rows=3)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) <= 3 and (len(g) == 1 or len(g) * lengths[g].max() <= 128)
+    assert [6] in [g.tolist() for g in groups]  # longer than the budget: alone
+
+
+# --- hand-made shard and cache directories --------------------------------------------------
+
+
+def _shards(tmp_path, lengths: list[list[int]]):
+    tmp_path.mkdir(parents=True)
+    schema = S.shard_schema(STUDENT, [TEACHER])
+    files = {}
+    for f, rows in enumerate(lengths):
+        name = shards.shard_name(f, len(lengths))
+        out = []
+        for r, n in enumerate(rows):
+            out.append({
+                "doc_id": f"d{f}", "window": r, "char_start": 0, "char_end": 1, "text": "x",
+                "student_ids": np.arange(n, dtype=np.int32),
+                S.teacher_ids_column(0): np.arange(n, dtype=np.int32) % 300,
+                S.teacher_chunk_column(0): np.arange(n, dtype=np.int32),
+                S.teacher_student_chunk_column(0): np.arange(n, dtype=np.int32),
+                S.teacher_n_chunks_column(0): n,
+            })  # fmt: skip
+        with shards.ShardWriter(tmp_path / name, schema) as w:
+            w.write_rows(out)
+        files[name] = len(out)
+    shards.write_completed(tmp_path, {"student": STUDENT.to_json()}, files=files)
+    return shards.open_shards(tmp_path)
+
+
+def _meta(shard_set, **kw) -> CF.CacheMeta:
+    teacher = {"name": "t", "weights": "w1", "tokenizer": TEACHER.fingerprint,
+               "vocab_size": TEACHER.vocab_size, "dtype": "float32"}  # fmt: skip
+    files = {p.name: int(n) for p, n in zip(shard_set.files, shard_set.file_rows)}
+    sh = {"fingerprint": shards_fingerprint(shard_set), "teacher_index": 0, "files": files}
+    return CF.CacheMeta(teacher=teacher, shards=sh, k=K, temperature=1.0, **kw)
+
+
+def _values(name: str, row: int, u: int):
+    """Deterministic outputs of one row: ids descending from 299, the last slot empty."""
+    rng = np.random.default_rng(hash((name, row)) % 2**32)
+    lp = np.sort(-rng.exponential(3, (u, K)).astype(np.float32), axis=1)[:, ::-1].copy()
+    lp[:, -1] = -np.inf
+    ids = (299 - np.arange(u * K) % 300).reshape(u, K)
+    return ids, lp, np.log(rng.uniform(0.01, 0.5, u)).astype(np.float32), -rng.exponential(2, u)
+
+
+def _cache(tmp_path, shard_set, meta, *, skip=(), complete=True):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    schema, files = meta.schema(), {}
+    name = CF.cache_name(0, 1)
+    with shards.ShardWriter(tmp_path / name, schema) as w:
+        for path, n in reversed(list(zip(shard_set.files, shard_set.file_rows))):  # any order
+            rows = [r for r in range(n) if (path.name, r) not in skip]
+            lens = [_lengths(shard_set, path)[r] for r in rows]
+            u = max(lens)
+            out = {k: np.zeros((len(rows), u, K)) for k in ("topk_ids", "topk_logprobs")}
+            out["tail_logprob"], out["target_logprob"] = np.zeros((2, len(rows), u))
+            for i, (r, n_r) in enumerate(zip(rows, lens)):
+                a, b, c, d = _values(path.name, r, n_r)
+                out["topk_ids"][i, :n_r], out["topk_logprobs"][i, :n_r] = a, b
+                out["tail_logprob"][i, :n_r], out["target_logprob"][i, :n_r] = c, d
+            ids = [np.zeros(n_r, np.int64) for n_r in lens]
+            batch = RowBatch(path.name, np.asarray(rows, np.int32), ids)
+            w.write_batch(D.to_record_batch(ScoredBatch(batch, out), meta, schema))
+        files[name] = w.num_rows
+    stats = {"kind": CF.KIND, "cache": meta.to_json(), "dead_letters": len(skip)}
+    if complete:
+        shards.write_completed(tmp_path, stats, files=files, schema_version=CF.CACHE_SCHEMA_VERSION)
+    return tmp_path
+
+
+def _lengths(shard_set, path) -> list[int]:
+    col = S.teacher_ids_column(0)
+    return [len(x) for b in shard_set.iter_batches(files=[path]) for x in b.column(col).to_pylist()]
+
+
+def _expect(shard_set, **kw) -> R.Expected:
+    base = {"tokenizer": TEACHER, "weights": "w1", "dtype": "float32", "where": "teachers[0].cache"}
+    return R.Expected(shard_set, 0, **{**base, **kw})
+
+
+def test_rows_come_back_by_shard_row_whatever_the_file_order(tmp_path):
+    ss = _shards(tmp_path / "shards", [[5, 3, 7], [4, 6]])
+    cs = R.open_cache(
+        _cache(tmp_path / "cache", ss, _meta(ss, logprob_dtype="float32")), _expect(ss)
+    )
+    keys = [(p, r) for p, n in zip(ss.files, ss.file_rows) for r in range(n)]
+    for g, (path, r) in enumerate(keys):
+        ids, lp, tail, target = _values(path.name, r, _lengths(ss, path)[r])
+        got = cs.read(g)
+        assert np.array_equal(got.topk_logprobs, lp) and np.array_equal(got.tail_logprob, tail)
+        assert np.array_equal(got.topk_ids, np.where(lp > -np.inf, ids, -1))
+        assert np.allclose(got.target_logprob, target.astype(np.float32))
+    # the trainer's source pads a microbatch with empty positions and keeps the row's values
+    spec = TeacherOutputSpec(300, topk=K, target=True)
+    out = CachedTeacher(cs, spec, index=0, device="cpu").read([3, 1], [4, 3], 8)
+    assert out["topk_ids"].shape == (2, 8, K) and (out["topk_ids"][1, 3:] == -1).all()
+    assert (
+        torch.isneginf(out["topk_logprobs"][0, 4:]).all()
+        and (out["tail_logprob"][0, 4:] == 0).all()
+    )
+    assert torch.equal(out["tail_logprob"][1, :3], torch.from_numpy(cs.read(1).tail_logprob))
+
+
+def test_every_mismatch_is_refused_by_name(tmp_path):
+    ss = _shards(tmp_path / "shards", [[5, 3], [4]])
+    d = _cache(tmp_path / "cache", ss, _meta(ss))
+    for kw, what in [({"weights": "w2"}, "teacher weights"), ({"dtype": "bfloat16"}, "teacher dtype"),
+                     ({"tokenizer": STUDENT}, "tokenizer")]:  # fmt: skip
+        with pytest.raises(R.CacheMismatchError, match=f"teachers\\[0\\].cache=.*{what}"):
+            R.open_cache(d, _expect(ss, **kw))
+    other = _shards(tmp_path / "other", [[5, 3], [4, 2]])
+    with pytest.raises(R.CacheMismatchError, match="other shards"):
+        R.open_cache(d, _expect(other))
+    with pytest.raises(R.CacheMismatchError, match="teacher column"):
+        R.open_cache(d, dataclasses.replace(_expect(ss), teacher_index=1))
+
+
+def test_incomplete_caches_are_refused(tmp_path):
+    ss = _shards(tmp_path / "shards", [[5, 3], [4]])
+    d = _cache(tmp_path / "nomarker", ss, _meta(ss), complete=False)
+    with pytest.raises(R.IncompleteCacheError, match="no COMPLETED marker"):
+        R.open_cache(d, _expect(ss))
+    skip = {(ss.files[0].name, 1)}
+    d = _cache(tmp_path / "dead", ss, _meta(ss), skip=skip)
+    with pytest.raises(R.IncompleteCacheError, match=r"1 of 3 shard rows .* row 1\); .* 1 rows"):
+        R.open_cache(d, _expect(ss))
+
+
+def test_the_cache_must_hold_what_the_loss_reads():
+    m = CF.CacheMeta(teacher={"vocab_size": 300}, shards={}, k=8, temperature=2.0, target=False)
+    ok = TeacherOutputSpec(300, topk=8, temperature=2.0)
+    check_spec(m, ok, where="w", mode="xtoken")
+    for spec, what in [
+        (dataclasses.replace(ok, topk=16), "top-8, xtoken asks for k=16"),
+        (dataclasses.replace(ok, temperature=1.0), "temperature 2.0"),
+        (dataclasses.replace(ok, target=True), "target log-probs"),
+        (TeacherOutputSpec(300, columns=5, target=True), "columns"),
+    ]:
+        with pytest.raises(R.CacheMismatchError, match=what):
+            check_spec(m, spec, where="w", mode="xtoken")
+    # a target-only spec (alm) ignores k and the temperature
+    check_spec(
+        dataclasses.replace(m, target=True),
+        TeacherOutputSpec(300, target=True),
+        where="w",
+        mode="alm",
+    )
