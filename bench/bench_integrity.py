@@ -184,11 +184,12 @@ def _cpu() -> str:
 
 
 def main() -> str:
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         h, f = hashes(), files(tmp)
         a, t = align(tmp), train(tmp)
-    return render(h, f, a, t)
+    return render(h, f, a, t, load=(load, os.getloadavg()[0]))
 
 
 def _train_share(t: dict) -> float:
@@ -196,10 +197,14 @@ def _train_share(t: dict) -> float:
     return spent / t["wall_s"]
 
 
-def render(h: dict, f: dict, a: dict, t: dict) -> str:
+def render(h: dict, f: dict, a: dict, t: dict, *, load: tuple[float, float]) -> str:
     blake = h["blake2b (hashlib, 16-byte digest)"]
     lines = [
         f"## Checksums (issue 20) — {_cpu()}, 2 shared cores",
+        "",
+        f"The machine was shared: 1-minute load average {load[0]:.1f} at the start of the "
+        f"section, {load[1]:.1f} at its end (2 cores); absolute GB/s drop with it, the shares "
+        "of a job are measured under the same load as the job.",
         "",
         f"Hashes over {BUF_MB} MiB in memory (1 MiB updates, best of 3):",
         "",
@@ -214,7 +219,7 @@ def render(h: dict, f: dict, a: dict, t: dict) -> str:
         *[f"| {k} | {v:.2f} |" for k, v in f.items() if k != "hash share"],
         "",
         f"Inside one write through `HashingSink` the hash updates take "
-        f"**{f['hash share'] / 1e9:.1%} of the write's time** (the plain/hashed write rows differ "
+        f"**{f['hash share']:.1%} of the write's time** (the plain/hashed write rows differ "
         "by the disk's noise, not the hash); verify runs at "
         f"**{f['verify (hash_file, page cache)']:.2f} GB/s** from the page cache (target >= 1 "
         "GB/s; from a cold disk it runs at the disk's read speed).",

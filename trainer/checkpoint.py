@@ -112,12 +112,15 @@ def step_dir(folder: Path, step: int) -> Path:
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Whole checkpoints (no ``.tmp``, DCP metadata present) under `folder`, oldest first."""
+    """Published checkpoints under `folder` (``step-N``: not ``.tmp``, not moved aside), oldest
+    first: those with DCP's ``.metadata`` or our marker. One with a marker and no ``.metadata``
+    is damaged, and listed so that resuming says so (`find_resume`) instead of skipping it."""
     out = []
     if folder.is_dir():
         for p in folder.iterdir():
             digits = p.name[len(STEP_PREFIX) :]
-            if p.name.startswith(STEP_PREFIX) and digits.isdigit() and (p / ".metadata").is_file():
+            whole = (p / ".metadata").is_file() or (p / MARKER).is_file()
+            if p.name.startswith(STEP_PREFIX) and digits.isdigit() and whole:
                 out.append((int(digits), p))
     return sorted(out)
 
