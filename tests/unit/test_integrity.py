@@ -248,3 +248,64 @@ def test_check_batch_agrees_with_a_per_element_reference():
             found, raised = (e.row - k, e.column), raised + 1
         assert found == expected, (trial, rows[k:])
     assert 20 < raised < 110  # both outcomes were exercised, often
+
+
+def _first_bad_cached(row, vocab: int) -> str | None:
+    """The dense reference of `values.check_cached_row`: the column of the first bad value."""
+    if any(not -1 <= int(v) < vocab for v in row.topk_ids.ravel()):
+        return "topk_ids"
+    for column in ("topk_logprobs", "tail_logprob", "target_logprob"):
+        x = getattr(row, column)
+        if x is not None and any(v != v or v == float("inf") for v in x.ravel().tolist()):
+            return column
+    return None
+
+
+def test_cached_row_check_agrees_with_a_per_element_reference():
+    """Teacher-cache rows (the real `CachedRow`) with one random edit each: out-of-vocabulary or
+    below -1 ids, NaN or +inf log-probs (and harmless ones: -1, vocab - 1, -inf)."""
+    from pipelines.teacher_cache.reader import CachedRow
+
+    rng = np.random.default_rng(1)
+    vocab, raised = 300, 0
+    for trial in range(200):
+        u, k = int(rng.integers(0, 5)), 4
+        row = CachedRow(
+            rng.integers(-1, vocab, (u, k)),
+            np.log(rng.random((u, k))).astype(np.float32),
+            np.log(rng.random(u)).astype(np.float32),
+            None if trial % 3 == 0 else np.log(rng.random(u)).astype(np.float32),
+        )
+        column = str(rng.choice(["topk_ids", "topk_logprobs", "tail_logprob", "target_logprob"]))
+        x = getattr(row, column)
+        if x is not None and x.size:
+            bad = [-2, -1, vocab - 1, vocab, 2**17] if column == "topk_ids" else [
+                np.nan, np.inf, -np.inf, 0.0]  # fmt: skip
+            x.ravel()[rng.integers(x.size)] = rng.choice(bad)
+        expected = _first_bad_cached(row, vocab)
+        try:
+            values.check_cached_row(row, vocab_size=vocab, where="cache-0.arrow", row=7)
+            found = None
+        except values.BadValueError as e:
+            assert str(e).startswith(f"cache-0.arrow row 7 column {e.column}: ")
+            assert "re-run the teacher-cache job" in str(e)
+            found, raised = e.column, raised + 1
+        assert found == expected, (trial, column, x)
+    assert 30 < raised < 190
+
+
+def test_the_trainer_refuses_a_cached_id_outside_the_teacher_vocabulary(tmp_path):
+    """`CachedTeacher.read` checks each row it hands on: a real cache whose ids reach 299, read
+    for a teacher of 200 tokens, names the cache file, the row and the column."""
+    import tests.unit.test_teacher_cache_format as T
+    from pipelines.teacher_cache import reader as R
+    from trainer.losses.teacher_outputs import TeacherOutputSpec
+    from trainer.teacher.cache import CachedTeacher
+
+    ss = T._shards(tmp_path / "shards", [[5, 3], [4]])
+    cs = R.open_cache(T._cache(tmp_path / "cache", ss, T._meta(ss)), T._expect(ss))
+    CachedTeacher(cs, TeacherOutputSpec(300, topk=T.K), index=0, device="cpu").read([0], [5], 8)
+    small = CachedTeacher(cs, TeacherOutputSpec(200, topk=T.K), index=0, device="cpu")
+    with pytest.raises(values.BadValueError, match=r"row \d+ column topk_ids: id 2\d\d at ") as e:
+        small.read([0], [5], 8)
+    assert str(cs.files[0]) in str(e.value) and "outside [-1, 200)" in str(e.value)
