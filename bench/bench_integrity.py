@@ -219,8 +219,8 @@ def render(h: dict, f: dict, a: dict, t: dict, *, load: tuple[float, float]) -> 
         *[f"| {k} | {v:.2f} |" for k, v in f.items() if k != "hash share"],
         "",
         f"Inside one write through `HashingSink` the hash updates take "
-        f"**{f['hash share']:.1%} of the write's time** (the plain/hashed write rows differ "
-        "by the disk's noise, not the hash); verify runs at "
+        f"**{f['hash share']:.1%} of the write's time** (timed inside the write; the plain and "
+        "hashed rows above also differ by the disk's noise); verify runs at "
         f"**{f['verify (hash_file, page cache)']:.2f} GB/s** from the page cache (target >= 1 "
         "GB/s; from a cold disk it runs at the disk's read speed).",
         "",
