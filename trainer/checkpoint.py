@@ -20,7 +20,8 @@ files against its marker. ``checkpoint.resume=auto``: the newest checkpoint that
 damaged newer one is renamed ``step-N.damaged`` (never deleted, and no longer counted) and the
 run says so in one line; with ``checkpoint.strict=true`` a damaged newest one is refused
 instead. A checkpoint named by path is verified and refused when damaged. A checkpoint written
-before markers existed (``.metadata``, no ``COMPLETED``) is resumed from unverified.
+before markers existed (``.metadata``, no ``COMPLETED``) is resumed from unverified (refused
+in one line if DCP cannot read it).
 
 The export (`export_student`) is the whole student gathered to rank 0 and written by
 `trainer.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -277,8 +279,21 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
-        """Fill `state` (same structure as saved; Stateful values are loaded in place)."""
-        dcp.load(state, checkpoint_id=str(path))
+        """Fill `state` (same structure as saved; Stateful values are loaded in place). A
+        checkpoint without a marker (not verified) that DCP cannot read is refused in one line
+        (`DamagedCheckpointError`) instead of torch's traceback from inside its reader."""
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            if (Path(path) / MARKER).is_file():
+                raise  # verified bytes: a real mismatch (another model), not damage
+            # DCP's CheckpointException carries each rank's traceback: its last line says why
+            cause = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+            raise DamagedCheckpointError(
+                f"checkpoint {path}: has no {MARKER} (written before checksums, so not "
+                f"verified) and cannot be read ({cause}); resume from "
+                "another one (checkpoint.resume=<dir>) or start fresh (checkpoint.resume=none)"
+            ) from e
 
 
 def _fsync_dir(path: Path) -> None:

@@ -116,6 +116,19 @@ def test_named_damaged_checkpoint_is_refused_and_legacy_one_resumed(run):
     assert r.path == ckpt.step_dir(run, 8) and "not verified" in r.notes[0]
 
 
+def test_damaged_checkpoint_without_marker_is_refused_in_one_line(run):
+    """Not verifiable (written before markers) and truncated: torch's reader fails; the load
+    says so in one line, naming the checkpoint, instead of the raw traceback."""
+    d = ckpt.step_dir(run, 8)
+    (d / ckpt.MARKER).unlink()
+    f = d / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:64])
+    with pytest.raises(ckpt.DamagedCheckpointError, match=f"checkpoint {d}: has no COMPLETED") as e:
+        _loaded_step(d)
+    assert "cannot be read (EOFError)" in str(e.value) and "\n" not in str(e.value)
+    assert _loaded_step(ckpt.step_dir(run, 4)) == 4
+
+
 def test_every_checkpoint_damaged_is_refused_then_a_rerun_starts_fresh(run):
     for step in (4, 8):
         (ckpt.step_dir(run, step) / "__0_0.distcp").write_bytes(b"")
