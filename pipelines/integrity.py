@@ -89,13 +89,16 @@ def describe(e: dict) -> str:
 
 @dataclass
 class Cost:
-    """What checksums cost this process: bytes and seconds hashed by writers (the hash update
-    alone, not the write) and by verification (the read + hash). A run's summary reports it."""
+    """What integrity costs this process: bytes and seconds hashed by writers (the hash update
+    alone, not the write), by verification (the read + hash), and the value checks of the
+    record batches a reader handed on (`pipelines.values`). A run's summary reports it."""
 
     write_bytes: int = 0
     write_seconds: float = 0.0
     bytes: int = 0
     seconds: float = 0.0
+    checked_rows: int = 0
+    check_seconds: float = 0.0
 
     def to_json(self) -> dict:
         return {
@@ -103,6 +106,8 @@ class Cost:
             "hashed_at_write_bytes": self.write_bytes,
             "verify_s": round(self.seconds, 4),
             "verified_bytes": self.bytes,
+            "value_check_s": round(self.check_seconds, 4),
+            "value_checked_rows": self.checked_rows,
         }
 
 

@@ -13,6 +13,10 @@ on wrong tokens unnoticed. So every record batch a reader hands on is checked on
 - ``teacher{i}_student_chunk`` as long as ``student_ids`` and ``teacher{i}_chunk`` as long as
   ``teacher{i}_ids``, row by row.
 
+A teacher cache's rows are checked one by one as the trainer reads them (`check_cached_row`,
+from `trainer.teacher.cache.CachedTeacher.read`): top-k ids inside the teacher's vocabulary,
+no NaN or +inf log-prob.
+
 Cost: a few passes of numpy reductions over the batch's flat int32 buffers (no per-row or
 per-element Python); the row and position are only looked for once a check has failed.
 The error (`BadValueError`) names the file, the row (counted in the file), the column and
@@ -21,21 +25,25 @@ the value.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow as pa
 
 from pipelines import schema as S
-from pipelines.integrity import IntegrityError
+from pipelines.integrity import COST, IntegrityError
 
 
 class BadValueError(IntegrityError):
     """A value out of its range: `where` (file), `row` (in the file), `column`."""
 
-    def __init__(self, where: str, *, row: int, column: str, detail: str):
+    def __init__(
+        self, where: str, *, row: int, column: str, detail: str, rebuild: str = "the align job"
+    ):
         self.where, self.row, self.column = where, row, column
         super().__init__(
             f"{where} row {row} column {column}: {detail}; the file is damaged or was written "
-            "by a faulty writer (re-run the align job)"
+            f"by a faulty writer (re-run {rebuild})"
         )
 
 
@@ -117,7 +125,17 @@ def _same_lengths(
 
 def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int = 0):
     """Raise `BadValueError` for the first value of `batch` out of its range (see the module
-    docstring). `where`: the file; `first_row`: the batch's first row in that file."""
+    docstring). `where`: the file; `first_row`: the batch's first row in that file. Its time
+    and rows count in `integrity.COST`."""
+    t0 = time.perf_counter()
+    try:
+        _check(batch, meta, where=where, first_row=first_row)
+    finally:
+        COST.check_seconds += time.perf_counter() - t0
+        COST.checked_rows += batch.num_rows
+
+
+def _check(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int) -> None:
     s_offsets, _ = _check_range(
         batch, "student_ids", lo=0, hi=meta.student.vocab_size, where=where,
         first_row=first_row, what=f"student vocabulary {meta.student.name}",
@@ -141,3 +159,31 @@ def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_r
         ):
             offsets = _check_chunks(batch, col, n_chunks, where=where, first_row=first_row)
             _same_lengths(offsets, ref, where=where, first_row=first_row, column=col, of=of)
+
+
+def check_cached_row(cached, *, vocab_size: int, where: str, row: int) -> None:
+    """Raise `BadValueError` unless one teacher-cache row's decoded outputs (a
+    `pipelines.teacher_cache.reader.CachedRow`) may reach a loss: ``topk_ids`` in
+    ``[-1, vocab_size)`` of the teacher (packed ids have room past the vocabulary: 16 bits
+    hold 65,536 ids for a 49,152 vocabulary), no log-prob NaN or +inf. A handful of numpy
+    reductions over the row's U*K values; `where`: the cache file, `row`: the row in it."""
+    ids = np.asarray(cached.topk_ids)
+    if ids.size and (ids.min() < -1 or ids.max() >= vocab_size):
+        pos = int(np.flatnonzero((ids.ravel() < -1) | (ids.ravel() >= vocab_size))[0])
+        raise BadValueError(
+            where, row=row, column="topk_ids", rebuild="the teacher-cache job",
+            detail=f"id {int(ids.ravel()[pos])} at position {pos // max(ids.shape[-1], 1)} "
+            f"outside [-1, {vocab_size}) (teacher vocabulary)",
+        )  # fmt: skip
+    for column in ("topk_logprobs", "tail_logprob", "target_logprob"):
+        x = getattr(cached, column, None)
+        if x is None:
+            continue
+        x = np.asarray(x, dtype=np.float32).ravel()
+        bad = np.isnan(x) | (x == np.inf)
+        if bad.any():
+            pos = int(np.flatnonzero(bad)[0])
+            raise BadValueError(
+                where, row=row, column=column, rebuild="the teacher-cache job",
+                detail=f"{x[pos]} at value {pos} (a log-prob is finite or -inf)",
+            )  # fmt: skip

@@ -11,8 +11,9 @@ their checksums (`pipelines.integrity`), recognised by the marker's ``kind``:
   moved aside by a resume (``step-N.damaged``) are named, not verified.
 
 One line per file, ``OK`` or what is wrong; exit code 0 when everything verified, 2 when
-anything is damaged or missing, 1 on an unexpected error. Nothing here imports the trainer: a
-checkpoint's marker is the same kind of JSON as a shard directory's.
+anything is damaged or missing; any other failure (an unreadable directory) is one line and an
+exit code from `pipelines.cli`. Nothing here imports the trainer: a checkpoint's marker is the
+same kind of JSON as a shard directory's.
 """
 
 from __future__ import annotations
@@ -133,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main, prog="verify"))
+    sys.exit(cli.run(main, sys.argv[1:], prog="verify"))

@@ -20,7 +20,8 @@ files against its marker. ``checkpoint.resume=auto``: the newest checkpoint that
 damaged newer one is renamed ``step-N.damaged`` (never deleted, and no longer counted) and the
 run says so in one line; with ``checkpoint.strict=true`` a damaged newest one is refused
 instead. A checkpoint named by path is verified and refused when damaged. A checkpoint written
-before markers existed (``.metadata``, no ``COMPLETED``) is resumed from unverified.
+before markers existed (``.metadata``, no ``COMPLETED``) is resumed from unverified (refused
+in one line if DCP cannot read it).
 
 The export (`export_student`) is the whole student gathered to rank 0 and written by
 `trainer.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -112,12 +114,15 @@ def step_dir(folder: Path, step: int) -> Path:
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Whole checkpoints (no ``.tmp``, DCP metadata present) under `folder`, oldest first."""
+    """Published checkpoints under `folder` (``step-N``: not ``.tmp``, not moved aside), oldest
+    first: those with DCP's ``.metadata`` or our marker. One with a marker and no ``.metadata``
+    is damaged, and listed so that resuming says so (`find_resume`) instead of skipping it."""
     out = []
     if folder.is_dir():
         for p in folder.iterdir():
             digits = p.name[len(STEP_PREFIX) :]
-            if p.name.startswith(STEP_PREFIX) and digits.isdigit() and (p / ".metadata").is_file():
+            whole = (p / ".metadata").is_file() or (p / MARKER).is_file()
+            if p.name.startswith(STEP_PREFIX) and digits.isdigit() and whole:
                 out.append((int(digits), p))
     return sorted(out)
 
@@ -274,8 +279,21 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
-        """Fill `state` (same structure as saved; Stateful values are loaded in place)."""
-        dcp.load(state, checkpoint_id=str(path))
+        """Fill `state` (same structure as saved; Stateful values are loaded in place). A
+        checkpoint without a marker (not verified) that DCP cannot read is refused in one line
+        (`DamagedCheckpointError`) instead of torch's traceback from inside its reader."""
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            if (Path(path) / MARKER).is_file():
+                raise  # verified bytes: a real mismatch (another model), not damage
+            # DCP's CheckpointException carries each rank's traceback: its last line says why
+            cause = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+            raise DamagedCheckpointError(
+                f"checkpoint {path}: has no {MARKER} (written before checksums, so not "
+                f"verified) and cannot be read ({cause}); resume from "
+                "another one (checkpoint.resume=<dir>) or start fresh (checkpoint.resume=none)"
+            ) from e
 
 
 def _fsync_dir(path: Path) -> None:

@@ -162,6 +162,9 @@ def run(argv: list[str]) -> int:
 
     from trainer.train import Trainer
 
+    # A damaged shard or an out-of-range value met during the run (pipelines.integrity's
+    # errors, ValueErrors) ends it like any input error: one line naming the file, exit 2
+    # (`pipelines.cli`), by the rank that read it; nothing was trained on that row.
     trainer = None
     try:
         trainer = Trainer(cfg, prepared)

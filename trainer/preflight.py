@@ -82,7 +82,7 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     resume = find_resume(Path(cfg.run_dir) / "checkpoints", cfg.checkpoint, rank=rank)
     for note in resume.notes if rank == 0 else []:
-        print(f"tokenbridge: {note}", file=sys.stderr, flush=True)
+        print(f"tokenbridge train: {note}", file=sys.stderr, flush=True)
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
 

@@ -73,27 +73,32 @@ def test_marker_lists_every_file_with_the_checksum_of_its_bytes(run):
     assert r.path == d and r.notes == [] and _loaded_step(r.path) == 8
 
 
-@pytest.mark.parametrize("damage", ["truncate", "change"])
-def test_damaged_newest_falls_back_to_the_newest_good_one(run, damage, capsys):
-    f = ckpt.step_dir(run, 8) / "__0_0.distcp"
+@pytest.mark.parametrize(
+    ("damage", "name"),
+    [("truncate", "__0_0.distcp"), ("change", "__0_0.distcp"), ("delete", ".metadata")],
+)
+def test_damaged_newest_falls_back_to_the_newest_good_one(run, damage, name, capsys):
+    f = ckpt.step_dir(run, 8) / name
     data = bytearray(f.read_bytes())
     if damage == "truncate":
         f.write_bytes(data[: len(data) // 2])
-    else:
+    elif damage == "change":
         data[len(data) // 2 : len(data) // 2 + 32] = b"\x00" * 32
         f.write_bytes(bytes(data))
+    else:  # DCP's index gone: still listed (by its marker), so the resume says so
+        f.unlink()
     assert verify.main([str(run)]) == 2
-    assert f"DAMAGED  __0_0.distcp: {f}: damaged: expected xxh3_64" in capsys.readouterr().out
+    assert f"DAMAGED  {name}: {f}: damaged: expected xxh3_64" in capsys.readouterr().out
     with pytest.raises(ckpt.DamagedCheckpointError, match="strict=true refuses"):
         _resume(run, strict=True)
-    assert f.exists()  # strict mode moves nothing
+    assert f.exists() or damage == "delete"  # strict mode moves nothing
     r = _resume(run)
     assert r.path == ckpt.step_dir(run, 4) and _loaded_step(r.path) == 4
     (note,) = r.notes
     assert note.startswith(f"checkpoint step-00000008 is damaged ({f}: damaged: expected xxh3_64")
     assert note.endswith("moved aside to step-00000008.damaged; resuming from step-00000004")
     aside = run / "step-00000008.damaged"
-    assert (aside / "__0_0.distcp").is_file()  # moved aside, never deleted
+    assert (aside / ckpt.MARKER).is_file()  # moved aside, never deleted
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [4]
     assert verify.main([str(run)]) == 0  # the aside one is named, not counted
 
@@ -109,6 +114,19 @@ def test_named_damaged_checkpoint_is_refused_and_legacy_one_resumed(run):
     (ckpt.step_dir(run, 8) / ckpt.MARKER).unlink()
     r = _resume(run)
     assert r.path == ckpt.step_dir(run, 8) and "not verified" in r.notes[0]
+
+
+def test_damaged_checkpoint_without_marker_is_refused_in_one_line(run):
+    """Not verifiable (written before markers) and truncated: torch's reader fails; the load
+    says so in one line, naming the checkpoint, instead of the raw traceback."""
+    d = ckpt.step_dir(run, 8)
+    (d / ckpt.MARKER).unlink()
+    f = d / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:64])
+    with pytest.raises(ckpt.DamagedCheckpointError, match=f"checkpoint {d}: has no COMPLETED") as e:
+        _loaded_step(d)
+    assert "cannot be read (EOFError)" in str(e.value) and "\n" not in str(e.value)
+    assert _loaded_step(ckpt.step_dir(run, 4)) == 4
 
 
 def test_every_checkpoint_damaged_is_refused_then_a_rerun_starts_fresh(run):

@@ -168,3 +168,144 @@ def test_verify_once_hashes_a_file_once_per_process(shard_dir):
     integrity.verify_once(shard_dir / NAME, e)
     assert integrity.verify_once(shard_dir / NAME, e) is False
     assert integrity.COST.bytes - before in (0, e["bytes"])
+
+
+def _first_bad(rows: list[dict], meta: S.ShardMeta) -> tuple[int, str] | None:
+    """The dense reference of `values.check_batch`: the same checks, in the same column order,
+    one Python comparison per element; (row, column) of the first failure, or None."""
+
+    def in_range(col, lo, hi):
+        return col, lambda r: all(lo <= int(v) < hi for v in r[col])
+
+    checks = [in_range("student_ids", 0, meta.student.vocab_size)]
+    for i, t in enumerate(meta.teachers):
+        ids, n = S.teacher_ids_column(i), S.teacher_n_chunks_column(i)
+        ch, sch = S.teacher_chunk_column(i), S.teacher_student_chunk_column(i)
+        checks += [
+            in_range(ids, 0, t.vocab_size),
+            (n, lambda r, n=n: int(r[n]) >= 0),
+            (
+                ch,
+                lambda r, n=n, c=ch, of=ids: (
+                    all(-1 <= int(v) < int(r[n]) for v in r[c]) and len(r[c]) == len(r[of])
+                ),
+            ),  # fmt: skip
+            (
+                sch,
+                lambda r, n=n, c=sch: (
+                    all(-1 <= int(v) < int(r[n]) for v in r[c])
+                    and len(r[c]) == len(r["student_ids"])
+                ),
+            ),  # fmt: skip
+        ]
+    for col, ok in checks:
+        for j, r in enumerate(rows):
+            if not ok(r):
+                return j, col
+    return None
+
+
+def _damage(rows: list[dict], rng: np.random.Generator, meta: S.ShardMeta) -> None:
+    """One edit to one random row: out of range (or just inside it), or a list one shorter."""
+    r = rows[rng.integers(len(rows))]
+    i = int(rng.integers(len(meta.teachers)))
+    col = str(rng.choice(["student_ids", S.teacher_ids_column(i), S.teacher_n_chunks_column(i),
+                          S.teacher_chunk_column(i), S.teacher_student_chunk_column(i)]))  # fmt: skip
+    if col.endswith("n_chunks"):
+        r[col] = int(rng.choice([-1, 0, 1, r[col] - 1, r[col]]))
+    elif len(r[col]) and rng.random() < 0.2:
+        r[col] = r[col][:-1].copy()
+    elif len(r[col]):
+        hi = {
+            "student_ids": meta.student.vocab_size,
+            S.teacher_ids_column(i): meta.teachers[i].vocab_size,
+        }
+        top = hi.get(col, int(r[S.teacher_n_chunks_column(i)]))
+        lo = 0 if col in hi else -1
+        r[col] = r[col].copy()
+        r[col][rng.integers(len(r[col]))] = rng.choice([lo - 1, lo, top - 1, top, 2**31 - 1])
+
+
+def test_check_batch_agrees_with_a_per_element_reference():
+    """Random batches (empty lists included), each with one random edit, whole or sliced (list
+    offsets not starting at 0, as in a table slice): check_batch raises exactly when the dense
+    reference finds a bad value, at the same row and column."""
+    rng = np.random.default_rng(0)
+    meta = S.ShardMeta(S.SCHEMA_VERSION, STUDENT, TEACHERS)
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    raised = 0
+    for trial in range(120):
+        rows = [_row(trial, w, int(rng.integers(0, 6)), [int(rng.integers(0, 6)), 3])
+                for w in range(int(rng.integers(1, 7)))]  # fmt: skip
+        _damage(rows, rng, meta)
+        k = int(rng.integers(len(rows)))
+        batch = shards.rows_to_batch(rows, schema).slice(k)
+        expected = _first_bad(rows[k:], meta)
+        try:
+            values.check_batch(batch, meta, where="f.arrow", first_row=k)
+            found = None
+        except values.BadValueError as e:
+            found, raised = (e.row - k, e.column), raised + 1
+        assert found == expected, (trial, rows[k:])
+    assert 20 < raised < 110  # both outcomes were exercised, often
+
+
+def _first_bad_cached(row, vocab: int) -> str | None:
+    """The dense reference of `values.check_cached_row`: the column of the first bad value."""
+    if any(not -1 <= int(v) < vocab for v in row.topk_ids.ravel()):
+        return "topk_ids"
+    for column in ("topk_logprobs", "tail_logprob", "target_logprob"):
+        x = getattr(row, column)
+        if x is not None and any(v != v or v == float("inf") for v in x.ravel().tolist()):
+            return column
+    return None
+
+
+def test_cached_row_check_agrees_with_a_per_element_reference():
+    """Teacher-cache rows (the real `CachedRow`) with one random edit each: out-of-vocabulary or
+    below -1 ids, NaN or +inf log-probs (and harmless ones: -1, vocab - 1, -inf)."""
+    from pipelines.teacher_cache.reader import CachedRow
+
+    rng = np.random.default_rng(1)
+    vocab, raised = 300, 0
+    for trial in range(200):
+        u, k = int(rng.integers(0, 5)), 4
+        row = CachedRow(
+            rng.integers(-1, vocab, (u, k)),
+            np.log(rng.random((u, k))).astype(np.float32),
+            np.log(rng.random(u)).astype(np.float32),
+            None if trial % 3 == 0 else np.log(rng.random(u)).astype(np.float32),
+        )
+        column = str(rng.choice(["topk_ids", "topk_logprobs", "tail_logprob", "target_logprob"]))
+        x = getattr(row, column)
+        if x is not None and x.size:
+            bad = [-2, -1, vocab - 1, vocab, 2**17] if column == "topk_ids" else [
+                np.nan, np.inf, -np.inf, 0.0]  # fmt: skip
+            x.ravel()[rng.integers(x.size)] = rng.choice(bad)
+        expected = _first_bad_cached(row, vocab)
+        try:
+            values.check_cached_row(row, vocab_size=vocab, where="cache-0.arrow", row=7)
+            found = None
+        except values.BadValueError as e:
+            assert str(e).startswith(f"cache-0.arrow row 7 column {e.column}: ")
+            assert "re-run the teacher-cache job" in str(e)
+            found, raised = e.column, raised + 1
+        assert found == expected, (trial, column, x)
+    assert 30 < raised < 190
+
+
+def test_the_trainer_refuses_a_cached_id_outside_the_teacher_vocabulary(tmp_path):
+    """`CachedTeacher.read` checks each row it hands on: a real cache whose ids reach 299, read
+    for a teacher of 200 tokens, names the cache file, the row and the column."""
+    import tests.unit.test_teacher_cache_format as T
+    from pipelines.teacher_cache import reader as R
+    from trainer.losses.teacher_outputs import TeacherOutputSpec
+    from trainer.teacher.cache import CachedTeacher
+
+    ss = T._shards(tmp_path / "shards", [[5, 3], [4]])
+    cs = R.open_cache(T._cache(tmp_path / "cache", ss, T._meta(ss)), T._expect(ss))
+    CachedTeacher(cs, TeacherOutputSpec(300, topk=T.K), index=0, device="cpu").read([0], [5], 8)
+    small = CachedTeacher(cs, TeacherOutputSpec(200, topk=T.K), index=0, device="cpu")
+    with pytest.raises(values.BadValueError, match=r"row \d+ column topk_ids: id 2\d\d at ") as e:
+        small.read([0], [5], 8)
+    assert str(cs.files[0]) in str(e.value) and "outside [-1, 200)" in str(e.value)

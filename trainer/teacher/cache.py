@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipelines import values
 from pipelines.schema import TokenizerInfo
 from pipelines.shards import ShardSet
 from pipelines.teacher_cache.fingerprints import weights_fingerprint
@@ -144,6 +145,11 @@ class CachedTeacher:
             out.topk_logprobs.fill_(float("-inf"))
         for b, (g, n) in enumerate(zip(rows, lens)):
             got = self.cache.read(g)
+            f = int(self.cache.file_of[g])
+            values.check_cached_row(
+                got, vocab_size=spec.vocab_size, where=str(self.cache.files[f]),
+                row=int(self.cache.row_of[g]),
+            )  # fmt: skip
             u = got.tail_logprob.shape[0]
             if u != n:
                 raise CacheMismatchError(
