@@ -166,6 +166,7 @@ class Trainer:
             max_len=teacher_max,
             threads=cfg.parallel.threads or None,
             caches=prepared.caches,
+            batch_group=self.mesh.batch,
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)

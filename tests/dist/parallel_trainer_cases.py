@@ -9,10 +9,11 @@ checkpoints, export) under OUT/<run>; tests/dist/test_parallel_trainer.py compar
 Every run sees the same global batch (4 rows per step, 2 microbatches) and distils from four
 tiny same-tokenizer teachers at once, one per loss mode (kd_topk, xtoken, gold, alm: each KD term
 is logged on its own), so one run covers every mode. Probes record, per rank and training
-forward, the logits' local shape and DTensor placement, the decoder activations' length, and
-any module output as wide as the whole vocabulary (``probes/rank<r>.json``). The ``two`` set
-also compares cp = 2 and tp = 2 forwards and gradients of tiny tied Llama and sliding-window
-Gemma 3 models with the whole model (``model_checks.json``).
+forward, the logits' local shape and DTensor placement, the decoder activations' length, any
+module output as wide as the whole vocabulary and the row counts its teachers were given
+(``probes/rank<r>.json``). The ``two`` set also compares cp = 2 and tp = 2 forwards and
+gradients of tiny tied Llama and sliding-window Gemma 3 models with the whole model
+(``model_checks.json``).
 """
 
 from __future__ import annotations
@@ -119,6 +120,17 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
             placement=[str(p) for p in out.placements] if isinstance(out, DTensor) else None
         )
     )
+    # the rows each of this rank's teachers computes per microbatch (a cp rank: its share)
+    state["teacher_rows"] = []
+    for source in trainer.channels:
+        channel = getattr(source, "source", source).channel
+        submit = channel.submit
+
+        def counted(inputs, submit=submit):
+            state["teacher_rows"].append(int(inputs["input_ids"].shape[0]))
+            return submit(inputs)
+
+        channel.submit = counted
     forward = trainer.forward
 
     def probed(mb):
@@ -131,6 +143,7 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
                 "placement": state.get("placement"),
                 "layer_len": state.get("layer_len"),
                 "full_vocab_outputs": sorted(set(state["wide"])),
+                "teacher_rows": sorted(set(state["teacher_rows"])),
                 "vocab": vocab,
             }
         )

@@ -106,6 +106,15 @@ def test_cp_activations_hold_half_of_every_sequence(runs, layout):
         assert p["layer_len"] == p["logits_local"][1] == p["T"] // 2, p
 
 
+@pytest.mark.parametrize("layout", ["tp2", "cp2", "cp2_tp2"])
+def test_ranks_sharing_a_microbatch_split_its_teacher_rows(runs, layout):
+    """A microbatch has 2 rows, held by every cp and tp rank of a dp group; each of those ranks'
+    teachers computes one row (cp2_tp2: ranks 2 and 3 repeat row 1) and the outputs are
+    gathered (the losses above equal one process), so no teacher computes the whole batch."""
+    for p in _probes(runs / layout):
+        assert p["teacher_rows"] == [1], p
+
+
 def test_resume_under_cp_and_tp_continues_exactly_and_exports(runs):
     """cp2_tp2 ran step 1, saved, and a fresh Trainer resumed for step 2: both equal the
     reference (test above); here: it did resume, and the export loads with tied weights."""

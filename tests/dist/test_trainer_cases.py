@@ -163,14 +163,16 @@ def case_clip() -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from trainer.distributed import build_mesh
+
     hf = LlamaConfig(vocab_size=300, tie_word_embeddings=True, **TINY)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(hf)
     model = AutoModelForCausalLM.from_config(hf)
     model.load_state_dict(ref.state_dict())
-    mesh = parallel.build_mesh(torch.device("cpu"), dp=1, tp=2)
-    parallel.apply_tp(model, mesh.tp, parallel.tp_plan("llama"))
-    parallel.apply_fsdp(model, mesh.dp, mp_policy=MixedPrecisionPolicy())
+    groups = build_mesh(torch.device("cpu"), dp=1, tp=2)
+    parallel.apply_tp(model, groups.tp_mesh, parallel.tp_plan("llama"))
+    parallel.apply_fsdp(model, groups.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids).logits.square().mean().backward()
     ref(input_ids=ids).logits.square().mean().backward()

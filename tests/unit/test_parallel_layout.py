@@ -112,3 +112,15 @@ def test_students_cp_share_is_its_positions_of_whole_row_targets():
     assert int((mb.targets_BT != IGNORE).sum()) == sum(
         int((mb.student_rows(cp_size=2, cp_rank=r).targets_BL != IGNORE).sum()) for r in (0, 1)
     )
+
+
+def test_shared_batch_teacher_shares_cover_every_row_once_in_order():
+    """`SharedBatchTeacher.share`: the rows each rank's teacher computes; gathered in rank order
+    and cut to B they are the microbatch's rows (a short share repeats the last row)."""
+    from trainer.teacher.feed import SharedBatchTeacher
+
+    for rows, n in ((2, 2), (4, 2), (5, 2), (1, 2), (7, 4), (2, 4), (3, 1)):
+        shares = [SharedBatchTeacher(None, None, size=n, rank=r).share(rows) for r in range(n)]
+        assert len({len(s) for s in shares}) == 1  # equal sizes: the all-gather pairs them
+        assert torch.equal(torch.cat(shares)[:rows], torch.arange(rows)), (rows, n)
+        assert len(shares[0]) == -(-rows // n)

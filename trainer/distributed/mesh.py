@@ -45,12 +45,15 @@ class ParallelGroups:
     `mesh`: the (dp_shard, cp, tp) `DeviceMesh` when built by `build_mesh`, else None.
     `fsdp_mesh`: the mesh FSDP shards over (dp_shard, flattened with cp when cp > 1).
     `dp_cp`: one group over dp x cp (None: reduce over `dp` then `cp`, or size 1).
+    `batch`: the ranks holding the same microbatch, cp x tp of one dp group (None: size 1); their
+    teachers split its rows (`trainer.teacher.feed.SharedBatchTeacher`).
     """
 
     tp: Group = None
     cp: Group = None
     dp: Group = None
     dp_cp: Group = None
+    batch: Group = None
     mesh: DeviceMesh | None = None
     fsdp_mesh: DeviceMesh | None = None
 
@@ -110,18 +113,24 @@ def build_mesh(device: torch.device, *, dp: int, cp: int = 1, tp: int = 1) -> Pa
 
     Collective: every rank calls it with the same sizes. With cp > 1 FSDP shards over dp x cp
     (a flattened sub-mesh): the cp ranks of a dp group hold the same weights and must sum their
-    gradients, which the reduce-scatter over the flattened mesh does.
+    gradients, which the reduce-scatter over the flattened mesh does. `batch` is the cp x tp
+    sub-mesh, flattened when both are > 1.
     """
     mesh = init_device_mesh(device.type, (dp, cp, tp), mesh_dim_names=MESH_DIMS)
     if cp > 1:
         fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     else:
         fsdp_mesh = mesh["dp_shard"]
+    if cp > 1 and tp > 1:
+        batch_mesh = mesh["cp", "tp"]._flatten("cp_tp")
+    else:
+        batch_mesh = mesh["cp"] if cp > 1 else mesh["tp"]
     return ParallelGroups(
         tp=_group(mesh["tp"]),
         cp=_group(mesh["cp"]),
         dp=_group(mesh["dp_shard"]),
         dp_cp=_group(fsdp_mesh),
+        batch=_group(batch_mesh),
         mesh=mesh,
         fsdp_mesh=fsdp_mesh,
     )

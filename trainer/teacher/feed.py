@@ -10,6 +10,10 @@ mask: counts are known before any forward) and submits them as soon as a live te
 slot is free, so the teacher computes microbatch i+1 while the student steps on microbatch i,
 across step boundaries too. A checkpoint records the data position before the first
 queued-but-unused microbatch (``position``).
+
+The cp and tp ranks of a dp group hold the same microbatch: each one's live teacher computes a
+share of its rows and the outputs are all-gathered over them (`SharedBatchTeacher`), so no row
+is computed twice.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from trainer.config import TrainConfig
 from trainer.data import Microbatch
 from trainer.distill import KDTerm
+from trainer.distributed.collectives import group_rank, group_size
 from trainer.teacher.cache import CachedTeacher
 from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel
 from trainer.teacher.program import TeacherModelProgram
@@ -51,6 +56,68 @@ class LiveTeacher:
 
     def close(self) -> None:
         self.channel.close()
+
+
+@dataclass
+class GatheredReceived:
+    """A microbatch's outputs gathered over the ranks sharing it (`SharedBatchTeacher`): the
+    tensors are the caller's, so releasing is a no-op."""
+
+    outputs: dict[str, torch.Tensor]
+    teacher_s: float  # this rank's teacher, on its share of the rows
+
+    def release(self) -> None:
+        pass
+
+
+class SharedBatchTeacher:
+    """A live teacher of one of the ranks that hold the same microbatch (the student's cp x tp
+    ranks of a dp group: cp ranks hold other positions of the same rows, tp ranks the same
+    tokens).
+
+    Rank r of that group submits only its share of the rows (rows [r m, (r + 1) m),
+    m = ceil(B / size); a short share repeats the last row) and the outputs are all-gathered
+    over the group back into whole rows: each row is computed by one teacher instead of cp x tp
+    of them. What is gathered is the small per-position record (top-k, columns, masses), never
+    logits; the loss then reads the whole record as from an unshared teacher.
+    """
+
+    def __init__(self, source: LiveTeacher, group, *, size: int, rank: int):
+        self.source, self.group = source, group
+        self.size, self.rank = size, rank
+        self._rows: deque[int] = deque()  # B of each microbatch in flight, in order
+
+    @property
+    def depth(self) -> int:
+        return self.source.depth
+
+    def share(self, rows: int) -> torch.Tensor:
+        """The row indices this rank's teacher computes, of a microbatch of `rows`."""
+        m = -(-rows // self.size)
+        return torch.arange(self.rank * m, (self.rank + 1) * m).clamp_(max=rows - 1)
+
+    def submit(self, mb: Microbatch, prep) -> None:
+        inputs = self.source.term.teacher_inputs(mb, prep)
+        rows = inputs["input_ids"].shape[0]
+        idx = self.share(rows).to(inputs["input_ids"].device)
+        self.source.channel.submit({k: v.index_select(0, idx) for k, v in inputs.items()})
+        self._rows.append(rows)
+
+    def receive(self) -> GatheredReceived:
+        rows = self._rows.popleft()
+        with self.source.receive() as r:
+            # the same field order on every rank: the gathers pair up
+            outputs = {k: self._gather(r.outputs[k])[:rows] for k in sorted(r.outputs)}
+            return GatheredReceived(outputs, r.teacher_s)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 @dataclass
@@ -132,10 +199,13 @@ def open_teachers(
     max_len: list[int],
     threads: int | None,
     caches: list | None = None,
+    batch_group=None,
 ) -> list:
     """One teacher source per KD term on this rank: its cache when ``caches[i]`` is given
     (`CachedTeacher`), else a worker process (or in-process, for debugging) that runs the
-    teacher one microbatch ahead (`LiveTeacher`). `max_len[i]` bounds teacher i's rows."""
+    teacher one microbatch ahead (`LiveTeacher`; when ``batch_group``, the ranks holding the
+    same microbatch, has more than one rank, a `SharedBatchTeacher` computing this rank's share
+    of its rows). `max_len[i]` bounds teacher i's rows."""
     channels: list[TeacherChannel] = []
     sources: list = []
     try:
@@ -171,7 +241,12 @@ def open_teachers(
             )
             channel = TeacherChannel(program, device=device, config=ch_cfg, group=group)
             channels.append(channel)
-            sources.append(LiveTeacher(channel, term))
+            source = LiveTeacher(channel, term)
+            if group_size(batch_group) > 1:
+                source = SharedBatchTeacher(
+                    source, batch_group, size=group_size(batch_group), rank=group_rank(batch_group)
+                )
+            sources.append(source)
         for ch in channels:
             ch.wait_ready()
     except BaseException:

@@ -19,8 +19,10 @@ the same small per-position record as at tp = 1; the full teacher logits are nev
 Layouts: the teacher ranks of a TP group may serve student ranks with different microbatches
 (another dp or cp layout than the student's): each call gathers the group's inputs, runs them
 all, and keeps its own rows, so the student receives its rows whatever the two layouts. A
-teacher runs whole rows; a context-parallel student takes its own positions of them
-(`TeacherOutputs.cp_shard`, for the per-position modes).
+teacher runs whole rows; the student ranks that hold the same microbatch (cp x tp) give their
+teachers a share of its rows each and gather the outputs (`trainer.teacher.feed`), and a
+context-parallel student takes its own positions of them (`TeacherOutputs.cp_shard`, for the
+per-position modes).
 
 The program is a ``TeacherProgram`` (`trainer.teacher.worker`): picklable and light until
 ``setup``, which loads the model where the program runs.
