@@ -7,10 +7,12 @@ bad row its own reason. What is bad before parsing (bytes that are not UTF-8, a 
 JSON) is a dead letter here, with file, row and line, as in the text readers.
 
 The row format is detected per file from its first record (`rows.detect_format`) unless the job
-names it. A file whose records are plain ``text`` (or a ``.txt`` file) in a conversation job is
-one dead letter for the whole file (`ROW_FORMAT_MISMATCH`): one job writes one shard schema, so
-text goes through its own run. `peek_format` looks at the first record of a file, so the job can
-decide before it starts whether it is a text or a conversation job.
+names it (a byte range of a large file reads the file's first record for it, so a bad record
+that happens to open a range is that record's dead letter, not the range's). A file whose
+records are plain ``text`` (or a ``.txt`` file) in a conversation job is one dead letter for the
+whole file (`ROW_FORMAT_MISMATCH`): one job writes one shard schema, so text goes through its
+own run. `peek_format` looks at the first record of a file, so the job can decide before it
+starts whether it is a text or a conversation job.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def read_jsonl_rows(
     split = split or R.Split()
     pos = pos or R.Position()
     fmt = row_format
+    if fmt is None and split.start:  # a later byte range: the format of the file's first record
+        fmt = peek_format(path)
     with R._open(path) as f:
         if split.start:
             f.seek(split.start)

@@ -250,3 +250,30 @@ def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
     (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(v1 | {"version": 9}))
     with pytest.raises(ValueError, match="rebuild"):
         shards.open_shards(tmp_path)
+
+
+def test_schema_1_text_shards_still_read_and_unknown_versions_refused(tmp_path):
+    """Shards written before conversations (schema 1: text columns only) open and read as text;
+    a version this code does not know is refused, saying how to rebuild."""
+    from trainer.data import ShardReader
+
+    schema = S.shard_schema(STUDENT, TEACHERS)
+    v1 = schema.with_metadata({**schema.metadata, S.META_SCHEMA_VERSION: b"1"})
+    rows = _rows(2)
+    with shards.ShardWriter(tmp_path / shards.shard_name(0, 1), v1) as w:
+        w.write_rows(rows)
+    stats = {"student": STUDENT.to_json(), "teachers": [t.to_json() for t in TEACHERS]}
+    shards.write_completed(tmp_path, stats, files={shards.shard_name(0, 1): len(rows)})
+    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker | {"schema_version": 1}))
+    ss = shards.open_shards(tmp_path)
+    assert ss.meta.schema_version == 1 and not ss.meta.is_chat
+    assert ss.schema.metadata[S.META_SCHEMA_VERSION] == b"1"
+    reader = ShardReader(ss, max_student_tokens=64)
+    row = reader.row(0)
+    assert "train" not in row and np.array_equal(row["student_ids"], rows[0]["student_ids"])
+    with pytest.raises(ValueError, match=r"version 7.*rebuild.*make align"):
+        S.check_version(7, where="x")
+    bad = schema.with_metadata({**schema.metadata, S.META_SCHEMA_VERSION: b"7"})
+    with pytest.raises(ValueError, match="x: shard schema version 7"):
+        S.read_meta(bad, where="x")
