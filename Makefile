@@ -29,7 +29,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo demo-onpolicy projection align teacher-cache verify train eval report bench clean
+.PHONY: help setup models test lint format demo demo-onpolicy demo-onpolicy-compare projection align teacher-cache verify train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -108,6 +108,10 @@ demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samp
 	  --max-student-tokens 128 --max-teacher-tokens 128
 	rm -rf runs/onpolicy_demo
 	$(PY) trainer/main.py conf=onpolicy_demo
+
+demo-onpolicy-compare: models  ## on-policy vs off-policy KD vs CE-only, same wall-clock (after demo-onpolicy's inputs)
+	rm -rf runs/onpolicy_compare
+	$(PY) -m bench.onpolicy_compare
 
 clean:  ## remove run outputs (keeps .venv and artifacts/)
 	rm -rf outputs runs .pytest_cache .ruff_cache

@@ -425,13 +425,17 @@ MIXABLE = ("opd_topk", "opd_pg")
 @dataclass
 class TrainConfig:
     """The whole run. `steps` sets the LR schedule; `stop_after` ends a run early (as if it
-    were interrupted) without changing the schedule, so a resumed run continues it exactly."""
+    were interrupted) without changing the schedule, so a resumed run continues it exactly.
+    `time_budget_s` ends training once this process has spent that long in steps (a
+    same-wall-clock comparison, e.g. on-policy vs off-policy KD vs CE); the run then finishes
+    as at `steps` (after-evals, checkpoint, export)."""
 
     name: str = "run"
     run_dir: str = ""  # default: runs/<name>
     seed: int = 0
     steps: int = 100
     stop_after: int | None = None
+    time_budget_s: float | None = None
     device: str = "auto"  # auto: cuda when available, else cpu (gloo)
     model: ModelConfig = MISSING
     teachers: list[TeacherConfig] = field(default_factory=list)
@@ -453,6 +457,8 @@ class TrainConfig:
             _fail("steps", f"expected >= 1, got {self.steps}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             _fail("stop_after", f"expected in [1, steps={self.steps}], got {self.stop_after}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            _fail("time_budget_s", f"expected > 0 seconds, got {self.time_budget_s}")
         _check_choice("device", self.device, DEVICES)
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)

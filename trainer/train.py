@@ -487,6 +487,14 @@ class Trainer:
             self.model, self.cfg.model, out, extra=extra, is_main=self.is_main
         )
 
+    def _out_of_time(self, t_start: float) -> bool:
+        """Has any rank spent ``time_budget_s`` in steps? (One decision for every rank.)"""
+        over = torch.tensor(
+            [float(time.perf_counter() - t_start >= self.cfg.time_budget_s)], device=self.device
+        )
+        world = dist.group.WORLD if dist.is_initialized() else None
+        return bool(parallel.all_reduce_sum(over, world).item() > 0)
+
     def train(self) -> dict:
         """Run to `steps` (or `stop_after`): eval before, train, eval/checkpoint, export, summary."""
         cfg = self.cfg
@@ -506,6 +514,7 @@ class Trainer:
         write_bpb(self.run_dir, bpb, enabled=self.is_main)
         t_start, first_step = time.perf_counter(), self.step
         last_ckpt = None
+        out_of_time = False
         while self.step < end:
             nxt = self.step + 1
             log = nxt % cfg.logging.interval == 0 or nxt == end
@@ -529,23 +538,28 @@ class Trainer:
                 self.run_dir, device=self.device, is_main=self.is_main
             ):
                 self.metrics.write(f"exported: {self._export(f'export-step-{self.step}')}")
+            if cfg.time_budget_s is not None and self.step < end and self._out_of_time(t_start):
+                out_of_time = True
+                break
         train_s = time.perf_counter() - t_start
         if cfg.checkpoint.save_at_end and (
             last_ckpt is None or not last_ckpt.name.endswith(f"{self.step:08d}")
         ):
             last_ckpt = self.save_checkpoint()
-        if do_eval and self.step == cfg.steps:
+        finished = self.step == cfg.steps or out_of_time
+        if do_eval and finished:
             bpb["student_after"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_after"]}, kind="eval")
             if self.onpolicy is not None:
                 bpb["teacher_on_student_after"] = self.onpolicy.evaluate()
             write_bpb(self.run_dir, bpb, enabled=self.is_main)
-        export = self._export() if cfg.checkpoint.export_at_end and self.step == cfg.steps else None
+        export = self._export() if cfg.checkpoint.export_at_end and finished else None
         summary = {
             "name": cfg.name,
             "steps": self.step,
             "steps_this_run": self.step - first_step,
             "train_seconds": round(train_s, 1),
+            "out_of_time": out_of_time,
             "tokens": self.tokens_seen,
             "skipped_steps": self.skipped_steps,
             "bpb": bpb,

@@ -5,8 +5,9 @@ Gemma-tokenizer teacher (on-the-fly alignment, opd_pg) and a tiny SmolLM2-tokeni
 (top-k OPD on the student's support) score them in their worker processes. Launches: a full
 run (metrics, the teachers' bits/byte of the student's completions before and after); the same
 run stopped after its checkpoint and resumed (same losses); a run with policy lag 1 and GKD
-mixing (lmbda 0.5: on- and off-policy steps), stopped and resumed likewise; a teacher worker
-killed while it scores (the clear error, in bounded time).
+mixing (lmbda 0.5: on- and off-policy steps), stopped and resumed likewise; an off-policy
+baseline (lmbda 0) ended by its time budget; a teacher worker killed while it scores (the
+clear error, in bounded time).
 """
 
 from __future__ import annotations
@@ -110,6 +111,21 @@ def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
     assert 0 < sum(kinds) < len(kinds)  # both kinds of steps ran
     b = [r for r in records(resumed) if r["step"] > 3]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-6)
+
+
+def test_an_off_policy_baseline_on_a_time_budget_reports_the_teachers_bpb(shards, tmp_path):
+    """`bench/onpolicy_compare.py`'s baselines: lmbda 0 (every step off-policy, the on-policy
+    side only evaluates) ending on `time_budget_s`, then the after-evals as at `steps`."""
+    run_dir = tmp_path / "baseline"
+    _run(shards, run_dir, "onpolicy.lmbda=0", "steps=50", "time_budget_s=1e-9",
+         "parallel.teacher_placement=inprocess", "onpolicy.eval_prompts=2",
+         "checkpoint.interval=0", "checkpoint.export_at_end=false")  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["out_of_time"] is True
+    assert all("onpolicy" not in r for r in records(run_dir))
+    bpb = summary["bpb"]
+    assert bpb["student_after"] > 0
+    assert set(bpb["teacher_on_student_after"]) == {"gemma3-tiny", "smollm2-tiny-teacher"}
 
 
 def test_teacher_worker_dying_while_scoring_is_a_clear_error(shards, tmp_path):

@@ -68,3 +68,9 @@ def test_preflight_refuses_a_same_tokenizer_mode_on_another_tokenizer(student_di
                                             "mix": "mixture"})  # fmt: skip
     with pytest.raises(ConfigError, match="mixture needs teachers with the student's tokenizer"):
         check_teachers(mixed, s, [g, s])
+
+
+def test_a_time_budget_must_be_positive(student_dir, teacher_dir):
+    assert _cfg(student_dir, teacher_dir, {}, time_budget_s=90).time_budget_s == 90
+    with pytest.raises(ConfigError, match="time_budget_s: expected > 0 seconds, got 0"):
+        _cfg(student_dir, teacher_dir, {}, time_budget_s=0)

@@ -2,7 +2,8 @@
 tiny SmolLM2 student samples, its rollouts are batched and aligned, each teacher scores them
 with its channel program's forward, the registry's loss runs; value and gradient equal a dense
 reference computed by hand from full-vocabulary log-softmaxes of both models on the same
-rollouts. SmolLM2-vocab teacher (opd_topk, opd_pg) and Gemma-vocab teacher (opd_pg, alm)."""
+rollouts. SmolLM2-vocab teacher (opd_topk, opd_pg) and Gemma-vocab teacher (opd_pg, alm); two
+SmolLM2-vocab teachers mixed in probability space (`onpolicy.mix: mixture`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from trainer.config import ModelConfig
 from trainer.losses.alm import AlmConfig, binary_divergence
 from trainer.losses.context import complete_chunks
 from trainer.losses.modes import MODES
-from trainer.losses.opd import OPDPGConfig, OPDTopKConfig
+from trainer.losses.opd import OPDPGConfig, OPDTopKConfig, mix_teacher_outputs
 from trainer.onpolicy.realign import TeacherView
 from trainer.onpolicy.rollouts import build_batch
 from trainer.onpolicy.sampler import SamplingConfig, sample
@@ -37,6 +38,7 @@ def setup(student_dir, teacher_dir):
 
     student = build(student_dir, 1, SMOL)
     same = models.freeze(build(student_dir, 2, SMOL))
+    same2 = models.freeze(build(student_dir, 4, SMOL))
     gemma = models.freeze(build(teacher_dir, 3, GEMMA))
     texts = ["In the beginning God created", "And the earth was without form, and"]
     prompts = [[s_tok.bos_id, *s_tok.encode(t).ids.tolist()] for t in texts]
@@ -46,8 +48,8 @@ def setup(student_dir, teacher_dir):
     views = [None, TeacherView(g_tok, 512, stop_id=g_tok.eos_id)]
     batch = build_batch(r, list(range(len(r))), student=s_tok, teachers=views,
                         want_cols=[True, False], pad_id=0)  # fmt: skip
-    return {"s_tok": s_tok, "student": student.train(), "same": same, "gemma": gemma,
-            "batch": batch}  # fmt: skip
+    return {"s_tok": s_tok, "student": student.train(), "same": same, "same2": same2,
+            "gemma": gemma, "batch": batch}  # fmt: skip
 
 
 def _outputs(model, inputs, spec):
@@ -154,3 +156,34 @@ def test_opd_topk_on_the_policy_support_equals_dense(setup):
     assert float(ref.detach()) > 1.0
     assert torch.allclose(out.sum, ref.detach(), rtol=1e-4)
     assert torch.allclose(grad, y.grad, rtol=1e-3, atol=1e-8)
+
+
+def test_mixture_of_two_teachers_equals_dense(setup):
+    """opd_topk against w1 p1 + w2 p2 (both teachers score the student's top-k ids): reverse
+    KL over the k + 1 buckets of the mixed distribution, value and gradient."""
+    b, s_tok = setup["batch"], setup["s_tok"]
+    record, opts, w = MODES["opd_topk"], OPDTopKConfig(k=K), [0.25, 0.75]
+    spec = scoring_spec(record.teacher_spec(opts, None, teacher_vocab_size=s_tok.vocab_size))
+    inputs = b.teacher_inputs[0]
+    mixed = mix_teacher_outputs([_outputs(setup[n], inputs, spec) for n in ("same", "same2")], w)
+    with torch.no_grad():
+        z = setup["student"](input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT).logits
+    logits = z.double() * 40.0
+    x = logits.clone().requires_grad_(True)
+    prep = record.prepare(b.aligned[0], b.targets_BT)
+    out = record.loss(x, mixed, prep, tables=None, vocab_size=s_tok.vocab_size, config=opts)
+    out.sum.backward()
+    y = logits.clone().requires_grad_(True)
+    logq = torch.log_softmax(y[..., : s_tok.vocab_size], -1)
+    p1, p2 = (_teacher_logp(setup[n], inputs).exp() for n in ("same", "same2"))
+    cols = inputs["col_ids"].long()
+    ref = torch.zeros((), dtype=torch.float64)
+    for bi, t in prep.nonzero().tolist():
+        c = cols[bi, t]
+        q = logq[bi, t, c].exp()
+        p = w[0] * p1[bi, t, c] + w[1] * p2[bi, t, c]
+        Q, P = torch.cat([q, 1 - q.sum()[None]]), torch.cat([p, 1 - p.sum()[None]])
+        ref = ref + (Q * (Q.log() - P.log())).sum()
+    ref.backward()
+    assert torch.allclose(out.sum, ref.detach(), rtol=1e-4)
+    assert torch.allclose(x.grad, y.grad, rtol=1e-3, atol=1e-8)
