@@ -61,6 +61,8 @@ RULES = (
         ("trainer.teacher.ring.TeacherTimeoutError",),
         hint="raise parallel.teacher_timeout_s if the teacher is only slow",
     ),
+    # a worker of a teacher TP group that lost its peer: the peer's own rank reports the cause
+    cli.Rule(("trainer.teacher.ring.TeacherWorkerError",), quiet=True, match=_peer_lost),
     cli.Rule(("trainer.teacher.ring.TeacherWorkerError",), hint=_worker_hint),
     cli.Rule(("trainer.teacher.ring.ChannelError",)),
     # computed from all-reduced numbers: every rank stops at the same step

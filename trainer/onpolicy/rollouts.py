@@ -48,7 +48,9 @@ class RolloutBatch:
 
     def to(self, device) -> RolloutBatch:
         def mv(a: AlignedBatch) -> AlignedBatch:
-            return AlignedBatch(**{k: None if v is None else v.to(device) for k, v in a.__dict__.items()})
+            return AlignedBatch(
+                **{k: None if v is None else v.to(device) for k, v in a.__dict__.items()}
+            )
 
         return RolloutBatch(
             self.input_ids_BT.to(device),
