@@ -43,14 +43,15 @@ def main(out: str) -> None:
     from pipelines.tokenizers import load_tokenizer
     from trainer import models, parallel
     from trainer.config import ModelConfig
+    from trainer.distributed import build_mesh
     from trainer.onpolicy.sampler import SamplingConfig, gathered, sample
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
     parallel.init_distributed(device)
-    mesh = parallel.build_mesh(device, dp=2, tp=1)
+    mesh = build_mesh(device, dp=2)
     model = models.build_model(ModelConfig(str(paths.student_dir())))
-    parallel.apply_fsdp(model, mesh.dp, mp_policy=MixedPrecisionPolicy())
+    parallel.apply_fsdp(model, mesh.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
     tok = load_tokenizer(paths.student_dir())
     prompts = prompts_from_kjv(tok, ROWS, 16)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=NEW)

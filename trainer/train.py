@@ -46,7 +46,7 @@ from trainer.cp_attention import model_inputs
 from trainer.data import IGNORE, Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.distill import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
 from trainer.distributed import CPContext, build_mesh
-from trainer.distributed.collectives import group_size
+from trainer.distributed.collectives import all_reduce_, group_size
 from trainer.distributed.dtensor import unwrap_vocab_sharded
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.losses.teacher_outputs import TeacherOutputs
@@ -493,7 +493,7 @@ class Trainer:
             [float(time.perf_counter() - t_start >= self.cfg.time_budget_s)], device=self.device
         )
         world = dist.group.WORLD if dist.is_initialized() else None
-        return bool(parallel.all_reduce_sum(over, world).item() > 0)
+        return bool(all_reduce_(over, world).item() > 0)
 
     def train(self) -> dict:
         """Run to `steps` (or `stop_after`): eval before, train, eval/checkpoint, export, summary."""
