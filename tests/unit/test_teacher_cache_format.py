@@ -259,3 +259,31 @@ def test_sampled_ids_are_refused_for_a_cross_tokenizer_teacher():
     J.check_samples(0, student=STUDENT, teacher=TEACHER)  # no samples asked
     with pytest.raises(ValueError, match=r"--samples 4: .*\(teacher\) is not the student's"):
         J.check_samples(4, student=STUDENT, teacher=TEACHER)
+
+
+def _kl(top, tail, q) -> float:
+    p = np.concatenate([top, tail[:, None]], axis=1)
+    return float(np.mean(np.sum(np.exp(p) * (p - q), axis=1)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("k", [2, 8, 32])
+def test_stored_logprobs_move_the_kl_within_the_derived_bound(dtype, k):
+    """The dense reference: KL(P || Q) over the k + 1 categories (top-k + exact tail) from fp32
+    log-probs vs from the stored ones, against `kl_change_bound`, over peaked and flat P."""
+    rng = np.random.default_rng(k)
+    for scale in (0.3, 3.0, 12.0):  # flat to peaked teachers over a 1000-token vocabulary
+        logits = rng.normal(0, scale, (64, 1000))
+        logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        ranked = np.sort(logp, axis=1)[:, ::-1]
+        top = ranked[:, :k].astype(np.float32)
+        tail = np.logaddexp.reduce(ranked[:, k:], axis=1)  # exact, as stored (fp32 suffices)
+        q = np.log(rng.dirichlet(np.ones(k + 1), 64))  # a student over the same categories
+        stored = CF.decode_logprobs(CF.encode_logprobs(top, dtype), dtype).astype(np.float64)
+
+        exact = _kl(top.astype(np.float64), tail, q)
+        rounded = _kl(stored, tail, q)
+        bound = CF.kl_change_bound(exact, max_abs_logprob=float(np.abs(top).max()), k=k,
+                                   dtype=dtype)  # fmt: skip
+        assert abs(rounded - exact) <= bound, (scale, rounded - exact, bound)
+        assert bound < 0.5 * (1 + exact)  # not vacuous at these scales
