@@ -116,6 +116,7 @@ def test_caches_that_must_not_be_read_are_refused_before_training(report):
     assert r.pop("ok") is None
     expect = {
         "incomplete": "IncompleteCacheError: .* no COMPLETED marker",
+        "damaged": r"DamagedFileError: .*/damaged/cache-\d{5}-of-\d{5}\.arrow: damaged: expected",
         "weights": r"teachers\[0\]\.cache=.* built with teacher weights random:",
         "dtype": "built with teacher dtype float32, the run uses bfloat16",
         "k": "holds the top-8, kd_topk asks for k=16",
