@@ -186,7 +186,13 @@ def _caches(cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet) -> li
         options = cfg.loss.mode_options(mode)
         out.append(
             open_teacher_cache(
-                t_cfg, index=i, mode=mode, options=options, tokenizer=tok.info(), shards=shards
+                t_cfg,
+                index=i,
+                mode=mode,
+                options=options,
+                tokenizer=tok.info(),
+                shards=shards,
+                verify=cfg.data.verify,
             )
         )
     return out

@@ -30,6 +30,7 @@ at train time through the projection; nothing student-side is stored.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -45,6 +46,27 @@ LOGPROB_DTYPES = {
     "float16": (pa.float16(), np.float16),
     "bfloat16": (pa.uint16(), np.uint16),  # Arrow has no bfloat16: its bits
 }
+
+
+# unit roundoff of each stored log-prob dtype (round to nearest): a stored l is l (1 + d), |d| <= u
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def kl_change_bound(
+    kl: float, *, max_abs_logprob: float, k: int, dtype: str, tau: float = 1.0
+) -> float:
+    """How far tau^2 KL(P || Q), averaged over positions, can move when P's top-k log-probs are
+    stored in `dtype` (the tail stays fp32). Each category's probability is then multiplied by
+    1 + r, |r| <= eta = exp(u L) - 1 (L = `max_abs_logprob`, the largest |l| stored), so
+
+        |D' - D| <= eta (2 H(P) + D) + (1 + eta) eta / (1 - eta),   H(P) <= log(k + 1)
+
+    per position (docs/losses.md derives it), and the mean moves by at most
+    eta KD + tau^2 eta (2 log(k + 1) + (1 + eta) / (1 - eta)) for KD = tau^2 mean D.
+    (Subnormal fp16 values below 2^-14 err by less than 2^-25 absolute, inside u L as soon as
+    some stored |l| >= 2^-14: every position with k >= 2 has one, log 2.)"""
+    eta = math.expm1(UNIT_ROUNDOFF[dtype] * max_abs_logprob)
+    return eta * kl + tau**2 * eta * (2 * math.log(k + 1) + (1 + eta) / (1 - eta))
 
 
 def cache_name(index: int, num_files: int) -> str:

@@ -190,6 +190,17 @@ def _teacher_index(shard_set: shards.ShardSet, fingerprint: str, given: int | No
     return found[0]
 
 
+def check_samples(samples: int, *, student, teacher) -> None:
+    """Sampled ids are the teacher's, usable as targets only where the student shares its
+    tokenizer (sampled KD): refused for any other teacher (`TokenizerInfo`s)."""
+    if samples and student.fingerprint != teacher.fingerprint:
+        raise ValueError(
+            f"--samples {samples}: the teacher's tokenizer ({teacher.name}) is not the student's "
+            f"({student.name}), so its sampled ids are no targets for the student; sampled KD "
+            "needs a same-tokenizer teacher (drop --samples: xtoken reads the top-k and tail)"
+        )
+
+
 def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     """Arguments -> the job's config, checked against the shards and the teacher's tokenizer and
     weights (which are hashed here: the fingerprint the trainer will compare)."""
@@ -230,6 +241,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     if H.lm_head_rows(teacher) < tok.vocab_size:
         raise ValueError(f"{args.teacher}: lm_head narrower than its tokenizer ({tok.vocab_size})")
     index = _teacher_index(shard_set, tok.fingerprint, args.teacher_index)
+    check_samples(args.samples, student=shard_set.meta.student, teacher=tok.info())
     weights = weights_fingerprint(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
     meta = CacheMeta(
         teacher={

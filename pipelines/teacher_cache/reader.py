@@ -8,6 +8,11 @@ tokenizer and weights fingerprints, its compute dtype), and finally the row-for-
 cache row names a shard row ``(shard_file, row)``, and every shard row must be scored exactly
 once (a cache with dead letters lacks rows: refused, naming them).
 
+Unless ``verify="never"`` (the trainer passes ``data.verify``), every file the reader maps is
+hashed first against the marker's checksum (`pipelines.integrity.verify_once`: once per
+process), so a damaged copy is refused by name before it trains: all at open, since the join
+reads every file (``first_open`` and ``preflight`` are the same here).
+
 The join gives, per global shard row (the trainer's numbering: shard files in name order, rows
 in order), the cache file and the row in it; `CacheSet.read` fetches one row's outputs from the
 memory-mapped files (nothing is loaded whole).
@@ -24,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipelines import integrity
 from pipelines import schema as S
 from pipelines import shards as SH
 from pipelines.teacher_cache import format as CF
@@ -116,6 +122,21 @@ class CacheSet:
         target = values("target_logprob").astype(np.float32, copy=True) if meta.target else None
         return CachedRow(ids, lp, tail, target)
 
+    def read_samples(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The R ids drawn per position for global shard `row` (a cache built with
+        ``--samples R``): ``(n [U], ids [sum n], counts [sum n])``, position after position the
+        distinct ids drawn, ascending, and how often each was drawn (counts / R estimates the
+        teacher's distribution at the temperature without bias)."""
+        if not self.meta.samples:
+            raise ValueError(f"{self.dir}: built without sampled ids (--samples R)")
+        f, r = int(self.file_of[row]), int(self.row_of[row])
+        batch, i = self._locate(f, r)
+        n = batch.column("sample_n")[i].values.to_numpy(zero_copy_only=False).astype(np.int64)
+        counts = batch.column("sample_counts")[i].values.to_numpy(zero_copy_only=False)
+        buf = batch.column("sample_ids")[i].as_buffer()
+        ids = CF.unpack_ids(buf, self.meta.id_bits, int(n.sum()))
+        return n, ids, counts.astype(np.int64)
+
     def where(self, row: int) -> str:
         f, r = int(self.file_of[row]), int(self.row_of[row])
         return f"{self.files[f]} row {r}"
@@ -204,8 +225,13 @@ def _join(cs: CacheSet, shard_set: SH.ShardSet, d: Path) -> None:
     cs.file_of, cs.row_of = file_of, row_of
 
 
-def open_cache(directory: str | os.PathLike, expected: Expected) -> CacheSet:
-    """A complete cache built for `expected`, joined to its shards (see the module docstring)."""
+def open_cache(
+    directory: str | os.PathLike, expected: Expected, *, verify: str = "first_open"
+) -> CacheSet:
+    """A complete cache built for `expected`, joined to its shards (see the module docstring;
+    `verify`: one of `integrity.VERIFY_MODES`)."""
+    if verify not in integrity.VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected one of {integrity.VERIFY_MODES}")
     d = Path(directory)
     if not d.is_dir():
         raise FileNotFoundError(f"{expected.where}={d}: no such cache directory; {REBUILD}")
@@ -215,6 +241,9 @@ def open_cache(directory: str | os.PathLike, expected: Expected) -> CacheSet:
             f"{d}: teacher cache version {marker.get('schema_version')}, this code reads "
             f"version {CF.CACHE_SCHEMA_VERSION}; {REBUILD}"
         )
+    sums = marker.get("checksums", {})
+    if verify != "never" and S.STATS_FILE in sums:  # it holds the CacheMeta checked below
+        integrity.verify_once(d / S.STATS_FILE, sums[S.STATS_FILE], hint=REBUILD)
     stats = json.loads((d / S.STATS_FILE).read_text())
     if stats.get("kind") != CF.KIND:
         raise ValueError(f"{d}: not a teacher cache (stats.json kind {stats.get('kind')!r})")
@@ -224,6 +253,10 @@ def open_cache(directory: str | os.PathLike, expected: Expected) -> CacheSet:
     if missing:
         raise IncompleteCacheError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
     check_expected(meta, expected, d)
+    if verify != "never":
+        for path in files:
+            if path.name in sums:  # a marker of version 1 has none
+                integrity.verify_once(path, sums[path.name], hint=REBUILD)
     cs = CacheSet(d, meta, files, stats)
     for f, path in enumerate(files):
         listed = int(marker["files"][path.name])

@@ -15,7 +15,8 @@ by the real job (`pipelines.teacher_cache.job`, FnApiRunner in this process). Fi
   the chain term (top-k and target log-probs both read from the cache);
 - ``resume``: steps 3-4 of an uninterrupted cached run vs a run stopped after step 2 and resumed;
 - ``refused``: the preflight's message for each cache that must not be read (incomplete,
-  another teacher's weights, dtype, k, temperature, other shards, gold, no target log-probs).
+  a flipped byte in a cache file, another teacher's weights, dtype, k, temperature, other
+  shards, gold, no target log-probs).
 """
 
 from __future__ import annotations
@@ -163,12 +164,19 @@ def case_refused(dirs: dict, tmp: Path, t: dict, caches: dict, projection: str) 
     incomplete = tmp / "incomplete"
     shutil.copytree(caches["c16"], incomplete)
     (incomplete / "COMPLETED").unlink()
+    damaged = tmp / "damaged"
+    shutil.copytree(caches["c16"], damaged)
+    part = sorted(damaged.glob("cache-*.arrow"))[0]
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte: refused by its checksum (data.verify)
+    part.write_bytes(bytes(raw))
     c = {**t, "cache": str(caches["c16"])}
     g = {**teacher(paths.teacher_dir(), GEMMA_TINY), "projection": projection}
     xt = {"mode": "xtoken", "options": {"k": 8, "chain_weight": 0.5}}
     return {
         "ok": refusal(same, tmp, c, kd),
         "incomplete": refusal(same, tmp, {**t, "cache": str(incomplete)}, kd),
+        "damaged": refusal(same, tmp, {**t, "cache": str(damaged)}, kd),
         "weights": refusal(same, tmp, {**c, "seed": 3}, kd),
         "dtype": refusal(same, tmp, {**c, "dtype": "bfloat16"}, kd),
         "k": refusal(same, tmp, c, {"mode": "kd_topk", "options": {"k": 16}}),

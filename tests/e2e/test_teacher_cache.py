@@ -27,7 +27,6 @@ eta KD + tau^2 eta (2 log(K + 1) + (1 + eta) / (1 - eta)). bf16: 2^-8 in place o
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import sys
 import pytest
 
 from pipelines import projection as P
+from pipelines.teacher_cache import format as CF
 from pipelines.tokenizers import load_tokenizer
 from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
 
@@ -44,8 +44,7 @@ REL = 1e-6
 
 
 def fp16_bound(kd: float, *, max_abs_logprob: float, k: int, tau: float = 1.0) -> float:
-    eta = math.expm1(2.0**-11 * max_abs_logprob)
-    return eta * kd + tau**2 * eta * (2 * math.log(k + 1) + (1 + eta) / (1 - eta))
+    return CF.kl_change_bound(kd, max_abs_logprob=max_abs_logprob, k=k, dtype="float16", tau=tau)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +116,7 @@ def test_caches_that_must_not_be_read_are_refused_before_training(report):
     assert r.pop("ok") is None
     expect = {
         "incomplete": "IncompleteCacheError: .* no COMPLETED marker",
+        "damaged": r"DamagedFileError: .*/damaged/cache-\d{5}-of-\d{5}\.arrow: damaged: expected",
         "weights": r"teachers\[0\]\.cache=.* built with teacher weights random:",
         "dtype": "built with teacher dtype float32, the run uses bfloat16",
         "k": "holds the top-8, kd_topk asks for k=16",

@@ -97,8 +97,11 @@ def test_cached_values_are_the_teacher_programs_outputs(inputs, fn_cache, studen
     for i in range(0, table.num_rows, 5):  # every 5th row alone through the program
         name, r = table.column("shard_file")[i].as_py(), table.column("row")[i].as_py()
         x = torch.from_numpy(ids[name][r]).long()[None]
-        live = program({"input_ids": x, "attention_mask": torch.ones_like(x)})
         u = x.shape[1]
+        # the row alone, its R = 4 draws taken from the same logits by the job's sampler
+        draws = Sampler(sample_keys(0, name, np.asarray([r])), u, r=4, vocab_size=49152,
+                        temperature=1.0)  # fmt: skip
+        live = program({"input_ids": x, "attention_mask": torch.ones_like(x)}, on_logits=draws)
         lp = np.asarray(table.column("topk_logprobs")[i].as_py(), np.float32).reshape(u, 8)
         raw = np.frombuffer(table.column("topk_ids")[i].as_buffer(), "<u2").reshape(u, 8)
         torch.testing.assert_close(
@@ -112,6 +115,8 @@ def test_cached_values_are_the_teacher_programs_outputs(inputs, fn_cache, studen
         n = np.asarray(table.column("sample_n")[i].as_py())
         counts = np.asarray(table.column("sample_counts")[i].as_py())
         assert n.shape == (u,) and counts.sum() == 4 * u and n.sum() == counts.size
+        packed = np.frombuffer(table.column("sample_ids")[i].as_buffer(), "<u2")
+        assert np.array_equal(np.repeat(packed, counts), np.sort(draws.ids[0], -1).ravel())
 
 
 def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(inputs, fn_cache, student_dir):

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from pipelines import integrity, shards
 from pipelines import schema as S
-from pipelines import shards
 from pipelines.teacher_cache import dofns as D
 from pipelines.teacher_cache import format as CF
+from pipelines.teacher_cache import job as J
 from pipelines.teacher_cache import reader as R
 from pipelines.teacher_cache.fingerprints import shards_fingerprint
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
@@ -119,6 +120,8 @@ def _cache(tmp_path, shard_set, meta, *, skip=(), complete=True):
                 a, b, c, d = _values(path.name, r, n_r)
                 out["topk_ids"][i, :n_r], out["topk_logprobs"][i, :n_r] = a, b
                 out["tail_logprob"][i, :n_r], out["target_logprob"][i, :n_r] = c, d
+            if meta.samples:  # R draws per position, sorted as the handler stores them
+                out["sample_ids"] = np.sort(_draws(path.name, rows, u, meta.samples), axis=-1)
             ids = [np.zeros(n_r, np.int64) for n_r in lens]
             batch = RowBatch(path.name, np.asarray(rows, np.int32), ids)
             w.write_batch(D.to_record_batch(ScoredBatch(batch, out), meta, schema))
@@ -127,6 +130,12 @@ def _cache(tmp_path, shard_set, meta, *, skip=(), complete=True):
     if complete:
         shards.write_completed(tmp_path, stats, files=files, schema_version=CF.CACHE_SCHEMA_VERSION)
     return tmp_path
+
+
+def _draws(name: str, rows: list[int], u: int, r: int) -> np.ndarray:
+    """[B, u, r] ids in [0, 300) per row, few distinct ones (so counts > 1 occur)."""
+    return np.stack([np.random.default_rng([r, row, len(name)]).integers(0, 300, (u, r)) % 7 * 41
+                     for row in rows])  # fmt: skip
 
 
 def _lengths(shard_set, path) -> list[int]:
@@ -206,3 +215,75 @@ def test_the_cache_must_hold_what_the_loss_reads():
         where="w",
         mode="alm",
     )
+
+
+def test_damaged_cache_files_are_refused_by_name(tmp_path):
+    ss = _shards(tmp_path / "shards", [[5, 3], [4]])
+    d = _cache(tmp_path / "cache", ss, _meta(ss))
+    R.open_cache(d, _expect(ss))  # intact
+    path = d / CF.cache_name(0, 1)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte inside the record batches
+    path.write_bytes(bytes(raw))
+    with pytest.raises(integrity.DamagedFileError, match=f"{path.name}: damaged: expected"):
+        R.open_cache(d, _expect(ss))
+    with pytest.raises(ValueError, match="verify='sometimes'"):
+        R.open_cache(d, _expect(ss), verify="sometimes")
+
+
+def test_sampled_ids_read_back_as_distinct_ids_with_counts(tmp_path):
+    ss = _shards(tmp_path / "shards", [[5, 3], [4]])
+    meta = _meta(ss, samples=6)
+    cs = R.open_cache(_cache(tmp_path / "cache", ss, meta), _expect(ss))
+    g = 0
+    for path, n_rows in zip(ss.files, ss.file_rows):
+        for r in range(n_rows):
+            u = _lengths(ss, path)[r]
+            n, ids, counts = cs.read_samples(g)
+            draws = _draws(path.name, [r], u, 6)[0]
+            assert n.shape == (u,) and counts.sum() == 6 * u
+            at = 0
+            for t in range(u):  # the dense reference: np.unique of each position's draws
+                want_ids, want_counts = np.unique(draws[t], return_counts=True)
+                assert np.array_equal(ids[at : at + n[t]], want_ids)
+                assert np.array_equal(counts[at : at + n[t]], want_counts)
+                at += n[t]
+            g += 1
+    plain = R.open_cache(_cache(tmp_path / "plain", ss, _meta(ss)), _expect(ss))
+    with pytest.raises(ValueError, match="without sampled ids"):
+        plain.read_samples(0)
+
+
+def test_sampled_ids_are_refused_for_a_cross_tokenizer_teacher():
+    J.check_samples(4, student=STUDENT, teacher=STUDENT)  # same tokenizer: sampled KD
+    J.check_samples(0, student=STUDENT, teacher=TEACHER)  # no samples asked
+    with pytest.raises(ValueError, match=r"--samples 4: .*\(teacher\) is not the student's"):
+        J.check_samples(4, student=STUDENT, teacher=TEACHER)
+
+
+def _kl(top, tail, q) -> float:
+    p = np.concatenate([top, tail[:, None]], axis=1)
+    return float(np.mean(np.sum(np.exp(p) * (p - q), axis=1)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("k", [2, 8, 32])
+def test_stored_logprobs_move_the_kl_within_the_derived_bound(dtype, k):
+    """The dense reference: KL(P || Q) over the k + 1 categories (top-k + exact tail) from fp32
+    log-probs vs from the stored ones, against `kl_change_bound`, over peaked and flat P."""
+    rng = np.random.default_rng(k)
+    for scale in (0.3, 3.0, 12.0):  # flat to peaked teachers over a 1000-token vocabulary
+        logits = rng.normal(0, scale, (64, 1000))
+        logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        ranked = np.sort(logp, axis=1)[:, ::-1]
+        top = ranked[:, :k].astype(np.float32)
+        tail = np.logaddexp.reduce(ranked[:, k:], axis=1)  # exact, as stored (fp32 suffices)
+        q = np.log(rng.dirichlet(np.ones(k + 1), 64))  # a student over the same categories
+        stored = CF.decode_logprobs(CF.encode_logprobs(top, dtype), dtype).astype(np.float64)
+
+        exact = _kl(top.astype(np.float64), tail, q)
+        rounded = _kl(stored, tail, q)
+        bound = CF.kl_change_bound(exact, max_abs_logprob=float(np.abs(top).max()), k=k,
+                                   dtype=dtype)  # fmt: skip
+        assert abs(rounded - exact) <= bound, (scale, rounded - exact, bound)
+        assert bound < 0.5 * (1 + exact)  # not vacuous at these scales

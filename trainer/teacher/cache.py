@@ -8,9 +8,9 @@ microbatch's global shard rows, so any shuffle, data-parallel split and resume p
 right rows.
 
 `open_teacher_cache` is the preflight's check (before any model loads): the loss mode can read a
-cache, the cache is complete and was built from these shards, this teacher (tokenizer, weights,
-compute dtype), and holds what the mode's teacher spec asks for (k, temperature, target
-log-probs). Positions past a row's end get an "empty" distribution (no top-k slot, all mass in
+cache, the cache is complete, undamaged (its files' checksums, per ``data.verify``), was built
+from these shards, this teacher (tokenizer, weights, compute dtype), and holds what the mode's
+teacher spec asks for (k, temperature, target log-probs). Positions past a row's end get an "empty" distribution (no top-k slot, all mass in
 the tail, target 0): the losses never read them.
 
 Legend: B rows, U teacher positions, K top-k.
@@ -70,8 +70,10 @@ def open_teacher_cache(
     options,
     tokenizer: TokenizerInfo,
     shards: ShardSet,
+    verify: str = "first_open",
 ) -> CacheSet:
-    """Teacher `index`'s cache, checked for this run (see the module docstring)."""
+    """Teacher `index`'s cache, checked for this run (see the module docstring); its files'
+    checksums too unless `verify` (``data.verify``) is ``never``."""
     where = f"teachers[{index}].cache"
     record = MODES[mode]
     if record.no_cache:
@@ -86,7 +88,7 @@ def open_teacher_cache(
     expected = Expected(
         shards, index, tokenizer=tokenizer, weights=weights, dtype=t_cfg.dtype, where=where
     )
-    cache = open_cache(t_cfg.cache, expected)
+    cache = open_cache(t_cfg.cache, expected, verify=verify)
     check_spec(cache.meta, spec, where=where, mode=mode)
     return cache
 
