@@ -123,6 +123,38 @@ def chunk_chains(
     return ls, lt
 
 
+def owned_chain_terms(
+    logits: Tensor,
+    teacher: TeacherOutputs,
+    index: ChunkIndex,
+    chunks_C: Tensor,
+    *,
+    kind: str,
+    temperature: float,
+    eps: float,
+    vocab_size: int,
+    chunk_size: int,
+    tp_group=None,
+    cp: CPContext | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(terms [C], owned [C] bool, student chains [C], teacher chains [C]) of `chunks_C`: the
+    binary divergence of each chunk's chain probabilities, and whether this CP rank counts it
+    (the holder of its start row). Shared by `alm` and the end-of-turn term (`turns.eot`)."""
+    ls, lt = chunk_chains(
+        logits,
+        teacher,
+        index,
+        chunks_C=chunks_C,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        tp_group=tp_group,
+        cp=cp,
+    )
+    _, own = owned_rows(index.student.start_rows()[chunks_C], cp)
+    terms = binary_divergence(lt, ls, kind=kind, temperature=temperature, eps=eps)
+    return terms, own, ls, lt
+
+
 def alm(
     student_logits_BSV: Tensor,
     teacher: TeacherOutputs,
@@ -144,19 +176,18 @@ def alm(
     )
     if chunks.numel() == 0:
         return empty_loss(logits, metrics)
-    ls, lt = chunk_chains(
+    terms, own, ls, lt = owned_chain_terms(
         logits,
         teacher,
         index,
-        chunks_C=chunks,
+        chunks,
+        kind=config.divergence,
+        temperature=config.temperature,
+        eps=config.eps,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
         cp=cp,
-    )
-    _, own = owned_rows(index.student.start_rows()[chunks], cp)
-    terms = binary_divergence(
-        lt, ls, kind=config.divergence, temperature=config.temperature, eps=config.eps
     )
     total = terms[own].sum()  # indexed, never skipped: keeps the CP all-reduce in the graph
     metrics.update(

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from pipelines.schema import CHUNK_OPEN
-from trainer.losses.alm import binary_divergence, chunk_chains
+from trainer.losses.alm import owned_chain_terms
 from trainer.losses.base import LossOutput, as_count, empty_loss
-from trainer.losses.context import complete_chunks, open_chunk_loss, owned_rows
+from trainer.losses.context import complete_chunks, open_chunk_loss
 from trainer.losses.rowwise import DEFAULT_CHUNK
 from trainer.losses.segments import ChunkIndex
 from trainer.losses.teacher_outputs import TeacherOutputs
@@ -125,18 +125,19 @@ def eot(
     if chunks.numel() == 0:
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
         return empty_loss(logits, {"eot_sum": zero, "eot_terms_sum": zero})
-    ls, lt = chunk_chains(
+    terms, own, _, _ = owned_chain_terms(
         logits,
         teacher,
         index,
-        chunks_C=chunks,
+        chunks,
+        kind="kl",
+        temperature=1.0,
+        eps=EOT_EPS,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
         cp=cp,
     )
-    _, own = owned_rows(index.student.start_rows()[chunks], cp)
-    terms = binary_divergence(lt, ls, kind="kl", temperature=1.0, eps=EOT_EPS)
     total = terms[own].sum()  # indexed, never skipped: keeps the CP all-reduce in the graph
     n = own.sum()
     metrics = {"eot_sum": total.detach(), "eot_terms_sum": n.to(total.dtype)}
