@@ -442,14 +442,7 @@ def run(argv: list[str] | None = None) -> dict:
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
     prog = rolling.run_dir(cfg.out, run_id) / "progress"
-    with progress.ProgressReporter(prog, total_bytes=total_bytes):
-        result = p.run()
-        try:
-            result.wait_until_finish()
-        finally:
-            client = getattr(result, "client", None)  # DaskRunner opens its own client
-            if client is not None:
-                client.close()
+    result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
     if not (cfg.out / S.COMPLETED_MARKER).is_file():
         raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
     stats = shards.open_shards(cfg.out).stats()

@@ -157,3 +157,17 @@ class ProgressReporter:
         self.thread.join(timeout=5)
         if self.bar is not None:
             self.bar.close()
+
+
+def run_with_progress(pipeline, directory, **reporter):
+    """Run a Beam pipeline to the end under a `ProgressReporter` (``reporter``: its keyword
+    arguments), closing the client a DaskRunner opens for itself; returns the result."""
+    with ProgressReporter(directory, **reporter):
+        result = pipeline.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            client = getattr(result, "client", None)
+            if client is not None:
+                client.close()
+    return result

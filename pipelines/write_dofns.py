@@ -27,8 +27,12 @@ from pipelines.align_dofns import StageTimer, Windows, cached_tokenizer, count
 DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written sorted (stable)
 
 
-class WriteShardsDoFn(beam.DoFn):
-    """`Windows` -> rows appended to this bundle's rolling Arrow parts; -> a record per batch."""
+class RollingPartsDoFn(beam.DoFn):
+    """A writer of this bundle's rolling parts (`rolling.RollingParts` of ``KIND`` / ``FMT``):
+    opened per bundle, closed at its end, thrown away if the worker is torn down mid-bundle.
+    The parts' records go out from ``process``: Dask drops what ``finish_bundle`` yields."""
+
+    KIND, FMT = "", ""
 
     def __init__(self, tmp_dir: str, *, roll_bytes: int):
         self.tmp_dir, self.roll_bytes = tmp_dir, roll_bytes
@@ -36,8 +40,21 @@ class WriteShardsDoFn(beam.DoFn):
 
     def start_bundle(self):
         self.parts = rolling.RollingParts(
-            self.tmp_dir, kind="shard", fmt="arrow", roll_bytes=self.roll_bytes
+            self.tmp_dir, kind=self.KIND, fmt=self.FMT, roll_bytes=self.roll_bytes
         )
+
+    def finish_bundle(self):
+        self.parts.close()
+
+    def teardown(self):
+        if self.parts is not None:
+            self.parts.abort()
+
+
+class WriteShardsDoFn(RollingPartsDoFn):
+    """`Windows` -> rows appended to this bundle's rolling Arrow parts; -> a record per batch."""
+
+    KIND, FMT = "shard", "arrow"
 
     def process(self, item: Windows):
         batch = item.batch
@@ -50,35 +67,14 @@ class WriteShardsDoFn(beam.DoFn):
         key = (batch.column(0)[0].as_py(), batch.column(1)[0].as_py())  # (doc_id, window)
         yield ("part", name, batch.num_rows, key, item.stats)
 
-    def finish_bundle(self):
-        self.parts.close()  # its records went out from process (Dask drops finish_bundle's)
 
-    def teardown(self):
-        if self.parts is not None:
-            self.parts.abort()
-
-
-class WriteDeadLettersDoFn(beam.DoFn):
+class WriteDeadLettersDoFn(RollingPartsDoFn):
     """Dead-letter records -> this bundle's rolling jsonl parts; -> ("dead", part, reason)."""
 
-    def __init__(self, tmp_dir: str, *, roll_bytes: int):
-        self.tmp_dir, self.roll_bytes = tmp_dir, roll_bytes
-        self.parts: rolling.RollingParts | None = None
-
-    def start_bundle(self):
-        self.parts = rolling.RollingParts(
-            self.tmp_dir, kind="dead", fmt="jsonl", roll_bytes=self.roll_bytes
-        )
+    KIND, FMT = "dead", "jsonl"
 
     def process(self, record: dict):
         yield ("dead", self.parts.write([record]), record["reason"])
-
-    def finish_bundle(self):
-        self.parts.close()
-
-    def teardown(self):
-        if self.parts is not None:
-            self.parts.abort()
 
 
 def _add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:

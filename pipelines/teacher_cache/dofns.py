@@ -32,7 +32,7 @@ from pipelines import schema as S
 from pipelines.align_dofns import MAIN, StageTimer, count, dead
 from pipelines.teacher_cache import format as CF
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
-from pipelines.write_dofns import DEAD_SORT_BELOW
+from pipelines.write_dofns import DEAD_SORT_BELOW, RollingPartsDoFn
 
 # the statistics vector of one written batch, summed by `SummaryCombineFn`
 STATS = ("rows", "positions", "padded_positions", "batches", "inference_us")
@@ -165,22 +165,18 @@ def to_record_batch(scored: ScoredBatch, meta: CF.CacheMeta, schema: pa.Schema) 
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
-class WriteCacheDoFn(beam.DoFn):
+class WriteCacheDoFn(RollingPartsDoFn):
     """`ScoredBatch` -> rows appended to this bundle's rolling cache part -> one record."""
 
+    KIND, FMT = "cache", "arrow"
+
     def __init__(self, tmp_dir: str, *, meta: CF.CacheMeta, roll_bytes: int, progress_dir=None):
-        self.tmp_dir, self.meta, self.roll_bytes = tmp_dir, meta, roll_bytes
-        self.progress_dir = progress_dir
-        self.parts: rolling.RollingParts | None = None
+        super().__init__(tmp_dir, roll_bytes=roll_bytes)
+        self.meta, self.progress_dir = meta, progress_dir
 
     def setup(self):
         self.schema = self.meta.schema()
         self.progress = progress.sink_for(self.progress_dir)
-
-    def start_bundle(self):
-        self.parts = rolling.RollingParts(
-            self.tmp_dir, kind="cache", fmt="arrow", roll_bytes=self.roll_bytes
-        )
 
     def process(self, scored: ScoredBatch):
         b, lens = scored.batch, scored.batch.lengths
@@ -194,13 +190,6 @@ class WriteCacheDoFn(beam.DoFn):
         if self.progress is not None:
             self.progress.add(bytes=int(lens.sum()), documents=len(b), tokens=int(lens.sum()))
         yield ("part", name, len(b), (b.shard_file, int(b.rows.min())), vec)
-
-    def finish_bundle(self):
-        self.parts.close()  # its records went out from process (Dask drops finish_bundle's)
-
-    def teardown(self):
-        if self.parts is not None:
-            self.parts.abort()
 
 
 class FinalizeCacheDoFn(beam.DoFn):

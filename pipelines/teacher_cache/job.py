@@ -319,14 +319,7 @@ def run(argv: list[str] | None = None) -> dict:
     def line(totals: dict, *, elapsed: float) -> str:
         return _progress_line(totals, total=total, elapsed=elapsed)
 
-    with progress.ProgressReporter(prog, total_bytes=total, label="teacher-cache", line=line):
-        result = p.run()
-        try:
-            result.wait_until_finish()
-        finally:
-            client = getattr(result, "client", None)  # DaskRunner opens its own client
-            if client is not None:
-                client.close()
+    progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
     if not (cfg.out / "COMPLETED").is_file():
         raise RuntimeError(
             f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"
