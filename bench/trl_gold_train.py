@@ -1,8 +1,12 @@
 """``python -m bench.trl_gold_train <trainer/main.py arguments>``: the trainer with ``trl_gold``.
 
 The science table's row "TRL's GOLD hybrid ULD loss run inside our trainer" (issue 16):
-``python -m bench.trl_gold_train conf=demo loss.mode=trl_gold run_dir=...`` takes exactly the
-arguments of ``trainer/main.py`` (the same shards, teacher, student, steps, optimizer), imports
+
+    python -m bench.trl_gold_train conf=demo loss=ce loss.mode=trl_gold loss.kd_weight=1.0 ...
+
+takes exactly the arguments of ``trainer/main.py`` (the same shards, teacher, student, steps,
+optimizer; ``loss=ce`` picks a loss group without options, as the demo's xtoken ``k`` would be
+refused, and ``loss.kd_weight=1.0`` restores the weight every KD group sets), imports
 `bench.trl_gold` (which registers the bench-only loss mode; the product never imports trl), and
 runs the trainer's own ``run`` in this process, with its error reporting (`pipelines.cli`).
 
