@@ -53,7 +53,7 @@ format: $(SETUP)  ## ruff autoformat
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-test: $(SETUP) models lint  ## the whole test suite, from a fresh clone
+test: $(SETUP) $(VENV)/.stamp-bench models lint  ## the whole test suite, from a fresh clone
 	$(PY) -m pytest tests
 
 projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=)
