@@ -78,18 +78,28 @@ report: $(SETUP)  ## run report (HTML + PNGs) of RUNS=runs/a [runs/b ...], side 
 	$(PY) -m trainer.report $(RUNS)
 
 DEMO_ALIGN := outputs/align/demo
-demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU)
-	@echo "== 1/4 tokenizer pair report"
+DEMO_DATA  := $(ART)/corpus/kjv_letters.jsonl
+# the CE-only twin of conf=demo: same student, shards, steps, optimizer and seed, no teacher
+DEMO_CE    := name=demo_ce loss=ce teachers=none checkpoint.save_at_end=false checkpoint.export_at_end=false
+demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU), vs CE-only
+	@date +%s > .demo-start
+	@echo "== 1/5 tokenizer pair report"
 	$(PY) -m pipelines.pair_report $(TEACHER) $(STUDENT)
-	@echo "== 2/4 sparse vocabulary projection (Gemma -> SmolLM2)"
+	@echo "== 2/5 sparse vocabulary projection (Gemma -> SmolLM2)"
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
-	@echo "== 3/4 align the shipped corpus into shards (Beam, FnApiRunner)"
-	$(PY) -m pipelines.align_job --data '$(DATA)' --teacher $(TEACHER) --student $(STUDENT) \
+	@echo "== 3/5 align the KJV letters (one document per chapter) into shards (Beam, FnApiRunner)"
+	$(PY) -m pipelines.align_job --data $(DEMO_DATA) --teacher $(TEACHER) --student $(STUDENT) \
 	  --out $(DEMO_ALIGN) --overwrite --max-student-tokens 256 --max-teacher-tokens 256
-	@echo "== 4/4 distil SmolLM2-135M from Gemma-3-270M (xtoken + CE), bits/byte before and after"
-	rm -rf runs/demo
+	@echo "== 4/5 distil SmolLM2-135M from Gemma-3-270M (xtoken + CE), bits/byte before and after"
+	rm -rf runs/demo runs/demo_ce
 	$(PY) trainer/main.py conf=demo
+	@echo "== 5/5 the same run without the teacher (CE only: same steps, data, optimizer)"
+	$(PY) trainer/main.py conf=demo $(DEMO_CE) parallel.threads=2
+	@echo "== distillation vs CE-only vs the teacher"
+	$(PY) -m trainer.report.compare "distilled (xtoken + CE)=runs/demo" "CE only=runs/demo_ce" \
+	  --out runs/demo/compare.md
 	@echo "== run report (plots, open in a browser): runs/demo/report/report.html"
+	@echo "== make demo took $$(( $$(date +%s) - $$(cat .demo-start) )) s"; rm -f .demo-start
 
 # bench-only baselines (TRL's aligner and ULD loss), installed without their heavy deps
 BENCH_DEPS := trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 dill==0.4.1

@@ -133,7 +133,10 @@ class DataConfig:
     pad_to_multiple: int = 8  # pad each microbatch's length up to a multiple of this
     shuffle_buffer: int = 256  # rows held for the bounded shuffle (0 = file order)
     seed: int = 0
-    eval_fraction: float = 0.05  # share of documents held out (by doc id hash) for eval BPB
+    eval_fraction: float = 0.05  # share held out (by hash) for eval BPB
+    # what is held out: window = (doc id, window) pairs; document = whole documents by doc id
+    # (no window of a held-out document is trained on: the in-domain score of docs/science.md)
+    eval_split: str = "window"
     # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
     # first_open (each file when first mapped) | preflight (all before any model) | never
     verify: str = "first_open"
@@ -148,6 +151,8 @@ class DataConfig:
                 _fail(f"data.{name}", f"expected >= 1, got {getattr(self, name)}")
         if self.shuffle_buffer < 0:
             _fail("data.shuffle_buffer", f"expected >= 0, got {self.shuffle_buffer}")
+        if self.eval_split not in ("window", "document"):
+            _fail("data.eval_split", f"expected window or document, got {self.eval_split!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
             _fail("data.eval_fraction", f"expected in [0, 1), got {self.eval_fraction}")
 

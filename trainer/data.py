@@ -124,11 +124,17 @@ class Microbatch:
         )
 
 
-def is_held_out(doc_id: str, window: int, fraction: float) -> bool:
-    """Deterministic eval split by (doc id, window): stable across runs, ranks and machines."""
+EVAL_SPLITS = ("window", "document")
+
+
+def is_held_out(doc_id: str, window: int, fraction: float, *, by: str = "window") -> bool:
+    """Deterministic eval split, stable across runs, ranks and machines: by (doc id, window), or
+    by doc id alone (``by="document"``: a held-out document is held out whole, so no window of
+    it is ever trained on; the honest in-domain score, docs/science.md)."""
     if fraction <= 0:
         return False
-    h = zlib.crc32(f"{doc_id}\x00{window}".encode())
+    key = doc_id if by == "document" else f"{doc_id}\x00{window}"
+    h = zlib.crc32(key.encode())
     return h < fraction * 2**32
 
 
@@ -198,7 +204,7 @@ class ShardReader:
         f, i = self.locate(row)
         return f"{self.shard_set.files[f]} row {i}"
 
-    def split(self, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    def split(self, eval_fraction: float, *, by: str = "window") -> tuple[np.ndarray, np.ndarray]:
         """(train rows as sorted global indices, held-out rows ordered by (doc id, window)).
 
         The held-out order is that of the text, not of the shard rows: a multi-worker align job
@@ -212,7 +218,7 @@ class ShardReader:
             wins = t.column("window").to_pylist()
             s = int(self.starts[f])
             for i, (d, w) in enumerate(zip(docs, wins)):
-                if is_held_out(d, w, eval_fraction):
+                if is_held_out(d, w, eval_fraction, by=by):
                     held[s + i] = True
                     held_keys[s + i] = (d, w)
         idx = np.arange(self.num_rows, dtype=np.int64)
@@ -347,9 +353,10 @@ class ShardStream:
         seed: int,
         shuffle_buffer: int,
         eval_fraction: float,
+        eval_split: str = "window",
     ):
         self.reader = reader
-        train, self.eval_rows = reader.split(eval_fraction)
+        train, self.eval_rows = reader.split(eval_fraction, by=eval_split)
         self.rows = train[dp_rank::dp_size]
         if len(self.rows) == 0:
             raise ValueError(

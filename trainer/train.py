@@ -114,6 +114,7 @@ class Trainer:
             seed=cfg.data.seed,
             shuffle_buffer=cfg.data.shuffle_buffer,
             eval_fraction=cfg.data.eval_fraction,
+            eval_split=cfg.data.eval_split,
         )
         self.loader = MicrobatchLoader(
             stream,

@@ -146,3 +146,19 @@ def test_put_in_place_keeps_identical_contents(art):
     before = (target / "a.out").stat().st_ino
     assert not store.put_in_place(tmp, target)  # nothing replaced
     assert (target / "a.out").stat().st_ino == before and not tmp.exists()
+
+
+def test_kjv_chapters_groups_verses_into_one_document_per_chapter(tmp_path):
+    from pipelines.assets.steps import kjv_chapters
+
+    verses = [("Romans", 1, 1, "Paul, a servant."), ("Romans", 1, 2, "Which he had promised."),
+              ("Genesis", 1, 1, "In the beginning."), ("Romans", 2, 1, "Therefore thou art.")]  # fmt: skip
+    path = tmp_path / "kjv.jsonl"
+    path.write_text("".join(
+        json.dumps({"book": b, "chapter": c, "verse": v, "text": t}) + "\n" for b, c, v, t in verses
+    ))  # fmt: skip
+    rows = kjv_chapters(path, ("Romans",))
+    assert [r["id"] for r in rows] == ["Romans 1", "Romans 2"]
+    assert rows[0]["text"] == "Paul, a servant.\nWhich he had promised."
+    with pytest.raises(store.AssetError, match="Jude"):
+        kjv_chapters(path, ("Romans", "Jude"))

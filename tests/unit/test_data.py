@@ -87,6 +87,26 @@ def test_ranks_partition_the_training_rows_and_never_see_held_out_ones(shards):
     assert 0 < len(held) < len(rows)
 
 
+def test_document_split_holds_out_whole_documents(shards):
+    """eval_split=document: every window of a held-out document is held out, none trained on."""
+    shard_set, rows = shards
+    reader = ShardReader(shard_set, max_student_tokens=64)
+    st = ShardStream(reader, dp_rank=0, dp_size=1, seed=0, shuffle_buffer=8, eval_fraction=0.3,
+                     eval_split="document")  # fmt: skip
+    held_docs = {rows[i]["doc_id"] for i in st.eval_rows.tolist()}
+    trained_docs = {rows[i]["doc_id"] for i in st.rows.tolist()}
+    assert held_docs and not held_docs & trained_docs
+    assert held_docs == {
+        r["doc_id"] for r in rows if is_held_out(r["doc_id"], 0, 0.3, by="document")
+    }
+    assert len(st.eval_rows) == sum(r["doc_id"] in held_docs for r in rows)
+    # the window split cuts through documents: some document is on both sides there
+    win = stream(shard_set, frac=0.3)
+    assert {rows[i]["doc_id"] for i in win.eval_rows.tolist()} & {
+        rows[i]["doc_id"] for i in win.rows.tolist()
+    }
+
+
 def test_eval_rows_follow_the_text_not_the_shard_row_order(shards, tmp_path):
     """An align job with several workers may write the same windows in another order."""
     shard_set, rows = shards

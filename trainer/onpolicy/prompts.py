@@ -74,6 +74,7 @@ class TextPrompts:
         seed: int,
         shuffle_buffer: int,
         eval_fraction: float,
+        eval_split: str = "window",
         prompt_tokens: int,
     ):
         if prompt_tokens < 1:
@@ -86,6 +87,7 @@ class TextPrompts:
             seed=seed,
             shuffle_buffer=shuffle_buffer,
             eval_fraction=eval_fraction,
+            eval_split=eval_split,
         )
 
     def prompt(self, row: int, *, draw: int = 0) -> Prompt:

@@ -69,6 +69,7 @@ class OnPolicy:
                 trainer.loader.stream.reader,
                 shuffle_buffer=cfg.data.shuffle_buffer,
                 eval_fraction=cfg.data.eval_fraction,
+                eval_split=cfg.data.eval_split,
                 prompt_tokens=self.op.prompt_tokens,
                 **common,
             )
