@@ -29,7 +29,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo demo-onpolicy demo-onpolicy-compare projection align teacher-cache verify train eval report bench clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare projection align teacher-cache verify train eval report bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -109,6 +109,9 @@ $(VENV)/.stamp-bench: $(SETUP)
 
 bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one)
 	$(PY) -m bench.run_all $(BENCH)
+
+science: models $(VENV)/.stamp-bench  ## the science table: every loss mode vs CE-only vs TRL's GOLD (docs/science.md)
+	$(PY) -m bench.science
 
 KJV_ALIGN := outputs/align/kjv
 demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samples KJV continuations, Gemma scores

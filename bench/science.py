@@ -114,16 +114,19 @@ def plan(args) -> list[Job]:
         row = ROWS[key]
         lrs = [args.lr] + (list(args.lr_check) if row.lr_check else [])
         for lr in lrs:
-            for seed in row.seeds or args.seeds:
+            seeds = row.seeds or (args.seeds[:1] if key in args.single_seed else args.seeds)
+            for seed in seeds:
                 if lr != args.lr and seed != args.seeds[0]:
                     continue  # the LR check: one seed
                 run_dir = args.out / "runs" / f"{key}__lr{lr:g}__s{seed}"
                 over = base_overrides(args, seed=seed, lr=lr, run_dir=run_dir)
                 over += list(row.overrides) + list(args.set)
+                if key == "onpolicy":
+                    over.append(f"onpolicy.seed={seed}")
                 if row.teacher == "cache":
                     over.append(f"teachers.0.cache={CACHE}")
-                if key == "xtoken" and seed == args.seeds[0] and lr == args.lr:
-                    over.append("eval.teacher=true")  # the teacher's number, once
+                if key in ("gold", "xtoken_live") and seed == args.seeds[0] and lr == args.lr:
+                    over.append("eval.teacher=true")  # the teacher's number (a cache has none)
                 mod = (
                     ["-m", "bench.trl_gold_train"] if row.launcher == "trl" else ["trainer/main.py"]
                 )
@@ -171,7 +174,7 @@ def finish(job: Job, args, *, threads: int) -> dict:
     export = Path(s["export"]) if s.get("export") else job.run_dir / "export"
     evals = {}
     tasks = [("ood", f"text:{OOD_TEXT}", args.ood_limit)]
-    if job.seed == args.seeds[0] and job.lr == args.lr and not args.no_suite:
+    if job.seed == args.seeds[0] and job.lr == args.lr and job.row in args.suite_rows:
         tasks.append(("suite", "bpb", args.limit))
     for name, t, limit in tasks:
         out = job.run_dir / f"eval_{name}.json"
@@ -206,7 +209,7 @@ def baselines(args) -> dict:
         d.mkdir(parents=True, exist_ok=True)
         out[name] = {"ood": evaluate(model, f"text:{OOD_TEXT}", args.ood_limit,
                                      d / "eval_ood.json", threads=2)}  # fmt: skip
-        if not args.no_suite:
+        if args.suite_rows and name == "student":  # the goal compares with the untouched student
             out[name]["suite"] = evaluate(model, "bpb", args.limit, d / "eval_suite.json",
                                           threads=2)  # fmt: skip
     return out
@@ -217,12 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "science")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=40, help="as conf=demo's (make demo)")
     ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--lr-check", default="2.5e-5,1e-4", help="more LRs for CE and xtoken")
+    ap.add_argument("--lr-check", default="1e-4", help="more LRs for CE and xtoken (one seed)")
+    ap.add_argument(
+        "--single-seed", default="trl_gold,onpolicy", help="rows run on the first seed only (CPU)"
+    )
+    ap.add_argument(
+        "--suite-rows", default="ce,xtoken", help="rows whose first seed gets the eval suite (CPU)"
+    )
     ap.add_argument("--limit", type=int, default=100, help="eval suite examples per task")
-    ap.add_argument("--ood-limit", type=int, default=24, help="out-of-domain text chunks")
-    ap.add_argument("--no-suite", action="store_true")
+    ap.add_argument("--ood-limit", type=int, default=12, help="out-of-domain text chunks")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every row (k=v)")
     args = ap.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
@@ -230,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown rows {bad}; known: {list(ROWS)}")
     args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.single_seed = [r for r in args.single_seed.split(",") if r]
+    args.suite_rows = [r for r in args.suite_rows.split(",") if r]
     args.lr_check = [float(x) for x in args.lr_check.split(",") if x]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         results += list(pool.map(lambda j: finish(j, args, threads=1), light))
     results += [finish(j, args, threads=2) for j in live]
     payload = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "limit": args.limit,
+               "single_seed": args.single_seed, "suite_rows": args.suite_rows,
                "ood_limit": args.ood_limit, "ood_text": OOD_TEXT, "rows": {k: ROWS[k].label
                for k in args.rows}, "baselines": baselines(args), "runs": results,
                "seconds": time.time() - t0}  # fmt: skip
