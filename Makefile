@@ -80,7 +80,7 @@ report: $(SETUP)  ## run report (HTML + PNGs) of RUNS=runs/a [runs/b ...], side 
 DEMO_ALIGN := outputs/align/demo
 DEMO_DATA  := $(ART)/corpus/kjv_letters.jsonl
 # the CE-only twin of conf=demo: same student, shards, steps, optimizer and seed, no teacher
-DEMO_CE    := name=demo_ce loss=ce teachers=none checkpoint.save_at_end=false checkpoint.export_at_end=false
+DEMO_CE    := name=demo_ce loss=ce teachers=none checkpoint.save_at_end=false
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU), vs CE-only
 	@date +%s > .demo-start
 	@echo "== 1/5 tokenizer pair report"

@@ -77,13 +77,13 @@ ROWS = {
     ),
     "alm": Row("alm", ("loss=alm",), "cache"),
     "gold": Row("gold (ours)", ("loss=gold",), "live"),
+    "onpolicy": Row("on-policy xtoken (reverse)", ONPOLICY, "live"),
     "trl_gold": Row(
         "TRL GOLD (hybrid ULD, TRL's code)",
         ("loss=ce", "loss.mode=trl_gold", "loss.kd_weight=1.0"),
         "live",
         launcher="trl",
     ),
-    "onpolicy": Row("on-policy xtoken (reverse)", ONPOLICY, "live"),
     "xtoken_live": Row("xtoken forward, live teacher", ("loss=xtoken",), "live", seeds=(0,)),
 }
 
