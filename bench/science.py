@@ -185,6 +185,23 @@ def finish(job: Job, args, *, threads: int) -> dict:
     return {"row": job.row, "seed": job.seed, "lr": job.lr, "summary": s, "evals": evals}
 
 
+def finished(args) -> list[dict]:
+    """``--render-only``: the runs already finished under <out>/runs (nothing is run)."""
+    out = []
+    for summary in sorted((args.out / "runs").glob("*__lr*__s*/summary.json")):
+        row, lr, seed = summary.parent.name.split("__")
+        evals = {}
+        for name in ("ood", "suite"):
+            f = summary.parent / f"eval_{name}.json"
+            if f.is_file():
+                ((_, res),) = json.loads(f.read_text())["models"].items()
+                evals[name] = {t: r["metrics"][r["primary"]] for t, r in res["results"].items()}
+        if row in args.rows:
+            out.append({"row": row, "seed": int(seed[1:]), "lr": float(lr[2:]),
+                        "summary": json.loads(summary.read_text()), "evals": evals})  # fmt: skip
+    return sorted(out, key=lambda r: (list(ROWS).index(r["row"]), r["lr"], r["seed"]))
+
+
 def inputs(args) -> None:
     """The shards and the teacher cache the rows read (made once, kept)."""
     teacher, student = paths.teacher_dir(), paths.student_dir()
@@ -202,16 +219,20 @@ def inputs(args) -> None:
 
 
 def baselines(args) -> dict:
-    """The untouched student and the teacher, through the same evals."""
+    """The untouched student and the teacher, through the same evals (``--render-only``: the
+    ones already there)."""
     out = {}
     for name, model in (("student", paths.student_dir()), ("teacher", paths.teacher_dir())):
         d = args.out / "baselines" / name
         d.mkdir(parents=True, exist_ok=True)
-        out[name] = {"ood": evaluate(model, f"text:{OOD_TEXT}", args.ood_limit,
-                                     d / "eval_ood.json", threads=2)}  # fmt: skip
+        wanted = [("ood", f"text:{OOD_TEXT}", args.ood_limit)]
         if args.suite_rows and name == "student":  # the goal compares with the untouched student
-            out[name]["suite"] = evaluate(model, "bpb", args.limit, d / "eval_suite.json",
-                                          threads=2)  # fmt: skip
+            wanted.append(("suite", "bpb", args.limit))
+        out[name] = {
+            key: evaluate(model, tasks, limit, d / f"eval_{key}.json", threads=2)
+            for key, tasks, limit in wanted
+            if not args.render_only or (d / f"eval_{key}.json").is_file()
+        }
     return out
 
 
@@ -222,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=40, help="as conf=demo's (make demo)")
     ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--lr-check", default="1e-4", help="more LRs for CE and xtoken (one seed)")
+    ap.add_argument("--lr-check", default="1e-4,2e-4", help="more LRs for CE and xtoken (1 seed)")
     ap.add_argument(
         "--single-seed", default="trl_gold,onpolicy", help="rows run on the first seed only (CPU)"
     )
@@ -231,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--limit", type=int, default=100, help="eval suite examples per task")
     ap.add_argument("--ood-limit", type=int, default=12, help="out-of-domain text chunks")
+    ap.add_argument("--render-only", action="store_true", help="the table of finished runs")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every row (k=v)")
     args = ap.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
@@ -243,13 +265,16 @@ def main(argv: list[str] | None = None) -> None:
     args.lr_check = [float(x) for x in args.lr_check.split(",") if x]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    inputs(args)
-    jobs = plan(args)
-    results = []
-    light, live = [j for j in jobs if j.light], [j for j in jobs if not j.light]
-    with ThreadPoolExecutor(2) as pool:  # two one-thread runs on two cores
-        results += list(pool.map(lambda j: finish(j, args, threads=1), light))
-    results += [finish(j, args, threads=2) for j in live]
+    if args.render_only:
+        results = finished(args)
+    else:
+        inputs(args)
+        jobs = plan(args)
+        results = []
+        light, live = [j for j in jobs if j.light], [j for j in jobs if not j.light]
+        with ThreadPoolExecutor(2) as pool:  # two one-thread runs on two cores
+            results += list(pool.map(lambda j: finish(j, args, threads=1), light))
+        results += [finish(j, args, threads=2) for j in live]
     payload = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "limit": args.limit,
                "single_seed": args.single_seed, "suite_rows": args.suite_rows,
                "ood_limit": args.ood_limit, "ood_text": OOD_TEXT, "rows": {k: ROWS[k].label
