@@ -162,8 +162,12 @@ def evaluate(model: Path, tasks: str, limit: int, out: Path, *, threads: int) ->
                "--limit", str(limit), "--out", str(out), "--threads", str(threads),
                "--no-progress"]  # fmt: skip
         _sh(cmd, out.with_suffix(".log"), threads=threads)
-    payload = json.loads(out.read_text())
-    (res,) = payload["models"].values()
+    return read_eval(out)
+
+
+def read_eval(path: Path) -> dict:
+    """Task -> its primary metric (value, stderr) from one model's eval-suite JSON."""
+    (res,) = json.loads(path.read_text())["models"].values()
     return {t: r["metrics"][r["primary"]] for t, r in res["results"].items()}
 
 
@@ -194,8 +198,7 @@ def finished(args) -> list[dict]:
         for name in ("ood", "suite"):
             f = summary.parent / f"eval_{name}.json"
             if f.is_file():
-                ((_, res),) = json.loads(f.read_text())["models"].items()
-                evals[name] = {t: r["metrics"][r["primary"]] for t, r in res["results"].items()}
+                evals[name] = read_eval(f)
         if row in args.rows:
             out.append({"row": row, "seed": int(seed[1:]), "lr": float(lr[2:]),
                         "summary": json.loads(summary.read_text()), "evals": evals})  # fmt: skip
