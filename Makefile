@@ -42,8 +42,8 @@ $(SETUP): pyproject.toml requirements.lock
 	touch $@
 
 models: $(SETUP)  ## fetch + convert teacher/student, tokenizer fixtures, corpora, eval data into artifacts/
-	$(PY) -m pipelines.assets all
-	$(PY) -m trainer.eval.data fetch
+	$(PY) -m tokenbridge.assets all
+	$(PY) -m trainer.eval.datasets fetch
 
 lint: $(SETUP)  ## ruff lint + format check
 	$(PY) -m ruff check .
@@ -60,10 +60,10 @@ projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k $(K) $(if $(OUT),--out $(OUT))
 
 align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several ok), STUDENT=, OUT=, ALIGN_ARGS=)
-	$(PY) -m pipelines.align_job --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
+	$(PY) -m pipelines.align --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
 
 verify: $(SETUP)  ## checksums (+ values) of DIR=<shards | cache | checkpoint(s) | run dir>; exit 2 on damage
-	$(PY) -m pipelines.verify $(DIR)
+	$(PY) -m tokenbridge.verify $(DIR)
 
 teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
 	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
@@ -84,11 +84,11 @@ DEMO_CE    := name=demo_ce loss=ce teachers=none checkpoint.save_at_end=false
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU), vs CE-only
 	@date +%s > .demo-start
 	@echo "== 1/5 tokenizer pair report"
-	$(PY) -m pipelines.pair_report $(TEACHER) $(STUDENT)
+	$(PY) -m tokenbridge.pair_report $(TEACHER) $(STUDENT)
 	@echo "== 2/5 sparse vocabulary projection (Gemma -> SmolLM2)"
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
 	@echo "== 3/5 align the KJV letters (one document per chapter) into shards (Beam, FnApiRunner)"
-	$(PY) -m pipelines.align_job --data $(DEMO_DATA) --teacher $(TEACHER) --student $(STUDENT) \
+	$(PY) -m pipelines.align --data $(DEMO_DATA) --teacher $(TEACHER) --student $(STUDENT) \
 	  --out $(DEMO_ALIGN) --overwrite --max-student-tokens 256 --max-teacher-tokens 256
 	@echo "== 4/5 distil SmolLM2-135M from Gemma-3-270M (xtoken + CE), bits/byte before and after"
 	rm -rf runs/demo runs/demo_ce
@@ -116,7 +116,7 @@ science: models $(VENV)/.stamp-bench  ## the science table: every loss mode vs C
 KJV_ALIGN := outputs/align/kjv
 demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samples KJV continuations, Gemma scores
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
-	test -f $(KJV_ALIGN)/COMPLETED || $(PY) -m pipelines.align_job --data $(ART)/corpus/kjv.jsonl \
+	test -f $(KJV_ALIGN)/COMPLETED || $(PY) -m pipelines.align --data $(ART)/corpus/kjv.jsonl \
 	  --teacher $(TEACHER) --student $(STUDENT) --out $(KJV_ALIGN) --overwrite \
 	  --max-student-tokens 128 --max-teacher-tokens 128
 	rm -rf runs/onpolicy_demo

@@ -1,6 +1,6 @@
 """The align job on conversations vs the same contents as raw text, in one run (issue 12).
 
-Data: the shipped example conversations (`pipelines.chat.example`: ``messages`` and
+Data: the shipped example conversations (`tokenbridge.chat.example`: ``messages`` and
 prompt/completion rows), copied COPIES times (each copy's first user turn numbered, so no two
 rows are equal), plus one bad row per BAD_EVERY (cycling through four refusal reasons, in the
 file's row format, so the dead-letter path is timed too). Baseline: a text job over the same
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from pipelines import paths
+from tokenbridge import paths
 
 COPIES = 8
 REPEATS = 3
@@ -61,7 +61,7 @@ def _as_messages(row: dict) -> list[dict]:
 
 def make_data(root) -> dict:
     """Write chat/*.jsonl and text/contents.jsonl under `root`; returns their sizes."""
-    from pipelines.chat import example
+    from tokenbridge.chat import example
 
     (root / "chat").mkdir(parents=True, exist_ok=True)
     (root / "text").mkdir(parents=True, exist_ok=True)
@@ -98,11 +98,11 @@ def make_data(root) -> dict:
 
 def _outside(root: str, t_dir: str, s_dir: str) -> dict:
     """Seconds of the conversation path's pure steps on the messages file, outside Beam."""
-    from pipelines import align_dofns as F
-    from pipelines.chat import rows
-    from pipelines.chat.align import align_conversations, prepare_side
-    from pipelines.chat.read import Row, read_rows
-    from pipelines.chat.templates import resolve_template
+    from pipelines.align import align_dofns as F
+    from pipelines.align.chat_read import Row, read_rows
+    from tokenbridge.chat import rows
+    from tokenbridge.chat.align import align_conversations, prepare_side
+    from tokenbridge.chat.templates import resolve_template
 
     student = prepare_side(F.cached_tokenizer(s_dir), resolve_template(s_dir))
     teacher = prepare_side(F.cached_tokenizer(t_dir), resolve_template(t_dir, override="gemma"))
@@ -127,8 +127,8 @@ def _outside(root: str, t_dir: str, s_dir: str) -> dict:
 
 
 def _child(kind: str, root: str) -> dict:
-    from pipelines import align_dofns as F
-    from pipelines import align_job as J
+    from pipelines.align import align_dofns as F
+    from pipelines.align import job as J
 
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())
     F.cached_tokenizer(t_dir), F.cached_tokenizer(s_dir)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines import paths
+from tokenbridge import paths
 
 DATA = "kjv.jsonl"  # 6.6 MB, 31,102 verses
 
@@ -27,11 +27,12 @@ def _outside_beam(data: Path, t, s, window) -> dict:
     import numpy as np
     import pyarrow as pa
 
-    from pipelines import readers, rolling
-    from pipelines import schema as S
-    from pipelines.align import align_batch_flat, vocab_bytes
-    from pipelines.align import window_batch as WB
-    from pipelines.align_dofns import BATCH_CHARS, BATCH_DOCS
+    from pipelines.align import readers
+    from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
+    from pipelines.plumbing import rolling
+    from tokenbridge.alignment import align_batch_flat, vocab_bytes
+    from tokenbridge.alignment import window_batch as WB
+    from tokenbridge.formats import shard_schema as S
 
     docs = [d for d in readers.read_file(str(data), data.name, readers.ReaderConfig())]
     docs = [d for d in docs if isinstance(d, readers.Doc)]
@@ -98,9 +99,9 @@ def _outside_beam(data: Path, t, s, window) -> dict:
 def _child(workers: int) -> dict:
     import resource
 
-    from pipelines import align_dofns as F
-    from pipelines import align_job as J
-    from pipelines.align import WindowConfig
+    from pipelines.align import align_dofns as F
+    from pipelines.align import job as J
+    from tokenbridge.alignment import WindowConfig
 
     data = paths.corpus_dir() / DATA
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())

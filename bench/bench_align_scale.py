@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from pipelines import paths
+from tokenbridge import paths
 
 DATA = "kjv.jsonl"
 
@@ -81,7 +81,7 @@ def _job_code(data: str, out: Path, workers: int) -> str:
     if workers > 1:
         argv += ["--direct_running_mode", "multi_processing"]
     return (
-        "import json; from pipelines import align_job as J\n"
+        "import json; from pipelines.align import job as J\n"
         f"st = J.run({argv!r})\n"
         "print(json.dumps({'job_s': st['wall_s'], 'documents': st['documents'],"
         " 'windows': st['windows'], 'tokens': st['tokens']['student'] + "
@@ -97,9 +97,9 @@ def _tokenize_code(data: str) -> str:
     return f"""
 import glob, json, time
 from pipelines import readers
-from pipelines.align_dofns import BATCH_CHARS, BATCH_DOCS
-from pipelines.pieces import PieceConfig
-from pipelines.tokenizers import load_tokenizer
+from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
+from tokenbridge.alignment.long_documents import PieceConfig
+from tokenbridge.tokenizers import load_tokenizer
 toks = [load_tokenizer({s!r}), load_tokenizer({t!r})]
 piece = PieceConfig().piece_chars
 secs, n_tok = 0.0, 0

@@ -53,7 +53,7 @@ def _reset_peak() -> bool:
 
 
 def _documents() -> list[str]:
-    from pipelines import paths
+    from tokenbridge import paths
 
     docs: list[str] = []
     total = 0
@@ -69,9 +69,9 @@ def _documents() -> list[str]:
 
 def _prepare(out: Path) -> dict:
     """Tokenize the documents once with every tokenizer; save flat arrays for the children."""
-    from pipelines import paths
-    from pipelines.align import vocab_bytes
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge import paths
+    from tokenbridge.alignment import vocab_bytes
+    from tokenbridge.tokenizers import load_tokenizer
 
     docs = _documents()
     toks = {
@@ -101,7 +101,7 @@ def _load(npz: Path, name: str) -> tuple[np.ndarray, ...]:
 
 
 def _table(npz: Path, name: str):
-    from pipelines.align import VocabBytes
+    from tokenbridge.alignment import VocabBytes
 
     z = np.load(npz)
     return VocabBytes(*(z[f"{name}.tab_{f}"] for f in ("offsets", "data", "special", "meta")))
@@ -116,7 +116,7 @@ def _child(variant: str, npz: Path) -> dict:
     rows = s_rs.size - 1
     input_mb = (s_ids.nbytes + s_bo.nbytes + t_ids.nbytes + t_bo.nbytes) / 2**20
     if kind.startswith("ours"):
-        from pipelines.align import align_flat
+        from tokenbridge.alignment import align_flat
 
         s_tab, t_tab = _table(npz, "smollm2"), _table(npz, teacher)
         force = kind == "ours_dp"
@@ -205,7 +205,7 @@ def _agreement(npz: Path) -> tuple[int, int]:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gold.gold_trainer import ULDLoss
 
-    from pipelines.align import align_flat
+    from tokenbridge.alignment import align_flat
 
     s_ids, s_bo, s_rs, s_ll = _load(npz, "smollm2")
     t_ids, t_bo, t_rs, t_ll = _load(npz, "llama-bpe")

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from trainer.distributed import vp_entropy, vp_soft_ce, vp_target_logprobs
-from trainer.distributed.launch import spawn
+from tokenbridge.dist_ops import vp_entropy, vp_soft_ce, vp_target_logprobs
+from trainer.parallel.spawn import spawn
 
 V = 262_144
 T = int(os.environ.get("TB_BENCH_DIST_T", 4_096))  # smaller T only for a quick smoke run

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from pipelines import paths
-from trainer.eval.report import markdown_table, timing_table
-from trainer.eval.scoring import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
+from tokenbridge import paths
+from trainer.eval.loglik import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
+from trainer.eval.results import markdown_table, timing_table
 from trainer.eval.tasks import TASKS, load
 
 LIMIT = int(os.environ.get("TOKENBRIDGE_EVAL_LIMIT", "20"))

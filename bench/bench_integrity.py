@@ -9,7 +9,7 @@ load of the shared cores):
    verifying it (`integrity.hash_file`, page cache warm) vs a plain read -> GB/s;
 3. ``make align`` on KJV (one process, FnApiRunner): the seconds its writers spent hashing
    (measured inside the job) and verifying its output afterwards, as a share of the job;
-   and the value checks of every record batch it wrote (`pipelines.values`) -> GB/s of shard;
+   and the value checks of every record batch it wrote (`tokenbridge.formats.value_checks`) -> GB/s of shard;
 4. a training run of the debug config (one process, 20 steps, 2 checkpoints): the seconds spent
    verifying the shards, checking the values of the rows read, and hashing the checkpoints (the
    run's summary.json), plus verifying the newest checkpoint as a resume does, as a share of
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines import paths
+from tokenbridge import paths
 
 BUF_MB = 256
 FILE_MB = 512
@@ -63,7 +63,7 @@ def hashes() -> dict[str, float]:
 
 
 def files(tmp: Path) -> dict[str, float]:
-    from pipelines import integrity
+    from tokenbridge.formats import checksums as integrity
 
     block = os.urandom(8 << 20)
     n = (FILE_MB << 20) // len(block)
@@ -101,9 +101,11 @@ def files(tmp: Path) -> dict[str, float]:
 
 
 def _align_child(out: str) -> dict:
-    from pipelines import align_dofns as F
-    from pipelines import align_job as J
-    from pipelines import integrity, shards, values
+    from pipelines.align import align_dofns as F
+    from pipelines.align import job as J
+    from tokenbridge.formats import checksums as integrity
+    from tokenbridge.formats import shards
+    from tokenbridge.formats import value_checks as values
 
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())
     F.cached_tokenizer(t_dir), F.cached_tokenizer(s_dir)  # load once, outside the timing
@@ -118,7 +120,7 @@ def _align_child(out: str) -> dict:
     verify_s = time.perf_counter() - t0
     assert all(r.ok for r in reports), [r.error for r in reports if not r.ok]
     size = sum(r.bytes or 0 for r in reports)
-    # the value checks a reader runs on every record batch it hands on (`pipelines.values`)
+    # the value checks a reader runs on every record batch it hands on (`tokenbridge.formats.value_checks`)
     ss = shards.open_shards(out, verify="never")
     batches = list(ss.iter_batches())
     t0 = time.perf_counter()
@@ -145,10 +147,10 @@ def align(tmp: Path) -> dict:
 
 
 def train(tmp: Path) -> dict:
-    from pipelines import integrity
-    from pipelines import projection as P
     from tests.e2e.helpers import run_trainer, shakespeare_docs, write_shards
     from tests.e2e.test_debug_run import PROJECTION
+    from tokenbridge import projection as P
+    from tokenbridge.formats import checksums as integrity
 
     if not PROJECTION.is_file():
         P.main(["--teacher", str(paths.teacher_dir()), "--student", str(paths.student_dir()),
@@ -227,7 +229,7 @@ def render(h: dict, f: dict, a: dict, t: dict, *, load: tuple[float, float]) -> 
         f"- `make align` on KJV (1 process): job {a['job_s']:.1f} s, {a['files']} files, "
         f"{a['bytes'] / 1e6:.1f} MB; hashing inside the writers {a['hash_at_write_s']:.3f} s = "
         f"**{a['hash_at_write_s'] / a['job_s']:.2%} of the job**; verifying the output "
-        f"afterwards (`python -m pipelines.verify`'s hashing) {a['verify_s']:.3f} s = "
+        f"afterwards (`python -m tokenbridge.verify`'s hashing) {a['verify_s']:.3f} s = "
         f"{a['verify_s'] / a['job_s']:.2%}; the value checks of all its record batches "
         f"({a['check_rows']} rows, {a['shard_bytes'] / 1e6:.1f} MB of shards) "
         f"{a['check_s']:.3f} s = {a['shard_bytes'] / a['check_s'] / 1e9:.2f} GB/s of shard.",

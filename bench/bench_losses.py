@@ -62,7 +62,7 @@ def _reset_peak() -> int:
 
 def make_inputs(T: int, seed: int = 0):
     """Rows of one synthetic aligned window, the projection tables and the student logits."""
-    from trainer.losses import collate_aligned, index_chunks
+    from tokenbridge.losses import collate_aligned, index_chunks
 
     g = torch.Generator().manual_seed(seed)
     kinds = torch.multinomial(
@@ -114,7 +114,11 @@ def full_teacher(T_t: int) -> torch.Tensor:
 
 def teacher_side(batch, spec, *, columns=None):
     """Teacher outputs filled piece by piece (as a worker would from a chunked lm_head)."""
-    from trainer.losses import allocate_teacher_outputs, shift_targets, teacher_outputs_from_logits
+    from tokenbridge.losses import (
+        allocate_teacher_outputs,
+        shift_targets,
+        teacher_outputs_from_logits,
+    )
 
     T_t = batch.teacher_ids.shape[1]
     tgt = shift_targets(batch.teacher_ids, batch.teacher_len)
@@ -167,7 +171,7 @@ def _measure(fn, leaf, reps: int = 2) -> dict:
 
 
 def _ours(mode: str, T: int) -> tuple:
-    from trainer.losses import (
+    from tokenbridge.losses import (
         GoldConfig,
         GoldTables,
         XTokenConfig,
@@ -207,8 +211,8 @@ def _ours(mode: str, T: int) -> tuple:
 
 
 def _naive_xtoken(student, teacher, index, *, tables, cfg):
-    from trainer.losses.base import divergence, safe_log
-    from trainer.losses.xtoken import project_teacher
+    from tokenbridge.losses.base import divergence, safe_log
+    from tokenbridge.losses.xtoken import project_teacher
 
     st, te = index.student, index.teacher
     s_rows, t_rows = st.start_rows(), te.start_rows()
@@ -225,8 +229,8 @@ def _naive_xtoken(student, teacher, index, *, tables, cfg):
 
 
 def _naive_gold(student, teacher, index, *, tables, cfg, batch):
-    from trainer.losses.base import divergence
-    from trainer.losses.context import complete_chunks
+    from tokenbridge.losses.base import divergence
+    from tokenbridge.losses.ops.cp_chunks import complete_chunks
 
     st, te = index.student, index.teacher
     chunks, _ = complete_chunks(index)

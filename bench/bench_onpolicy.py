@@ -32,25 +32,12 @@ import time
 
 import torch
 
-from pipelines import paths
+from tokenbridge import paths
 
 B, PROMPT, NEW = 8, 16, 32
 REPS = 3
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
-
-
-def prompts_from_kjv(tok, n: int, length: int) -> list[list[int]]:
-    """`n` prompts of `length` student tokens (BOS first) from KJV verses."""
-    lines = (paths.corpus_dir() / "kjv.jsonl").read_text().splitlines()
-    out = []
-    for line in lines[::97]:
-        ids = tok.encode(json.loads(line)["text"]).ids.tolist()
-        if len(ids) >= length - 1:
-            out.append([tok.bos_id, *ids[: length - 1]])
-        if len(out) == n:
-            return out
-    raise ValueError("not enough long verses")
 
 
 def _median_pair(ours, theirs) -> tuple[float, float]:
@@ -88,12 +75,14 @@ def sampler_vs_generate(model, prompts, vocab: int) -> dict:
 
 
 def part_sampler() -> dict:
-    from pipelines.tokenizers import load_tokenizer
-    from trainer import models
-    from trainer.config import ModelConfig
+    from tokenbridge import models
+    from tokenbridge.tokenizers import load_tokenizer
+    from trainer.config.schema import ModelConfig
 
     torch.set_num_threads(1)
     tok = load_tokenizer(paths.student_dir())
+    from bench.onpolicy_prompts import prompts_from_kjv
+
     prompts = prompts_from_kjv(tok, B, PROMPT)
     res = {}
     for name, cfg in (

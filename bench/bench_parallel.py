@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from trainer.distributed.launch import spawn
+from trainer.parallel.spawn import spawn
 
 TP = 3  # SmolLM2-135M: 9 heads, 3 K/V heads, MLP 1,536, vocabulary 49,152
 TP_TOKENS = int(os.environ.get("TB_BENCH_TP_T", 2_048))  # smaller only for a smoke run
@@ -65,14 +65,15 @@ def _reset_peak() -> None:
 def _rank_main(rank: int, world_size: int, case: dict) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from pipelines import paths
-    from trainer import models, parallel
-    from trainer.config import ModelConfig
-    from trainer.cp_attention import model_inputs
-    from trainer.data import collate
-    from trainer.distributed import build_mesh, global_count
-    from trainer.distributed.dtensor import unwrap_vocab_sharded
-    from trainer.losses import ce
+    from tokenbridge import models, paths
+    from tokenbridge.dist_ops import global_count
+    from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
+    from tokenbridge.losses import ce
+    from trainer.config.schema import ModelConfig
+    from trainer.microbatches import collate
+    from trainer.parallel import parallelize
+    from trainer.parallel.cp_attention import model_inputs
+    from trainer.parallel.mesh import build_mesh
 
     tp, cp, tokens = case["tp"], case["cp"], case["tokens"]
     groups = build_mesh(torch.device("cpu"), dp=1, cp=cp, tp=tp)
@@ -82,10 +83,10 @@ def _rank_main(rank: int, world_size: int, case: dict) -> dict:
     else:
         cfg = ModelConfig(path=student, init="pretrained")
     model = models.build_model(cfg)
-    plan = parallel.tp_plan(model.config.model_type) if tp > 1 else {}
-    parallel.apply_tp(model, groups.tp_mesh, plan)
-    parallel.apply_cp(model, cp)
-    parallel.apply_fsdp(model, groups.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
+    plan = parallelize.tp_plan(model.config.model_type) if tp > 1 else {}
+    parallelize.apply_tp(model, groups.tp_mesh, plan)
+    parallelize.apply_cp(model, cp)
+    parallelize.apply_fsdp(model, groups.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, 49_152, (tokens,), generator=torch.Generator().manual_seed(0))
     mb = collate(

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from pipelines import paths
+from tokenbridge import paths
 
 SAMPLE = 4000  # tokens per direction for the naive baseline
 
@@ -21,8 +21,8 @@ SAMPLE = 4000  # tokens per direction for the naive baseline
 def _child(mode: str) -> dict:
     import resource
 
-    from pipelines import projection as P
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge import projection as P
+    from tokenbridge.tokenizers import load_tokenizer
 
     t_dir, s_dir = paths.teacher_dir(), paths.student_dir()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import psutil
 
-from pipelines import paths
+from tokenbridge import paths
 
 REPO = paths.REPO_ROOT
 CHARS = int(os.environ.get("BENCH_CACHE_CHARS", 12_000))  # of Hamlet: ~13 windows of 256 tokens
@@ -80,7 +80,7 @@ def _shards(tmp: Path) -> Path:
     data.mkdir()
     (data / "hamlet.txt").write_text(src.read_text(encoding="utf-8")[5000 : 5000 + CHARS])
     out = tmp / "shards"
-    _run([sys.executable, "-m", "pipelines.align_job", "--data", f"{data}/*.txt",
+    _run([sys.executable, "-m", "pipelines.align", "--data", f"{data}/*.txt",
           "--teacher", str(paths.teacher_dir()), "--student", str(paths.student_dir()),
           "--out", str(out), "--max-student-tokens", "256", "--max-teacher-tokens", "256",
           "--direct_num_workers", "1"])  # fmt: skip

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines import paths
+from tokenbridge import paths
 
 SEQ = 512
 REPS = 2
@@ -48,17 +48,17 @@ def _median(fn, reps: int = REPS) -> float:
 
 def _inputs(tmp: Path):
     """A 512-token window of real text as shards, the projection, and the microbatch."""
-    from pipelines import projection as P
-    from pipelines.align import WindowConfig, align, cut_windows
-    from pipelines.schema import shard_schema
-    from pipelines.shards import (
+    from tokenbridge import projection as P
+    from tokenbridge.alignment import WindowConfig, align, cut_windows
+    from tokenbridge.formats.shard_schema import shard_schema
+    from tokenbridge.formats.shards import (
         ShardWriter,
         open_shards,
         shard_name,
         window_to_row,
         write_completed,
     )
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge.tokenizers import load_tokenizer
 
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(paths.teacher_dir())
     try:
@@ -108,10 +108,8 @@ def _pickle_transfer(tensors: dict) -> float:
 
 
 def breakdown(threads: int, tmp: Path) -> dict:
-    from trainer import models
-    from trainer.config import ModelConfig, TeacherConfig
-    from trainer.data import ShardReader, collate
-    from trainer.losses import (
+    from tokenbridge import models
+    from tokenbridge.losses import (
         XTokenConfig,
         XTokenTables,
         ce,
@@ -119,8 +117,10 @@ def breakdown(threads: int, tmp: Path) -> dict:
         xtoken,
         xtoken_teacher_spec,
     )
-    from trainer.losses.teacher_outputs import TeacherOutputs, teacher_outputs_from_logits
-    from trainer.teacher.program import TeacherModelProgram, teacher_forward
+    from tokenbridge.teacher.outputs import TeacherOutputs, teacher_outputs_from_logits
+    from trainer.config.schema import ModelConfig, TeacherConfig
+    from trainer.microbatches import ShardReader, collate
+    from trainer.teacher.model_program import TeacherModelProgram, teacher_forward
     from trainer.teacher.ring import SlotRing, TensorSpec, plan_layout
 
     torch.set_num_threads(threads)
@@ -134,7 +134,7 @@ def breakdown(threads: int, tmp: Path) -> dict:
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
     xcfg = XTokenConfig(k=32)
     spec = xtoken_teacher_spec(xcfg, teacher_vocab_size=t_tok.vocab_size)
-    from pipelines.projection import load_projection
+    from tokenbridge.projection import load_projection
 
     tables = XTokenTables.from_projection(
         load_projection(PROJECTION), student_vocab_size=s_tok.vocab_size

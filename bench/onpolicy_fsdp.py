@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
 
-from pipelines import paths
+from tokenbridge import paths
 
 ROWS, NEW = 4, 16
 _GATHERS = [0]
@@ -39,19 +39,20 @@ fsdp_group.foreach_all_gather = _counting
 
 
 def main(out: str) -> None:
-    from bench.bench_onpolicy import prompts_from_kjv
-    from pipelines.tokenizers import load_tokenizer
-    from trainer import models, parallel
-    from trainer.config import ModelConfig
-    from trainer.distributed import build_mesh
+    from bench.onpolicy_prompts import prompts_from_kjv
+    from tokenbridge import models
+    from tokenbridge.tokenizers import load_tokenizer
+    from trainer.config.schema import ModelConfig
     from trainer.onpolicy.sampler import SamplingConfig, gathered, sample
+    from trainer.parallel import parallelize
+    from trainer.parallel.mesh import build_mesh
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    parallel.init_distributed(device)
+    parallelize.init_distributed(device)
     mesh = build_mesh(device, dp=2)
     model = models.build_model(ModelConfig(str(paths.student_dir())))
-    parallel.apply_fsdp(model, mesh.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
+    parallelize.apply_fsdp(model, mesh.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
     tok = load_tokenizer(paths.student_dir())
     prompts = prompts_from_kjv(tok, ROWS, 16)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=NEW)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pipelines import paths
+from tokenbridge import paths
 
 ROWS, PROMPT, NEW = 4, 16, 48
 PROJECTION = (
@@ -33,17 +33,18 @@ def _median(fn, reps: int = 2):
 
 
 def step_breakdown() -> dict:
-    from bench.bench_onpolicy import prompts_from_kjv
-    from pipelines.projection import load_projection
-    from pipelines.tokenizers import load_tokenizer
-    from trainer import models
-    from trainer.config import ModelConfig
-    from trainer.losses.modes import MODES
-    from trainer.losses.xtoken import XTokenConfig
+    from bench.onpolicy_prompts import prompts_from_kjv
+    from tokenbridge import models
+    from tokenbridge.losses.modes import MODES
+    from tokenbridge.losses.xtoken import XTokenConfig
+    from tokenbridge.projection import load_projection
+    from tokenbridge.teacher.forward import teacher_forward
+    from tokenbridge.tokenizers import load_tokenizer
+    from trainer.config.schema import ModelConfig
     from trainer.onpolicy.realign import TeacherView
+    from trainer.onpolicy.rollout_scoring import scoring_spec
     from trainer.onpolicy.rollouts import build_batch
     from trainer.onpolicy.sampler import SamplingConfig, sample
-    from trainer.onpolicy.scoring import score_forward, scoring_spec
 
     torch.set_num_threads(1)
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(paths.teacher_dir())
@@ -73,8 +74,8 @@ def step_breakdown() -> dict:
 
     def score():
         with torch.no_grad():
-            return score_forward(teacher, inp["input_ids"], inp["attention_mask"], spec=spec,
-                                 col_ids_BUK=None, chunk=128)  # fmt: skip
+            return teacher_forward(teacher, inp["input_ids"], inp["attention_mask"], spec=spec,
+                                 columns=None, chunk=128)  # fmt: skip
 
     score_s, outs = _median(score)
     prep = record.prepare(b.aligned[0], b.targets_BT)

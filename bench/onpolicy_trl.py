@@ -24,7 +24,7 @@ if __name__ == "__main__":
 
 import torch
 
-from pipelines import paths
+from tokenbridge import paths
 
 B, NEW, STEPS = 4, 32, 3
 
@@ -87,19 +87,20 @@ def trl_steps(tmp: Path, t_dir: Path, convs) -> list[float]:
 
 
 def our_steps(t_dir: Path, convs) -> dict:
-    from pipelines.chat.align import prepare_side
-    from pipelines.chat.encode import encode_renderings
-    from pipelines.chat.templates import named_template, resolve_template
-    from pipelines.tokenizers import load_tokenizer
-    from trainer import models
-    from trainer.config import ModelConfig
-    from trainer.losses.alm import AlmConfig
-    from trainer.losses.modes import MODES
+    from tokenbridge import models
+    from tokenbridge.chat.align import prepare_side
+    from tokenbridge.chat.encode import encode_renderings
+    from tokenbridge.chat.templates import named_template, resolve_template
+    from tokenbridge.losses.alm import AlmConfig
+    from tokenbridge.losses.modes import MODES
+    from tokenbridge.teacher.forward import teacher_forward
+    from tokenbridge.tokenizers import load_tokenizer
+    from trainer.config.schema import ModelConfig
     from trainer.onpolicy.prompts import render_prompt
     from trainer.onpolicy.realign import TeacherView
+    from trainer.onpolicy.rollout_scoring import scoring_spec
     from trainer.onpolicy.rollouts import build_batch
     from trainer.onpolicy.sampler import SamplingConfig, sample
-    from trainer.onpolicy.scoring import score_forward, scoring_spec
 
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(t_dir)
     s_side = prepare_side(s_tok, resolve_template(paths.student_dir()))
@@ -129,8 +130,8 @@ def our_steps(t_dir: Path, convs) -> dict:
                         pad_id=0)  # fmt: skip
         inp = b.teacher_inputs[0]
         with torch.no_grad():
-            outs = score_forward(teacher, inp["input_ids"], inp["attention_mask"], spec=spec,
-                                 col_ids_BUK=None, chunk=128)  # fmt: skip
+            outs = teacher_forward(teacher, inp["input_ids"], inp["attention_mask"], spec=spec,
+                                 columns=None, chunk=128)  # fmt: skip
         logits = student(input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT).logits
         prep = record.prepare(b.aligned[0], b.targets_BT)
         out = record.loss(logits, outs, prep, tables=None, vocab_size=s_tok.vocab_size,

@@ -38,7 +38,7 @@ if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.science_table import render
-from pipelines import paths
+from tokenbridge import paths
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS = REPO / "outputs" / "align" / "letters"
@@ -209,7 +209,7 @@ def inputs(args) -> None:
     """The shards and the teacher cache the rows read (made once, kept)."""
     teacher, student = paths.teacher_dir(), paths.student_dir()
     if not (SHARDS / "COMPLETED").is_file():
-        _sh([PY, "-m", "pipelines.align_job", "--data", "artifacts/corpus/kjv_letters.jsonl",
+        _sh([PY, "-m", "pipelines.align", "--data", "artifacts/corpus/kjv_letters.jsonl",
              "--teacher", str(teacher), "--student", str(student), "--out", str(SHARDS),
              "--overwrite", "--max-student-tokens", "256", "--max-teacher-tokens", "256"],
             args.out / "align.log", threads=2)  # fmt: skip

@@ -1,7 +1,7 @@
 """`trl_gold`: TRL 1.16's GOLD hybrid ULD loss, computed by TRL's own code inside our trainer.
 
 Bench only (the product never imports trl or bench): importing this module registers the loss
-mode ``trl_gold`` in `trainer.losses.modes.MODES`, so ``loss.mode=trl_gold`` validates only in
+mode ``trl_gold`` in `tokenbridge.losses.modes.MODES`, so ``loss.mode=trl_gold`` validates only in
 a process that imported it (`bench.trl_gold_train` does, then runs the trainer). It exists for
 the science table (issue 16): TRL's loss as TRL computes it, next to our `gold` ("TRL GOLD's
 hybrid ULD loss with its flaws fixed"), on the same shards, teacher, student, steps.
@@ -70,12 +70,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.losses.base import LossOutput, OptionError, as_count, check_option, zero_sum_like
-from trainer.losses.context import complete_chunks, open_chunk_loss
-from trainer.losses.modes import MODES, LossMode
-from trainer.losses.segments import AlignedBatch, ChunkIndex, ChunkSide, index_chunks
-from trainer.losses.teacher_outputs import TeacherOutputs, TeacherOutputSpec
-from trainer.losses.turns import split_chunks
+from tokenbridge.losses.base import LossOutput, OptionError, as_count, check_option, zero_sum_like
+from tokenbridge.losses.modes import MODES, LossMode
+from tokenbridge.losses.ops.cp_chunks import complete_chunks, open_chunk_loss
+from tokenbridge.losses.ops.segments import AlignedBatch, ChunkIndex, ChunkSide, index_chunks
+from tokenbridge.losses.ops.turns import split_chunks
+from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.gold.gold_config import GOLDConfig  # noqa: E402

@@ -8,7 +8,7 @@ takes exactly the arguments of ``trainer/main.py`` (the same shards, teacher, st
 optimizer; ``loss=ce`` picks a loss group without options, as the demo's xtoken ``k`` would be
 refused, and ``loss.kd_weight=1.0`` restores the weight every KD group sets), imports
 `bench.trl_gold` (which registers the bench-only loss mode; the product never imports trl), and
-runs the trainer's own ``run`` in this process, with its error reporting (`pipelines.cli`).
+runs the trainer's own ``run`` in this process, with its error reporting (`tokenbridge.cli`).
 
 TRL matches vocabularies by their ``get_vocab()`` strings, so the mode needs both HF tokenizers:
 when ``loss.options.teacher_tokenizer`` / ``student_tokenizer`` are not given they are filled
@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 
-from pipelines import cli
+from tokenbridge import cli
 from trainer import main as trainer_main
 
 TOKENIZER_OPTIONS = (("teacher_tokenizer", "teacher"), ("student_tokenizer", "student"))

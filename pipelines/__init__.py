@@ -10,7 +10,7 @@ installed here because every entry point imports this package before Beam.
 That ``logging.warning`` call also configures the root logger as a side effect (it calls
 ``basicConfig`` when the root has no handler), which is why the jobs call
 ``logging.basicConfig(..., force=True)``. The jobs' local worker processes (multi-process runs)
-start through `pipelines.beam_worker`, which imports this package before Beam and keeps their
+start through `pipelines.plumbing.beam_worker`, which imports this package before Beam and keeps their
 start-up quiet. A worker started by Beam's own command line (another environment the caller
 chose) has printed its start-up by the time a DoFn imports this package; there the filter comes
 too late, and the stderr handler that side effect installed is raised to WARNING, so the worker's

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import paths
+from tokenbridge import paths
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

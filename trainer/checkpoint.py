@@ -13,7 +13,7 @@ writes ``COMPLETED`` (every file's size and xxh3_64 checksum, gathered from the 
 renames the directory to ``step-N``, so a directory without ``.tmp`` is always whole, and only
 the newest ``keep`` are kept. The checksums are computed while DCP writes: its
 ``FileSystemWriter`` opens every file through a replaceable ``fs.create_stream``, and ours
-(`_HashingFileSystem`) hands it a `pipelines.integrity.HashingSink`, so no file is read back.
+(`_HashingFileSystem`) hands it a `tokenbridge.formats.checksums.HashingSink`, so no file is read back.
 
 Resuming (`find_resume`, run by preflight before any model loads) verifies the checkpoint's
 files against its marker. ``checkpoint.resume=auto``: the newest checkpoint that verifies; a
@@ -24,7 +24,7 @@ before markers existed (``.metadata``, no ``COMPLETED``) is resumed from unverif
 in one line if DCP cannot read it).
 
 The export (`export_student`) is the whole student gathered to rank 0 and written by
-`trainer.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
+`tokenbridge.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pipelines import integrity
-from trainer import models
-from trainer.config import CheckpointConfig, ModelConfig
+from tokenbridge import models
+from tokenbridge.formats import checksums as integrity
+from trainer.config.schema import CheckpointConfig, ModelConfig
 
 STEP_PREFIX = "step-"
 EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT: export the student after the next logged step
-MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (pipelines.verify reads it)
+MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (tokenbridge.verify reads it)
 MARKER_VERSION = 1
 DAMAGED = ".damaged"  # suffix of a checkpoint moved aside by a resume that found it damaged
 

@@ -7,7 +7,7 @@ for each rank it stops; that comes from torchrun's own ``main`` (an uncaught exc
 nothing inside a rank can turn it off, and ``LOGLEVEL=ERROR`` only drops the warnings. This
 launcher calls the same ``torch.distributed.run.run`` and catches that exception instead:
 
-- a rank already printed its line (`pipelines.cli` notes it in torchrun's error file): nothing
+- a rank already printed its line (`tokenbridge.cli` notes it in torchrun's error file): nothing
   more is printed;
 - no rank did (a rank killed by a signal, say the out-of-memory killer; rank 0 stopped before it
   could report an error every rank met; only peers that lost their link): one line, for the
@@ -30,7 +30,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from pipelines import cli  # noqa: E402
+from tokenbridge import cli
 
 
 def explain(failures: dict) -> tuple[str | None, int]:
@@ -38,7 +38,7 @@ def explain(failures: dict) -> tuple[str | None, int]:
     code: that rank's, or the one of the failure the line describes (1 for a signal).
 
     ``failures``: global rank -> torchrun's ``ProcessFailure`` (exitcode, pid, timestamp, error
-    file data with the rank's note, `pipelines.cli`).
+    file data with the rank's note, `tokenbridge.cli`).
     """
     notes = {r: _note(f) for r, f in failures.items()}
     by_time = sorted(failures, key=lambda r: (failures[r].timestamp, r))
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ[cli.LAUNCHER_ENV] = "1"  # the ranks inherit it: they leave notes (pipelines.cli)
+    os.environ[cli.LAUNCHER_ENV] = "1"  # the ranks inherit it: they leave notes (tokenbridge.cli)
     try:
         run(args)
     except ChildFailedError as e:

@@ -2,14 +2,14 @@
 
 Also ``python trainer/main.py conf=debug`` (one process: world size 1 of the same code path).
 Thin, as in torchtitan: compose and validate the config, run the checks that need no model
-(`trainer.preflight`), build the `Trainer`, ``try: train() finally: close()``, destroy the
+(`trainer.config.preflight`), build the `Trainer`, ``try: train() finally: close()``, destroy the
 process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml`` (``experiment=<name>``
 works too); every other argument is a Hydra override (``optim.lr=1e-4``,
-``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist in `trainer.config`:
+``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist in `trainer.config.schema`:
 ``+``/``++`` add no keys (they are accepted and checked the same), except under the open
 ``loss.options`` and ``model.overrides`` (``+loss.options.beta=0.3``).
 
-A failure ends with one line on stderr and an exit code (`pipelines.cli`, rules in
+A failure ends with one line on stderr and an exit code (`tokenbridge.cli`, rules in
 `trainer.errors`): 2 invalid config or inputs (a config key, a missing or damaged file, shards
 made with other tokenizers), 1 the run failed (a teacher worker died, a non-finite loss), 130
 interrupted; ``TOKENBRIDGE_DEBUG=1`` adds the traceback. Under torchrun an error every rank
@@ -28,12 +28,12 @@ if __name__ == "__main__" and not __package__:
     # run as a script: import the repo's packages, not the sibling modules of this folder
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from pipelines import cli  # noqa: E402  (after the path fix above)
+from tokenbridge import cli
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # What a rank prints when its gloo / NCCL link breaks because another process died: that process
-# reports the cause, this one exits 1 without a word (`pipelines.cli`, Rule.quiet).
+# reports the cause, this one exits 1 without a word (`tokenbridge.cli`, Rule.quiet).
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -66,10 +66,10 @@ RULES = (
     cli.Rule(("trainer.teacher.ring.TeacherWorkerError",), hint=_worker_hint),
     cli.Rule(("trainer.teacher.ring.ChannelError",)),
     # computed from all-reduced numbers: every rank stops at the same step
-    cli.Rule(("trainer.metrics.NonFiniteError",), everywhere=True),
+    cli.Rule(("trainer.run_log.NonFiniteError",), everywhere=True),
     # a damaged file or out-of-range value met during the run (docs/integrity.md): the data's
     # fault, named in one line; nothing was trained on it
-    cli.Rule(("pipelines.integrity.IntegrityError",), cli.EXIT_USAGE),
+    cli.Rule(("tokenbridge.formats.checksums.IntegrityError",), cli.EXIT_USAGE),
     cli.Rule(
         ("torch.OutOfMemoryError",),
         hint="lower data.micro_batch_size (raise data.grad_accum to keep the batch)",
@@ -99,7 +99,7 @@ def check_override_keys(overrides: list[str]) -> None:
     it. Config-group choices (``loss=xtoken``, ``experiment=demo``) are Hydra's to check."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from trainer.config import check_key
+    from trainer.config.schema import check_key
 
     for o in OverridesParser.create().parse_overrides(overrides):
         key = o.key_or_group
@@ -135,7 +135,7 @@ def load_config(argv: list[str]):
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    from trainer.config import ConfigError, from_dictconfig, register_schema
+    from trainer.config.schema import ConfigError, from_dictconfig, register_schema
 
     register_schema()
     overrides = hydra_overrides(argv)
@@ -153,7 +153,7 @@ def run(argv: list[str]) -> int:
     """Check, build, train, close (the body of `main`; failures are `main`'s to report)."""
     try:
         cfg = load_config(argv)
-        from trainer.preflight import preflight
+        from trainer.config.preflight import preflight
 
         prepared = preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except Exception as e:
@@ -162,11 +162,11 @@ def run(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from trainer.train import Trainer
+    from trainer.loop import Trainer
 
-    # A damaged shard or an out-of-range value met during the run (pipelines.integrity's
+    # A damaged shard or an out-of-range value met during the run (tokenbridge.formats.checksums's
     # errors, ValueErrors) ends it like any input error: one line naming the file, exit 2
-    # (`pipelines.cli`), by the rank that read it; nothing was trained on that row.
+    # (`tokenbridge.cli`), by the rank that read it; nothing was trained on that row.
     trainer = None
     try:
         trainer = Trainer(cfg, prepared)

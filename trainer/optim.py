@@ -3,7 +3,7 @@
 AdamW with weight decay on matrices only (norm weights and biases are not decayed), and a
 multiplier schedule: linear warmup, then cosine down to ``min_lr_ratio``. The schedule spans
 ``steps`` (never ``stop_after``), so a run stopped early and resumed follows the same curve.
-Clipping lives in `trainer.parallel` (the norm is reduced over the device mesh).
+Clipping lives in `trainer.parallel.parallelize` (the norm is reduced over the device mesh).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from trainer.config import OptimConfig
+from trainer.config.schema import OptimConfig
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

@@ -7,6 +7,6 @@
 - `handler`: the RunInference model handler (the trainer's teacher compute path);
 - `dofns`, `job`: the Beam job (``python -m pipelines.teacher_cache`` / ``make teacher-cache``).
 
-Only `handler` imports from `trainer/` (`trainer.teacher.program`, the one teacher compute
+Only `handler` imports from `trainer/` (`trainer.teacher.model_program`, the one teacher compute
 path), and nothing in `trainer/` imports `handler`, `dofns` or `job` (they import apache_beam).
 """

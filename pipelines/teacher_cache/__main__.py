@@ -2,7 +2,7 @@
 
 import sys
 
-from pipelines import cli
 from pipelines.teacher_cache.job import main
+from tokenbridge import cli
 
 sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))

@@ -1,9 +1,10 @@
-"""The teacher inside Beam's RunInference: a model handler running the trainer's teacher program.
+"""The teacher inside Beam's RunInference: a model handler running the one teacher forward.
 
-`TeacherCacheHandler.load_model` builds `trainer.teacher.program.TeacherModelProgram`, the same
-object a trainer's teacher worker runs (same model build, same dtype, same lm_head chunking,
-same `teacher_outputs_from_logits`), so cached outputs are the live teacher's outputs.
-RunInference loads it once per worker process (its `shared.Shared` handle) and calls
+`TeacherCacheHandler.load_model` builds the frozen teacher with `tokenbridge.models` (the same
+build a trainer's teacher worker does: same weights, same dtype) and `run_inference` calls
+`tokenbridge.teacher.forward.teacher_forward`, the trainer's own teacher forward (same lm_head
+chunking, same `teacher_outputs_from_logits`), so cached outputs are the live teacher's outputs.
+RunInference loads the model once per worker process (its `shared.Shared` handle) and calls
 `run_inference` per element.
 
 Elements arrive already batched: a `RowBatch` is rows of one shard file cut by the reader to a
@@ -30,10 +31,10 @@ import numpy as np
 import torch
 from apache_beam.ml.inference.base import ModelHandler
 
-from trainer.config import TeacherConfig
-from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher.program import TeacherModelProgram
-from trainer.teacher.worker import TeacherContext
+from tokenbridge import models
+from tokenbridge.model_spec import ModelSpec, check_dtype
+from tokenbridge.teacher.forward import teacher_forward
+from tokenbridge.teacher.outputs import TeacherOutputSpec
 
 ROWS_PER_HEAD = 256  # rows (B x positions) per lm_head application: bounds the [rows, V] logits
 
@@ -114,13 +115,18 @@ class Sampler:
 
 
 class TeacherCacheHandler(ModelHandler):
-    """RunInference's view of the teacher: `RowBatch` in, `ScoredBatch` out (one per element)."""
+    """RunInference's view of the teacher: `RowBatch` in, `ScoredBatch` out (one per element).
+
+    The model is the frozen teacher; each batch goes through `teacher_forward`, the same
+    forward the trainer's teacher workers run, so a cached output is the live teacher's output
+    by construction."""
 
     def __init__(
         self,
-        teacher: TeacherConfig,
+        teacher: ModelSpec,
         spec: TeacherOutputSpec,
         *,
+        dtype: str = "float32",
         device: str = "cpu",
         threads: int | None = None,
         samples: int = 0,
@@ -128,16 +134,16 @@ class TeacherCacheHandler(ModelHandler):
     ):
         super().__init__()
         self.teacher, self.spec, self.device, self.threads = teacher, spec, device, threads
+        self.dtype = check_dtype(dtype, "--teacher-dtype")
         self.samples, self.sample_seed = samples, sample_seed
 
-    def load_model(self) -> TeacherModelProgram:
+    def load_model(self) -> torch.nn.Module:
         if self.threads:
             torch.set_num_threads(self.threads)
-        program = TeacherModelProgram(
-            self.teacher, self.spec, max_batch=1, max_len=1, dtype=self.teacher.dtype
+        model = models.build_model(
+            self.teacher, dtype=models.torch_dtype(self.dtype), device=self.device
         )
-        program.setup(TeacherContext(device=torch.device(self.device)))
-        return program
+        return models.freeze(model)
 
     def should_skip_batching(self) -> bool:
         return True  # elements are batches already (see the module docstring)
@@ -148,7 +154,7 @@ class TeacherCacheHandler(ModelHandler):
     def get_metrics_namespace(self) -> str:
         return "tokenbridge.teacher_cache"
 
-    def _score(self, program: TeacherModelProgram, batch: RowBatch) -> dict[str, np.ndarray]:
+    def _score(self, model: torch.nn.Module, batch: RowBatch) -> dict[str, np.ndarray]:
         lens = batch.lengths
         b, u = len(lens), int(lens.max(initial=0))
         if u == 0:
@@ -162,9 +168,6 @@ class TeacherCacheHandler(ModelHandler):
             "input_ids": torch.from_numpy(ids).to(dev),
             "attention_mask": torch.from_numpy(mask).to(dev),
         }
-        # bound the [rows, V] logits of one lm_head application whatever the batch size;
-        # chunking along positions does not change any value
-        program.lm_head_chunk = max(1, ROWS_PER_HEAD // b)
         sampler = None
         if self.samples:
             keys = sample_keys(self.sample_seed, batch.shard_file, batch.rows)
@@ -175,13 +178,24 @@ class TeacherCacheHandler(ModelHandler):
                 vocab_size=self.spec.vocab_size,
                 temperature=self.spec.temperature,
             )
-        outs = program(inputs, on_logits=sampler)
-        result = {k: v.cpu().numpy() for k, v in outs.items()}
+        # the lm_head's chunk bounds the [rows, V] logits of one application whatever the
+        # batch size; chunking along positions does not change any value
+        with torch.no_grad():
+            outs = teacher_forward(
+                model,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                spec=self.spec,
+                columns=None,
+                chunk=max(1, ROWS_PER_HEAD // b),
+                on_logits=sampler,
+            )
+        result = {k: v.cpu().numpy() for k, v in outs.tensors().items()}
         if sampler is not None:
             result["sample_ids"] = np.sort(sampler.ids, axis=-1)
         return result
 
-    def run_inference(self, batch: RowBatch, model: TeacherModelProgram, inference_args=None):
+    def run_inference(self, batch: RowBatch, model: torch.nn.Module, inference_args=None):
         t0 = time.perf_counter()
         try:
             outputs, errors = self._score(model, batch), {}
@@ -209,13 +223,9 @@ class TeacherCacheHandler(ModelHandler):
         return merged, errors
 
 
-def teacher_config(
-    path: str, *, init: str, seed: int, overrides: dict, dtype: str
-) -> TeacherConfig:
-    """The teacher as the trainer's config names it (validated there: init, dtype...)."""
-    cfg = TeacherConfig(path=path, init=init, seed=seed, overrides=dict(overrides), dtype=dtype)
-    cfg.check(0)
-    return cfg
+def teacher_config(path: str, *, init: str, seed: int, overrides: dict) -> ModelSpec:
+    """The teacher the job scores with (checked: init, overrides)."""
+    return ModelSpec(path=path, init=init, seed=seed, overrides=dict(overrides))
 
 
 def teacher_spec(vocab_size: int, *, k: int, temperature: float, target: bool) -> TeacherOutputSpec:
@@ -224,8 +234,6 @@ def teacher_spec(vocab_size: int, *, k: int, temperature: float, target: bool) -
     return TeacherOutputSpec(vocab_size, topk=k, target=target, temperature=temperature)
 
 
-def lm_head_rows(cfg: TeacherConfig) -> int:
+def lm_head_rows(cfg: ModelSpec) -> int:
     """The teacher's lm_head width from its config.json (no weights loaded)."""
-    from trainer import models
-
     return int(models.model_config(cfg).vocab_size)

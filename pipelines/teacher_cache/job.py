@@ -13,8 +13,8 @@ The pipeline, as its own table of contents::
     place, stats.json, COMPLETED last
           bad rows, failed rows --> WriteDeadLetters --------------------+
 
-The format, keys and fingerprints are described in `pipelines.teacher_cache.format`; the trainer
-reads a cache with ``teachers[i].cache`` (`pipelines.teacher_cache.reader`). Memory stays flat:
+The format, keys and fingerprints are described in `tokenbridge.formats.teacher_cache`; the trainer
+reads a cache with ``teachers[i].cache`` (`tokenbridge.formats.teacher_cache_reader`). Memory stays flat:
 elements are row batches, rows stream into rolling part files, and the only grouping is the
 final one over small per-batch records. A complete output directory is refused unless
 ``--overwrite``.
@@ -41,16 +41,19 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines import beam_worker, paths, progress, rolling, shards
-from pipelines import write_dofns as W
-from pipelines.align_dofns import DEAD, MAIN
-from pipelines.align_job import prepare_out_dir, split
-from pipelines.teacher_cache import dofns as D
+from pipelines.align import write_dofns as W
+from pipelines.align.align_dofns import DEAD, MAIN
+from pipelines.align.job import prepare_out_dir, split
+from pipelines.plumbing import beam_worker, progress, rolling
 from pipelines.teacher_cache import handler as H
-from pipelines.teacher_cache.fingerprints import shards_fingerprint, weights_fingerprint
-from pipelines.teacher_cache.format import CacheMeta
-from pipelines.teacher_cache.reader import REBUILD
-from pipelines.tokenizers import load_tokenizer
+from pipelines.teacher_cache import score_dofns as D
+from tokenbridge import paths
+from tokenbridge.formats import shards
+from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
+from tokenbridge.formats.teacher_cache import CacheMeta
+from tokenbridge.formats.teacher_cache_reader import REBUILD
+from tokenbridge.model_spec import ModelSpec, check_dtype
+from tokenbridge.tokenizers import load_tokenizer
 
 log = logging.getLogger("tokenbridge.teacher_cache")
 
@@ -62,7 +65,8 @@ class JobConfig:
     shards: Path
     out: Path
     meta: CacheMeta
-    teacher: object  # trainer.config.TeacherConfig (built by the handler module)
+    teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
+    teacher_dtype: str = "float32"  # its weights and compute (as the trainer's teachers[i].dtype)
     batch_tokens: int = 8192  # padded teacher tokens per forward (rows x longest row)
     max_rows: int = 64
     rows_per_task: int = 512
@@ -123,6 +127,7 @@ def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, head
     handler = H.TeacherCacheHandler(
         cfg.teacher,
         spec,
+        dtype=cfg.teacher_dtype,
         device=cfg.device,
         threads=cfg.threads,
         samples=meta.samples,
@@ -233,9 +238,8 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     for item in args.override:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
-    teacher = H.teacher_config(
-        args.teacher, init=args.init, seed=args.seed, overrides=overrides, dtype=args.teacher_dtype
-    )
+    teacher = H.teacher_config(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    check_dtype(args.teacher_dtype, "--teacher-dtype")
     shard_set = shards.open_shards(args.shards)
     tok = load_tokenizer(args.teacher)
     if H.lm_head_rows(teacher) < tok.vocab_size:
@@ -271,6 +275,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         out=out,
         meta=meta,
         teacher=teacher,
+        teacher_dtype=args.teacher_dtype,
         batch_tokens=args.batch_tokens,
         max_rows=args.max_rows,
         rows_per_task=args.rows_per_task,
@@ -354,6 +359,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipelines import cli
+    from tokenbridge import cli
 
     sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))

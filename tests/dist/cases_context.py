@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.dist.harness import Ctx, case
-from trainer.distributed import (
+from tokenbridge.dist_ops import (
     cp_all_gather,
     cp_segment_owner,
     cp_segment_sum,
@@ -20,7 +20,7 @@ from trainer.distributed import (
     packed_logprobs,
     to_cp_layout,
 )
-from trainer.distributed.collectives import all_reduce_
+from tokenbridge.dist_ops.collectives import all_reduce_
 
 CP_LAYOUTS = {2: (1, 2, 2), 4: (1, 4, 1)}
 

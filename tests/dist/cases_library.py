@@ -10,7 +10,7 @@ padded columns, so the padding lives on the last TP shard).
 Every mode runs on all 7 layouts. The chunk modes (`alm`, `xtoken`, `gold`) index aligned chunks
 by full-sequence positions and sum chain log-probs over a chunk's tokens before a nonlinearity:
 they get the whole (DP-local) rows for their `ChunkIndex`, the whole teacher outputs, the student
-logits in the CP layout and a `CPContext` (trainer/losses/context.py). Their `_short` cases hold
+logits in the CP layout and a `CPContext` (tokenbridge/losses/ops/cp_chunks.py). Their `_short` cases hold
 one short chunk per row, so every chunk lives in the first CP piece and CP rank 1 owns none: its
 loss must still join the backward all-reduce of the chain sums (a hang otherwise).
 Legend: B rows, S student width, T teacher width, V lm_head width.
@@ -22,9 +22,9 @@ import torch
 
 from tests.dist.cases_loss import MATRIX_LAYOUTS, check_invariance
 from tests.dist.harness import Ctx, case
-from trainer.distributed import CPContext
-from trainer.distributed.collectives import all_reduce_
-from trainer.losses import (
+from tokenbridge.dist_ops import CPContext
+from tokenbridge.dist_ops.collectives import all_reduce_
+from tokenbridge.losses import (
     AlignedBatch,
     AlmConfig,
     GoldConfig,

@@ -17,7 +17,7 @@ from tests.dist.references import (
     ref_topk,
     value_and_grad,
 )
-from trainer.distributed import (
+from tokenbridge.dist_ops import (
     reduce_from_tp,
     seq_to_vocab_parallel,
     vocab_to_seq_parallel,
@@ -214,7 +214,7 @@ def _dtensor(ctx: Ctx) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from trainer.distributed.dtensor import unwrap_vocab_sharded
+    from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x = _logits(ctx, 3, 8)

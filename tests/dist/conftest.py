@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.harness import WORLD, load_cases, run_cases
-from trainer.distributed.launch import spawn
+from trainer.parallel.spawn import spawn
 
 
 @pytest.fixture(scope="session")

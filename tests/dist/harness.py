@@ -1,7 +1,7 @@
 """One launch, many cases: the multi-process test harness for tests/dist.
 
 Starting 4 torch processes costs ~7 s here, so the whole multi-process suite is ONE
-`trainer.distributed.launch.spawn` of 4 gloo ranks that builds every TP x CP x DP layout once and
+`trainer.parallel.spawn.spawn` of 4 gloo ranks that builds every TP x CP x DP layout once and
 runs every registered case in it. Each case records its mismatches instead of raising (so the
 ranks stay in step through the remaining collectives), and the pytest side turns each case into
 its own test item (see conftest.py).
@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import ParallelGroups, to_cp_layout
-from trainer.distributed.launch import build_parallel_groups
+from trainer.parallel.mesh import ParallelGroups
+from tokenbridge.dist_ops import to_cp_layout
+from trainer.parallel.spawn import build_parallel_groups
 
 WORLD = 4
 TOL = {"rtol": 1e-5, "atol": 1e-5}

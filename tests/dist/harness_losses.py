@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.distributed import (
+from tokenbridge.dist_ops import (
     CPContext,
-    ParallelGroups,
     cp_segment_owner,
     cp_segment_sum,
     cp_shift_next,
@@ -26,6 +25,7 @@ from trainer.distributed import (
     vp_softmax,
     vp_target_logprobs,
 )
+from trainer.parallel.mesh import ParallelGroups
 
 CHUNK = 5  # rows per chunk: chunk borders fall inside rows and across CP pieces
 

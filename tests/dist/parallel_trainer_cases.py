@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pipelines import paths
-from trainer import parallel
-from trainer import train as train_module
-from trainer.config import from_dictconfig
-from trainer.preflight import preflight
-from trainer.train import Trainer
+from tokenbridge import paths
+from trainer.parallel import parallelize
+from trainer import loop as train_module
+from trainer.config.schema import from_dictconfig
+from trainer.config.preflight import preflight
+from trainer.loop import Trainer
 
 TINY = {
     "hidden_size": 64,
@@ -113,7 +113,7 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
 
     for m in model.modules():
         m.register_forward_hook(any_full_vocab)
-    parallel.decoder_layers(model)[0].register_forward_hook(layer_length)
+    parallelize.decoder_layers(model)[0].register_forward_hook(layer_length)
     head = model.get_output_embeddings()
     head.register_forward_hook(
         lambda m, i, out: state.update(
@@ -217,10 +217,11 @@ def model_checks() -> dict:
     """cp = 2 and tp = 2 forwards + backwards of tiny Llama and Gemma 3 models against the whole
     model in this process: max |difference| / max |reference| of the logits and of every
     parameter's gradient."""
-    from trainer.cp_attention import model_inputs
-    from trainer.data import Microbatch
-    from trainer.distributed import build_mesh, to_cp_layout
-    from trainer.distributed.dtensor import unwrap_vocab_sharded
+    from trainer.parallel.cp_attention import model_inputs
+    from trainer.microbatches import Microbatch
+    from trainer.parallel.mesh import build_mesh
+    from tokenbridge.dist_ops import to_cp_layout
+    from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 
     ids_BT = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
     w_BTV = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(4))
@@ -234,7 +235,7 @@ def model_checks() -> dict:
         # cp = 2: each rank its positions; the objective is the sum of the ranks' terms
         groups = build_mesh(torch.device("cpu"), dp=1, cp=2, tp=1)
         model = _tiny(kind)
-        parallel.apply_cp(model, 2)
+        parallelize.apply_cp(model, 2)
         rows = mb.student_rows(cp_size=2, cp_rank=groups.cp_rank)
         kw = model_inputs(rows, group=groups.cp)
         local = model(**kw, use_cache=False).logits
@@ -252,14 +253,14 @@ def model_checks() -> dict:
         # tp = 2: vocab-sharded logits (DTensor), tied embedding gradient gathered
         groups = build_mesh(torch.device("cpu"), dp=1, cp=1, tp=2)
         model = _tiny(kind)
-        plan = parallel.tp_plan(model.config.model_type)
-        names = parallel.apply_tp(model, groups.tp_mesh, plan)
+        plan = parallelize.tp_plan(model.config.model_type)
+        names = parallelize.apply_tp(model, groups.tp_mesh, plan)
         logits = model(input_ids=ids_BT, use_cache=False).logits
         local, _ = unwrap_vocab_sharded(logits)
         v0 = groups.tp_rank * local.shape[-1]
         # the sum over the tp ranks of their columns' terms is the whole objective
         (local * w_BTV[..., v0 : v0 + local.shape[-1]]).sum().backward()
-        parallel.sync_replicated_grads(model, names, groups.tp)
+        parallelize.sync_replicated_grads(model, names, groups.tp)
         diff = {"logits": _rel(logits.full_tensor(), logits_BTV)}
         diff["tied"] = float(model.lm_head.weight is model.model.embed_tokens.weight)
         for n, p in model.named_parameters():
@@ -274,7 +275,7 @@ def main(which: str, shards: str, projection: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     # the HTML run report (matplotlib, ~10 s a run here) is tested elsewhere
     train_module.report.after_run = lambda run_dir: None
-    parallel.init_distributed(torch.device("cpu"))
+    parallelize.init_distributed(torch.device("cpu"))
     if which == "two":
         checks = model_checks()
         if dist.get_rank() == 0:

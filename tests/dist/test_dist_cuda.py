@@ -18,7 +18,7 @@ from tests.dist.references import (
     ref_target_logprobs,
     value_and_grad,
 )
-from trainer.distributed import (
+from tokenbridge.dist_ops import (
     cp_all_gather,
     cp_shift_next,
     next_token_targets,
@@ -29,7 +29,7 @@ from trainer.distributed import (
     vp_target_logprobs,
     vp_topk,
 )
-from trainer.distributed.launch import spawn
+from trainer.parallel.spawn import spawn
 
 pytestmark = [
     pytest.mark.cuda,
@@ -124,7 +124,7 @@ def test_cp_attention_function_on_cuda_single_rank():
     """The CP attention function's own path (global-position mask, per-piece SDPA, the K/V
     all-gather of a group of one) on CUDA against transformers' SDPA on the same model."""
     from tests.tiny import tiny_llama
-    from trainer import cp_attention
+    from trainer.parallel import cp_attention
 
     ref = tiny_llama(64).cuda()
     model = tiny_llama(64).cuda()

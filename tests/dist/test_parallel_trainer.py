@@ -50,8 +50,8 @@ def runs(tmp_path_factory, student_dir) -> Path:
         teacher_dirs=[student_dir] * len(MODES),
         max_tokens=64,
     )
-    from pipelines import projection as P
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge import projection as P
+    from tokenbridge.tokenizers import load_tokenizer
 
     tok = load_tokenizer(student_dir)
     proj = P.save_projection(

@@ -29,12 +29,12 @@ import psutil
 import pytest
 import torch
 
-from pipelines.paths import REPO_ROOT
+from tokenbridge.paths import REPO_ROOT
 from tests.tiny import save_tiny_llama
-from trainer.config import TeacherConfig
-from trainer.losses.teacher_outputs import TeacherOutputSpec
+from trainer.config.schema import TeacherConfig
+from tokenbridge.teacher.outputs import TeacherOutputSpec
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
-from trainer.teacher.program import TeacherModelProgram
+from trainer.teacher.model_program import TeacherModelProgram
 from trainer.teacher.ring import (
     SHM_PREFIX,
     ChannelError,
@@ -332,7 +332,7 @@ def _student(model_dir: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["student"]:
-    from pipelines import cli
+    from tokenbridge import cli
     from trainer.main import RULES
 
     # as trainer/main.py does: a failure is one line (the traceback with TOKENBRIDGE_DEBUG=1)

@@ -27,8 +27,8 @@ def report(tmp_path_factory, student_dir) -> dict:
         teacher_dirs=[student_dir],
         max_tokens=64,
     )
-    from pipelines import projection as P
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge import projection as P
+    from tokenbridge.tokenizers import load_tokenizer
 
     tok = load_tokenizer(student_dir)
     proj = P.save_projection(

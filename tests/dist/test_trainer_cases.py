@@ -13,7 +13,7 @@ one after another in the same process group and writes rank 0's findings to OUT 
 - ``resume``: losses of steps 3-4 of an uninterrupted dp=2 run, and of a run stopped after step 2
   (stop_after), checkpointed, and resumed by a fresh Trainer;
 - ``modes``: two steps of xtoken (with the chain term), alm and gold (metrics per step);
-- ``clip``: the global gradient norm of `parallel.clip_grad_norm_` on a TP+FSDP model vs the
+- ``clip``: the global gradient norm of `parallelize.clip_grad_norm_` on a TP+FSDP model vs the
   norm of the same gradients on an unsharded copy.
 """
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelines import paths
-from trainer import parallel
-from trainer.config import from_dictconfig
-from trainer.preflight import preflight
-from trainer.train import Trainer
+from tokenbridge import paths
+from trainer.parallel import parallelize
+from trainer.config.schema import from_dictconfig
+from trainer.config.preflight import preflight
+from trainer.loop import Trainer
 
 TINY = {
     "hidden_size": 64,
@@ -163,7 +163,7 @@ def case_clip() -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from trainer.distributed import build_mesh
+    from trainer.parallel.mesh import build_mesh
 
     hf = LlamaConfig(vocab_size=300, tie_word_embeddings=True, **TINY)
     torch.manual_seed(0)
@@ -171,12 +171,12 @@ def case_clip() -> dict:
     model = AutoModelForCausalLM.from_config(hf)
     model.load_state_dict(ref.state_dict())
     groups = build_mesh(torch.device("cpu"), dp=1, tp=2)
-    parallel.apply_tp(model, groups.tp_mesh, parallel.tp_plan("llama"))
-    parallel.apply_fsdp(model, groups.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
+    parallelize.apply_tp(model, groups.tp_mesh, parallelize.tp_plan("llama"))
+    parallelize.apply_fsdp(model, groups.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids).logits.square().mean().backward()
     ref(input_ids=ids).logits.square().mean().backward()
-    norm = parallel.clip_grad_norm_(list(model.parameters()), 0.0)
+    norm = parallelize.clip_grad_norm_(list(model.parameters()), 0.0)
     want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     return {"sharded": float(norm), "reference": float(want)}
 
@@ -184,7 +184,7 @@ def case_clip() -> dict:
 def main(shards: str, out: str, projection: str) -> None:
     tmp = Path(out).parent / "runs"
     torch.set_num_threads(1)
-    parallel.init_distributed(torch.device("cpu"))
+    parallelize.init_distributed(torch.device("cpu"))
     result = {
         "layouts": case_layouts(shards, tmp),
         "resume": case_resume(shards, tmp),

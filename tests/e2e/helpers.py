@@ -1,8 +1,8 @@
 """Test inputs for the trainer, made with the real pipeline pieces (no Beam, so in seconds).
 
 `write_shards` tokenizes texts with the real tokenizers, aligns and windows them
-(`pipelines.align`: alignment and windows) and writes a complete shard directory with
-`pipelines.shards` — the same rows the align job writes, minus the Beam runner.
+(`tokenbridge.alignment`: alignment and windows) and writes a complete shard directory with
+`tokenbridge.formats.shards` — the same rows the align job writes, minus the Beam runner.
 `shakespeare_docs` cuts the shipped corpus into small documents.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines import paths
-from pipelines.align import CHUNK_KIND_NAMES, WindowConfig, align, cut_windows
-from pipelines.schema import shard_schema
-from pipelines.shards import ShardWriter, shard_name, window_to_row, write_completed
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge import paths
+from tokenbridge.alignment import CHUNK_KIND_NAMES, WindowConfig, align, cut_windows
+from tokenbridge.formats.shard_schema import shard_schema
+from tokenbridge.formats.shards import ShardWriter, shard_name, window_to_row, write_completed
+from tokenbridge.tokenizers import load_tokenizer
 
 REPO = paths.REPO_ROOT
 
@@ -105,8 +105,8 @@ def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 300, env: d
 
 
 def example_rows(n: int, *, fmt: str = "messages") -> list[dict]:
-    """The first `n` rows of a shipped example conversation file (`pipelines.chat.example`)."""
-    from pipelines.chat import example
+    """The first `n` rows of a shipped example conversation file (`tokenbridge.chat.example`)."""
+    from tokenbridge.chat import example
 
     name = example.MESSAGES_FILE if fmt == "messages" else example.PROMPT_COMPLETION_FILE
     lines = (example.DATA_DIR / name).read_text(encoding="utf-8").splitlines()
@@ -124,10 +124,11 @@ def write_chat_shards(
     """A complete conversation shard directory of `rows` (``messages`` or prompt/completion
     dicts), made by the align job's pure steps (parse, `align_conversations`, `record_batch`)
     without Beam. `teachers`: (model dir, chat template name or None = the model's own)."""
-    from pipelines.chat import fit, records
-    from pipelines.chat import rows as R
-    from pipelines.chat.align import align_conversations, prepare_side
-    from pipelines.chat.templates import resolve_template
+    from pipelines.align import chat_records as records
+    from tokenbridge.chat import fit
+    from tokenbridge.chat import rows as R
+    from tokenbridge.chat.align import align_conversations, prepare_side
+    from tokenbridge.chat.templates import resolve_template
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

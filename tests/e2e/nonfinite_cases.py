@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelines import paths
 from tests.dist.test_trainer_cases import TINY, params_checksum
-from trainer.config import from_dictconfig
-from trainer.metrics import NonFiniteError
-from trainer.preflight import preflight
-from trainer.train import Trainer
+from tokenbridge import paths
+from trainer.config.preflight import preflight
+from trainer.config.schema import from_dictconfig
+from trainer.loop import Trainer
+from trainer.run_log import NonFiniteError
 
 NAN_STEP = 3
 

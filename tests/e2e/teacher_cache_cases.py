@@ -31,12 +31,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipelines import paths
 from pipelines.teacher_cache import job as J
 from tests.dist.test_trainer_cases import TINY
-from trainer.config import from_dictconfig
-from trainer.preflight import preflight
-from trainer.train import Trainer, shm_usage
+from tokenbridge import paths
+from trainer.config.preflight import preflight
+from trainer.config.schema import from_dictconfig
+from trainer.loop import Trainer, shm_usage
 
 GEMMA_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip

@@ -29,10 +29,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipelines import projection as P
-from pipelines.tokenizers import load_tokenizer
+from pipelines.projection.__main__ import main as projection_job
 from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
 from tests.unit.test_report import check_numbers, check_page
+from tokenbridge import projection as P
+from tokenbridge.tokenizers import load_tokenizer
 from trainer.report import write_report
 
 PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
@@ -59,7 +60,7 @@ def inputs(tmp_path_factory, teacher_dir, student_dir) -> dict:
             student=load_tokenizer(student_dir).info(),
         )
     except (FileNotFoundError, ValueError):
-        P.main(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
+        projection_job(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
                 "--out", str(PROJECTION)])  # fmt: skip
     docs = shakespeare_docs(24, chars=700)
     shards = write_shards(
@@ -251,7 +252,7 @@ def test_debug_run_on_cuda_with_cuda_ipc_channel(inputs):
 
 
 def _one_line(stderr: str, *needles: str) -> str:
-    """`stderr` is one ``tokenbridge train:`` line (`pipelines.cli`) holding every needle."""
+    """`stderr` is one ``tokenbridge train:`` line (`tokenbridge.cli`) holding every needle."""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tokenbridge train: "), stderr[-4000:]
     assert all(n in lines[0] for n in needles), lines[0]

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from pipelines import paths
 from tests.e2e.helpers import REPO
+from tokenbridge import paths
 
 PY = sys.executable
 MISSING = "/nonexistent/tokenbridge-test"
@@ -40,18 +40,18 @@ def commands(tmp) -> dict[str, tuple[list[str], dict, int, str]]:
         "train_2_ranks": ([*launch, "conf=debug", "optim.lrr=1"], {}, 2, KEY_LINE),
         "projection": ([PY, "-m", "pipelines.projection", "--teacher", MISSING, "--student", s],
                        {}, 2, f"tokenbridge projection: TokenizerNotFoundError: {MISSING}: no such"),
-        "pair_report": ([PY, "-m", "pipelines.pair_report", t, MISSING], {}, 2,
+        "pair_report": ([PY, "-m", "tokenbridge.pair_report", t, MISSING], {}, 2,
                         f"tokenbridge pair_report: TokenizerNotFoundError: {MISSING}: no such"),
         "eval": ([PY, "-m", "trainer.eval", "--model", MISSING, "--tasks", "copa"], {}, 2,
                  f"tokenbridge eval: FileNotFoundError: {MISSING} is not a HF model directory"),
         "report": ([PY, "-m", "trainer.report", MISSING], {}, 2,
                    f"tokenbridge report: FileNotFoundError: {MISSING}: not a run folder"),
-        "align": ([PY, "-m", "pipelines.align_job", "--data", f"{MISSING}/*.txt", "--teacher", t,
+        "align": ([PY, "-m", "pipelines.align", "--data", f"{MISSING}/*.txt", "--teacher", t,
                    "--student", s, "--out", str(tmp / "out")], {}, 2,
                   f"tokenbridge align: FileNotFoundError: --data '{MISSING}/*.txt' matches no"),
         "teacher_cache": ([PY, "-m", "pipelines.teacher_cache", "--shards", MISSING, "--teacher",
                            t], {}, 2, f"tokenbridge teacher_cache: FileNotFoundError: {MISSING}: no"),
-        "align_help": ([PY, "-m", "pipelines.align_job", "--help"], {}, 0, ""),
+        "align_help": ([PY, "-m", "pipelines.align", "--help"], {}, 0, ""),
     }  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def test_tiny_align_job_shows_its_own_log_and_no_gcp_warning(tmp_path):
     data = tmp_path / "doc.txt"
     text = sorted((paths.corpus_dir() / "shakespeare").glob("*.txt"))[0].read_text()
     data.write_text(text[5000:7000])
-    argv = [PY, "-m", "pipelines.align_job", "--data", str(data), "--teacher",
+    argv = [PY, "-m", "pipelines.align", "--data", str(data), "--teacher",
             str(paths.teacher_dir()), "--student", str(paths.student_dir()),
             "--out", str(tmp_path / "out")]  # fmt: skip
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -33,10 +33,11 @@ import sys
 
 import pytest
 
-from pipelines import projection as P
-from pipelines.teacher_cache import format as CF
-from pipelines.tokenizers import load_tokenizer
+from pipelines.projection.__main__ import main as projection_job
 from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
+from tokenbridge import projection as P
+from tokenbridge.formats import teacher_cache as CF
+from tokenbridge.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.slow
 PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
@@ -54,7 +55,7 @@ def report(tmp_path_factory, teacher_dir, student_dir) -> dict:
         P.load_projection(PROJECTION, teacher=load_tokenizer(teacher_dir).info(),
                           student=load_tokenizer(student_dir).info())  # fmt: skip
     except (FileNotFoundError, ValueError):
-        P.main(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
+        projection_job(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
                 "--out", str(PROJECTION)])  # fmt: skip
     docs = shakespeare_docs(14, chars=700)
     same = write_shards(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines import align_dofns as F
+from pipelines.align import align_dofns as F
 
 
 @pytest.fixture(scope="session")

@@ -30,15 +30,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import align_job as J
-from pipelines import schema as S
-from pipelines import shards
-from pipelines.align import WindowConfig
-from pipelines.chat import rows as R
-from pipelines.chat.read import Row
-from pipelines.chat.templates import ChatTemplate, resolve_template, shipped_template
-from pipelines.chat_dofns import AlignChatDoFn, ChatConfig, RowBatch
+from pipelines.align import job as J
+from pipelines.align.chat_dofns import AlignChatDoFn, ChatConfig, RowBatch
+from pipelines.align.chat_read import Row
 from tests.e2e.helpers import example_rows
+from tokenbridge.alignment import WindowConfig
+from tokenbridge.chat import rows as R
+from tokenbridge.chat.templates import ChatTemplate, resolve_template, shipped_template
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
 
 LIMIT = 512  # tokens, both sides
 

@@ -11,9 +11,9 @@ import json
 
 from dask.distributed import LocalCluster
 
-from pipelines import align_job as J
-from pipelines import schema as S
-from pipelines import shards
+from pipelines.align import job as J
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
 
 SKIP_KEYS = {"wall_s", "metrics", "shards"}  # files roll per bundle: runners differ
 

@@ -16,11 +16,11 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipelines import align_job as J
-from pipelines import readers as R
-from pipelines import schema as S
-from pipelines import shards
-from pipelines.align import WindowConfig, WindowError, align, cut_windows, vocab_bytes
+from pipelines.align import job as J
+from pipelines.align import readers as R
+from tokenbridge.alignment import WindowConfig, WindowError, align, cut_windows, vocab_bytes
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
 
 UNICODE_DOC = (
     "Café naïve — “quoted” text, 日本語のテキスト and an emoji 🙂.\n\n"

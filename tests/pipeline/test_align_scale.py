@@ -17,13 +17,15 @@ import pytest
 from apache_beam.pipeline import PipelineVisitor
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 
-from pipelines import align_dofns as F
-from pipelines import align_job as J
-from pipelines import paths, rolling, shards
-from pipelines import readers as R
-from pipelines import write_dofns as W
-from pipelines.align import WindowConfig, align, cut_windows, vocab_bytes
-from pipelines.pieces import PieceConfig
+from pipelines.align import align_dofns as F
+from pipelines.align import job as J
+from pipelines.align import readers as R
+from pipelines.align import write_dofns as W
+from pipelines.plumbing import rolling
+from tokenbridge import paths
+from tokenbridge.alignment import WindowConfig, align, cut_windows, vocab_bytes
+from tokenbridge.alignment.long_documents import PieceConfig
+from tokenbridge.formats import shards
 
 WINDOW = WindowConfig(max_student_tokens=64, max_teacher_tokens=56)
 
@@ -108,7 +110,7 @@ def test_same_windows_as_the_per_document_job(tmp_path, pair_paths, pair_tokeniz
 class _Upstream(PipelineVisitor):
     """For every GroupByKey: the nearest DoFns of the package (or Impulse) feeding it."""
 
-    OURS = ("pipelines.align_dofns", "pipelines.write_dofns")
+    OURS = ("pipelines.align.align_dofns", "pipelines.align.write_dofns")
 
     def __init__(self):
         self.found: dict[str, set[str]] = {}
@@ -177,7 +179,7 @@ def test_killed_run_publishes_nothing_and_a_rerun_completes(
     out = tmp_path / "out"
     argv = _cli(f"{data}/*.jsonl", out, teacher, student, "--shard-mb", "0.05")
     argv += ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
-    code = f"from pipelines import align_job as J; J.main({argv!r})"
+    code = f"from pipelines.align import job as J; J.main({argv!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=paths.REPO_ROOT,

@@ -1,4 +1,4 @@
-"""Beam's local worker processes (`pipelines.beam_worker`): quiet at start, warnings still said.
+"""Beam's local worker processes (`pipelines.plumbing.beam_worker`): quiet at start, warnings still said.
 
 A two-process FnApiRunner pipeline, run as a user runs a job (a subprocess, the jobs' logging),
 whose only step logs a warning in a worker: stderr holds that warning once (relayed by the
@@ -12,12 +12,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pipelines import paths
+from tokenbridge import paths
 
 # the package first, as every job does (its filter on Beam's GCP-client warning)
 SCRIPT = """
 import logging, sys
-from pipelines import beam_worker
+from pipelines.plumbing import beam_worker
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import readers as R
+from pipelines.align import readers as R
 
 
 def _split(items):

@@ -17,15 +17,15 @@ import pytest
 import torch
 from dask.distributed import LocalCluster
 
-from pipelines import schema as S
-from pipelines import shards
 from pipelines.teacher_cache import job as J
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
 from tests.e2e.helpers import shakespeare_docs, write_shards
-from trainer.config import TeacherConfig
-from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher.program import TeacherModelProgram
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
+from tokenbridge.teacher.outputs import TeacherOutputSpec
+from trainer.config.schema import TeacherConfig
+from trainer.teacher.model_program import TeacherModelProgram
 from trainer.teacher.worker import TeacherContext
 
 pytestmark = pytest.mark.slow

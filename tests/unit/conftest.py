@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines import paths
-from trainer.eval import data as eval_data
+from tokenbridge import paths
+from trainer.eval import datasets as eval_data
 from trainer.eval.tasks import FETCH_HINT
 
 

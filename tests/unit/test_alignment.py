@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.align import (
+from tokenbridge.alignment import (
     CHUNK_1_1,
     CHUNK_1_N,
     CHUNK_N_1,
@@ -21,7 +21,7 @@ from pipelines.align import (
     align_batch,
     align_batch_flat,
 )
-from pipelines.tokenizers import BatchEncoding, Encoding
+from tokenbridge.tokenizers import BatchEncoding, Encoding
 
 # one shared toy vocabulary: id -> bytes (None = special token)
 PIECES = [None, None, b"a", b"b", b"ab", b"c", b"bc", b"abc", b" ", b" a", b"d", b"cd", b"\xc3\xa9"]

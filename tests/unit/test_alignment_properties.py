@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.align import align, align_batch, vocab_bytes
-from pipelines.tokenizers import Encoding, load_tokenizer
+from tokenbridge.alignment import align, align_batch, vocab_bytes
+from tokenbridge.tokenizers import Encoding, load_tokenizer
 
 PAIRS = [
     ("smollm2", "gemma"),

@@ -14,8 +14,8 @@ import zipfile
 
 import pytest
 
-from pipelines.assets import steps, store
-from trainer.eval import data as eval_data
+from tokenbridge.assets import steps, store
+from trainer.eval import datasets as eval_data
 
 FAKE = b"not really a wheel\n"
 FAKE_SHA = hashlib.sha256(FAKE).hexdigest()

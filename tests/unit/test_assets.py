@@ -10,8 +10,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from pipelines import paths
-from pipelines.assets import steps, store
+from tokenbridge import paths
+from tokenbridge.assets import steps, store
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def _safetensors_shapes(path) -> dict[str, list[int]]:
 @pytest.mark.parametrize("which", ["teacher", "student"])
 def test_converted_models(which, teacher_dir, student_dir):
     """Plain fp32 HF dirs: no quantizer left, vocab_size == embedding rows >= tokenizer ids."""
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge.tokenizers import load_tokenizer
 
     d = teacher_dir if which == "teacher" else student_dir
     config = json.loads((d / "config.json").read_text())
@@ -149,7 +149,7 @@ def test_put_in_place_keeps_identical_contents(art):
 
 
 def test_kjv_chapters_groups_verses_into_one_document_per_chapter(tmp_path):
-    from pipelines.assets.steps import kjv_chapters
+    from tokenbridge.assets.steps import kjv_chapters
 
     verses = [("Romans", 1, 1, "Paul, a servant."), ("Romans", 1, 2, "Which he had promised."),
               ("Genesis", 1, 1, "In the beginning."), ("Romans", 2, 1, "Therefore thou art.")]  # fmt: skip

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.tiny import save_tiny_llama
-from trainer.config import TeacherConfig
-from trainer.losses.teacher_outputs import TeacherOutputSpec
+from tokenbridge.teacher.outputs import TeacherOutputSpec
+from trainer.config.schema import TeacherConfig
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
-from trainer.teacher.program import TeacherModelProgram, teacher_forward
+from trainer.teacher.model_program import TeacherModelProgram, teacher_forward
 from trainer.teacher.ring import (
     ALIGN,
     ChannelError,

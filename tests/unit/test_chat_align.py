@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.chat import rows, templates
-from pipelines.chat.align import align_conversations, prepare_side
-from pipelines.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, TOKEN_OPEN
-from pipelines.chat.pairs import CHUNK_EOT, CHUNK_OPEN
-from pipelines.chat.rows import Conversation, DeadLetter, Message
-from pipelines.chat.templates import ChatTemplate
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge.chat import rows, templates
+from tokenbridge.chat.align import align_conversations, prepare_side
+from tokenbridge.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, TOKEN_OPEN
+from tokenbridge.chat.pairs import CHUNK_EOT, CHUNK_OPEN
+from tokenbridge.chat.rows import Conversation, DeadLetter, Message
+from tokenbridge.chat.templates import ChatTemplate
+from tokenbridge.tokenizers import load_tokenizer
 
 # ---------------------------------------------------------------- sides (loaded once per module)
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pipelines.chat import example, rows, templates
-from pipelines.chat.align import ChatAlignment, align_conversations, prepare_side
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge.chat import example, rows, templates
+from tokenbridge.chat.align import ChatAlignment, align_conversations, prepare_side
+from tokenbridge.tokenizers import load_tokenizer
 
 
 def test_rebuilds_byte_for_byte(tmp_path, corpus_dir):

@@ -1,4 +1,4 @@
-"""Conversation rows out of files (`pipelines.chat.read`): jsonl and parquet, the format per file,
+"""Conversation rows out of files (`pipelines.align.chat_read`): jsonl and parquet, the format per file,
 row numbers across byte ranges, and what is bad before parsing as dead letters."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines import readers as R
-from pipelines.chat import rows
-from pipelines.chat.read import ROW_FORMAT_MISMATCH, Row, peek_format, read_rows
+from pipelines.align import readers as R
+from pipelines.align.chat_read import ROW_FORMAT_MISMATCH, Row, peek_format, read_rows
+from tokenbridge.chat import rows
 
 MSG = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
 PC = {"prompt": "Hi", "completion": [{"role": "assistant", "content": "Yo"}]}

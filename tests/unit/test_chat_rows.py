@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.chat import rows
-from pipelines.chat.rows import Conversation, DeadLetter, parse_row
+from tokenbridge.chat import rows
+from tokenbridge.chat.rows import Conversation, DeadLetter, parse_row
 
 
 def _msgs(*pairs):

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.chat import rows, templates
-from pipelines.chat.render import render_conversation
-from pipelines.chat.rows import Conversation, DeadLetter, Message
-from pipelines.chat.templates import ChatTemplate, TemplateNotFoundError
+from tokenbridge.chat import rows, templates
+from tokenbridge.chat.render import render_conversation
+from tokenbridge.chat.rows import Conversation, DeadLetter, Message
+from tokenbridge.chat.templates import ChatTemplate, TemplateNotFoundError
 
 
 def conv(*pairs) -> Conversation:

@@ -6,7 +6,7 @@ template; teacher 0 Gemma 3 with the shipped ``gemma`` template; teacher 1 SmolL
 the same-tokenizer ``kd_topk``), written by the align job's pure steps. Models: tiny random
 Llamas with the real vocabulary sizes.
 
-The trainer's path: the loader's target mask (`trainer.data.train_targets`), the registry's
+The trainer's path: the loader's target mask (`trainer.microbatches.train_targets`), the registry's
 ``prepare`` / ``count`` / ``loss`` and ``teacher_rows``, and the teacher computing outputs at
 those rows only (`teacher_forward(used_BU=...)`: NaN elsewhere, so a loss reading any other row
 would not be finite). The reference: from the shard columns alone, by hand — CE over the
@@ -25,23 +25,23 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import schema as S
-from pipelines.shards import open_shards
-from pipelines.tokenizers import load_tokenizer
 from tests.e2e.helpers import example_rows, write_chat_shards
 from tests.tiny import tiny_llama
 from tests.unit.test_loss_refs import NEG, masked_logp, random_t2s, ref_bin
-from trainer.config import LossConfig
-from trainer.data import IGNORE, ShardReader, collate
-from trainer.distill import ce_term, combine_terms
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats.shards import open_shards
+from tokenbridge.losses import AlignedBatch, index_chunks
+from tokenbridge.losses.alm import AlmConfig, alm
+from tokenbridge.losses.gold import GoldConfig, GoldTables, gold
+from tokenbridge.losses.kd_topk import KDTopKConfig
+from tokenbridge.losses.modes import MODES
+from tokenbridge.losses.xtoken import XTokenConfig, XTokenTables, xtoken
+from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.schema import LossConfig
 from trainer.eval import trained_bpb
-from trainer.losses import AlignedBatch, index_chunks
-from trainer.losses.alm import AlmConfig, alm
-from trainer.losses.gold import GoldConfig, GoldTables, gold
-from trainer.losses.kd_topk import KDTopKConfig
-from trainer.losses.modes import MODES
-from trainer.losses.xtoken import XTokenConfig, XTokenTables, xtoken
-from trainer.teacher.program import teacher_forward
+from trainer.loss_terms import ce_term, combine_terms
+from trainer.microbatches import IGNORE, ShardReader, collate
+from trainer.teacher.model_program import teacher_forward
 
 MODE_FUNCS = {"xtoken": xtoken, "gold": gold, "alm": alm}
 

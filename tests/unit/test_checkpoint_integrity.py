@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from pipelines import verify
+from tokenbridge import verify
 from trainer import checkpoint as ckpt
-from trainer.config import CheckpointConfig
+from trainer.config.schema import CheckpointConfig
 
 
 @pytest.fixture(scope="module")

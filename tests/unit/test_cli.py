@@ -1,4 +1,4 @@
-"""How commands fail (`pipelines.cli`, `trainer.launch`) and what is not printed at all.
+"""How commands fail (`tokenbridge.cli`, `trainer.launch`) and what is not printed at all.
 
 In process, on the helper: one line of the documented form and the exit code for each kind of
 failure, the traceback only with TOKENBRIDGE_DEBUG=1 (always for a bug), the rank rules of a
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import cli
-from pipelines.shards import FingerprintMismatchError
 from tests.e2e.helpers import REPO
+from tokenbridge import cli
+from tokenbridge.formats.shards import FingerprintMismatchError
 from trainer import launch
 from trainer.main import RULES, hydra_overrides
 
@@ -72,10 +72,10 @@ def test_each_known_failure_is_one_line_and_its_exit_code(capsys, exc, code, lin
 
 def test_unfinished_directories_and_downloads_are_known_failures(capsys):
     """Named in cli.BASE_RULES (RuntimeErrors, else they would read as bugs), for every command
-    that meets them: the trainer, the teacher-cache job, `make models`, `trainer.eval.data`."""
-    from pipelines.assets.store import ChecksumError
-    from pipelines.shards import IncompleteShardsError
-    from pipelines.teacher_cache.reader import IncompleteCacheError
+    that meets them: the trainer, the teacher-cache job, `make models`, `trainer.eval.datasets`."""
+    from tokenbridge.assets.store import ChecksumError
+    from tokenbridge.formats.shards import IncompleteShardsError
+    from tokenbridge.formats.teacher_cache_reader import IncompleteCacheError
 
     cases = [
         (IncompleteShardsError("/s: no COMPLETED marker; rerun the align job"), 2),
@@ -91,7 +91,7 @@ def test_unfinished_directories_and_downloads_are_known_failures(capsys):
 def _entry_points() -> list[Path]:
     """Every module a user runs: a ``__main__.py`` or one with a ``__main__`` block."""
     found = []
-    for pkg in ("pipelines", "trainer"):
+    for pkg in ("tokenbridge", "pipelines", "trainer"):
         for path in sorted((REPO / pkg).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             if path.name == "__main__.py" or 'if __name__ == "__main__":' in text:
@@ -102,17 +102,17 @@ def _entry_points() -> list[Path]:
 def test_every_command_ends_through_cli_run():
     """A command added later gets the one-line errors too: its module runs its ``main`` through
     cli.run. trainer.launch is torchrun's wrapper: it reads the ranks' lines instead (tested
-    below); pipelines.beam_worker is Beam's worker process, started by the runner, not a user."""
+    below); pipelines.plumbing.beam_worker is Beam's worker process, started by the runner, not a user."""
     points = _entry_points()
     assert len(points) >= 12
     missing = []
     for path in points:
         rel = path.relative_to(REPO).as_posix()
-        if rel in ("trainer/launch.py", "pipelines/beam_worker.py"):
+        if rel in ("trainer/launch.py", "pipelines/plumbing/beam_worker.py"):
             continue
         if "cli.run(" not in path.read_text(encoding="utf-8"):
             missing.append(rel)
-    assert not missing, f"commands that do not end through pipelines.cli.run: {missing}"
+    assert not missing, f"commands that do not end through tokenbridge.cli.run: {missing}"
 
 
 def test_debug_switch_adds_the_traceback_and_keeps_code_and_line(capsys, monkeypatch):
@@ -157,7 +157,7 @@ def test_ranks_say_it_once(capsys, monkeypatch):
 
 
 def test_trainer_rules_name_worker_timeout_and_nonfinite_errors(capsys):
-    from trainer.metrics import NonFiniteError
+    from trainer.run_log import NonFiniteError
     from trainer.teacher.ring import TeacherTimeoutError, TeacherWorkerError
 
     killed = TeacherWorkerError("teacher worker (pid 7) was killed by signal SIGKILL while x")

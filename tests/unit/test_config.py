@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipelines import schema as S
-from pipelines.cli import UsageError
-from pipelines.projection import TENSORS, ProjectionMismatchError
-from pipelines.shards import FingerprintMismatchError, IncompleteShardsError
-from pipelines.tokenizers import load_tokenizer
 from tests.unit.test_data import synthetic_rows
-from trainer.config import ConfigError, from_dictconfig
-from trainer.losses.modes import MODES
+from tokenbridge.cli import UsageError
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats.shards import FingerprintMismatchError, IncompleteShardsError
+from tokenbridge.losses.modes import MODES
+from tokenbridge.projection import TENSORS, ProjectionMismatchError
+from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.preflight import preflight
+from trainer.config.schema import ConfigError, from_dictconfig
 from trainer.main import hydra_overrides, load_config, main
 from trainer.optim import lr_lambda
-from trainer.preflight import preflight
 
 
 def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
@@ -146,7 +146,7 @@ def test_bad_loss_options_exit_2_in_the_config_before_anything_loads(
 ):
     """`main` as the command line runs it: refused by config validation, naming the field, in
     well under 3 s; the preflight (the first step that reads a file) is never reached."""
-    monkeypatch.setattr("trainer.preflight.preflight", _refuse_preflight)
+    monkeypatch.setattr("trainer.config.preflight.preflight", _refuse_preflight)
     t0 = time.perf_counter()
     assert main(["conf=debug", override]) == 2
     assert time.perf_counter() - t0 < 3
@@ -177,7 +177,7 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
 
 
 def write_synthetic(out, student, teachers, *, completed=True):
-    from pipelines.shards import ShardWriter, shard_name, write_completed
+    from tokenbridge.formats.shards import ShardWriter, shard_name, write_completed
 
     out.mkdir(parents=True)
     schema = S.shard_schema(student, teachers)

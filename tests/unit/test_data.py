@@ -1,6 +1,6 @@
 """Shard streaming: per-rank shares, eval hold-out, bounded shuffle, exact resume, collation.
 
-Shards here are written directly with `pipelines.shards` (synthetic 1:1 chunk columns, the
+Shards here are written directly with `tokenbridge.formats.shards` (synthetic 1:1 chunk columns, the
 SmolLM2 tokenizer's real fingerprint), so every test runs in milliseconds.
 """
 
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import schema as S
-from pipelines.shards import ShardWriter, open_shards, shard_name, write_completed
-from trainer.data import (
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats.shards import ShardWriter, open_shards, shard_name, write_completed
+from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
+from trainer.microbatches import (
     IGNORE,
     MicrobatchLoader,
     ShardReader,
@@ -22,7 +23,6 @@ from trainer.data import (
     collate,
     is_held_out,
 )
-from trainer.losses.segments import collate_aligned, shift_targets
 
 INFO = S.TokenizerInfo("smollm2-135m", "f" * 64, 49152)
 

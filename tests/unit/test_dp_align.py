@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.align.dp import dp_chunks, edit_path
+from tokenbridge.alignment.dp import dp_chunks, edit_path
 
 
 def levenshtein(a: bytes, b: bytes) -> int:

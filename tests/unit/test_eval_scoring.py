@@ -26,7 +26,7 @@ from tests import tiny
 from trainer.eval import evaluate_bpb, run_tasks
 from trainer.eval.bpb import text_windows
 from trainer.eval.engine import plan_batches
-from trainer.eval.scoring import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
+from trainer.eval.loglik import BatchLimits, TokenStats, encode_pair, score_items, text_encoder
 from trainer.eval.tasks import TASKS, load
 
 
@@ -207,7 +207,7 @@ def test_random_model_is_at_chance(tiny_llama, smol_tok, eval_data_ready):
 
 def test_bpb_same_with_pipelines_tokenizer(tiny_llama, smol_tok, student_dir):
     """The trainer passes a ``pipelines`` Tokenizer: same ids, same start token, same BPB."""
-    from pipelines.tokenizers import load_tokenizer
+    from tokenbridge.tokenizers import load_tokenizer
 
     texts = [TEXT, "Second text."]
     hf = evaluate_bpb(tiny_llama, smol_tok, texts, batch_size=2, max_length=64)

@@ -1,4 +1,4 @@
-"""The import graph of `pipelines/` and `trainer/`: no cycles, and the layering DESIGN.md states.
+"""The import graph of the three floors (and `bench/`): no cycles, and the layering DESIGN.md states.
 
 Read with `ast`, nothing is imported: every ``import`` and ``from ... import`` statement counts,
 at module level or inside a function (a lazy import only hides a cycle until the function runs),
@@ -12,13 +12,12 @@ from its ``__init__``). Two choices, and why:
   those parents unless names are taken from them: Python runs a parent first whatever the order,
   so such an edge would call every package whose ``__init__`` re-exports its modules a cycle.
 
-Layering (DESIGN.md, "Layout"): `pipelines/` never imports `trainer`, with one exception named
-in `PIPELINES_MAY_IMPORT`: the teacher cache's RunInference handler runs the trainer's teacher
-compute (`trainer.teacher.program`: the model build, the teacher outputs, and the config and
-context types they take), so a cached output is the live teacher's output by construction, not
-by a copy of the code. Nothing `trainer/` reaches through its imports, `pipelines` modules
-included, imports apache_beam (the handler imports it, so the trainer can never import the
-handler: no cycle through it either).
+Layering (DESIGN.md, "Layout: three floors"), with no exception: `tokenbridge/` (the library)
+imports none of the others; `pipelines/` (Beam) and `trainer/` (torchrun) import the library and
+never each other; nothing in the product imports `bench/`; `apache_beam` is imported under
+`pipelines/` only, Hydra and omegaconf under `trainer/` (and `bench/`, which drives it) only.
+Module file names are unique across the floors (`__init__` and `__main__` aside, and `job`:
+each job folder's pipeline assembly), so a name in a traceback or a doc points at one file.
 """
 
 from __future__ import annotations
@@ -27,19 +26,23 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines import paths
+from tokenbridge import paths
 
-ROOTS = ("pipelines", "trainer")
-# pipelines module -> the trainer modules it may import (by name: a new one must be added here)
-PIPELINES_MAY_IMPORT: dict[str, set[str]] = {
-    "pipelines.teacher_cache.handler": {
-        "trainer.teacher.program",  # TeacherModelProgram, the worker's teacher compute
-        "trainer.teacher.worker",  # TeacherContext, what the program's setup takes
-        "trainer.config",  # TeacherConfig, how the program names its teacher
-        "trainer.losses.teacher_outputs",  # TeacherOutputSpec, what it computes
-        "trainer.models",  # the lm_head width from config.json (no weights)
-    },
+ROOTS = ("tokenbridge", "pipelines", "trainer", "bench")
+# floor -> the floors it may import (itself included)
+MAY_IMPORT = {
+    "tokenbridge": {"tokenbridge"},
+    "pipelines": {"tokenbridge", "pipelines"},
+    "trainer": {"tokenbridge", "trainer"},
+    "bench": {"tokenbridge", "pipelines", "trainer", "bench"},
 }
+# external package -> the floors that may import it
+ONLY_IN = {
+    "apache_beam": {"pipelines"},
+    "hydra": {"trainer", "bench"},
+    "omegaconf": {"trainer", "bench"},
+}
+SHARED_NAMES = {"__init__", "__main__", "job"}
 
 
 @dataclass
@@ -210,25 +213,34 @@ def reachable(edges: dict[str, set[str]], starts: set[str]) -> set[str]:
     return seen
 
 
-def pipelines_importing_trainer(g: dict[str, Module]) -> dict[str, list[str]]:
-    """pipelines module -> the trainer modules it imports (any import, typing-only too)."""
+def floor_breaches(g: dict[str, Module]) -> dict[str, list[str]]:
+    """module -> the modules of floors it may not import (any import, typing-only too)."""
     bad = {}
     for name, m in g.items():
-        if name.split(".")[0] == "pipelines":
-            allowed = PIPELINES_MAY_IMPORT.get(name, set())
-            hits = sorted(
-                t for t in m.runtime | m.typing_only if t.startswith("trainer") and t not in allowed
-            )
-            if hits:
-                bad[name] = hits
+        allowed = MAY_IMPORT[name.split(".")[0]]
+        hits = sorted(t for t in m.runtime | m.typing_only if t.split(".")[0] not in allowed)
+        if hits:
+            bad[name] = hits
     return bad
 
 
-def beam_reached_from_trainer(g: dict[str, Module]) -> list[str]:
-    """Modules that import apache_beam and that some trainer module reaches through imports."""
-    edges = {m.name: m.runtime | m.typing_only for m in g.values()}
-    trainer = {n for n in g if n.split(".")[0] == "trainer"}
-    return sorted(n for n in reachable(edges, trainer) if "apache_beam" in g[n].external)
+def misplaced_externals(g: dict[str, Module]) -> list[str]:
+    """'module: package' for every import of a package outside the floors allowed to."""
+    return sorted(
+        f"{n}: {ext}"
+        for n, m in g.items()
+        for ext in m.external
+        if ext in ONLY_IN and n.split(".")[0] not in ONLY_IN[ext]
+    )
+
+
+def shared_file_names(g: dict[str, Module]) -> dict[str, list[str]]:
+    """file name -> the modules that share it (packages and SHARED_NAMES aside)."""
+    by_name: dict[str, list[str]] = {}
+    for n, m in g.items():
+        if not m.is_package and m.path.stem not in SHARED_NAMES:
+            by_name.setdefault(m.path.stem, []).append(n)
+    return {k: sorted(v) for k, v in by_name.items() if len(v) > 1}
 
 
 # --- the checker itself, on a made-up tree -----------------------------------------------------
@@ -258,6 +270,8 @@ def test_the_checker_sees_lazy_relative_and_submodule_imports(tmp_path):
             "trainer/sub/other.py": "from .. import sub\n",
             "trainer/lazy.py": "import importlib\nNAMES = {'x': 'trainer.sub.leaf'}\n"
             "def get(n):\n    return importlib.import_module(NAMES[n])\n",
+            "tokenbridge/__init__.py": "",
+            "bench/__init__.py": "",
         },
     )
     g = build_graph(repo)
@@ -273,24 +287,37 @@ def test_the_checker_sees_lazy_relative_and_submodule_imports(tmp_path):
         ["pipelines.a", "pipelines.b", "pipelines.c", "pipelines.a"],
         ["trainer.sub", "trainer.sub.leaf", "trainer.sub.other", "trainer.sub"],
     ]
-    assert not pipelines_importing_trainer(g) and not beam_reached_from_trainer(g)
+    assert not floor_breaches(g) and not misplaced_externals(g)
 
 
 def test_the_checker_sees_layering_breaches(tmp_path):
     repo = _write(
         tmp_path,
         {
+            "tokenbridge/__init__.py": "",
+            "tokenbridge/lib.py": "def f():\n    from trainer import loop\n",
+            "tokenbridge/conf.py": "from omegaconf import OmegaConf\n",
             "pipelines/__init__.py": "",
-            "pipelines/job.py": "import apache_beam as beam\n",
-            "pipelines/pure.py": "def f():\n    from pipelines.job import run\n",
+            "pipelines/job.py": "import apache_beam as beam\nfrom tokenbridge import lib\n",
             "pipelines/uses_trainer.py": "from trainer import loop\n",
             "trainer/__init__.py": "",
-            "trainer/loop.py": "from pipelines import pure\n",
+            "trainer/loop.py": "from pipelines import job\nimport bench.b\n",
+            "trainer/cli/job.py": "",
+            "trainer/cli/__init__.py": "",
+            "trainer/cli/lib.py": "import apache_beam\n",
+            "bench/__init__.py": "",
+            "bench/b.py": "from trainer import loop\nfrom pipelines import job\n",
         },
     )
     g = build_graph(repo)
-    assert pipelines_importing_trainer(g) == {"pipelines.uses_trainer": ["trainer.loop"]}
-    assert beam_reached_from_trainer(g) == ["pipelines.job"]
+    assert floor_breaches(g) == {
+        "pipelines.uses_trainer": ["trainer.loop"],
+        "tokenbridge.lib": ["trainer.loop"],
+        "trainer.loop": ["bench.b", "pipelines.job"],
+    }
+    assert misplaced_externals(g) == ["tokenbridge.conf: omegaconf", "trainer.cli.lib: apache_beam"]
+    # job.py twice is a job folder's assembly; lib.py twice is two things under one name
+    assert shared_file_names(g) == {"lib": ["tokenbridge.lib", "trainer.cli.lib"]}
 
 
 # --- the real tree ------------------------------------------------------------------------------
@@ -306,11 +333,16 @@ def test_no_import_cycles():
     assert not lines, "import cycles (function-level imports included):\n" + "\n".join(lines)
 
 
-def test_pipelines_never_import_the_trainer():
-    bad = pipelines_importing_trainer(build_graph())
-    assert not bad, f"pipelines modules importing trainer modules: {bad}"
+def test_each_floor_imports_only_the_floors_below():
+    bad = floor_breaches(build_graph())
+    assert not bad, f"imports across the floors (DESIGN.md, Layout): {bad}"
 
 
-def test_the_trainer_never_reaches_apache_beam():
-    beam = beam_reached_from_trainer(build_graph())
-    assert not beam, f"trainer/ reaches modules that import apache_beam: {beam}"
+def test_beam_and_hydra_stay_on_their_floors():
+    bad = misplaced_externals(build_graph())
+    assert not bad, f"apache_beam only under pipelines/, Hydra only under trainer/: {bad}"
+
+
+def test_module_file_names_are_unique():
+    shared = shared_file_names(build_graph())
+    assert not shared, f"one file name, several modules: {shared}"

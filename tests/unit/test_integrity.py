@@ -3,7 +3,7 @@
 Each damage is done to bytes on disk the way a full disk or a bad copy does it, to a directory
 written by the real writers (`ShardWriter`, `write_completed`); each must be refused with one
 line naming the file and the expected and found checksum (or the row and column of a bad value),
-by the reader and by ``python -m pipelines.verify`` (exit code 2), before a row reaches a model.
+by the reader and by ``python -m tokenbridge.verify`` (exit code 2), before a row reaches a model.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import struct
 import numpy as np
 import pytest
 
-from pipelines import integrity, shards, values, verify
-from pipelines import schema as S
 from tests.unit.test_shards import STUDENT, TEACHERS, _row, _rows, _write_dir
-from trainer.data import ShardReader
+from tokenbridge import verify
+from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
+from tokenbridge.formats import value_checks as values
+from trainer.microbatches import ShardReader
 
 NAME = shards.shard_name(0, 2)
 
@@ -264,7 +267,7 @@ def _first_bad_cached(row, vocab: int) -> str | None:
 def test_cached_row_check_agrees_with_a_per_element_reference():
     """Teacher-cache rows (the real `CachedRow`) with one random edit each: out-of-vocabulary or
     below -1 ids, NaN or +inf log-probs (and harmless ones: -1, vocab - 1, -inf)."""
-    from pipelines.teacher_cache.reader import CachedRow
+    from tokenbridge.formats.teacher_cache_reader import CachedRow
 
     rng = np.random.default_rng(1)
     vocab, raised = 300, 0
@@ -298,9 +301,9 @@ def test_the_trainer_refuses_a_cached_id_outside_the_teacher_vocabulary(tmp_path
     """`CachedTeacher.read` checks each row it hands on: a real cache whose ids reach 299, read
     for a teacher of 200 tokens, names the cache file, the row and the column."""
     import tests.unit.test_teacher_cache_format as T
-    from pipelines.teacher_cache import reader as R
-    from trainer.losses.teacher_outputs import TeacherOutputSpec
-    from trainer.teacher.cache import CachedTeacher
+    from tokenbridge.formats import teacher_cache_reader as R
+    from tokenbridge.teacher.outputs import TeacherOutputSpec
+    from trainer.teacher.cached_teacher import CachedTeacher
 
     ss = T._shards(tmp_path / "shards", [[5, 3], [4]])
     cs = R.open_cache(T._cache(tmp_path / "cache", ss, T._meta(ss)), T._expect(ss))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import logits_for, make_pair, ref_alm, ref_bin, split_invariance
-from trainer.losses import (
+from tokenbridge.losses import (
     AlmConfig,
     alm,
     alm_teacher_spec,

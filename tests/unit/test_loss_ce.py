@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.unit.test_loss_refs import logits_for, make_pair, ref_ce, split_invariance
-from trainer.losses import ce, shift_targets
+from tokenbridge.losses import ce, shift_targets
 
 
 def _targets(pair):

@@ -14,7 +14,7 @@ from tests.unit.test_loss_refs import (
     ref_ce,
     ref_xtoken,
 )
-from trainer.losses import (
+from tokenbridge.losses import (
     AlmConfig,
     CombineConfig,
     MultiTeacherConfig,

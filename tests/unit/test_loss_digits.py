@@ -19,10 +19,8 @@ import math
 import pytest
 import torch
 
-from pipelines.align import align
-from pipelines.projection import build_projection
-from pipelines.tokenizers import load_tokenizer
-from trainer.losses import (
+from tokenbridge.alignment import align
+from tokenbridge.losses import (
     AlmConfig,
     GoldConfig,
     GoldTables,
@@ -43,6 +41,8 @@ from trainer.losses import (
     xtoken,
     xtoken_teacher_spec,
 )
+from tokenbridge.projection import build_projection
+from tokenbridge.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.assets
 TEXT = "In 2024 we sold 1234567 apples and 365 pears."

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import logits_for, make_pair, ref_gold, split_invariance
-from trainer.losses import (
+from tokenbridge.losses import (
     GoldConfig,
     GoldTables,
     gold,
@@ -167,7 +167,7 @@ def test_gold_empty_sides_all_masked_bf16():
         )
         for r in pair.rows
     ]
-    from trainer.losses import collate_aligned
+    from tokenbridge.losses import collate_aligned
 
     empty = gold(
         student,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import logits_for, make_pair, ref_kd_topk, split_invariance
-from trainer.losses import (
+from tokenbridge.losses import (
     KDTopKConfig,
     kd_topk,
     kd_topk_teacher_spec,

@@ -2,7 +2,7 @@
 
 For each distillation mode, the record's options, tables, teacher spec and columns feed the
 teacher-output computation, and its prepare / count / loss take a batch to a finite loss whose
-count is the pre-count — the path `trainer.distill.KDTerm` takes, without the trainer. The config
+count is the pre-count — the path `trainer.loss_terms.KDTerm` takes, without the trainer. The config
 and preflight tests (test_config.py) check that both read the registry, not lists of their own.
 """
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import logits_for, make_pair, random_t2s
-from trainer.config import ConfigError, from_dictconfig
-from trainer.losses.base import OptionError
-from trainer.losses.kd_topk import student_topk_ids
-from trainer.losses.modes import KD_MODES, MODES, NoOptions
-from trainer.losses.segments import collate_aligned, shift_targets
-from trainer.losses.teacher_outputs import teacher_outputs_from_logits
+from tokenbridge.losses.base import OptionError
+from tokenbridge.losses.kd_topk import student_topk_ids
+from tokenbridge.losses.modes import KD_MODES, MODES, NoOptions
+from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
+from tokenbridge.teacher.outputs import teacher_outputs_from_logits
+from trainer.config.schema import ConfigError, from_dictconfig
 
 
 def _projection(pair, seed: int) -> SimpleNamespace:

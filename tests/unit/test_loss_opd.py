@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from trainer.losses.base import divergence
-from trainer.losses.kd_topk import student_topk_ids
-from trainer.losses.modes import MODES
-from trainer.losses.opd import OPDPGConfig, OPDTopKConfig, mix_teacher_outputs
-from trainer.losses.segments import AlignedBatch, index_chunks
-from trainer.losses.teacher_outputs import teacher_outputs_from_logits
+from tokenbridge.losses.base import divergence
+from tokenbridge.losses.kd_topk import student_topk_ids
+from tokenbridge.losses.modes import MODES
+from tokenbridge.losses.opd import OPDPGConfig, OPDTopKConfig, mix_teacher_outputs
+from tokenbridge.losses.ops.segments import AlignedBatch, index_chunks
+from tokenbridge.teacher.outputs import teacher_outputs_from_logits
 
 V, B, T, K = 11, 2, 6, 4
 PROMPT = 2  # the first PROMPT tokens of every row are the prompt

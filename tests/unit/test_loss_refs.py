@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.losses import AlignedBatch, collate_aligned, index_chunks
-from trainer.losses.segments import shift_targets
+from tokenbridge.losses import AlignedBatch, collate_aligned, index_chunks
+from tokenbridge.losses.ops.segments import shift_targets
 
 NEG = float("-inf")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import chunks_of, make_pair
-from trainer.losses import collate_aligned, index_chunks, segment_sum
-from trainer.losses.segments import dedup_rows
+from tokenbridge.losses import collate_aligned, index_chunks, segment_sum
+from tokenbridge.losses.ops.segments import dedup_rows
 
 
 @pytest.mark.parametrize("seed", range(4))

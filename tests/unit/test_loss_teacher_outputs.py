@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.losses import (
+from tokenbridge.losses import (
     TeacherOutputSpec,
     allocate_teacher_outputs,
     teacher_output_fields,

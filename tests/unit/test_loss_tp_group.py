@@ -1,6 +1,6 @@
 """The vocab-parallel code path of every mode, on a real one-process gloo group.
 
-With a ``tp_group`` the modes compose `trainer.distributed`'s vp_* ops (through `vocab_ops`)
+With a ``tp_group`` the modes compose `tokenbridge.dist_ops`'s vp_* ops (through `vocab_ops`)
 instead of the fused single-device Functions. A group of world size 1 runs that exact code path
 (the ops' collectives are real, over one rank), so its values and gradients must equal the
 tp_group=None results. Multi-rank TP/CP/DP layouts are covered by the distributed test harness.
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.test_loss_refs import logits_for, make_pair, random_key, random_t2s
-from trainer.losses import (
+from tokenbridge.losses import (
     AlmConfig,
     GoldConfig,
     GoldTables,
@@ -66,7 +66,7 @@ def _close(a, b):
 @pytest.fixture
 def vp_calls(monkeypatch):
     """Counts the calls of each vp_* op, to prove the group path really delegates."""
-    import trainer.distributed as td
+    import tokenbridge.dist_ops as td
 
     calls: dict[str, int] = {}
     for name in ("vp_logsumexp", "vp_gather", "vp_topk"):

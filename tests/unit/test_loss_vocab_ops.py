@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.losses import vocab_ops as vo
-from trainer.losses.base import divergence, log1mexp
-from trainer.losses.rowwise import map_rows, take_rows
+from tokenbridge.losses.base import divergence, log1mexp
+from tokenbridge.losses.ops import vocab as vo
+from tokenbridge.losses.ops.rowwise import map_rows, take_rows
 
 NEG = float("-inf")
 

@@ -17,7 +17,7 @@ from tests.unit.test_loss_refs import (
     ref_xtoken,
     split_invariance,
 )
-from trainer.losses import (
+from tokenbridge.losses import (
     XTokenConfig,
     XTokenTables,
     index_chunks,
@@ -26,7 +26,7 @@ from trainer.losses import (
     xtoken,
     xtoken_teacher_spec,
 )
-from trainer.losses.xtoken_tables import bucket_keys
+from tokenbridge.losses.ops.xtoken_tables import bucket_keys
 
 
 def _setup(seed, *, B=3, dtype=torch.float32, first_only=False, **kw):
@@ -96,7 +96,7 @@ def test_xtoken_rest_bucket_makes_each_term_a_divergence():
         r["teacher0_student_chunk"] = [-1] + list(range(n)) + [-1]
         r["teacher0_chunk"] = r["teacher0_student_chunk"]
         r["teacher0_n_chunks"] = n
-    from trainer.losses import collate_aligned
+    from tokenbridge.losses import collate_aligned
 
     batch = collate_aligned(rows, 0)
     cfg = XTokenConfig(k=5)
@@ -167,7 +167,7 @@ def test_xtoken_empty_sides_unpredicted_chunks_and_all_masked():
     for r in rows:
         r["teacher0_student_chunk"] = [-1] * len(r["student_ids"])
         r["teacher0_chunk"] = [-1] * len(r["teacher0_ids"])
-    from trainer.losses import collate_aligned
+    from tokenbridge.losses import collate_aligned
 
     batch = collate_aligned(rows, 0)
     out = xtoken(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.tokenizers import load_tokenizer
-from trainer.config import ConfigError, from_dictconfig
-from trainer.losses.modes import KD_MODES, MODES
+from tokenbridge.losses.modes import KD_MODES, MODES
+from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.schema import ConfigError, from_dictconfig
 from trainer.onpolicy.teachers import check_teachers
 
 

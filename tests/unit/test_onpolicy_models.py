@@ -10,17 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.tokenizers import load_tokenizer
-from trainer import models
-from trainer.config import ModelConfig
-from trainer.losses.alm import AlmConfig, binary_divergence
-from trainer.losses.context import complete_chunks
-from trainer.losses.modes import MODES
-from trainer.losses.opd import OPDPGConfig, OPDTopKConfig, mix_teacher_outputs
+from tokenbridge import models
+from tokenbridge.losses.alm import AlmConfig, binary_divergence
+from tokenbridge.losses.modes import MODES
+from tokenbridge.losses.opd import OPDPGConfig, OPDTopKConfig, mix_teacher_outputs
+from tokenbridge.losses.ops.cp_chunks import complete_chunks
+from tokenbridge.teacher.forward import teacher_forward
+from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.schema import ModelConfig
 from trainer.onpolicy.realign import TeacherView
+from trainer.onpolicy.rollout_scoring import scoring_spec
 from trainer.onpolicy.rollouts import build_batch
 from trainer.onpolicy.sampler import SamplingConfig, sample
-from trainer.onpolicy.scoring import score_forward, scoring_spec
 
 SMOL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -54,12 +55,12 @@ def setup(student_dir, teacher_dir):
 
 def _outputs(model, inputs, spec):
     with torch.no_grad():
-        return score_forward(
+        return teacher_forward(
             model,
             inputs["input_ids"],
             inputs["attention_mask"],
             spec=spec,
-            col_ids_BUK=inputs.get("col_ids"),
+            columns=inputs.get("col_ids"),
             chunk=7,  # several lm_head pieces
         )
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines import paths
-from pipelines.shards import open_shards
-from pipelines.tokenizers import load_tokenizer
 from tests.e2e.helpers import shakespeare_docs, write_shards
-from trainer.data import ShardReader
+from tokenbridge import paths
+from tokenbridge.formats.shards import open_shards
+from tokenbridge.tokenizers import load_tokenizer
+from trainer.microbatches import ShardReader
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
 
-MESSAGES = paths.REPO_ROOT / "pipelines" / "chat" / "data" / "shakespeare_messages.jsonl"
+MESSAGES = paths.REPO_ROOT / "tokenbridge" / "chat" / "data" / "shakespeare_messages.jsonl"
 
 
 @pytest.fixture(scope="module")

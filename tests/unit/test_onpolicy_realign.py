@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.align import WindowConfig, align, cut_windows
-from pipelines.chat.align import prepare_side
-from pipelines.chat.templates import named_template
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge.alignment import WindowConfig, align, cut_windows
+from tokenbridge.chat.align import prepare_side
+from tokenbridge.chat.templates import named_template
+from tokenbridge.tokenizers import load_tokenizer
 from trainer.onpolicy.realign import (
     DROP_NO_CHUNK,
     DROP_TOO_LONG,
@@ -136,7 +136,7 @@ def test_chat_completion_aligns_after_each_template(toks):
     messages = ({"role": "user", "content": "Who speaks first in Hamlet?"},)
     rendering = render_prompt(s_side, list(messages))
     assert rendering.text.endswith("<|im_start|>assistant\n")
-    from pipelines.chat.encode import encode_renderings
+    from tokenbridge.chat.encode import encode_renderings
 
     prompt = encode_renderings(s_tok, s_side.matcher, [rendering]).ids.tolist()
     end_of_turn = int(s_side.markers.close_ids[0])
@@ -159,11 +159,11 @@ def test_chat_prompt_rollouts_batch_for_a_teacher_template(toks, student_dir):
     batch for Gemma: each teacher renders the prompt's messages in its template; only the
     completion gets chunks; a rollout that stopped on the student's end-of-turn pairs it with
     Gemma's."""
-    from pipelines import paths
+    from tokenbridge import paths
     from trainer.onpolicy.prompts import ChatPrompts
 
     s_tok, t_tok = toks
-    data = paths.REPO_ROOT / "pipelines" / "chat" / "data" / "shakespeare_messages.jsonl"
+    data = paths.REPO_ROOT / "tokenbridge" / "chat" / "data" / "shakespeare_messages.jsonl"
     src = ChatPrompts(data, s_tok, model_dir=student_dir, template=None, dp_rank=0, dp_size=1,
                       seed=1, eval_fraction=0.0, max_tokens=512)  # fmt: skip
     p = src.next_prompts(1)[0]

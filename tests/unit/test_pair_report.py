@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines import pair_report as pr
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge import pair_report as pr
+from tokenbridge.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tests.unit.test_config import cfg_for, smol, write_synthetic  # noqa: F401 (fixture)
-from trainer.config import ConfigError
-from trainer.cp_attention import CPAttention, model_inputs
-from trainer.data import IGNORE, collate
-from trainer.distributed import cp_positions, to_cp_layout
+from tokenbridge.dist_ops import cp_positions, to_cp_layout
+from trainer.config.preflight import preflight
+from trainer.config.schema import ConfigError
 from trainer.main import load_config
-from trainer.preflight import preflight
+from trainer.microbatches import IGNORE, collate
+from trainer.parallel.cp_attention import CPAttention, model_inputs
 
 
 def test_cp_must_split_every_padded_sequence_into_2cp_pieces():
@@ -117,7 +117,7 @@ def test_students_cp_share_is_its_positions_of_whole_row_targets():
 def test_shared_batch_teacher_shares_cover_every_row_once_in_order():
     """`SharedBatchTeacher.share`: the rows each rank's teacher computes; gathered in rank order
     and cut to B they are the microbatch's rows (a short share repeats the last row)."""
-    from trainer.teacher.feed import SharedBatchTeacher
+    from trainer.teacher.dispatch import SharedBatchTeacher
 
     for rows, n in ((2, 2), (4, 2), (5, 2), (1, 2), (7, 4), (2, 4), (3, 1)):
         shares = [SharedBatchTeacher(None, None, size=n, rank=r).share(rows) for r in range(n)]

@@ -10,10 +10,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines import align_dofns as F
-from pipelines import shards
-from pipelines.align import WindowConfig, align, cut_windows, vocab_bytes
-from pipelines.pieces import PieceConfig, PieceWalk, break_before, plan_piece
+from pipelines.align import align_dofns as F
+from tokenbridge.alignment import WindowConfig, align, cut_windows, vocab_bytes
+from tokenbridge.alignment.long_documents import PieceConfig, PieceWalk, break_before, plan_piece
+from tokenbridge.formats import shards
 
 
 @pytest.fixture(scope="module")

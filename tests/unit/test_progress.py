@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import time
 
-from pipelines import progress
+from pipelines.plumbing import progress
 
 
 def test_sinks_sum_and_the_line_reads_well(tmp_path):

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipelines import projection as P
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge import projection as P
+from tokenbridge.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,7 @@ def test_trainer_start_up_does_not_import_matplotlib():
 def eval_payload() -> dict:
     """Two models' results as `trainer.eval` writes them: COPA (multiple choice, primary acc)
     for both, a held-out text (primary bpb) for the first only."""
-    from trainer.eval.metrics import summarize
+    from trainer.eval.estimates import summarize
 
     def result(kind: str, primary: str, samples: dict) -> dict:
         n = len(samples["id"])

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pytest
 import xxhash
 
-from pipelines import rolling, shards
-from pipelines import schema as S
+from pipelines.plumbing import rolling
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
 
 STUDENT = S.TokenizerInfo("student-tok", "a" * 64, 100)
 TEACHERS = [S.TokenizerInfo("teacher-a", "b" * 64, 300)]

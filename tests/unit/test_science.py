@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench.science_table import mean_se, render, row_stats
-from pipelines.cli import UsageError
+from tokenbridge.cli import UsageError
 from trainer.report import compare
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines import schema as S
-from pipelines import shards
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
 
 STUDENT = S.TokenizerInfo("student-tok", "a" * 64, 100)
 TEACHERS = [S.TokenizerInfo("teacher-a", "b" * 64, 300), S.TokenizerInfo("teacher-b", "c" * 64, 50)]
@@ -191,7 +191,7 @@ def test_list_array_offsets_are_exact():
 
 
 def test_windows_to_batch_equals_rows_of_window_to_row():
-    from pipelines.align import Window
+    from tokenbridge.alignment import Window
 
     rng = np.random.default_rng(1)
 
@@ -255,7 +255,7 @@ def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
 def test_schema_1_text_shards_still_read_and_unknown_versions_refused(tmp_path):
     """Shards written before conversations (schema 1: text columns only) open and read as text;
     a version this code does not know is refused, saying how to rebuild."""
-    from trainer.data import ShardReader
+    from trainer.microbatches import ShardReader
 
     schema = S.shard_schema(STUDENT, TEACHERS)
     v1 = schema.with_metadata({**schema.metadata, S.META_SCHEMA_VERSION: b"1"})

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.metrics import nonfinite_message, nonfinite_terms, read_step, train_metrics
+from trainer.run_log import nonfinite_message, nonfinite_terms, read_step, train_metrics
 
 NAN, INF = float("nan"), float("inf")
 

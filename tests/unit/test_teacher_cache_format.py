@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import integrity, shards
-from pipelines import schema as S
-from pipelines.teacher_cache import dofns as D
-from pipelines.teacher_cache import format as CF
 from pipelines.teacher_cache import job as J
-from pipelines.teacher_cache import reader as R
-from pipelines.teacher_cache.fingerprints import shards_fingerprint
+from pipelines.teacher_cache import score_dofns as D
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
-from trainer.losses.teacher_outputs import TeacherOutputSpec
-from trainer.teacher.cache import CachedTeacher, check_spec
+from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
+from tokenbridge.formats import teacher_cache as CF
+from tokenbridge.formats import teacher_cache_reader as R
+from tokenbridge.formats.fingerprints import shards_fingerprint
+from tokenbridge.teacher.outputs import TeacherOutputSpec
+from trainer.teacher.cached_teacher import CachedTeacher, check_spec
 
 STUDENT = S.TokenizerInfo("student", "a" * 64, 100)
 TEACHER = S.TokenizerInfo("teacher", "b" * 64, 300)

@@ -7,9 +7,9 @@ import pickle
 import numpy as np
 import pytest
 
-from pipelines import paths
-from pipelines.schema import TokenizerInfo
-from pipelines.tokenizers import (
+from tokenbridge import paths
+from tokenbridge.formats.shard_schema import TokenizerInfo
+from tokenbridge.tokenizers import (
     BatchEncoding,
     EmptyTokenizerError,
     NoOffsetsError,
@@ -18,7 +18,7 @@ from pipelines.tokenizers import (
     UnknownTokenizerFormatError,
     load_tokenizer,
 )
-from pipelines.tokenizers.formats import read_llama_cpp_vocab_tests
+from tokenbridge.tokenizers.formats import read_llama_cpp_vocab_tests
 
 
 @pytest.mark.parametrize("family", paths.VOCAB_FAMILIES)
@@ -127,7 +127,7 @@ def test_dummy_prefix_tokenizers_offsets(vocab_fixture):
 
 def test_gguf_and_converted_dir_agree(smollm2):
     """The GGUF the student was converted from gives the same vocabulary and the same ids."""
-    from pipelines.assets.steps import student_gguf
+    from tokenbridge.assets.steps import student_gguf
 
     if not student_gguf().is_file():
         pytest.fail(f"missing asset {student_gguf()}: run `make models` first", pytrace=False)

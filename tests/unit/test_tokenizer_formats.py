@@ -15,9 +15,9 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.tokenizers import EmptyTokenizerError, load_tokenizer
-from pipelines.tokenizers.formats import read_llama_cpp_vocab_tests
-from pipelines.tokenizers.token_bytes import byte_level_bytes
+from tokenbridge.tokenizers import EmptyTokenizerError, load_tokenizer
+from tokenbridge.tokenizers.formats import read_llama_cpp_vocab_tests
+from tokenbridge.tokenizers.token_bytes import byte_level_bytes
 
 
 def _gguf_vocab(path):

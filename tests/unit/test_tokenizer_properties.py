@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines import paths
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge import paths
+from tokenbridge.tokenizers import load_tokenizer
 
 SPACE_MARK = "\u2581"
 PIECES = [

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tests.unit.test_loss_refs import logits_for, make_pair
-from trainer.config import ConfigError, LossConfig
-from trainer.losses import (
+from tokenbridge.losses import (
     GoldConfig,
     GoldTables,
     gold,
@@ -25,7 +24,8 @@ from trainer.losses import (
     shift_targets,
     teacher_outputs_from_logits,
 )
-from trainer.losses.modes import MODES
+from tokenbridge.losses.modes import MODES
+from trainer.config.schema import ConfigError, LossConfig
 
 N_SHARED = 12
 

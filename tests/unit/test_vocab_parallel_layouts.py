@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.distributed import (
-    SINGLE,
+from tokenbridge.dist_ops import (
     CPContext,
     cp_all_gather,
     cp_local_rows,
@@ -27,8 +26,9 @@ from trainer.distributed import (
     to_cp_layout,
     vocab_to_seq_parallel,
 )
-from trainer.distributed.context_parallel import cp_piece_bounds
-from trainer.distributed.packed import packed_next_token_targets, packed_sequence_ids
+from tokenbridge.dist_ops.context_parallel import cp_piece_bounds
+from tokenbridge.dist_ops.packed import packed_next_token_targets, packed_sequence_ids
+from trainer.parallel.mesh import SINGLE
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])

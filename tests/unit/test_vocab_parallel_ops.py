@@ -16,7 +16,7 @@ from tests.dist.references import (
     ref_topk,
     value_and_grad,
 )
-from trainer.distributed import (
+from tokenbridge.dist_ops import (
     vp_entropy,
     vp_gather,
     vp_log_softmax,
@@ -26,7 +26,7 @@ from trainer.distributed import (
     vp_target_logprobs,
     vp_topk,
 )
-from trainer.distributed.sampling import float_key, key_float
+from tokenbridge.dist_ops.sampling import float_key, key_float
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 

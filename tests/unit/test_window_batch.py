@@ -1,4 +1,4 @@
-"""The batch window cutter equals the per-document reference (`pipelines.align.windows.cut_windows`).
+"""The batch window cutter equals the per-document reference (`tokenbridge.alignment.windows.cut_windows`).
 
 Every case builds the shard rows twice: the reference, one document at a time, through
 `shards.windows_to_batch`; and `window_batch.cut_batch` + `to_record_batch` over the whole
@@ -14,12 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines import schema as S
-from pipelines import shards
-from pipelines.align import WindowConfig, WindowError, align_batch_flat, cut_windows, vocab_bytes
-from pipelines.align import window_batch as WB
-from pipelines.align import window_kernel as K
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge.alignment import (
+    WindowConfig,
+    WindowError,
+    align_batch_flat,
+    cut_windows,
+    vocab_bytes,
+)
+from tokenbridge.alignment import window_batch as WB
+from tokenbridge.alignment import window_kernel as K
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
+from tokenbridge.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

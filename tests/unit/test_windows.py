@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.align import WindowConfig, WindowError, align, cut_points, cut_windows
-from pipelines.tokenizers import load_tokenizer
+from tokenbridge.alignment import WindowConfig, WindowError, align, cut_points, cut_windows
+from tokenbridge.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

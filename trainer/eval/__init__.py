@@ -2,12 +2,12 @@
 
 ``python -m trainer.eval --model a[,b] --tasks ... --limit N`` (see ``__main__``); the trainer
 calls ``evaluate_bpb`` for its inline eval and may call ``run_tasks`` on a small fixed subset.
-Data: ``python -m trainer.eval.data fetch`` (``data``); tasks and the stable subset (``tasks``);
+Data: ``python -m trainer.eval.datasets fetch`` (``data``); tasks and the stable subset (``tasks``);
 tokenization and scoring (``scoring``) over batched forward passes (``engine``); bits per byte
 (``bpb``); standard errors (``metrics``); generation (``generation``); the task loop
 (``runner``); tables (``report``).
 
-The public names load lazily, so ``python -m trainer.eval.data fetch`` imports no torch.
+The public names load lazily, so ``python -m trainer.eval.datasets fetch`` imports no torch.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from pipelines import cli, paths
+from tokenbridge import cli, paths
 from trainer.eval.chart import write_eval_report
-from trainer.eval.report import markdown_table, timing_table, write_results
+from trainer.eval.loglik import ModelDoesNotFitError
+from trainer.eval.results import markdown_table, timing_table, write_results
 from trainer.eval.runner import evaluate_models
-from trainer.eval.scoring import ModelDoesNotFitError
 from trainer.eval.tasks import GROUPS, TASKS
 
 

@@ -26,8 +26,8 @@ import math
 import numpy as np
 import torch
 
-from pipelines.schema import TRAIN_CONTENT
-from trainer.eval.scoring import BatchLimits, ScoreItem, TextEncoder, score_items, text_encoder
+from tokenbridge.formats.shard_schema import TRAIN_CONTENT
+from trainer.eval.loglik import BatchLimits, ScoreItem, TextEncoder, score_items, text_encoder
 
 
 def text_windows(
@@ -138,10 +138,10 @@ def trained_bpb(
     """Bits per byte of the trained contents of conversation rows (module docstring).
 
     ``rows``: (token ids, train codes, trained bytes) per row, one model's side of a shard row
-    (`pipelines.schema`: ``student_ids`` / ``student_train`` / ``trained_bytes``, or a
+    (`tokenbridge.formats.shard_schema`: ``student_ids`` / ``student_train`` / ``trained_bytes``, or a
     teacher's). Same keys as `evaluate_bpb`; ``tokens`` counts the scored content tokens.
     """
-    from trainer.losses.ce import ce  # the trainer's CE: one definition of "-log q(target)"
+    from tokenbridge.losses.ce import ce
 
     if not rows:
         raise ValueError("trained_bpb needs at least one row")

@@ -2,7 +2,7 @@
 
 One panel per task, a bar per model (the same colour in every panel) with its standard-error
 bar, written beside the results JSON and Markdown table as ``<out>.png`` and ``<out>.html`` (the
-chart and the full table, self-contained). Rows come from `trainer.eval.report.table_rows`, so
+chart and the full table, self-contained). Rows come from `trainer.eval.results.table_rows`, so
 the picture and the table cannot disagree. matplotlib is imported only when drawing.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from trainer.eval.report import LOWER_IS_BETTER, table_cells, table_rows, write_atomic
+from trainer.eval.results import LOWER_IS_BETTER, table_cells, table_rows, write_atomic
 from trainer.report import html as H
 
 COLUMNS = 3

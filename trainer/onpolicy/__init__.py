@@ -15,6 +15,6 @@ Read in this order (docs/onpolicy.md has the whole picture):
 - `step`: `OnPolicy`, the step the loop takes instead of an off-policy one (GKD's lambda), its
   policy lag and its checkpointed state.
 
-The losses live with the others (`trainer.losses.opd`: `opd_topk`, `opd_pg`, the
+The losses live with the others (`tokenbridge.losses.opd`: `opd_topk`, `opd_pg`, the
 probability-space mixture); the loss-mode registry holds their records.
 """

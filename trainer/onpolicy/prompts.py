@@ -7,12 +7,12 @@ interface (`PromptSource`: ``next_prompts``, ``held_out``, ``state_dict``):
 - `TextPrompts` (raw-text shards from `make align`): the first ``prompt_tokens`` student ids of
   a window are the prompt ("continue this text"); the rest of the window is the dataset's own
   continuation (``reference``). Rows are split exactly like the trainer's windows
-  (`trainer.data.ShardStream`: the held-out windows by a hash of doc id and window, the rest
+  (`trainer.microbatches.ShardStream`: the held-out windows by a hash of doc id and window, the rest
   dealt to the data-parallel ranks and shuffled with a seeded, checkpointed buffer), so the
   held-out prompts are the prefixes of the held-out windows the BPB eval reads.
 - `ChatPrompts` (``messages`` rows, as the chat align job reads them): every assistant turn
   gives a prompt, the conversation before it, rendered with the student's chat template and its
-  generation prompt (`pipelines.chat`), its control tokens split out as ids; the turn's own
+  generation prompt (`tokenbridge.chat`), its control tokens split out as ids; the turn's own
   content is the reference. Each teacher renders the same messages with its own template
   (`trainer.onpolicy.rollouts`). Held-out conversations by a hash of their id.
 
@@ -30,13 +30,13 @@ from typing import Protocol
 
 import numpy as np
 
-from pipelines.chat import rows as chat_rows
-from pipelines.chat.align import ChatSide, prepare_side
-from pipelines.chat.encode import encode_renderings
-from pipelines.chat.render import Rendering
-from pipelines.chat.templates import resolve_template
-from pipelines.tokenizers import Tokenizer
-from trainer.data import ShardReader, ShardStream
+from tokenbridge.chat import rows as chat_rows
+from tokenbridge.chat.align import ChatSide, prepare_side
+from tokenbridge.chat.encode import encode_renderings
+from tokenbridge.chat.render import Rendering
+from tokenbridge.chat.templates import resolve_template
+from tokenbridge.tokenizers import Tokenizer
+from trainer.microbatches import ShardReader, ShardStream
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ derived from their bytes:
 2. The teacher renders the text in its own form: raw text is just the text after its BOS; a
    chat prompt is the conversation in the teacher's template with its generation prompt, and
    the completion after it (`trainer.onpolicy.prompts.render_prompt`).
-3. Both sides are aligned with the align job's own function (`pipelines.align.align` with both
+3. Both sides are aligned with the align job's own function (`tokenbridge.alignment.align` with both
    byte tables). Raw text is aligned whole, exactly as the align job aligns a text, so the
    chunks of a rollout are the chunks the job writes for the same text (tested); a chat rollout
    is aligned over its completion only (the templates' scaffolding is never aligned by text).
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.align import AlignmentError, align
-from pipelines.chat.align import ChatSide
-from pipelines.chat.encode import encode_renderings
-from pipelines.chat.render import Rendering
-from pipelines.tokenizers import Encoding, Tokenizer, TokenizerError
+from tokenbridge.alignment import AlignmentError, align
+from tokenbridge.chat.align import ChatSide
+from tokenbridge.chat.encode import encode_renderings
+from tokenbridge.chat.render import Rendering
+from tokenbridge.tokenizers import Encoding, Tokenizer, TokenizerError
 from trainer.onpolicy.prompts import render_prompt
 
 REPLACEMENT = "\ufffd"

@@ -1,7 +1,7 @@
 """Rollouts -> what the student's forward, each teacher and each loss read.
 
 A `RolloutBatch` holds a microbatch of rollouts (prompt + sampled completion, right-padded) and,
-per teacher, an `AlignedBatch` (`trainer.losses.segments`) with chunk ids on completion tokens
+per teacher, an `AlignedBatch` (`tokenbridge.losses.ops.segments`) with chunk ids on completion tokens
 only, so every loss mode of the registry applies to rollouts as it does to shard rows:
 
 - a teacher with the student's tokenizer reads the sampled ids themselves (never re-encoded);
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipelines.tokenizers import Tokenizer
-from trainer.data import IGNORE
-from trainer.losses.segments import AlignedBatch
+from tokenbridge.losses.ops.segments import AlignedBatch
+from tokenbridge.tokenizers import Tokenizer
+from trainer.microbatches import IGNORE
 from trainer.onpolicy.realign import TeacherView, align_rollout
 from trainer.onpolicy.sampler import Rollouts
 

@@ -9,7 +9,7 @@ lambda; the draw comes from a seeded RNG that every rank holds alike and checkpo
    (`trainer.onpolicy.sampler`), its FSDP2 parameters gathered once for the whole phase;
 2. **Align**: the rollouts cut into microbatches (`trainer.onpolicy.rollouts`): the sampled ids
    for teachers with the student's tokenizer, on-the-fly alignment for the others;
-3. **Score**: every microbatch submitted to every teacher's channel (`trainer.onpolicy.scoring`);
+3. **Score**: every microbatch submitted to every teacher's channel (`trainer.onpolicy.rollout_scoring`);
 4. **Learn**: counts first (all-reduced over data-parallel ranks before the first backward),
    then per microbatch the student's forward, each teacher's term (``local sum / global
    count``), their weighted sum (or one term on the probability-space mixture of same-tokenizer
@@ -38,16 +38,16 @@ from collections import Counter
 
 import torch
 
-from trainer import parallel
-from trainer.losses.opd import mix_teacher_outputs
-from trainer.losses.teacher_outputs import TeacherOutputs
-from trainer.metrics import StepNumbers, peak_memory_gib
-from trainer.onpolicy.evaluate import completion_bpb
+from tokenbridge.losses.opd import mix_teacher_outputs
+from tokenbridge.teacher.outputs import TeacherOutputs
+from trainer.onpolicy.agreement import completion_bpb
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
+from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy
 from trainer.onpolicy.rollouts import RolloutBatch, build_batch
 from trainer.onpolicy.sampler import Rollouts, SamplingConfig, gathered, sample
-from trainer.onpolicy.scoring import open_scorers, receive_copy
 from trainer.onpolicy.teachers import build_teachers, teacher_max_len
+from trainer.parallel import parallelize
+from trainer.run_log import StepNumbers, peak_memory_gib
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -285,7 +285,7 @@ class OnPolicy:
             tr.model.set_requires_gradient_sync(m == len(batches) - 1)
             # whole logits under TP (the on-policy losses are not vocab-parallel): every TP rank
             # computes the same loss, and the gather's backward keeps each rank's shard of it
-            with parallel.gathered_logits(tr.model):
+            with parallelize.gathered_logits(tr.model):
                 logits_BTV = tr.model(
                     input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT, use_cache=False
                 ).logits
@@ -302,8 +302,10 @@ class OnPolicy:
             missed = [(o.count - c).abs().double() for o, c in zip(kd, precounts[m])]
             parts += torch.stack([*(v.detach().double() for v in means),
                                   total.detach().double(), *missed])  # fmt: skip
-        parallel.sync_replicated_grads(tr.model, tr.replicated_grads, tr.mesh.tp)
-        grad_norm = parallel.clip_grad_norm_(list(tr.model.parameters()), self.cfg.optim.grad_clip)
+        parallelize.sync_replicated_grads(tr.model, tr.replicated_grads, tr.mesh.tp)
+        grad_norm = parallelize.clip_grad_norm_(
+            list(tr.model.parameters()), self.cfg.optim.grad_clip
+        )
         stats = self._stats(r, batches)
         both = torch.cat([parts, stats.to(dev)])
         tr.mesh.sum_over_tokens_(both)

@@ -3,7 +3,7 @@
 Built once per rank by the on-policy step (`trainer.onpolicy.step`), from the config and what
 the preflight loaded:
 
-- one `trainer.distill.KDTerm` per teacher with a non-zero weight, for its on-policy mode
+- one `trainer.loss_terms.KDTerm` per teacher with a non-zero weight, for its on-policy mode
   (``onpolicy.loss`` / ``onpolicy.teacher_losses``): the registry record, options, projection
   tables (xtoken, gold) and the teacher-output spec (plus the realised token's log-prob, which
   every on-policy teacher ships: `scoring.scoring_spec`);
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipelines.chat.align import ChatSide, prepare_side
-from pipelines.chat.templates import resolve_template
-from pipelines.projection import load_projection
-from pipelines.tokenizers import Tokenizer
-from trainer.config import ConfigError, TrainConfig
-from trainer.distill import KDTerm
-from trainer.losses.modes import MODES
+from tokenbridge.chat.align import ChatSide, prepare_side
+from tokenbridge.chat.templates import resolve_template
+from tokenbridge.losses.modes import MODES
+from tokenbridge.projection import load_projection
+from tokenbridge.tokenizers import Tokenizer
+from trainer.config.schema import ConfigError, TrainConfig
+from trainer.loss_terms import KDTerm
 from trainer.onpolicy.realign import TeacherView
-from trainer.onpolicy.scoring import scoring_spec
+from trainer.onpolicy.rollout_scoring import scoring_spec
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Writes report.html (self-contained: charts embedded, opens offline), a PNG per chart and
 report.json (the plotted numbers) for one run, or for several runs side by side on the same
 axes, each run a colour. Default output: RUN_DIR/report for one run, RUN_DIR/report-vs-<others>
-for several. A folder that is not a run folder: one line and exit code 2 (`pipelines.cli`).
+for several. A folder that is not a run folder: one line and exit code 2 (`tokenbridge.cli`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipelines import cli
+from tokenbridge import cli
 from trainer.report.build import write_report
 
 

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from trainer.eval.report import write_atomic
+from trainer.eval.results import write_atomic
 from trainer.report import html as H
 from trainer.report.panels import Bars, Panel, build_panels, panel_json
 from trainer.report.runs import Run, load_runs

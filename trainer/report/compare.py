@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from pipelines import cli
-from pipelines.cli import UsageError
+from tokenbridge import cli
+from tokenbridge.cli import UsageError
 
 
 def load_summary(run_dir: Path) -> dict:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.eval.report import model_names
+from trainer.eval.results import model_names
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -11,7 +11,7 @@ inline); this module knows only the ring (`trainer.teacher.ring`), never the cha
 
 What the worker computes is a ``TeacherProgram``: a picklable recipe, light until ``setup`` (which
 runs in the worker and loads the model), with the input/output specs that size the ring — the
-trainer's `trainer.teacher.program.TeacherModelProgram`, or any object with these four methods
+trainer's `trainer.teacher.model_program.TeacherModelProgram`, or any object with these four methods
 (the channel benchmark ships a fixed payload).
 
 Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init_method`` and

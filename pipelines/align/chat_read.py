@@ -1,0 +1,179 @@
+"""Conversation rows out of ``.jsonl`` and ``.parquet`` files, for the align job's chat path.
+
+The text readers (`pipelines.align.readers`) pull one string field out of each record; a conversation
+is a whole record (``messages``, or ``prompt`` + ``completion``), so these readers yield the
+record itself (`Row`) and leave parsing to `tokenbridge.chat.rows.parse_row`, which gives every
+bad row its own reason. What is bad before parsing (bytes that are not UTF-8, a line that is not
+JSON) is a dead letter here, with file, row and line, as in the text readers.
+
+The row format is detected per file from its first record (`rows.detect_format`) unless the job
+names it (a byte range of a large file reads the file's first record for it, so a bad record
+that happens to open a range is that record's dead letter, not the range's). A file whose
+records are plain ``text`` (or a ``.txt`` file) in a conversation job is one dead letter for the
+whole file (`ROW_FORMAT_MISMATCH`): one job writes one shard schema, so text goes through its
+own run. `peek_format` looks at the first record of a file, so the job can decide before it
+starts whether it is a text or a conversation job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pipelines.align import readers as R
+from tokenbridge.chat import rows
+
+ROW_FORMAT_MISMATCH = "row_format_mismatch"
+CHAT_SUFFIXES = R.JSONL_SUFFIXES + R.PARQUET_SUFFIXES
+
+
+@dataclass(frozen=True)
+class Row:
+    """One record of a conversation file, not parsed yet."""
+
+    doc_id: str  # file id + ":" + row index, as the text readers name jsonl documents
+    row: int  # 0-based record index in its file
+    value: object  # the decoded JSON value / parquet row dict
+    fmt: str  # rows.MESSAGES or rows.PROMPT_COMPLETION (the file's format)
+
+
+def _mismatch(path: str, doc_id: str, found: str, *, row: int | None = None) -> dict:
+    return R.dead_letter(
+        path,
+        ROW_FORMAT_MISMATCH,
+        f"this is a conversation job ({rows.MESSAGES} or {rows.PROMPT_COMPLETION} rows) but the "
+        f"file holds {found}; align it in a run of its own (one job writes one shard schema)",
+        row=row,
+        doc_id=doc_id,
+    )
+
+
+def _file_format(value, *, fixed: str | None, where: str) -> str | None:
+    """The file's row format from its first record; None when it cannot be told (the caller
+    dead-letters the file)."""
+    if fixed is not None:
+        return fixed
+    try:
+        return rows.detect_format(value, where=where)
+    except ValueError:
+        return None
+
+
+def read_jsonl_rows(
+    path: str,
+    doc_id: str,
+    *,
+    row_format: str | None,
+    split: R.Split | None = None,
+    pos: R.Position | None = None,
+) -> Iterator[Row | dict]:
+    """Records of a jsonl file (or of one byte range of it) as `Row`s, bad lines as dead
+    letters. `row_format` None: detected from the first record read."""
+    split = split or R.Split()
+    pos = pos or R.Position()
+    fmt = row_format
+    if fmt is None and split.start:  # a later byte range: the format of the file's first record
+        fmt = peek_format(path)
+    with R._open(path) as f:
+        if split.start:
+            f.seek(split.start)
+        at = split.start
+        for row, raw in enumerate(iter(f.readline, b""), start=split.first_row):
+            if split.end is not None and at >= split.end:
+                break
+            at += len(raw)
+            pos.bytes += len(raw)
+            did = f"{doc_id}:{row}"
+            if not raw.strip():
+                continue
+            text, bad = R._decode(raw, file=path, doc_id=did, row=row, line=row + 1)
+            if bad is not None:
+                yield bad
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield R.dead_letter(path, R.BAD_JSON, str(e), row=row, line=row + 1, doc_id=did)
+                continue
+            if fmt is None:
+                fmt = _file_format(value, fixed=None, where=f"{path} row {row}")
+                if fmt is None:
+                    keys = sorted(value)[:10] if isinstance(value, dict) else type(value).__name__
+                    yield _mismatch(path, did, f"records with keys {keys}", row=row)
+                    return
+            if fmt == rows.TEXT:
+                yield _mismatch(path, did, "text rows", row=row)
+                return
+            yield Row(did, row, value, fmt)
+
+
+def read_parquet_rows(path: str, doc_id: str, *, row_format: str | None) -> Iterator[Row | dict]:
+    """Records of a parquet file as `Row`s (a ``messages`` column of structs reads as dicts)."""
+    import pyarrow.parquet as pq
+
+    with R._open(path, binary_seekable=True) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        fmt = _file_format({n: None for n in names}, fixed=row_format, where=path)
+        if fmt is None or fmt == rows.TEXT:
+            yield _mismatch(path, doc_id, f"columns {names[:10]}")
+            return
+        wanted = [rows.MESSAGES] if fmt == rows.MESSAGES else ["prompt", "completion"]
+        wanted += [c for c in ("tools",) if c in names]
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            yield R.dead_letter(
+                path, R.MISSING_FIELD, f"no column {missing[0]!r} (found {names[:10]})"
+            )
+            return
+        row = 0
+        for batch in pf.iter_batches(columns=wanted, batch_size=1024):
+            for value in batch.to_pylist():
+                yield Row(f"{doc_id}:{row}", row, value, fmt)
+                row += 1
+
+
+def read_rows(
+    path: str,
+    doc_id: str,
+    *,
+    row_format: str | None,
+    split: R.Split | None = None,
+    pos: R.Position | None = None,
+) -> Iterator[Row | dict]:
+    """Every conversation record (and dead letter) of one file or byte range. Never raises on
+    bad input: a failure while reading ends the file with a dead letter."""
+    fmt = R.file_format(path)
+    if fmt == "jsonl":
+        gen = read_jsonl_rows(path, doc_id, row_format=row_format, split=split, pos=pos)
+    elif fmt == "parquet":
+        gen = read_parquet_rows(path, doc_id, row_format=row_format)
+    else:
+        yield _mismatch(path, doc_id, f"a {fmt or 'file of unknown type'} (not jsonl / parquet)")
+        return
+    try:
+        yield from gen
+    except Exception as e:  # noqa: BLE001 - any failure to read a file is that file's dead letter
+        yield R.dead_letter(path, R.UNREADABLE_FILE, f"{type(e).__name__}: {e}", doc_id=doc_id)
+
+
+def peek_format(path: str) -> str | None:
+    """The row format of a file's first record (jsonl, parquet), or None (txt, empty, unreadable:
+    the text job decides what to do with it)."""
+    fmt = R.file_format(path)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            with R._open(path, binary_seekable=True) as f:
+                names = pq.ParquetFile(f).schema_arrow.names
+            return rows.detect_format({n: None for n in names})
+        if fmt == "jsonl":
+            with R._open(path) as f:
+                for raw in iter(f.readline, b""):
+                    if raw.strip():
+                        return rows.detect_format(json.loads(raw))
+    except (ValueError, OSError):
+        return None
+    return None

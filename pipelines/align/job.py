@@ -1,0 +1,491 @@
+"""The align job: raw text or conversations -> aligned Arrow shards for the trainer (``make align``).
+
+    python -m pipelines.align.job --data 'corpus/*.txt' --teacher T [--teacher T2 ...] \\
+        --student S [--out DIR] [--max-student-tokens 512] [--max-teacher-tokens 512] \\
+        [--text-field text] [--txt-mode file|blocks] [--shard-mb 128] [--piece-chars N] \\
+        [--overwrite] [Beam pipeline options, e.g. --direct_num_workers 1]
+
+Conversations (rows of ``messages`` or ``prompt`` + ``completion``, jsonl or parquet) are
+detected from the first record of the first file (``--row-format`` names it instead) and take
+the conversation path (`pipelines.align.chat_dofns`): every side renders each conversation with its
+own chat template (``--chat-template`` for the student, ``--teacher-chat-template`` once per
+teacher, for models without one: a shipped name or a .jinja file; ``own`` = the model's), one
+conversation per row, ``--train-on`` assistant | last_assistant | all, and
+``--long-conversations`` too_long | keep_suffix for conversations over the token limits.
+
+The pipeline reads as its own table of contents::
+
+    ReadDocs --> AlignWindows --> WriteShards -------+--> Finalize: parts renamed into place,
+        |              |                             |    stats.json, COMPLETED last
+        +--------------+--> WriteDeadLetters --------+
+
+Memory stays flat as the corpus grows: elements are batches of documents (`DocBatch`) and of
+window rows (Arrow RecordBatches), a document longer than ``--piece-chars`` is cut in pieces
+(`tokenbridge.alignment.long_documents`), rows stream into rolling part files (`pipelines.plumbing.rolling`), and the only
+grouping is the final one over small per-batch records. Every stage sends bad input to dead
+letters (``dead_letter.jsonl``) and counters. ``COMPLETED`` appears only after every shard is in
+place; a killed run leaves no marker and no file a reader would take for a shard.
+
+The default runner is Beam's ``FnApiRunner`` with one worker process per core (the plain
+DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
+runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
+then be a filesystem that every worker and this process share). Progress goes to stderr every
+~10 s (`pipelines.plumbing.progress`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipelines.align import align_dofns as F
+from pipelines.align import chat_dofns as C
+from pipelines.align import readers
+from pipelines.align import write_dofns as W
+from pipelines.align.chat_read import peek_format
+from pipelines.plumbing import beam_worker, progress, rolling
+from tokenbridge import paths
+from tokenbridge.alignment import WindowConfig
+from tokenbridge.alignment.long_documents import PieceConfig
+from tokenbridge.chat import fit
+from tokenbridge.chat import rows as chat_rows
+from tokenbridge.chat.templates import resolve_template
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
+
+log = logging.getLogger("tokenbridge.align")
+
+DEFAULT_RUNNER = "FnApiRunner"  # the plain DirectRunner tries to download Prism
+ROLL_MB = 128  # shard files roll at this size (Arrow bytes)
+SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
+SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
+
+
+def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
+    """outputs/align/<student>__<teachers>__<data> (names only, so reruns land in one place)."""
+
+    def slug(p: str) -> str:
+        name = Path(p.rstrip("/")).name
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:40]
+
+    data_name = slug(readers.glob_base(data[0]) or data[0])
+    parts = [slug(student), "+".join(slug(t) for t in teachers), data_name]
+    return paths.REPO_ROOT / "outputs" / "align" / "__".join(parts)
+
+
+def match_inputs(
+    patterns: list[str], *, split_bytes: int | None = None
+) -> tuple[list[F.InputSplit], int, int]:
+    """Glob patterns -> (read tasks, total bytes, files). A large uncompressed local jsonl file
+    becomes byte-range tasks of `split_bytes` (default: about 1/16 of the input, 1-64 MB). A
+    pattern matching nothing is an error (a typo in DATA must not produce an empty, complete
+    shard directory)."""
+    found, bases, sizes = [], [], {}
+    for pattern in patterns:
+        metas = FileSystems.match([pattern])[0].metadata_list
+        if not metas:
+            raise FileNotFoundError(f"--data {pattern!r} matches no file")
+        for m in sorted(metas, key=lambda m: m.path):
+            if m.path not in sizes:
+                found.append(m.path)
+                bases.append(readers.glob_base(pattern))
+                sizes[m.path] = m.size_in_bytes
+    ids = readers.doc_ids_for(found, bases)
+    total = sum(sizes.values())
+    split_bytes = split_bytes or min(max(total // SPLITS_PER_RUN, SPLIT_MIN), SPLIT_MAX)
+    tasks = []
+    for path in found:
+        size = sizes[path]
+        splits = (
+            readers.plan_splits(path, size, split_bytes)
+            if readers.splittable(path)
+            else [readers.Split()]
+        )
+        for sp in splits:
+            end = size if sp.end is None else sp.end
+            tasks.append(F.InputSplit(path, ids[path], sp, end - sp.start))
+    return tasks, total, len(found)
+
+
+def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse to write over a complete run unless `overwrite`; clear what an earlier run left.
+
+    The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
+    leaves a directory that looks complete."""
+    marker = out / S.COMPLETED_MARKER
+    if marker.exists() and not overwrite:
+        raise FileExistsError(
+            f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
+            "pass --overwrite to replace it or choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    stale = [*out.glob(f"*{S.SHARD_SUFFIX}"), *out.glob(".*.tmp-*")]
+    stale += [out / S.STATS_FILE, out / S.DEAD_LETTER_FILE]
+    for p in stale:
+        if p.is_file():
+            p.unlink()
+    for d in out.glob(f"{rolling.TMP_PREFIX}*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def split(pcoll, tags: list[str]) -> dict:
+    """(tag, value) pairs -> one PCollection of values per tag. Used instead of ParDo's
+    ``with_outputs``, whose tagged outputs the DaskRunner mixes together."""
+    return {tag: pcoll | f"Select_{tag}" >> beam.FlatMap(F.select, tag) for tag in tags}
+
+
+class ReadDocs(beam.PTransform):
+    """Read tasks -> `DocBatch` elements (conversation jobs: `RowBatch`) (``batches``) and
+    ``dead_letter`` records."""
+
+    def __init__(self, tasks: list[F.InputSplit], *, cfg: JobConfig, progress_dir: str | None):
+        super().__init__()
+        self.tasks = tasks
+        if cfg.chat is None:
+            self.fn = F.ReadSplitDoFn(cfg.reader, progress_dir=progress_dir)
+        else:  # conversation rows (`RowBatch` elements)
+            self.fn = C.ReadChatDoFn(cfg.chat.row_format, progress_dir=progress_dir)
+
+    def expand(self, pbegin):
+        # Create spreads the tasks (file names and byte ranges, not rows) over the workers
+        tasks = pbegin | "Files" >> beam.Create(self.tasks)
+        read = tasks | "Read" >> beam.ParDo(self.fn)
+        out = split(read, [F.MAIN, F.DEAD])
+        return {"batches": out[F.MAIN], F.DEAD: out[F.DEAD]}
+
+
+class AlignWindows(beam.PTransform):
+    """`DocBatch` -> `Windows` (tokenize, align, cut, Arrow rows) and ``dead_letter``; for a
+    conversation job `RowBatch` -> `Windows` (render, align, fit, Arrow rows)."""
+
+    def __init__(self, cfg: JobConfig, *, progress_dir: str | None):
+        super().__init__()
+        if cfg.chat is not None:  # one row per conversation, no window cutting
+            self.fn = C.AlignChatDoFn(
+                cfg.student,
+                cfg.teachers,
+                chat=cfg.chat,
+                window=cfg.window,
+                progress_dir=progress_dir,
+            )
+            return
+        self.fn = F.AlignWindowsDoFn(
+            cfg.student,
+            cfg.teachers,
+            window=cfg.window,
+            pieces=cfg.pieces,
+            progress_dir=progress_dir,
+        )
+
+    def expand(self, batches):
+        out = split(batches | "AlignCut" >> beam.ParDo(self.fn), [F.MAIN, F.DEAD])
+        return {"windows": out[F.MAIN], F.DEAD: out[F.DEAD]}
+
+
+class WriteShards(beam.PTransform):
+    """`Windows` -> rolling Arrow parts -> one record per batch written."""
+
+    def __init__(self, tmp_dir: str, *, roll_bytes: int):
+        super().__init__()
+        self.fn = W.WriteShardsDoFn(tmp_dir, roll_bytes=roll_bytes)
+
+    def expand(self, windows):
+        return windows | "Write" >> beam.ParDo(self.fn)
+
+
+class WriteDeadLetters(beam.PTransform):
+    """Dead-letter records -> rolling jsonl parts -> one record per dead letter."""
+
+    def __init__(self, tmp_dir: str, *, roll_bytes: int):
+        super().__init__()
+        self.fn = W.WriteDeadLettersDoFn(tmp_dir, roll_bytes=roll_bytes)
+
+    def expand(self, dead):
+        return dead | "Write" >> beam.ParDo(self.fn)
+
+
+class Finalize(beam.PTransform):
+    """Records of everything written -> one summary (a global combine, so it exists only once
+    all its inputs are complete) -> parts in place, stats.json, COMPLETED -> the stats."""
+
+    def __init__(self, fn: W.FinalizeDoFn):
+        super().__init__()
+        self.fn = fn
+
+    def expand(self, records):
+        # a seed element, so the combine has input even for a run with nothing in it; and no
+        # default value (CombineGlobally's default is a side input, recomputed by Dask)
+        seed = records[0].pipeline | "Seed" >> beam.Create([("stats", None)])
+        summary = (
+            (*records, seed)
+            | "Merge" >> beam.Flatten()
+            | "Sum" >> beam.CombineGlobally(W.SummaryCombineFn()).without_defaults()
+        )
+        return summary | "Publish" >> beam.ParDo(self.fn)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    data: list[str]
+    student: str
+    teachers: list[str]
+    out: Path
+    window: WindowConfig
+    reader: readers.ReaderConfig
+    pieces: PieceConfig = PieceConfig()
+    roll_bytes: int = ROLL_MB << 20
+    overwrite: bool = False
+    chat: C.ChatConfig | None = None  # a conversation job
+
+
+def build_pipeline(
+    p: beam.Pipeline, cfg: JobConfig, *, tasks, total_bytes: int, input_files: int, run_id: str
+) -> dict:
+    """Assemble the job on pipeline `p` (tests call this with a TestPipeline); returns the
+    main PCollections by name (dead letters, written records, final stats) for assertions."""
+    out = str(cfg.out)
+    tmp = str(rolling.run_dir(cfg.out, run_id))
+    prog = str(Path(tmp) / "progress")
+    header = W.header_for(cfg, input_files=input_files, input_bytes=total_bytes)
+    read = p | "ReadDocs" >> ReadDocs(tasks, cfg=cfg, progress_dir=prog)
+    aligned = read["batches"] | "AlignWindows" >> AlignWindows(cfg, progress_dir=prog)
+    written = aligned["windows"] | "WriteShards" >> WriteShards(tmp, roll_bytes=cfg.roll_bytes)
+    dead = (read[F.DEAD], aligned[F.DEAD]) | "AllDeadLetters" >> beam.Flatten()
+    dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(tmp, roll_bytes=cfg.roll_bytes)
+    # the last transform built: runners that compute only the final node (Dask) compute it all
+    fn = W.FinalizeDoFn(out, tmp, header=header, student=cfg.student, teachers=cfg.teachers)
+    final = (written, dropped) | "Finalize" >> Finalize(fn)
+    return {"dead_letters": dead, "written": written, "stats": final}
+
+
+def job_metrics(result) -> dict:
+    """Counters and stage-time distributions of a finished run ({} where the runner keeps
+    none, e.g. Dask)."""
+    try:
+        res = result.metrics().query()
+    except (NotImplementedError, AttributeError):
+        return {}
+    out: dict = {"counters": {}, "stage_us": {}}
+    for c in res.get("counters", []):
+        if c.key.metric.namespace == F.NAMESPACE:
+            name = c.key.metric.name
+            out["counters"][name] = out["counters"].get(name, 0) + int(c.committed or 0)
+    for d in res.get("distributions", []):
+        if d.key.metric.namespace == F.NAMESPACE and d.committed is not None:
+            name = d.key.metric.name.removeprefix("stage_us.")
+            prev = out["stage_us"].get(name, {"sum": 0, "count": 0})
+            out["stage_us"][name] = {
+                "sum": prev["sum"] + int(d.committed.sum),
+                "count": prev["count"] + int(d.committed.count),
+            }
+    return out
+
+
+def default_runner_args(beam_args: list[str], cores: int | None = None) -> list[str]:
+    """FnApiRunner with one worker process per core, unless the caller chose a runner.
+
+    ``--direct_num_workers N`` alone would run N threads in one process (the GIL allows no
+    speed-up), so N > 1 comes with ``--direct_running_mode multi_processing`` unless the caller
+    named a mode; ``--direct_num_workers 1`` runs in this process."""
+    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
+        return beam_args
+    opts = PipelineOptions(beam_args).get_all_options()
+    out = ["--runner", DEFAULT_RUNNER, *beam_args]
+    workers = opts.get("direct_num_workers")
+    if not any(a.startswith("--direct_num_workers") for a in beam_args):
+        workers = cores or len(os.sched_getaffinity(0))
+        out += ["--direct_num_workers", str(workers)]
+    if workers > 1 and not any(a.startswith("--direct_running_mode") for a in beam_args):
+        out += ["--direct_running_mode", "multi_processing"]
+    return out
+
+
+def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", action="append", required=True, help="glob(s) of input files")
+    ap.add_argument("--teacher", action="append", required=True, help="teacher tokenizer/model")
+    ap.add_argument("--student", required=True, help="student tokenizer/model")
+    ap.add_argument("--out", type=Path, default=None, help="shard directory (default outputs/)")
+    ap.add_argument("--max-student-tokens", type=int, default=WindowConfig.max_student_tokens)
+    ap.add_argument("--max-teacher-tokens", type=int, default=WindowConfig.max_teacher_tokens)
+    ap.add_argument("--stride-chars", type=int, default=None, help="window overlap (chars)")
+    ap.add_argument("--text-field", default="text", help="jsonl field / parquet column")
+    ap.add_argument("--txt-mode", choices=readers.TXT_MODES, default="file")
+    ap.add_argument("--shard-mb", type=float, default=ROLL_MB, help="shard files roll at this")
+    ap.add_argument(
+        "--piece-chars",
+        type=int,
+        default=PieceConfig.piece_chars,
+        help="documents longer than this go in pieces",
+    )
+    ap.add_argument(
+        "--piece-overlap",
+        type=int,
+        default=PieceConfig.overlap_chars,
+        help="context (chars) each side of a piece seam",
+    )
+    ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
+    chat = ap.add_argument_group("conversations")
+    chat.add_argument(
+        "--row-format",
+        choices=("auto", chat_rows.TEXT, chat_rows.MESSAGES, chat_rows.PROMPT_COMPLETION),
+        default="auto",
+        help="auto: from the first record of the first file (conversations: per file)",
+    )
+    chat.add_argument("--chat-template", default=None, help="student's: a shipped name or .jinja")
+    chat.add_argument(
+        "--teacher-chat-template",
+        action="append",
+        default=[],
+        help="once per --teacher, in order ('own' = the model's template)",
+    )
+    chat.add_argument(
+        "--train-on", choices=chat_rows.TRAIN_MODES, default=chat_rows.TRAIN_ASSISTANT
+    )
+    chat.add_argument("--long-conversations", choices=fit.OVERFLOW_MODES, default=fit.TOO_LONG)
+    args, beam_args = ap.parse_known_args(argv)
+    window = WindowConfig(
+        max_student_tokens=args.max_student_tokens,
+        max_teacher_tokens=args.max_teacher_tokens,
+        stride_chars=args.stride_chars,
+    )
+    out = args.out or default_out_dir(args.data, args.student, args.teacher)
+    cfg = JobConfig(
+        data=args.data,
+        student=args.student,
+        teachers=args.teacher,
+        out=out,
+        window=window,
+        reader=readers.ReaderConfig(text_field=args.text_field, txt_mode=args.txt_mode),
+        pieces=PieceConfig(piece_chars=args.piece_chars, overlap_chars=args.piece_overlap),
+        roll_bytes=max(int(args.shard_mb * (1 << 20)), 1),
+        overwrite=args.overwrite,
+        chat=chat_config(args),
+    )
+    return cfg, default_runner_args(beam_args)
+
+
+def job_row_format(data: list[str]) -> str:
+    """The row format of a job from the first record of its first file: ``text`` unless that
+    record is a conversation (a glob matching nothing is left to `match_inputs` to report)."""
+    for pattern in data:
+        metas = FileSystems.match([pattern])[0].metadata_list
+        if metas:
+            first = min(metas, key=lambda m: m.path).path
+            return peek_format(first) or chat_rows.TEXT
+    return chat_rows.TEXT
+
+
+def chat_config(args) -> C.ChatConfig | None:
+    """The conversation part of the job, or None for a text job. Templates are resolved here,
+    before any worker starts: a model without one and no template named is an error now."""
+    fmt = args.row_format if args.row_format != "auto" else job_row_format(args.data)
+    named = args.chat_template is not None or args.teacher_chat_template
+    if fmt == chat_rows.TEXT:
+        if named:
+            raise ValueError(
+                "--chat-template / --teacher-chat-template given, but the rows are text "
+                f"(--row-format {args.row_format}); conversations are 'messages' or "
+                "'prompt' + 'completion' rows"
+            )
+        return None
+    overrides = list(args.teacher_chat_template) or ["own"] * len(args.teacher)
+    if len(overrides) != len(args.teacher):
+        raise ValueError(
+            f"--teacher-chat-template given {len(overrides)} times for {len(args.teacher)} "
+            "teachers: give it once per --teacher, in order ('own' = the model's template)"
+        )
+
+    def template(model: str, override: str | None, who: str):
+        try:
+            return resolve_template(model, override=None if override == "own" else override)
+        except ValueError as e:
+            flag = "--chat-template" if who == "student" else "--teacher-chat-template"
+            raise ValueError(f"{who}: {e} ({flag})") from None
+
+    return C.ChatConfig(
+        student_template=template(args.student, args.chat_template, "student"),
+        teacher_templates=tuple(
+            template(t, o, f"teacher {i}") for i, (t, o) in enumerate(zip(args.teacher, overrides))
+        ),
+        row_format=None if args.row_format == "auto" else fmt,
+        train_on=args.train_on,
+        long_conversations=args.long_conversations,
+    )
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the job; returns the stats written to stats.json plus ``wall_s`` and ``metrics``
+    (Beam counters and stage times, where the runner reports them); raises if the run failed.
+
+    The tokenizers are loaded by the workers only (this process would hold a third copy)."""
+    cfg, beam_args = parse_args(argv)
+    t0 = time.perf_counter()
+    for path in [cfg.student, *cfg.teachers]:
+        if "://" not in path and not Path(path).exists():
+            raise FileNotFoundError(f"tokenizer {path!r} does not exist")
+    tasks, total_bytes, n_files = match_inputs(cfg.data)
+    prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
+    run_id = uuid.uuid4().hex[:12]
+    log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
+    # FnApiRunner: its worker processes start without their chatter (pipelines.plumbing.beam_worker)
+    p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
+    build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
+    prog = rolling.run_dir(cfg.out, run_id) / "progress"
+    result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
+    if not (cfg.out / S.COMPLETED_MARKER).is_file():
+        raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
+    stats = shards.open_shards(cfg.out).stats()
+    stats["wall_s"] = time.perf_counter() - t0
+    stats["metrics"] = job_metrics(result)
+    return stats
+
+
+def summary_line(stats: dict, out: Path) -> str:
+    kinds = ", ".join(
+        f"t{i}: " + " ".join(f"{k}={v}" for k, v in ck.items())
+        for i, ck in enumerate(stats["chunk_kinds"])
+    )
+    chat = stats.get("chat")
+    if chat is not None:
+        kinds += (
+            f"; conversations {chat['conversations']} ({chat['truncated_conversations']} "
+            f"truncated), trained tokens {chat['trained_tokens']}, end-of-turn pairs "
+            f"{chat['eot_pairs']}, loose tokens {chat['loose_tokens']}"
+        )
+    return (
+        f"{out}: {stats['documents']} documents -> {stats['windows']} windows in "
+        f"{stats['shards']} shards; tokens student={stats['tokens']['student']} "
+        f"teachers={stats['tokens']['teachers']}; chunks {kinds}; "
+        f"fallback rate {stats['fallback_rate']}; dead letters {stats['dead_letters']} "
+        f"{stats['drops_by_reason']} ({stats['wall_s']:.1f} s)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    # force: importing Beam already configured the root logger (see pipelines/__init__.py)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    cfg, _ = parse_args(argv)
+    stats = run(argv)
+    print(summary_line(stats, cfg.out))
+    print(json.dumps({k: stats[k] for k in ("documents", "windows", "drops_by_reason")}))
+
+
+if __name__ == "__main__":
+    from tokenbridge import cli
+
+    sys.exit(cli.run(main, sys.argv[1:], prog="align"))

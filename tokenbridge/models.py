@@ -1,0 +1,156 @@
+"""Causal LMs from local HF directories: load (pretrained or tiny random-init), inspect, export.
+
+The model code is plain transformers; nothing here knows about parallelism (`trainer.parallel.parallelize`
+applies TP and FSDP to what this module builds). A ``random`` model keeps its directory's
+config.json with small dimensions patched in (`ModelSpec.overrides`), so test models run in
+milliseconds yet use the REAL tokenizer of that directory, its vocabulary size included.
+
+The student's vocabulary is the width of its lm_head (padded heads are wider than the
+tokenizer), never the tokenizer's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from tokenbridge.model_spec import ModelSource
+
+# files of a HF directory that make up its tokenizer (copied into exports as they are)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def model_config(cfg: ModelSource) -> PretrainedConfig:
+    """The HF config of `cfg.path` with `cfg.overrides` applied (random-init models).
+
+    Shrinking ``num_hidden_layers`` also shrinks a per-layer ``layer_types`` list (Gemma 3's
+    sliding/full attention pattern), which transformers otherwise rejects as inconsistent.
+    """
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a HF model directory)")
+    overrides = dict(cfg.overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        base = AutoConfig.from_pretrained(path)
+        layer_types = getattr(base, "layer_types", None)
+        if layer_types:
+            n = int(overrides["num_hidden_layers"])
+            overrides["layer_types"] = [layer_types[i % len(layer_types)] for i in range(n)]
+    try:
+        return AutoConfig.from_pretrained(path, **overrides)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: config overrides {overrides} rejected: {e}") from e
+
+
+def build_model(
+    cfg: ModelSource, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """The causal LM of `cfg`: pretrained weights, or a seeded random init of its config.
+
+    The random init draws from a forked RNG seeded with ``cfg.seed``, so every process that
+    builds the same config (student ranks, teacher workers) gets bit-identical weights, and the
+    caller's RNG stream is untouched.
+    """
+    if cfg.init == "pretrained":
+        path = Path(cfg.path)
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise FileNotFoundError(f"{path}: no weights (*.safetensors) for init=pretrained")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        hf_cfg = model_config(cfg)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    return model.to(device)
+
+
+def vocab_width(model: nn.Module) -> int:
+    """Columns of the model's logits: the lm_head width (>= the tokenizer's vocab_size)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (not a causal LM?)")
+    return int(head.weight.shape[0])
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Teacher mode: eval (no dropout), no gradients."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def copy_tokenizer_files(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files of HF dir `src_dir` into `out_dir`; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(src_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, Path(out_dir) / name)
+            copied.append(name)
+    if not any(n in copied for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise FileNotFoundError(f"{src_dir}: no tokenizer files to export ({TOKENIZER_FILES})")
+    return copied
+
+
+def export_hf(
+    state_dict: dict[str, torch.Tensor],
+    *,
+    cfg: ModelSource,
+    out_dir: str | os.PathLike,
+    extra: dict | None = None,
+) -> Path:
+    """Write a full (unsharded) student state dict as a plain HF directory, atomically.
+
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and any tokenizer loader read the result;
+    ``extra`` goes to ``tokenbridge.json`` next to it (provenance: step, run, teachers).
+    """
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        hf_cfg = model_config(cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_cfg)
+        model.load_state_dict(state_dict, strict=False, assign=True)
+        missing = [k for k, p in model.state_dict().items() if p.is_meta]
+        if missing:
+            raise ValueError(f"export: state dict lacks {missing[:5]} (of {len(missing)})")
+        model.tie_weights()
+        model.save_pretrained(tmp)
+        copy_tokenizer_files(cfg.path, tmp)
+        if extra:
+            (tmp / "tokenbridge.json").write_text(json.dumps(extra, indent=2, sort_keys=True))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out

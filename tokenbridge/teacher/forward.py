@@ -1,0 +1,144 @@
+"""The one teacher forward: a loaded teacher model -> the outputs a loss reads.
+
+Every teacher source goes through `teacher_forward`: the trainer's teacher workers (off-policy
+and on-policy scoring), the teacher-cache job's RunInference handler, the tests and the
+benchmarks. It never builds full-vocabulary fp32 logits for a whole microbatch: the lm_head is
+applied a chunk of positions at a time (262,144 columns for Gemma), each chunk reduced at once
+to the spec's outputs (`tokenbridge.teacher.outputs`: top-k + tail, columns, the realised next
+token's log-prob). Gemma's final-logit softcap is applied where HF applies it, after the
+lm_head. A vocab-sharded lm_head (TP) gives DTensor logits, whose outputs are computed on the
+local shard with the TP group.
+
+Columns are either fixed global ids [N] (the exact-map teacher ids of `gold`) or per position
+[B, U, N] (on-policy top-k: the student's own top-k ids at each position).
+
+Legend: B rows, U teacher positions, V teacher lm_head width, H hidden size, N columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
+from tokenbridge.losses.ops.segments import shift_targets
+from tokenbridge.teacher.outputs import (
+    TeacherOutputs,
+    TeacherOutputSpec,
+    allocate_teacher_outputs,
+    teacher_outputs_from_logits,
+)
+
+
+def _whole_vocab(tp_group) -> None:
+    if tp_group is not None:
+        raise ValueError(
+            "teacher_forward: on_logits reads whole-vocabulary logits, but this teacher's "
+            "lm_head is vocab-sharded (tp > 1); run it at tp=1"
+        )
+
+
+def teacher_forward(
+    model,
+    ids_BU: torch.Tensor,
+    mask_BU: torch.Tensor,
+    *,
+    spec: TeacherOutputSpec,
+    columns,
+    chunk: int,
+    used_BU: torch.Tensor | None = None,
+    on_logits=None,
+) -> TeacherOutputs:
+    """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
+    a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
+    sharded lm_head (TP) gives DTensor logits: the outputs are computed on the local shard.
+
+    ``used_BU`` (bool [B, U]): only those positions get outputs: the model body still runs over
+    every token (each position's context), but the lm_head (for Gemma 170M of its 270M
+    parameters, 262,144 columns) and the output reductions run on the used rows only, gathered.
+    The other positions are filled NaN (ids -1), so a loss that read one would fail loudly.
+    ``on_logits``: called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits
+    [B, n, V] (the teacher cache samples ids from them; whole vocabulary: refused under TP);
+    not with ``used_BU``.
+    """
+    if on_logits is not None and used_BU is not None:
+        raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")
+    len_B = mask_BU.sum(1)
+    tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
+    base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if base is None or head is None:
+        out = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        logits, tp_group = unwrap_vocab_sharded(out)
+        if on_logits is not None:
+            _whole_vocab(tp_group)
+            on_logits(0, logits)
+        out = teacher_outputs_from_logits(
+            logits, spec=spec, target_ids_BT=tgt_BU, columns=columns, tp_group=tp_group
+        )
+        return out if used_BU is None else _blank_unused(out, used_BU)
+    hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
+    # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def logits_of(h):
+        """(logits, tp group): this rank's vocabulary shard under TP, softcapped."""
+        logits, group = unwrap_vocab_sharded(head(h))
+        return (torch.tanh(logits / softcap) * softcap if softcap else logits), group
+
+    if used_BU is not None and not bool(used_BU.all()):
+        return _used_rows_only(
+            hidden_BUH, tgt_BU, used_BU, logits_of, spec=spec, columns=columns, chunk=chunk
+        )
+    out = allocate_teacher_outputs(spec, *ids_BU.shape, device=ids_BU.device)
+    U = ids_BU.shape[1]
+    per_position = columns is not None and columns.dim() == 3  # [B, U, N]: sliced with the chunk
+    for t0 in range(0, U, chunk):
+        n = min(chunk, U - t0)
+        logits, tp_group = logits_of(hidden_BUH[:, t0 : t0 + n])
+        if on_logits is not None:
+            _whole_vocab(tp_group)
+            on_logits(t0, logits)
+        teacher_outputs_from_logits(
+            logits,
+            spec=spec,
+            target_ids_BT=None if tgt_BU is None else tgt_BU[:, t0 : t0 + n],
+            columns=columns[:, t0 : t0 + n] if per_position else columns,
+            out=out.narrow_t(t0, n),
+            tp_group=tp_group,
+        )
+    return out
+
+
+def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk):
+    """Outputs at the used positions: their hidden states gathered into one row [1, N], the
+    lm_head applied `chunk` * B rows at a time, then scattered into the [B, U] outputs."""
+    B, U, H = hidden_BUH.shape
+    rows = used_BU.reshape(-1).nonzero().squeeze(1)
+    flat = allocate_teacher_outputs(spec, 1, rows.numel(), device=hidden_BUH.device)
+    h_N = hidden_BUH.reshape(B * U, H)[rows][None]
+    t_N = None if tgt_BU is None else tgt_BU.reshape(-1)[rows][None]
+    per_position = columns is not None and columns.dim() == 3  # [B, U, N] -> [1, N_used, N]
+    c_N = columns.reshape(B * U, -1)[rows][None] if per_position else columns
+    step = max(1, chunk * B)
+    for r0 in range(0, rows.numel(), step):
+        n = min(step, rows.numel() - r0)
+        logits, tp_group = logits_of(h_N[:, r0 : r0 + n])
+        teacher_outputs_from_logits(
+            logits,
+            spec=spec,
+            target_ids_BT=None if t_N is None else t_N[:, r0 : r0 + n],
+            columns=c_N[:, r0 : r0 + n] if per_position else c_N,
+            out=flat.narrow_t(r0, n),
+            tp_group=tp_group,
+        )
+    out = allocate_teacher_outputs(spec, B, U, device=hidden_BUH.device)
+    for name, dst in out.tensors().items():
+        dst.fill_(float("nan") if dst.is_floating_point() else -1)
+        dst.view(B * U, *dst.shape[2:])[rows] = getattr(flat, name)[0]
+    return out
+
+
+def _blank_unused(out: TeacherOutputs, used_BU: torch.Tensor) -> TeacherOutputs:
+    """NaN (ids -1) at the positions no loss reads."""
+    for dst in out.tensors().values():
+        dst[~used_BU] = float("nan") if dst.is_floating_point() else -1
+    return out

@@ -1,0 +1,324 @@
+"""The one structure a teacher hands the loss, and how it is computed from teacher logits.
+
+A teacher never ships fp32 [T, V_teacher] (262,144 columns for Gemma: 1 MiB per token). It
+ships, per position, only what the configured loss reads:
+
+- ``topk_ids`` / ``topk_logprobs``: its top-k tokens and their log-probs at the KD temperature,
+  plus ``tail_logprob``, the exact log of the mass outside the top-k (the tail bucket);
+- ``col_logprobs``: log-probs on a column set, either one global set (e.g. the exact-map teacher
+  ids for `gold`) or per-position ids (``col_ids``; e.g. the student's own top-k for the
+  on-policy core of `kd_topk`), plus ``col_rest_logprob``, the log-mass outside the set;
+- ``rest_sorted_probs``: the largest probabilities outside the column set, descending (ULD);
+- ``target_logprob``: log p(realised next token) at temperature 1 (0 where there is none). The
+  chain log-probs of aligned chunks are segment sums of this [B, T] field, done by the loss.
+
+Every field has a shape fixed by (B, T, spec), so a teacher worker can preallocate ring-buffer
+slots (`teacher_output_fields` / `allocate_teacher_outputs`) in shared memory or behind CUDA IPC
+handles and fill them in place (``out=``). Top-k slots whose log-prob is -inf (fewer finite
+logits than k) get id -1, the "empty slot" convention shared with the projection tables.
+
+Legend: B batch, T teacher positions, V teacher lm_head width, K top-k, N columns, M sorted rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from tokenbridge.losses.ops import vocab as vo
+
+NEG_INF = float("-inf")
+
+FIELD_NAMES = (
+    "topk_ids",
+    "topk_logprobs",
+    "tail_logprob",
+    "col_ids",
+    "col_logprobs",
+    "col_rest_logprob",
+    "rest_sorted_probs",
+    "target_logprob",
+)
+
+
+@dataclass(frozen=True)
+class TeacherOutputSpec:
+    """Which fields a loss needs, and their sizes."""
+
+    vocab_size: int  # teacher tokenizer vocab; lm_head columns >= this are masked
+    topk: int = 0  # K; 0 = no top-k fields
+    columns: int = 0  # N; 0 = no column fields
+    per_position_columns: bool = False  # column ids given per position ([B, T, N]) not global [N]
+    rest_sorted: int = 0  # M; 0 = no sorted rest
+    target: bool = False
+    temperature: float = 1.0  # applies to top-k, columns and sorted rest (not to target_logprob)
+    column_dtype: torch.dtype = torch.float32  # bf16 halves the transport of large column sets
+    chunk_size: int = 256  # rows (B * T positions) processed at once
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or min(self.topk, self.columns, self.rest_sorted) < 0:
+            raise ValueError(f"invalid TeacherOutputSpec sizes: {self}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.rest_sorted and not self.columns:
+            raise ValueError("rest_sorted needs a column set (it is the rest outside the columns)")
+        if self.per_position_columns and not self.columns:
+            raise ValueError("per_position_columns needs columns > 0")
+        if self.topk + self.columns + self.rest_sorted == 0 and not self.target:
+            raise ValueError("TeacherOutputSpec asks for nothing")
+
+    def union(self, other: TeacherOutputSpec) -> TeacherOutputSpec:
+        """One spec serving two losses (e.g. xtoken + alm) of the same teacher."""
+        if (self.vocab_size, self.temperature) != (other.vocab_size, other.temperature):
+            raise ValueError("cannot merge teacher specs with different vocab_size or temperature")
+        if (
+            self.columns
+            and other.columns
+            and (
+                (self.columns, self.per_position_columns)
+                != (other.columns, other.per_position_columns)
+            )
+        ):
+            raise ValueError("cannot merge teacher specs with different column sets")
+        src = self if self.columns else other
+        return replace(
+            self,
+            topk=max(self.topk, other.topk),
+            columns=src.columns,
+            per_position_columns=src.per_position_columns,
+            rest_sorted=max(self.rest_sorted, other.rest_sorted),
+            target=self.target or other.target,
+            column_dtype=src.column_dtype,
+        )
+
+
+def teacher_output_fields(
+    spec: TeacherOutputSpec, batch: int, seq: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every field the spec needs, for preallocation."""
+    b, t = batch, seq
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if spec.topk:
+        out["topk_ids"] = ((b, t, spec.topk), torch.int32)
+        out["topk_logprobs"] = ((b, t, spec.topk), torch.float32)
+        out["tail_logprob"] = ((b, t), torch.float32)
+    if spec.columns:
+        if spec.per_position_columns:
+            out["col_ids"] = ((b, t, spec.columns), torch.int32)
+        out["col_logprobs"] = ((b, t, spec.columns), spec.column_dtype)
+        out["col_rest_logprob"] = ((b, t), torch.float32)
+    if spec.rest_sorted:
+        out["rest_sorted_probs"] = ((b, t, spec.rest_sorted), torch.float32)
+    if spec.target:
+        out["target_logprob"] = ((b, t), torch.float32)
+    return out
+
+
+@dataclass
+class TeacherOutputs:
+    """What a teacher ships for one microbatch; fields not in the spec are None."""
+
+    topk_ids: Tensor | None = None  # int32 [B, T, K], -1 = empty slot
+    topk_logprobs: Tensor | None = None  # [B, T, K]
+    tail_logprob: Tensor | None = None  # [B, T]
+    col_ids: Tensor | None = None  # int32 [B, T, N], only for per-position columns
+    col_logprobs: Tensor | None = None  # [B, T, N]
+    col_rest_logprob: Tensor | None = None  # [B, T]
+    rest_sorted_probs: Tensor | None = None  # [B, T, M], descending
+    target_logprob: Tensor | None = None  # [B, T], temperature 1, 0 where no target
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
+
+    def narrow_t(self, start: int, length: int) -> TeacherOutputs:
+        """Views of positions [start, start + length) (to fill a slot chunk by chunk)."""
+        return TeacherOutputs(**{k: v.narrow(1, start, length) for k, v in self.tensors().items()})
+
+    def cp_shard(self, cp) -> TeacherOutputs:
+        """This context-parallel rank's positions (`CPContext.shard` on dim 1): per-position
+        outputs of whole rows, re-laid out for a student that holds T / CP of them."""
+        return TeacherOutputs(**{k: cp.shard(v, dim=1) for k, v in self.tensors().items()})
+
+    def to(self, device) -> TeacherOutputs:
+        return TeacherOutputs(**{k: v.to(device) for k, v in self.tensors().items()})
+
+    def require(self, names: tuple[str, ...], *, mode: str) -> None:
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(
+                f"{mode} needs teacher outputs {missing}; build them with the spec from "
+                f"{mode}_teacher_spec(...)"
+            )
+
+
+def allocate_teacher_outputs(
+    spec: TeacherOutputSpec, batch: int, seq: int, *, device=None, share_memory: bool = False
+) -> TeacherOutputs:
+    out = {}
+    for name, (shape, dtype) in teacher_output_fields(spec, batch, seq).items():
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        out[name] = t.share_memory_() if share_memory else t
+    return TeacherOutputs(**out)
+
+
+def _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group) -> None:
+    if logits_BTV.dim() != 3:
+        raise ValueError(f"teacher logits must be [B, T, V], got {tuple(logits_BTV.shape)}")
+    b, t, width = logits_BTV.shape
+    if tp_group is not None:  # the last dim is this rank's shard of an evenly split lm_head
+        import torch.distributed as dist
+
+        width *= dist.get_world_size(tp_group)
+    if spec.vocab_size > width:
+        raise ValueError(f"spec.vocab_size {spec.vocab_size} > teacher lm_head width {width}")
+    if spec.topk > spec.vocab_size:
+        raise ValueError(f"top-k {spec.topk} > teacher vocab_size {spec.vocab_size}")
+    if spec.target and (target_ids_BT is None or tuple(target_ids_BT.shape) != (b, t)):
+        raise ValueError(f"spec.target needs target_ids of shape {(b, t)} (shifted, -1 = none)")
+    if spec.columns:
+        want = (b, t, spec.columns) if spec.per_position_columns else (spec.columns,)
+        if columns is None or tuple(columns.shape) != want:
+            got = None if columns is None else tuple(columns.shape)
+            raise ValueError(f"spec.columns needs column ids of shape {want}, got {got}")
+        if bool((columns >= spec.vocab_size).any()):
+            raise ValueError(f"column ids must be < teacher vocab_size {spec.vocab_size}")
+        if spec.rest_sorted > spec.vocab_size - (
+            spec.columns if not spec.per_position_columns else 0
+        ):
+            raise ValueError(f"rest_sorted {spec.rest_sorted} exceeds the columns outside the set")
+
+
+@torch.no_grad()
+def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
+    """All requested fields for R rows of raw teacher logits (vocab-parallel composition)."""
+    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
+    xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
+    logz = vo.logsumexp(xs, tp_group)
+    logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
+    out: dict[str, Tensor] = {}
+    if spec.topk:
+        vals, ids = vo.topk(xs, spec.topk, tp_group)
+        lp = vals - logz[:, None]
+        ids = torch.where(lp > NEG_INF, ids, -1)
+        out["topk_ids"] = ids
+        out["topk_logprobs"] = lp
+        out["tail_logprob"] = vo.logsumexp_excluding(xs, ids, tp_group) - logz
+    if spec.columns:
+        out["col_logprobs"] = vo.gather(xs, cols, tp_group) - logz[:, None]
+        out["col_rest_logprob"] = vo.logsumexp_excluding(xs, cols, tp_group) - logz
+        if spec.per_position_columns:
+            out["col_ids"] = cols
+    if spec.rest_sorted:
+        rest = vo.exclude_columns(xs, cols, tp_group)
+        vals, _ = vo.topk(rest, spec.rest_sorted, tp_group)
+        out["rest_sorted_probs"] = (vals - logz[:, None]).exp()
+    if spec.target:
+        logz1 = logz if spec.temperature == 1.0 else vo.logsumexp(x1, tp_group)
+        tl = vo.gather(x1, tgt_R[:, None], tp_group)[:, 0] - logz1
+        out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
+    return out
+
+
+def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
+    """e[:, cols] = 0 in place; cols [N] or [R, N] (-1 = empty slot)."""
+    if cols.dim() == 1:
+        e_RV.index_fill_(1, cols[cols >= 0], 0.0)
+        return
+    top = cols.max(-1, keepdim=True).values
+    none = top[:, 0] < 0  # rows without any id: their (harmless) writes go to column 0
+    keep0 = e_RV[none, 0].clone()
+    e_RV.scatter_(1, torch.where(cols >= 0, cols, top.clamp(min=0)), 0.0)
+    e_RV[none, 0] = keep0
+
+
+@torch.no_grad()
+def _rows_local(x_RV, spec, tgt_R, cols) -> dict[str, Tensor]:
+    """Same fields on one device, sharing one exp(x - max) buffer: every mass outside a set is a
+    sum over that buffer with the set zeroed (exact), not 1 - sum and not a masked copy."""
+    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size)
+    xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
+    m = xs.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = (xs - m).exp_()
+    s_all = e.sum(-1)
+    logz = m[:, 0] + s_all.log()
+    logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
+    out: dict[str, Tensor] = {}
+    if spec.topk:
+        vals, ids = torch.topk(xs, spec.topk, dim=-1)
+        lp = vals - logz[:, None]
+        live = lp > NEG_INF
+        out["topk_ids"] = torch.where(live, ids, -1)
+        out["topk_logprobs"] = lp
+        saved = e.gather(1, ids)
+        e.scatter_(1, ids, 0.0)
+        out["tail_logprob"] = m[:, 0] + e.sum(-1).log() - logz
+        e.scatter_(1, ids, saved)  # restore exactly
+    if spec.columns:
+        safe = cols.clamp(min=0)
+        gathered = xs.index_select(1, safe) if cols.dim() == 1 else xs.gather(1, safe)
+        out["col_logprobs"] = (gathered - logz[:, None]).masked_fill(cols < 0, NEG_INF)
+        _zero_cols(e, cols)
+        out["col_rest_logprob"] = m[:, 0] + e.sum(-1).log() - logz
+        if spec.per_position_columns:
+            out["col_ids"] = cols
+        if spec.rest_sorted:
+            vals, _ = torch.topk(e, spec.rest_sorted, dim=-1)
+            out["rest_sorted_probs"] = vals / s_all[:, None]
+    if spec.target:
+        if spec.temperature == 1.0:
+            logz1 = logz
+        else:
+            logz1 = torch.logsumexp(x1, -1)
+        tl = x1.gather(1, tgt_R.clamp(min=0)[:, None])[:, 0] - logz1
+        out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
+    return out
+
+
+@torch.no_grad()
+def teacher_outputs_from_logits(
+    logits_BTV: Tensor,
+    *,
+    spec: TeacherOutputSpec,
+    target_ids_BT: Tensor | None = None,
+    columns: Tensor | None = None,
+    out: TeacherOutputs | None = None,
+    tp_group=None,
+) -> TeacherOutputs:
+    """Compute the spec's fields from teacher logits, ``spec.chunk_size`` rows at a time.
+
+    ``target_ids_BT``: the token predicted at each position (`segments.shift_targets`), -1 none.
+    ``columns``: global column ids [N], or per-position ids [B, T, N] (-1 = empty slot).
+    ``out``: preallocated outputs to fill in place (e.g. a shared-memory slot, or `narrow_t`
+    views when the logits arrive in pieces along T); allocated when None.
+    """
+    _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group)
+    b, t, width = logits_BTV.shape
+    if out is None:
+        out = allocate_teacher_outputs(spec, b, t, device=logits_BTV.device)
+    dst = out.tensors()
+    for name in teacher_output_fields(spec, b, t):
+        if name not in dst or dst[name].shape[:2] != (b, t):
+            raise ValueError(f"out is missing field {name!r} or has the wrong [B, T]")
+    cols = None if columns is None else columns.to(logits_BTV.device, torch.int64)
+    step = max(1, spec.chunk_size // max(b, 1))
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        rows = logits_BTV[:, t0:t1].reshape(-1, width)
+        tgt = None if target_ids_BT is None else target_ids_BT[:, t0:t1].reshape(-1).long()
+        c = cols
+        if cols is not None and spec.per_position_columns:
+            c = cols[:, t0:t1].reshape(-1, spec.columns)
+        vals = (
+            _rows_local(rows, spec, tgt, c)
+            if tp_group is None
+            else _rows(rows, spec, tgt, c, tp_group)
+        )
+        for name, val in vals.items():
+            view = dst[name][:, t0:t1]
+            view.copy_(val.reshape(view.shape))
+    return out

@@ -1,0 +1,199 @@
+"""Checks that run before any model loads: files, tokenizers, fingerprints, layouts.
+
+A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
+with another tokenizer, a TP size that does not split the heads or the vocabulary, a model
+whose attention cannot be sequence-sharded under CP, a same-tokenizer loss on a pair with
+different tokenizers, a damaged shard or checkpoint) fails here, in seconds, with a message
+that names the file and the field. Only tokenizers, shard metadata, projection tables and
+config.json files are read, plus, to verify them, the shard files (``data.verify``:
+`first_open` and `preflight` both hash them here, as the row-length scan maps every file) and
+the checkpoint to resume from (`trainer.checkpoint.find_resume`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tokenbridge import models
+from tokenbridge.formats.shards import ShardSet, open_shards
+from tokenbridge.formats.teacher_cache_reader import CacheSet
+from tokenbridge.losses.modes import MODES
+from tokenbridge.projection import Projection, load_projection
+from tokenbridge.tokenizers import Tokenizer, load_tokenizer
+from trainer.checkpoint import find_resume, list_checkpoints
+from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
+from trainer.microbatches import ShardReader
+from trainer.onpolicy.teachers import check_teachers as check_onpolicy
+from trainer.parallel import parallelize
+from trainer.teacher.cached_teacher import open_teacher_cache
+
+
+@dataclass
+class Prepared:
+    """What the checks loaded, handed to the trainer so nothing is read twice."""
+
+    student_tok: Tokenizer
+    teacher_toks: list[Tokenizer]
+    shards: ShardSet
+    projections: list[Projection | None]  # per teacher; None where the loss needs none
+    student_rows: int  # lm_head width from config.json (the tokenizer may be smaller)
+    teacher_rows: list[int]
+    teacher_max_len: list[int]  # longest teacher row per teacher (sizes the channel slots)
+    resume: Path | None = None  # the verified checkpoint to resume from (None: start fresh)
+    caches: list[CacheSet | None] = field(default_factory=list)  # per teacher (teachers[i].cache)
+
+
+def _model_dir(cfg: ModelConfig, where: str) -> Path:
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{where}.path={path}: no such model directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{where}.path={path}: no config.json (expected a HF model dir)")
+    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{where}.path={path}: no *.safetensors weights for init=pretrained"
+        )
+    return path
+
+
+def _tokenizer(cfg: ModelConfig, where: str) -> Tokenizer:
+    try:
+        return load_tokenizer(_model_dir(cfg, where))
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{where}: cannot load the tokenizer of {cfg.path}: {e}") from e
+
+
+def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
+    """Every check that needs no model weights. Raises ConfigError / FileNotFoundError /
+    pipelines' FingerprintMismatchError, ProjectionMismatchError, ... with a clear message."""
+    cfg.parallel.mesh_shape(world_size)
+    old = list_checkpoints(Path(cfg.run_dir) / "checkpoints")
+    if old and cfg.checkpoint.resume == "none":
+        raise ConfigError(
+            f"config run_dir={cfg.run_dir}: holds checkpoints of an earlier run (up to step "
+            f"{old[-1][0]}) and checkpoint.resume=none; continue it with checkpoint.resume=auto, "
+            "or use another run_dir (or delete this one)"
+        )
+    # the global rank: torchrun's env, or the group's when one exists (multi-process tests)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    resume = find_resume(Path(cfg.run_dir) / "checkpoints", cfg.checkpoint, rank=rank)
+    for note in resume.notes if rank == 0 else []:
+        print(f"tokenbridge train: {note}", file=sys.stderr, flush=True)
+    student = _tokenizer(cfg.model, "model")
+    teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
+
+    student_hf = models.model_config(cfg.model)
+    for key, check in (("tp", parallelize.check_tp), ("cp", parallelize.check_cp)):
+        try:
+            check(student_hf, getattr(cfg.parallel, key), where="model")
+        except ValueError as e:
+            raise ConfigError(f"config parallel.{key}: {e}") from None
+    student_rows = int(student_hf.vocab_size)
+    if student_rows < student.vocab_size:
+        raise ConfigError(
+            f"model {cfg.model.path}: lm_head has {student_rows} rows but the tokenizer emits "
+            f"ids up to {student.vocab_size - 1}"
+        )
+    teacher_rows = []
+    for i, t_cfg in enumerate(cfg.teachers):
+        hf = models.model_config(t_cfg)
+        if t_cfg.tp > 1 and world_size % t_cfg.tp:
+            raise ConfigError(
+                f"config teachers[{i}].tp={t_cfg.tp} does not divide world {world_size}"
+            )
+        try:
+            parallelize.check_tp(hf, t_cfg.tp, where=f"teachers[{i}]")
+        except ValueError as e:
+            raise ConfigError(f"config teachers[{i}].tp: {e}") from None
+        teacher_rows.append(int(hf.vocab_size))
+
+    if not Path(cfg.data.shards).is_dir():
+        raise FileNotFoundError(
+            f"data.shards={cfg.data.shards}: no such shard directory; make it with "
+            f"`make align DATA='<glob>' OUT={cfg.data.shards}` (conf/experiment/*.yaml say which)"
+        )
+    shards = (
+        open_shards(
+            cfg.data.shards,
+            student=student.info(),
+            teachers=[t.info() for t in teachers],
+            verify=cfg.data.verify,
+        )
+        if teachers
+        else open_shards(cfg.data.shards, student=student.info(), verify=cfg.data.verify)
+    )
+
+    # the longest rows, from the Arrow list lengths: a row over the limit fails now, not at step N
+    _, teacher_max = ShardReader(
+        shards, max_student_tokens=cfg.data.max_student_tokens
+    ).max_lengths()
+
+    check_onpolicy(cfg, student, teachers)  # on-policy modes vs the tokenizers, before any model
+    projections: list[Projection | None] = []
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
+        where = f"teachers[{i}]"
+        same = tok.fingerprint == student.fingerprint
+        record = MODES[mode]
+        if cfg.kd_enabled and record.same_tokenizer and not same:
+            others = [m for m, r in MODES.items() if r.distills and not r.same_tokenizer]
+            raise ConfigError(
+                f"config {where}: loss {mode} needs the student's tokenizer, but teacher "
+                f"{tok.name} has another vocabulary; use one of {others}"
+            )
+        needs = cfg.kd_enabled and record.projection
+        if needs and not t_cfg.projection:
+            raise ConfigError(
+                f"config {where}.projection: loss {mode} needs a projection file "
+                "(make projection TEACHER=... STUDENT=...)"
+            )
+        if t_cfg.projection and needs:
+            p = load_projection(t_cfg.projection, teacher=tok.info(), student=student.info())
+            rows_t, rows_s = int(p.meta["teacher_rows"]), int(p.meta["student_rows"])
+            if rows_t < teacher_rows[i] or rows_s < student_rows:
+                raise ConfigError(
+                    f"{t_cfg.projection}: {rows_t} teacher / {rows_s} student rows, the models' "
+                    f"lm_heads have {teacher_rows[i]} / {student_rows}; rebuild it with the "
+                    "model dirs (make projection TEACHER=<dir> STUDENT=<dir>)"
+                )
+            projections.append(p)
+        else:
+            projections.append(None)
+    return Prepared(
+        student,
+        teachers,
+        shards,
+        projections,
+        student_rows,
+        teacher_rows,
+        teacher_max[: len(teachers)],
+        resume=resume.path,
+        caches=_caches(cfg, teachers, shards),
+    )
+
+
+def _caches(cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet) -> list:
+    """Each teacher's offline cache, checked against the shards, the teacher and its loss (a
+    teacher without one, or whose term is off, gets None)."""
+    out = []
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
+        if not (t_cfg.cache and cfg.kd_enabled and t_cfg.weight > 0):
+            out.append(None)
+            continue
+        options = cfg.loss.mode_options(mode)
+        out.append(
+            open_teacher_cache(
+                t_cfg,
+                index=i,
+                mode=mode,
+                options=options,
+                tokenizer=tok.info(),
+                shards=shards,
+                verify=cfg.data.verify,
+            )
+        )
+    return out

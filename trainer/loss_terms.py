@@ -1,0 +1,167 @@
+"""The per-teacher distillation terms and their combination with the student's CE.
+
+`tokenbridge.losses` holds the math (pure functions) and the loss-mode registry
+(`tokenbridge.losses.modes.MODES`); `trainer.teacher` runs the teachers and carries their outputs.
+This module joins the two for the loop:
+
+- `KDTerm`: one teacher's term: its loss mode (a registry record) and options, its projection
+  tables, the teacher-output spec that mode needs (never more), and the calls the loop makes
+  per microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so
+  the step's global count is all-reduced before the first backward), ``teacher_inputs`` (the
+  teacher's ids, attention mask and the positions its outputs are read at) and ``loss``;
+- `combine_terms`: CE and every teacher's KD, each divided by its global count, combined.
+
+Parallel layouts: the terms are computed on this rank's positions (CP layout, ``cp``) and
+vocabulary shard (``tp_group``); each divides its local SUM by the GLOBAL count, the count
+all-reduced over dp and cp, never tp (TP ranks hold the same terms).
+
+Legend: B rows, T student positions, L of them on this CP rank, V student vocabulary (lm_head
+width; its local shard under TP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenbridge.losses.base import LossOutput
+from tokenbridge.losses.ce import ce
+from tokenbridge.losses.combine import CombineConfig, combine
+from tokenbridge.losses.modes import MODES, LossMode
+from tokenbridge.losses.multi_teacher import combine_teachers, static_weights
+from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
+from trainer.config.schema import LossConfig, TrainConfig
+from trainer.microbatches import Microbatch
+
+if TYPE_CHECKING:
+    from tokenbridge.dist_ops import CPContext
+
+
+@dataclass
+class KDTerm:
+    """One teacher's distillation term (see the module docstring)."""
+
+    index: int
+    name: str
+    mode: str
+    options: Any  # the mode's options dataclass (KDTopKConfig, XTokenConfig, ...)
+    spec: TeacherOutputSpec
+    tables: Any  # XTokenTables | GoldTables | None, on the student's device
+    vocab_size: int  # the student tokenizer's size: lm_head columns past it are masked
+
+    @property
+    def record(self) -> LossMode:
+        return MODES[self.mode]
+
+    def columns(self) -> torch.Tensor | None:
+        """The column ids the teacher must score (CPU), or None."""
+        return self.record.columns(self.tables)
+
+    def prepare(self, mb: Microbatch) -> Any:
+        try:
+            return self.record.prepare(mb.aligned[self.index], mb.targets_BT)
+        except ValueError as e:
+            raise ValueError(f"teacher {self.name}, rows {mb.rows}: {e}") from None
+
+    def count(self, prep: Any, cp: CPContext | None = None) -> int:
+        """The terms this rank's `loss` will count (its CP share; TP ranks count alike)."""
+        return self.record.count(prep, cp)
+
+    def teacher_inputs(self, mb: Microbatch, prep: Any) -> dict[str, torch.Tensor]:
+        """What the teacher reads for this term: its ids and attention mask [B, U], and
+        ``used_mask`` [B, U]: the positions whose outputs the loss reads (the teacher computes
+        outputs there only; on conversations, the trained chunks' rows)."""
+        inputs = mb.teacher_inputs(self.index)
+        width = inputs["input_ids"].shape[1]
+        rows = self.record.teacher_rows
+        used = rows(prep, width) if rows is not None else inputs["attention_mask"] > 0
+        return {**inputs, "used_mask": used.to(torch.bool)}
+
+    def loss(
+        self,
+        logits_BLV: torch.Tensor,
+        outs: TeacherOutputs,
+        prep: Any,
+        *,
+        tp_group=None,
+        cp: CPContext | None = None,
+    ) -> LossOutput:
+        """``logits_BLV``: this rank's positions and vocabulary shard (``tp_group``), the
+        teacher's outputs and ``prep`` over whole rows (`tokenbridge.losses.modes`)."""
+        return self.record.loss(
+            logits_BLV,
+            outs,
+            prep,
+            tables=self.tables,
+            vocab_size=self.vocab_size,
+            config=self.options,
+            tp_group=tp_group,
+            cp=cp,
+        )
+
+
+def build_kd_terms(cfg: TrainConfig, prepared, *, device: torch.device) -> list[KDTerm]:
+    """One `KDTerm` per teacher with a non-zero weight (none for loss.mode=ce)."""
+    if not cfg.kd_enabled:
+        return []
+    vocab = prepared.student_tok.vocab_size
+    terms = []
+    for i, (t_cfg, mode) in enumerate(zip(cfg.teachers, cfg.teacher_modes())):
+        if t_cfg.weight == 0:
+            continue
+        record = MODES[mode]
+        options = cfg.loss.mode_options(mode)
+        t_vocab = prepared.teacher_toks[i].vocab_size
+        tables = None
+        if record.tables is not None:
+            tables = record.tables(
+                prepared.projections[i], teacher_vocab_size=t_vocab, student_vocab_size=vocab
+            )
+        spec = record.teacher_spec(options, tables, teacher_vocab_size=t_vocab)
+        spec = record.spec_for(spec, turns=prepared.shards.meta.is_chat)
+        tables = tables.to(device) if tables is not None else None
+        terms.append(KDTerm(i, t_cfg.name, mode, options, spec, tables, vocab))
+    return terms
+
+
+def ce_term(
+    logits_BLV: torch.Tensor,
+    mb: Microbatch,
+    *,
+    vocab_size: int,
+    tp_group=None,
+    cp: CPContext | None = None,
+) -> LossOutput:
+    """The student's CE on this rank's positions (``cp``) and vocabulary shard (``tp_group``)."""
+    # targets are IGNORE at untrained positions (conversations: `trainer.microbatches.train_targets`)
+    targets = mb.targets_BT if cp is None else cp.shard(mb.targets_BT)
+    return ce(logits_BLV, targets, vocab_size=vocab_size, tp_group=tp_group)
+
+
+def combine_terms(
+    loss_cfg: LossConfig,
+    ce_out: LossOutput,
+    kd_outs: list[LossOutput],
+    *,
+    counts: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float | None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(loss to backward, [ce, kd_0..]) with every term divided by its GLOBAL count (`counts`
+    = [ce, kd_0, ...] summed over the step and the dp ranks)."""
+    ce_v = ce_out.mean(counts[0])
+    if not kd_outs:
+        return loss_cfg.ce_weight * ce_v, [ce_v.detach()]
+    kd_vs = [o.mean(counts[1 + i]) for i, o in enumerate(kd_outs)]
+    kd_v, _ = combine_teachers(kd_vs, weights.to(ce_v.device))
+    cc = CombineConfig(
+        mode=loss_cfg.combine, kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight
+    )
+    total, _ = combine(kd_v, ce_v, config=cc, scale=scale)
+    return total, [ce_v.detach(), *(v.detach() for v in kd_vs)]
+
+
+def teacher_weights(cfg: TrainConfig, terms: list[KDTerm]) -> torch.Tensor:
+    return static_weights(len(terms), [cfg.teachers[t.index].weight for t in terms])

@@ -1,0 +1,467 @@
+"""Shard streaming: aligned Arrow shards -> padded microbatches, per data-parallel rank.
+
+The shards (`tokenbridge.formats.shards`) are memory-mapped, never loaded whole. Every row has a global
+index (files in order, rows in order). A row is held out for evaluation when a hash of its
+(doc id, window) falls under ``eval_fraction``; of the rest, data-parallel rank r reads the
+rows whose index is r modulo the dp size, in order, through a bounded shuffle buffer drawn with
+a seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
+microbatches, which the collectives of FSDP need).
+
+Under context parallelism the microbatch stays whole (the teachers read whole rows, and the
+chunk index is built from them); `Microbatch.student_rows` gives the student's share on one CP
+rank: its positions of every row in the load-balanced layout, with their global position ids.
+
+The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
+small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
+the uninterrupted run would have read.
+
+Conversation shards carry a train code per token: `train_targets` turns them into the target
+mask (a position keeps its target only if the token it predicts is trained), and each
+teacher's chunk kinds ride along in its `AlignedBatch` (`chunk_kinds`). Shards without these
+columns (text, schema version 1) train on every target, as before.
+
+Legend: B rows in the microbatch, T student positions, U teacher positions, L = T / CP positions
+on one context-parallel rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import zlib
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from tokenbridge.dist_ops.context_parallel import cp_positions, to_cp_layout
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import value_checks as values
+from tokenbridge.losses.ops.segments import AlignedBatch
+
+IGNORE = -1  # target id of positions that are not trained on (as tokenbridge.losses expects)
+
+
+@dataclass
+class StudentRows:
+    """The student's share of a microbatch on one context-parallel rank (all of it at cp = 1).
+
+    Targets are shifted on the whole row first, then laid out, so no position needs another
+    rank's token. ``position_ids_BL`` is None at cp = 1 (the model's own 0..T-1).
+    """
+
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    targets_BL: torch.Tensor
+    position_ids_BL: torch.Tensor | None
+    seq_len: int  # T, the whole (padded) row length
+    cp_size: int = 1
+    cp_rank: int = 0
+
+
+@dataclass
+class Microbatch:
+    """One padded microbatch: the student's tokens and, per teacher, its aligned batch (whose
+    student side is these same tensors). Chunk columns are -1 on padding, as on specials."""
+
+    input_ids_BT: torch.Tensor  # int64, student ids, pad id after each row's end
+    attention_mask_BT: torch.Tensor  # int64, 1 on real tokens
+    targets_BT: torch.Tensor  # int64, the token each position predicts, IGNORE where none
+    aligned: list[AlignedBatch] = field(default_factory=list)  # per teacher
+    texts: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # global row indices (provenance)
+    # conversation shards: the student's train codes (tokenbridge.formats.shard_schema.TRAIN_*), 0 on padding
+    train_BT: torch.Tensor | None = None
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.targets_BT != IGNORE).sum())
+
+    def student_rows(self, *, cp_size: int = 1, cp_rank: int = 0) -> StudentRows:
+        """This CP rank's positions of every row (`StudentRows`); the same tensors at cp = 1."""
+        seq_len = self.input_ids_BT.shape[1]
+        if cp_size == 1:
+            return StudentRows(
+                self.input_ids_BT, self.attention_mask_BT, self.targets_BT, None, seq_len
+            )
+        pos_L = cp_positions(seq_len, cp_size, cp_rank, device=self.input_ids_BT.device)
+
+        def local(x_BT: torch.Tensor) -> torch.Tensor:
+            return to_cp_layout(x_BT, cp_size=cp_size, cp_rank=cp_rank, dim=1)
+
+        return StudentRows(
+            local(self.input_ids_BT),
+            local(self.attention_mask_BT),
+            local(self.targets_BT),
+            pos_L.expand(self.input_ids_BT.shape[0], -1),
+            seq_len,
+            cp_size,
+            cp_rank,
+        )
+
+    def teacher_inputs(self, i: int) -> dict[str, torch.Tensor]:
+        """What teacher i's forward reads: its ids and attention mask [B, U]."""
+        a = self.aligned[i]
+        pos_U = torch.arange(a.teacher_ids.shape[1], device=a.teacher_ids.device)
+        mask_BU = (pos_U[None, :] < a.teacher_len[:, None]).long()
+        return {"input_ids": a.teacher_ids, "attention_mask": mask_BU}
+
+    def to(self, device: torch.device) -> Microbatch:
+        def mv(a: AlignedBatch) -> AlignedBatch:
+            moved = {f.name: getattr(a, f.name) for f in fields(a)}
+            return AlignedBatch(**{k: v if v is None else v.to(device) for k, v in moved.items()})
+
+        return Microbatch(
+            self.input_ids_BT.to(device),
+            self.attention_mask_BT.to(device),
+            self.targets_BT.to(device),
+            [mv(a) for a in self.aligned],
+            self.texts,
+            self.rows,
+            None if self.train_BT is None else self.train_BT.to(device),
+        )
+
+
+EVAL_SPLITS = ("window", "document")
+
+
+def is_held_out(doc_id: str, window: int, fraction: float, *, by: str = "window") -> bool:
+    """Deterministic eval split, stable across runs, ranks and machines: by (doc id, window), or
+    by doc id alone (``by="document"``: a held-out document is held out whole, so no window of
+    it is ever trained on; the honest in-domain score, docs/science.md)."""
+    if fraction <= 0:
+        return False
+    key = doc_id if by == "document" else f"{doc_id}\x00{window}"
+    h = zlib.crc32(key.encode())
+    return h < fraction * 2**32
+
+
+def _pad_rows(rows: list[np.ndarray], length: int, pad: int) -> torch.Tensor:
+    out = np.full((len(rows), length), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class ShardReader:
+    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped.
+
+    Each file is verified against its checksum when mapped (`ShardSet.read_table`, per
+    ``data.verify``), and each record batch's values are checked (`tokenbridge.formats.value_checks`) the first
+    time one of its rows is read, before that row reaches a model."""
+
+    def __init__(self, shard_set, *, max_student_tokens: int):
+        self.shard_set = shard_set
+        self.num_teachers = len(shard_set.meta.teachers)
+        self.max_student_tokens = max_student_tokens
+        self.tables: list[pa.Table] = [shard_set.read_table(p) for p in shard_set.files]
+        # per file: the first row of each record batch (a table's chunks are the file's batches)
+        self.batch_starts = [
+            np.cumsum([0] + [len(c) for c in t.column(0).chunks]) for t in self.tables
+        ]
+        self.checked: set[tuple[int, int]] = set()  # (file, batch) whose values were checked
+        self.starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
+        self.num_rows = int(self.starts[-1])
+
+    def check_values(self, f: int, i: int) -> None:
+        """Check the record batch holding row `i` of file `f`, once (cheap after the first)."""
+        b = int(np.searchsorted(self.batch_starts[f], i, side="right") - 1)
+        if (f, b) not in self.checked:
+            t, first = self.tables[f], int(self.batch_starts[f][b])
+            batch = t.slice(first, int(self.batch_starts[f][b + 1]) - first).to_batches()[0]
+            values.check_batch(
+                batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
+            )
+            self.checked.add((f, b))
+
+    def max_lengths(self) -> tuple[int, list[int]]:
+        """(longest student row, longest row of each teacher), without reading the rows."""
+
+        def longest(col: str) -> int:
+            m = [pc.max(pc.list_value_length(t.column(col))).as_py() for t in self.tables]
+            return max([x for x in m if x is not None], default=0)
+
+        student = longest("student_ids")
+        if student > self.max_student_tokens:
+            raise ValueError(
+                f"{self.shard_set.dir}: rows of up to {student} student tokens > "
+                f"data.max_student_tokens={self.max_student_tokens}; re-run the align job with "
+                "shorter windows (--max-student-tokens) or raise the limit"
+            )
+        return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        f = int(np.searchsorted(self.starts, row, side="right") - 1)
+        return f, row - int(self.starts[f])
+
+    def where(self, row: int) -> str:
+        f, i = self.locate(row)
+        return f"{self.shard_set.files[f]} row {i}"
+
+    def split(self, eval_fraction: float, *, by: str = "window") -> tuple[np.ndarray, np.ndarray]:
+        """(train rows as sorted global indices, held-out rows ordered by (doc id, window)).
+
+        The held-out order is that of the text, not of the shard rows: a multi-worker align job
+        may write the same windows in another row order, and the eval set (its first rows) must
+        not change with it.
+        """
+        held = np.zeros(self.num_rows, dtype=bool)
+        held_keys: dict[int, tuple[str, int]] = {}
+        for f, t in enumerate(self.tables):
+            docs = t.column("doc_id").to_pylist()
+            wins = t.column("window").to_pylist()
+            s = int(self.starts[f])
+            for i, (d, w) in enumerate(zip(docs, wins)):
+                if is_held_out(d, w, eval_fraction, by=by):
+                    held[s + i] = True
+                    held_keys[s + i] = (d, w)
+        idx = np.arange(self.num_rows, dtype=np.int64)
+        held_rows = sorted(held_keys, key=held_keys.__getitem__)
+        return idx[~held], np.asarray(held_rows, dtype=np.int64)
+
+    def _list(self, t: pa.Table, col: str, i: int) -> np.ndarray:
+        return t.column(col)[i].values.to_numpy(zero_copy_only=False)
+
+    def row(self, row: int) -> dict:
+        f, i = self.locate(row)
+        self.check_values(f, i)
+        t = self.tables[f]
+        ids = self._list(t, "student_ids", i)
+        if len(ids) > self.max_student_tokens:
+            raise ValueError(
+                f"{self.where(row)}: {len(ids)} student tokens > data.max_student_tokens="
+                f"{self.max_student_tokens}; re-run the align job with shorter windows or raise "
+                "the limit"
+            )
+        out = {"student_ids": ids, "text": t.column("text")[i].as_py(), "teachers": []}
+        for k in range(self.num_teachers):
+            out["teachers"].append(
+                {
+                    "ids": self._list(t, S.teacher_ids_column(k), i),
+                    "chunk": self._list(t, S.teacher_chunk_column(k), i),
+                    "student_chunk": self._list(t, S.teacher_student_chunk_column(k), i),
+                    "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
+                }
+            )
+        if self.is_chat:
+            self._chat_columns(out, t, i)
+        return out
+
+    @property
+    def is_chat(self) -> bool:
+        """Conversation shards (train codes, chunk kinds; `tokenbridge.formats.shard_schema`)."""
+        return self.shard_set.meta.is_chat
+
+    def _chat_columns(self, out: dict, t: pa.Table, i: int) -> None:
+        """A conversation row's train codes and trained bytes, and each teacher's train codes
+        and chunk kinds (in `out`, next to the ids they belong to)."""
+        out["train"] = self._list(t, S.STUDENT_TRAIN_COLUMN, i)
+        out["trained_bytes"] = int(t.column(S.TRAINED_BYTES_COLUMN)[i].as_py())
+        for k, teacher in enumerate(out["teachers"]):
+            teacher["train"] = self._list(t, S.teacher_train_column(k), i)
+            teacher["chunk_kind"] = self._list(t, S.teacher_chunk_kind_column(k), i)
+
+    def text(self, row: int) -> str:
+        f, i = self.locate(row)
+        return self.tables[f].column("text")[i].as_py()
+
+
+def train_targets(targets_BT: torch.Tensor, train_BT: torch.Tensor) -> torch.Tensor:
+    """The target mask of conversation rows: position t keeps its target only if token t + 1
+    is trained (train code > 0), else IGNORE. CE and every KD mode follow the targets."""
+    trained_next = torch.zeros_like(train_BT, dtype=torch.bool)
+    trained_next[:, :-1] = train_BT[:, 1:] > 0
+    return torch.where(trained_next, targets_BT, IGNORE)
+
+
+def chunk_kinds(teachers: list[dict]) -> torch.Tensor:
+    """[B, max n_chunks] chunk kinds of one teacher's rows, -1 past a row's chunks."""
+    width = max([int(x["n_chunks"]) for x in teachers] + [1])
+    out = np.full((len(teachers), width), -1, dtype=np.int64)
+    for b, x in enumerate(teachers):
+        kinds = x["chunk_kind"]
+        if len(kinds) != int(x["n_chunks"]):
+            raise ValueError(f"row {b}: {len(kinds)} chunk kinds for {x['n_chunks']} chunks")
+        out[b, : len(kinds)] = kinds
+    return torch.from_numpy(out)
+
+
+def collate(
+    rows: list[dict],
+    *,
+    student_pad: int,
+    teacher_pads: list[int],
+    pad_to_multiple: int = 8,
+    row_ids: list[int] | None = None,
+) -> Microbatch:
+    """Pad rows (from `ShardReader.row`) into one microbatch; each teacher's tensors are padded
+    to its own length U, chunk columns with -1."""
+    lens = [len(r["student_ids"]) for r in rows]
+    T = _round_up(max(lens), pad_to_multiple)
+    ids = _pad_rows([r["student_ids"] for r in rows], T, student_pad)
+    len_B = torch.tensor(lens, dtype=torch.int64)
+    pos_T = torch.arange(T)
+    mask = (pos_T[None, :] < len_B[:, None]).long()
+    # position t predicts token t + 1 of its row; none past the row's last token
+    targets = torch.full_like(ids, IGNORE)
+    targets[:, :-1] = ids[:, 1:]
+    targets[pos_T[None, :] + 1 >= len_B[:, None]] = IGNORE
+    train = None
+    if "train" in rows[0]:  # conversation rows: train only on the flagged tokens
+        train = _pad_rows([r["train"] for r in rows], T, S.TRAIN_NONE)
+        targets = train_targets(targets, train)
+    mb = Microbatch(
+        ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [], train_BT=train
+    )
+    for k, pad in enumerate(teacher_pads):
+        tr = [r["teachers"][k] for r in rows]
+        for x, n in zip(tr, lens):
+            if len(x["student_chunk"]) != n or len(x["chunk"]) != len(x["ids"]):
+                raise ValueError(f"teacher {k}: a chunk column's length differs from its ids")
+        tlens = [len(x["ids"]) for x in tr]
+        U = _round_up(max(tlens), pad_to_multiple)
+        mb.aligned.append(
+            AlignedBatch(
+                student_ids=ids,
+                student_len=len_B,
+                student_chunk=_pad_rows([x["student_chunk"] for x in tr], T, -1),
+                teacher_ids=_pad_rows([x["ids"] for x in tr], U, pad),
+                teacher_len=torch.tensor(tlens, dtype=torch.int64),
+                teacher_chunk=_pad_rows([x["chunk"] for x in tr], U, -1),
+                n_chunks=torch.tensor([x["n_chunks"] for x in tr], dtype=torch.int64),
+                chunk_kind=chunk_kinds(tr) if "chunk_kind" in tr[0] else None,
+            )
+        )
+    return mb
+
+
+class ShardStream:
+    """The endless, shuffled, resumable row stream of one data-parallel rank."""
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle_buffer: int,
+        eval_fraction: float,
+        eval_split: str = "window",
+    ):
+        self.reader = reader
+        train, self.eval_rows = reader.split(eval_fraction, by=eval_split)
+        self.rows = train[dp_rank::dp_size]
+        if len(self.rows) == 0:
+            raise ValueError(
+                f"{reader.shard_set.dir}: {len(train)} training rows (after holding out "
+                f"{len(self.eval_rows)} for eval) cannot feed {dp_size} data-parallel ranks"
+            )
+        self.layout = {"dp_rank": dp_rank, "dp_size": dp_size, "seed": seed, "rows": len(train)}
+        self.buffer_size = shuffle_buffer
+        self.epoch = 0
+        self.cursor = 0
+        self.buffer: list[int] = []
+        # one RNG per (seed, rank): ranks shuffle independently, runs repeat exactly
+        self.rng = random.Random(f"{seed}/{dp_rank}")
+
+    def _advance(self) -> int:
+        r = int(self.rows[self.cursor])
+        self.cursor += 1
+        if self.cursor == len(self.rows):
+            self.cursor, self.epoch = 0, self.epoch + 1
+        return r
+
+    def next_row(self) -> int:
+        if self.buffer_size == 0:
+            return self._advance()
+        while len(self.buffer) < self.buffer_size:
+            self.buffer.append(self._advance())
+        j = self.rng.randrange(len(self.buffer))
+        self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
+        return self.buffer.pop()
+
+    def state_dict(self) -> dict:
+        return {
+            "layout": dict(self.layout),
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "buffer": list(self.buffer),
+            "rng": self.rng.getstate(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["layout"] != self.layout:
+            raise ValueError(
+                f"data position saved for {state['layout']} cannot resume {self.layout} "
+                "(other shards, seed or data-parallel size)"
+            )
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.buffer = [int(x) for x in state["buffer"]]
+        self.rng.setstate(state["rng"])
+
+
+class MicrobatchLoader:
+    """Microbatches of `micro_batch_size` rows from a `ShardStream` (stateful, checkpointable)."""
+
+    def __init__(
+        self,
+        stream: ShardStream,
+        *,
+        micro_batch_size: int,
+        student_pad: int,
+        teacher_pads: list[int],
+        pad_to_multiple: int,
+    ):
+        self.stream = stream
+        self.micro_batch_size = micro_batch_size
+        self.student_pad = student_pad
+        self.teacher_pads = teacher_pads
+        self.pad_to_multiple = pad_to_multiple
+
+    def __iter__(self) -> MicrobatchLoader:
+        return self
+
+    def __next__(self) -> Microbatch:
+        ids = [self.stream.next_row() for _ in range(self.micro_batch_size)]
+        rows = [self.stream.reader.row(i) for i in ids]
+        return collate(
+            rows,
+            student_pad=self.student_pad,
+            teacher_pads=self.teacher_pads,
+            pad_to_multiple=self.pad_to_multiple,
+            row_ids=ids,
+        )
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    def eval_texts(self, limit: int) -> list[str]:
+        """The first `limit` held-out window texts (the same on every rank)."""
+        return [self.stream.reader.text(int(i)) for i in self.stream.eval_rows[:limit]]
+
+    def eval_rows(self, limit: int) -> list[dict]:
+        """The first `limit` held-out rows, whole (`ShardReader.row`; conversations)."""
+        return [self.stream.reader.row(int(i)) for i in self.stream.eval_rows[:limit]]
+
+    def state_dict(self) -> dict:
+        # one opaque blob: DCP stores bytes as they are, and the position is tiny
+        return {"position": pickle.dumps(self.stream.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(pickle.loads(state["position"]))
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding positions carry (masked everywhere; only needs to be a valid row)."""
+    for v in (tokenizer.pad_id, tokenizer.eos_id, 0):
+        if v is not None:
+            return int(v)
+    return 0

@@ -1,0 +1,59 @@
+"""How much a teacher agrees with what the student says: its bits per byte of the student's own
+completions of held-out prompts.
+
+The student completes the held-out prompts (sampled with the run's temperature / top-p and a
+fixed seed, so every evaluation of a run draws the same noise); each teacher scores the
+completions through its channel, as in training. For teacher i:
+
+    bpb_i = (sum over teacher tokens of the kept completion chunks of -log p_i(token | prefix))
+            / (ln 2 * UTF-8 bytes of the student tokens of those chunks)
+
+With the student's tokenizer the chunks are the sampled tokens; with another tokenizer they are
+the completion chunks aligned on the fly (`trainer.onpolicy.realign`), so both sides cover the
+same bytes. A special token (the paired stop) adds its nats and no bytes. Lower is better: the
+teacher finds the student's text likely. Measured before and after training, it shows whether
+on-policy distillation moved the student towards text the teacher would write.
+
+Legend: B rollouts, U teacher positions, S student positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tokenbridge.teacher.outputs import TeacherOutputs
+from tokenbridge.tokenizers import Tokenizer
+
+
+def completion_nats_bytes(
+    aligned, outs: TeacherOutputs, *, student_lengths: np.ndarray
+) -> tuple[float, int]:
+    """(teacher nats, student bytes) over the kept completion chunks of one microbatch."""
+    t_chunk_BU = aligned.teacher_chunk
+    u = t_chunk_BU.shape[1]
+    pos_U = torch.arange(u, device=t_chunk_BU.device)
+    nxt_BU = torch.cat([t_chunk_BU[:, 1:], t_chunk_BU.new_full((t_chunk_BU.shape[0], 1), -1)], 1)
+    scored_BU = (nxt_BU >= 0) & (pos_U[None, :] + 1 < aligned.teacher_len[:, None])
+    lp_BU = outs.target_logprob[:, :u].to(torch.float64)
+    nats = float(-(lp_BU * scored_BU).sum())
+    s_ids = aligned.student_ids[aligned.student_chunk >= 0].cpu().numpy()
+    nbytes = int(np.maximum(student_lengths[s_ids], 0).sum())
+    return nats, nbytes
+
+
+def completion_bpb(
+    batches, outs: list[list[TeacherOutputs]], names: list[str], *, student: Tokenizer
+) -> dict[str, float]:
+    """``{"<teacher>": bits per byte}`` of the student's completions (see the module doc)."""
+    lengths = student.token_lengths
+    result = {}
+    for j, name in enumerate(names):
+        nats, nbytes = 0.0, 0
+        for m, (b, _) in enumerate(batches):
+            n, k = completion_nats_bytes(b.aligned[j], outs[m][j], student_lengths=lengths)
+            nats, nbytes = nats + n, nbytes + k
+        result[name] = nats / (math.log(2) * nbytes) if nbytes else float("nan")
+    return result

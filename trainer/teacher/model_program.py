@@ -1,0 +1,188 @@
+"""The teacher program: what a teacher computes for the loss, in a worker or in-process.
+
+One compute path for the trainer, the tests and the benchmarks. ``TeacherModelProgram`` builds a
+configured teacher (pretrained, or tiny random like the student; frozen), optionally tensor-
+parallel over the teachers' own process group, and turns its logits into the loss mode's
+teacher outputs (`tokenbridge.teacher.outputs`): never full-vocabulary fp32 logits, only what
+the loss reads (top-k + tail, columns, the realised next token's log-prob), through the one
+`tokenbridge.teacher.forward.teacher_forward`. Off-policy and on-policy teachers run the same
+program: on-policy top-k asks for the teacher's log-probs at the student's own top-k ids, which
+differ per position and per step, so they travel in the slot (``col_ids`` [B, U, N]) instead of
+being fixed when the worker starts.
+
+Under tensor parallelism (``tp > 1``, over the teachers' own process group) the lm_head is
+column-parallel too (`parallelize.apply_tp`): each teacher rank holds [B, chunk, V_teacher / tp]
+logits, and the outputs are computed on that shard with the TP group (`teacher_outputs_from_
+logits(tp_group=)`): top-k over the sharded vocabulary (local top-k, candidates gathered),
+logZ by a distributed logsumexp, projected / exact-map columns gathered at their global ids,
+tail and rest masses as distributed logsumexps. What every TP rank then holds, and ships, is
+the same small per-position record as at tp = 1; the full teacher logits are never gathered.
+
+Layouts: the teacher ranks of a TP group may serve student ranks with different microbatches
+(another dp or cp layout than the student's): each call gathers the group's inputs, runs them
+all, and keeps its own rows, so the student receives its rows whatever the two layouts. A
+teacher runs whole rows; the student ranks that hold the same microbatch (cp x tp) give their
+teachers a share of its rows each and gather the outputs (`trainer.teacher.dispatch`), and a
+context-parallel student takes its own positions of them (`TeacherOutputs.cp_shard`, for the
+per-position modes).
+
+The program is a ``TeacherProgram`` (`trainer.teacher.worker`): picklable and light until
+``setup``, which loads the model where the program runs.
+
+Legend: B rows, U teacher positions, V teacher lm_head width, H hidden size, N columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenbridge import models
+from tokenbridge.teacher.forward import teacher_forward
+from tokenbridge.teacher.outputs import (
+    TeacherOutputSpec,
+    teacher_output_fields,
+)
+from trainer.config.schema import TeacherConfig
+from trainer.parallel import parallelize
+from trainer.parallel.mesh import build_mesh
+from trainer.teacher.ring import TensorSpec
+from trainer.teacher.worker import TeacherContext
+
+
+@dataclass
+class TeacherModelProgram:
+    """A configured teacher as a channel program (picklable; the model is built in `setup`).
+
+    ``columns``: the global column ids [N] the spec asks for (the exact-map teacher ids of
+    `gold`), or None; a spec with per-position columns takes them as an input instead
+    (``col_ids`` [B, U, N] int32, -1 = none). ``max_batch`` / ``max_len`` bound a microbatch
+    and size the ring.
+
+    Tensor parallel (``model_cfg.tp > 1``): the teachers of a TP group may serve student ranks
+    with different microbatches, so each call all-gathers the group's inputs (padded to a common
+    length), runs the sharded model on all of them, and keeps its own rows.
+
+    ``used_mask``: the inputs then carry a bool [B, U] ``used_mask`` (the trainer's
+    `KDTerm.teacher_inputs`) and outputs are computed at those positions only (`teacher_forward`).
+    """
+
+    model_cfg: TeacherConfig
+    spec: TeacherOutputSpec
+    _: KW_ONLY
+    columns: torch.Tensor | None = None
+    max_batch: int
+    max_len: int
+    dtype: str = "float32"
+    lm_head_chunk: int = 128
+    used_mask: bool = False
+    _model: Any = dataclasses.field(default=None, init=False, repr=False)
+    _tp_group: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # refused here, in the student, rather than in the worker at the first microbatch
+        if self.spec.per_position_columns:
+            if self.columns is not None:
+                raise ValueError("TeacherModelProgram: per-position columns come as inputs")
+            if self.model_cfg.tp != 1:
+                raise ValueError(
+                    f"teacher {self.model_cfg.name}: per-position columns (on-policy top-k) "
+                    f"run on tp=1 teachers (tp={self.model_cfg.tp})"
+                )
+            return
+        n = 0 if self.columns is None else self.columns.numel()
+        if n != self.spec.columns:
+            raise ValueError(
+                f"TeacherModelProgram: the spec asks for {self.spec.columns} columns, "
+                f"{n} column ids given; give that many ids"
+            )
+
+    def input_spec(self) -> dict[str, TensorSpec]:
+        shape = (self.max_batch, self.max_len)
+        spec = {
+            "input_ids": TensorSpec(shape, torch.int64),
+            "attention_mask": TensorSpec(shape, torch.int64),
+        }
+        if self.used_mask:
+            spec["used_mask"] = TensorSpec(shape, torch.bool)
+        if self.spec.per_position_columns:
+            spec["col_ids"] = TensorSpec((*shape, self.spec.columns), torch.int32)
+        return spec
+
+    def output_spec(self) -> dict[str, TensorSpec]:
+        fields = teacher_output_fields(self.spec, self.max_batch, self.max_len)
+        return {k: TensorSpec(shape, dtype) for k, (shape, dtype) in fields.items()}
+
+    def setup(self, ctx: TeacherContext) -> None:
+        model = models.freeze(
+            models.build_model(
+                self.model_cfg, dtype=models.torch_dtype(self.dtype), device=ctx.device
+            )
+        )
+        tp = self.model_cfg.tp
+        if tp > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"teacher {self.model_cfg.name}: tp={tp} needs a process group")
+            world = dist.get_world_size()
+            groups = build_mesh(ctx.device, dp=world // tp, tp=tp)
+            parallelize.apply_tp(
+                model, groups.tp_mesh, parallelize.tp_plan(model.config.model_type)
+            )
+            self._tp_group = groups.tp
+        self._model = model
+
+    def __getstate__(self) -> dict:
+        # only the recipe travels to the worker; the model is built there
+        return {**self.__dict__, "_model": None, "_tp_group": None}
+
+    def _gather(self, *tensors_BU: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """The TP group's inputs, each padded to the group's largest [B, U] and concatenated;
+        and where this rank's rows start."""
+        g = self._tp_group
+        n = dist.get_world_size(g)
+        ids_BU = tensors_BU[0]
+        shape = torch.tensor([ids_BU.shape[0], ids_BU.shape[1]], device=ids_BU.device)
+        shapes = [torch.zeros_like(shape) for _ in range(n)]
+        dist.all_gather(shapes, shape, group=g)
+        B, U = max(int(s[0]) for s in shapes), max(int(s[1]) for s in shapes)
+        pad = (0, U - ids_BU.shape[1], 0, B - ids_BU.shape[0])
+        out = []
+        for t in tensors_BU:
+            t = torch.nn.functional.pad(t, pad)
+            every = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(every, t, group=g)
+            out.append(torch.cat(every))
+        return out, dist.get_rank(g) * B
+
+    @torch.no_grad()
+    def __call__(
+        self, inputs: dict[str, torch.Tensor], *, on_logits=None
+    ) -> dict[str, torch.Tensor]:
+        """The spec's outputs for one microbatch. ``on_logits(t0, logits_BnV)`` (optional) sees
+        each chunk of positions' logits as well (the teacher cache samples ids from them)."""
+        if self._model is None:
+            raise RuntimeError("TeacherModelProgram called before setup()")
+        ids_BU, mask_BU = inputs["input_ids"], inputs["attention_mask"]
+        used_BU = inputs.get("used_mask") if self.used_mask else None
+        B, U = ids_BU.shape
+        start = 0
+        if self._tp_group is not None:
+            given = [ids_BU, mask_BU] + ([] if used_BU is None else [used_BU.to(torch.uint8)])
+            gathered, start = self._gather(*given)
+            ids_BU, mask_BU = gathered[:2]
+            used_BU = None if used_BU is None else gathered[2].bool()
+        outs = teacher_forward(
+            self._model,
+            ids_BU,
+            mask_BU,
+            spec=self.spec,
+            columns=inputs["col_ids"] if self.spec.per_position_columns else self.columns,
+            chunk=self.lm_head_chunk,
+            used_BU=used_BU,
+            on_logits=on_logits,
+        )
+        return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
