@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from tokenbridge.model_spec import ModelSource
+from tokenbridge.model_spec import ModelSource, ModelSpec  # noqa: F401  (models.ModelSpec)
 
 # files of a HF directory that make up its tokenizer (copied into exports as they are)
 TOKENIZER_FILES = (
