@@ -1,4 +1,4 @@
-"""The invariance matrix for the real loss library (trainer/losses) on TP x CP x DP shards.
+"""The invariance matrix for the real loss library (tokenbridge/losses) on TP x CP x DP shards.
 
 Same check as `cases_loss.check_invariance`: the loss of the whole batch on 1 process vs the
 summed local sums / global count of every rank, and each rank's gradient vs its slice. Inputs are

@@ -9,7 +9,7 @@ Checks: the summed objective over DP x CP equals the reference mean, the global 
 the reference count, and this rank's gradient equals its slice of the reference gradient.
 
 Losses come from `harness_losses` (written from the distributed ops) and, once it lands, from
-trainer/losses through the adapters in `LIBRARY_LOSSES`.
+tokenbridge/losses through the adapters in `LIBRARY_LOSSES`.
 """
 
 from __future__ import annotations

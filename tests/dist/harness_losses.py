@@ -1,7 +1,7 @@
 """Small losses written from the distributed ops, for the parallelism-invariance matrix.
 
 Each is `fn(student_local, batch_local, groups) -> (sum, count)`: local shards in, local loss
-SUM and token/chunk COUNT out, exactly the contract of trainer/losses (the caller divides by
+SUM and token/chunk COUNT out, exactly the contract of tokenbridge/losses (the caller divides by
 `global_count`). They exercise every op on the paths a real loss takes: target log-probs, soft
 CE + entropy (full-vocab KD), top-k KD with a tail bucket, chunk-level sums across CP borders,
 sampling truncation, the on-device CP shift, and the all-to-all sequence-parallel detour.
