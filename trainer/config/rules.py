@@ -123,9 +123,9 @@ def warmup_within_steps(cfg: TrainConfig) -> None:
 # in the order they run: the first broken rule is the one reported
 CONFIG_RULES = (
     loss_needs_teachers,
+    offpolicy_modes_read_shards,  # before the options: "opd_pg is on-policy" says more
     loss_options_fit_every_mode,
     cp_splits_the_padding,
-    offpolicy_modes_read_shards,
     onpolicy_fits_the_teachers,
     caches_serve_their_modes,
     warmup_within_steps,
