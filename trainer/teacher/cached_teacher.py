@@ -8,10 +8,11 @@ microbatch's global shard rows, so any shuffle, data-parallel split and resume p
 right rows.
 
 `open_teacher_cache` is the preflight's check (before any model loads; that the loss mode can
-read a cache at all is a config rule, `trainer.config.rules`): the cache is complete, undamaged (its files' checksums, per ``data.verify``), was built
-from these shards, this teacher (tokenizer, weights, compute dtype), and holds what the mode's
-teacher spec asks for (k, temperature, target log-probs). Positions past a row's end get an "empty" distribution (no top-k slot, all mass in
-the tail, target 0): the losses never read them.
+read a cache at all is a config rule, `trainer.config.rules`): the cache is complete, undamaged
+(its files' checksums, per ``data.verify``), was built from these shards, this teacher
+(tokenizer, weights, compute dtype), and holds what the mode's teacher spec asks for (k,
+temperature, target log-probs). Positions past a row's end get an "empty" distribution (no
+top-k slot, all mass in the tail, target 0): the losses never read them.
 
 Legend: B rows, U teacher positions, K top-k.
 """
