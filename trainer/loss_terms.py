@@ -28,7 +28,7 @@ import torch
 
 from tokenbridge.losses.base import LossOutput
 from tokenbridge.losses.ce import ce
-from tokenbridge.losses.combine import CombineConfig, combine
+from tokenbridge.losses.combine import combine
 from tokenbridge.losses.modes import MODES, LossMode
 from tokenbridge.losses.multi_teacher import combine_teachers, static_weights
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
@@ -156,10 +156,7 @@ def combine_terms(
         return loss_cfg.ce_weight * ce_v, [ce_v.detach()]
     kd_vs = [o.mean(counts[1 + i]) for i, o in enumerate(kd_outs)]
     kd_v, _ = combine_teachers(kd_vs, weights.to(ce_v.device))
-    cc = CombineConfig(
-        mode=loss_cfg.combine, kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight
-    )
-    total, _ = combine(kd_v, ce_v, config=cc, scale=scale)
+    total, _ = combine(kd_v, ce_v, config=loss_cfg.combine_config(), scale=scale)
     return total, [ce_v.detach(), *(v.detach() for v in kd_vs)]
 
 

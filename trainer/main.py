@@ -1,16 +1,17 @@
 """Entry point: ``torchrun --nproc_per_node=N trainer/main.py conf=<experiment> [overrides]``.
 
 Also ``python trainer/main.py conf=debug`` (one process: world size 1 of the same code path).
-Thin, as in torchtitan: compose and validate the config, run the checks that need no model
-(`trainer.config.preflight`), build the `Trainer`, ``try: train() finally: close()``, destroy the
-process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml`` (``experiment=<name>``
-works too); every other argument is a Hydra override (``optim.lr=1e-4``,
-``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist in `trainer.config.schema`:
-``+``/``++`` add no keys (they are accepted and checked the same), except under the open
+Thin, as in torchtitan: compose and validate the config (`trainer.config.compose`; every value
+and every cross-field rule, `trainer.config.rules`), run the checks that need files but no
+model weights (`trainer.config.preflight`), build the `Trainer`, ``try: train() finally:
+close()``, destroy the process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml``
+(``experiment=<name>`` works too); every other argument is a Hydra override
+(``optim.lr=1e-4``, ``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist
+in `trainer.config.schema`: ``+``/``++`` add no keys (they are accepted and checked the same), except under the open
 ``loss.options`` and ``model.overrides`` (``+loss.options.beta=0.3``).
 
-A failure ends with one line on stderr and an exit code (`tokenbridge.cli`, rules in
-`trainer.errors`): 2 invalid config or inputs (a config key, a missing or damaged file, shards
+A failure ends with one line on stderr and an exit code (`tokenbridge.cli`, the trainer's
+own `RULES` below): 2 invalid config or inputs (a config key, a missing or damaged file, shards
 made with other tokenizers), 1 the run failed (a teacher worker died, a non-finite loss), 130
 interrupted; ``TOKENBRIDGE_DEBUG=1`` adds the traceback. Under torchrun an error every rank
 meets alike is reported by rank 0, any other by the rank it happened on; ``python -m
@@ -29,8 +30,6 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from tokenbridge import cli
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # What a rank prints when its gloo / NCCL link breaks because another process died: that process
 # reports the cause, this one exits 1 without a word (`tokenbridge.cli`, Rule.quiet).
@@ -93,60 +92,11 @@ def hydra_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def check_override_keys(overrides: list[str]) -> None:
-    """ConfigError for an override whose key is not in the schema, before Hydra composes: for
-    ``optim.lrr=1`` Hydra's own message suggests ``+optim.lrr=1``, which would run and ignore
-    it. Config-group choices (``loss=xtoken``, ``experiment=demo``) are Hydra's to check."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from trainer.config.schema import check_key
-
-    for o in OverridesParser.create().parse_overrides(overrides):
-        key = o.key_or_group
-        if (CONF_DIR / key).is_dir() or key.split(".")[0] == "hydra":
-            continue
-        check_key(key)
-
-
-def hydra_message(e: Exception) -> str:
-    """Hydra's multi-line error as one line: its lines up to the config search path, a heading's
-    items after it ("Available options in 'experiment': debug, demo"), and the cause it wraps
-    ("Error merging override optim.lr=abc (Value 'abc' could not be converted to Float)")."""
-    text = str(e).split("Config search path:")[0]
-    parts: list[str] = []
-    for raw in text.splitlines():
-        part = raw.strip()
-        if not part:
-            continue
-        if parts and parts[-1].endswith(":"):  # a heading, then its first item
-            parts[-1] += " " + part
-        elif parts and raw[:1].isspace():  # the next (indented) item of that list
-            parts[-1] += ", " + part
-        else:
-            parts.append(part)
-    out = "; ".join(parts)
-    cause = e.__cause__ and str(e.__cause__).strip().splitlines()
-    return f"{out} ({cause[0].strip()})" if cause and cause[0].strip() not in out else out
-
-
 def load_config(argv: list[str]):
-    """Compose conf/train.yaml with the overrides into a validated `TrainConfig`."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    """The command line's arguments -> a validated `TrainConfig` (`trainer.config.compose`)."""
+    from trainer.config.compose import compose_config
 
-    from trainer.config.schema import ConfigError, from_dictconfig, register_schema
-
-    register_schema()
-    overrides = hydra_overrides(argv)
-    try:
-        check_override_keys(overrides)
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            composed = compose(config_name="train", overrides=overrides)
-    except HydraException as e:
-        raise ConfigError(f"config: {hydra_message(e)}") from e
-    OmegaConf.resolve(composed)
-    return from_dictconfig(composed)
+    return compose_config(hydra_overrides(argv))
 
 
 def run(argv: list[str]) -> int:

@@ -7,8 +7,8 @@ import pytest
 
 from tokenbridge.losses.modes import KD_MODES, MODES
 from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.rules import check_tokenizers
 from trainer.config.schema import ConfigError, from_dictconfig
-from trainer.onpolicy.teachers import check_teachers
 
 
 def _cfg(student_dir, teacher_dir, onpolicy: dict, **top):
@@ -60,14 +60,14 @@ def test_an_on_policy_mode_is_not_an_off_policy_loss(student_dir, teacher_dir):
 def test_preflight_refuses_a_same_tokenizer_mode_on_another_tokenizer(student_dir, teacher_dir):
     s, g = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
     ok = _cfg(student_dir, teacher_dir, {"options": {"opd_topk": {"k": 4}}})
-    check_teachers(ok, s, [g, s])
+    check_tokenizers(ok, s, [g, s])
     bad = _cfg(student_dir, teacher_dir, {"teacher_losses": ["opd_topk", "opd_topk"]})
     with pytest.raises(ConfigError, match=r"onpolicy.teacher_losses\[0\]: opd_topk needs"):
-        check_teachers(bad, s, [g, s])
+        check_tokenizers(bad, s, [g, s])
     mixed = _cfg(student_dir, teacher_dir, {"teacher_losses": ["opd_pg", "opd_pg"],
                                             "mix": "mixture"})  # fmt: skip
     with pytest.raises(ConfigError, match="mixture needs teachers with the student's tokenizer"):
-        check_teachers(mixed, s, [g, s])
+        check_tokenizers(mixed, s, [g, s])
 
 
 def test_a_time_budget_must_be_positive(student_dir, teacher_dir):

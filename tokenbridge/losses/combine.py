@@ -20,26 +20,34 @@ per microbatch would make the loss depend on the split.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tokenbridge.losses.base import LossOutput
+from tokenbridge.losses.base import LossOutput, check_option
+
+COMBINE_MODES = ("fixed", "dynamic")
 
 
 @dataclass(frozen=True)
 class CombineConfig:
+    """How KD and CE make the loss; the one definition of these options and their checks (the
+    trainer's ``loss`` section builds it from ``loss.combine``, ``loss.kd_weight`` and
+    ``loss.ce_weight``). An invalid value raises `OptionError` naming the field."""
+
     mode: str = "fixed"  # fixed | dynamic
-    kd_weight: float = 1.0  # fixed mode
-    ce_weight: float = 1.0  # fixed mode
+    kd_weight: float = 1.0  # fixed mode: lambda_kd
+    ce_weight: float = 1.0  # lambda_ce (fixed mode; also the CE-only loss)
     eps: float = 1e-8  # dynamic mode: |KD| floor
 
     def __post_init__(self) -> None:
-        if self.mode not in ("fixed", "dynamic"):
-            raise ValueError(f"CombineConfig.mode must be 'fixed' or 'dynamic', got {self.mode!r}")
-        if self.kd_weight < 0 or self.ce_weight < 0:
-            raise ValueError("CombineConfig weights must be >= 0")
+        check_option(self, "mode", self.mode in COMBINE_MODES, f"one of {list(COMBINE_MODES)}")
+        for name in ("kd_weight", "ce_weight"):
+            w = getattr(self, name)
+            check_option(self, name, math.isfinite(w) and w >= 0, "a non-negative number")
+        check_option(self, "eps", math.isfinite(self.eps) and self.eps > 0, "a positive number")
 
 
 def normalize(out: LossOutput, global_count: Tensor | int) -> Tensor:

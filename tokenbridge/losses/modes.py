@@ -3,12 +3,13 @@
 A `LossMode` says everything the trainer needs to know about a mode besides its math (which
 lives in ``tokenbridge.losses.<mode>``):
 
-- `options`: the mode's options dataclass. Config validation (`trainer.config.schema`) builds it from
+- `options`: the mode's options dataclass. Config validation (`trainer.config`) builds it from
   ``loss.options`` with `LossMode.parse_options`, field by field (unknown names, types, values),
   so a bad option fails in milliseconds, before any file is read or model loaded;
-- `same_tokenizer` / `projection`: what the preflight checks (`trainer.config.preflight`): a
-  same-tokenizer mode on a pair with two vocabularies is refused, a projection mode needs a
-  projection file made for both tokenizers;
+- `same_tokenizer` / `projection`: what the config's rules check once the tokenizers are
+  loaded (`trainer.config.rules.check_tokenizers`, off- and on-policy alike): a same-tokenizer
+  mode on a pair with two vocabularies is refused, a projection mode needs a projection file
+  (which the preflight then checks against both tokenizers);
 - `tables`, `teacher_spec`, `columns`: what the loop builds once per teacher
   (`trainer.loss_terms.build_kd_terms`): the tables read from the projection, the teacher outputs
   the mode reads (never more) and the column ids the teacher must score;

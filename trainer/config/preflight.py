@@ -2,12 +2,16 @@
 
 A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
 with another tokenizer, a TP size that does not split the heads or the vocabulary, a model
-whose attention cannot be sequence-sharded under CP, a same-tokenizer loss on a pair with
-different tokenizers, a damaged shard or checkpoint) fails here, in seconds, with a message
-that names the file and the field. Only tokenizers, shard metadata, projection tables and
-config.json files are read, plus, to verify them, the shard files (``data.verify``:
-`first_open` and `preflight` both hash them here, as the row-length scan maps every file) and
-the checkpoint to resume from (`trainer.checkpoint.find_resume`).
+whose attention cannot be sequence-sharded under CP, a damaged shard or checkpoint) fails here,
+in seconds, with a message that names the file and the field. Only tokenizers, shard metadata,
+projection tables and config.json files are read, plus, to verify them, the shard files
+(``data.verify``: `first_open` and `preflight` both hash them here, as the row-length scan maps
+every file) and the checkpoint to resume from (`trainer.checkpoint.find_resume`).
+
+The config's rules are not restated here: the ones that need the number of processes or the
+tokenizers (a same-tokenizer loss on a pair with two vocabularies, a projection mode without its
+file) are `trainer.config.rules`' `check_world` and `check_tokenizers`, called first and as soon
+as the tokenizers load; what is here needs the files themselves.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import Projection, load_projection
 from tokenbridge.tokenizers import Tokenizer, load_tokenizer
 from trainer.checkpoint import find_resume, list_checkpoints
+from trainer.config import rules
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.microbatches import ShardReader
-from trainer.onpolicy.teachers import check_teachers as check_onpolicy
 from trainer.parallel import parallelize
 from trainer.teacher.cached_teacher import open_teacher_cache
 
@@ -71,7 +75,7 @@ def _tokenizer(cfg: ModelConfig, where: str) -> Tokenizer:
 def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     """Every check that needs no model weights. Raises ConfigError / FileNotFoundError /
     pipelines' FingerprintMismatchError, ProjectionMismatchError, ... with a clear message."""
-    cfg.parallel.mesh_shape(world_size)
+    rules.check_world(cfg, world_size=world_size)
     old = list_checkpoints(Path(cfg.run_dir) / "checkpoints")
     if old and cfg.checkpoint.resume == "none":
         raise ConfigError(
@@ -86,6 +90,7 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         print(f"tokenbridge train: {note}", file=sys.stderr, flush=True)
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
+    rules.check_tokenizers(cfg, student, teachers)  # each teacher's modes against its pair
 
     student_hf = models.model_config(cfg.model)
     for key, check in (("tp", parallelize.check_tp), ("cp", parallelize.check_cp)):
@@ -102,10 +107,6 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     teacher_rows = []
     for i, t_cfg in enumerate(cfg.teachers):
         hf = models.model_config(t_cfg)
-        if t_cfg.tp > 1 and world_size % t_cfg.tp:
-            raise ConfigError(
-                f"config teachers[{i}].tp={t_cfg.tp} does not divide world {world_size}"
-            )
         try:
             parallelize.check_tp(hf, t_cfg.tp, where=f"teachers[{i}]")
         except ValueError as e:
@@ -133,25 +134,11 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         shards, max_student_tokens=cfg.data.max_student_tokens
     ).max_lengths()
 
-    check_onpolicy(cfg, student, teachers)  # on-policy modes vs the tokenizers, before any model
+    # the projections the off-policy losses read (`rules.check_tokenizers` made sure they are
+    # named); the on-policy step loads its own (`trainer.onpolicy.teachers`)
     projections: list[Projection | None] = []
     for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
-        where = f"teachers[{i}]"
-        same = tok.fingerprint == student.fingerprint
-        record = MODES[mode]
-        if cfg.kd_enabled and record.same_tokenizer and not same:
-            others = [m for m, r in MODES.items() if r.distills and not r.same_tokenizer]
-            raise ConfigError(
-                f"config {where}: loss {mode} needs the student's tokenizer, but teacher "
-                f"{tok.name} has another vocabulary; use one of {others}"
-            )
-        needs = cfg.kd_enabled and record.projection
-        if needs and not t_cfg.projection:
-            raise ConfigError(
-                f"config {where}.projection: loss {mode} needs a projection file "
-                "(make projection TEACHER=... STUDENT=...)"
-            )
-        if t_cfg.projection and needs:
+        if cfg.kd_enabled and MODES[mode].projection:
             p = load_projection(t_cfg.projection, teacher=tok.info(), student=student.info())
             rows_t, rows_s = int(p.meta["teacher_rows"]), int(p.meta["student_rows"])
             if rows_t < teacher_rows[i] or rows_s < student_rows:

@@ -10,9 +10,11 @@ the preflight loaded:
 - per teacher a `TeacherView` when its tokenizer differs from the student's (on-the-fly
   alignment: its tokenizer, its slot length, its chat template for chat prompts, the stop id
   paired with the student's), None when it is the student's own (the sampled ids are scored
-  as they are);
-- `check_teachers`: what the preflight refuses before any model loads (a same-tokenizer mode on
-  another tokenizer, a projection mode without its file, a mixture of other tokenizers).
+  as they are).
+
+What cannot run (a same-tokenizer mode on another tokenizer, a projection mode without its
+file, a mixture of other tokenizers, no teacher with a weight) was refused before any model
+loaded, by the config's rules (`trainer.config.rules`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tokenbridge.chat.templates import resolve_template
 from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import load_projection
 from tokenbridge.tokenizers import Tokenizer
-from trainer.config.schema import ConfigError, TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.loss_terms import KDTerm
 from trainer.onpolicy.realign import TeacherView
 from trainer.onpolicy.rollout_scoring import scoring_spec
@@ -39,31 +41,6 @@ class OnPolicyTeachers:
     weights: list[float]
     topk: int  # the sampling policy's top-k the teachers score (0: none)
     stop_ids: list[int]  # the student's stop ids (EOS, end-of-turn)
-
-
-def check_teachers(cfg: TrainConfig, student: Tokenizer, teachers: list[Tokenizer]) -> None:
-    """Refuse what cannot run, naming the field (the preflight calls this)."""
-    op = cfg.onpolicy
-    if not op.enabled:
-        return
-    for i, (mode, tok, t_cfg) in enumerate(zip(op.modes(len(teachers)), teachers, cfg.teachers)):
-        same = tok.fingerprint == student.fingerprint
-        record = MODES[mode]
-        if record.same_tokenizer and not same:
-            raise ConfigError(
-                f"config onpolicy.teacher_losses[{i}]: {mode} needs the student's tokenizer, "
-                f"teacher {tok.name} has another; use opd_pg, xtoken, gold or alm"
-            )
-        if record.projection and not t_cfg.projection:
-            raise ConfigError(
-                f"config teachers[{i}].projection: on-policy {mode} needs a projection file "
-                "(make projection TEACHER=... STUDENT=...)"
-            )
-        if op.mix == "mixture" and not same:
-            raise ConfigError(
-                f"config onpolicy.mix: a probability-space mixture needs teachers with the "
-                f"student's tokenizer; teacher {tok.name} has another (use mix=sum)"
-            )
 
 
 def _chat_side(cfg: TrainConfig, i: int, tok: Tokenizer) -> ChatSide | None:
@@ -119,8 +96,7 @@ def build_teachers(
             continue
         side = _chat_side(cfg, i, tok)
         views.append(TeacherView(tok, 2 * max_len + 8, side, stop_for(tok, side)))
-    if not terms:
-        raise ConfigError("config teachers: on-policy distillation needs a teacher with weight > 0")
+    assert terms, "trainer.config.rules: on-policy distillation needs a teacher with weight > 0"
     stops = {student.eos_id} if student.eos_id is not None else set()
     if student_chat is not None and student_chat.markers is not None:
         stops |= {int(i) for i in student_chat.markers.close_ids}

@@ -7,11 +7,12 @@ fields, read row by row from the memory-mapped cache (`tokenbridge.formats.teach
 microbatch's global shard rows, so any shuffle, data-parallel split and resume point read the
 right rows.
 
-`open_teacher_cache` is the preflight's check (before any model loads): the loss mode can read a
-cache, the cache is complete, undamaged (its files' checksums, per ``data.verify``), was built
-from these shards, this teacher (tokenizer, weights, compute dtype), and holds what the mode's
-teacher spec asks for (k, temperature, target log-probs). Positions past a row's end get an "empty" distribution (no top-k slot, all mass in
-the tail, target 0): the losses never read them.
+`open_teacher_cache` is the preflight's check (before any model loads; that the loss mode can
+read a cache at all is a config rule, `trainer.config.rules`): the cache is complete, undamaged
+(its files' checksums, per ``data.verify``), was built from these shards, this teacher
+(tokenizer, weights, compute dtype), and holds what the mode's teacher spec asks for (k,
+temperature, target log-probs). Positions past a row's end get an "empty" distribution (no
+top-k slot, all mass in the tail, target 0): the losses never read them.
 
 Legend: B rows, U teacher positions, K top-k.
 """
@@ -38,7 +39,7 @@ from tokenbridge.formats.teacher_cache_reader import (
 )
 from tokenbridge.losses.modes import MODES
 from tokenbridge.teacher.outputs import TeacherOutputSpec, allocate_teacher_outputs
-from trainer.config.schema import ConfigError, TeacherConfig
+from trainer.config.schema import TeacherConfig
 
 
 def check_spec(meta: CacheMeta, spec: TeacherOutputSpec, *, where: str, mode: str) -> None:
@@ -76,11 +77,8 @@ def open_teacher_cache(
     checksums too unless `verify` (``data.verify``) is ``never``."""
     where = f"teachers[{index}].cache"
     record = MODES[mode]
-    if record.no_cache:
-        raise ConfigError(
-            f"config {where}: loss {mode} cannot read a teacher cache: {record.no_cache}"
-        )
-    # a mode that can read a cache builds its teacher spec without tables (`LossMode.no_cache`)
+    # a mode that can read a cache builds its teacher spec without tables (`LossMode.no_cache`;
+    # the config refused a mode that cannot, `trainer.config.rules`)
     spec = record.teacher_spec(options, None, teacher_vocab_size=tokenizer.vocab_size)
     weights = weights_fingerprint(
         t_cfg.path, init=t_cfg.init, seed=t_cfg.seed, overrides=dict(t_cfg.overrides)

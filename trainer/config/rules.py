@@ -1,0 +1,202 @@
+"""Every rule of the trainer's config that relates more than one field's section: one place.
+
+A section checks its own values in ``__post_init__`` (`trainer.config.sections`,
+`trainer.config.loss_sections`); what relates two sections, or the config and the loss-mode
+registry's knowledge of a mode, or the config and the tokenizers it names, is here, each rule
+written once. They all run before any model weights load, in three groups, by what they need:
+
+- `check_config` (the config alone): run by `TrainConfig.__post_init__`, so `from_dictconfig`
+  and ``trainer/main.py`` refuse a bad combination in milliseconds, before any file is read;
+- `check_world` (plus the number of processes): the first thing the preflight does;
+- `check_tokenizers` (plus whether each teacher shares the student's tokenizer): run by the
+  preflight as soon as the tokenizers are loaded, before shards, projections or caches are
+  opened. The projection a mode needs is checked here too, next to the pair it is made for.
+
+The registry's flags are read, never restated: ``same_tokenizer`` (a mode over the student's own
+vocabulary), ``projection`` (a mode that reads the projection), ``onpolicy_only`` (a mode that
+reads the student's samples), ``no_cache`` (a mode an offline teacher cache cannot serve).
+
+Constraints of a component on its own inputs stay with the component (the teacher program
+refuses per-position columns at tp > 1, `trainer.teacher.model_program`); file, tokenizer and
+fingerprint checks that read the file system are the preflight's (`trainer.config.preflight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trainer.config.checks import check_choice, fail, registry
+
+if TYPE_CHECKING:
+    from tokenbridge.tokenizers import Tokenizer
+    from trainer.config.schema import TrainConfig
+
+# on-policy modes whose teachers' outputs can be mixed in probability space (onpolicy.mix)
+MIXABLE = ("opd_topk", "opd_pg")
+
+
+# --- the config alone ---------------------------------------------------------------------
+
+
+def loss_needs_teachers(cfg: TrainConfig) -> None:
+    """A distillation loss needs a teacher to distill from."""
+    if cfg.loss.mode != "ce" and not cfg.teachers:
+        fail("teachers", f"loss.mode={cfg.loss.mode} needs at least one teacher")
+
+
+def loss_options_fit_every_mode(cfg: TrainConfig) -> None:
+    """``loss.options`` are read by every mode a teacher uses off-policy (its own, else
+    ``loss.mode``), so they must fit each of them."""
+    if cfg.loss.mode != "ce":
+        for mode in dict.fromkeys(cfg.teacher_modes()):
+            cfg.loss.mode_options(mode)
+
+
+def cp_splits_the_padding(cfg: TrainConfig) -> None:
+    """The load-balanced CP layout cuts every row into 2 * cp equal pieces."""
+    cp, pad = cfg.parallel.cp, cfg.data.pad_to_multiple
+    if cp > 1 and pad % (2 * cp):
+        fail(
+            "data.pad_to_multiple",
+            f"parallel.cp={cp} cuts each sequence into 2 * cp = {2 * cp} equal pieces, so "
+            f"the padded length must divide by {2 * cp}; pad_to_multiple={pad} does not (use "
+            f"a multiple of {2 * cp})",
+        )
+
+
+def offpolicy_modes_read_shards(cfg: TrainConfig) -> None:
+    """A mode that reads the student's own samples is an on-policy loss, never an off-policy one."""
+    if cfg.loss.mode == "ce":
+        return
+    for i, mode in enumerate(cfg.teacher_modes()):
+        if registry().MODES[mode].onpolicy_only:
+            where = f"teachers[{i}].loss" if cfg.teachers[i].loss else "loss.mode"
+            fail(where, f"{mode} reads the student's own samples: use it as onpolicy.loss")
+
+
+def onpolicy_fits_the_teachers(cfg: TrainConfig) -> None:
+    """On-policy distillation: its modes against the teachers, their options, the teachers' and
+    the student's layouts."""
+    op = cfg.onpolicy
+    if not op.enabled:
+        return
+    teachers = cfg.teachers
+    if not teachers:
+        fail("onpolicy.enabled", "on-policy distillation needs at least one teacher")
+    if len(op.teacher_losses) > len(teachers):
+        fail("onpolicy.teacher_losses", f"{len(teachers)} teachers, more modes given")
+    modes = op.modes(len(teachers))
+    for key in op.options:
+        if key not in modes:
+            fail(f"onpolicy.options.{key}", f"options of a mode no teacher uses ({modes})")
+    for i, mode in enumerate(modes):
+        check_choice(f"onpolicy.teacher_losses[{i}]", mode, registry().KD_MODES)
+        op.mode_options(mode, cfg.loss.temperature)
+        if teachers[i].tp != 1:
+            fail(f"teachers[{i}].tp", "on-policy scoring runs tp=1 teachers so far")
+    if op.mix == "mixture" and (len(set(modes)) != 1 or modes[0] not in MIXABLE):
+        want = f"one mode of {list(MIXABLE)} for every teacher"
+        fail("onpolicy.mix", f"mixture needs {want}, got {modes}")
+    if cfg.parallel.cp > 1:
+        # the sampler decodes with a KV cache and the on-policy losses read whole rows
+        fail("parallel.cp", "on-policy steps run at cp=1 so far (tp and dp work)")
+    if not any(t.weight > 0 for t in teachers):
+        fail("teachers", "on-policy distillation needs a teacher with weight > 0")
+
+
+def caches_serve_their_modes(cfg: TrainConfig) -> None:
+    """A teacher cache holds top-k outputs; a mode that reads more cannot use one."""
+    if not cfg.kd_enabled:
+        return
+    for i, (t, mode) in enumerate(zip(cfg.teachers, cfg.teacher_modes())):
+        why = registry().MODES[mode].no_cache
+        if t.cache and t.weight > 0 and why:
+            fail(f"teachers[{i}].cache", f"loss {mode} cannot read a teacher cache: {why}")
+
+
+def warmup_within_steps(cfg: TrainConfig) -> None:
+    if cfg.optim.warmup_steps > cfg.steps:
+        fail("optim.warmup_steps", f"{cfg.optim.warmup_steps} > steps={cfg.steps}")
+
+
+# in the order they run: the first broken rule is the one reported
+CONFIG_RULES = (
+    loss_needs_teachers,
+    offpolicy_modes_read_shards,  # before the options: "opd_pg is on-policy" says more
+    loss_options_fit_every_mode,
+    cp_splits_the_padding,
+    onpolicy_fits_the_teachers,
+    caches_serve_their_modes,
+    warmup_within_steps,
+)
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Every rule that needs the config alone (`TrainConfig.__post_init__` runs this)."""
+    for rule in CONFIG_RULES:
+        rule(cfg)
+
+
+# --- the config and the number of processes -------------------------------------------------
+
+
+def check_world(cfg: TrainConfig, *, world_size: int) -> None:
+    """The student's mesh multiplies to the world; each teacher's TP group divides it."""
+    cfg.parallel.mesh_shape(world_size)
+    for i, t in enumerate(cfg.teachers):
+        if t.tp > 1 and world_size % t.tp:
+            fail(f"teachers[{i}].tp", f"{t.tp} does not divide the world size {world_size}")
+
+
+# --- the config and its tokenizers ----------------------------------------------------------
+
+
+def check_mode_pair(
+    mode: str, *, index: int, same: bool, teacher: str, projection: str | None, onpolicy: bool
+) -> None:
+    """Teacher `index`'s loss `mode` against its tokenizer pair: a same-tokenizer mode needs the
+    student's tokenizer (``same``), a projection mode its projection file. ``onpolicy``: the
+    mode is the teacher's on-policy one (``onpolicy.loss`` / ``onpolicy.teacher_losses``)."""
+    modes = registry().MODES
+    record = modes[mode]
+    if record.same_tokenizer and not same:
+        others = [
+            m
+            for m, r in modes.items()
+            if r.distills and not r.same_tokenizer and (onpolicy or not r.onpolicy_only)
+        ]
+        where = f"onpolicy.teacher_losses[{index}]" if onpolicy else f"teachers[{index}]"
+        what = mode if onpolicy else f"loss {mode}"
+        fail(
+            where,
+            f"{what} needs the student's tokenizer, but teacher {teacher} has another "
+            f"vocabulary; use one of {others}",
+        )
+    if record.projection and not projection:
+        what = f"{'on-policy' if onpolicy else 'loss'} {mode}"
+        fail(
+            f"teachers[{index}].projection",
+            f"{what} needs a projection file (make projection TEACHER=... STUDENT=...)",
+        )
+
+
+def check_tokenizers(cfg: TrainConfig, student: Tokenizer, teachers: Sequence[Tokenizer]) -> None:
+    """The teachers' modes against their tokenizers (the preflight runs this once they load):
+    the on-policy modes and mixture first, then the off-policy modes when KD is on."""
+    same = [tok.fingerprint == student.fingerprint for tok in teachers]
+    op = cfg.onpolicy
+    if op.enabled:
+        for i, (mode, tok, t) in enumerate(zip(op.modes(len(teachers)), teachers, cfg.teachers)):
+            pair = {"same": same[i], "teacher": tok.name, "projection": t.projection}
+            check_mode_pair(mode, index=i, onpolicy=True, **pair)
+            if op.mix == "mixture" and not same[i]:
+                fail(
+                    "onpolicy.mix",
+                    "a probability-space mixture needs teachers with the student's tokenizer; "
+                    f"teacher {tok.name} has another (use mix=sum)",
+                )
+    if cfg.kd_enabled:
+        for i, (mode, tok, t) in enumerate(zip(cfg.teacher_modes(), teachers, cfg.teachers)):
+            pair = {"same": same[i], "teacher": tok.name, "projection": t.projection}
+            check_mode_pair(mode, index=i, onpolicy=False, **pair)

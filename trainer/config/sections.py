@@ -1,0 +1,240 @@
+"""The plain sections of the trainer's config: models, data, optimizer, layout, checkpoints, eval,
+logging. One dataclass per YAML section; ``__post_init__`` checks what the section alone
+decides and names the field it refuses (``config data.micro_batch_size: expected >= 1, got 0``).
+
+A rule that relates two sections (a CP size and the padding, the warmup and the number of
+steps, a teacher's cache and its loss mode) is not here but in `trainer.config.rules`, which
+`TrainConfig` runs once every section is built. The loss and on-policy sections, which look
+modes up in the loss-mode registry, are `trainer.config.loss_sections`. Pure: no file is read
+and no model loaded, so a bad value fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from tokenbridge.formats.checksums import VERIFY_MODES
+from tokenbridge.model_spec import DTYPES, check_model_source
+from trainer.config.checks import (
+    ConfigError,
+    check_at_least,
+    check_choice,
+    check_positive,
+    fail,
+    registry,
+)
+
+TEACHER_PLACEMENTS = ("worker", "inprocess")
+EVAL_SPLITS = ("window", "document")
+
+
+@dataclass
+class ModelConfig:
+    """A causal LM from a local HF directory (config.json + tokenizer, + weights if pretrained)."""
+
+    path: str = MISSING
+    # "pretrained": load the weights; "random": build from the dir's config.json with
+    # `overrides` applied (tiny test models that keep the real tokenizer) and seed `seed`.
+    init: str = "pretrained"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    name: str = ""  # short name for logs; default: the directory name
+
+    def __post_init__(self) -> None:
+        self._validate("model")
+
+    def _validate(self, where: str) -> None:
+        if self.path == MISSING:
+            fail(f"{where}.path", "a model directory is required")
+        try:  # the library's rule (tokenbridge.model_spec), named by the config's field
+            check_model_source(self, where)
+        except ValueError as e:
+            raise ConfigError(f"config {e}") from None
+        if not self.name:
+            self.name = Path(self.path).name
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    """One teacher: its model, the projection to the student vocab, its weight and TP size."""
+
+    # sparse vocabulary projection (tokenbridge.projection .safetensors); required by the
+    # cross-tokenizer losses (xtoken, gold), unused when teacher and student share a tokenizer
+    projection: str | None = None
+    weight: float = 1.0
+    tp: int = 1
+    loss: str | None = None  # per-teacher loss mode; default: loss.mode
+    dtype: str = "float32"  # the frozen teacher's weights and compute (no master copy needed)
+    # an offline teacher cache (`make teacher-cache`): read its outputs instead of running the
+    # teacher (no worker, no weights loaded); refused unless built from these shards with this
+    # teacher, k and temperature (docs/training.md, "Teacher cache")
+    cache: str | None = None
+
+    def __post_init__(self) -> None:
+        self._validate("teachers[?]")
+
+    def check(self, i: int) -> None:
+        """The value checks, naming the teacher by its place in the list (which the section
+        does not know when it is built): run by `TrainConfig`."""
+        where = f"teachers[{i}]"
+        self._validate(where)
+        check_positive(f"{where}.weight", self.weight, allow_zero=True)
+        check_at_least(f"{where}.tp", self.tp, 1)
+        if self.loss is not None:
+            check_choice(f"{where}.loss", self.loss, registry().KD_MODES)
+        check_choice(f"{where}.dtype", self.dtype, DTYPES)
+
+
+@dataclass
+class DataConfig:
+    """Aligned shards (made by `make align`) and how they are cut into microbatches."""
+
+    shards: str = MISSING
+    micro_batch_size: int = 2  # rows per microbatch per data-parallel rank
+    grad_accum: int = 1  # microbatches per optimizer step per rank
+    max_student_tokens: int = 512  # a longer row is an error (re-align with shorter windows)
+    pad_to_multiple: int = 8  # pad each microbatch's length up to a multiple of this
+    shuffle_buffer: int = 256  # rows held for the bounded shuffle (0 = file order)
+    seed: int = 0
+    eval_fraction: float = 0.05  # share held out (by hash) for eval BPB
+    # what is held out: window = (doc id, window) pairs; document = whole documents by doc id
+    # (no window of a held-out document is trained on: the in-domain score of docs/science.md)
+    eval_split: str = "window"
+    # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
+    # first_open (each file when first mapped) | preflight (all before any model) | never
+    verify: str = "first_open"
+
+    def __post_init__(self) -> None:
+        check_choice("data.verify", self.verify, VERIFY_MODES)
+        if not self.shards or self.shards == MISSING:
+            fail("data.shards", "a shard directory (from `make align`) is required")
+        for name in ("micro_batch_size", "grad_accum", "max_student_tokens", "pad_to_multiple"):
+            check_at_least(f"data.{name}", getattr(self, name), 1)
+        check_at_least("data.shuffle_buffer", self.shuffle_buffer, 0)
+        if self.eval_split not in EVAL_SPLITS:
+            fail("data.eval_split", f"expected window or document, got {self.eval_split!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            fail("data.eval_fraction", f"expected in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio * lr; global-norm clipping."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 = no clipping (the norm is still logged)
+    # a non-finite loss term or gradient norm: false = stop the run, naming the step, the term
+    # and the last good checkpoint; true = skip that step (no update, gradients zeroed) and go
+    # on. Stopping is the default: a NaN mostly means a bug or a diverged run, and silently
+    # skipping steps would hide it (docs/training.md)
+    skip_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("optim.lr", self.lr)
+        check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("optim.eps", self.eps)
+        check_positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            fail("optim.betas", f"expected two numbers in [0, 1), got {list(self.betas)}")
+        check_at_least("optim.warmup_steps", self.warmup_steps, 0)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            fail("optim.min_lr_ratio", f"expected in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class ParallelConfig:
+    """The device mesh (dp_shard x cp x tp) of the student, mixed precision, teacher placement."""
+
+    dp_shard: int = -1  # -1: world_size / (cp * tp)
+    tp: int = 1  # tensor parallel: heads, MLP and the vocabulary (lm_head, embeddings) split
+    cp: int = 1  # context parallel: each sequence split over cp ranks (load-balanced layout)
+    param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy
+    reduce_dtype: str = "float32"
+    reshard_after_forward: bool = True
+    # "worker": each rank's teacher runs in its own process and hands its outputs over the
+    # shared-memory (CPU) / CUDA IPC (GPU) channel; "inprocess": same process (debugging)
+    teacher_placement: str = "worker"
+    channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
+    teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
+    threads: int = 0  # torch intra-op threads per process; 0 = leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            fail("parallel.dp_shard", f"expected -1 (auto) or >= 1, got {self.dp_shard}")
+        check_at_least("parallel.tp", self.tp, 1)
+        check_at_least("parallel.cp", self.cp, 1)
+        check_choice("parallel.param_dtype", self.param_dtype, DTYPES)
+        check_choice("parallel.reduce_dtype", self.reduce_dtype, DTYPES)
+        check_choice("parallel.teacher_placement", self.teacher_placement, TEACHER_PLACEMENTS)
+        check_at_least("parallel.channel_slots", self.channel_slots, 1)
+        check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
+        check_at_least("parallel.threads", self.threads, 0)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        """(dp_shard, cp, tp) for `world_size` processes, or ConfigError when they do not
+        multiply."""
+        dp = world_size // (self.cp * self.tp) if self.dp_shard == -1 else self.dp_shard
+        if dp < 1 or dp * self.cp * self.tp != world_size:
+            fail(
+                "parallel",
+                f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} must equal the world "
+                f"size {world_size} (torchrun --nproc_per_node)",
+            )
+        return dp, self.cp, self.tp
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints (model, optimizer, scheduler, data position, RNG) and the HF export."""
+
+    interval: int = 0  # save every N steps (0 = only at the end)
+    keep: int = 2  # keep the newest N checkpoints
+    resume: str = "auto"  # auto (newest in the run dir, if any) | none | <checkpoint path>
+    # resume=auto and the newest checkpoint fails its checksums: false = move it aside and
+    # resume from the newest that verifies; true = refuse (docs/integrity.md)
+    strict: bool = False
+    save_at_end: bool = True
+    export_at_end: bool = True  # student as a plain HF dir (safetensors + tokenizer)
+
+    def __post_init__(self) -> None:
+        check_at_least("checkpoint.interval", self.interval, 0)
+        check_at_least("checkpoint.keep", self.keep, 1)
+        if not self.resume:
+            fail("checkpoint.resume", "expected auto, none or a checkpoint path")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out bits per byte of the student (before, every N steps, after) and of the teacher."""
+
+    interval: int = 0  # every N steps (0 = only before and after training)
+    max_texts: int = 32  # held-out windows evaluated (the first ones, a fixed set)
+    batch_size: int = 4
+    teacher: bool = True  # the teachers' BPB once, for reference
+
+    def __post_init__(self) -> None:
+        check_at_least("eval.interval", self.interval, 0)
+        check_at_least("eval.max_texts", self.max_texts, 0)
+        check_at_least("eval.batch_size", self.batch_size, 1)
+
+
+@dataclass
+class LoggingConfig:
+    """Per-step metrics: JSONL and TensorBoard under the run dir, tqdm progress on rank 0."""
+
+    interval: int = 1  # write metrics every N steps
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_at_least("logging.interval", self.interval, 1)
