@@ -46,6 +46,7 @@ from tokenbridge.dist_ops.collectives import Group, all_gather_stack, all_reduce
 from tokenbridge.dist_ops.sampling import sampling_threshold, truncates, validate_sampling
 from tokenbridge.dist_ops.vocab_shard import (
     as_rows,
+    check_temperature,
     chunk_spans,
     global_max,
     global_sums,
@@ -205,16 +206,11 @@ class _TargetLogProbs(torch.autograd.Function):
         return grad_NV, None, None, None, None, None, None
 
 
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
 def vp_logsumexp(
     logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """log sum_v exp(logits_v / temperature) over the sharded vocabulary: [..., V_local] -> [...]."""
-    _check_temperature(temperature)
+    check_temperature(temperature)
     lse_N = _LogSumExp.apply(as_rows(logits), group, chunk_size, temperature)
     return lse_N.reshape(logits.shape[:-1])
 
@@ -223,7 +219,7 @@ def vp_log_softmax(
     logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Log-softmax over the sharded vocabulary; fp32 [..., V_local], sharded like the input."""
-    _check_temperature(temperature)
+    check_temperature(temperature)
     out_NV = _LogSoftmax.apply(as_rows(logits), group, chunk_size, temperature)
     return out_NV.reshape(logits.shape)
 
@@ -256,7 +252,7 @@ def vp_target_logprobs(
     ids: [...] (one target per row, e.g. next tokens) or [..., K]; output has the ids' shape,
     fp32. Ids owned by no shard (e.g. -100) give -lse; mask them in the loss.
     """
-    _check_temperature(temperature)
+    check_temperature(temperature)
     validate_sampling(top_k, top_p)
     ids_NK, _ = ids_as_rows(ids, logits.shape[:-1])
     out_NK = _TargetLogProbs.apply(

@@ -28,6 +28,7 @@ import torch
 from tokenbridge.dist_ops.collectives import Group
 from tokenbridge.dist_ops.vocab_shard import (
     as_rows,
+    check_temperature,
     chunk_spans,
     finite_,
     global_max,
@@ -120,8 +121,7 @@ def vp_entropy(
     logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / temperature) over the sharded vocabulary -> [...]."""
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_temperature(temperature)
     out_N = _Entropy.apply(as_rows(logits), group, chunk_size, temperature)
     return out_N.reshape(logits.shape[:-1])
 
@@ -135,8 +135,7 @@ def vp_soft_ce(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """-sum_v t_v log softmax(logits / temperature)_v with t sharded like the logits -> [...]."""
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_temperature(temperature)
     if target_probs.shape != logits.shape:
         raise ValueError(
             f"target_probs must match the logits shard {tuple(logits.shape)}, "

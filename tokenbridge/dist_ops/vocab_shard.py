@@ -57,6 +57,11 @@ def vocab_shard(group: Group, v_local: int) -> VocabShard:
     return VocabShard(group=group, size=group_size(group), rank=group_rank(group), v_local=v_local)
 
 
+def check_temperature(temperature: float) -> None:
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def chunk_spans(n_rows: int, v_local: int, chunk_size: int | None) -> list[tuple[int, int]]:
     """[start, end) row ranges. `chunk_size=None` picks rows so a chunk has ~8M elements.
 
