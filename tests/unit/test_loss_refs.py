@@ -3,7 +3,8 @@
 The references hold full [V] distributions in float64 and loop over positions and chunks in
 Python: slow, but each line is a formula of docs/losses.md. The fast modes are tested against
 them in the test_loss_<mode>.py files (and bench/bench_losses.py times them next to the fast
-ones).
+ones), with the checks those files share at the end of this one (value and gradient against the
+reference, bf16, a batch without chunks).
 
 Legend: B batch, S student / T teacher positions, Vs / Vt lm_head widths (> vocab sizes vs / vt).
 """
