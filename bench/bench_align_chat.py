@@ -21,10 +21,9 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 
+from bench.child import run_child
 from tokenbridge import paths
 
 COPIES = 8
@@ -161,17 +160,7 @@ def _child(kind: str, root: str) -> dict:
 
 
 def _run(kind: str, root) -> dict:
-    code = f"import json, bench.bench_align_chat as b; print(json.dumps(b._child({kind!r}, {str(root)!r})))"  # noqa: E501
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=paths.REPO_ROOT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"bench child failed:\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child("bench.bench_align_chat", kind, str(root))
 
 
 def _cpu() -> str:

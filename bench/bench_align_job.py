@@ -9,14 +9,11 @@ writing <= 15% of tokenization. Each job runs in its own subprocess for its peak
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.child import run_child
 from tokenbridge import paths
 
 DATA = "kjv.jsonl"  # 6.6 MB, 31,102 verses
@@ -139,17 +136,7 @@ def _child(workers: int) -> dict:
 
 
 def _run(workers: int) -> dict:
-    code = f"import json, bench.bench_align_job as b; print(json.dumps(b._child({workers})))"
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=paths.REPO_ROOT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"bench child failed:\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child("bench.bench_align_job", workers)
 
 
 def _shares(stage: dict) -> str:

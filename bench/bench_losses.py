@@ -189,22 +189,18 @@ def _ours(mode: str, T: int) -> tuple:
             t2s, torch.ones(t2s.shape), student_vocab_size=V_S, s_key=key
         )
         te, t_teacher = teacher_side(batch, xtoken_teacher_spec(cfg, teacher_vocab_size=V_T))
-        kw = {"tables": tables, "vocab_size": V_S, "config": cfg}
-        return (
-            {"teacher_s": t_teacher},
-            lambda: xtoken(student, te, index, **kw).sum,
-            student,
-            (batch, index, tables, cfg),
+        loss = xtoken
+    else:
+        cfg = GoldConfig()
+        tables = GoldTables.from_exact_map(exact, teacher_vocab_size=V_T, student_vocab_size=V_S)
+        te, t_teacher = teacher_side(
+            batch, gold_teacher_spec(cfg, tables, teacher_vocab_size=V_T), columns=tables.t_ids
         )
-    cfg = GoldConfig()
-    tables = GoldTables.from_exact_map(exact, teacher_vocab_size=V_T, student_vocab_size=V_S)
-    te, t_teacher = teacher_side(
-        batch, gold_teacher_spec(cfg, tables, teacher_vocab_size=V_T), columns=tables.t_ids
-    )
+        loss = gold
     kw = {"tables": tables, "vocab_size": V_S, "config": cfg}
     return (
         {"teacher_s": t_teacher},
-        lambda: gold(student, te, index, **kw).sum,
+        lambda: loss(student, te, index, **kw).sum,
         student,
         (batch, index, tables, cfg),
     )

@@ -8,11 +8,9 @@ vocabularies. Goal (issue 3): <= 60 s and <= 2 GB for the whole build.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
+from bench.child import run_child
 from tokenbridge import paths
 
 SAMPLE = 4000  # tokens per direction for the naive baseline
@@ -67,16 +65,7 @@ def _child(mode: str) -> dict:
 
 
 def _run(mode: str) -> dict:
-    code = f"import json, bench.bench_projection as b; print(json.dumps(b._child({mode!r})))"
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=paths.REPO_ROOT,
-        env={**__import__("os").environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child("bench.bench_projection", mode)
 
 
 def main() -> str:

@@ -70,42 +70,24 @@ def read_jsonl_rows(
 ) -> Iterator[Row | dict]:
     """Records of a jsonl file (or of one byte range of it) as `Row`s, bad lines as dead
     letters. `row_format` None: detected from the first record read."""
-    split = split or R.Split()
-    pos = pos or R.Position()
     fmt = row_format
-    if fmt is None and split.start:  # a later byte range: the format of the file's first record
-        fmt = peek_format(path)
-    with R._open(path) as f:
-        if split.start:
-            f.seek(split.start)
-        at = split.start
-        for row, raw in enumerate(iter(f.readline, b""), start=split.first_row):
-            if split.end is not None and at >= split.end:
-                break
-            at += len(raw)
-            pos.bytes += len(raw)
-            did = f"{doc_id}:{row}"
-            if not raw.strip():
-                continue
-            text, bad = R._decode(raw, file=path, doc_id=did, row=row, line=row + 1)
-            if bad is not None:
-                yield bad
-                continue
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield R.dead_letter(path, R.BAD_JSON, str(e), row=row, line=row + 1, doc_id=did)
-                continue
+    if fmt is None and split is not None and split.start:
+        fmt = peek_format(path)  # a later byte range: the format of the file's first record
+    for record in R.jsonl_records(path, doc_id, split=split, pos=pos):
+        if isinstance(record, dict):
+            yield record  # a dead letter
+            continue
+        row, did, value = record
+        if fmt is None:
+            fmt = _file_format(value, fixed=None, where=f"{path} row {row}")
             if fmt is None:
-                fmt = _file_format(value, fixed=None, where=f"{path} row {row}")
-                if fmt is None:
-                    keys = sorted(value)[:10] if isinstance(value, dict) else type(value).__name__
-                    yield _mismatch(path, did, f"records with keys {keys}", row=row)
-                    return
-            if fmt == rows.TEXT:
-                yield _mismatch(path, did, "text rows", row=row)
+                keys = sorted(value)[:10] if isinstance(value, dict) else type(value).__name__
+                yield _mismatch(path, did, f"records with keys {keys}", row=row)
                 return
-            yield Row(did, row, value, fmt)
+        if fmt == rows.TEXT:
+            yield _mismatch(path, did, "text rows", row=row)
+            return
+        yield Row(did, row, value, fmt)
 
 
 def read_parquet_rows(path: str, doc_id: str, *, row_format: str | None) -> Iterator[Row | dict]:

@@ -186,14 +186,12 @@ def _get_field(obj, dotted: str):
     return obj
 
 
-def read_jsonl(
-    path: str,
-    doc_id: str,
-    *,
-    field: str = "text",
-    split: Split | None = None,
-    pos: Position | None = None,
-) -> Iterator[Doc | dict]:
+def jsonl_records(
+    path: str, doc_id: str, *, split: Split | None = None, pos: Position | None = None
+) -> Iterator[tuple[int, str, object] | dict]:
+    """(row, doc id, parsed value) of every record of a jsonl file or byte range: blank lines
+    skipped, a line that is not UTF-8 or not JSON as a dead letter (a dict; a record is a tuple).
+    Shared by the text reader (`read_jsonl`) and the conversation reader (`chat_read`)."""
     split = split or Split()
     pos = pos or Position()
     with _open(path) as f:
@@ -219,36 +217,53 @@ def read_jsonl(
             except json.JSONDecodeError as e:
                 yield dead_letter(path, BAD_JSON, str(e), row=row, line=line, doc_id=did)
                 continue
-            try:
-                value = _get_field(obj, field)
-            except KeyError:
-                keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
-                yield dead_letter(
-                    path,
-                    MISSING_FIELD,
-                    f"no field {field!r} (found {keys})",
-                    row=row,
-                    line=line,
-                    field=field,
-                    doc_id=did,
-                )
-                continue
-            if not isinstance(value, str):
-                yield dead_letter(
-                    path,
-                    BAD_FIELD_TYPE,
-                    f"field {field!r} is {type(value).__name__}, expected a string",
-                    row=row,
-                    line=line,
-                    field=field,
-                    doc_id=did,
-                )
-                continue
-            # the raw line and its decoded copy would stay alive while the document is
-            # processed downstream (this generator waits at the yield): 2 extra copies of a
-            # 40 MB document
-            raw = text = obj = None
-            yield _doc_or_empty(path, did, value, row=row, line=line, field=field)
+            # the raw line and its decoded copy would stay alive while the record is processed
+            # downstream (this generator waits at the yield): 2 extra copies of a 40 MB document
+            raw = text = None
+            yield row, did, obj
+
+
+def read_jsonl(
+    path: str,
+    doc_id: str,
+    *,
+    field: str = "text",
+    split: Split | None = None,
+    pos: Position | None = None,
+) -> Iterator[Doc | dict]:
+    for record in jsonl_records(path, doc_id, split=split, pos=pos):
+        if isinstance(record, dict):
+            yield record  # a dead letter
+            continue
+        row, did, obj = record
+        line = row + 1
+        try:
+            value = _get_field(obj, field)
+        except KeyError:
+            keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+            yield dead_letter(
+                path,
+                MISSING_FIELD,
+                f"no field {field!r} (found {keys})",
+                row=row,
+                line=line,
+                field=field,
+                doc_id=did,
+            )
+            continue
+        if not isinstance(value, str):
+            yield dead_letter(
+                path,
+                BAD_FIELD_TYPE,
+                f"field {field!r} is {type(value).__name__}, expected a string",
+                row=row,
+                line=line,
+                field=field,
+                doc_id=did,
+            )
+            continue
+        record = obj = None  # the document's text is all that stays alive downstream
+        yield _doc_or_empty(path, did, value, row=row, line=line, field=field)
 
 
 def read_parquet(path: str, doc_id: str, *, column: str = "text") -> Iterator[Doc | dict]:

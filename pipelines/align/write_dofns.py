@@ -27,8 +27,6 @@ from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
 
-DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written sorted (stable)
-
 
 class RollingPartsDoFn(beam.DoFn):
     """A writer of this bundle's rolling parts (`rolling.RollingParts` of ``KIND`` / ``FMT``):
@@ -156,14 +154,7 @@ class FinalizeDoFn(beam.DoFn):
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=shards.shard_name)
         infos = self._infos(out, index)
         files = {name: int(info["rows"]) for name, info in index.items()}
-        dead_parts = dict(summary["dead_parts"])
-        for name, n in dead_parts.items():
-            manifest = rolling.read_manifest(tmp, name)
-            if manifest is None or int(manifest["rows"]) != n:
-                raise RuntimeError(f"{tmp / name}: dead-letter part does not hold its {n} records")
-        dead_info = rolling.concat_parts(
-            tmp, list(dead_parts), out / S.DEAD_LETTER_FILE, sort_below=DEAD_SORT_BELOW
-        )
+        dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
         stats = job_stats.final_stats(header, summary["stats"], dict(summary["dead"]), files)
         checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}

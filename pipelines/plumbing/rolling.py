@@ -38,6 +38,7 @@ from tokenbridge.formats.checksums import HashingSink
 
 TMP_PREFIX = ".align-tmp-"
 MANIFEST_SUFFIX = ".done"
+DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written sorted (stable)
 
 
 def run_dir(out: str | os.PathLike, run_id: str) -> Path:
@@ -177,6 +178,16 @@ def concat_parts(tmp: Path, names: list[str], dest: Path, *, sort_below: int) ->
         sink.close()
         tmp_dest.unlink(missing_ok=True)
     return {"rows": rows, **sink.entry()}
+
+
+def join_dead_letters(out: Path, tmp: Path, dead_parts: dict[str, int]) -> dict:
+    """The dead-letter parts (name -> records their batches reported), each checked against its
+    manifest, joined into ``out``'s dead-letter file; returns that file's manifest."""
+    for name, n in dead_parts.items():
+        manifest = read_manifest(tmp, name)
+        if manifest is None or int(manifest["rows"]) != n:
+            raise RuntimeError(f"{tmp / name}: dead-letter part does not hold its {n} records")
+    return concat_parts(tmp, list(dead_parts), out / S.DEAD_LETTER_FILE, sort_below=DEAD_SORT_BELOW)
 
 
 def remove_tmp(tmp: Path) -> None:

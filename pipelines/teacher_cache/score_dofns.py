@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.align.align_dofns import MAIN, StageTimer, count, dead
-from pipelines.align.write_dofns import DEAD_SORT_BELOW, RollingPartsDoFn
+from pipelines.align.write_dofns import RollingPartsDoFn
 from pipelines.plumbing import progress, rolling
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
 from tokenbridge.formats import checksums as integrity
@@ -203,14 +203,7 @@ class FinalizeCacheDoFn(beam.DoFn):
     def process(self, summary):
         out, tmp = Path(self.out_dir), Path(self.tmp_dir)
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=CF.cache_name)
-        dead_parts = dict(summary["dead_parts"])
-        for name, n in dead_parts.items():
-            manifest = rolling.read_manifest(tmp, name)
-            if manifest is None or int(manifest["rows"]) != n:
-                raise RuntimeError(f"{tmp / name}: dead-letter part does not hold its {n} records")
-        dead_info = rolling.concat_parts(
-            tmp, list(dead_parts), out / S.DEAD_LETTER_FILE, sort_below=DEAD_SORT_BELOW
-        )
+        dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         files = {name: int(info["rows"]) for name, info in index.items()}
         stats = cache_stats(self.header, self.meta, summary["stats"], index, dict(summary["dead"]))
         checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
+from tests.e2e.helpers import REPO, identity_projection, shakespeare_docs, write_shards
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,7 @@ def runs(tmp_path_factory, student_dir) -> Path:
         teacher_dirs=[student_dir] * len(MODES),
         max_tokens=64,
     )
-    from tokenbridge import projection as P
-    from tokenbridge.tokenizers import load_tokenizer
-
-    tok = load_tokenizer(student_dir)
-    proj = P.save_projection(
-        P.build_projection(tok, tok, k=2, teacher_rows=49152, student_rows=49152),
-        tmp / "identity.safetensors",
-    )
+    proj = identity_projection(student_dir, tmp / "identity.safetensors")
     out = tmp / "runs"
     args = [str(shards), str(proj), str(out)]
     for which, nproc in (("ref", 1), ("two", 2), ("four", 4)):

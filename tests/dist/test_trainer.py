@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
+from tests.e2e.helpers import REPO, identity_projection, shakespeare_docs, write_shards
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +27,7 @@ def report(tmp_path_factory, student_dir) -> dict:
         teacher_dirs=[student_dir],
         max_tokens=64,
     )
-    from tokenbridge import projection as P
-    from tokenbridge.tokenizers import load_tokenizer
-
-    tok = load_tokenizer(student_dir)
-    proj = P.save_projection(
-        P.build_projection(tok, tok, k=2, teacher_rows=49152, student_rows=49152),
-        tmp / "identity.safetensors",
-    )
+    proj = identity_projection(student_dir, tmp / "identity.safetensors")
     out = tmp / "report.json"
     cmd = [
         sys.executable,

@@ -3,7 +3,9 @@
 `write_shards` tokenizes texts with the real tokenizers, aligns and windows them
 (`tokenbridge.alignment`: alignment and windows) and writes a complete shard directory with
 `tokenbridge.formats.shards` — the same rows the align job writes, minus the Beam runner.
-`shakespeare_docs` cuts the shipped corpus into small documents.
+`shakespeare_docs` cuts the shipped corpus into small documents; `real_projection` is the
+`make projection` file of the real teacher and student; `identity_projection` maps a tokenizer
+onto itself.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines.projection.__main__ import main as projection_job
 from tokenbridge import paths
+from tokenbridge import projection as P
 from tokenbridge.alignment import CHUNK_KIND_NAMES, WindowConfig, align, cut_windows
 from tokenbridge.formats.shard_schema import shard_schema
 from tokenbridge.formats.shards import ShardWriter, shard_name, window_to_row, write_completed
 from tokenbridge.tokenizers import load_tokenizer
 
 REPO = paths.REPO_ROOT
+PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 
 
 def shakespeare_docs(n_docs: int, *, chars: int = 1500, skip: int = 3000) -> list[tuple[str, str]]:
@@ -83,6 +88,26 @@ def write_shards(
     }
     write_completed(out, stats, files=files)
     return out
+
+
+def real_projection(teacher_dir: str | os.PathLike, student_dir: str | os.PathLike) -> Path:
+    """`PROJECTION`, the real teacher -> student projection (k=8), built once if missing or
+    made for other tokenizers."""
+    try:
+        P.load_projection(PROJECTION, teacher=load_tokenizer(teacher_dir).info(),
+                          student=load_tokenizer(student_dir).info())  # fmt: skip
+    except (FileNotFoundError, ValueError):
+        projection_job(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
+                "--out", str(PROJECTION)])  # fmt: skip
+    return PROJECTION
+
+
+def identity_projection(tokenizer_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """A k=2 projection of a tokenizer onto itself (rows padded to 49152), saved at ``out``."""
+    tok = load_tokenizer(tokenizer_dir)
+    return P.save_projection(
+        P.build_projection(tok, tok, k=2, teacher_rows=49152, student_rows=49152), out
+    )
 
 
 def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 300, env: dict | None = None):

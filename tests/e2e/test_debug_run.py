@@ -29,14 +29,18 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipelines.projection.__main__ import main as projection_job
-from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
+from tests.e2e.helpers import (
+    PROJECTION,
+    REPO,
+    real_projection,
+    run_trainer,
+    shakespeare_docs,
+    write_shards,
+)
 from tests.unit.test_report import check_numbers, check_page
-from tokenbridge import projection as P
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.report import write_report
 
-PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
 # the CPU runs name their device: `auto` would put two ranks on a one-GPU machine's GPU
 CPU = [*COMMON, "device=cpu"]
@@ -53,15 +57,7 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
 def inputs(tmp_path_factory, teacher_dir, student_dir) -> dict:
     """Debug shards + the real projection (the `make projection` file, built once if missing)."""
     tmp = tmp_path_factory.mktemp("e2e")
-    try:
-        P.load_projection(
-            PROJECTION,
-            teacher=load_tokenizer(teacher_dir).info(),
-            student=load_tokenizer(student_dir).info(),
-        )
-    except (FileNotFoundError, ValueError):
-        projection_job(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
-                "--out", str(PROJECTION)])  # fmt: skip
+    real_projection(teacher_dir, student_dir)
     docs = shakespeare_docs(24, chars=700)
     shards = write_shards(
         tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[teacher_dir], max_tokens=64

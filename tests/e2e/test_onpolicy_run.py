@@ -19,12 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.projection.__main__ import main as projection_job
-from tests.e2e.helpers import REPO, run_trainer, shakespeare_docs, write_shards
-from tokenbridge import projection as P
-from tokenbridge.tokenizers import load_tokenizer
+from tests.e2e.helpers import REPO, real_projection, run_trainer, shakespeare_docs, write_shards
 
-PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 CPU = ["logging.progress=false", "parallel.threads=1", "device=cpu", "eval.max_texts=4"]
 
 
@@ -35,12 +31,7 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
-    try:
-        P.load_projection(PROJECTION, teacher=load_tokenizer(teacher_dir).info(),
-                          student=load_tokenizer(student_dir).info())  # fmt: skip
-    except (FileNotFoundError, ValueError):
-        projection_job(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
-                "--out", str(PROJECTION)])  # fmt: skip
+    real_projection(teacher_dir, student_dir)
     tmp = tmp_path_factory.mktemp("onpolicy")
     return write_shards(tmp / "shards", shakespeare_docs(24, chars=700), student_dir=student_dir,
                         teacher_dirs=[teacher_dir, student_dir], max_tokens=64)  # fmt: skip

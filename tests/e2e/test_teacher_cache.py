@@ -33,14 +33,10 @@ import sys
 
 import pytest
 
-from pipelines.projection.__main__ import main as projection_job
-from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
-from tokenbridge import projection as P
+from tests.e2e.helpers import PROJECTION, REPO, real_projection, shakespeare_docs, write_shards
 from tokenbridge.formats import teacher_cache as CF
-from tokenbridge.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.slow
-PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 REL = 1e-6
 
 
@@ -51,12 +47,7 @@ def fp16_bound(kd: float, *, max_abs_logprob: float, k: int, tau: float = 1.0) -
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, teacher_dir, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("teacher_cache_e2e")
-    try:
-        P.load_projection(PROJECTION, teacher=load_tokenizer(teacher_dir).info(),
-                          student=load_tokenizer(student_dir).info())  # fmt: skip
-    except (FileNotFoundError, ValueError):
-        projection_job(["--teacher", str(teacher_dir), "--student", str(student_dir), "--k", "8",
-                "--out", str(PROJECTION)])  # fmt: skip
+    real_projection(teacher_dir, student_dir)
     docs = shakespeare_docs(14, chars=700)
     same = write_shards(
         tmp / "same", docs[:10], student_dir=student_dir, teacher_dirs=[student_dir]

@@ -3,7 +3,8 @@
 The references hold full [V] distributions in float64 and loop over positions and chunks in
 Python: slow, but each line is a formula of docs/losses.md. The fast modes are tested against
 them in the test_loss_<mode>.py files (and bench/bench_losses.py times them next to the fast
-ones).
+ones), with the checks those files share at the end of this one (value and gradient against the
+reference, bf16, a batch without chunks).
 
 Legend: B batch, S student / T teacher positions, Vs / Vt lm_head widths (> vocab sizes vs / vt).
 """
@@ -378,3 +379,51 @@ def split_invariance(pair: Pair, student, teacher, run, *, splits=(1, 2, 4)):
         assert abs(t - t0) <= 1e-5 * max(1.0, abs(t0))
         torch.testing.assert_close(g, g0, rtol=1e-5, atol=1e-6)
     return results[0]
+
+
+# ---------------------------------------------------------------- checks the mode tests share
+
+
+def assert_same_grad(loss, ref, student) -> None:
+    """The gradients of the fast loss and of its dense reference w.r.t. the student agree."""
+    (g,) = torch.autograd.grad(loss, student)
+    (gr,) = torch.autograd.grad(ref, student)
+    torch.testing.assert_close(g, gr.float(), rtol=1e-5, atol=1e-5)
+
+
+def assert_matches_ref(out, ref, n: int, student) -> None:
+    """A loss output equals its dense reference: count (> 0), sum and gradient."""
+    assert int(out.count) == n > 0
+    torch.testing.assert_close(out.sum.double(), ref, rtol=1e-5, atol=1e-5)
+    assert_same_grad(out.sum, ref, student)
+
+
+def assert_bf16_close(run, student, teacher, ref) -> None:
+    """run(student, teacher) -> LossOutput on bf16 logits lands within 5% of the reference,
+    with a finite gradient."""
+    half = student.detach().bfloat16().requires_grad_()
+    out16 = run(half, teacher.bfloat16())
+    out16.sum.backward()
+    r = float(ref.detach())
+    assert abs(float(out16.sum.detach()) - r) < 0.05 * r and torch.isfinite(half.grad.float()).all()
+
+
+def chunkless_batch(pair: Pair) -> AlignedBatch:
+    """The pair's rows with every chunk taken away (both sides), collated."""
+    rows = [
+        dict(
+            r,
+            teacher0_n_chunks=0,
+            teacher0_student_chunk=[-1] * len(r["student_ids"]),
+            teacher0_chunk=[-1] * len(r["teacher0_ids"]),
+        )
+        for r in pair.rows
+    ]
+    return collate_aligned(rows, 0)
+
+
+def assert_empty_loss(out, student) -> None:
+    """A loss over no chunk: zero sum, zero count, a usable all-zero gradient."""
+    assert float(out.sum.detach()) == 0.0 and int(out.count) == 0
+    out.sum.backward()
+    assert (student.grad == 0).all()

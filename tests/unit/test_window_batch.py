@@ -25,17 +25,6 @@ from tokenbridge.alignment import window_batch as WB
 from tokenbridge.alignment import window_kernel as K
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
-from tokenbridge.tokenizers import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def toks(teacher_dir, student_dir, vocab_fixture):
-    return {
-        "gemma": load_tokenizer(teacher_dir),
-        "smollm2": load_tokenizer(student_dir),
-        "qwen2": load_tokenizer(vocab_fixture("qwen2")),
-        "phi-3": load_tokenizer(vocab_fixture("phi-3")),
-    }
 
 
 @pytest.fixture(scope="module")

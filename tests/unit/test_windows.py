@@ -8,17 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbridge.alignment import WindowConfig, WindowError, align, cut_points, cut_windows
-from tokenbridge.tokenizers import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def toks(teacher_dir, student_dir, vocab_fixture):
-    return {
-        "gemma": load_tokenizer(teacher_dir),
-        "smollm2": load_tokenizer(student_dir),
-        "qwen2": load_tokenizer(vocab_fixture("qwen2")),
-        "phi-3": load_tokenizer(vocab_fixture("phi-3")),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -65,25 +65,28 @@ class _SeqToVocab(torch.autograd.Function):
         return _vocab_to_seq(g_NV, ctx.group), None
 
 
-def vocab_to_seq_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """[N, V / TP] vocab shard of all rows -> [N / TP, V] full vocab of this rank's row block."""
+def _checked_apply(
+    fn, x: torch.Tensor, group: Group, *, layout: str, axis: int, what: str, hint: str = ""
+) -> torch.Tensor:
+    """``fn`` applied to a 2-D ``x`` (``layout``) whose dimension ``axis`` (``what``) splits
+    evenly over the TP group; the identity for a group of one."""
     size = group_size(group)
     if x.dim() != 2:
-        raise ValueError(f"expected [N, V_local], got shape {tuple(x.shape)}")
+        raise ValueError(f"expected {layout}, got shape {tuple(x.shape)}")
     if size == 1:
         return x
-    if x.shape[0] % size:
-        raise ValueError(f"rows N={x.shape[0]} must be divisible by TP={size}; pad them")
-    return _VocabToSeq.apply(x, group)
+    if x.shape[axis] % size:
+        raise ValueError(f"{what}={x.shape[axis]} must be divisible by TP={size}{hint}")
+    return fn.apply(x, group)
+
+
+def vocab_to_seq_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[N, V / TP] vocab shard of all rows -> [N / TP, V] full vocab of this rank's row block."""
+    return _checked_apply(
+        _VocabToSeq, x, group, layout="[N, V_local]", axis=0, what="rows N", hint="; pad them"
+    )
 
 
 def seq_to_vocab_parallel(y: torch.Tensor, group: Group) -> torch.Tensor:
     """[N / TP, V] full vocab of this rank's row block -> [N, V / TP] vocab shard of all rows."""
-    size = group_size(group)
-    if y.dim() != 2:
-        raise ValueError(f"expected [N / TP, V], got shape {tuple(y.shape)}")
-    if size == 1:
-        return y
-    if y.shape[1] % size:
-        raise ValueError(f"vocab V={y.shape[1]} must be divisible by TP={size}")
-    return _SeqToVocab.apply(y, group)
+    return _checked_apply(_SeqToVocab, y, group, layout="[N / TP, V]", axis=1, what="vocab V")

@@ -46,10 +46,13 @@ from tokenbridge.dist_ops.collectives import Group, all_gather_stack, all_reduce
 from tokenbridge.dist_ops.sampling import sampling_threshold, truncates, validate_sampling
 from tokenbridge.dist_ops.vocab_shard import (
     as_rows,
+    backward_chunks,
+    check_temperature,
     chunk_spans,
     global_max,
     global_sums,
     ids_as_rows,
+    rowwise,
     upcast,
     vocab_shard,
     workspace,
@@ -86,10 +89,7 @@ class _LogSumExp(torch.autograd.Function):
     def backward(ctx, g_N):
         logits_NV, lse_N = ctx.saved_tensors
         chunk_size, temperature = ctx.cfg
-        grad_NV = torch.empty_like(logits_NV)
-        n, v = logits_NV.shape
-        spans = chunk_spans(n, v, chunk_size)
-        (buf,) = workspace(spans, v, logits_NV.device)
+        grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             p_NV = _probs_(upcast(logits_NV[s:e], temperature, buf), lse_N[s:e])
             grad_NV[s:e] = p_NV.mul_(g_N[s:e, None] / temperature)
@@ -120,10 +120,7 @@ class _LogSoftmax(torch.autograd.Function):
     def backward(ctx, g_NV):
         logits_NV, lse_N = ctx.saved_tensors
         group, chunk_size, temperature = ctx.cfg
-        grad_NV = torch.empty_like(logits_NV)
-        n, v = logits_NV.shape
-        spans = chunk_spans(n, v, chunk_size)
-        (buf,) = workspace(spans, v, logits_NV.device)
+        grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             g = g_NV[s:e].to(torch.float32)
             (gsum_N,) = global_sums(group, g.sum(dim=-1))
@@ -185,10 +182,7 @@ class _TargetLogProbs(torch.autograd.Function):
     def backward(ctx, g_NK):
         logits_NV, local_NK, inside_NK, lse_N, thr_N = ctx.saved_tensors
         chunk_size, temperature, truncate = ctx.cfg
-        grad_NV = torch.empty_like(logits_NV)
-        n, v = logits_NV.shape
-        spans = chunk_spans(n, v, chunk_size)
-        (buf,) = workspace(spans, v, logits_NV.device)
+        grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             z_NV = upcast(logits_NV[s:e], temperature, buf)
             # the one-hot part goes only to ids this shard owns (and truncation kept)
@@ -205,27 +199,18 @@ class _TargetLogProbs(torch.autograd.Function):
         return grad_NV, None, None, None, None, None, None
 
 
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
 def vp_logsumexp(
     logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """log sum_v exp(logits_v / temperature) over the sharded vocabulary: [..., V_local] -> [...]."""
-    _check_temperature(temperature)
-    lse_N = _LogSumExp.apply(as_rows(logits), group, chunk_size, temperature)
-    return lse_N.reshape(logits.shape[:-1])
+    return rowwise(_LogSumExp, logits, group, temperature=temperature, chunk_size=chunk_size)
 
 
 def vp_log_softmax(
     logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Log-softmax over the sharded vocabulary; fp32 [..., V_local], sharded like the input."""
-    _check_temperature(temperature)
-    out_NV = _LogSoftmax.apply(as_rows(logits), group, chunk_size, temperature)
-    return out_NV.reshape(logits.shape)
+    return rowwise(_LogSoftmax, logits, group, temperature=temperature, chunk_size=chunk_size)
 
 
 def vp_softmax(
@@ -256,7 +241,7 @@ def vp_target_logprobs(
     ids: [...] (one target per row, e.g. next tokens) or [..., K]; output has the ids' shape,
     fp32. Ids owned by no shard (e.g. -100) give -lse; mask them in the loss.
     """
-    _check_temperature(temperature)
+    check_temperature(temperature)
     validate_sampling(top_k, top_p)
     ids_NK, _ = ids_as_rows(ids, logits.shape[:-1])
     out_NK = _TargetLogProbs.apply(

@@ -28,11 +28,14 @@ import torch
 from tokenbridge.dist_ops.collectives import Group
 from tokenbridge.dist_ops.vocab_shard import (
     as_rows,
+    backward_chunks,
+    check_temperature,
     chunk_spans,
     finite_,
     global_max,
     global_sums,
     row_dot,
+    rowwise,
     upcast,
     vocab_shard,
     workspace,
@@ -64,10 +67,7 @@ class _Entropy(torch.autograd.Function):
     def backward(ctx, g_N):
         logits_NV, lse_N, ent_N = ctx.saved_tensors
         chunk_size, temperature = ctx.cfg
-        grad_NV = torch.empty_like(logits_NV)
-        n, v = logits_NV.shape
-        spans = chunk_spans(n, v, chunk_size)
-        buf, buf_p = workspace(spans, v, logits_NV.device, count=2)
+        grad_NV, spans, (buf, buf_p) = backward_chunks(logits_NV, chunk_size, count=2)
         for s, e in spans:
             logp_NV = finite_(upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]))
             p_NV = torch.exp(logp_NV, out=buf_p[: e - s])
@@ -105,10 +105,7 @@ class _SoftCE(torch.autograd.Function):
     def backward(ctx, g_N):
         logits_NV, target_NV, lse_N, mass_N = ctx.saved_tensors
         chunk_size, temperature = ctx.cfg
-        grad_NV = torch.empty_like(logits_NV)
-        n, v = logits_NV.shape
-        spans = chunk_spans(n, v, chunk_size)
-        (buf,) = workspace(spans, v, logits_NV.device)
+        grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             p_NV = upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]).exp_()
             d_NV = p_NV.mul_(mass_N[s:e, None]).sub_(target_NV[s:e])
@@ -120,10 +117,7 @@ def vp_entropy(
     logits: torch.Tensor, group: Group, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / temperature) over the sharded vocabulary -> [...]."""
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    out_N = _Entropy.apply(as_rows(logits), group, chunk_size, temperature)
-    return out_N.reshape(logits.shape[:-1])
+    return rowwise(_Entropy, logits, group, temperature=temperature, chunk_size=chunk_size)
 
 
 def vp_soft_ce(
@@ -135,8 +129,7 @@ def vp_soft_ce(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """-sum_v t_v log softmax(logits / temperature)_v with t sharded like the logits -> [...]."""
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_temperature(temperature)
     if target_probs.shape != logits.shape:
         raise ValueError(
             f"target_probs must match the logits shard {tuple(logits.shape)}, "

@@ -57,6 +57,22 @@ def vocab_shard(group: Group, v_local: int) -> VocabShard:
     return VocabShard(group=group, size=group_size(group), rank=group_rank(group), v_local=v_local)
 
 
+def check_temperature(temperature: float) -> None:
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def rowwise(
+    fn, logits: torch.Tensor, group: Group, *, temperature: float, chunk_size: int | None
+) -> torch.Tensor:
+    """``fn`` (an autograd Function of [N, V_local] rows, the group, chunk size, temperature)
+    on ``logits`` [..., V_local] seen as rows; its [N] or [N, V_local] output keeps the leading
+    dims ([...] or [..., V_local])."""
+    check_temperature(temperature)
+    out = fn.apply(as_rows(logits), group, chunk_size, temperature)
+    return out.reshape(*logits.shape[:-1], *out.shape[1:])
+
+
 def chunk_spans(n_rows: int, v_local: int, chunk_size: int | None) -> list[tuple[int, int]]:
     """[start, end) row ranges. `chunk_size=None` picks rows so a chunk has ~8M elements.
 
@@ -96,6 +112,17 @@ def workspace(spans: list[tuple[int, int]], v: int, device, count: int = 1) -> l
     """
     rows = max((e - s for s, e in spans), default=0)
     return [torch.empty((rows, v), dtype=torch.float32, device=device) for _ in range(count)]
+
+
+def backward_chunks(
+    logits_NV: torch.Tensor, chunk_size: int | None, *, count: int = 1
+) -> tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]:
+    """What every chunked backward starts with: the gradient to fill (like the logits), the row
+    chunks it is computed in, and ``count`` fp32 chunk buffers (`workspace`)."""
+    grad_NV = torch.empty_like(logits_NV)
+    n, v = logits_NV.shape
+    spans = chunk_spans(n, v, chunk_size)
+    return grad_NV, spans, workspace(spans, v, logits_NV.device, count=count)
 
 
 def upcast(chunk: torch.Tensor, temperature: float, buf: torch.Tensor) -> torch.Tensor:

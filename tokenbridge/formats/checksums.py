@@ -54,6 +54,12 @@ class DamagedFileError(IntegrityError):
         super().__init__(msg + (f"; {hint}" if hint else ""))
 
 
+def check_verify_mode(verify: str) -> None:
+    """``verify`` of a reader (shards, teacher cache) must be one of `VERIFY_MODES`."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+
+
 def new_hash(algo: str = HASH):
     try:
         return HASHES[algo]()

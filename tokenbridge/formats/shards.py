@@ -378,8 +378,7 @@ def open_shards(
     and `FingerprintMismatchError` when `student` / `teachers` (in order) differ from the ones
     recorded in the shards. Only the files' footers and batch headers are read here.
     """
-    if verify not in integrity.VERIFY_MODES:
-        raise ValueError(f"verify={verify!r}: expected one of {integrity.VERIFY_MODES}")
+    integrity.check_verify_mode(verify)
     d = Path(dir)
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: no such shard directory")

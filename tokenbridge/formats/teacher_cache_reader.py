@@ -230,8 +230,7 @@ def open_cache(
 ) -> CacheSet:
     """A complete cache built for `expected`, joined to its shards (see the module docstring;
     `verify`: one of `integrity.VERIFY_MODES`)."""
-    if verify not in integrity.VERIFY_MODES:
-        raise ValueError(f"verify={verify!r}: expected one of {integrity.VERIFY_MODES}")
+    integrity.check_verify_mode(verify)
     d = Path(directory)
     if not d.is_dir():
         raise FileNotFoundError(f"{expected.where}={d}: no such cache directory; {REBUILD}")

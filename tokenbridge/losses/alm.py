@@ -33,7 +33,7 @@ from tokenbridge.losses.base import LossOutput, as_count, check_option, empty_lo
 from tokenbridge.losses.ce import target_logprobs
 from tokenbridge.losses.ops.cp_chunks import chunk_sum, open_chunk_loss, owned_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK
-from tokenbridge.losses.ops.segments import ChunkIndex, segment_sum
+from tokenbridge.losses.ops.segments import ChunkIndex, ChunkSide, segment_sum
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
 
 if TYPE_CHECKING:
@@ -107,20 +107,47 @@ def chunk_chains(
     wanted[chunks_C] = True
     st, te = index.student, index.teacher
     s_rows = (wanted[st.target_chunk] & (st.target_chunk >= 0)).nonzero().squeeze(1)
-    local, mine = owned_rows(s_rows, cp)
-    s_rows = s_rows[mine]
+    ls = student_chain_sums(
+        logits_NV,
+        st,
+        s_rows,
+        n_chunks=g,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        tp_group=tp_group,
+        cp=cp,
+    )[chunks_C]
+    t_lp = teacher.target_logprob.reshape(-1).to(ls.dtype)
+    lt = segment_sum(t_lp, te.target_chunk, g)[chunks_C]
+    return ls, lt
+
+
+def student_chain_sums(
+    logits_NV: Tensor,
+    side: ChunkSide,
+    rows_R: Tensor,
+    *,
+    n_chunks: int,
+    vocab_size: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    tp_group=None,
+    cp: CPContext | None = None,
+) -> Tensor:
+    """[n_chunks] per-chunk sums of the student's target log-probs at the full-sequence flat rows
+    ``rows_R`` (differentiable). Under CP each rank scores the rows it holds and the sums are
+    finished over the CP group, so every rank gets them all (`cp_chunks.chunk_sum`). Shared by the
+    whole chains here and `gold`'s chain prefixes."""
+    local, mine = owned_rows(rows_R, cp)
+    rows_R = rows_R[mine]
     logq, _ = target_logprobs(
         logits_NV,
         local,
-        st.targets[s_rows],
+        side.targets[rows_R],
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
     )
-    ls = chunk_sum(logq, st.target_chunk[s_rows], g, cp)[chunks_C]
-    t_lp = teacher.target_logprob.reshape(-1).to(logq.dtype)
-    lt = segment_sum(t_lp, te.target_chunk, g)[chunks_C]
-    return ls, lt
+    return chunk_sum(logq, side.target_chunk[rows_R], n_chunks, cp)
 
 
 def owned_chain_terms(

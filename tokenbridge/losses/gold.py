@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tokenbridge.losses.alm import student_chain_sums
 from tokenbridge.losses.base import (
     LossOutput,
     OptionError,
@@ -53,9 +54,8 @@ from tokenbridge.losses.base import (
     log1mexp,
     safe_logaddexp,
 )
-from tokenbridge.losses.ce import target_logprobs
 from tokenbridge.losses.ops import vocab as vo
-from tokenbridge.losses.ops.cp_chunks import chunk_sum, open_chunk_loss, owned_rows
+from tokenbridge.losses.ops.cp_chunks import open_chunk_loss, owned_rows
 from tokenbridge.losses.ops.fused import matched_cross_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from tokenbridge.losses.ops.segments import ChunkIndex, ChunkSide, segment_sum
@@ -275,18 +275,16 @@ def gold(
     t_pre_rows = _prefix_rows(te, wanted)
     t_lp = teacher.target_logprob.reshape(-1).float()
     lt_pre = segment_sum(t_lp[t_pre_rows], te.target_chunk[t_pre_rows], g)[chunks]
-    s_pre_rows = _prefix_rows(st, wanted)
-    s_pre_local, s_pre_mine = owned_rows(s_pre_rows, cp)
-    s_pre_rows = s_pre_rows[s_pre_mine]
-    lq_pre, _ = target_logprobs(
+    ls_pre_all = student_chain_sums(
         logits,
-        s_pre_local,
-        st.targets[s_pre_rows],
+        st,
+        _prefix_rows(st, wanted),
+        n_chunks=g,
         vocab_size=vocab_size,
         chunk_size=chunk_size,
         tp_group=tp_group,
-    )
-    ls_pre_all = chunk_sum(lq_pre, st.target_chunk[s_pre_rows], g, cp)[chunks]
+        cp=cp,
+    )[chunks]
     # the chunk's term lives on the rank holding the student row predicting its last token
     sr, own = owned_rows(st.last_rows()[chunks], cp)
     chunks, lt_pre, ls_pre = chunks[own], lt_pre[own], ls_pre_all[own]

@@ -89,10 +89,27 @@ def teacher_forward(
             hidden_BUH, tgt_BU, used_BU, logits_of, spec=spec, columns=columns, chunk=chunk
         )
     out = allocate_teacher_outputs(spec, *ids_BU.shape, device=ids_BU.device)
-    U = ids_BU.shape[1]
-    per_position = columns is not None and columns.dim() == 3  # [B, U, N]: sliced with the chunk
-    for t0 in range(0, U, chunk):
-        n = min(chunk, U - t0)
+    _fill_by_spans(
+        out,
+        hidden_BUH,
+        logits_of,
+        tgt_BU=tgt_BU,
+        columns=columns,
+        spec=spec,
+        step=chunk,
+        on_logits=on_logits,
+    )
+    return out
+
+
+def _fill_by_spans(out, hidden_BUH, logits_of, *, tgt_BU, columns, spec, step, on_logits=None):
+    """Fill ``out`` [B, U] ``step`` positions at a time: the lm_head on that span of the hidden
+    states, then its teacher outputs written in place. ``columns`` [B, U, N] (per position)
+    are sliced with the span; any other ``columns`` is passed whole."""
+    U = hidden_BUH.shape[1]
+    per_position = columns is not None and columns.dim() == 3
+    for t0 in range(0, U, step):
+        n = min(step, U - t0)
         logits, tp_group = logits_of(hidden_BUH[:, t0 : t0 + n])
         if on_logits is not None:
             _whole_vocab(tp_group)
@@ -105,7 +122,6 @@ def teacher_forward(
             out=out.narrow_t(t0, n),
             tp_group=tp_group,
         )
-    return out
 
 
 def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk):
@@ -119,17 +135,7 @@ def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, ch
     per_position = columns is not None and columns.dim() == 3  # [B, U, N] -> [1, N_used, N]
     c_N = columns.reshape(B * U, -1)[rows][None] if per_position else columns
     step = max(1, chunk * B)
-    for r0 in range(0, rows.numel(), step):
-        n = min(step, rows.numel() - r0)
-        logits, tp_group = logits_of(h_N[:, r0 : r0 + n])
-        teacher_outputs_from_logits(
-            logits,
-            spec=spec,
-            target_ids_BT=None if t_N is None else t_N[:, r0 : r0 + n],
-            columns=c_N[:, r0 : r0 + n] if per_position else c_N,
-            out=flat.narrow_t(r0, n),
-            tp_group=tp_group,
-        )
+    _fill_by_spans(flat, h_N, logits_of, tgt_BU=t_N, columns=c_N, spec=spec, step=step)
     out = allocate_teacher_outputs(spec, B, U, device=hidden_BUH.device)
     for name, dst in out.tensors().items():
         dst.fill_(float("nan") if dst.is_floating_point() else -1)

@@ -115,14 +115,19 @@ def evaluate_bpb(
     nats, nbytes, ntok = sum(per["nats"]), sum(per["bytes"]), sum(per["tokens"])
     if nbytes == 0:
         raise ValueError("evaluate_bpb: the texts are empty (0 bytes)")
+    return _result(nats, nbytes, ntok, texts=len(texts), windows=sum(per["windows"]))
+
+
+def _result(nats: float, nbytes: int, ntok: int, *, texts: int, windows: int) -> dict:
+    """The keys both evaluators return: bits per byte and per token, and the sums behind them."""
     return {
         "bpb": nats / (math.log(2) * nbytes),
         "bits_per_token": nats / (math.log(2) * max(ntok, 1)),
         "nats": nats,
         "bytes": nbytes,
         "tokens": ntok,
-        "texts": len(texts),
-        "windows": sum(per["windows"]),
+        "texts": texts,
+        "windows": windows,
     }
 
 
@@ -171,12 +176,4 @@ def trained_bpb(
     nbytes = sum(int(b) for _, _, b in rows)
     if nbytes == 0:
         raise ValueError("trained_bpb: the rows train on no content (0 bytes)")
-    return {
-        "bpb": nats / (math.log(2) * nbytes),
-        "bits_per_token": nats / (math.log(2) * max(n_tokens, 1)),
-        "nats": nats,
-        "bytes": nbytes,
-        "tokens": n_tokens,
-        "texts": len(rows),
-        "windows": len(rows),
-    }
+    return _result(nats, nbytes, n_tokens, texts=len(rows), windows=len(rows))

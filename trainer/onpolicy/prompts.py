@@ -26,7 +26,7 @@ import random
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -65,30 +65,13 @@ class PromptSource(Protocol):
 class TextPrompts:
     """Prefixes of the training windows of this rank (see the module docstring)."""
 
-    def __init__(
-        self,
-        reader: ShardReader,
-        *,
-        dp_rank: int,
-        dp_size: int,
-        seed: int,
-        shuffle_buffer: int,
-        eval_fraction: float,
-        eval_split: str = "window",
-        prompt_tokens: int,
-    ):
+    def __init__(self, reader: ShardReader, *, prompt_tokens: int, **stream_args: Any):
+        """``stream_args``: the keyword arguments of `ShardStream` (rank, seed, shuffle buffer,
+        held-out split), which deals this rank its rows exactly as the trainer's windows."""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         self.reader, self.prompt_tokens = reader, prompt_tokens
-        self.stream = ShardStream(
-            reader,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=seed,
-            shuffle_buffer=shuffle_buffer,
-            eval_fraction=eval_fraction,
-            eval_split=eval_split,
-        )
+        self.stream = ShardStream(reader, **stream_args)
 
     def prompt(self, row: int, *, draw: int = 0) -> Prompt:
         r = self.reader.row(row)

@@ -20,7 +20,7 @@ import torch
 
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.config.schema import TeacherConfig
-from trainer.teacher.channel import ChannelConfig, TeacherChannel
+from trainer.teacher.channel import ChannelConfig, TeacherChannel, starting_together
 from trainer.teacher.model_program import TeacherModelProgram
 
 
@@ -44,7 +44,7 @@ def open_scorers(
 ) -> list[TeacherChannel]:
     """One started channel per teacher (closed again if any fails to start)."""
     channels: list[TeacherChannel] = []
-    try:
+    with starting_together(channels):
         for t_cfg, spec, length in zip(teachers, specs, max_len):
             program = TeacherModelProgram(
                 t_cfg, spec, max_batch=max_batch, max_len=length, dtype=t_cfg.dtype
@@ -56,12 +56,6 @@ def open_scorers(
                 worker_threads=threads,
             )
             channels.append(TeacherChannel(program, device=device, config=cfg))
-        for ch in channels:
-            ch.wait_ready()
-    except BaseException:
-        for ch in channels:
-            ch.close()
-        raise
     return channels
 
 

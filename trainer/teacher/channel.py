@@ -31,11 +31,12 @@ GPU time.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -316,6 +317,21 @@ class TeacherChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def starting_together(channels: list[TeacherChannel]) -> Iterator[list[TeacherChannel]]:
+    """Start several channels as one: the caller appends them to ``channels`` in the block, at
+    its end every one is waited ready; on any failure (building one, or a teacher that does
+    not come up) all of them are closed and the error goes on."""
+    try:
+        yield channels
+        for ch in channels:
+            ch.wait_ready()
+    except BaseException:
+        for ch in channels:
+            ch.close()
+        raise
 
 
 # ---------------------------------------------------------------------------------------------

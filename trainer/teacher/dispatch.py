@@ -32,7 +32,7 @@ from trainer.config.schema import TrainConfig
 from trainer.loss_terms import KDTerm
 from trainer.microbatches import Microbatch
 from trainer.teacher.cached_teacher import CachedTeacher
-from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel
+from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel, starting_together
 from trainer.teacher.model_program import TeacherModelProgram
 from trainer.teacher.worker import TeacherGroup
 
@@ -208,7 +208,7 @@ def open_teachers(
     of its rows). `max_len[i]` bounds teacher i's rows."""
     channels: list[TeacherChannel] = []
     sources: list = []
-    try:
+    with starting_together(channels):
         for term in terms:
             t_cfg = cfg.teachers[term.index]
             cache = caches[term.index] if caches else None
@@ -247,10 +247,4 @@ def open_teachers(
                     source, batch_group, size=group_size(batch_group), rank=group_rank(batch_group)
                 )
             sources.append(source)
-        for ch in channels:
-            ch.wait_ready()
-    except BaseException:
-        for ch in channels:
-            ch.close()
-        raise
     return sources
