@@ -8,9 +8,12 @@ from its ``__init__``). Two choices, and why:
 
 - imports under ``if TYPE_CHECKING:`` are left out of the cycle check: they never execute, so
   they cannot form a runtime cycle (the layering checks still see them);
-- importing ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``, but no edge is drawn to
-  those parents unless names are taken from them: Python runs a parent first whatever the order,
-  so such an edge would call every package whose ``__init__`` re-exports its modules a cycle.
+- importing ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``: an edge is drawn to each
+  of those parents that is not a parent of the importing module itself. A module inside ``a``
+  runs after ``a/__init__`` has started whatever the order, so such an edge would call every
+  package whose ``__init__`` re-exports its modules a cycle; from outside the package it is a
+  real edge (``x`` -> ``a.b.c`` runs ``a/__init__``, whose imports may lead back to ``x``, still
+  half-initialised: an ImportError that depends on which module a process imports first).
 
 Layering (DESIGN.md, "Layout: three floors"), with no exception: `tokenbridge/` (the library)
 imports none of the others; `pipelines/` (Beam) and `trainer/` (torchrun) import the library and
@@ -119,6 +122,18 @@ def _imports_by_name(tree: ast.AST, known: set[str]) -> set[str]:
     }
 
 
+def _outside_parents(target: str, mod: Module) -> set[str]:
+    """The packages that importing `target` runs first and that do not hold `mod` itself."""
+    own = mod.name.split(".") if mod.is_package else mod.name.split(".")[:-1]
+    parts = target.split(".")
+    out = set()
+    for i in range(2, len(parts)):  # the floor's own __init__ (i = 1) holds nothing
+        parent = ".".join(parts[:i])
+        if parts[:i] != own[:i]:
+            out.add(parent)
+    return out
+
+
 def build_graph(repo: Path = paths.REPO_ROOT) -> dict[str, Module]:
     modules: dict[str, Module] = {}
     for root in ROOTS:
@@ -137,7 +152,9 @@ def build_graph(repo: Path = paths.REPO_ROOT) -> dict[str, Module]:
                 while target not in known and "." in target:
                     target = target.rsplit(".", 1)[0]
                 if target != mod.name:
-                    (mod.typing_only if typing_only else mod.runtime).add(target)
+                    edges = mod.typing_only if typing_only else mod.runtime
+                    edges.add(target)
+                    edges.update(_outside_parents(target, mod))
         mod.runtime |= _imports_by_name(tree, known) - {mod.name}
     return modules
 
@@ -288,6 +305,39 @@ def test_the_checker_sees_lazy_relative_and_submodule_imports(tmp_path):
         ["trainer.sub", "trainer.sub.leaf", "trainer.sub.other", "trainer.sub"],
     ]
     assert not floor_breaches(g) and not misplaced_externals(g)
+
+
+def test_the_checker_sees_a_cycle_through_a_package_init(tmp_path):
+    """`out` imports a submodule of `losses`: that runs `losses/__init__` first, which imports
+    `alm`, whose chain leads back to the half-initialised `out`. Inside a package, importing a
+    sibling (alm -> losses.ops.cp) draws no edge to the package's own `__init__`."""
+    repo = _write(
+        tmp_path,
+        {
+            "tokenbridge/__init__.py": "",
+            "tokenbridge/teacher/__init__.py": "",
+            "tokenbridge/teacher/out.py": "from tokenbridge.losses.ops import vocab\n",
+            "tokenbridge/losses/__init__.py": "from tokenbridge.losses import alm\n",
+            "tokenbridge/losses/alm.py": "from tokenbridge.losses.ops.cp import f\n",
+            "tokenbridge/losses/ops/__init__.py": "",
+            "tokenbridge/losses/ops/vocab.py": "",
+            "tokenbridge/losses/ops/cp.py": "from tokenbridge.teacher.out import X\n",
+        },
+    )
+    g = build_graph(repo)
+    assert g["tokenbridge.losses.alm"].runtime == {
+        "tokenbridge.losses.ops",
+        "tokenbridge.losses.ops.cp",
+    }
+    assert find_cycles({m.name: m.runtime for m in g.values()}) == [
+        [
+            "tokenbridge.losses",
+            "tokenbridge.losses.alm",
+            "tokenbridge.losses.ops.cp",
+            "tokenbridge.teacher.out",
+            "tokenbridge.losses",
+        ]
+    ]
 
 
 def test_the_checker_sees_layering_breaches(tmp_path):

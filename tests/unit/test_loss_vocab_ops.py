@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenbridge.dist_ops import vocab_ops as vo
 from tokenbridge.losses.base import divergence, log1mexp
-from tokenbridge.losses.ops import vocab as vo
 from tokenbridge.losses.ops.rowwise import map_rows, take_rows
 
 NEG = float("-inf")

@@ -13,6 +13,8 @@ single-process path is the same code. Module map:
 - `all_to_all`: vocab-parallel <-> sequence-parallel layouts.
 - `packed`: cu_seqlens streams, CP-aware next-token log-probs.
 - `dtensor`: unwrap a vocab-sharded DTensor into (local tensor, group).
+- `vocab_ops`: the few vocabulary reductions every loss and the teacher outputs go through,
+  local at tp = 1 and the vp_* ops above under TP.
 """
 
 from tokenbridge.dist_ops.all_to_all import seq_to_vocab_parallel, vocab_to_seq_parallel

@@ -13,8 +13,8 @@ from functools import partial
 
 from torch import Tensor
 
+from tokenbridge.dist_ops import vocab_ops as vo
 from tokenbridge.losses.base import LossOutput, as_count, compute_dtype, zero_sum_like
-from tokenbridge.losses.ops import vocab as vo
 from tokenbridge.losses.ops.fused import logprobs_at_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tokenbridge.dist_ops import vocab_ops as vo
 from tokenbridge.losses.alm import student_chain_sums
 from tokenbridge.losses.base import (
     LossOutput,
@@ -54,7 +55,6 @@ from tokenbridge.losses.base import (
     log1mexp,
     safe_logaddexp,
 )
-from tokenbridge.losses.ops import vocab as vo
 from tokenbridge.losses.ops.cp_chunks import open_chunk_loss, owned_rows
 from tokenbridge.losses.ops.fused import matched_cross_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows

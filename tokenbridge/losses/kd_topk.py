@@ -29,6 +29,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from tokenbridge.dist_ops import vocab_ops as vo
 from tokenbridge.losses.base import (
     LossOutput,
     as_count,
@@ -38,7 +39,6 @@ from tokenbridge.losses.base import (
     divergence_terms,
     empty_loss,
 )
-from tokenbridge.losses.ops import vocab as vo
 from tokenbridge.losses.ops.fused import logprobs_at_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec

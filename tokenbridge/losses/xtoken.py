@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from tokenbridge.dist_ops import vocab_ops as vo
 from tokenbridge.losses.alm import binary_divergence, chunk_chains
 from tokenbridge.losses.base import (
     LossOutput,
@@ -49,7 +50,6 @@ from tokenbridge.losses.base import (
     safe_log,
     zero_sum_like,
 )
-from tokenbridge.losses.ops import vocab as vo
 from tokenbridge.losses.ops.cp_chunks import open_chunk_loss, owned_rows, replicated
 from tokenbridge.losses.ops.fused import logprobs_at_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from tokenbridge.losses.ops import vocab as vo
+from tokenbridge.dist_ops import vocab_ops as vo
 
 NEG_INF = float("-inf")
 
