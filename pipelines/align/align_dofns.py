@@ -23,16 +23,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
 from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-from apache_beam.metrics import Metrics
 
 from pipelines.align import job_stats, readers
 from pipelines.plumbing import progress
+from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment import window_batch as WB
 from tokenbridge.alignment import window_kernel as K
@@ -40,10 +39,6 @@ from tokenbridge.alignment.chunks import AlignmentError, align_batch_flat, vocab
 from tokenbridge.alignment.long_documents import PieceConfig, PieceWalk
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.tokenizers import Tokenizer, load_tokenizer
-
-NAMESPACE = "tokenbridge"
-MAIN = "main"  # tag of a DoFn's main output
-DEAD = "dead_letter"  # tag of the dead-letter outputs
 
 # dead-letter reasons added by the job (the readers define theirs)
 UNCUTTABLE = "uncuttable_document"
@@ -73,33 +68,6 @@ def release_free_memory() -> None:
     tokenizer.json leaves ~185 MB of freed temporaries that glibc keeps: in every worker."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def count(name: str, n: int = 1) -> None:
-    Metrics.counter(NAMESPACE, name).inc(n)
-
-
-class StageTimer:
-    """``with self._timer("tokenize"):`` adds the elapsed microseconds to ``stage_us.<name>``."""
-
-    def __init__(self, name: str):
-        self.dist = Metrics.distribution(NAMESPACE, f"stage_us.{name}")
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.dist.update(int((time.perf_counter() - self.t0) * 1e6))
-
-
-def dead(record: dict) -> tuple[str, dict]:
-    count(f"dead_letter.{record['reason']}")
-    return DEAD, record
-
-
-def select(item: tuple[str, object], tag: str) -> list:
-    """FlatMap body: the value of a ``(tag, value)`` pair if it carries `tag`."""
-    return [item[1]] if item[0] == tag else []
 
 
 @dataclass(frozen=True)

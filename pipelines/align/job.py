@@ -39,7 +39,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -56,6 +55,9 @@ from pipelines.align import readers
 from pipelines.align import write_dofns as W
 from pipelines.align.chat_read import peek_format
 from pipelines.plumbing import beam_worker, progress, rolling
+from pipelines.plumbing import writers as PW
+from pipelines.plumbing.rolling import prepare_out_dir
+from pipelines.plumbing.tagged import DEAD, MAIN, NAMESPACE, split
 from tokenbridge import paths
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment.long_documents import PieceConfig
@@ -119,34 +121,6 @@ def match_inputs(
     return tasks, total, len(found)
 
 
-def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
-    """Refuse to write over a complete run unless `overwrite`; clear what an earlier run left.
-
-    The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
-    leaves a directory that looks complete."""
-    marker = out / S.COMPLETED_MARKER
-    if marker.exists() and not overwrite:
-        raise FileExistsError(
-            f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
-            "pass --overwrite to replace it or choose another --out"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
-    stale = [*out.glob(f"*{S.SHARD_SUFFIX}"), *out.glob(".*.tmp-*")]
-    stale += [out / S.STATS_FILE, out / S.DEAD_LETTER_FILE]
-    for p in stale:
-        if p.is_file():
-            p.unlink()
-    for d in out.glob(f"{rolling.TMP_PREFIX}*"):
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def split(pcoll, tags: list[str]) -> dict:
-    """(tag, value) pairs -> one PCollection of values per tag. Used instead of ParDo's
-    ``with_outputs``, whose tagged outputs the DaskRunner mixes together."""
-    return {tag: pcoll | f"Select_{tag}" >> beam.FlatMap(F.select, tag) for tag in tags}
-
-
 class ReadDocs(beam.PTransform):
     """Read tasks -> `DocBatch` elements (conversation jobs: `RowBatch`) (``batches``) and
     ``dead_letter`` records."""
@@ -163,8 +137,8 @@ class ReadDocs(beam.PTransform):
         # Create spreads the tasks (file names and byte ranges, not rows) over the workers
         tasks = pbegin | "Files" >> beam.Create(self.tasks)
         read = tasks | "Read" >> beam.ParDo(self.fn)
-        out = split(read, [F.MAIN, F.DEAD])
-        return {"batches": out[F.MAIN], F.DEAD: out[F.DEAD]}
+        out = split(read, [MAIN, DEAD])
+        return {"batches": out[MAIN], DEAD: out[DEAD]}
 
 
 class AlignWindows(beam.PTransform):
@@ -191,8 +165,8 @@ class AlignWindows(beam.PTransform):
         )
 
     def expand(self, batches):
-        out = split(batches | "AlignCut" >> beam.ParDo(self.fn), [F.MAIN, F.DEAD])
-        return {"windows": out[F.MAIN], F.DEAD: out[F.DEAD]}
+        out = split(batches | "AlignCut" >> beam.ParDo(self.fn), [MAIN, DEAD])
+        return {"windows": out[MAIN], DEAD: out[DEAD]}
 
 
 class WriteShards(beam.PTransform):
@@ -211,7 +185,7 @@ class WriteDeadLetters(beam.PTransform):
 
     def __init__(self, tmp_dir: str, *, roll_bytes: int):
         super().__init__()
-        self.fn = W.WriteDeadLettersDoFn(tmp_dir, roll_bytes=roll_bytes)
+        self.fn = PW.WriteDeadLettersDoFn(tmp_dir, roll_bytes=roll_bytes)
 
     def expand(self, dead):
         return dead | "Write" >> beam.ParDo(self.fn)
@@ -232,7 +206,7 @@ class Finalize(beam.PTransform):
         summary = (
             (*records, seed)
             | "Merge" >> beam.Flatten()
-            | "Sum" >> beam.CombineGlobally(W.SummaryCombineFn()).without_defaults()
+            | "Sum" >> beam.CombineGlobally(PW.SummaryCombineFn()).without_defaults()
         )
         return summary | "Publish" >> beam.ParDo(self.fn)
 
@@ -263,7 +237,7 @@ def build_pipeline(
     read = p | "ReadDocs" >> ReadDocs(tasks, cfg=cfg, progress_dir=prog)
     aligned = read["batches"] | "AlignWindows" >> AlignWindows(cfg, progress_dir=prog)
     written = aligned["windows"] | "WriteShards" >> WriteShards(tmp, roll_bytes=cfg.roll_bytes)
-    dead = (read[F.DEAD], aligned[F.DEAD]) | "AllDeadLetters" >> beam.Flatten()
+    dead = (read[DEAD], aligned[DEAD]) | "AllDeadLetters" >> beam.Flatten()
     dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(tmp, roll_bytes=cfg.roll_bytes)
     # the last transform built: runners that compute only the final node (Dask) compute it all
     fn = W.FinalizeDoFn(out, tmp, header=header, student=cfg.student, teachers=cfg.teachers)
@@ -280,11 +254,11 @@ def job_metrics(result) -> dict:
         return {}
     out: dict = {"counters": {}, "stage_us": {}}
     for c in res.get("counters", []):
-        if c.key.metric.namespace == F.NAMESPACE:
+        if c.key.metric.namespace == NAMESPACE:
             name = c.key.metric.name
             out["counters"][name] = out["counters"].get(name, 0) + int(c.committed or 0)
     for d in res.get("distributions", []):
-        if d.key.metric.namespace == F.NAMESPACE and d.committed is not None:
+        if d.key.metric.namespace == NAMESPACE and d.committed is not None:
             name = d.key.metric.name.removeprefix("stage_us.")
             prev = out["stage_us"].get(name, {"sum": 0, "count": 0})
             out["stage_us"][name] = {

@@ -192,3 +192,25 @@ def join_dead_letters(out: Path, tmp: Path, dead_parts: dict[str, int]) -> dict:
 
 def remove_tmp(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse to write over a complete run unless `overwrite`; clear what an earlier run left.
+
+    The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
+    leaves a directory that looks complete."""
+    marker = out / S.COMPLETED_MARKER
+    if marker.exists() and not overwrite:
+        raise FileExistsError(
+            f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
+            "pass --overwrite to replace it or choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    stale = [*out.glob(f"*{S.SHARD_SUFFIX}"), *out.glob(".*.tmp-*")]
+    stale += [out / S.STATS_FILE, out / S.DEAD_LETTER_FILE]
+    for p in stale:
+        if p.is_file():
+            p.unlink()
+    for d in out.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(d, ignore_errors=True)

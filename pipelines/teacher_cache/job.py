@@ -41,10 +41,10 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.align import write_dofns as W
-from pipelines.align.align_dofns import DEAD, MAIN
-from pipelines.align.job import prepare_out_dir, split
 from pipelines.plumbing import beam_worker, progress, rolling
+from pipelines.plumbing import writers as W
+from pipelines.plumbing.rolling import prepare_out_dir
+from pipelines.plumbing.tagged import DEAD, MAIN, split
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
 from tokenbridge import paths

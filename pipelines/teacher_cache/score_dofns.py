@@ -12,7 +12,7 @@ finalize. (The teacher itself runs in RunInference, `pipelines.teacher_cache.han
 - `FinalizeCacheDoFn`: parts renamed ``cache-XXXXX-of-YYYYY.arrow`` in key order, dead letters
   joined, stats.json, then COMPLETED (`tokenbridge.formats.shards.write_completed`, marker v3).
 
-As in the align job (`pipelines.align.align_dofns`), everything is emitted from ``process`` and
+As in the align job, everything is emitted from ``process`` and
 several outputs travel as ``(tag, value)`` pairs: the DaskRunner drops ``finish_bundle``'s
 outputs and mixes tagged outputs.
 """
@@ -27,9 +27,9 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from pipelines.align.align_dofns import MAIN, StageTimer, count, dead
-from pipelines.align.write_dofns import RollingPartsDoFn
 from pipelines.plumbing import progress, rolling
+from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
+from pipelines.plumbing.writers import RollingPartsDoFn
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S

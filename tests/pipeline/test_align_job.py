@@ -18,6 +18,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipelines.align import job as J
 from pipelines.align import readers as R
+from pipelines.plumbing import rolling
 from tokenbridge.alignment import WindowConfig, WindowError, align, cut_windows, vocab_bytes
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
@@ -55,7 +56,7 @@ def _config(pair_paths, data, out, window, **kw) -> J.JobConfig:
 
 def _run_test_pipeline(cfg, pair_tokenizers, check):
     tasks, total, n_files = J.match_inputs(cfg.data)
-    J.prepare_out_dir(cfg.out, overwrite=False)
+    rolling.prepare_out_dir(cfg.out, overwrite=False)
     p = BeamTestPipeline(runner="FnApiRunner")
     outs = J.build_pipeline(
         p, cfg, tasks=tasks, total_bytes=total, input_files=n_files, run_id="test"
@@ -232,8 +233,8 @@ def test_prepare_out_dir_and_input_matching(tmp_path):
     out.mkdir()
     (out / S.COMPLETED_MARKER).write_text("{}")
     with pytest.raises(FileExistsError):
-        J.prepare_out_dir(out, overwrite=False)
-    J.prepare_out_dir(out, overwrite=True)
+        rolling.prepare_out_dir(out, overwrite=False)
+    rolling.prepare_out_dir(out, overwrite=True)
     assert not (out / S.COMPLETED_MARKER).exists()
     with pytest.raises(FileNotFoundError, match="matches no file"):
         J.match_inputs([f"{tmp_path}/nothing/*.txt"])

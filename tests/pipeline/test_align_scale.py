@@ -22,6 +22,7 @@ from pipelines.align import job as J
 from pipelines.align import readers as R
 from pipelines.align import write_dofns as W
 from pipelines.plumbing import rolling
+from pipelines.plumbing import writers as PW
 from tokenbridge import paths
 from tokenbridge.alignment import WindowConfig, align, cut_windows, vocab_bytes
 from tokenbridge.alignment.long_documents import PieceConfig
@@ -79,7 +80,7 @@ def test_same_windows_as_the_per_document_job(tmp_path, pair_paths, pair_tokeniz
     )
     tasks, total, n_files = J.match_inputs(cfg.data, split_bytes=20_000)
     assert sum(t.path.endswith("verses.jsonl") for t in tasks) > 3  # byte ranges of one file
-    J.prepare_out_dir(cfg.out, overwrite=False)
+    rolling.prepare_out_dir(cfg.out, overwrite=False)
     p = BeamTestPipeline(runner="FnApiRunner")
     J.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n_files, run_id="t")
     p.run().wait_until_finish()
@@ -110,7 +111,11 @@ def test_same_windows_as_the_per_document_job(tmp_path, pair_paths, pair_tokeniz
 class _Upstream(PipelineVisitor):
     """For every GroupByKey: the nearest DoFns of the package (or Impulse) feeding it."""
 
-    OURS = ("pipelines.align.align_dofns", "pipelines.align.write_dofns")
+    OURS = (
+        "pipelines.align.align_dofns",
+        "pipelines.align.write_dofns",
+        "pipelines.plumbing.writers",
+    )
 
     def __init__(self):
         self.found: dict[str, set[str]] = {}
@@ -149,7 +154,7 @@ def test_no_groupbykey_over_row_data(tmp_path, pair_paths):
     J.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n, run_id="x")
     found = _groupings(p)
     assert len(found) == 2  # Create's spread of the read tasks, and the final summary
-    allowed = {"Impulse", W.WriteShardsDoFn.__name__, W.WriteDeadLettersDoFn.__name__}
+    allowed = {"Impulse", W.WriteShardsDoFn.__name__, PW.WriteDeadLettersDoFn.__name__}
     for label, sources in found.items():
         assert sources <= allowed, (label, sources)
     # the check sees a grouping over rows where there is one

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 
 from pipelines.align import align_dofns as F
+from pipelines.plumbing.tagged import DEAD, MAIN
 from tokenbridge.alignment import WindowConfig, align, cut_windows, vocab_bytes
 from tokenbridge.alignment.long_documents import PieceConfig, PieceWalk, break_before, plan_piece
 from tokenbridge.formats import shards
@@ -27,10 +28,10 @@ def run_dofn(student, teachers, texts, *, window, pieces):
     fn.setup()
     ids = [f"doc{i}" for i in range(len(texts))]
     out = list(fn.process(F.DocBatch("f.jsonl", ids, texts, 0)))
-    batches = [v.batch for tag, v in out if tag == F.MAIN]
+    batches = [v.batch for tag, v in out if tag == MAIN]
     rows = pa.Table.from_batches(batches).to_pylist()
-    vec = sum(v.stats for tag, v in out if tag == F.MAIN)
-    dead = [v for tag, v in out if tag == F.DEAD]
+    vec = sum(v.stats for tag, v in out if tag == MAIN)
+    dead = [v for tag, v in out if tag == DEAD]
     return sorted(rows, key=lambda r: (r["doc_id"], r["window"])), dead, fn.layout, vec
 
 
