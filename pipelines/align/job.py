@@ -57,7 +57,14 @@ from pipelines.align.chat_read import peek_format
 from pipelines.plumbing import beam_worker, progress, rolling
 from pipelines.plumbing import writers as PW
 from pipelines.plumbing.rolling import prepare_out_dir
-from pipelines.plumbing.tagged import DEAD, MAIN, NAMESPACE, split
+from pipelines.plumbing.tagged import (
+    DEAD,
+    MAIN,
+    MAX_DEAD_FRACTION,
+    NAMESPACE,
+    refuse_if_dead,
+    split,
+)
 from tokenbridge import paths
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment.long_documents import PieceConfig
@@ -222,6 +229,7 @@ class JobConfig:
     pieces: PieceConfig = PieceConfig()
     roll_bytes: int = ROLL_MB << 20
     overwrite: bool = False
+    max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
     chat: C.ChatConfig | None = None  # a conversation job
 
 
@@ -240,7 +248,14 @@ def build_pipeline(
     dead = (read[DEAD], aligned[DEAD]) | "AllDeadLetters" >> beam.Flatten()
     dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(tmp, roll_bytes=cfg.roll_bytes)
     # the last transform built: runners that compute only the final node (Dask) compute it all
-    fn = W.FinalizeDoFn(out, tmp, header=header, student=cfg.student, teachers=cfg.teachers)
+    fn = W.FinalizeDoFn(
+        out,
+        tmp,
+        header=header,
+        student=cfg.student,
+        teachers=cfg.teachers,
+        max_dead_fraction=cfg.max_dead_fraction,
+    )
     final = (written, dropped) | "Finalize" >> Finalize(fn)
     return {"dead_letters": dead, "written": written, "stats": final}
 
@@ -312,6 +327,13 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         help="context (chars) each side of a piece seam",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
+    ap.add_argument(
+        "--max-dead-fraction",
+        type=float,
+        default=MAX_DEAD_FRACTION,
+        help="fail (exit 2, no COMPLETED) when more than this share of the input is dead-lettered "
+        f"(default {MAX_DEAD_FRACTION}); a run where every row died always fails",
+    )
     chat = ap.add_argument_group("conversations")
     chat.add_argument(
         "--row-format",
@@ -337,6 +359,10 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         stride_chars=args.stride_chars,
     )
     out = args.out or default_out_dir(args.data, args.student, args.teacher)
+    if not 0.0 <= args.max_dead_fraction <= 1.0:
+        raise ValueError(
+            f"--max-dead-fraction {args.max_dead_fraction}: expected a share in [0, 1]"
+        )
     cfg = JobConfig(
         data=args.data,
         student=args.student,
@@ -347,6 +373,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         pieces=PieceConfig(piece_chars=args.piece_chars, overlap_chars=args.piece_overlap),
         roll_bytes=max(int(args.shard_mb * (1 << 20)), 1),
         overwrite=args.overwrite,
+        max_dead_fraction=args.max_dead_fraction,
         chat=chat_config(args),
     )
     return cfg, default_runner_args(beam_args)
@@ -420,6 +447,7 @@ def run(argv: list[str] | None = None) -> dict:
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
     prog = rolling.run_dir(cfg.out, run_id) / "progress"
     result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
+    refuse_if_dead(cfg.out / S.STATS_FILE)
     if not (cfg.out / S.COMPLETED_MARKER).is_file():
         raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
     stats = shards.open_shards(cfg.out).stats()

@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipelines.align import job_stats
 from pipelines.align.align_dofns import Windows, cached_tokenizer
 from pipelines.plumbing import rolling
-from pipelines.plumbing.tagged import StageTimer, count
+from pipelines.plumbing.tagged import MAX_DEAD_FRACTION, StageTimer, count, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
@@ -47,13 +47,23 @@ class WriteShardsDoFn(RollingPartsDoFn):
 
 class FinalizeDoFn(beam.DoFn):
     """The single last step: parts renamed into place, the dead letters joined, stats.json, then
-    COMPLETED (with each file's rows, size and checksum), then the temporary directory goes."""
+    COMPLETED (with each file's rows, size and checksum), then the temporary directory goes.
+    A run whose dead letters exceed ``max_dead_fraction`` gets stats.json (saying why) and no
+    COMPLETED."""
 
     def __init__(
-        self, out_dir: str, tmp_dir: str, *, header: dict, student: str, teachers: list[str]
+        self,
+        out_dir: str,
+        tmp_dir: str,
+        *,
+        header: dict,
+        student: str,
+        teachers: list[str],
+        max_dead_fraction: float = MAX_DEAD_FRACTION,
     ):
         self.out_dir, self.tmp_dir, self.header = out_dir, tmp_dir, header
         self.student_path, self.teacher_paths = student, list(teachers)
+        self.max_dead_fraction = max_dead_fraction
 
     def _infos(self, out: Path, index: dict) -> dict:
         """The tokenizers, from a written shard's metadata; loaded only for a run without rows
@@ -78,9 +88,18 @@ class FinalizeDoFn(beam.DoFn):
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
         stats = job_stats.final_stats(header, summary["stats"], dict(summary["dead"]), files)
-        checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
-        checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
-        shards.write_completed(out, stats, files=files, checksums=checksums)
+        why = dead_verdict(
+            stats["documents"],
+            stats["drops_by_reason"],
+            max_fraction=self.max_dead_fraction,
+            unit="documents",
+        )
+        if why is not None:
+            rolling.write_refused(out, stats, why)
+        else:
+            checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
+            checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
+            shards.write_completed(out, stats, files=files, checksums=checksums)
         rolling.remove_tmp(tmp)
         yield stats
 

@@ -214,3 +214,9 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
             p.unlink()
     for d in out.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(d, ignore_errors=True)
+
+
+def write_refused(out: Path, stats: dict, why: str) -> None:
+    """stats.json of a run refused for its dead letters, and no COMPLETED: readers refuse the
+    directory, the launcher reads why (`tagged.refuse_if_dead`), a re-run starts over."""
+    _write_json(out / S.STATS_FILE, {**stats, "refused": why})

@@ -5,6 +5,10 @@ dead-letter records) and `split` turns them into one PCollection per tag; ParDo'
 ``with_outputs`` is not used because the DaskRunner mixes tagged outputs together. Every drop
 is counted by reason (``dead_letter.<reason>``) and stage times go to ``stage_us.<stage>``
 distributions, all in the ``tokenbridge`` metrics namespace.
+
+A job is not complete when most of its input died: `dead_verdict` is what the finalize steps ask
+before they write COMPLETED (``--max-dead-fraction``, default `MAX_DEAD_FRACTION`; a job in which
+every row died always fails), and `refuse_if_dead` what the launchers raise afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 NAMESPACE = "tokenbridge"
+# above this share of dead-letter rows a job fails (exit 2, no COMPLETED): a wrong field name or
+# format kills most rows, a few damaged ones do not
+MAX_DEAD_FRACTION = 0.5
+REFUSED = "refused"  # stats.json key of a run its dead letters refused
 MAIN = "main"  # tag of a DoFn's main output
 DEAD = "dead_letter"  # tag of the dead-letter outputs
 
@@ -50,3 +58,32 @@ def split(pcoll, tags: list[str]) -> dict:
     """(tag, value) pairs -> one PCollection of values per tag. Used instead of ParDo's
     ``with_outputs``, whose tagged outputs the DaskRunner mixes together."""
     return {tag: pcoll | f"Select_{tag}" >> beam.FlatMap(select, tag) for tag in tags}
+
+
+class TooManyDeadLetters(ValueError):
+    """Most of a job's input went to the dead letters; the message names the top reasons."""
+
+
+def dead_verdict(good: int, dead: dict[str, int], *, max_fraction: float, unit: str) -> str | None:
+    """None when a run with `good` rows and `dead` dead letters (by reason) may complete; else
+    why not, in one line: the share, the limit, and the three commonest reasons."""
+    n_dead = sum(dead.values())
+    total = good + n_dead
+    if n_dead == 0 or (good > 0 and n_dead / total <= max_fraction):
+        return None
+    top = sorted(dead.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    reasons = ", ".join(f"{reason} {n}" for reason, n in top)
+    why = "every one" if good == 0 else f"{n_dead / total:.0%} > --max-dead-fraction {max_fraction}"
+    return f"{n_dead} of {total} {unit} went to the dead letters ({why}); top reasons: {reasons}"
+
+
+def refuse_if_dead(stats_file) -> None:
+    """Raise `TooManyDeadLetters` if the finalize step refused the run (its stats.json says so)."""
+    import json
+    from pathlib import Path
+
+    path = Path(stats_file)
+    if path.is_file() and (why := json.loads(path.read_text()).get(REFUSED)):
+        raise TooManyDeadLetters(
+            f"{path.parent}: {why}; no COMPLETED written (see {path.parent}/dead_letter.jsonl)"
+        )

@@ -44,7 +44,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipelines.plumbing import beam_worker, progress, rolling
 from pipelines.plumbing import writers as W
 from pipelines.plumbing.rolling import prepare_out_dir
-from pipelines.plumbing.tagged import DEAD, MAIN, split
+from pipelines.plumbing.tagged import DEAD, MAIN, MAX_DEAD_FRACTION, refuse_if_dead, split
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
 from tokenbridge import paths
@@ -74,6 +74,7 @@ class JobConfig:
     device: str = "cpu"
     threads: int | None = None
     overwrite: bool = False
+    max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
 
 
 def plan_tasks(shard_set: shards.ShardSet, rows_per_task: int) -> list[D.RowTask]:
@@ -148,7 +149,9 @@ def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, head
         | "Merge" >> beam.Flatten()
         | "Sum" >> beam.CombineGlobally(W.SummaryCombineFn()).without_defaults()
     )
-    fn = D.FinalizeCacheDoFn(str(cfg.out), tmp, meta=meta, header=header)
+    fn = D.FinalizeCacheDoFn(
+        str(cfg.out), tmp, meta=meta, header=header, max_dead_fraction=cfg.max_dead_fraction
+    )
     final = summary | "Finalize" >> beam.ParDo(fn)
     return {"dead_letters": dead, "written": written, "stats": final}
 
@@ -233,6 +236,13 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
+    ap.add_argument(
+        "--max-dead-fraction",
+        type=float,
+        default=MAX_DEAD_FRACTION,
+        help="fail (exit 2, no COMPLETED) when more than this share of the input is dead-lettered "
+        f"(default {MAX_DEAD_FRACTION}); a run where every row died always fails",
+    )
     args, beam_args = ap.parse_known_args(argv)
     overrides = {}
     for item in args.override:
@@ -270,6 +280,10 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     out = args.out or default_out_dir(args.shards, args.teacher, args.k)
     if out.resolve() == args.shards.resolve():
         raise ValueError(f"--out {out} is the shard directory: choose another")
+    if not 0.0 <= args.max_dead_fraction <= 1.0:
+        raise ValueError(
+            f"--max-dead-fraction {args.max_dead_fraction}: expected a share in [0, 1]"
+        )
     cfg = JobConfig(
         shards=args.shards,
         out=out,
@@ -283,6 +297,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         device=args.device,
         threads=args.threads,
         overwrite=args.overwrite,
+        max_dead_fraction=args.max_dead_fraction,
     )
     return cfg, default_runner_args(beam_args)
 
@@ -325,6 +340,7 @@ def run(argv: list[str] | None = None) -> dict:
         return _progress_line(totals, total=total, elapsed=elapsed)
 
     progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
+    refuse_if_dead(cfg.out / "stats.json")
     if not (cfg.out / "COMPLETED").is_file():
         raise RuntimeError(
             f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.plumbing import progress, rolling
-from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
+from pipelines.plumbing.tagged import MAIN, MAX_DEAD_FRACTION, StageTimer, count, dead, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
 from tokenbridge.formats import checksums as integrity
@@ -195,10 +195,20 @@ class WriteCacheDoFn(RollingPartsDoFn):
 
 
 class FinalizeCacheDoFn(beam.DoFn):
-    """The last step: parts into place, dead letters joined, stats.json, then COMPLETED."""
+    """The last step: parts into place, dead letters joined, stats.json, then COMPLETED (not
+    when the dead letters exceed ``max_dead_fraction``: stats.json then says why)."""
 
-    def __init__(self, out_dir: str, tmp_dir: str, *, meta: CF.CacheMeta, header: dict):
+    def __init__(
+        self,
+        out_dir: str,
+        tmp_dir: str,
+        *,
+        meta: CF.CacheMeta,
+        header: dict,
+        max_dead_fraction: float = MAX_DEAD_FRACTION,
+    ):
         self.out_dir, self.tmp_dir, self.meta, self.header = out_dir, tmp_dir, meta, header
+        self.max_dead_fraction = max_dead_fraction
 
     def process(self, summary):
         out, tmp = Path(self.out_dir), Path(self.tmp_dir)
@@ -206,6 +216,17 @@ class FinalizeCacheDoFn(beam.DoFn):
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         files = {name: int(info["rows"]) for name, info in index.items()}
         stats = cache_stats(self.header, self.meta, summary["stats"], index, dict(summary["dead"]))
+        why = dead_verdict(
+            stats["rows"],
+            stats["drops_by_reason"],
+            max_fraction=self.max_dead_fraction,
+            unit="rows",
+        )
+        if why is not None:
+            rolling.write_refused(out, stats, why)
+            rolling.remove_tmp(tmp)
+            yield stats
+            return
         checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
         checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
         shards.write_completed(

@@ -7,6 +7,7 @@ what is under test.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -148,6 +149,7 @@ def test_malformed_inputs_go_to_dead_letters_and_counters(tmp_path, pair_paths, 
     (bad / "records.jsonl").write_text("\n".join(records) + "\n")
     (bad / "notes.csv").write_text("a,b\n")
     cfg = _config(pair_paths, [f"{bad}/*"], tmp_path / "out", window)
+    cfg = dataclasses.replace(cfg, max_dead_fraction=1.0)  # 8 of 10 die here, on purpose
     expected = [
         ("bad_utf8.txt", R.UNDECODABLE, None),
         ("empty.txt", R.EMPTY_DOCUMENT, None),
