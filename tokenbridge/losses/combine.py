@@ -1,10 +1,8 @@
 """Combining KD and CE into the training loss, with both terms always reported.
 
-The one normalisation rule: each term is its local SUM divided ONCE by its GLOBAL count (the
-count all-reduced over data- and context-parallel ranks and summed over the microbatches of the
-step). KD counts chunks or positions, CE counts target tokens; each is divided by its own count:
+Each term comes normalised by `tokenbridge.losses.base.normalize` (local sum / global count):
 
-    kd = kd_out.sum / kd_count_global        ce = ce_out.sum / ce_count_global   (`normalize`)
+    kd = normalize(kd_out, kd_count_global)        ce = normalize(ce_out, ce_count_global)
     fixed:    loss = lambda_kd * kd + lambda_ce * ce
     dynamic:  loss = stopgrad(|CE| / |KD|) * kd + ce
 
@@ -25,8 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tokenbridge.losses.base import LossOutput
-
 
 @dataclass(frozen=True)
 class CombineConfig:
@@ -40,11 +36,6 @@ class CombineConfig:
             raise ValueError(f"CombineConfig.mode must be 'fixed' or 'dynamic', got {self.mode!r}")
         if self.kd_weight < 0 or self.ce_weight < 0:
             raise ValueError("CombineConfig weights must be >= 0")
-
-
-def normalize(out: LossOutput, global_count: Tensor | int) -> Tensor:
-    """out.sum / global_count: the one division (global_count = all-reduced count of the step)."""
-    return out.mean(global_count)
 
 
 def dynamic_scale(
