@@ -50,7 +50,7 @@ class KDTerm:
     spec: TeacherOutputSpec
     tables: Any  # XTokenTables | GoldTables | None, on the student's device
     vocab_size: int  # the student tokenizer's size: lm_head columns past it are masked
-    weight: float = 1.0  # ``teachers[i].weight`` (normalised over the terms: `teacher_weights`)
+    weight: float = 1.0  # ``teachers[i].weight`` (normalised over the terms: `kd_weights`)
 
     @property
     def record(self) -> LossMode:
