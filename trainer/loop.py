@@ -1,16 +1,16 @@
-"""The training loop: the verbs forward_backward_step, train_step, train, state_dict, load_state_dict.
+"""The training loop: the verbs forward, train_step, train, state_dict, load_state_dict.
 
 Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
 (TP plan, CP attention, then FSDP2) -> optimizer and LR schedule -> teacher channels (a worker
-process per rank, or in-process, or an offline cache read in place of the teacher) -> resume.
-Every file and fingerprint check ran before, in `trainer.config.preflight`.
+process per rank, or in-process, or an offline cache read in place of the teacher) -> the step
+and its sources of microbatches -> resume. Every file and fingerprint check ran before, in
+`trainer.config.preflight`.
 
-The loss invariant, where it holds: each term is a local SUM divided by the GLOBAL count of its
-step (summed over the step's microbatches and all-reduced over the data- and context-parallel
-ranks, never over tensor-parallel ones, which hold the same terms), known before the first
-backward of the step because counts depend on the batch only. FSDP sums (does not average)
-gradients over dp x cp, so the result is the gradient of the global mean, for any microbatch
-split and any dp, cp or tp size.
+One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
+the step and the token count): `train_step` runs it on the shard batches
+(`trainer.shard_source`), the on-policy side on its rollouts
+(`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). The loss
+invariant: `tokenbridge.losses.base.normalize`.
 
 Layouts (`forward`): every rank of a dp group reads the same microbatch, whole; its student
 forward sees this CP rank's positions of every row (load-balanced layout, global position ids)
@@ -39,53 +39,24 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tokenbridge import models
-from tokenbridge.dist_ops import CPContext
-from tokenbridge.dist_ops.collectives import all_reduce_, group_size
+from tokenbridge.dist_ops.collectives import all_reduce_
 from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 from tokenbridge.formats import checksums as integrity
-from tokenbridge.teacher.outputs import TeacherOutputs
 from trainer import checkpoint as ckpt
 from trainer import optim, report
 from trainer.config.preflight import Prepared
 from trainer.config.schema import TrainConfig
 from trainer.eval import evaluate_bpb, trained_bpb
-from trainer.loss_terms import KDTerm, build_kd_terms, ce_term, combine_terms, teacher_weights
-from trainer.microbatches import (
-    IGNORE,
-    Microbatch,
-    MicrobatchLoader,
-    ShardReader,
-    ShardStream,
-    pad_id,
-)
-from trainer.onpolicy.step import OnPolicy
+from trainer.loss_terms import KDTerm, build_kd_terms
+from trainer.microbatches import Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
+from trainer.onpolicy.rollout_source import OnPolicy
 from trainer.parallel import parallelize
 from trainer.parallel.cp_attention import model_inputs
 from trainer.parallel.mesh import build_mesh
-from trainer.run_log import (
-    MetricsLogger,
-    NonFiniteError,
-    StepNumbers,
-    format_summary,
-    nonfinite_message,
-    nonfinite_terms,
-    peak_memory_gib,
-    read_bpb,
-    read_step,
-    train_metrics,
-    weighted_kd,
-    write_bpb,
-)
-from trainer.teacher.dispatch import Feed, Queued, open_teachers
-from trainer.teacher.ring import shm_mappings
-
-
-def shm_usage() -> dict[str, float]:
-    """The shared-memory segments this process maps (teacher channel rings; their names are
-    unlinked once the worker maps them, so /dev/shm does not list them): count and bytes.
-    Constant over a run when slots are reused, never re-allocated."""
-    maps = shm_mappings()
-    return {"shm_segments": len(maps), "shm_bytes": sum(maps.values())}
+from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
+from trainer.shard_source import ShardSource
+from trainer.step import TrainStep
+from trainer.teacher.dispatch import Feed, open_teachers
 
 
 class Trainer:
@@ -104,9 +75,6 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_steps = 0  # non-finite steps skipped (optim.skip_nonfinite)
         self._closers: list[Any] = []
         try:
             self._build(cfg, prepared)
@@ -163,11 +131,6 @@ class Trainer:
 
         # teachers and loss terms
         self.kd_terms: list[KDTerm] = build_kd_terms(cfg, prepared, device=self.device)
-        weights = teacher_weights(cfg, self.kd_terms) if self.kd_terms else None
-        self._kd_weight_list = weights.tolist() if weights is not None else []
-        # on the device once: a host tensor would be copied over (a sync) every microbatch
-        self.kd_weights = weights.to(self.device) if weights is not None else None
-        self._kd_scale: float | None = None  # dynamic combine: last step's |CE| / |KD|
         self.channels = open_teachers(
             cfg,
             self.kd_terms,
@@ -181,14 +144,28 @@ class Trainer:
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
-        # on-policy distillation (trainer.onpolicy): its prompts, sampler and teacher channels
+
+        # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
+        # the student's rollouts, with their prompts, sampler and teacher channels
+        self.checkpointer = ckpt.Checkpointer(
+            self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
+        )
+        self.stepper = TrainStep(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            mesh=self.mesh,
+            replicated_grads=self.replicated_grads,
+            optim=cfg.optim,
+            checkpoints=self.checkpointer.folder,
+            device=self.device,
+            say=lambda line: self.metrics.write(line),
+        )
+        self.shards = ShardSource(self)
         self.onpolicy = OnPolicy(self) if cfg.onpolicy.enabled else None
         if self.onpolicy is not None:
             self._closers.append(self.onpolicy)
 
-        self.checkpointer = ckpt.Checkpointer(
-            self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
-        )
         self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
@@ -207,6 +184,20 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # state
 
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (counted by `trainer.step.TrainStep` alone)."""
+        return self.stepper.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.stepper.tokens_seen
+
+    @property
+    def skipped_steps(self) -> int:
+        """Non-finite steps skipped (``optim.skip_nonfinite``)."""
+        return self.stepper.skipped_steps
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs (DCP-ready: Stateful model+optim, per-rank blobs)."""
         position = self.feed.position()
@@ -216,16 +207,14 @@ class Trainer:
         return {
             "app": ckpt.ModelOptimState(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
+            **self.stepper.state_dict(),  # step, tokens_seen
             f"rank{self.rank}": mine,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Apply a loaded state (the model and optimizer were filled in place by DCP)."""
         self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
+        self.stepper.load_state_dict(state)
         mine = state[f"rank{self.rank}"]
         self.feed.reset()
         self.loader.load_state_dict({"position": mine["data"]})
@@ -244,12 +233,6 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # the verbs
 
-    def cp_context(self, mb: Microbatch) -> CPContext | None:
-        """What the losses need to know of this rank's CP share of `mb` (None at cp = 1)."""
-        if self.mesh.cp_size == 1:
-            return None
-        return CPContext(self.mesh.cp, mb.input_ids_BT.shape[1])
-
     def forward(self, mb: Microbatch) -> torch.Tensor:
         """The student's logits on this rank, [B, L, V / tp]: its CP positions of every row
         (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns
@@ -260,177 +243,10 @@ class Trainer:
         logits_BLV, _ = unwrap_vocab_sharded(self.model(**kw, use_cache=False).logits)
         return logits_BLV
 
-    def forward_backward_step(
-        self,
-        q: Queued,
-        teacher_outputs: list[TeacherOutputs],
-        *,
-        counts: torch.Tensor,
-        precounts: list[int],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward + backward of one microbatch, with no host sync. Returns, detached,
-        ``[ce, kd_0.., total, missed_0..]`` (each term's share of the step loss: local sum /
-        global count; each KD term's |count - pre-count|) and the losses' own metric sums."""
-        mb = q.mb
-        logits_BLV = self.forward(mb)
-        par = {"tp_group": self.mesh.tp, "cp": self.cp_context(mb)}
-        if self.kd_terms and self.cfg.loss.ce_weight == 0:
-            with torch.no_grad():  # CE is always reported, but needs no graph here
-                ce_out = ce_term(logits_BLV.detach(), mb, vocab_size=self.vocab_used, **par)
-        else:
-            ce_out = ce_term(logits_BLV, mb, vocab_size=self.vocab_used, **par)
-        kd_outs = [
-            term.loss(logits_BLV, outs, q.prep[i], **par)
-            for i, (term, outs) in enumerate(zip(self.kd_terms, teacher_outputs))
-        ]
-        total, parts = combine_terms(
-            self.cfg.loss,
-            ce_out,
-            kd_outs,
-            counts=counts,
-            weights=self.kd_weights,
-            scale=self._kd_scale,
-        )
-        total.backward()
-        # the step was divided by the pre-counts, so a loss that counts otherwise would be
-        # scaled wrongly; kept on the device and checked once per step (`_check_counts`):
-        # `int(out.count)` here would wait for the device on every microbatch
-        missed = [(o.count - c).abs().double() for o, c in zip(kd_outs, precounts)]
-        sums = {
-            f"{term.name}/{k}": v
-            for term, out in zip(self.kd_terms, kd_outs)
-            for k, v in out.metrics.items()
-            if k.endswith("_sum")  # the ones logged (as means per KD term)
-        }
-        return torch.stack([*parts, total.detach(), *missed]).double(), sums
-
-    def _step_counts(self, step: list[Queued]) -> tuple[torch.Tensor, list[list[int]]]:
-        """This rank's [ce, kd_0.., tokens] over the step (on the device, not read back) and
-        each microbatch's KD pre-counts (`KDTerm.count`: host ints). Under CP each rank counts
-        the positions and chunk terms it computes, so the sum over dp and cp is the global
-        count; TP ranks count alike and are never summed."""
-        cps = [self.cp_context(q.mb) for q in step]
-        pre = [[t.count(p, cp) for t, p in zip(self.kd_terms, q.prep)] for q, cp in zip(step, cps)]
-        local = torch.zeros(2 + len(self.kd_terms), dtype=torch.float64, device=self.device)
-
-        def mine(x_BT: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
-            return x_BT if cp is None else cp.shard(x_BT)
-
-        local[0] = sum((mine(q.mb.targets_BT, cp) != IGNORE).sum() for q, cp in zip(step, cps))
-        for j in range(len(self.kd_terms)):
-            # a scalar fill: copying a host tensor over would wait for the device
-            local[1 + j] = sum(row[j] for row in pre)
-        local[-1] = sum(mine(q.mb.attention_mask_BT, cp).sum() for q, cp in zip(step, cps))
-        return local, pre
-
-    def _loss_sum_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
-        """The names of the losses' metric sums on any dp or cp rank, in one order (they may
-        differ: xtoken has a chain sum only where multi-token chunks occurred); swapped as host
-        objects on logging steps only, then reduced with the losses in one tensor all-reduce."""
-        n = group_size(self.mesh.dp_cp)
-        if not self.kd_terms or n == 1:
-            return sorted(sums)
-        every: list[list[str]] = [[] for _ in range(n)]
-        dist.all_gather_object(every, sorted(sums), group=self.mesh.dp_cp)
-        return sorted(set().union(*every))
-
     def train_step(self, *, log: bool = True) -> dict[str, float] | None:
-        """One optimizer step over `grad_accum` microbatches on every dp rank; its metrics on a
-        logging step, else None. The step's numbers stay on the device until ONE read, after
-        the gradient norm and before the optimizer step: the non-finite guard needs the losses
-        and the norm there, and the norm is computed for clipping anyway. Other host-side
-        work (metric names swapped between ranks, the shared-memory count, the record) waits for a
-        logging step."""
-        t0 = time.perf_counter()
-        n_mb, n_terms = self.cfg.data.grad_accum, len(self.kd_terms)
-        step = self.feed.peek(n_mb)
-        # every term's global count, known before the first backward: [ce, kd_0.., tokens]
-        local, precounts = self._step_counts(step)
-        counts = self.mesh.sum_over_tokens_(local)  # over dp and cp, never tp
-        shares = torch.zeros(2 + 2 * n_terms, dtype=torch.float64, device=self.device)
-        sums: dict[str, torch.Tensor] = {}
-        teacher_s = 0.0
-        for i in range(n_mb):
-            # reduce-scatter the gradients once per step, after the last microbatch
-            self.model.set_requires_gradient_sync(i == n_mb - 1)
-            q, received = self.feed.next()
-            try:
-                outs = [TeacherOutputs(**r.outputs) for r in received]
-                teacher_s += sum(r.teacher_s for r in received)
-                part, more = self.forward_backward_step(
-                    q, outs, counts=counts[:-1], precounts=precounts[i]
-                )
-                shares += part
-                for k, v in more.items() if log else ():
-                    sums[k] = sums[k] + v.double() if k in sums else v.double()
-            finally:
-                for r in received:
-                    r.release()
-        parallelize.sync_replicated_grads(self.model, self.replicated_grads, self.mesh.tp)
-        grad_norm = parallelize.clip_grad_norm_(
-            list(self.model.parameters()), self.cfg.optim.grad_clip
-        )
-        names = self._loss_sum_names(sums) if log else []
-        if names:
-            zero = shares.new_zeros(())
-            shares = torch.cat([shares, torch.stack([sums.get(k, zero) for k in names])])
-        self.mesh.sum_over_tokens_(shares)
-        nums = read_step(shares, counts, grad_norm, n_terms=n_terms, names=names)
-        self._check_counts(nums, step)
-        lr = self.scheduler.get_last_lr()[0]
-        applied = self._apply_or_guard(nums)
-        self.step += 1
-        self.tokens_seen += int(nums.counts[-1])
-        if applied and self.kd_terms and self.cfg.loss.combine == "dynamic":
-            kd = weighted_kd(self._kd_weight_list, nums.losses[1:-1])
-            self._kd_scale = abs(nums.losses[0]) / max(abs(kd), 1e-8)  # next step's |CE|/|KD|
-        if not log:
-            return None
-        measured = {
-            **shm_usage(),
-            "lr": lr,
-            "step_s": time.perf_counter() - t0,
-            "teacher_s": teacher_s,
-            "memory_gib": peak_memory_gib(self.device),
-            "epoch": self.loader.epoch,
-        }
-        terms = [t.name for t in self.kd_terms]
-        return train_metrics(nums, terms=terms, kd_weights=self._kd_weight_list, host=measured)
-
-    def _check_counts(self, nums: StepNumbers, step: list[Queued]) -> None:
-        """Every KD term counted what its pre-count said (over the step and all ranks: every
-        rank raises alike)."""
-        for term, miss, count in zip(self.kd_terms, nums.missed, nums.counts[1:-1]):
-            if miss:
-                raise RuntimeError(
-                    f"teacher {term.name}: {term.mode} counted {int(miss)} terms more or fewer "
-                    f"than the pre-count of {int(count)} step {self.step + 1} was divided by "
-                    f"(this rank's rows {[r for q in step for r in q.mb.rows]})"
-                )
-
-    def _apply_or_guard(self, nums: StepNumbers, *, terms: list[str] | None = None) -> bool:
-        """The optimizer step, unless a loss term or the gradient norm is not finite: then stop
-        (NonFiniteError), or with optim.skip_nonfinite drop the gradients and go on (the data
-        is consumed, the LR schedule advances). Every rank holds the same reduced numbers, so
-        every rank decides alike. True when applied. ``terms``: the KD terms' names (default:
-        the off-policy teachers)."""
-        terms = [t.name for t in self.kd_terms] if terms is None else terms
-        found = nonfinite_terms(nums.losses, terms=terms, grad_norm=nums.grad_norm)
-        if found and not self.cfg.optim.skip_nonfinite:
-            last = ckpt.list_checkpoints(self.checkpointer.folder)
-            last_good = last[-1][1] if last else None
-            raise NonFiniteError(nonfinite_message(self.step + 1, found, last_checkpoint=last_good))
-        if found:
-            self.skipped_steps += 1
-            self.metrics.write(
-                f"step {self.step + 1}: non-finite {', '.join(found)}: skipped, no update "
-                f"(optim.skip_nonfinite; {self.skipped_steps} so far)"
-            )
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return not found
+        """One optimizer step over `data.grad_accum` shard microbatches on every dp rank
+        (`trainer.step.TrainStep.run`); its metrics on a logging step, else None."""
+        return self.stepper.run(self.shards, log=log)
 
     def evaluate(self) -> float:
         """Held-out bits per byte of the student (same texts on every rank: FSDP collectives

@@ -9,11 +9,11 @@ This module joins the two for the loop:
   per microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so
   the step's global count is all-reduced before the first backward), ``teacher_inputs`` (the
   teacher's ids, attention mask and the positions its outputs are read at) and ``loss``;
-- `combine_terms`: CE and every teacher's KD, each divided by its global count, combined.
+- `combine_terms`: CE and every teacher's KD, each already normalised by the step
+  (`tokenbridge.losses.base.normalize`), combined as ``loss.combine`` says.
 
 Parallel layouts: the terms are computed on this rank's positions (CP layout, ``cp``) and
-vocabulary shard (``tp_group``); each divides its local SUM by the GLOBAL count, the count
-all-reduced over dp and cp, never tp (TP ranks hold the same terms).
+vocabulary shard (``tp_group``).
 
 Legend: B rows, T student positions, L of them on this CP rank, V student vocabulary (lm_head
 width; its local shard under TP).
@@ -30,7 +30,7 @@ from tokenbridge.losses.base import LossOutput
 from tokenbridge.losses.ce import ce
 from tokenbridge.losses.combine import combine
 from tokenbridge.losses.modes import MODES, LossMode
-from tokenbridge.losses.multi_teacher import combine_teachers, static_weights
+from tokenbridge.losses.multi_teacher import MultiTeacherConfig, combine_teachers, teacher_weights
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.config.schema import LossConfig, TrainConfig
 from trainer.microbatches import Microbatch
@@ -50,6 +50,7 @@ class KDTerm:
     spec: TeacherOutputSpec
     tables: Any  # XTokenTables | GoldTables | None, on the student's device
     vocab_size: int  # the student tokenizer's size: lm_head columns past it are masked
+    weight: float = 1.0  # ``teachers[i].weight`` (normalised over the terms: `kd_weights`)
 
     @property
     def record(self) -> LossMode:
@@ -122,7 +123,7 @@ def build_kd_terms(cfg: TrainConfig, prepared, *, device: torch.device) -> list[
         spec = record.teacher_spec(options, tables, teacher_vocab_size=t_vocab)
         spec = record.spec_for(spec, turns=prepared.shards.meta.is_chat)
         tables = tables.to(device) if tables is not None else None
-        terms.append(KDTerm(i, t_cfg.name, mode, options, spec, tables, vocab))
+        terms.append(KDTerm(i, t_cfg.name, mode, options, spec, tables, vocab, t_cfg.weight))
     return terms
 
 
@@ -142,23 +143,22 @@ def ce_term(
 
 def combine_terms(
     loss_cfg: LossConfig,
-    ce_out: LossOutput,
-    kd_outs: list[LossOutput],
+    ce: torch.Tensor,
+    kd: list[torch.Tensor],
     *,
-    counts: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor | None,
     scale: float | None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(loss to backward, [ce, kd_0..]) with every term divided by its GLOBAL count (`counts`
-    = [ce, kd_0, ...] summed over the step and the dp ranks)."""
-    ce_v = ce_out.mean(counts[0])
-    if not kd_outs:
-        return loss_cfg.ce_weight * ce_v, [ce_v.detach()]
-    kd_vs = [o.mean(counts[1 + i]) for i, o in enumerate(kd_outs)]
-    kd_v, _ = combine_teachers(kd_vs, weights.to(ce_v.device))
-    total, _ = combine(kd_v, ce_v, config=loss_cfg.combine_config(), scale=scale)
-    return total, [ce_v.detach(), *(v.detach() for v in kd_vs)]
+) -> torch.Tensor:
+    """The loss to backward from the normalised CE and KD terms (each its local sum over its
+    global count): CE alone without KD terms, else the teachers' ``weights``-ed KD sum combined
+    with CE (`tokenbridge.losses.combine`; ``scale``: the dynamic mode's |CE| / |KD|)."""
+    if not kd:
+        return loss_cfg.ce_weight * ce
+    kd_v, _ = combine_teachers(kd, weights.to(ce.device))
+    total, _ = combine(kd_v, ce, config=loss_cfg.combine_config(), scale=scale)
+    return total
 
 
-def teacher_weights(cfg: TrainConfig, terms: list[KDTerm]) -> torch.Tensor:
-    return static_weights(len(terms), [cfg.teachers[t.index].weight for t in terms])
+def kd_weights(terms: list[KDTerm]) -> torch.Tensor:
+    """The terms' ``teachers[i].weight``, normalised to sum to 1 (float64, CPU)."""
+    return teacher_weights(MultiTeacherConfig(weights=tuple(t.weight for t in terms)), len(terms))

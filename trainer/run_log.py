@@ -4,8 +4,8 @@ and the message that stops a run on a non-finite step.
 Only rank 0 writes; other ranks get a logger whose methods do nothing, so the loop calls it
 unconditionally (one code path, as in nanoGPT's ``master_process`` gate). Values are plain
 floats by the time they arrive here: the loop keeps a step's numbers on the device, reduces
-them once, and reads them in one transfer (`trainer.loop`); `train_metrics` turns them into
-the logged record, a pure function of those numbers and the terms' names.
+them once, and reads them in one transfer (`trainer.step`); `train_metrics` turns a shard
+step's into the logged record, a pure function of those numbers and the terms' names.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class StepNumbers:
     counts: list[float]  # [ce, kd_0.., tokens]: the global counts the terms were divided by
     grad_norm: float
     loss_sums: dict[str, float]  # the losses' own "<teacher>/<metric>_sum" over all ranks
+    source_sums: dict[str, float] = field(default_factory=dict)  # a step source's own sums
 
 
 def read_step(
@@ -57,17 +58,21 @@ def read_step(
     *,
     n_terms: int,
     names: Sequence[str],
+    extra: Sequence[str] = (),
 ) -> StepNumbers:
-    """A step's one host sync: `shares` ([ce, kd_0.., total, missed_0.., then the sums called
-    `names`], reduced over the dp ranks), `counts` and the norm in one device-to-host copy."""
+    """A step's one host sync: `shares` ([ce, kd_0.., total, missed_0.., then the losses' sums
+    called `names`, then the step source's sums called `extra`], reduced over the dp ranks),
+    `counts` and the norm in one device-to-host copy."""
     host = torch.cat([shares, counts, grad_norm.reshape(1).to(shares)]).tolist()
     k, n = 2 + n_terms, len(shares)
+    named = host[k + n_terms : n]
     return StepNumbers(
         losses=host[:k],
         missed=host[k : k + n_terms],
         counts=host[n:-1],
         grad_norm=host[-1],
-        loss_sums=dict(zip(names, host[k + n_terms : n])),
+        loss_sums=dict(zip(names, named[: len(names)])),
+        source_sums=dict(zip(extra, named[len(names) :])),
     )
 
 

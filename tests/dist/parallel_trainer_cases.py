@@ -22,6 +22,10 @@ import json
 import sys
 from pathlib import Path
 
+# run as a script (torchrun): import this checkout's packages, not an installed copy's
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor

@@ -36,7 +36,8 @@ from tests.dist.test_trainer_cases import TINY
 from tokenbridge import paths
 from trainer.config.preflight import preflight
 from trainer.config.schema import from_dictconfig
-from trainer.loop import Trainer, shm_usage
+from trainer.loop import Trainer
+from trainer.shard_source import shm_usage
 
 GEMMA_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip

@@ -30,7 +30,7 @@ from tests.tiny import tiny_llama
 from tests.unit.test_loss_refs import NEG, masked_logp, random_t2s, ref_bin
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats.shards import open_shards
-from tokenbridge.losses import AlignedBatch, index_chunks
+from tokenbridge.losses import AlignedBatch, index_chunks, normalize
 from tokenbridge.losses.alm import AlmConfig, alm
 from tokenbridge.losses.gold import GoldConfig, GoldTables, gold
 from tokenbridge.losses.kd_topk import KDTopKConfig
@@ -311,7 +311,8 @@ def test_kd_topk_and_two_teachers_equal_the_hand_reference(batch):
     counts = torch.tensor([float(o.count) for o in (ce_fast, a_fast, k_fast)], dtype=torch.float64)
     weights = torch.tensor([0.25, 0.75], dtype=torch.float64)
     cfg = LossConfig(mode="alm", ce_weight=0.5, kd_weight=2.0)
-    total, _ = combine_terms(cfg, ce_fast, [a_fast, k_fast], counts=counts, weights=weights, scale=None)  # fmt: skip
+    ce_v, a_v, k_v = (normalize(o, c) for o, c in zip((ce_fast, a_fast, k_fast), counts))
+    total = combine_terms(cfg, ce_v, [a_v, k_v], weights=weights, scale=None)
     text, turns = _hand_chunks(rows, lambda r: r["teachers"][0]["chunk_kind"])
     with torch.no_grad():
         a_dense = teacher_forward(batch["teachers"][0], t0["input_ids"], t0["attention_mask"],

@@ -11,10 +11,9 @@ Why two conventions: the three kinds of groups mean different things for the obj
   A forward all-reduce has an all-reduce backward (`all_reduce_sum`), an all-gather has a
   reduce-scatter backward (see `context_parallel.cp_all_gather`).
 
-`global_count` is the one divisor of the loss: counts all-reduced over DP and CP ranks only. TP
-ranks hold copies of the same tokens, so summing counts over TP would under-weight the loss by
-1/TP (a known bug of NeMo RL's KD path, which all-reduces over the whole world). The groups
-themselves are modelled once, by `mesh.ParallelGroups`.
+`global_count` is the divisor of `tokenbridge.losses.base.normalize`, the one loss
+normalisation (the invariant and why: there). The groups themselves are modelled once, by the
+trainer's `ParallelGroups`.
 
 A group of `None` (or torch.distributed not initialised) means world size 1: every helper is then
 a plain local op, so single-process code runs the very same path.
@@ -112,12 +111,8 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 def global_count(
     count: torch.Tensor | int | float, *, dp_group: Group, cp_group: Group
 ) -> torch.Tensor:
-    """The loss divisor: `count` summed over the DP and CP ranks, never over TP ranks.
-
-    Returns a detached tensor (float64 for exact integer sums up to 2**53). Each loss returns a
-    local `sum` and `count`; the caller divides the local sum by this once, so the objective
-    summed over DP x CP ranks equals the single-process mean.
-    """
+    """The loss divisor of `tokenbridge.losses.base.normalize`: `count` summed over the DP and
+    CP ranks, never over TP ranks. A detached tensor (float64: exact integer sums up to 2**53)."""
     if isinstance(count, torch.Tensor):
         total = count.detach().to(torch.float64).clone()
     else:

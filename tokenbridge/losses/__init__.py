@@ -8,9 +8,9 @@ combination (`combine`) and several teachers (`combine_teachers`). Teachers hand
 """
 
 from tokenbridge.losses.alm import AlmConfig, alm, alm_teacher_spec, binary_divergence
-from tokenbridge.losses.base import DIVERGENCES, LossOutput, divergence
+from tokenbridge.losses.base import DIVERGENCES, LossOutput, divergence, normalize
 from tokenbridge.losses.ce import ce, target_logprobs
-from tokenbridge.losses.combine import CombineConfig, combine, dynamic_scale, normalize
+from tokenbridge.losses.combine import CombineConfig, combine, dynamic_scale
 from tokenbridge.losses.gold import GoldConfig, GoldTables, gold, gold_teacher_spec
 from tokenbridge.losses.kd_topk import KDTopKConfig, kd_topk, kd_topk_teacher_spec, student_topk_ids
 from tokenbridge.losses.multi_teacher import (

@@ -1,9 +1,8 @@
 """What every loss mode shares: the (sum, count) output and the divergences between categoricals.
 
 Every mode returns a SUM over its terms and the COUNT of terms (tokens or chunks); the caller
-divides once by the count all-reduced over the data-parallel and context-parallel ranks (never the
-tensor-parallel ranks, which hold the same terms). A global batch split into microbatches then
-gives exactly the loss and gradients of the whole batch, which a per-microbatch mean would not.
+turns them into the term's share of the loss with `normalize`, the one loss normalisation (its
+docstring states the invariant and why).
 
 The divergences take log-probabilities over the same K categories, so a zero-probability category
 (log-prob -inf) must contribute exactly 0 to the value AND to the gradient. `torch.where` alone is
@@ -39,9 +38,33 @@ class LossOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
     def mean(self, global_count: Tensor | int | None = None) -> Tensor:
-        """sum / count, dividing by ``global_count`` when given (the all-reduced count)."""
-        count = self.count if global_count is None else torch.as_tensor(global_count)
-        return self.sum / count.to(self.sum.dtype).clamp(min=1)
+        """`normalize` by ``global_count`` when given, else by this output's own count."""
+        return normalize(self, self.count if global_count is None else global_count)
+
+
+def normalize(out: LossOutput, global_count: Tensor | int) -> Tensor:
+    """The one loss normalisation: ``out.sum / global_count``, a term's share of the step loss.
+
+    The invariant: every term of a training step (CE, each teacher's KD term, each on-policy
+    term) is its LOCAL SUM divided once by its GLOBAL count, the count of its terms summed over
+    the step's microbatches and all-reduced over the data- and context-parallel ranks, never
+    over the tensor-parallel ranks (`tokenbridge.dist_ops.collectives.global_count`; the
+    trainer's `ParallelGroups.sum_over_tokens_`). Why:
+
+    - backward on each microbatch's shares, with the gradients SUMMED (not averaged) over dp x cp
+      (FSDP's reduce-scatter does that), gives exactly the loss and gradients of the mean over
+      the whole global batch, for any microbatch split and any dp or cp size; a per-microbatch
+      or per-rank mean would weigh a microbatch with few terms as much as a full one;
+    - TP ranks hold the same tokens and compute the same, replicated terms: summing their counts
+      would divide by tp times too many (NeMo RL's KD path all-reduces over the whole world);
+    - a count depends on the batch only (`LossMode.count`), so the global count is known, and
+      all-reduced, before the first backward of the step.
+
+    Each term keeps its own count (KD counts chunks or positions, CE target tokens), so a teacher
+    with finer chunks does not weigh more. A count of 0 (no term anywhere) divides by 1.
+    """
+    count = torch.as_tensor(global_count)
+    return out.sum / count.to(out.sum.dtype).clamp(min=1)
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:

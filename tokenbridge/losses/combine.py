@@ -1,10 +1,8 @@
 """Combining KD and CE into the training loss, with both terms always reported.
 
-The one normalisation rule: each term is its local SUM divided ONCE by its GLOBAL count (the
-count all-reduced over data- and context-parallel ranks and summed over the microbatches of the
-step). KD counts chunks or positions, CE counts target tokens; each is divided by its own count:
+Each term comes normalised by `tokenbridge.losses.base.normalize` (local sum / global count):
 
-    kd = kd_out.sum / kd_count_global        ce = ce_out.sum / ce_count_global   (`normalize`)
+    kd = normalize(kd_out, kd_count_global)        ce = normalize(ce_out, ce_count_global)
     fixed:    loss = lambda_kd * kd + lambda_ce * ce
     dynamic:  loss = stopgrad(|CE| / |KD|) * kd + ce
 
@@ -26,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tokenbridge.losses.base import LossOutput, check_option
+from tokenbridge.losses.base import check_option
 
 COMBINE_MODES = ("fixed", "dynamic")
 
@@ -48,11 +46,6 @@ class CombineConfig:
             w = getattr(self, name)
             check_option(self, name, math.isfinite(w) and w >= 0, "a non-negative number")
         check_option(self, "eps", math.isfinite(self.eps) and self.eps > 0, "a positive number")
-
-
-def normalize(out: LossOutput, global_count: Tensor | int) -> Tensor:
-    """out.sum / global_count: the one division (global_count = all-reduced count of the step)."""
-    return out.mean(global_count)
 
 
 def dynamic_scale(

@@ -271,7 +271,7 @@ def _kd_topk_loss(
 
 
 def _whole_rows(mode: str, tp_group, cp) -> None:
-    # the on-policy step gives these whole logits on whole rows (`trainer.onpolicy.step`)
+    # the on-policy step gives these whole logits on whole rows (`trainer.onpolicy.rollout_source`)
     if tp_group is not None or cp is not None:
         raise ValueError(f"{mode} takes whole logits on whole rows, not a TP/CP shard")
 

@@ -1,8 +1,8 @@
 """Several teachers, each with its own tokenizer, alignment and projection: a weighted sum.
 
 Each teacher i yields its own `LossOutput` (from any mode, on its own `ChunkIndex`) and its own
-global count, so each is normalised on its own (a teacher with finer chunks does not weigh
-more), then mixed:
+global count, so each is normalised on its own (`base.normalize`: a teacher with finer chunks
+does not weigh more), then mixed:
 
     KD = sum_i w_i * kd_i,   kd_i = sum_i / count_i_global,   sum_i w_i = 1.
 

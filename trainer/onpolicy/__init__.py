@@ -12,8 +12,9 @@ Read in this order (docs/onpolicy.md has the whole picture):
 - `scoring`: the teachers' channel program (the student's top-k ids travel with the rows);
 - `teachers`: the run's on-policy terms, views and preflight checks;
 - `evaluate`: the teachers' bits per byte of the student's own completions;
-- `step`: `OnPolicy`, the step the loop takes instead of an off-policy one (GKD's lambda), its
-  policy lag and its checkpointed state.
+- `rollout_source`: `OnPolicy`, the on-policy side of a run (sampling, scoring, policy lag, its
+  checkpointed state, GKD's lambda draw), and `RolloutSource`, a step's rollouts handed to the
+  one training step (`trainer.step`) as its microbatches.
 
 The losses live with the others (`tokenbridge.losses.opd`: `opd_topk`, `opd_pg`, the
 probability-space mixture); the loss-mode registry holds their records.

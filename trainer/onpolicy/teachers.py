@@ -1,7 +1,7 @@
 """The on-policy teachers of a run: their loss terms, how each reads a rollout, their channels.
 
-Built once per rank by the on-policy step (`trainer.onpolicy.step`), from the config and what
-the preflight loaded:
+Built once per rank by the on-policy side (`trainer.onpolicy.rollout_source`), from the config
+and what the preflight loaded:
 
 - one `trainer.loss_terms.KDTerm` per teacher with a non-zero weight, for its on-policy mode
   (``onpolicy.loss`` / ``onpolicy.teacher_losses``): the registry record, options, projection
@@ -38,7 +38,6 @@ class OnPolicyTeachers:
 
     terms: list[KDTerm]
     views: list[TeacherView | None]  # None: the student's own tokenizer
-    weights: list[float]
     topk: int  # the sampling policy's top-k the teachers score (0: none)
     stop_ids: list[int]  # the student's stop ids (EOS, end-of-turn)
 
@@ -71,7 +70,7 @@ def build_teachers(
     longest student row of a rollout; a teacher's slot holds twice that (another tokenizer may
     need more tokens for the same bytes; a longer rollout is dropped and counted)."""
     op = cfg.onpolicy
-    terms, views, weights = [], [], []
+    terms, views = [], []
     topk = 0
     for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, op.modes(len(teachers)))):
         if t_cfg.weight == 0:
@@ -89,8 +88,9 @@ def build_teachers(
         spec = scoring_spec(record.teacher_spec(options, tables, teacher_vocab_size=tok.vocab_size))
         if spec.per_position_columns:
             topk = max(topk, spec.columns)
-        terms.append(KDTerm(i, t_cfg.name, mode, options, spec, tables, student.vocab_size))
-        weights.append(t_cfg.weight)
+        terms.append(
+            KDTerm(i, t_cfg.name, mode, options, spec, tables, student.vocab_size, t_cfg.weight)
+        )
         if tok.fingerprint == student.fingerprint:
             views.append(None)
             continue
@@ -100,7 +100,7 @@ def build_teachers(
     stops = {student.eos_id} if student.eos_id is not None else set()
     if student_chat is not None and student_chat.markers is not None:
         stops |= {int(i) for i in student_chat.markers.close_ids}
-    return OnPolicyTeachers(terms, views, weights, topk, sorted(stops))
+    return OnPolicyTeachers(terms, views, topk, sorted(stops))
 
 
 def teacher_max_len(views: list[TeacherView | None], student_max: int) -> list[int]:

@@ -8,9 +8,9 @@ What each dimension means for the objective (see `collectives`):
   load-balanced layout of `context_parallel`).
 - `dp` (data parallel): ranks holding different sequences.
 
-Losses are a local SUM divided by a GLOBAL count, the count all-reduced over dp and cp, never
-tp: `dp_cp` is the group of every rank that holds other tokens than this one (dp x cp), over
-which counts, losses and gradients are summed (FSDP shards the weights over it too).
+`dp_cp` is the group of every rank that holds other tokens than this one (dp x cp), over which
+counts, losses and gradients are summed (FSDP shards the weights over it too): the loss
+invariant of `tokenbridge.losses.base.normalize`.
 
 The trainer builds its groups with `build_mesh` from one (dp_shard, cp, tp) `DeviceMesh` (TP
 fastest: the ranks of a TP group are adjacent, as in torchtitan and Megatron); the sub-meshes

@@ -21,9 +21,9 @@ load-balanced layout with their global position ids (RoPE).
 One code path for 1 and N processes: a plain ``python trainer/main.py`` becomes world size 1
 with an in-memory store. gloo on CPU, NCCL on GPU.
 
-Gradient scale: the loop divides the local SUM loss by the GLOBAL count itself, so FSDP must sum
-gradients over the data- and context-parallel ranks instead of averaging them (`apply_fsdp`
-sets the divide factor to 1).
+Gradient scale: the step normalises every term itself (`tokenbridge.losses.base.normalize`),
+so FSDP must sum gradients over the data- and context-parallel ranks instead of averaging them
+(`apply_fsdp` sets the divide factor to 1).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The on-policy step: prompts -> the student samples -> each teacher scores -> the student learns.
+"""Rollouts as a source of microbatches: prompts -> the student samples -> each teacher scores.
 
-One optimizer step of on-policy distillation on every rank (`OnPolicy.step`), chosen by the loop
-instead of the off-policy `Trainer.train_step` with probability ``onpolicy.lmbda`` (GKD's
-lambda; the draw comes from a seeded RNG that every rank holds alike and checkpoints):
+An on-policy step (`OnPolicy.step`) is the one training step (`trainer.step.TrainStep`) run on
+the student's own rollouts instead of shard batches; the loop takes one with probability
+``onpolicy.lmbda`` (GKD's lambda; the draw comes from a seeded RNG that every rank holds alike
+and checkpoints). This module holds what is the on-policy side's own:
 
 1. **Generate**: ``prompts_per_step`` prompts of this rank (`trainer.onpolicy.prompts`), each
    sampled ``n_samples`` times by the student with its current weights
@@ -10,12 +11,11 @@ lambda; the draw comes from a seeded RNG that every rank holds alike and checkpo
 2. **Align**: the rollouts cut into microbatches (`trainer.onpolicy.rollouts`): the sampled ids
    for teachers with the student's tokenizer, on-the-fly alignment for the others;
 3. **Score**: every microbatch submitted to every teacher's channel (`trainer.onpolicy.rollout_scoring`);
-4. **Learn**: counts first (all-reduced over data-parallel ranks before the first backward),
-   then per microbatch the student's forward, each teacher's term (``local sum / global
-   count``), their weighted sum (or one term on the probability-space mixture of same-tokenizer
-   teachers), backward (``loss.kd_weight`` and ``ce_weight`` weigh the off-policy steps only:
-   an on-policy step's loss is its distillation term); the gradient norm, the same guard
-   and optimizer step as `Trainer.train_step`. No CE: the student's likelihood of its own
+4. **Learn**: the rollouts' microbatches handed to the one step as a `RolloutSource`: their
+   counts, the student's forward on whole rows (whole logits under TP), each teacher's term,
+   their weighted sum (or one term on the probability-space mixture of same-tokenizer
+   teachers). ``loss.kd_weight`` and ``ce_weight`` weigh the off-policy steps only: an
+   on-policy step's loss is its distillation term. No CE: the student's likelihood of its own
    samples is not a target.
 
 Policy lag (``onpolicy.lag``): 0 is exact on-policy, every rollout is learnt by the weights that
@@ -30,16 +30,20 @@ Legend: B rollouts in a microbatch, T student positions, V student lm_head width
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
+from tokenbridge.losses.multi_teacher import combine_teachers
 from tokenbridge.losses.opd import mix_teacher_outputs
 from tokenbridge.teacher.outputs import TeacherOutputs
+from trainer.loss_terms import kd_weights
 from trainer.onpolicy.agreement import completion_bpb
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
 from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy
@@ -48,6 +52,7 @@ from trainer.onpolicy.sampler import Rollouts, SamplingConfig, gathered, sample
 from trainer.onpolicy.teachers import build_teachers, teacher_max_len
 from trainer.parallel import parallelize
 from trainer.run_log import StepNumbers, peak_memory_gib
+from trainer.step import Source, Terms
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -107,8 +112,10 @@ class OnPolicy:
         self.pending: Rollouts | None = None  # lag 1: sampled and submitted, not learnt yet
         self._pending_batches: list | None = None
         self.mixture = self.op.mix == "mixture" and len(self.teachers.terms) > 1
-        total = sum(self.teachers.weights)
-        self.weights = [w / total for w in self.teachers.weights]
+        # the step's KD terms: the teachers' own, or one on their mixture (weighted inside)
+        terms = self.teachers.terms
+        weights = torch.ones(1, dtype=torch.float64) if self.mixture else kd_weights(terms)
+        self.kd_weights = weights.to(trainer.device)  # on the device once, as `ShardSource`'s
         self.tp_group = mesh.tp if mesh.tp_size > 1 else None
         self.channels = open_scorers(
             [cfg.teachers[t.index] for t in self.teachers.terms],
@@ -254,7 +261,7 @@ class OnPolicy:
             times["align_s"] += time.perf_counter() - t4
             self._timed_submit(self._pending_batches, times)
         t5 = time.perf_counter()
-        record = self.learn(r, batches, outs, log=log)
+        record = self.tr.stepper.run(RolloutSource(self, r, batches, outs), log=log)
         times["student_s"] += time.perf_counter() - t5
         if record is None:
             return None
@@ -265,96 +272,6 @@ class OnPolicy:
         record.update(teacher_s=teacher_s, step_s=time.perf_counter() - t0, onpolicy=1.0)
         record["tokens_per_s"] = record["tokens"] / record["step_s"]
         return record
-
-    def learn(self, r: Rollouts, batches, outs, *, log: bool) -> dict[str, float] | None:
-        """Counts, forward + backward per microbatch, the guard and the optimizer step."""
-        tr, terms = self.tr, self.teachers.terms
-        n_terms = 1 if self.mixture else len(terms)
-        dev = tr.device
-        local = torch.zeros(n_terms + 1, dtype=torch.float64, device=dev)
-        precounts = []
-        for b, preps in batches:
-            pre = [terms[j].count(preps[j]) for j in range(n_terms)]
-            precounts.append(pre)
-            for j in range(n_terms):
-                local[j] += pre[j]
-            local[-1] += b.attention_mask_BT.sum()
-        counts = tr.mesh.sum_over_tokens_(local)
-        parts = torch.zeros(2 * n_terms + 1, dtype=torch.float64, device=dev)
-        for m, (b, preps) in enumerate(batches):
-            tr.model.set_requires_gradient_sync(m == len(batches) - 1)
-            # whole logits under TP (the on-policy losses are not vocab-parallel): every TP rank
-            # computes the same loss, and the gather's backward keeps each rank's shard of it
-            with parallelize.gathered_logits(tr.model):
-                logits_BTV = tr.model(
-                    input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT, use_cache=False
-                ).logits
-            if self.mixture:
-                mixed = mix_teacher_outputs(outs[m], self.teachers.weights)
-                kd = [terms[0].loss(logits_BTV, mixed, preps[0])]
-                weights = [1.0]
-            else:
-                kd = [t.loss(logits_BTV, outs[m][j], preps[j]) for j, t in enumerate(terms)]
-                weights = self.weights
-            means = [o.mean(counts[j]) for j, o in enumerate(kd)]
-            total = sum(w * v for w, v in zip(weights, means))
-            total.backward()
-            missed = [(o.count - c).abs().double() for o, c in zip(kd, precounts[m])]
-            parts += torch.stack([*(v.detach().double() for v in means),
-                                  total.detach().double(), *missed])  # fmt: skip
-        parallelize.sync_replicated_grads(tr.model, tr.replicated_grads, tr.mesh.tp)
-        grad_norm = parallelize.clip_grad_norm_(
-            list(tr.model.parameters()), self.cfg.optim.grad_clip
-        )
-        stats = self._stats(r, batches)
-        both = torch.cat([parts, stats.to(dev)])
-        tr.mesh.sum_over_tokens_(both)
-        host = torch.cat([both, counts, grad_norm.reshape(1).to(both)]).tolist()
-        kd_means, total_v = host[:n_terms], host[n_terms]
-        missed = host[n_terms + 1 : 2 * n_terms + 1]
-        stat_v = host[2 * n_terms + 1 : 2 * n_terms + 1 + stats.numel()]
-        count_v, norm = host[-(n_terms + 2) : -1], host[-1]
-        names = ["mixture"] if self.mixture else [t.name for t in terms]
-        if any(missed):
-            raise RuntimeError(f"on-policy terms {names} counted other terms than their pre-counts")
-        nums = StepNumbers([0.0, *kd_means, total_v], missed, [0.0, *count_v], norm, {})
-        lr = tr.scheduler.get_last_lr()[0]
-        tr._apply_or_guard(nums, terms=names)
-        tr.step += 1
-        tr.tokens_seen += int(count_v[-1])
-        if not log:
-            return None
-        m = {"loss": total_v, "kd": total_v, "grad_norm": norm, "lr": lr}
-        for name, v, c in zip(names, kd_means, count_v):
-            m[f"kd/{name}"] = v
-            m[f"coverage/{name}"] = c / max(1.0, stat_v[1])  # terms per sampled token
-        m.update(self._stat_record(stat_v))
-        m.update(tokens=int(count_v[-1]), memory_gib=peak_memory_gib(dev), epoch=tr.loader.epoch)
-        return m
-
-    def _stat_names(self) -> list[str]:
-        names = ["rollouts", "new_tokens", "stopped"]
-        for t in self.teachers.terms:
-            names += [f"dropped/{t.name}", f"chunks_boundary/{t.name}", f"chunks_invalid/{t.name}"]
-        return names
-
-    def _stats(self, r: Rollouts, batches) -> torch.Tensor:
-        vals = [len(r), r.new_tokens, sum(r.stopped)]
-        for j in range(len(self.teachers.terms)):
-            vals += [
-                sum(sum(b.drops[j].values()) for b, _ in batches),
-                sum(b.chunk_drops[j]["boundary"] for b, _ in batches),
-                sum(b.chunk_drops[j]["invalid_utf8"] for b, _ in batches),
-            ]
-        return torch.tensor(vals, dtype=torch.float64)
-
-    def _stat_record(self, vals: list[float]) -> dict[str, float]:
-        m = dict(zip(self._stat_names(), vals))
-        n = max(1.0, m["rollouts"])
-        m["rollout/len_mean"] = m.pop("new_tokens") / n
-        m["rollout/stopped_frac"] = m.pop("stopped") / n
-        m["rollout/count"] = m.pop("rollouts")
-        return m
 
     # -------------------------------------------------------------------------------------
     # eval and state
@@ -392,3 +309,91 @@ class OnPolicy:
         if self.pending is not None:  # the teacher scores it again: the channels start empty
             self._pending_batches = self.batches(self.pending)
             self.submit(self._pending_batches)
+
+
+class RolloutSource(Source):
+    """One on-policy step's rollouts as the one step's microbatches (`trainer.step.Source`):
+    their counts, the student's forward, each teacher's term on its outputs, their weighted sum
+    (see the module docstring). ``batches``: `OnPolicy.batches` of ``r``; ``outs``: the
+    teachers' outputs per microbatch."""
+
+    def __init__(self, op: OnPolicy, r: Rollouts, batches, outs):
+        self.op, self.r, self.batches, self.outs = op, r, batches, outs
+        terms = op.teachers.terms
+        self.terms = terms[:1] if op.mixture else terms  # the mixture: one term, the first's mode
+        self.kd_names = ["mixture"] if op.mixture else [t.name for t in terms]
+        self.kd_modes = [t.mode for t in self.terms]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def start(self) -> tuple[torch.Tensor, list[list[int]]]:
+        n = len(self.terms)
+        local = torch.zeros(n + 2, dtype=torch.float64, device=self.op.tr.device)  # no CE: 0
+        precounts = []
+        for b, preps in self.batches:
+            pre = [t.count(preps[j]) for j, t in enumerate(self.terms)]
+            precounts.append(pre)
+            for j in range(n):
+                local[1 + j] += pre[j]
+            local[-1] += b.attention_mask_BT.sum()
+        return local, precounts
+
+    @contextlib.contextmanager
+    def microbatch(self, i: int) -> Iterator[Terms]:
+        b, preps = self.batches[i]
+        model = self.op.tr.model
+        # whole logits under TP (the on-policy losses are not vocab-parallel): every TP rank
+        # computes the same loss, and the gather's backward keeps each rank's shard of it
+        with parallelize.gathered_logits(model):
+            logits_BTV = model(
+                input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT, use_cache=False
+            ).logits
+        if self.op.mixture:
+            raw = [t.weight for t in self.op.teachers.terms]
+            mixed = mix_teacher_outputs(self.outs[i], raw)
+            kd = [self.terms[0].loss(logits_BTV, mixed, preps[0])]
+        else:
+            kd = [t.loss(logits_BTV, self.outs[i][j], preps[j]) for j, t in enumerate(self.terms)]
+        yield Terms(None, kd)
+
+    def combine(self, ce: torch.Tensor | None, kd: list[torch.Tensor]) -> torch.Tensor:
+        return combine_teachers(kd, self.op.kd_weights)[0]
+
+    def rows(self) -> list:
+        return [m["key"] for m in self.r.meta]
+
+    def _stat_names(self) -> list[str]:
+        names = ["rollouts", "new_tokens", "stopped"]
+        for t in self.op.teachers.terms:
+            names += [f"dropped/{t.name}", f"chunks_boundary/{t.name}", f"chunks_invalid/{t.name}"]
+        return names
+
+    def step_sums(self) -> dict[str, float]:
+        r, batches = self.r, self.batches
+        vals = [len(r), r.new_tokens, sum(r.stopped)]
+        for j in range(len(self.op.teachers.terms)):
+            vals += [
+                sum(sum(b.drops[j].values()) for b, _ in batches),
+                sum(b.chunk_drops[j]["boundary"] for b, _ in batches),
+                sum(b.chunk_drops[j]["invalid_utf8"] for b, _ in batches),
+            ]
+        return dict(zip(self._stat_names(), vals))
+
+    def record(self, nums: StepNumbers, *, lr: float, step_s: float) -> dict[str, float]:
+        """The on-policy record (`OnPolicy.step` adds its timings and ``step_s``)."""
+        total, stats, counts = nums.losses[-1], dict(nums.source_sums), nums.counts[1:]
+        m = {"loss": total, "kd": total, "grad_norm": nums.grad_norm, "lr": lr}
+        for name, v, c in zip(self.kd_names, nums.losses[1:-1], counts):
+            m[f"kd/{name}"] = v
+            m[f"coverage/{name}"] = c / max(1.0, stats["new_tokens"])  # terms per sampled token
+        n = max(1.0, stats["rollouts"])
+        m.update(stats)
+        m["rollout/len_mean"] = m.pop("new_tokens") / n
+        m["rollout/stopped_frac"] = m.pop("stopped") / n
+        m["rollout/count"] = m.pop("rollouts")
+        tr = self.op.tr
+        m.update(
+            tokens=int(counts[-1]), memory_gib=peak_memory_gib(tr.device), epoch=tr.loader.epoch
+        )
+        return m

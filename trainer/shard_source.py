@@ -1,0 +1,143 @@
+"""Shard batches as a source of microbatches for the one training step (`trainer.step`).
+
+The off-policy side of a run: ``data.grad_accum`` microbatches of the aligned shards per step,
+drawn through the teacher feed (`trainer.teacher.dispatch.Feed`: the teachers run ahead, and a
+microbatch's ring slots are held until its backward is done). Each gives the student's CE and
+every teacher's KD term on this rank's positions (CP layout) and vocabulary shard (TP),
+combined as ``loss.combine`` says: fixed weights, or the dynamic scale |CE| / |KD| of the
+previous applied step (the current step's totals are not known before its first backward).
+
+Counts under CP: each rank counts the positions and chunk terms it computes, so their sum over
+dp and cp is the global count; TP ranks count alike and are never summed.
+
+Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
+(lm_head width; V / tp of it on this rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from tokenbridge.dist_ops import CPContext
+from tokenbridge.teacher.outputs import TeacherOutputs
+from trainer.loss_terms import KDTerm, ce_term, combine_terms, kd_weights
+from trainer.microbatches import IGNORE, Microbatch
+from trainer.run_log import StepNumbers, peak_memory_gib, train_metrics, weighted_kd
+from trainer.step import Source, Terms
+from trainer.teacher.dispatch import Queued
+from trainer.teacher.ring import shm_mappings
+
+
+def shm_usage() -> dict[str, float]:
+    """The shared-memory segments this process maps (teacher channel rings; their names are
+    unlinked once the worker maps them, so /dev/shm does not list them): count and bytes.
+    Constant over a run when slots are reused, never re-allocated."""
+    maps = shm_mappings()
+    return {"shm_segments": len(maps), "shm_bytes": sum(maps.values())}
+
+
+class ShardSource(Source):
+    """The shard batches of one `trainer.loop.Trainer` (built in its ``_build``), a step at a
+    time: `start` takes the next ``data.grad_accum`` microbatches from its feed."""
+
+    def __init__(self, trainer):
+        self.tr = trainer
+        self.terms: list[KDTerm] = trainer.kd_terms
+        self.kd_names = [t.name for t in self.terms]
+        self.kd_modes = [t.mode for t in self.terms]
+        self.swap_sum_names = bool(self.terms)
+        weights = kd_weights(self.terms) if self.terms else None
+        self.weight_list = weights.tolist() if weights is not None else []
+        # on the device once: a host tensor would be copied over (a sync) every microbatch
+        self.weights = weights.to(trainer.device) if weights is not None else None
+        self.scale: float | None = None  # dynamic combine: last applied step's |CE| / |KD|
+        self.queued: list[Queued] = []
+        self.teacher_s = 0.0
+
+    def __len__(self) -> int:
+        return self.tr.cfg.data.grad_accum
+
+    def cp_context(self, mb: Microbatch) -> CPContext | None:
+        """What the losses need to know of this rank's CP share of `mb` (None at cp = 1)."""
+        if self.tr.mesh.cp_size == 1:
+            return None
+        return CPContext(self.tr.mesh.cp, mb.input_ids_BT.shape[1])
+
+    def start(self) -> tuple[torch.Tensor, list[list[int]]]:
+        self.queued = self.tr.feed.peek(len(self))  # loaded and prepared, not yet received
+        self.teacher_s = 0.0
+        cps = [self.cp_context(q.mb) for q in self.queued]
+        pre = [
+            [t.count(p, cp) for t, p in zip(self.terms, q.prep)] for q, cp in zip(self.queued, cps)
+        ]
+        local = torch.zeros(2 + len(self.terms), dtype=torch.float64, device=self.tr.device)
+
+        def mine(x_BT: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
+            return x_BT if cp is None else cp.shard(x_BT)
+
+        local[0] = sum(
+            (mine(q.mb.targets_BT, cp) != IGNORE).sum() for q, cp in zip(self.queued, cps)
+        )
+        for j in range(len(self.terms)):
+            # a scalar fill: copying a host tensor over would wait for the device
+            local[1 + j] = sum(row[j] for row in pre)
+        local[-1] = sum(mine(q.mb.attention_mask_BT, cp).sum() for q, cp in zip(self.queued, cps))
+        return local, pre
+
+    @contextlib.contextmanager
+    def microbatch(self, i: int) -> Iterator[Terms]:
+        q, received = self.tr.feed.next()
+        try:
+            outs = [TeacherOutputs(**r.outputs) for r in received]
+            self.teacher_s += sum(r.teacher_s for r in received)
+            yield self._terms(q, outs)
+        finally:
+            for r in received:
+                r.release()
+
+    def _terms(self, q: Queued, teacher_outputs: list[TeacherOutputs]) -> Terms:
+        mb = q.mb
+        logits_BLV = self.tr.forward(mb)
+        par = {"tp_group": self.tr.mesh.tp, "cp": self.cp_context(mb)}
+        vocab = self.tr.vocab_used
+        if self.terms and self.tr.cfg.loss.ce_weight == 0:
+            with torch.no_grad():  # CE is always reported, but needs no graph here
+                ce_out = ce_term(logits_BLV.detach(), mb, vocab_size=vocab, **par)
+        else:
+            ce_out = ce_term(logits_BLV, mb, vocab_size=vocab, **par)
+        kd_outs = [
+            term.loss(logits_BLV, outs, q.prep[i], **par)
+            for i, (term, outs) in enumerate(zip(self.terms, teacher_outputs))
+        ]
+        sums = {
+            f"{term.name}/{k}": v
+            for term, out in zip(self.terms, kd_outs)
+            for k, v in out.metrics.items()
+            if k.endswith("_sum")  # the ones logged (as means per KD term)
+        }
+        return Terms(ce_out, kd_outs, sums)
+
+    def combine(self, ce: torch.Tensor | None, kd: list[torch.Tensor]) -> torch.Tensor:
+        return combine_terms(self.tr.cfg.loss, ce, kd, weights=self.weights, scale=self.scale)
+
+    def rows(self) -> list:
+        return [r for q in self.queued for r in q.mb.rows]
+
+    def after(self, nums: StepNumbers, *, applied: bool) -> None:
+        if applied and self.terms and self.tr.cfg.loss.combine == "dynamic":
+            kd = weighted_kd(self.weight_list, nums.losses[1:-1])
+            self.scale = abs(nums.losses[0]) / max(abs(kd), 1e-8)  # next step's |CE|/|KD|
+
+    def record(self, nums: StepNumbers, *, lr: float, step_s: float) -> dict[str, float]:
+        measured = {
+            **shm_usage(),
+            "lr": lr,
+            "step_s": step_s,
+            "teacher_s": self.teacher_s,
+            "memory_gib": peak_memory_gib(self.tr.device),
+            "epoch": self.tr.loader.epoch,
+        }
+        return train_metrics(nums, terms=self.kd_names, kd_weights=self.weight_list, host=measured)
