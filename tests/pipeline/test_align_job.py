@@ -269,3 +269,40 @@ def test_prepare_out_dir_and_input_matching(tmp_path):
     assert cfg.out.parent.name == "align" and cfg.out.parent.parent.name == "outputs"
     _, beam_args = J.parse_args(["--data", "x", "--teacher", "t", "--student", "s", "--runner=X"])
     assert beam_args == ["--runner=X"]
+
+
+def test_a_job_over_mostly_bad_rows_fails_with_no_completed(tmp_path, pair_paths, capsys):
+    """Every row dead: exit 2 (one line naming the top reason), stats.json says why, no
+    COMPLETED, the shards are refused; a run over the same rows plus good ones completes when
+    the limit allows it, and fails by default when they are the minority."""
+    from pipelines.plumbing.tagged import TooManyDeadLetters
+    from tokenbridge import cli
+
+    t, s = pair_paths
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rows.jsonl").write_text("".join(json.dumps({"body": i}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    argv = ["--data", f"{data}/*.jsonl", "--teacher", t, "--student", s, "--out", str(out)]
+    argv += ["--max-student-tokens", "16", "--max-teacher-tokens", "16"]
+    code = cli.run(J.main, [*argv, "--max-dead-fraction", "1"], prog="align")
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenbridge align")]
+    assert code == 2 and len(err) == 1, err  # one line (the job's own log lines aside)
+    assert (
+        err[0].startswith("tokenbridge align: TooManyDeadLetters: ")
+        and "3 of 3 documents" in err[0]
+    )
+    assert "every one" in err[0] and "missing_field 3" in err[0]
+    assert not (out / S.COMPLETED_MARKER).exists()
+    assert "missing_field 3" in json.loads((out / S.STATS_FILE).read_text())["refused"]
+    assert len((out / S.DEAD_LETTER_FILE).read_text().splitlines()) == 3  # kept to look at
+    with pytest.raises(shards.IncompleteShardsError):
+        shards.open_shards(out)
+    (data / "good.jsonl").write_text(json.dumps({"text": "A good document."}) + "\n")
+    with pytest.raises(TooManyDeadLetters, match=r"3 of 4 documents .*75% > .* 0.5"):
+        J.run(argv)  # the default limit
+    stats = J.run([*argv, "--max-dead-fraction", "0.8"])
+    assert stats["documents"] == 1 and stats["dead_letters"] == 3
+    assert (out / S.COMPLETED_MARKER).is_file() and "refused" not in stats
+    with pytest.raises(ValueError, match=r"--max-dead-fraction 1.5: expected a share in \[0, 1\]"):
+        J.run([*argv, "--overwrite", "--max-dead-fraction", "1.5"])

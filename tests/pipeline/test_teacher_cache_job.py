@@ -17,6 +17,7 @@ import pytest
 import torch
 from dask.distributed import LocalCluster
 
+from pipelines.plumbing.tagged import TooManyDeadLetters
 from pipelines.teacher_cache import job as J
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
@@ -143,6 +144,24 @@ def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(inputs, fn_cac
     assert stats["rows"] == 2 and stats["drops_by_reason"] == {"id_out_of_range": 1}
     dead = (inputs["tmp"] / "badcache" / S.DEAD_LETTER_FILE).read_text().splitlines()
     assert json.loads(dead[0])["row"] == 1 and "60000" in json.loads(dead[0])["detail"]
+    # every row bad: the job fails (exit 2 through the CLI), stats.json says why, no COMPLETED
+    worse = inputs["tmp"] / "worse"
+    worse.mkdir()
+    for r in rows:
+        r[col] = [5, 60_000, 7]
+        r[S.teacher_chunk_column(0)] = [0, 1, 2]
+    with shards.ShardWriter(worse / shards.shard_name(0, 1), schema) as w:
+        w.write_rows([{k: (np.asarray(v, np.int32) if isinstance(v, list) else v)
+                       for k, v in r.items()} for r in rows])  # fmt: skip
+    shards.write_completed(worse, json.loads((inputs["shards"] / "stats.json").read_text()),
+                           files={shards.shard_name(0, 1): 3})  # fmt: skip
+    args = [a if a != str(inputs["shards"]) else str(worse) for a in inputs["base"]]
+    out = inputs["tmp"] / "worsecache"
+    with pytest.raises(TooManyDeadLetters, match=r"3 of 3 rows .*every one.*id_out_of_range 3"):
+        J.run([*args, "--out", str(out), "--max-dead-fraction", "1"])
+    assert not (out / "COMPLETED").exists() and "refused" in json.loads(
+        (out / "stats.json").read_text()
+    )
 
 
 def test_sampled_ids_follow_the_teacher_and_not_the_batching():

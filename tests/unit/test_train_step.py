@@ -23,7 +23,7 @@ import torch
 
 from tokenbridge.losses.base import LossOutput, as_count
 from tokenbridge.losses.ce import ce
-from trainer.config.schema import OptimConfig
+from trainer.config.schema import LossConfig, OptimConfig
 from trainer.loop import Trainer
 from trainer.loss_terms import kd_weights
 from trainer.onpolicy.rollout_source import RolloutSource
@@ -101,7 +101,7 @@ def step(tmp_path):
 
 
 def _trainer(step: TrainStep, terms, feed=None):
-    loss = SimpleNamespace(ce_weight=1.0, kd_weight=0.5, combine="fixed")
+    loss = LossConfig(mode="xtoken", ce_weight=1.0, kd_weight=0.5, combine="fixed")
     return SimpleNamespace(
         model=step.model, kd_terms=terms, device=torch.device("cpu"), mesh=SINGLE, feed=feed,
         cfg=SimpleNamespace(data=SimpleNamespace(grad_accum=len(SIZES)), loss=loss),
