@@ -62,6 +62,8 @@ from pipelines.plumbing.tagged import (
     MAIN,
     MAX_DEAD_FRACTION,
     NAMESPACE,
+    add_dead_fraction_arg,
+    dead_fraction,
     refuse_if_dead,
     split,
 )
@@ -327,13 +329,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         help="context (chars) each side of a piece seam",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
-    ap.add_argument(
-        "--max-dead-fraction",
-        type=float,
-        default=MAX_DEAD_FRACTION,
-        help="fail (exit 2, no COMPLETED) when more than this share of the input is dead-lettered "
-        f"(default {MAX_DEAD_FRACTION}); a run where every row died always fails",
-    )
+    add_dead_fraction_arg(ap)
     chat = ap.add_argument_group("conversations")
     chat.add_argument(
         "--row-format",
@@ -359,10 +355,6 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         stride_chars=args.stride_chars,
     )
     out = args.out or default_out_dir(args.data, args.student, args.teacher)
-    if not 0.0 <= args.max_dead_fraction <= 1.0:
-        raise ValueError(
-            f"--max-dead-fraction {args.max_dead_fraction}: expected a share in [0, 1]"
-        )
     cfg = JobConfig(
         data=args.data,
         student=args.student,
@@ -373,7 +365,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         pieces=PieceConfig(piece_chars=args.piece_chars, overlap_chars=args.piece_overlap),
         roll_bytes=max(int(args.shard_mb * (1 << 20)), 1),
         overwrite=args.overwrite,
-        max_dead_fraction=args.max_dead_fraction,
+        max_dead_fraction=dead_fraction(args),
         chat=chat_config(args),
     )
     return cfg, default_runner_args(beam_args)

@@ -87,3 +87,22 @@ def refuse_if_dead(stats_file) -> None:
         raise TooManyDeadLetters(
             f"{path.parent}: {why}; no COMPLETED written (see {path.parent}/dead_letter.jsonl)"
         )
+
+
+def add_dead_fraction_arg(ap) -> None:
+    """Every job's ``--max-dead-fraction`` (read back with `dead_fraction`)."""
+    ap.add_argument(
+        "--max-dead-fraction",
+        type=float,
+        default=MAX_DEAD_FRACTION,
+        help="fail (exit 2, no COMPLETED) when more than this share of the input is dead-lettered "
+        f"(default {MAX_DEAD_FRACTION}); a run where every row died always fails",
+    )
+
+
+def dead_fraction(args) -> float:
+    """The parsed ``--max-dead-fraction``, refused unless a share in [0, 1]."""
+    x = args.max_dead_fraction
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"--max-dead-fraction {x}: expected a share in [0, 1]")
+    return x

@@ -44,7 +44,15 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipelines.plumbing import beam_worker, progress, rolling
 from pipelines.plumbing import writers as W
 from pipelines.plumbing.rolling import prepare_out_dir
-from pipelines.plumbing.tagged import DEAD, MAIN, MAX_DEAD_FRACTION, refuse_if_dead, split
+from pipelines.plumbing.tagged import (
+    DEAD,
+    MAIN,
+    MAX_DEAD_FRACTION,
+    add_dead_fraction_arg,
+    dead_fraction,
+    refuse_if_dead,
+    split,
+)
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
 from tokenbridge import paths
@@ -236,13 +244,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
-    ap.add_argument(
-        "--max-dead-fraction",
-        type=float,
-        default=MAX_DEAD_FRACTION,
-        help="fail (exit 2, no COMPLETED) when more than this share of the input is dead-lettered "
-        f"(default {MAX_DEAD_FRACTION}); a run where every row died always fails",
-    )
+    add_dead_fraction_arg(ap)
     args, beam_args = ap.parse_known_args(argv)
     overrides = {}
     for item in args.override:
@@ -280,10 +282,6 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     out = args.out or default_out_dir(args.shards, args.teacher, args.k)
     if out.resolve() == args.shards.resolve():
         raise ValueError(f"--out {out} is the shard directory: choose another")
-    if not 0.0 <= args.max_dead_fraction <= 1.0:
-        raise ValueError(
-            f"--max-dead-fraction {args.max_dead_fraction}: expected a share in [0, 1]"
-        )
     cfg = JobConfig(
         shards=args.shards,
         out=out,
@@ -297,7 +295,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         device=args.device,
         threads=args.threads,
         overwrite=args.overwrite,
-        max_dead_fraction=args.max_dead_fraction,
+        max_dead_fraction=dead_fraction(args),
     )
     return cfg, default_runner_args(beam_args)
 
