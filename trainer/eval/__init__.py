@@ -2,10 +2,10 @@
 
 ``python -m trainer.eval --model a[,b] --tasks ... --limit N`` (see ``__main__``); the trainer
 calls ``evaluate_bpb`` for its inline eval and may call ``run_tasks`` on a small fixed subset.
-Data: ``python -m trainer.eval.datasets fetch`` (``data``); tasks and the stable subset (``tasks``);
-tokenization and scoring (``scoring``) over batched forward passes (``engine``); bits per byte
-(``bpb``); standard errors (``metrics``); generation (``generation``); the task loop
-(``runner``); tables (``report``).
+Data: ``python -m trainer.eval.datasets fetch`` (``datasets``); tasks and the stable subset
+(``tasks``); tokenization and log-likelihood scoring (``loglik``) over batched forward passes
+(``engine``); bits per byte (``bpb``); standard errors (``estimates``); generation
+(``generation``); the task loop (``runner``); tables (``results``).
 
 The public names load lazily, so ``python -m trainer.eval.datasets fetch`` imports no torch.
 """

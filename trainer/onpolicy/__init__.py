@@ -9,9 +9,10 @@ Read in this order (docs/onpolicy.md has the whole picture):
 - `realign`: a rollout's bytes rendered for a teacher with another tokenizer and aligned on the
   fly with the align job's own aligner (completion chunks only);
 - `rollouts`: rollouts -> microbatches for the student, each teacher and each loss;
-- `scoring`: the teachers' channel program (the student's top-k ids travel with the rows);
+- `rollout_scoring`: the teachers' channels, running the off-policy teachers' own program (the
+  student's top-k ids travel with the rows);
 - `teachers`: the run's on-policy terms, views and preflight checks;
-- `evaluate`: the teachers' bits per byte of the student's own completions;
+- `agreement`: the teachers' bits per byte of the student's own completions;
 - `rollout_source`: `OnPolicy`, the on-policy side of a run (sampling, scoring, policy lag, its
   checkpointed state, GKD's lambda draw), and `RolloutSource`, a step's rollouts handed to the
   one training step (`trainer.step`) as its microbatches.
