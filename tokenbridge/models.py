@@ -7,6 +7,13 @@ milliseconds yet use the REAL tokenizer of that directory, its vocabulary size i
 
 The student's vocabulary is the width of its lm_head (padded heads are wider than the
 tokenizer), never the tokenizer's size.
+
+Weights move strictly both ways: an export whose state dict has a key the config's model lacks,
+or lacks one it needs, is refused naming the keys (`exact_state_dict`), and so is a directory
+whose weights do not cover its config (`load_pretrained`): transformers would otherwise drop the
+one and initialise the other at random, with a warning. Tied weights (SmolLM2 and Gemma 3 tie
+lm_head to the embeddings) are one tensor under two names: either name may be given, or both
+when they are equal.
 """
 
 from __future__ import annotations
@@ -41,6 +48,65 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
+
+
+class WeightKeysError(ValueError):
+    """A state dict or weights file that does not match its model's keys (named in the message)."""
+
+
+def _names(keys, *, most: int = 8) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - most} more)" if len(keys) > most else ""
+    return f"{keys[:most]}{more}"
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
+    """``AutoModelForCausalLM.from_pretrained(path)``, refused when its weights do not match its
+    config: a missing key (transformers would initialise it at random), an unexpected one (it
+    would be dropped) or a shape mismatch, each named."""
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    wrong = [
+        f"{what.replace('_', ' ')} {_names(map(str, keys))}" for what, keys in info.items() if keys
+    ]
+    if wrong:
+        raise WeightKeysError(f"{path}: weights do not match config.json: {'; '.join(wrong)}")
+    return model
+
+
+def exact_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`state_dict` checked against `model`'s own keys, with tied aliases filled in.
+
+    Keys `model` lacks, and keys it needs that `state_dict` lacks, are an error naming them. A
+    weight tied to others (one tensor, several names) needs one of its names; given under
+    several, the tensors must be equal (the export keeps one).
+    """
+    own = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for k, v in own.items():
+        groups.setdefault(id(v), []).append(k)
+    out, missing = dict(state_dict), []
+    for names in groups.values():
+        given = [k for k in names if k in state_dict]
+        if not given:
+            missing += names
+            continue
+        for k in given[1:]:
+            if not torch.equal(state_dict[k], state_dict[given[0]]):
+                raise WeightKeysError(
+                    f"{k} and {given[0]} are tied in the model's config but differ in the state "
+                    "dict (an export would keep only one of them)"
+                )
+        out.update({k: state_dict[given[0]] for k in names if k not in given})
+    unexpected = set(state_dict) - set(own)
+    if missing or unexpected:
+        parts = [f"unexpected keys {_names(unexpected)}"] if unexpected else []
+        parts += [f"missing keys {_names(missing)}"] if missing else []
+        raise WeightKeysError(
+            f"state dict does not match {type(model).__name__}: {'; '.join(parts)}"
+        )
+    return out
 
 
 def model_config(cfg: ModelSource) -> PretrainedConfig:
@@ -78,7 +144,7 @@ def build_model(
         path = Path(cfg.path)
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
             raise FileNotFoundError(f"{path}: no weights (*.safetensors) for init=pretrained")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = load_pretrained(path, dtype=dtype)
     else:
         hf_cfg = model_config(cfg)
         with torch.random.fork_rng(devices=[]):
@@ -129,7 +195,9 @@ def export_hf(
     """Write a full (unsharded) student state dict as a plain HF directory, atomically.
 
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and any tokenizer loader read the result;
-    ``extra`` goes to ``tokenbridge.json`` next to it (provenance: step, run, teachers).
+    ``extra`` goes to ``tokenbridge.json`` next to it (provenance: step, run, teachers). Strict:
+    a key of `state_dict` the config's model lacks, or one it needs that is absent, is a
+    `WeightKeysError` naming it (`exact_state_dict`), and nothing is written.
     """
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -138,11 +206,14 @@ def export_hf(
         hf_cfg = model_config(cfg)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_cfg)
-        model.load_state_dict(state_dict, strict=False, assign=True)
-        missing = [k for k, p in model.state_dict().items() if p.is_meta]
-        if missing:
-            raise ValueError(f"export: state dict lacks {missing[:5]} (of {len(missing)})")
+        try:
+            model.load_state_dict(exact_state_dict(model, state_dict), strict=True, assign=True)
+        except WeightKeysError as e:
+            raise WeightKeysError(f"export of {cfg.path} to {out}: {e}") from None
         model.tie_weights()
+        left = [k for k, p in model.state_dict().items() if p.is_meta]
+        if left:  # strict loading above makes this impossible; a cheap guard all the same
+            raise WeightKeysError(f"export: state dict lacks {_names(left)}")
         model.save_pretrained(tmp)
         copy_tokenizer_files(cfg.path, tmp)
         if extra:

@@ -114,9 +114,9 @@ def test_resume_under_cp_and_tp_continues_exactly_and_exports(runs):
     run = runs / "cp2_tp2"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_this_run"] == 1 and summary["resumed_from"].endswith("step-00000001")
-    from transformers import AutoModelForCausalLM
+    from tokenbridge.models import load_pretrained
 
-    model = AutoModelForCausalLM.from_pretrained(run / "export")
+    model = load_pretrained(run / "export")  # strict: no weight missing, none left over
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.lm_head.weight.shape[0] == 49152
 

@@ -5,7 +5,8 @@ One process runs every case (tests/e2e/teacher_cache_cases.py). What is pinned:
 - fp32 storage: the per-step losses, KD terms, gradient norms and the final parameters of a run
   from the cache equal the live teacher's (kd_topk, and xtoken with the chain term through the
   Gemma projection), and the cached run starts no teacher worker and maps no ring;
-- fp16 storage: the first step's KD (same weights) within the bound derived below;
+- fp16 storage: the first step's KD (same weights) within the bound derived below, the bound
+  under 1 % of that KD (a peaked teacher: KD of nats) and the change seen under 1e-4 of it;
 - resuming mid-run from a checkpoint with a cache repeats the uninterrupted run's losses;
 - every cache that must not be read is refused by the preflight, before any model loads, with
   a message naming the entry and what differs.
@@ -86,12 +87,33 @@ def test_fp32_cache_trains_exactly_as_the_live_teacher(report, mode):
         assert all(m["kd/t"] > 0 for m in cached)
 
 
+# The fp16 bound and the observed change, as shares of the KD term they bound (step 1, same
+# weights). The bound is a worst case (every rounding in the same direction) with a floor of
+# tau^2 eta (2 log(k + 1) + 1), 0.02 to 0.03 nats for L = 7 to 12, whatever the KD: it only
+# says something next to a KD term of nats. Here (a peaked teacher, teacher_cache_cases.PEAKED)
+# KD = 4.04 nats, L = 7.0, the bound 0.032 nats = 0.8 % of KD, and the change seen 2.6e-5 nats
+# = 6e-6 of KD (0.08 % of the bound: round-to-nearest errors cancel). Why a 1 % share is
+# acceptable: it perturbs the target (each teacher probability by a factor within 1 +- eta,
+# 0.34 % here), the same way at every step, rather than adding a bias that grows with training;
+# and it is below this run's own change of KD from one batch to the next (0.05 to 0.19 nats).
+# For a well-matched pair (KD ~ 0.3 nats) the worst case would be 6 to 11 % of KD, which is why
+# the change actually seen is pinned as well, at under 1e-4 of KD.
+BOUND_SHARE_OF_KD = 0.01
+CHANGE_SHARE_OF_KD = 1e-4
+
+
 def test_fp16_cache_stays_within_the_derived_bound(report):
     r = report["kd_topk"]
     kd32, kd16 = r["runs"]["fp32"][0]["kd/t"], r["runs"]["fp16"][0]["kd/t"]
     bound = fp16_bound(kd32, max_abs_logprob=r["max_abs_logprob"], k=8)
-    assert abs(kd16 - kd32) <= bound, (kd16, kd32, bound)
+    change = abs(kd16 - kd32)
+    print(f"fp16 cache, step 1: KD {kd32:.6f} nats, bound {bound:.4f} ({bound / kd32:.3%} of KD), "
+          f"change {change:.2e} ({change / kd32:.2e} of KD, {change / bound:.2e} of the bound)")  # fmt: skip
+    assert change <= bound, (kd16, kd32, bound)
     assert kd16 != kd32  # rounded, not silently fp32
+    assert kd32 > 1.0, kd32  # a KD term of nats: the shares below mean something
+    assert bound < BOUND_SHARE_OF_KD * kd32, (bound, kd32)
+    assert change < CHANGE_SHARE_OF_KD * kd32, (change, kd32)
     for a, b in zip(r["runs"]["fp32"], r["runs"]["fp16"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
 

@@ -1,11 +1,13 @@
 """The on-policy sampler: greedy equals HF `generate`, the KV cache and left padding give the
-logits of a plain forward, stops and max_new_tokens, seeds, exact top-p, n samples."""
+logits of a plain forward, stops and max_new_tokens, seeds, exact top-p, n samples; the
+rollout phase's `gathered` block changes no output, with FSDP2 or without."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.tiny import tiny_llama
 from trainer.onpolicy.sampler import SamplingConfig, _left_pad, choose, gathered, sample
@@ -107,6 +109,69 @@ def test_top_p_is_exact():
 
 
 def test_gathered_is_a_no_op_without_fsdp(model):
+    """On a plain model the block changes nothing: the logits inside and after it, and a greedy
+    sample's completions and recorded top-k, are bit-identical to those without it (the same
+    forward on the same weights: nothing to tolerate), and the parameters are the same tensors
+    holding the same values."""
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    cfg = SamplingConfig(temperature=0, max_new_tokens=6, record_topk=4)
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    ref = sample(model, PROMPTS, config=cfg, seeds=None, stop_ids=[], vocab_size=V)
     with gathered(model, reshard_after_forward=True):
-        out = model(input_ids=torch.tensor([[1, 2, 3]])).logits
-    assert out.shape == (1, 3, V)
+        with torch.no_grad():
+            out = model(input_ids=ids).logits
+        got = sample(model, PROMPTS, config=cfg, seeds=None, stop_ids=[], vocab_size=V)
+    assert out.shape == (2, 3, V)
+    assert torch.equal(out, want)
+    assert got.completions == ref.completions
+    assert all(np.array_equal(a, b) for a, b in zip(got.topk_ids, ref.topk_ids))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+    now = dict(model.named_parameters())
+    assert now.keys() == params.keys() and all(now[n] is p for n, (p, _) in params.items())
+    assert all(torch.equal(p, kept) for p, kept in params.values())
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    if dist.is_initialized():  # another test left a one-process group: use it as it is
+        assert dist.get_world_size() == 1
+        yield
+        return
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_gathered_keeps_fsdp_parameters_whole_and_the_outputs_bit_identical(one_rank):
+    """Under FSDP2 (one rank, gloo) the block keeps every parameter unsharded across forwards
+    and reshards after it, restoring ``reshard_after_forward``; the logits inside and after it
+    are bit-identical to an unwrapped copy's (one rank's shard is the whole tensor, so the
+    gathered weights are the same values and the forward the same kernels)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    plain, wrapped = tiny_llama(V, seed=3), tiny_llama(V, seed=3)
+    for layer in wrapped.model.layers:
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(wrapped, reshard_after_forward=True)
+
+    def weight():  # looked up each time: FSDP2 registers the sharded or the whole parameter
+        return wrapped.model.layers[0].mlp.up_proj.weight
+
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        assert torch.equal(wrapped(input_ids=ids).logits, want)
+        assert isinstance(weight(), DTensor)  # resharded after each forward
+        with gathered(wrapped, reshard_after_forward=True):
+            for _ in range(2):
+                assert torch.equal(wrapped(input_ids=ids).logits, want)
+                assert not isinstance(weight(), DTensor)  # still whole after a forward
+        assert isinstance(weight(), DTensor)
+        assert torch.equal(wrapped(input_ids=ids).logits, want)
+        assert isinstance(weight(), DTensor)  # reshard_after_forward is back

@@ -320,8 +320,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, *, device: str = "auto", dtype: str = "auto"):
-    """(model, tokenizer, info) from a HF directory, after checking that it fits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer, info) from a HF directory, after checking that it fits; its weights
+    must match its config exactly (`tokenbridge.models.load_pretrained`): an export missing a
+    weight would otherwise be scored with that weight at random."""
+    from transformers import AutoTokenizer
+
+    from tokenbridge.models import load_pretrained
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -331,7 +335,7 @@ def load_model(path: str | Path, *, device: str = "auto", dtype: str = "auto"):
     params = check_fits(path, device=dev, dtype=dt)
     tokenizer = AutoTokenizer.from_pretrained(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev).eval()
+        model = load_pretrained(path, dtype=dt).to(dev).eval()
     except torch.OutOfMemoryError as e:
         raise ModelDoesNotFitError(f"{path}: out of memory while loading on {dev}") from e
     return (
