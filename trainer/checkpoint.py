@@ -221,12 +221,14 @@ def check_readable(path: Path) -> None:
         _state_doc(f)
 
 
-def _state_doc(path: Path) -> Any:
+def _state_doc(path: Path) -> dict[str, Any]:
+    """The state document of a ``rank<r>.json`` (`Checkpointer.save`)."""
     doc = read_json(path)
-    if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (
+    ours = isinstance(doc, dict) and (doc.get("format"), doc.get("version")) == (
         STATE_FORMAT,
         STATE_VERSION,
-    ):
+    )
+    if not ours or not isinstance(doc.get("state"), dict):
         raise DamagedCheckpointError(f"{path}: not a tokenbridge checkpoint state file")
     return doc["state"]
 
@@ -296,14 +298,7 @@ class Checkpointer:
         torch's traceback from inside its reader."""
         path = Path(path)
         live = _plain(state)
-        found = _on_every_rank(lambda: (read_index(path), self._saved(path)))
-        index, saved = found
-        missing = sorted(set(live) - set(saved))
-        if missing:
-            raise cli.same_on_every_rank(
-                ValueError(f"checkpoint {path}: holds no {missing} (saved by another setup)")
-            )
-        tensors = checkpoint_state.destinations(saved, checkpoint_state.split(live)[1])
+        index, saved, tensors = _on_every_rank(lambda: self._read(path, live))
         try:
             dcp.load(tensors, storage_reader=SafeReader(path, index), planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
@@ -315,8 +310,10 @@ class Checkpointer:
             else:
                 state[k] = loaded[k]
 
-    def _saved(self, path: Path) -> dict[str, Any]:
-        """This rank's non-tensor state, with references to its tensors."""
+    def _read(self, path: Path, live: dict[str, Any]) -> tuple:
+        """DCP's index, this rank's state document and the tensors DCP is to fill, checked
+        before anything is loaded (`_on_every_rank`: a failure stops every rank alike)."""
+        index = read_index(path)
         f = path / f"rank{self.rank}.json"
         if not f.is_file():
             n = len(list(path.glob("rank*.json")))
@@ -324,10 +321,15 @@ class Checkpointer:
                 f"checkpoint {path}: no {f.name}: it was saved by {n} processes and this run "
                 f"has {dist.get_world_size()}; resume it with {n}"
             )
-        doc = _state_doc(f)
-        if not isinstance(doc, dict):
-            raise DamagedCheckpointError(f"{f}: holds no state")
-        return doc
+        saved = _state_doc(f)
+        if missing := sorted(set(live) - set(saved)):
+            raise ValueError(f"{f}: holds no {missing} (saved by another setup)")
+        try:
+            tensors = checkpoint_state.destinations(saved, checkpoint_state.split(live)[1])
+            checkpoint_state.join(saved, tensors)  # every reference and tag is whole
+        except (KeyError, TypeError, ValueError) as e:
+            raise DamagedCheckpointError(f"{f}: not a tokenbridge checkpoint state ({e!r})") from e
+        return index, saved, tensors
 
     def _unreadable(self, path: Path, e: BaseException) -> BaseException:
         """What to raise for DCP's failure `e` to read checkpoint `path`."""

@@ -50,7 +50,8 @@ PICKLE_ERA = (
     "unpickling can run code, so it is not read (a checkpoint written before tokenbridge "
     "stored them as tensors and JSON, or a file put there); start from step 0 (move the "
     "checkpoints folder aside, or use another run_dir), or start a new run from the student "
-    "exported at the end of that run (model.path=<run_dir>/export)"
+    "that run exported (model.path=<run_dir>/export: its weights, without the optimizer or "
+    "data position)"
 )
 PLANTED = (
     "tokenbridge's checkpointer writes tensors only there, so the file was changed or put "

@@ -43,14 +43,14 @@ def split(state: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
                 ref["device"] = t.device.type
             return ref
         if isinstance(x, (list, tuple)):
-            items = [enc(v, f"{path}{SEP}{i}") for i, v in enumerate(x)]
+            items = [enc(v, _child(path, i)) for i, v in enumerate(x)]
             return {TUPLE: items} if isinstance(x, tuple) else items
         if isinstance(x, bytes):
             return {BYTES: base64.b64encode(x).decode("ascii")}
         if isinstance(x, dict):
             if all(isinstance(k, str) and not k.startswith("$") for k in x):
-                return {k: enc(v, f"{path}{SEP}{k}" if path else k) for k, v in x.items()}
-            return {DICT: [[enc(k, f"{path}{SEP}key"), enc(v, f"{path}{SEP}{k}")]
+                return {k: enc(v, _child(path, k)) for k, v in x.items()}
+            return {DICT: [[enc(k, _child(path, "key")), enc(v, _child(path, k))]
                            for k, v in x.items()]}  # fmt: skip
         raise TypeError(
             f"checkpoint state {path or '<root>'}: a {type(x).__name__} is neither a tensor nor a "
@@ -58,6 +58,10 @@ def split(state: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         )
 
     return enc(state, prefix), tensors
+
+
+def _child(path: str, key: Any) -> str:
+    return f"{path}{SEP}{key}" if path else str(key)
 
 
 def refs(doc: Any) -> dict[str, dict]:
@@ -127,7 +131,7 @@ def join(doc: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _tag(x: dict) -> str | None:
-    """The tag of a tagged value (None for a plain dict); a ``$`` key we do not write is an error."""
+    """The tag of a tagged value (None for a plain dict); a ``$`` key we never write is refused."""
     tags = [k for k in x if k.startswith("$")]
     if not tags:
         return None
