@@ -3,25 +3,31 @@
 A checkpoint is one ``torch.distributed.checkpoint`` directory per saved step,
 ``<run_dir>/checkpoints/step-00000N``, holding:
 
-- ``app.model`` / ``app.optim``: the sharded student and AdamW state (DCP reshards on load);
-- ``scheduler`` and ``step``: the same on every rank;
-- ``rank<r>``: what is private to a rank: its data position (shard stream) and its RNG states.
-  A resumed run must use the same world size (the data layout checks it and says so).
+- ``app`` (the sharded student and AdamW state: DCP reshards on load), ``scheduler`` and
+  ``step``: the same on every rank;
+- ``rank<r>``: what is private to a rank: its data position (shard stream), its RNG states and
+  its on-policy position. A resumed run must use the same world size.
+
+Nothing in it is a pickle, and nothing is unpickled to resume (`trainer.checkpoint_state`,
+`trainer.checkpoint_dcp`): the tensors are DCP's tensor records (read with torch's weights-only
+unpickler), every other value is JSON (``rank<r>.json``, one per rank, its tensors referenced
+by key), and DCP's index ``.metadata`` is JSON too. A file that is a pickle, or a record that
+names anything but tensors, is refused by name (`UnsafeCheckpointError`), never read.
 
 Saving is atomic: every rank writes into ``step-N.tmp``; after DCP's own final barrier rank 0
 writes ``COMPLETED`` (every file's size and xxh3_64 checksum, gathered from the ranks) and then
 renames the directory to ``step-N``, so a directory without ``.tmp`` is always whole, and only
-the newest ``keep`` are kept. The checksums are computed while DCP writes: its
-``FileSystemWriter`` opens every file through a replaceable ``fs.create_stream``, and ours
-(`_HashingFileSystem`) hands it a `tokenbridge.formats.checksums.HashingSink`, so no file is read back.
+the newest ``keep`` are kept. The checksums are computed while the files are written (DCP's
+writer opens every file through a replaceable ``fs.create_stream``), so no file is read back.
 
 Resuming (`find_resume`, run by preflight before any model loads) verifies the checkpoint's
-files against its marker. ``checkpoint.resume=auto``: the newest checkpoint that verifies; a
-damaged newer one is renamed ``step-N.damaged`` (never deleted, and no longer counted) and the
-run says so in one line; with ``checkpoint.strict=true`` a damaged newest one is refused
-instead. A checkpoint named by path is verified and refused when damaged. A checkpoint written
-before markers existed (``.metadata``, no ``COMPLETED``) is resumed from unverified (refused
-in one line if DCP cannot read it).
+files against its marker, then that its index and state files are JSON. ``checkpoint.resume=
+auto``: the newest checkpoint that verifies; a damaged newer one is renamed ``step-N.damaged``
+(never deleted, and no longer counted) and the run says so in one line; with
+``checkpoint.strict=true`` a damaged newest one is refused instead. A checkpoint named by path
+is verified and refused when damaged. A checkpoint without ``COMPLETED`` is resumed from
+unverified (refused in one line if it cannot be read); one written before checkpoints were
+JSON and tensors (its ``.metadata`` a pickle) is refused, whatever its marker says.
 
 The export (`export_student`) is the whole student gathered to rank 0 and written by
 `tokenbridge.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
@@ -31,10 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import random
 import shutil
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,8 +57,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tokenbridge import models
+from tokenbridge import cli, models
 from tokenbridge.formats import checksums as integrity
+from trainer import checkpoint_state
+from trainer.checkpoint_dcp import (
+    DamagedCheckpointError,
+    SafePlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+    Writer,
+    read_index,
+    read_json,
+)
 from trainer.config.schema import CheckpointConfig, ModelConfig
 
 STEP_PREFIX = "step-"
@@ -63,10 +76,7 @@ EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT: export the student after th
 MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (tokenbridge.verify reads it)
 MARKER_VERSION = 1
 DAMAGED = ".damaged"  # suffix of a checkpoint moved aside by a resume that found it damaged
-
-
-class DamagedCheckpointError(integrity.IntegrityError):
-    """The checkpoint to resume from fails its checksums (strict mode, or named by path)."""
+STATE_FORMAT, STATE_VERSION = "tokenbridge-checkpoint-state", 1  # rank<r>.json
 
 
 class ModelOptimState(Stateful):
@@ -89,21 +99,22 @@ class ModelOptimState(Stateful):
         )
 
 
-def rng_state() -> bytes:
-    """Every RNG a step may draw from (python, numpy, torch CPU and CUDA), as one blob."""
-    state = {
+def rng_state() -> dict[str, Any]:
+    """Every RNG a step may draw from (python, numpy, torch CPU and CUDA): JSON values (the
+    first two) and byte tensors (torch's)."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, key.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
-    return pickle.dumps(state)
 
 
-def set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
+def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -125,37 +136,6 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
             if p.name.startswith(STEP_PREFIX) and digits.isdigit() and whole:
                 out.append((int(digits), p))
     return sorted(out)
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, hashing every file it writes on its way to disk."""
-
-    def __init__(self):
-        super().__init__()
-        self.entries: dict[str, dict] = {}  # file name -> marker entry
-        self._lock = threading.Lock()  # DCP may write files from several threads
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        sink = integrity.HashingSink(path)
-        try:
-            yield sink
-        except BaseException:
-            sink.file.close()
-            raise
-        sink.close()
-        with self._lock:
-            self.entries[Path(path).name] = sink.entry()
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
-        with self._lock:
-            if (e := self.entries.pop(Path(path).name, None)) is not None:
-                self.entries[Path(new_path).name] = e
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -206,11 +186,13 @@ def find_resume(folder: Path, cfg: CheckpointConfig, *, rank: int) -> Resume:
             )
         if (err := verify_checkpoint(path)) is not None:
             raise DamagedCheckpointError(f"checkpoint.resume={path}: {err}")
+        check_readable(path)
         return Resume(path, _unverified(path))
     notes: list[str] = []
     for _, path in reversed(list_checkpoints(folder)):
         err = verify_checkpoint(path)
         if err is None:
+            check_readable(path)  # verified is not safe: a planted file re-hashed verifies
             if notes:
                 notes[-1] += f"; resuming from {path.name}"
             return Resume(path, notes + _unverified(path))
@@ -229,6 +211,33 @@ def find_resume(folder: Path, cfg: CheckpointConfig, *, rank: int) -> Resume:
     return Resume(None)
 
 
+def check_readable(path: Path) -> None:
+    """Refuse checkpoint `path` unless its index and every state file are ours: JSON (a pickle
+    is `UnsafeCheckpointError`, anything else `DamagedCheckpointError`; neither is unpickled).
+    Preflight calls it on every rank before any model loads; the tensor records are checked by
+    the weights-only reader as `Checkpointer.load` reads them."""
+    read_index(path)
+    for f in sorted(path.glob("rank*.json")):
+        _state_doc(f)
+
+
+def _state_doc(path: Path) -> dict[str, Any]:
+    """The state document of a ``rank<r>.json`` (`Checkpointer.save`)."""
+    doc = read_json(path)
+    ours = isinstance(doc, dict) and (doc.get("format"), doc.get("version")) == (
+        STATE_FORMAT,
+        STATE_VERSION,
+    )
+    if not ours or not isinstance(doc.get("state"), dict):
+        raise DamagedCheckpointError(f"{path}: not a tokenbridge checkpoint state file")
+    return doc["state"]
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with each DCP `Stateful` (the student and optimizer) replaced by its state dict."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
 def _unverified(path: Path) -> list[str]:
     if (path / MARKER).is_file():
         return []
@@ -245,7 +254,8 @@ class Checkpointer:
         self.rank = rank
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write `state` (collective: every rank calls it) and return the final directory."""
+        """Write `state` (collective: every rank calls it) and return the final directory:
+        its tensors through DCP, the rest as ``rank<r>.json`` (`trainer.checkpoint_state`)."""
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
@@ -253,11 +263,13 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier()
-        writer = dcp.FileSystemWriter(str(tmp))
-        writer.fs = fs = _HashingFileSystem()
-        dcp.save(state, storage_writer=writer)
+        doc, tensors = checkpoint_state.split(_plain(state))
+        writer = Writer(tmp)
+        state_file = {"format": STATE_FORMAT, "version": STATE_VERSION, "rank": self.rank}
+        writer.fs.write_json(tmp / f"rank{self.rank}.json", {**state_file, "state": doc})
+        dcp.save(tensors, storage_writer=writer)
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, fs.entries)  # each rank hashed the files it wrote
+        dist.all_gather_object(gathered, writer.fs.entries)  # each rank hashed what it wrote
         if self.rank == 0:
             sums = {name: e for entries in gathered for name, e in entries.items()}
             marker = {
@@ -279,21 +291,76 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
-        """Fill `state` (same structure as saved; Stateful values are loaded in place). A
-        checkpoint without a marker (not verified) that DCP cannot read is refused in one line
-        (`DamagedCheckpointError`) instead of torch's traceback from inside its reader."""
+        """Fill `state` (same structure as saved; Stateful values are loaded in place), every
+        rank alike (collective). Refused in one line, on every rank: a file that is a pickle or
+        a tensor record that names code (`UnsafeCheckpointError`), and a checkpoint without a
+        marker (not verified) that cannot be read (`DamagedCheckpointError`), instead of
+        torch's traceback from inside its reader."""
+        path = Path(path)
+        live = _plain(state)
+        index, saved, tensors = _on_every_rank(lambda: self._read(path, live))
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(tensors, storage_reader=SafeReader(path, index), planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
-            if (Path(path) / MARKER).is_file():
-                raise  # verified bytes: a real mismatch (another model), not damage
-            # DCP's CheckpointException carries each rank's traceback: its last line says why
-            cause = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
-            raise DamagedCheckpointError(
-                f"checkpoint {path}: has no {MARKER} (written before checksums, so not "
-                f"verified) and cannot be read ({cause}); resume from "
-                "another one (checkpoint.resume=<dir>) or start fresh (checkpoint.resume=none)"
-            ) from e
+            raise self._unreadable(path, e) from e
+        loaded = checkpoint_state.join(saved, tensors)
+        for k, v in state.items():
+            if isinstance(v, Stateful):
+                v.load_state_dict(loaded[k])
+            else:
+                state[k] = loaded[k]
+
+    def _read(self, path: Path, live: dict[str, Any]) -> tuple:
+        """DCP's index, this rank's state document and the tensors DCP is to fill, checked
+        before anything is loaded (`_on_every_rank`: a failure stops every rank alike)."""
+        index = read_index(path)
+        f = path / f"rank{self.rank}.json"
+        if not f.is_file():
+            n = len(list(path.glob("rank*.json")))
+            raise ValueError(
+                f"checkpoint {path}: no {f.name}: it was saved by {n} processes and this run "
+                f"has {dist.get_world_size()}; resume it with {n}"
+            )
+        saved = _state_doc(f)
+        if missing := sorted(set(live) - set(saved)):
+            raise ValueError(f"{f}: holds no {missing} (saved by another setup)")
+        try:
+            tensors = checkpoint_state.destinations(saved, checkpoint_state.split(live)[1])
+            checkpoint_state.join(saved, tensors)  # every reference and tag is whole
+        except (KeyError, TypeError, ValueError) as e:
+            raise DamagedCheckpointError(f"{f}: not a tokenbridge checkpoint state ({e!r})") from e
+        return index, saved, tensors
+
+    def _unreadable(self, path: Path, e: BaseException) -> BaseException:
+        """What to raise for DCP's failure `e` to read checkpoint `path`."""
+        failures = e.failures.values() if isinstance(e, CheckpointException) else [(e, None)]
+        for err, _ in failures:  # every rank holds every rank's failure: they raise alike
+            if isinstance(err, (UnsafeCheckpointError, DamagedCheckpointError)):
+                return cli.same_on_every_rank(err)
+        if (path / MARKER).is_file():
+            return e  # verified bytes: a real mismatch (another model), not damage
+        # DCP's CheckpointException carries each rank's traceback: its last line says why
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+        return DamagedCheckpointError(
+            f"checkpoint {path}: has no {MARKER} (written before checksums, so not "
+            f"verified) and cannot be read ({cause}); resume from "
+            "another one (checkpoint.resume=<dir>) or start fresh (checkpoint.resume=none)"
+        )
+
+
+def _on_every_rank(read):
+    """``read()`` on every rank; if it fails on any, every rank raises the first failure (a
+    rank alone would leave the others waiting in DCP's collectives)."""
+    try:
+        out, err = read(), None
+    except (integrity.IntegrityError, ValueError, OSError) as e:
+        out, err = None, e
+    errors: list[BaseException | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    first = next((x for x in errors if x is not None), None)
+    if first is not None:
+        raise cli.same_on_every_rank(first)
+    return out
 
 
 def _fsync_dir(path: Path) -> None:

@@ -199,7 +199,8 @@ class Trainer:
         return self.stepper.skipped_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs (DCP-ready: Stateful model+optim, per-rank blobs)."""
+        """Everything a resumed run needs: the Stateful model+optim and, per rank, plain values
+        and tensors (`trainer.checkpoint`: stored as tensors and JSON, nothing pickled)."""
         position = self.feed.position()
         mine = {"data": position["position"], "rng": ckpt.rng_state()}
         if self.onpolicy is not None:

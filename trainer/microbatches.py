@@ -26,7 +26,6 @@ on one context-parallel rank.
 
 from __future__ import annotations
 
-import pickle
 import random
 import zlib
 from dataclasses import dataclass, field, fields
@@ -452,11 +451,11 @@ class MicrobatchLoader:
         return [self.stream.reader.row(int(i)) for i in self.stream.eval_rows[:limit]]
 
     def state_dict(self) -> dict:
-        # one opaque blob: DCP stores bytes as they are, and the position is tiny
-        return {"position": pickle.dumps(self.stream.state_dict())}
+        # plain values (a checkpoint stores them as JSON: trainer.checkpoint_state)
+        return {"position": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(pickle.loads(state["position"]))
+        self.stream.load_state_dict(state["position"])
 
 
 def pad_id(tokenizer) -> int:

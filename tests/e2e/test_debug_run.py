@@ -10,13 +10,15 @@ one line from the rank that lost its worker, exit 1, no orphan, no /dev/shm segm
 torchrun or Python's resource tracker), a run with mismatched shards (refused before anything is
 built, in one line), and the integrity cases of issue 20: a copy of the full run whose newest
 checkpoint is truncated (refused with checkpoint.strict=true; else resumed from the older one,
-same losses) and a copy of the shards with 32 bytes changed (refused in one line, exit 2).
+same losses) and a copy of the shards with 32 bytes changed (refused in one line, exit 2); and
+of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, never run).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -39,6 +41,7 @@ from tests.e2e.helpers import (
     shakespeare_docs,
     write_shards,
 )
+from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
 from tokenbridge import models
 from tokenbridge.formats.shards import open_shards
@@ -344,6 +347,36 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(inputs, full_run)
     assert sorted(resumed) == [5, 6, 7, 8]
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
+
+
+def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(inputs, full_run, tmp_path):
+    """Issue 28, item 3: a copy of the full run whose newest checkpoint holds a pickle that would
+    create a file when unpickled, its checksum marker rewritten to match. In DCP's index:
+    refused by preflight (one process); in a tensor record of rank 1's file: refused as the two
+    ranks load it (`trainer.launch`). Both: one line naming the file, exit 2, no step, no
+    older checkpoint tried, and the file never created."""
+    ran = tmp_path / "payload-ran"
+    payload = pickle.dumps(Payload(ran), protocol=2)
+    for name, nproc in ((".metadata", 1), ("__1_0.distcp", 2)):
+        run_dir = inputs["tmp"] / f"planted-{nproc}"
+        shutil.copytree(full_run / "checkpoints", run_dir / "checkpoints")
+        newest = run_dir / "checkpoints" / "step-00000008"
+        f = newest / name
+        data = bytearray(f.read_bytes() if nproc > 1 else b"")
+        data[: len(payload)] = payload
+        f.write_bytes(bytes(data))
+        rewrite_marker(newest)
+        cmd = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
+               f"run_dir={run_dir}", "steps=10", "eval.max_texts=0", "checkpoint.save_at_end=false",
+               f"teachers.0.projection={PROJECTION}", *CPU]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-4000:]
+        line = _one_line(proc.stderr, f"UnsafeCheckpointError: {f}", "is not read")
+        assert ("is a pickle, not JSON" if nproc == 1 else "names io.open") in line
+        assert not ran.exists() and not records(run_dir)
+        assert newest.is_dir()  # refused, not moved aside as damaged
 
 
 def test_changed_shard_bytes_are_refused_in_one_line(inputs):

@@ -7,6 +7,7 @@ SmolLM2 tokenizer's real fingerprint), so every test runs in milliseconds.
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats.shards import ShardWriter, open_shards, shard_name, write_completed
 from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
+from trainer import checkpoint_state
 from trainer.microbatches import (
     IGNORE,
     MicrobatchLoader,
@@ -160,7 +162,7 @@ def test_position_resumes_exactly(shards):
         stream(shard_set, rank=0, size=3, seed=3).load_state_dict(state)
 
 
-def test_loader_state_is_a_blob_and_resumes_microbatches(shards):
+def test_loader_state_is_json_and_resumes_microbatches(shards):
     shard_set, _ = shards
 
     def loader():
@@ -171,11 +173,11 @@ def test_loader_state_is_a_blob_and_resumes_microbatches(shards):
 
     a = loader()
     next(a)
-    state = a.state_dict()
-    assert isinstance(state["position"], bytes)
+    doc, tensors = checkpoint_state.split(a.state_dict())
+    assert not tensors  # plain values: a checkpoint holds them as JSON, nothing pickled
     want = [next(a).rows for _ in range(4)]
     b = loader()
-    b.load_state_dict(state)
+    b.load_state_dict(checkpoint_state.join(json.loads(json.dumps(doc)), {}))
     assert [next(b).rows for _ in range(4)] == want
 
 

@@ -31,7 +31,6 @@ Legend: B rollouts in a microbatch, T student positions, V student lm_head width
 from __future__ import annotations
 
 import contextlib
-import pickle
 import random
 import time
 import zlib
@@ -290,22 +289,21 @@ class OnPolicy:
         names = [t.name for t in self.teachers.terms]
         return completion_bpb(batches, outs, names, student=self.tr.prep.student_tok)
 
-    def state_dict(self) -> bytes:
+    def state_dict(self) -> dict:
         """This rank's on-policy position: prompts, the lambda RNG, pending rollouts (sampling
-        needs no state: each rollout's seed is derived from what it is)."""
-        return pickle.dumps(
-            {
-                "prompts": self.prompts.state_dict(),
-                "choice": self.choice.getstate(),
-                "pending": self.pending,
-            }
-        )
+        needs no state: each rollout's seed is derived from what it is). Plain values and
+        numpy arrays: a checkpoint stores them as JSON and tensors (trainer.checkpoint_state)."""
+        return {
+            "prompts": self.prompts.state_dict(),
+            "choice": self.choice.getstate(),
+            "pending": None if self.pending is None else dict(vars(self.pending)),
+        }
 
-    def load_state_dict(self, blob: bytes) -> None:
-        state = pickle.loads(blob)
+    def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.choice.setstate(state["choice"])
-        self.pending = state["pending"]
+        pending = state["pending"]
+        self.pending = None if pending is None else Rollouts(**pending)
         if self.pending is not None:  # the teacher scores it again: the channels start empty
             self._pending_batches = self.batches(self.pending)
             self.submit(self._pending_batches)
