@@ -30,7 +30,7 @@ from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import value_checks as values
 
 MARKER = "COMPLETED"
-STEP_PREFIX = "step-"  # the trainer's checkpoint directories (trainer.checkpoint)
+STEP_PREFIX = "step-"  # the trainer's checkpoint directories (trainer.checkpoint.checkpointer)
 
 
 def _shard_values(d: Path, name: str) -> str | None:

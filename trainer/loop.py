@@ -42,8 +42,8 @@ from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
 from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 from tokenbridge.formats import checksums as integrity
-from trainer import checkpoint as ckpt
 from trainer import optim, report
+from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.preflight import Prepared
 from trainer.config.schema import TrainConfig
 from trainer.eval import evaluate_bpb, trained_bpb
@@ -200,7 +200,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: the Stateful model+optim and, per rank, plain values
-        and tensors (`trainer.checkpoint`: stored as tensors and JSON, nothing pickled)."""
+        and tensors (`trainer.checkpoint.checkpointer`: stored as tensors and JSON, nothing pickled)."""
         position = self.feed.position()
         mine = {"data": position["position"], "rng": ckpt.rng_state()}
         if self.onpolicy is not None:

@@ -451,7 +451,7 @@ class MicrobatchLoader:
         return [self.stream.reader.row(int(i)) for i in self.stream.eval_rows[:limit]]
 
     def state_dict(self) -> dict:
-        # plain values (a checkpoint stores them as JSON: trainer.checkpoint_state)
+        # plain values (a checkpoint stores them as JSON: trainer.checkpoint.state_split)
         return {"position": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tokenbridge.dist_ops.collectives import group_size
 from tokenbridge.losses.base import LossOutput, normalize
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.schema import OptimConfig
 from trainer.parallel import parallelize
 from trainer.parallel.mesh import ParallelGroups

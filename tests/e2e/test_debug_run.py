@@ -157,7 +157,7 @@ def test_export_holds_the_trained_weights(full_run):
     ckpt = Path(summary["checkpoint"])
     assert ckpt.name == "step-00000008"
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    prefix = "app.model."  # trainer.checkpoint.ModelOptimState's model state, by FQN
+    prefix = "app.model."  # trainer.checkpoint.checkpointer.ModelOptimState's model state, by FQN
     trained = {k[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in meta.items() if k.startswith(prefix)}  # fmt: skip
     dcp.load({prefix + k: v for k, v in trained.items()}, checkpoint_id=str(ckpt), no_dist=True)

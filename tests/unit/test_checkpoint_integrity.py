@@ -15,7 +15,7 @@ import torch.distributed as dist
 import xxhash
 
 from tokenbridge import verify
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.schema import CheckpointConfig
 
 

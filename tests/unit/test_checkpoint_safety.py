@@ -28,8 +28,9 @@ import xxhash
 
 from tests.unit.test_checkpoint_integrity import _state, group  # noqa: F401 - a fixture
 from tokenbridge import cli
-from trainer import checkpoint as ckpt
-from trainer import checkpoint_dcp, checkpoint_state
+from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint import dcp_io as checkpoint_dcp
+from trainer.checkpoint import state_split as checkpoint_state
 from trainer.config.schema import CheckpointConfig
 from trainer.main import RULES
 

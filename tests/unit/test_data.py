@@ -16,7 +16,7 @@ import torch
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats.shards import ShardWriter, open_shards, shard_name, write_completed
 from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
-from trainer import checkpoint_state
+from trainer.checkpoint import state_split as checkpoint_state
 from trainer.microbatches import (
     IGNORE,
     MicrobatchLoader,

@@ -6,7 +6,7 @@ whose attention cannot be sequence-sharded under CP, a damaged shard or checkpoi
 in seconds, with a message that names the file and the field. Only tokenizers, shard metadata,
 projection tables and config.json files are read, plus, to verify them, the shard files
 (``data.verify``: `first_open` and `preflight` both hash them here, as the row-length scan maps
-every file) and the checkpoint to resume from (`trainer.checkpoint.find_resume`).
+every file) and the checkpoint to resume from (`trainer.checkpoint.checkpointer.find_resume`).
 
 The config's rules are not restated here: the ones that need the number of processes or the
 tokenizers (a same-tokenizer loss on a pair with two vocabularies, a projection mode without its
@@ -29,7 +29,7 @@ from tokenbridge.formats.teacher_cache_reader import CacheSet
 from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import Projection, load_projection
 from tokenbridge.tokenizers import Tokenizer, load_tokenizer
-from trainer.checkpoint import find_resume, list_checkpoints
+from trainer.checkpoint.checkpointer import find_resume, list_checkpoints
 from trainer.config import rules
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.microbatches import ShardReader

@@ -292,7 +292,7 @@ class OnPolicy:
     def state_dict(self) -> dict:
         """This rank's on-policy position: prompts, the lambda RNG, pending rollouts (sampling
         needs no state: each rollout's seed is derived from what it is). Plain values and
-        numpy arrays: a checkpoint stores them as JSON and tensors (trainer.checkpoint_state)."""
+        numpy arrays: a checkpoint stores them as JSON and tensors (trainer.checkpoint.state_split)."""
         return {
             "prompts": self.prompts.state_dict(),
             "choice": self.choice.getstate(),

@@ -4,7 +4,7 @@ JSON, and a reader that runs no code from the files it reads.
 Stock ``torch.distributed.checkpoint`` writes its index (``.metadata``) with `pickle.dump` and
 reads it back with `pickle.load`, and its default planner reads every non-tensor item with
 ``torch.load(weights_only=False)``: a crafted file would run whatever code it names. Here
-(the state itself is tensors and JSON: `trainer.checkpoint_state`):
+(the state itself is tensors and JSON: `trainer.checkpoint.state_split`):
 
 - `Writer`: DCP's `FileSystemWriter`, each file opened through `HashingFileSystem` (hashed on
   its way to disk, for the ``COMPLETED`` marker), the index written as JSON (`encode_index`);

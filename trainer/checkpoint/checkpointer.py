@@ -8,8 +8,8 @@ A checkpoint is one ``torch.distributed.checkpoint`` directory per saved step,
 - ``rank<r>``: what is private to a rank: its data position (shard stream), its RNG states and
   its on-policy position. A resumed run must use the same world size.
 
-Nothing in it is a pickle, and nothing is unpickled to resume (`trainer.checkpoint_state`,
-`trainer.checkpoint_dcp`): the tensors are DCP's tensor records (read with torch's weights-only
+Nothing in it is a pickle, and nothing is unpickled to resume (`trainer.checkpoint.state_split`,
+`trainer.checkpoint.dcp_io`): the tensors are DCP's tensor records (read with torch's weights-only
 unpickler), every other value is JSON (``rank<r>.json``, one per rank, its tensors referenced
 by key), and DCP's index ``.metadata`` is JSON too. A file that is a pickle, or a record that
 names anything but tensors, is refused by name (`UnsafeCheckpointError`), never read.
@@ -59,8 +59,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from tokenbridge import cli, models
 from tokenbridge.formats import checksums as integrity
-from trainer import checkpoint_state
-from trainer.checkpoint_dcp import (
+from trainer.checkpoint import state_split as checkpoint_state
+from trainer.checkpoint.dcp_io import (
     DamagedCheckpointError,
     SafePlanner,
     SafeReader,
@@ -255,7 +255,7 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write `state` (collective: every rank calls it) and return the final directory:
-        its tensors through DCP, the rest as ``rank<r>.json`` (`trainer.checkpoint_state`)."""
+        its tensors through DCP, the rest as ``rank<r>.json`` (`trainer.checkpoint.state_split`)."""
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
