@@ -46,6 +46,7 @@ from tests.unit.test_report import check_numbers, check_page
 from tokenbridge import models
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
+from trainer.checkpoint import dcp_io
 from trainer.config.sections import DataConfig
 from trainer.eval.bpb import evaluate_bpb
 from trainer.eval.runner import load_model
@@ -156,11 +157,13 @@ def test_export_holds_the_trained_weights(full_run):
     summary = json.loads((full_run / "summary.json").read_text())
     ckpt = Path(summary["checkpoint"])
     assert ckpt.name == "step-00000008"
-    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    prefix = "app.model."  # trainer.checkpoint.checkpointer.ModelOptimState's model state, by FQN
+    index = dcp_io.read_index(ckpt)  # the checkpoint's JSON index, read as the trainer does
+    meta = index.state_dict_metadata
+    prefix = "app/model/"  # ModelOptimState's model state, keyed by path (state_split)
     trained = {k[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in meta.items() if k.startswith(prefix)}  # fmt: skip
-    dcp.load({prefix + k: v for k, v in trained.items()}, checkpoint_id=str(ckpt), no_dist=True)
+    dcp.load({prefix + k: v for k, v in trained.items()}, storage_reader=dcp_io.SafeReader(ckpt, index),
+             planner=dcp_io.SafePlanner(), no_dist=True)  # fmt: skip
     exported = models.load_pretrained(full_run / "export").state_dict()
     assert sorted(exported) == sorted(trained) and len(trained) == 21
     differ = [k for k in trained if not torch.equal(exported[k], trained[k])]

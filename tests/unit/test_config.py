@@ -9,12 +9,14 @@ inputs (no model is built anywhere in this file).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from torch.distributed.checkpoint.metadata import Metadata
 
 from tests.unit.test_data import synthetic_rows
 from tokenbridge.cli import UsageError
@@ -23,6 +25,7 @@ from tokenbridge.formats.shards import FingerprintMismatchError, IncompleteShard
 from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import TENSORS, ProjectionMismatchError
 from tokenbridge.tokenizers import load_tokenizer
+from trainer.checkpoint import dcp_io
 from trainer.config.preflight import preflight
 from trainer.config.schema import ConfigError, from_dictconfig
 from trainer.main import hydra_overrides, load_config, main
@@ -271,7 +274,8 @@ def test_a_fresh_start_over_an_earlier_run_is_refused(tmp_path, student_dir, smo
     shards = write_synthetic(tmp_path / "ok", smol, [smol])
     old = tmp_path / "run" / "checkpoints" / "step-00000003"
     old.mkdir(parents=True)
-    (old / ".metadata").write_bytes(b"")
+    empty = dcp_io.encode_index(Metadata(state_dict_metadata={}, planner_data={}, storage_data={}))
+    (old / ".metadata").write_text(json.dumps(empty))
     cfg = cfg_for(student_dir, shards, run_dir=str(tmp_path / "run"), checkpoint={"resume": "none"})
     with pytest.raises(ConfigError, match="up to step 3.*checkpoint.resume=auto"):
         preflight(cfg, world_size=1)
