@@ -120,48 +120,47 @@ def test_cached_values_are_the_teacher_programs_outputs(inputs, fn_cache, studen
         assert np.array_equal(np.repeat(packed, counts), np.sort(draws.ids[0], -1).ravel())
 
 
+def _with_bad_ids(inputs, name: str, bad_rows: list[int]) -> list[str]:
+    """The job's arguments over a copy of the first 3 shard rows whose teacher column holds an
+    id past SmolLM2's 49,152 in `bad_rows`."""
+    ss = shards.open_shards(inputs["shards"])
+    rows = ss.table().slice(0, 3).to_pylist()
+    for i in bad_rows:
+        rows[i][S.teacher_ids_column(0)] = [5, 60_000, 7]
+        rows[i][S.teacher_chunk_column(0)] = [0, 1, 2]
+    d = inputs["tmp"] / name
+    d.mkdir()
+    schema = S.shard_schema(ss.meta.student, ss.meta.teachers)
+    with shards.ShardWriter(d / shards.shard_name(0, 1), schema) as w:
+        w.write_rows([{k: (np.asarray(v, np.int32) if isinstance(v, list) else v)
+                       for k, v in r.items()} for r in rows])  # fmt: skip
+    shards.write_completed(d, json.loads((inputs["shards"] / "stats.json").read_text()),
+                           files={shards.shard_name(0, 1): 3})  # fmt: skip
+    return [a if a != str(inputs["shards"]) else str(d) for a in inputs["base"]]
+
+
 def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(inputs, fn_cache, student_dir):
     fn_dir, _ = fn_cache
     with pytest.raises(FileExistsError, match="--overwrite"):
         J.run([*inputs["base"], "--out", str(fn_dir)])
-    # a shard whose teacher column holds an id past SmolLM2's 49,152
-    ss = shards.open_shards(inputs["shards"])
-    bad = inputs["tmp"] / "bad"
-    bad.mkdir()
-    table = ss.table().slice(0, 3)
-    col = S.teacher_ids_column(0)
-    rows = table.to_pylist()
-    rows[1][col] = [5, 60_000, 7]
-    rows[1][S.teacher_chunk_column(0)] = [0, 1, 2]
-    schema = S.shard_schema(ss.meta.student, ss.meta.teachers)
-    with shards.ShardWriter(bad / shards.shard_name(0, 1), schema) as w:
-        w.write_rows([{k: (np.asarray(v, np.int32) if isinstance(v, list) else v)
-                       for k, v in r.items()} for r in rows])  # fmt: skip
-    shards.write_completed(bad, json.loads((inputs["shards"] / "stats.json").read_text()),
-                           files={shards.shard_name(0, 1): 3})  # fmt: skip
-    args = [a if a != str(inputs["shards"]) else str(bad) for a in inputs["base"]]
-    stats = J.run([*args, "--out", str(inputs["tmp"] / "badcache")])
+    stats = J.run([*_with_bad_ids(inputs, "bad", [1]), "--out", str(inputs["tmp"] / "badcache")])
     assert stats["rows"] == 2 and stats["drops_by_reason"] == {"id_out_of_range": 1}
     dead = (inputs["tmp"] / "badcache" / S.DEAD_LETTER_FILE).read_text().splitlines()
     assert json.loads(dead[0])["row"] == 1 and "60000" in json.loads(dead[0])["detail"]
     # every row bad: the job fails (exit 2 through the CLI), stats.json says why, no COMPLETED
-    worse = inputs["tmp"] / "worse"
-    worse.mkdir()
-    for r in rows:
-        r[col] = [5, 60_000, 7]
-        r[S.teacher_chunk_column(0)] = [0, 1, 2]
-    with shards.ShardWriter(worse / shards.shard_name(0, 1), schema) as w:
-        w.write_rows([{k: (np.asarray(v, np.int32) if isinstance(v, list) else v)
-                       for k, v in r.items()} for r in rows])  # fmt: skip
-    shards.write_completed(worse, json.loads((inputs["shards"] / "stats.json").read_text()),
-                           files={shards.shard_name(0, 1): 3})  # fmt: skip
-    args = [a if a != str(inputs["shards"]) else str(worse) for a in inputs["base"]]
     out = inputs["tmp"] / "worsecache"
     with pytest.raises(TooManyDeadLetters, match=r"3 of 3 rows .*every one.*id_out_of_range 3"):
-        J.run([*args, "--out", str(out), "--max-dead-fraction", "1"])
-    assert not (out / "COMPLETED").exists() and "refused" in json.loads(
-        (out / "stats.json").read_text()
-    )
+        J.run(
+            [
+                *_with_bad_ids(inputs, "worse", [0, 1, 2]),
+                "--out",
+                str(out),
+                "--max-dead-fraction",
+                "1",
+            ]
+        )
+    refused = json.loads((out / "stats.json").read_text())["refused"]
+    assert not (out / "COMPLETED").exists() and "id_out_of_range 3" in refused
 
 
 def test_sampled_ids_follow_the_teacher_and_not_the_batching():
