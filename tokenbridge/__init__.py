@@ -13,5 +13,7 @@ own needs nothing else:
 - `tokenbridge.teacher`: `teacher_forward` and `TeacherOutputs`, what a teacher hands a loss;
 - `tokenbridge.losses` (+ `tokenbridge.dist_ops`): the losses, pure functions returning a sum
   and a count, with the vocab- and context-parallel ops they run on;
-- `tokenbridge.models`: HF causal LMs from local directories, load and export.
+- `tokenbridge.models` (+ `model_spec`): HF causal LMs from local directories, load and export;
+- tools on this floor: `tokenbridge.assets` (``make models``), `tokenbridge.verify` (``make
+  verify``), `tokenbridge.pair_report`, and `tokenbridge.cli` (how every command fails: one line).
 """
