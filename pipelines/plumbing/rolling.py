@@ -37,6 +37,7 @@ from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats.checksums import HashingSink
 
 TMP_PREFIX = ".align-tmp-"
+REFUSED = "refused"  # stats.json key of a run its dead letters refused (no COMPLETED)
 MANIFEST_SUFFIX = ".done"
 DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written sorted (stable)
 
@@ -219,4 +220,4 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
 def write_refused(out: Path, stats: dict, why: str) -> None:
     """stats.json of a run refused for its dead letters, and no COMPLETED: readers refuse the
     directory, the launcher reads why (`tagged.refuse_if_dead`), a re-run starts over."""
-    _write_json(out / S.STATS_FILE, {**stats, "refused": why})
+    _write_json(out / S.STATS_FILE, {**stats, REFUSED: why})

@@ -13,16 +13,19 @@ every row died always fails), and `refuse_if_dead` what the launchers raise afte
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
+
+from pipelines.plumbing.rolling import REFUSED
 
 NAMESPACE = "tokenbridge"
 # above this share of dead-letter rows a job fails (exit 2, no COMPLETED): a wrong field name or
 # format kills most rows, a few damaged ones do not
 MAX_DEAD_FRACTION = 0.5
-REFUSED = "refused"  # stats.json key of a run its dead letters refused
 MAIN = "main"  # tag of a DoFn's main output
 DEAD = "dead_letter"  # tag of the dead-letter outputs
 
@@ -79,9 +82,6 @@ def dead_verdict(good: int, dead: dict[str, int], *, max_fraction: float, unit: 
 
 def refuse_if_dead(stats_file) -> None:
     """Raise `TooManyDeadLetters` if the finalize step refused the run (its stats.json says so)."""
-    import json
-    from pathlib import Path
-
     path = Path(stats_file)
     if path.is_file() and (why := json.loads(path.read_text()).get(REFUSED)):
         raise TooManyDeadLetters(

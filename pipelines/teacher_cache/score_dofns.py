@@ -224,19 +224,17 @@ class FinalizeCacheDoFn(beam.DoFn):
         )
         if why is not None:
             rolling.write_refused(out, stats, why)
-            rolling.remove_tmp(tmp)
-            yield stats
-            return
-        checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
-        checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
-        shards.write_completed(
-            out,
-            stats,
-            files=files,
-            checksums=checksums,
-            kind=CF.KIND,
-            schema_version=CF.CACHE_SCHEMA_VERSION,
-        )
+        else:
+            checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
+            checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
+            shards.write_completed(
+                out,
+                stats,
+                files=files,
+                checksums=checksums,
+                kind=CF.KIND,
+                schema_version=CF.CACHE_SCHEMA_VERSION,
+            )
         rolling.remove_tmp(tmp)
         yield stats
 

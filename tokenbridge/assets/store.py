@@ -278,7 +278,8 @@ def _member_path(archive: Path, name: str) -> str:
     """The member's normalised relative path; one that is absolute or climbs out of the
     archive's root (``..``) is refused: it could write outside the target directory."""
     norm = posixpath.normpath(name)
-    if name.startswith(("/", "\\")) or norm == ".." or norm.startswith("../") or ":" in norm:
+    drive = len(norm) > 1 and norm[1] == ":" and norm[0].isalpha()  # C:... on Windows
+    if name.startswith(("/", "\\")) or norm == ".." or norm.startswith("../") or drive:
         raise AssetError(f"{archive.name}: member {name!r} would land outside the target")
     return norm
 
