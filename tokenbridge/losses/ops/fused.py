@@ -60,7 +60,8 @@ class _Source:
     (`HeadLogits`); and where its backward writes their gradient."""
 
     def __init__(self, logits_NV, hidden_NH, weight_VH, softcap):
-        self.logits, self.hidden, self.weight, self.softcap = logits_NV, hidden_NH, weight_VH, softcap
+        self.logits, self.hidden, self.weight = logits_NV, hidden_NH, weight_VH
+        self.softcap = softcap
 
     @property
     def anchor(self) -> Tensor:
