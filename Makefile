@@ -107,8 +107,8 @@ $(VENV)/.stamp-bench: $(SETUP)
 	$(VENV)/bin/pip install -q --no-deps $(BENCH_DEPS)
 	touch $@
 
-bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one)
-	$(PY) -m bench.run_all $(BENCH)
+bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one; ALLOW_LOAD=1 on a busy machine)
+	$(PY) -m bench.run_all $(BENCH) $(if $(ALLOW_LOAD),--allow-load)
 
 science: models $(VENV)/.stamp-bench  ## the science table: every loss mode vs CE-only vs TRL's GOLD (docs/science.md)
 	$(PY) -m bench.science

@@ -2,23 +2,31 @@
 
 Each module ``bench/bench_<name>.py`` has ``main() -> str`` returning a Markdown section. The
 machines here are noisy, so every section quotes ratios against a baseline measured in the same
-run, plus peak memory. ``python -m bench.run_all NAME ...`` runs only the named ones and keeps
-the other sections of BENCHMARKS.md from their last run (cached under bench/results/).
+run, plus peak memory, and opens with its provenance (`bench.provenance`: commit, time, CPU and
+cores, load average at its start and end, "measured under load" when the load exceeded the core
+count). A section refuses to start on a loaded machine unless ``--allow-load`` is given.
+
+``python -m bench.run_all NAME ...`` runs only the named ones and keeps the other sections of
+BENCHMARKS.md from their last run (files under bench/results/, each with its own provenance);
+``--collect`` only rebuilds the file. A section this machine cannot measure (CUDA) is kept from
+its last run, with a note when the code has changed since its commit. BENCHMARKS.md is only ever
+written here: no section is written by hand.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-import platform
 import sys
 import time
 from pathlib import Path
 
 import bench
+from bench import provenance
 
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(__file__).parent.parent / "BENCHMARKS.md"
+KEPT = "_(cached:"  # a section's marker: not measurable here, its last run kept
 
 
 def discover() -> list[str]:
@@ -29,33 +37,61 @@ def discover() -> list[str]:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = argv if argv is not None else sys.argv[1:]
-    # --collect: only rebuild BENCHMARKS.md from the sections already in bench/results/
-    names = [] if "--collect" in args else (args or discover())
-    RESULTS.mkdir(exist_ok=True)
-    for name in names:
-        print(f"== bench {name}", flush=True)
-        t0 = time.perf_counter()
-        section = importlib.import_module(f"bench.bench_{name}").main()
-        took = time.perf_counter() - t0
-        if "_(cached:" in section:  # a section this machine cannot measure kept its last run
-            print(f"   {name}: kept the cached section (not measurable here)")
-            continue
-        (RESULTS / f"{name}.md").write_text(
-            section.rstrip() + f"\n\n_(section ran in {took:.0f} s)_\n"
+def run_one(name: str, *, allow_load: bool) -> None:
+    """Run ``bench_<name>.main()`` and store its section with its provenance line."""
+    prov = provenance.Provenance.start()
+    if prov.load_start > prov.cores and not allow_load:
+        raise SystemExit(
+            f"bench {name}: load average {prov.load_start:.1f} exceeds the {prov.cores} cores; "
+            "wait for an idle machine or pass --allow-load (the section will say so)"
         )
+    print(f"== bench {name}", flush=True)
+    t0 = time.perf_counter()
+    section = importlib.import_module(f"bench.bench_{name}").main()
+    took = time.perf_counter() - t0
+    if KEPT in section:
+        print(f"   {name}: kept the last section (not measurable here)")
+        return
+    title, _, body = section.strip().partition("\n")
+    text = f"{title}\n\n{prov.line()}\n{body.rstrip()}\n\n_(section ran in {took:.0f} s)_\n"
+    tmp = RESULTS / f"{name}.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(RESULTS / f"{name}.md")
+
+
+def collect() -> str:
+    """BENCHMARKS.md from the stored sections, a stale note under any kept from older code."""
     parts = [
         "# Benchmarks\n",
-        f"Written by `make bench`. Machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
-        "2 cores / 24 GiB, no GPU unless a section says so. Every figure is a ratio against a "
-        "baseline measured in the same run, plus peak memory.\n",
+        "Written by `make bench` (`bench/run_all.py`); never edited by hand. Each section states "
+        "the commit, machine, cores and load average it was measured with, and quotes ratios "
+        "against a baseline measured in the same run, plus peak memory. A section that could not "
+        "run on the last machine (CUDA) is kept from the run that measured it.\n",
     ]
-    parts += [
-        (RESULTS / f"{n}.md").read_text() for n in discover() if (RESULTS / f"{n}.md").exists()
-    ]
+    for name in discover():
+        path = RESULTS / f"{name}.md"
+        if not path.exists():
+            parts.append(f"## {name}\n\nNot run yet (`make bench BENCH={name}`).\n")
+            continue
+        text = path.read_text()
+        note = provenance.stale_note(text)
+        parts.append(text if note is None else f"{text.rstrip()}\n\n{note}\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(argv if argv is not None else sys.argv[1:])
+    allow_load = "--allow-load" in args
+    names = [a for a in args if not a.startswith("--")]
+    if "--collect" in args:
+        names = []
+    elif not names:
+        names = discover()
+    RESULTS.mkdir(exist_ok=True)
+    for name in names:
+        run_one(name, allow_load=allow_load)
     tmp = OUT.with_suffix(".tmp")
-    tmp.write_text("\n".join(parts))
+    tmp.write_text(collect())
     tmp.replace(OUT)
     print(f"wrote {OUT}")
 

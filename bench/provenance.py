@@ -1,0 +1,109 @@
+"""Where and when a benchmark section was measured, stated in the section itself.
+
+Every section `make bench` writes opens with one provenance line: the commit it ran on (with
+``+dirty`` when tracked files had uncommitted changes), the UTC time, the CPU model and core
+count (or the GPU), and the load average at its start and end. A section measured while the load
+exceeded the core count says so in bold: its times are not comparable with an idle machine's.
+`run_all` refuses to start a section on a loaded machine unless told to (``--allow-load``).
+
+A section that cannot be measured here (CUDA on a CPU machine) keeps its last file; when the code
+it measured has changed since its commit, `stale_note` says so under it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# the code a section's figures depend on: a change here makes a kept section stale
+CODE_PATHS = ("tokenbridge", "trainer", "pipelines", "bench")
+MARK = "_Measured on commit "
+
+
+def _git(*args: str) -> str:
+    r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def commit() -> str:
+    """The short commit, ``+dirty`` when tracked files differ from it, or "unknown" (no git)."""
+    head = _git("rev-parse", "--short=10", "HEAD")
+    if not head:
+        return "unknown"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO).returncode != 0
+    return head + ("+dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+@dataclass
+class Provenance:
+    """Started when a section starts (`start`), finished when it ends (`line`)."""
+
+    commit: str
+    started: str
+    device: str
+    cores: int
+    load_start: float
+    load_end: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, *, device: str | None = None) -> Provenance:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        return cls(commit(), now, device or cpu_model(), os.cpu_count() or 1, load())
+
+    @property
+    def under_load(self) -> bool:
+        return max(self.load_start, self.load_end or 0.0) > self.cores
+
+    def line(self) -> str:
+        """The section's provenance line (the end load is read now, once)."""
+        if self.load_end is None:
+            self.load_end = load()
+        text = (
+            f"{MARK}{self.commit}, {self.started}, {self.device}, {self.cores} cores; load "
+            f"average {self.load_start:.1f} at the start, {self.load_end:.1f} at the end._"
+        )
+        if self.under_load:
+            text += " **Measured under load** (load above the core count): times are slowed."
+        return text
+
+
+def section_commit(text: str) -> str | None:
+    """The commit a section's provenance line names, or None (a section without one)."""
+    at = text.find(MARK)
+    if at < 0:
+        return None
+    return text[at + len(MARK) :].split(",", 1)[0].split("+", 1)[0].strip() or None
+
+
+def stale_note(text: str) -> str | None:
+    """Under a kept section: whether the code changed since the commit it names."""
+    sha = section_commit(text)
+    if sha is None:
+        return "_This section names no commit: it predates provenance lines; treat as stale._"
+    changed = _git("log", "--oneline", f"{sha}..HEAD", "--", *CODE_PATHS)
+    if not _git("rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}"):
+        return f"_Commit {sha} is not in this checkout: whether the code changed is unknown._"
+    if changed:
+        n = len(changed.splitlines())
+        return f"_The code has changed since {sha} ({n} commits touch {', '.join(CODE_PATHS)})._"
+    return None

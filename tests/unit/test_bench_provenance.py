@@ -1,0 +1,53 @@
+"""Every BENCHMARKS section states where it ran (`bench.provenance`), and `bench.run_all`
+writes the file from the stored sections only, refusing a loaded machine unless told."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import provenance, run_all
+
+
+def test_a_section_line_names_its_commit_machine_and_load():
+    p = provenance.Provenance("abc1234567", "2026-11-26 21:00 UTC", "Some CPU", 2, 0.5)
+    p.load_end = 1.5
+    line = p.line()
+    assert "abc1234567" in line and "Some CPU, 2 cores" in line and "0.5" in line
+    assert "under load" not in line
+    assert provenance.section_commit(f"## x\n\n{line}\nbody") == "abc1234567"
+    p.load_end = 2.5
+    assert "**Measured under load**" in p.line()
+
+
+def test_the_commit_is_this_checkout_s():
+    sha = provenance.commit()
+    assert sha == "unknown" or len(sha.split("+")[0]) == 10
+
+
+def test_a_kept_section_says_when_the_code_changed_since():
+    assert "predates provenance" in provenance.stale_note("## old\n\nno line here\n")
+    head = provenance.commit().split("+")[0]
+    assert provenance.stale_note(f"## s\n\n{provenance.MARK}{head}, now_") is None
+    # an older commit that touched the code (a shallow clone may hold none)
+    older = provenance._git("log", "--format=%h", "-n", "1", "--skip=1", "HEAD", "--", "bench")
+    if older:
+        note = provenance.stale_note(f"## s\n\n{provenance.MARK}{older}, then_")
+        assert note is not None and "changed since" in note
+    assert "not in this checkout" in provenance.stale_note(f"{provenance.MARK}0123456789, x_")
+
+
+def test_a_loaded_machine_is_refused_unless_allowed(monkeypatch, tmp_path):
+    monkeypatch.setattr(provenance, "load", lambda: 99.0)
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit, match="--allow-load"):
+        run_all.run_one("provenance_probe", allow_load=False)
+
+
+def test_collect_marks_sections_never_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_all, "discover", lambda: ["alpha", "beta"])
+    head = provenance.commit().split("+")[0]
+    (tmp_path / "alpha.md").write_text(f"## Alpha\n\n{provenance.MARK}{head}, t_\n| 1 |\n")
+    text = run_all.collect()
+    assert "## Alpha" in text and "| 1 |" in text
+    assert "## beta\n\nNot run yet" in text
