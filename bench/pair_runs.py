@@ -59,11 +59,12 @@ def write_pair_shards(
     t_tok,
     max_student_tokens: int,
     max_teacher_tokens: int,
-) -> int:
+) -> dict[str, int]:
     """A complete one-file shard directory of `docs` ((doc id, text) pairs) for the pair of
-    tokenizers, windows of at most the given lengths (the align job's rows); returns the rows."""
+    tokenizers, windows of at most the given lengths (the align job's rows); returns the rows
+    and their student and teacher tokens."""
     from tokenbridge.alignment import WindowConfig, align, cut_windows
-    from tokenbridge.formats.shard_schema import shard_schema
+    from tokenbridge.formats.shard_schema import shard_schema, teacher_ids_column
     from tokenbridge.formats.shards import ShardWriter, shard_name, window_to_row, write_completed
 
     cfg = WindowConfig(max_student_tokens=max_student_tokens, max_teacher_tokens=max_teacher_tokens)
@@ -78,7 +79,11 @@ def write_pair_shards(
         w.write_rows(rows)
     stats = {"student": s_tok.info().to_json(), "teachers": [t_tok.info().to_json()]}
     write_completed(out, stats, files={shard_name(0, 1): len(rows)})
-    return len(rows)
+    return {
+        "rows": len(rows),
+        "student_tokens": sum(len(r["student_ids"]) for r in rows),
+        "teacher_tokens": sum(len(r[teacher_ids_column(0)]) for r in rows),
+    }
 
 
 def step_figures(records: Sequence[dict], *, skip: int = 1) -> dict[str, float]:
