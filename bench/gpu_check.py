@@ -160,7 +160,8 @@ def run_part(part: Part, ctx, *, limit_s: float) -> dict:
     try:
         # the pytest part kills its own process group at the budget; this is the backstop
         with time_limit(limit_s + (30 if part.key == "cuda_tests" else 0)):
-            rec["figures"] = part.run(ctx, limit_s)
+            figures = part.run(ctx, limit_s)
+        rec["figures"] = {k: v for k, v in figures.items() if v is not None}
         rec.setdefault("status", "ok")
     except PartTimeout as e:
         rec["status"], rec["error"] = "timeout", str(e)

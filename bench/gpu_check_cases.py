@@ -32,10 +32,12 @@ import yaml
 from tokenbridge import paths
 
 REPO = paths.REPO_ROOT
-# rows x positions per lm_head application in the teacher-cache job
-# (pipelines.teacher_cache.handler.ROWS_PER_HEAD, which imports Beam; a test keeps them equal)
+# the teacher-cache job's defaults: rows x positions per lm_head application
+# (pipelines.teacher_cache.handler.ROWS_PER_HEAD), padded tokens per forward (JobConfig) and k;
+# those modules import Beam, which a GPU image lacks (a test keeps these equal to them)
 CACHE_ROWS_PER_HEAD = 256
-CACHE_K = 32  # the teacher-cache job's default k
+CACHE_BATCH_TOKENS = 8192
+CACHE_K = 32
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,7 @@ class Sizes:
     sample_rows: int  # part 5
     sample_prompt: int
     sample_new: int
-    fwd_rows: int  # part 6
-    fwd_len: int
+    fwd_len: int  # part 6: teacher tokens per row (rows: the cache job's batch of tokens)
     reps: int  # timed repetitions of parts 5 and 6 (after one warm-up)
     text_chars: int  # of the shipped corpus, for the shards and prompts
     # the "1B student / 4B teacher" shapes (config.json overrides, init=random)
@@ -64,8 +65,8 @@ class Sizes:
 
 GPU = Sizes(
     demo_len=2048, demo_rows=4, scale_len=4096, scale_rows=2, long_len=32768, logits_chunk=4096,
-    warmup=2, steps=4, sample_rows=32, sample_prompt=64, sample_new=256, fwd_rows=8,
-    fwd_len=2048, reps=3, text_chars=300_000,
+    warmup=2, steps=4, sample_rows=32, sample_prompt=64, sample_new=256, fwd_len=2048, reps=3,
+    text_chars=300_000,
     student_1b={"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                 "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 64,
                 "max_position_embeddings": 32768},
@@ -74,7 +75,7 @@ GPU = Sizes(
 )  # fmt: skip
 DRY = Sizes(
     demo_len=64, demo_rows=2, scale_len=96, scale_rows=1, long_len=256, logits_chunk=64,
-    warmup=1, steps=1, sample_rows=2, sample_prompt=8, sample_new=8, fwd_rows=2, fwd_len=64,
+    warmup=1, steps=1, sample_rows=2, sample_prompt=8, sample_new=8, fwd_len=64,
     reps=1, text_chars=12_000,
     student_1b={"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
                 "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16},
@@ -330,7 +331,8 @@ def teacher_program(ctx: Context) -> dict:
     from tokenbridge import models
 
     s, dev = ctx.sizes, ctx.device
-    ids_BU, mask_BU = teacher_rows(ctx, rows=s.fwd_rows, length=s.fwd_len)
+    rows = max(1, CACHE_BATCH_TOKENS // s.fwd_len) if ctx.gpu else 2
+    ids_BU, mask_BU = teacher_rows(ctx, rows=rows, length=s.fwd_len)
     teacher = models.freeze(random_model(ctx, "teacher", seed=2))
     ours = cache_outputs(teacher)
 
@@ -338,7 +340,7 @@ def teacher_program(ctx: Context) -> dict:
     def bare():
         return teacher(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
 
-    out: dict = {"rows": s.fwd_rows, "teacher_tokens_per_row": s.fwd_len, "k": CACHE_K}
+    out: dict = {"rows": rows, "teacher_tokens_per_row": s.fwd_len, "k": CACHE_K}
     for name, fn in (("cache_forward", lambda: ours(ids_BU, mask_BU)), ("hf_forward", bare)):
         sync(dev)
         reset_peak(dev)
