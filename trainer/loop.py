@@ -42,6 +42,7 @@ from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
 from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 from tokenbridge.formats import checksums as integrity
+from tokenbridge.losses.ops.head_logits import HeadLogits
 from trainer import optim, report
 from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.preflight import Prepared
@@ -52,6 +53,7 @@ from trainer.microbatches import Microbatch, MicrobatchLoader, ShardReader, Shar
 from trainer.onpolicy.rollout_source import OnPolicy
 from trainer.parallel import parallelize
 from trainer.parallel.cp_attention import model_inputs
+from trainer.parallel.head import head_logits
 from trainer.parallel.mesh import build_mesh
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
 from trainer.shard_source import ShardSource
@@ -234,13 +236,20 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # the verbs
 
-    def forward(self, mb: Microbatch) -> torch.Tensor:
+    def forward(self, mb: Microbatch) -> torch.Tensor | HeadLogits:
         """The student's logits on this rank, [B, L, V / tp]: its CP positions of every row
         (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns
         a DTensor sharded on the vocabulary; only its local shard leaves here (the unwrap
-        checks the placement), so full-vocabulary logits never exist on one rank."""
+        checks the placement), so full-vocabulary logits never exist on one rank. With
+        ``parallel.logits_chunk`` (the default) they are a `HeadLogits`: never whole at all,
+        projected block by block by every loss (`trainer.parallel.head`)."""
         rows = mb.student_rows(cp_size=self.mesh.cp_size, cp_rank=self.mesh.cp_rank)
         kw = model_inputs(rows, group=self.mesh.cp)
+        chunk = self.cfg.parallel.logits_chunk
+        if chunk:  # the lm_head's input and weight, projected block by block by every loss
+            with head_logits(self.model, chunk=chunk, tp_group=self.mesh.tp) as head:
+                self.model(**kw, use_cache=False)
+            return head.logits
         logits_BLV, _ = unwrap_vocab_sharded(self.model(**kw, use_cache=False).logits)
         return logits_BLV
 

@@ -179,7 +179,9 @@ def runs(which: str) -> dict[str, dict]:
     """Run name -> {layout, probe, resume}; one process for ``ref``, 2 for ``two``, 4 for
     ``four``."""
     if which == "ref":
-        return {"ref": {}}
+        # ref: the student's logits projected block by block (parallel.logits_chunk, the
+        # default); ref_whole: the same run with the whole [B, T, V] logits
+        return {"ref": {}, "ref_whole": {"layout": {"logits_chunk": 0}}}
     if which == "two":
         return {
             "tp2": {"layout": {"tp": 2}, "probe": True},  # teachers at tp=1

@@ -82,6 +82,17 @@ def test_each_layout_gives_the_one_process_losses_and_gradient_norm(runs, layout
     assert bpb == pytest.approx([r["bpb"] for r in _records(runs / "ref", "eval")], rel=REL)
 
 
+def test_logits_made_whole_give_the_chunked_losses_and_gradient_norm(runs):
+    """``parallel.logits_chunk=0`` (the whole [B, T, V] logits) against the default, where every
+    loss (CE and the four KD modes) projects the lm_head's input block by block."""
+    ref = {r["step"]: r for r in _records(runs / "ref", "train")}
+    whole = {r["step"]: r for r in _records(runs / "ref_whole", "train")}
+    assert sorted(whole) == sorted(ref) == [1, 2]
+    for step, r in whole.items():
+        for k in KEYS:
+            assert r[k] == pytest.approx(ref[step][k], rel=REL), (step, k)
+
+
 @pytest.mark.parametrize("layout", ["tp2", "cp2_tp2"])
 def test_tp_logits_stay_vocab_sharded_on_every_rank(runs, layout):
     probes = _probes(runs / layout)

@@ -104,7 +104,8 @@ def _trainer(step: TrainStep, terms, feed=None):
     loss = LossConfig(mode="xtoken", ce_weight=1.0, kd_weight=0.5, combine="fixed")
     return SimpleNamespace(
         model=step.model, kd_terms=terms, device=torch.device("cpu"), mesh=SINGLE, feed=feed,
-        cfg=SimpleNamespace(data=SimpleNamespace(grad_accum=len(SIZES)), loss=loss),
+        cfg=SimpleNamespace(data=SimpleNamespace(grad_accum=len(SIZES)), loss=loss,
+                       parallel=SimpleNamespace(logits_chunk=0)),
         forward=lambda mb: step.model(mb.input_ids_BT).logits, vocab_used=V,
         loader=SimpleNamespace(epoch=0),
     )  # fmt: skip

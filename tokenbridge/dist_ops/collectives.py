@@ -86,6 +86,31 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _CopyToGroup(torch.autograd.Function):
+    """A replicated input whose uses are split over TP ranks: backward sums their gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce_(grad.contiguous().clone(), ctx.group), None
+
+
+def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward, all-reduce backward (Megatron's "copy to the TP region").
+
+    For an input every TP rank holds whole (the lm_head's hidden states) that each rank
+    multiplies by its own vocabulary shard: each rank's gradient is the part from its shard,
+    and the input's gradient is their sum.
+    """
+    if group_size(group) == 1:
+        return x
+    return _CopyToGroup.apply(x, group)
+
+
 def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Differentiable sum over a CP/DP group (objective = sum of the ranks' local terms).
 

@@ -76,7 +76,10 @@ def zero_sum_like(logits: Tensor) -> Tensor:
     """A 0-dim zero that is connected to ``logits`` (so backward works) without touching its values.
 
     ``logits.sum() * 0`` would be NaN when a logit is -inf; summing an empty slice is not.
+    A `HeadLogits` (logits never made whole) gives its own, from its hidden states and weight.
     """
+    if not isinstance(logits, Tensor):
+        return logits.zero_sum().to(compute_dtype(logits))
     return logits.reshape(-1)[:0].sum().to(compute_dtype(logits))
 
 

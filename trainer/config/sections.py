@@ -166,6 +166,10 @@ class ParallelConfig:
     channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
     teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
     threads: int = 0  # torch intra-op threads per process; 0 = leave torch's default
+    # the student's logits are never whole: every loss projects the lm_head's input this many
+    # positions at a time (forward and backward), so memory holds O(chunk x V), not O(T x V);
+    # 0 = the whole [B, T, V] logits (the path before chunking, kept for comparison)
+    logits_chunk: int = 256
 
     def __post_init__(self) -> None:
         if self.dp_shard == 0 or self.dp_shard < -1:
@@ -178,6 +182,7 @@ class ParallelConfig:
         check_at_least("parallel.channel_slots", self.channel_slots, 1)
         check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
         check_at_least("parallel.threads", self.threads, 0)
+        check_at_least("parallel.logits_chunk", self.logits_chunk, 0)
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp_shard, cp, tp) for `world_size` processes, or ConfigError when they do not

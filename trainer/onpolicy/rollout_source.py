@@ -50,6 +50,7 @@ from trainer.onpolicy.rollouts import RolloutBatch, build_batch
 from trainer.onpolicy.sampler import Rollouts, SamplingConfig, gathered, sample
 from trainer.onpolicy.teachers import build_teachers, teacher_max_len
 from trainer.parallel import parallelize
+from trainer.parallel.head import head_logits
 from trainer.run_log import StepNumbers, peak_memory_gib
 from trainer.step import Source, Terms
 
@@ -341,12 +342,18 @@ class RolloutSource(Source):
     def microbatch(self, i: int) -> Iterator[Terms]:
         b, preps = self.batches[i]
         model = self.op.tr.model
-        # whole logits under TP (the on-policy losses are not vocab-parallel): every TP rank
-        # computes the same loss, and the gather's backward keeps each rank's shard of it
-        with parallelize.gathered_logits(model):
-            logits_BTV = model(
-                input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT, use_cache=False
-            ).logits
+        # whole vocabulary under TP (the on-policy losses are not vocab-parallel): every TP
+        # rank computes the same loss, and the gather's backward keeps each rank's shard of it.
+        # With parallel.logits_chunk, the logits are projected block by block, never whole.
+        chunk = self.op.tr.cfg.parallel.logits_chunk
+        kw = {"input_ids": b.input_ids_BT, "attention_mask": b.attention_mask_BT}
+        if chunk:
+            with head_logits(model, chunk=chunk, gather_vocab=True) as head:
+                model(**kw, use_cache=False)
+            logits_BTV = head.logits
+        else:
+            with parallelize.gathered_logits(model):
+                logits_BTV = model(**kw, use_cache=False).logits
         if self.op.mixture:
             raw = [t.weight for t in self.op.teachers.terms]
             mixed = mix_teacher_outputs(self.outs[i], raw)

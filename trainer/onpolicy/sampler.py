@@ -268,4 +268,6 @@ def gathered(model: nn.Module, *, reshard_after_forward: bool) -> Iterator[None]
     finally:
         for m in mods:
             m.reshard()
-            m.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            # the root never reshards after forward (`parallelize.apply_fsdp`: a chunked
+            # lm_head's loss reads its weight in backward)
+            m.set_reshard_after_forward(reshard_after_forward and m is not model, recurse=False)

@@ -248,9 +248,10 @@ def apply_fsdp(
         fully_shard(
             layer, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
         )
-    fully_shard(
-        model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-    )
+    # the root (embeddings, final norm, lm_head) stays unsharded from forward to backward, as
+    # FSDP2 does by default: its parameters are needed again at once, and a chunked lm_head's
+    # loss reads the weight in backward without a root pre-backward hook (`trainer.parallel.head`)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

@@ -16,7 +16,11 @@ Q_rest = sum_{v not in S} q_v, and upstream gradients g_k (for log q_{S_k}) and 
 
     d/dx_v = g_logz q_v + g_cross sum_m P_m [v = s_m] + sum_u g_u [v = o_u]
 
-With a tensor-parallel group the modes compose the vocab-parallel ops instead. Rows must be
+With a tensor-parallel group the modes compose the vocab-parallel ops instead.
+
+The logits may be a `head_logits.HeadLogits` (the lm_head's input and weight): each block then
+projects its rows forward and again in backward, and the backward writes into the hidden states'
+and the weight's gradients (``d hidden = g W``, ``d W = g^T hidden``) instead of an [N, V] one. Rows must be
 sorted and distinct; ids < 0 are empty slots (-inf, no gradient); ids distinct within a row.
 
 Legend: N logits rows, V columns, G selected rows, K ids per row, M matched, U other columns.
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor
 
 from tokenbridge.losses.base import compute_dtype
+from tokenbridge.losses.ops.head_logits import HeadLogits, project, project_backward
 
 NEG_INF = float("-inf")
 
@@ -42,21 +47,68 @@ def _contiguous(rows_r: Tensor) -> int | None:
     return lo if int(rows_r[-1]) - lo + 1 == rows_r.numel() else None
 
 
-def _x(logits_NV: Tensor, rows_r: Tensor, vocab_size: int, temperature: float) -> Tensor:
-    lo = _contiguous(rows_r)
-    x = logits_NV.narrow(0, lo, rows_r.numel()) if lo is not None else logits_NV[rows_r]
-    x = x.to(compute_dtype(logits_NV))
-    if vocab_size < x.shape[1]:
-        x = x.masked_fill(torch.arange(x.shape[1], device=x.device) >= vocab_size, NEG_INF)
-    return x / temperature if temperature != 1.0 else x
-
-
 def _put(grad_NV: Tensor, rows_r: Tensor, g_rV: Tensor) -> None:
     lo = _contiguous(rows_r)
     if lo is not None:
         grad_NV.narrow(0, lo, rows_r.numel()).copy_(g_rV)
     else:
         grad_NV[rows_r] = g_rV.to(grad_NV.dtype)
+
+
+class _Source:
+    """Where a Function reads logits rows: a [N, V] tensor, or a head's hidden states and weight
+    (`HeadLogits`); and where its backward writes their gradient."""
+
+    def __init__(self, logits_NV, hidden_NH, weight_VH, softcap):
+        self.logits, self.hidden, self.weight = logits_NV, hidden_NH, weight_VH
+        self.softcap = softcap
+
+    @property
+    def anchor(self) -> Tensor:
+        return self.logits if self.logits is not None else self.hidden
+
+    def raw(self, rows_r: Tensor) -> Tensor:
+        if self.logits is None:
+            return project(self.hidden[rows_r], self.weight, softcap=self.softcap)
+        lo = _contiguous(rows_r)
+        return self.logits.narrow(0, lo, rows_r.numel()) if lo is not None else self.logits[rows_r]
+
+    def grad_buffers(self) -> list[Tensor]:
+        if self.logits is not None:
+            return [torch.zeros_like(self.logits)]
+        f32 = torch.float32 if self.hidden.dtype != torch.float64 else torch.float64
+        return [torch.zeros_like(self.hidden, dtype=f32), torch.zeros_like(self.weight, dtype=f32)]
+
+    def put(self, grads: list[Tensor], rows_r: Tensor, g_rV: Tensor) -> None:
+        if self.logits is not None:
+            _put(grads[0], rows_r, g_rV)
+            return
+        h = self.hidden[rows_r]
+        capped = self.raw(rows_r) if self.softcap is not None else None
+        gh, gw = project_backward(g_rV, h, self.weight, capped, softcap=self.softcap)
+        grads[0].index_add_(0, rows_r, gh.to(grads[0].dtype))
+        grads[1].add_(gw)
+
+    def grads(self, buffers: list[Tensor]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if self.logits is not None:
+            return buffers[0], None, None
+        return None, buffers[0].to(self.hidden.dtype), buffers[1].to(self.weight.dtype)
+
+
+def _source(logits) -> tuple:
+    """The Function inputs for a tensor or a `HeadLogits`: (logits, hidden, weight, softcap)."""
+    if isinstance(logits, HeadLogits):
+        hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
+        return None, hidden, logits.weight, logits.softcap
+    return logits, None, None, None
+
+
+def _x(src: _Source, rows_r: Tensor, vocab_size: int, temperature: float) -> Tensor:
+    x = src.raw(rows_r)
+    x = x.to(compute_dtype(src.anchor))
+    if vocab_size < x.shape[1]:
+        x = x.masked_fill(torch.arange(x.shape[1], device=x.device) >= vocab_size, NEG_INF)
+    return x / temperature if temperature != 1.0 else x
 
 
 def _logz(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,13 +128,15 @@ def _slot_fill(ids_rK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 class _LogProbsAtRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, rows_G, ids_GK, vocab_size, temperature, chunk):
-        dtype = compute_dtype(logits_NV)
+    def forward(ctx, logits_NV, hidden_NH, weight_VH, softcap, rows_G, ids_GK, vocab_size,
+                temperature, chunk):  # fmt: skip
+        src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
+        dtype, device = compute_dtype(src.anchor), src.anchor.device
         g, k = ids_GK.shape
-        lp = torch.empty(g, k, dtype=dtype, device=logits_NV.device)
-        rest, logz, top = (torch.empty(g, dtype=dtype, device=logits_NV.device) for _ in range(3))
+        lp = torch.empty(g, k, dtype=dtype, device=device)
+        rest, logz, top = (torch.empty(g, dtype=dtype, device=device) for _ in range(3))
         for a, b in _spans(g, chunk):
-            x = _x(logits_NV, rows_G[a:b], vocab_size, temperature)
+            x = _x(src, rows_G[a:b], vocab_size, temperature)
             m, e = _logz(x)
             s_all = e.sum(-1)
             valid, fill, has = _slot_fill(ids_GK[a:b])
@@ -93,18 +147,19 @@ class _LogProbsAtRows(torch.autograd.Function):
             lp[a:b] = torch.where(valid, x.gather(1, fill) - logz[a:b, None], NEG_INF)
             rest[a:b] = m[:, 0] + s_rest.log() - logz[a:b]
             top[a:b] = m[:, 0] - logz[a:b]
-        ctx.save_for_backward(logits_NV, rows_G, ids_GK, logz, rest)
-        ctx.conf = (vocab_size, temperature, chunk)
+        ctx.save_for_backward(logits_NV, hidden_NH, weight_VH, rows_G, ids_GK, logz, rest)
+        ctx.conf = (softcap, vocab_size, temperature, chunk)
         ctx.mark_non_differentiable(top)
         return lp, rest, top
 
     @staticmethod
     def backward(ctx, g_lp, g_rest, _g_top):
-        logits_NV, rows_G, ids_GK, logz, rest = ctx.saved_tensors
-        vocab_size, temperature, chunk = ctx.conf
-        grad = torch.zeros_like(logits_NV)
+        logits_NV, hidden_NH, weight_VH, rows_G, ids_GK, logz, rest = ctx.saved_tensors
+        softcap, vocab_size, temperature, chunk = ctx.conf
+        src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
+        grad = src.grad_buffers()
         for a, b in _spans(ids_GK.shape[0], chunk):
-            q = (_x(logits_NV, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
+            q = (_x(src, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
             valid, fill, has = _slot_fill(ids_GK[a:b])
             gl = torch.where(valid, g_lp[a:b], 0.0).to(q.dtype)
             gr = g_rest[a:b].to(q.dtype)
@@ -118,8 +173,8 @@ class _LogProbsAtRows(torch.autograd.Function):
             q.mul_((c - total)[:, None]).scatter_(1, fill, vals)
             if temperature != 1.0:
                 q.div_(temperature)
-            _put(grad, rows_G[a:b], q)
-        return grad, None, None, None, None, None
+            src.put(grad, rows_G[a:b], q)
+        return *src.grads(grad), None, None, None, None, None, None
 
 
 def logprobs_at_rows(
@@ -133,20 +188,26 @@ def logprobs_at_rows(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log q at ids [G, K], log Q_rest [G], max_v log q_v [G] (no grad)) at rows ``rows_G`` of
     raw logits (columns >= vocab_size masked, divided by ``temperature`` here)."""
-    return _LogProbsAtRows.apply(logits_NV, rows_G, ids_GK, vocab_size, temperature, chunk_size)
+    if isinstance(logits_NV, HeadLogits):
+        chunk_size = logits_NV.chunk
+    return _LogProbsAtRows.apply(
+        *_source(logits_NV), rows_G, ids_GK, vocab_size, temperature, chunk_size
+    )
 
 
 class _MatchedCrossRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, rows_G, logp_fn, s_ids_M, other_U, vocab_size, temperature, chunk):
-        dtype = compute_dtype(logits_NV)
+    def forward(ctx, logits_NV, hidden_NH, weight_VH, softcap, rows_G, logp_fn, s_ids_M, other_U,
+                vocab_size, temperature, chunk):  # fmt: skip
+        src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
+        dtype, device = compute_dtype(src.anchor), src.anchor.device
         g = rows_G.numel()
-        logz = torch.empty(g, dtype=dtype, device=logits_NV.device)
+        logz = torch.empty(g, dtype=dtype, device=device)
         cross = torch.empty_like(logz)
-        x_other = torch.empty(g, other_U.numel(), dtype=dtype, device=logits_NV.device)
+        x_other = torch.empty(g, other_U.numel(), dtype=dtype, device=device)
         ent, mass = torch.empty_like(logz), torch.empty_like(logz)
         for a, b in _spans(g, chunk):
-            x = _x(logits_NV, rows_G[a:b], vocab_size, temperature)
+            x = _x(src, rows_G[a:b], vocab_size, temperature)
             m, e = _logz(x)
             logz[a:b] = m[:, 0] + e.sum(-1).log()
             del e
@@ -158,25 +219,26 @@ class _MatchedCrossRows(torch.autograd.Function):
             prod = p.mul_(x.index_select(1, s_ids_M))
             cross[a:b] = prod.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF).sum(-1)
             x_other[a:b] = x.index_select(1, other_U)
-        ctx.save_for_backward(logits_NV, rows_G, s_ids_M, other_U, logz)
-        ctx.conf = (logp_fn, vocab_size, temperature, chunk)
+        ctx.save_for_backward(logits_NV, hidden_NH, weight_VH, rows_G, s_ids_M, other_U, logz)
+        ctx.conf = (softcap, logp_fn, vocab_size, temperature, chunk)
         ctx.mark_non_differentiable(ent, mass)
         return logz, cross, x_other, ent, mass
 
     @staticmethod
     def backward(ctx, g_logz, g_cross, g_other, _g_ent, _g_mass):
-        logits_NV, rows_G, s_ids_M, other_U, logz = ctx.saved_tensors
-        logp_fn, vocab_size, temperature, chunk = ctx.conf
-        grad = torch.zeros_like(logits_NV)
+        logits_NV, hidden_NH, weight_VH, rows_G, s_ids_M, other_U, logz = ctx.saved_tensors
+        softcap, logp_fn, vocab_size, temperature, chunk = ctx.conf
+        src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
+        grad = src.grad_buffers()
         for a, b in _spans(rows_G.numel(), chunk):
-            q = (_x(logits_NV, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
+            q = (_x(src, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
             q.mul_(g_logz[a:b].to(q.dtype)[:, None])
             p = logp_fn(a, b).to(q.dtype).exp_().mul_(g_cross[a:b].to(q.dtype)[:, None])
             q.index_add_(1, s_ids_M, p).index_add_(1, other_U, g_other[a:b].to(q.dtype))
             if temperature != 1.0:
                 q.div_(temperature)
-            _put(grad, rows_G[a:b], q)
-        return grad, None, None, None, None, None, None, None
+            src.put(grad, rows_G[a:b], q)
+        return *src.grads(grad), None, None, None, None, None, None, None, None
 
 
 def matched_cross_rows(
@@ -194,6 +256,9 @@ def matched_cross_rows(
     sum_m P_m x_{s_m} [G], x at ``other_ids`` [G, U], and, without gradient, the teacher's
     sum_m P_m log P_m [G] and sum_m P_m [G]). ``logp_fn(a, b)`` gives log P [b - a, M] for the
     selected rows a..b (built per block, so [G, M] never exists at once); P = 0 terms are 0."""
+    if isinstance(logits_NV, HeadLogits):
+        chunk_size = logits_NV.chunk
     return _MatchedCrossRows.apply(
-        logits_NV, rows_G, logp_fn, s_ids, other_ids, vocab_size, temperature, chunk_size
-    )
+        *_source(logits_NV), rows_G, logp_fn, s_ids, other_ids, vocab_size, temperature,
+        chunk_size,
+    )  # fmt: skip

@@ -12,6 +12,10 @@ block's intermediates, whatever T is.
 the selected rows inside the block (sorted, distinct) and the matching slices of the per-row
 ``extras``; it returns per-row tensors (first dim r), which are concatenated in row order.
 
+The logits may also be a `head_logits.HeadLogits` (the lm_head's input and weight): then each
+block projects only its selected rows inside the checkpointed function, so the [N, V] logits and
+their gradient never exist; ``fn`` sees a block of exactly the selected rows.
+
 Legend: N rows of the logits, V vocabulary, G selected rows, c block rows, r selected in a block.
 """
 
@@ -22,6 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from tokenbridge.losses.ops.head_logits import HeadLogits, project
 
 DEFAULT_CHUNK = 256
 
@@ -48,6 +54,8 @@ def map_rows(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if isinstance(logits_NV, HeadLogits):
+        chunk_size = logits_NV.chunk
     n_rows = logits_NV.shape[0]
     if rows_G.numel() == 0:
         raise ValueError("map_rows needs at least one selected row")
@@ -65,6 +73,8 @@ def map_rows(
     wants_grad = torch.is_grad_enabled() and (
         logits_NV.requires_grad or any(e.requires_grad for e in extras)
     )
+    if isinstance(logits_NV, HeadLogits):
+        return _map_head_rows(fn, logits_NV, rows_G, bounds, extras, recompute and wants_grad)
     parts: list[tuple[Tensor, ...]] = []
     for i, block in enumerate(logits_NV.split(chunk_size, dim=0)):
         lo, hi = bounds[i], bounds[i + 1]
@@ -76,5 +86,37 @@ def map_rows(
             out = checkpoint(fn, block, local, *sliced, use_reentrant=False)
         else:
             out = fn(block, local, *sliced)
+        parts.append(out)
+    return tuple(torch.cat(cols, dim=0) for cols in zip(*parts))
+
+
+def _map_head_rows(
+    fn: Callable[..., tuple[Tensor, ...]],
+    head: HeadLogits,
+    rows_G: Tensor,
+    bounds: list[int],
+    extras: tuple[Tensor, ...],
+    recompute: bool,
+) -> tuple[Tensor, ...]:
+    """`map_rows` over a `HeadLogits`: the block's selected rows of the hidden states are
+    projected inside the (checkpointed) function, so only [r, V] exists at a time."""
+    hidden_NH = head.hidden
+    picked = hidden_NH[rows_G]  # [G, H]: one gather node, its gradient assembled once
+    softcap = head.softcap
+
+    def run(h_rH, w_VH, *sliced):
+        x = project(h_rH, w_VH, softcap=softcap)
+        return fn(x, torch.arange(x.shape[0], device=x.device), *sliced)
+
+    parts: list[tuple[Tensor, ...]] = []
+    for i in range(len(bounds) - 1):
+        lo, hi = bounds[i], bounds[i + 1]
+        if lo == hi:
+            continue
+        sliced = [e[lo:hi] for e in extras]
+        if recompute:
+            out = checkpoint(run, picked[lo:hi], head.weight, *sliced, use_reentrant=False)
+        else:
+            out = run(picked[lo:hi], head.weight, *sliced)
         parts.append(out)
     return tuple(torch.cat(cols, dim=0) for cols in zip(*parts))

@@ -1,0 +1,126 @@
+"""Logits that are never whole: the lm_head's input and weight, projected a block of rows at a time.
+
+At long sequence the student's logits dominate memory: [T, V] fp32 at T = 32k and V = 152k is
+19 GiB, plus as much again for their gradient (NeMo RL #2882, #3495). Every loss here reads the
+logits ROW BY ROW, through three entry points only: `rowwise.map_rows` (a per-row function over
+blocks of selected rows, recomputed in backward) and the two fused reductions of `fused`
+(``logprobs_at_rows``, ``matched_cross_rows``). So the loss can be handed a `HeadLogits` instead
+of a tensor: the final hidden states [N, H] and the lm_head weight [V, H]; each entry point
+projects only the rows it selects, one block at a time, and its backward writes the gradient into
+the hidden states [N, H] and the weight [V, H] (parameter-sized) instead of an [N, V] buffer. The
+peak is O(block x V), whatever N is; the values and gradients are those of the whole-logits path
+(tests/unit/test_head_logits.py).
+
+The price is compute: each reduction projects its rows once forward and once more in backward
+(the whole path projects once for all losses). Rows a loss does not select are never projected.
+
+Under TP the weight is this rank's vocabulary shard [V / tp, H] and the hidden states pass through
+`tokenbridge.dist_ops.collectives.copy_to_group` (its backward sums the partial gradients over
+tp); the losses then run their vocab-parallel paths on the [rows, V / tp] blocks as before.
+
+Legend: N rows (positions), H hidden size, V vocabulary (this rank's shard), r selected rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class HeadLogits:
+    """The logits ``softcap(hidden @ weight.T)`` of shape ``lead + (V,)``, computed per block.
+
+    ``hidden``: [..., H] (any leading shape: [B, L, H] as the model returns it, [N, H] once
+    flattened); ``weight``: [V, H]; ``softcap``: the model's final-logit soft-capping (Gemma 2)
+    or None; ``chunk``: rows per block, overriding a loss's own ``chunk_size`` (the config's
+    ``parallel.logits_chunk``)."""
+
+    hidden: Tensor
+    weight: Tensor
+    softcap: float | None = None
+    chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if self.hidden.shape[-1] != self.weight.shape[-1]:
+            raise ValueError(
+                f"HeadLogits: hidden {tuple(self.hidden.shape)} and weight "
+                f"{tuple(self.weight.shape)} disagree on the hidden size"
+            )
+        if self.chunk < 1:
+            raise ValueError(f"HeadLogits: chunk must be >= 1, got {self.chunk}")
+
+    # the few tensor attributes the losses read
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.promote_types(self.hidden.dtype, self.weight.dtype)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.hidden.requires_grad or self.weight.requires_grad
+
+    def dim(self) -> int:
+        return self.hidden.dim()
+
+    def reshape(self, *shape: int) -> HeadLogits:
+        """A view with other leading dims; the last one must stay V (as every loss flattens)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        if shape[-1] not in (self.weight.shape[0], -1) or len(shape) < 2:
+            raise ValueError(f"HeadLogits: reshape {shape} must keep the vocabulary last")
+        return HeadLogits(
+            self.hidden.reshape(*shape[:-1], self.hidden.shape[-1]),
+            self.weight,
+            self.softcap,
+            self.chunk,
+        )
+
+    def detach(self) -> HeadLogits:
+        return HeadLogits(self.hidden.detach(), self.weight.detach(), self.softcap, self.chunk)
+
+    def zero_sum(self) -> Tensor:
+        """A 0-dim zero connected to the graph (`base.zero_sum_like`)."""
+        return self.hidden.reshape(-1)[:0].sum() + self.weight.reshape(-1)[:0].sum()
+
+    # the projection
+    def rows(self, rows_r: Tensor) -> Tensor:
+        """The logits at flat rows ``rows_r`` [r, V] (differentiable)."""
+        return project(self.hidden.reshape(-1, self.hidden.shape[-1])[rows_r], self.weight,
+                       softcap=self.softcap)  # fmt: skip
+
+    def full(self) -> Tensor:
+        """The whole logits (tests and references only: this is what the class avoids)."""
+        return project(self.hidden, self.weight, softcap=self.softcap)
+
+
+def project(hidden_rH: Tensor, weight_VH: Tensor, *, softcap: float | None) -> Tensor:
+    """``softcap(hidden @ weight.T)``: what the lm_head (and the model's capping) computes."""
+    x = hidden_rH @ weight_VH.t()
+    if softcap is not None:
+        x = torch.tanh(x / softcap) * softcap
+    return x
+
+
+def project_backward(
+    grad_rV: Tensor, hidden_rH: Tensor, weight_VH: Tensor, logits_rV: Tensor | None, *,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(d hidden [r, H], d weight [V, H]) from the gradient of the projected rows. With
+    soft-capping, ``logits_rV`` are the capped values (d tanh = 1 - (x / cap)^2)."""
+    if softcap is not None:
+        grad_rV = grad_rV * (1 - (logits_rV / softcap).square())
+    grad_rV = grad_rV.to(weight_VH.dtype)
+    return grad_rV @ weight_VH, grad_rV.t() @ hidden_rH
+
+
+def is_head(logits: object) -> bool:
+    return isinstance(logits, HeadLogits)

@@ -1,0 +1,84 @@
+"""The student's lm_head, made to hand its input and weight to the loss instead of whole logits.
+
+`head_logits(model, ...)` is a context manager around one forward of a HF causal LM: inside it,
+the lm_head returns an empty [B, T, 0] tensor (so nothing of size T x V is computed) and records
+a `tokenbridge.losses.ops.head_logits.HeadLogits` of its input hidden states and weight, which
+every loss projects a block of rows at a time (that module says why and how). The model's own
+code is untouched: its final-logit soft-capping (Gemma 2) is read from the config and applied
+per block; applied by HF to the empty tensor, it does nothing.
+
+Why the lm_head's forward and not a forward of ``model.model``: FSDP2 unshards the root's
+parameters (embeddings, final norm, lm_head) in the hooks of the whole model's forward, and the
+TP plan prepares the lm_head's input in its own hooks; both keep working as in the whole-logits
+path. The root is never resharded between forward and backward (FSDP2 keeps the root unsharded),
+so the recorded weight stays valid until the loss's backward has used it.
+
+Tensor parallel: the lm_head is column-parallel (`parallelize.shard_vocab`): its input arrives as
+a replicated DTensor and its weight is this rank's vocabulary shard. The recorded hidden states
+pass through `copy_to_group` (the TP ranks' partial gradients are summed in backward) and the
+weight is its local shard (its gradient flows back into the DTensor parameter); the empty output
+is a Shard(-1) DTensor, as the plan's output hook expects. ``gather_vocab`` instead records the
+whole weight (the on-policy losses are not vocab-parallel): every TP rank then computes the same
+loss, and the gather's backward keeps each rank's shard of the weight's gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from tokenbridge.dist_ops.collectives import copy_to_group
+from tokenbridge.losses.ops.head_logits import HeadLogits
+
+
+def final_softcap(config) -> float | None:
+    """The model's final-logit soft-capping (Gemma 2 has one), or None."""
+    text = getattr(config, "text_config", None) or config
+    cap = getattr(text, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+@dataclass
+class HeadCapture:
+    """What the lm_head recorded in the forward (`head_logits`); ``logits`` is None until then."""
+
+    logits: HeadLogits | None = None
+
+
+@contextlib.contextmanager
+def head_logits(
+    model: nn.Module, *, chunk: int, tp_group=None, gather_vocab: bool = False
+) -> Iterator[HeadCapture]:
+    """Within the block the model's lm_head records a `HeadLogits` (rows of ``chunk``) in the
+    yielded capture and returns empty logits (module docstring)."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__}: chunked logits need an lm_head without a bias "
+            "(set parallel.logits_chunk=0 for the whole-logits path)"
+        )
+    capture, softcap = HeadCapture(), final_softcap(model.config)
+
+    def forward(hidden):
+        weight = head.weight
+        if isinstance(weight, DTensor):  # TP: a column-parallel lm_head
+            local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+            if gather_vocab:
+                w, h = weight.full_tensor(), local
+            else:
+                w, h = weight.to_local(), copy_to_group(local, tp_group)
+            capture.logits = HeadLogits(h, w, softcap, chunk)
+            empty = local.new_zeros(*local.shape[:-1], 0)
+            return DTensor.from_local(empty, weight.device_mesh, [Shard(-1)], run_check=False)
+        capture.logits = HeadLogits(hidden, weight, softcap, chunk)
+        return hidden.new_zeros(*hidden.shape[:-1], 0)
+
+    head.forward = forward  # an instance attribute: the module's hooks still run around it
+    try:
+        yield capture
+    finally:
+        del head.forward
