@@ -2,7 +2,7 @@
 what only a GPU runs, with no weights and no network (docs/gpu.md).
 
 ``python -m bench.gpu_check [--dry-run] [--out DIR] [--only PART ...]`` runs six parts, each
-timed and held to its own budget (`PARTS`); a part that fails, runs out of time or lacks a knob
+timed and held to its own budget (`parts`); a part that fails, runs out of time or lacks a knob
 it needs is recorded as such and the others still run:
 
 1. ``cuda_tests``: ``pytest -m cuda`` over the files holding such tests;
@@ -18,13 +18,14 @@ It writes ``gpu_check.json`` and ``gpu_check.md`` (a `bench/run_all.py` section:
 torch, CUDA, commit, date) under ``--out`` (default ``bench/results/``), the JSON again after each
 part, so a run cut short still leaves what it measured. ``--dry-run`` runs every part on the CPU
 with the tiny test shapes and lengths (the channel is shared memory there, as the trainer's is on
-CPU; part 1 lists the tests it would run) in well under a minute: ``tests/e2e/
+CPU; part 1 lists the tests it would run) in about 30 s on 2 idle cores: ``tests/e2e/
 test_gpu_check_dry.py`` runs it, so the script cannot rot. Exit code 1 if a part failed or ran
 out of time.
 
 A part that needs a trainer knob this checkout lacks (``parallel.activation_checkpointing``,
-``parallel.logits_chunk``, ``tokenbridge.flops``) is ``skipped`` with the reason ``knob not
-present``: on a GPU it is not run; in a dry run it runs without the knob, so its code is tried.
+``parallel.logits_chunk``, ``trainer.throughput``: MFU in the step records) is ``skipped`` with
+the reason ``knob not present``: on a GPU it is not run; in a dry run it runs without the knob,
+so its code is tried.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ KNOBS: dict[str, Callable[[], bool]] = {
     "parallel.param_dtype=auto": _accepts(_param_auto),
     "teachers.dtype=auto": _accepts(_teacher_auto),
     "optim.fused": _field("OptimConfig", "fused"),
-    "tokenbridge.flops": lambda: importlib.util.find_spec("tokenbridge.flops") is not None,
+    "trainer.throughput": lambda: importlib.util.find_spec("trainer.throughput") is not None,
 }
 
 
@@ -130,7 +131,7 @@ def parts() -> list[Part]:
         Part("demo_pair", "2. Demo pair (Gemma-3-270M -> SmolLM2-135M shapes), 2k-token rows", 90,
              (), lambda ctx, _: T.demo_pair(ctx)),
         Part("scale_1b_4b", "3. ~1.2B student from ~3.9B teacher, 4k-token rows, AC", 120,
-             ("parallel.activation_checkpointing", "tokenbridge.flops"),
+             ("parallel.activation_checkpointing", "trainer.throughput"),
              lambda ctx, _: T.scale_1b_4b(ctx)),
         Part("long_row", "4. One 32k-token row: chunked vs whole logits", 70,
              ("parallel.logits_chunk", "parallel.activation_checkpointing"),

@@ -64,7 +64,7 @@ class Sizes:
 
 
 GPU = Sizes(
-    demo_len=2048, demo_rows=4, scale_len=4096, scale_rows=2, long_len=32768, logits_chunk=4096,
+    demo_len=2048, demo_rows=4, scale_len=4096, scale_rows=2, long_len=32768, logits_chunk=256,
     warmup=2, steps=4, sample_rows=32, sample_prompt=64, sample_new=256, fwd_len=2048, reps=3,
     text_chars=300_000,
     student_1b={"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,

@@ -11,7 +11,8 @@ length (`bench.pair_runs`), through the real projection of the two tokenizers.
    student, bf16, 2k-token rows), and its CE-only twin in the same process: the distillation
    step over the plain student step;
 3. a ~1.2B Llama student (SmolLM2's vocabulary) from a ~3.9B Gemma-3-shaped teacher at 4k-token
-   rows with activation checkpointing: tokens/s, MFU (`tokenbridge.flops`), peak memory;
+   rows with activation checkpointing: tokens/s, MFU (the run's own, `trainer.throughput`),
+   peak memory;
 4. CE on one 32k-token row with the ~1.2B student: peak memory with the lm_head applied in
    chunks (``parallel.logits_chunk``) and with whole logits, if those fit.
 """
@@ -160,30 +161,6 @@ def demo_pair(ctx: Context) -> dict:
     }
 
 
-def _mfu(ctx: Context, *, seq: int, tokens_per_s: float, teacher_ratio: float) -> dict:
-    """Model FLOP/s of the student's training (and of the teacher's forward on its tokens,
-    which share the GPU) and MFU against the device's bf16 peak (`tokenbridge.flops`)."""
-    from tokenbridge import flops, models
-    from tokenbridge.model_spec import ModelSpec
-
-    s = ctx.sizes
-    student = models.model_config(ModelSpec(str(paths.student_dir()), init="random",
-                                            overrides=s.student_1b))  # fmt: skip
-    teacher = models.model_config(ModelSpec(str(paths.teacher_dir()), init="random",
-                                            overrides=s.teacher_4b))  # fmt: skip
-    t_seq = int(seq * teacher_ratio)
-    per_s = flops.flops_per_token(student, seq=seq, training=True) * tokens_per_s
-    per_t = flops.flops_per_token(teacher, seq=t_seq, training=False) * tokens_per_s * teacher_ratio
-    out = {"student_model_tflops_per_s": per_s / 1e12,
-           "with_teacher_model_tflops_per_s": (per_s + per_t) / 1e12}  # fmt: skip
-    name = torch.cuda.get_device_name(ctx.device) if ctx.gpu else "cpu"
-    peak = flops.peak_flops(name, dtype="bfloat16")
-    if peak is not None:
-        out["mfu_student"] = flops.mfu(per_s, peak)
-        out["mfu_with_teacher"] = flops.mfu(per_s + per_t, peak)
-    return out
-
-
 def scale_1b_4b(ctx: Context) -> dict:
     """Part 3: the ~1.2B student from the ~3.9B teacher at `scale_len`, activation
     checkpointing on every student block (and compile with ``--compile``)."""
@@ -202,9 +179,7 @@ def scale_1b_4b(ctx: Context) -> dict:
     args = overrides(ctx, "scale", length=s.scale_len, rows=s.scale_rows, teacher=True,
                      extra=extra, placement=placement)  # fmt: skip
     r = trainer_steps(ctx, args)
-    _, info = pair_shards(ctx, s.scale_len)
-    ratio = info["teacher_tokens"] / info["student_tokens"]
-    out = {
+    return {
         "student_params_b": r["student_params"] / 1e9,
         "rows_per_step": s.scale_rows,
         "student_tokens_per_step": r["tokens"],
@@ -212,10 +187,12 @@ def scale_1b_4b(ctx: Context) -> dict:
         "step_s": r["step_s"],
         "peak_memory_gib": r["memory_gib"],
         "device_used_gib": r["device_used_gib"],
+        # the run's own figures (trainer.throughput; no MFU where no peak is known, e.g. CPU)
+        "student_model_tflops_per_s": r.get("tflops_per_device"),
+        "mfu_student": r.get("mfu"),
+        "teacher_model_tflops_per_s": r.get("teacher_tflops_per_device"),
+        "mfu_teacher": r.get("teacher_mfu"),
     }
-    if k["tokenbridge.flops"]:
-        out.update(_mfu(ctx, seq=s.scale_len, tokens_per_s=r["tokens_per_s"], teacher_ratio=ratio))
-    return out
 
 
 def long_row(ctx: Context) -> dict:

@@ -86,15 +86,25 @@ def write_pair_shards(
     }
 
 
+# what a step record may hold besides: model TFLOP/s per device and MFU of the student and of
+# the live teachers (trainer.throughput, where the run knows the model's FLOPs and the peak)
+OPTIONAL = ("tflops_per_device", "mfu", "teacher_tflops_per_device", "teacher_mfu")
+
+
 def step_figures(records: Sequence[dict], *, skip: int = 1) -> dict[str, float]:
     """Medians over the trainer's step records after the first `skip` (warm-up: allocation,
     kernels' first calls): seconds per step, the teacher worker's busy seconds, student tokens
-    per step and per second; and the largest peak memory (GiB) any step reported."""
+    per step and per second, and each of `OPTIONAL` every record has; the largest peak memory
+    (GiB) any step reported."""
     kept = list(records[skip:]) or list(records)
-    return {
+    out = {
         "step_s": statistics.median(r["step_s"] for r in kept),
         "teacher_s": statistics.median(r.get("teacher_s", 0.0) for r in kept),
         "tokens": statistics.median(r["tokens"] for r in kept),
         "tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in kept),
         "memory_gib": max(r["memory_gib"] for r in records),
     }
+    for key in OPTIONAL:
+        if all(key in r for r in kept):
+            out[key] = statistics.median(r[key] for r in kept)
+    return out

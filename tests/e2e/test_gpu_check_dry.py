@@ -35,7 +35,7 @@ CUDA_TESTS = (
 
 def knob_present(knob: str) -> bool:
     """Does this checkout have the knob? (Independently of `bench.gpu_check.knobs`.)"""
-    if knob == "tokenbridge.flops":
+    if knob == "trainer.throughput":
         return importlib.util.find_spec(knob) is not None
     try:
         if knob == "parallel.param_dtype=auto":
