@@ -164,6 +164,8 @@ def run_part(part: Part, ctx, *, limit_s: float) -> dict:
             figures = part.run(ctx, limit_s)
         rec["figures"] = {k: v for k, v in figures.items() if v is not None}
         rec.setdefault("status", "ok")
+        if time.perf_counter() - t0 > limit_s:  # its time limit fired where it could not stop it
+            rec.setdefault("reason", "finished after its budget")
     except PartTimeout as e:
         rec["status"], rec["error"] = "timeout", str(e)
     except Exception as e:
@@ -228,8 +230,9 @@ def render(result: dict) -> str:
                   "script and measure nothing."]  # fmt: skip
     lines += ["", "| part | status | seconds |", "|---|---|---:|"]
     for p in result["parts"].values():
-        why = f" ({p.get('reason') or p.get('error', '')})" if p["status"] != "ok" else ""
-        lines.append(f"| {p['title']} | {p['status']}{why[:200]} | {p['seconds']:.0f} |")
+        why = p.get("reason") or p.get("error", "")
+        why = f" ({why[:200]})".replace("\n", " ").replace("|", "/") if why else ""
+        lines.append(f"| {p['title']} | {p['status']}{why} | {p['seconds']:.0f} |")
     for p in result["parts"].values():
         if not p["figures"]:
             continue

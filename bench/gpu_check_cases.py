@@ -111,10 +111,13 @@ class PartTimeout(BaseException):
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise `PartTimeout` in this (the main) thread once `seconds` have passed."""
+def time_limit(seconds: float, *, again_s: float = 20.0):
+    """Raise `PartTimeout` in this (the main) thread once `seconds` have passed, and once more
+    `again_s` later: an exception raised inside a finalizer (``__del__``, a weakref callback) is
+    printed and dropped by Python, so the first may be lost."""
 
     def expire(signum, frame):
+        signal.setitimer(signal.ITIMER_REAL, again_s)
         raise PartTimeout(f"ran past its budget of {seconds:.0f} s")
 
     before = signal.signal(signal.SIGALRM, expire)
@@ -249,7 +252,8 @@ def run_cuda_tests(ctx: Context, *, budget_s: float) -> dict:
     figures: dict = {"tests_marked": len(ids), "files": len(files), "listed": ids}
     if ctx.dry:
         return figures
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *files]
+    # pyproject's addopts already give -q: one more would drop the "N passed in" line
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", *files]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
     try:
@@ -260,8 +264,10 @@ def run_cuda_tests(ctx: Context, *, budget_s: float) -> dict:
         (ctx.out / "gpu_check_pytest.log").write_text(log)
         raise PartTimeout(f"pytest ran past its budget of {budget_s:.0f} s") from None
     (ctx.out / "gpu_check_pytest.log").write_text(log)
-    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", log):
-        figures[word.rstrip("s") if word.startswith("error") else word] = int(n)
+    counts = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
+    summary = next((ln for ln in reversed(log.splitlines()) if counts.search(ln)), "")
+    for n, word in counts.findall(summary):
+        figures["error" if word.startswith("error") else word] = int(n)
     if proc.returncode != 0:
         last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         raise RuntimeError(f"pytest -m cuda exited {proc.returncode}: {last[0]}")
