@@ -36,6 +36,7 @@ import datetime
 import gc
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import sys
@@ -185,7 +186,7 @@ def device_info(device) -> dict:
 
     info = {"device": "cpu", "driver": None, "cuda": None, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "host_cpus": __import__("os").cpu_count()}  # fmt: skip
+            "host_cpus": os.cpu_count()}  # fmt: skip
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(device=props.name, memory_gib=round(props.total_memory / 2**30, 1),
@@ -266,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.gpu_check_cases import DRY, GPU, Context
 
+    unknown = set(args.only or ()) - {p.key for p in parts()}
+    if unknown:
+        ap.error(f"--only: no part {sorted(unknown)}; parts: {[p.key for p in parts()]}")
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (use --dry-run to check the script on CPU)",
               file=sys.stderr)  # fmt: skip

@@ -24,7 +24,17 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_check_cases import Context, device_used_gib, reset_peak, uninterrupted
+from bench.gpu_check_cases import (
+    Context,
+    cache_outputs,
+    corpus_text,
+    device_used_gib,
+    median_s,
+    random_model,
+    reset_peak,
+    teacher_rows,
+    uninterrupted,
+)
 from bench.pair_runs import ensure_projection, step_figures, write_pair_shards
 from tokenbridge import paths
 
@@ -36,7 +46,6 @@ def pair_shards(ctx: Context, length: int) -> tuple[Path, dict]:
     their token counts; the projection too."""
     key = f"shards{length}"
     if key not in ctx.cache:
-        from bench.gpu_check_cases import corpus_text
         from tokenbridge.tokenizers import load_tokenizer
 
         ensure_projection()
@@ -126,7 +135,6 @@ def teacher_alone_s(ctx: Context, *, rows: int, length: int) -> float:
     """Seconds of the demo teacher's forward alone on a microbatch of the run's shape (`rows` x
     `length` teacher tokens, top-32 outputs): its share of a step it shares the GPU with. (The
     worker's own ``teacher_s`` is its launch time on a GPU, not the GPU's.)"""
-    from bench.gpu_check_cases import cache_outputs, median_s, random_model, teacher_rows
     from tokenbridge import models
 
     ids_BU, mask_BU = teacher_rows(ctx, rows=rows, length=length)
