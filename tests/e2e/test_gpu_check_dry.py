@@ -1,0 +1,122 @@
+"""`make gpu-check`'s CPU dry run (`python -m bench.gpu_check --dry-run`), so the GPU script
+cannot rot while no GPU runs it: one process launch runs every part with the tiny shapes, and
+the JSON it writes must have every part, each ``ok`` with positive figures.
+
+A part may be ``skipped`` only for a trainer knob this checkout lacks (``knob not present: ...``),
+checked here on its own, not through the script's detection: once the knobs land, every part must
+be ``ok``. Also: the carry folder for a GPU machine (`bench.gpu_pack`) holds the tokenizers, the
+text and the pure-Python packages, and no weights, within the device tool's limit; and the
+check's copies of the teacher-cache job's defaults still equal the job's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.helpers import REPO, real_projection
+from trainer.config import sections
+from trainer.config.checks import ConfigError
+
+PARTS = ("cuda_tests", "demo_pair", "scale_1b_4b", "long_row", "sampler", "teacher_program")
+# a cuda-marked test of each file that holds them (the dry run lists what it would run)
+CUDA_TESTS = (
+    "tests/dist/test_dist_cuda.py::test_ops_on_cuda_single_process",
+    "tests/dist/test_teacher_worker.py::test_cuda_ipc_round_trip_reuse_and_kill",
+    "tests/e2e/test_debug_run.py::test_debug_run_on_cuda_with_cuda_ipc_channel",
+)
+
+
+def knob_present(knob: str) -> bool:
+    """Does this checkout have the knob? (Independently of `bench.gpu_check.knobs`.)"""
+    if knob == "trainer.throughput":
+        return importlib.util.find_spec(knob) is not None
+    try:
+        if knob == "parallel.param_dtype=auto":
+            sections.ParallelConfig(param_dtype="auto")
+        elif knob == "teachers.dtype=auto":
+            sections.TeacherConfig(path="t", dtype="auto").check(0)
+        else:
+            section, name = knob.split(".")
+            cls = {"parallel": sections.ParallelConfig, "optim": sections.OptimConfig}[section]
+            return name in {f.name for f in dataclasses.fields(cls)}
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory, teacher_dir, student_dir) -> tuple[subprocess.CompletedProcess, dict]:
+    real_projection(teacher_dir, student_dir)  # once for the suite, outside the dry run
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    result = json.loads((out / "gpu_check.json").read_text()) if proc.returncode == 0 else {}
+    return proc, {"json": result, "md": (out / "gpu_check.md").read_text() if result else ""}
+
+
+def test_dry_run_runs_every_part_with_positive_figures(dry):
+    proc, got = dry
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = got["json"]
+    assert res["dry_run"] and tuple(res["parts"]) == PARTS
+    for knob, found in res["knobs"].items():
+        assert found == knob_present(knob), knob
+    for key, part in res["parts"].items():
+        if part["status"] == "skipped":
+            assert part["reason"].startswith("knob not present: "), (key, part["reason"])
+            missing = part["reason"].removeprefix("knob not present: ").split(", ")
+            assert not any(knob_present(k) for k in missing), (key, missing)
+        else:
+            assert part["status"] == "ok", (key, part.get("error"), part.get("traceback"))
+        numbers = {k: v for k, v in part["figures"].items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
+        assert numbers and all(v > 0 for v in numbers.values()), (key, part["figures"])
+    listed = res["parts"]["cuda_tests"]["figures"]["listed"]
+    assert set(CUDA_TESTS) <= set(listed), listed
+    # the section bench/run_all.py collects: the machine, then every part
+    md = got["md"]
+    assert md.startswith("## GPU check") and "**Dry run**" in md and res["commit"] in md
+    assert all(p["title"] in md for p in res["parts"].values())
+    # ~30 s on 2 idle cores: a guard against a part that grew, not a benchmark
+    assert res["total_s"] < 150, res["total_s"]
+
+
+def test_carry_folder_has_what_the_gpu_machine_lacks_and_no_weights(tmp_path):
+    from bench import gpu_pack
+
+    sizes = gpu_pack.write_pack(tmp_path / "pack")
+    pack = tmp_path / "pack"
+    for model in ("gemma-3-270m", "smollm2-135m"):
+        have = {f.name for f in (pack / "artifacts" / "models" / model).iterdir()}
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= have, have
+        assert not any(n.endswith(gpu_pack.WEIGHTS) for n in have), have
+    plays = list((pack / "artifacts" / "corpus" / "shakespeare").glob("*.txt"))
+    assert len(plays) == gpu_pack.CORPUS_FILES
+    for name in gpu_pack.SITE_PACKAGES:
+        assert (pack / "site" / name / "__init__.py").is_file(), name
+    assert not list(pack.rglob("__pycache__"))
+    assert (pack / "COMMIT").read_text().strip()
+    # the device tool carries 64 MiB with the working tree (~3 MiB)
+    assert sum(sizes.values()) < 48 * 2**20, sizes
+
+
+def test_the_checks_copies_of_the_cache_jobs_defaults():
+    from bench import gpu_check_cases as C
+    from pipelines.teacher_cache import handler, job
+
+    fields = {f.name: f.default for f in dataclasses.fields(job.JobConfig)}
+    assert C.CACHE_ROWS_PER_HEAD == handler.ROWS_PER_HEAD
+    assert fields["batch_tokens"] == C.CACHE_BATCH_TOKENS
