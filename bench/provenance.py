@@ -98,6 +98,8 @@ def section_commit(text: str) -> str | None:
 def stale_note(text: str) -> str | None:
     """Under a kept section: whether the code changed since the commit it names."""
     sha = section_commit(text)
+    if sha is None and "Not run" in text:
+        return None  # no figures to be stale
     if sha is None:
         return "_This section names no commit: it predates provenance lines; treat as stale._"
     changed = _git("log", "--oneline", f"{sha}..HEAD", "--", *CODE_PATHS)
