@@ -1,4 +1,9 @@
-"""What names a model: a local HF directory, how it is initialised, and the random-init recipe.
+"""What names a model: a local HF directory, how it is initialised, the random-init recipe, and
+the dtype its weights and compute use.
+
+``"auto"`` names the dtype by device (`resolve_dtype`: bfloat16 on CUDA, float32 elsewhere); it is
+resolved in this one function wherever the device is known (the trainer's preflight, the
+teacher-cache job, the eval), so no file or fingerprint ever records "auto".
 
 Kept apart from `tokenbridge.models` (which imports torch and transformers) so that a config
 check that needs only these rules runs in milliseconds.
@@ -12,6 +17,8 @@ from typing import Any, Protocol
 
 MODEL_INITS = ("pretrained", "random")
 DTYPES = ("float32", "bfloat16", "float16")  # weights and compute, by name
+AUTO = "auto"
+DTYPE_CHOICES = (AUTO, *DTYPES)  # what a config or a flag may name
 
 
 class ModelSource(Protocol):
@@ -52,7 +59,20 @@ class ModelSpec:
         self.name = self.name or Path(self.path.rstrip("/")).name
 
 
-def check_dtype(name: str, where: str) -> str:
-    if name not in DTYPES:
-        raise ValueError(f"{where}: expected one of {list(DTYPES)}, got {name!r}")
+def check_dtype(name: str, where: str, *, auto: bool = False) -> str:
+    """`name` when it is a dtype `where` accepts (``auto`` too when `auto`), else ValueError."""
+    choices = DTYPE_CHOICES if auto else DTYPES
+    if name not in choices:
+        raise ValueError(f"{where}: expected one of {list(choices)}, got {name!r}")
     return name
+
+
+def resolve_dtype(name: str, device: object) -> str:
+    """The dtype `name` means on `device` (a torch.device or its name: ``cuda``, ``cuda:1``,
+    ``cpu``). ``auto``: bfloat16 on CUDA (tensor-core matmuls, half the memory of float32),
+    float32 anywhere else (bfloat16 matmuls on CPUs are slow, and CPU runs are the small checks
+    that compare numbers); any other name is itself, so a config naming float32 keeps it."""
+    check_dtype(name, "dtype", auto=True)
+    if name != AUTO:
+        return name
+    return "bfloat16" if str(device).split(":")[0] == "cuda" else "float32"

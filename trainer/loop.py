@@ -59,6 +59,7 @@ from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
 from trainer.shard_source import ShardSource
 from trainer.step import TrainStep
 from trainer.teacher.dispatch import Feed, open_teachers
+from trainer.throughput import Throughput
 
 
 class Trainer:
@@ -118,9 +119,10 @@ class Trainer:
         plan = parallelize.tp_plan(self.model.config.model_type) if tp > 1 else {}
         self.replicated_grads = parallelize.apply_tp(self.model, self.mesh.tp_mesh, plan)
         parallelize.apply_cp(self.model, self.mesh.cp_size)
+        precision = prepared.precision  # resolved for this device (trainer.config.precision)
         mp = MixedPrecisionPolicy(
-            param_dtype=models.torch_dtype(cfg.parallel.param_dtype),
-            reduce_dtype=models.torch_dtype(cfg.parallel.reduce_dtype),
+            param_dtype=models.torch_dtype(precision.param_dtype),
+            reduce_dtype=models.torch_dtype(precision.reduce_dtype),
         )
         parallelize.apply_fsdp(
             self.model,
@@ -128,7 +130,9 @@ class Trainer:
             mp_policy=mp,
             reshard_after_forward=cfg.parallel.reshard_after_forward,
         )
-        self.optimizer = optim.build_optimizer(self.model, cfg.optim)
+        self.optimizer = optim.build_optimizer(
+            self.model, cfg.optim, fused=precision.fused_optimizer
+        )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg.optim, steps=cfg.steps)
 
         # teachers and loss terms
@@ -143,9 +147,11 @@ class Trainer:
             threads=cfg.parallel.threads or None,
             caches=prepared.caches,
             batch_group=self.mesh.batch,
+            dtypes=precision.teacher_dtypes,
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
+        self.throughput = Throughput.of(self)  # per-device tokens/s and MFU of the records
 
         # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
         # the student's rollouts, with their prompts, sampler and teacher channels
@@ -296,7 +302,8 @@ class Trainer:
             for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
                 if t_cfg.cache:
                     continue
-                model = models.freeze(models.build_model(t_cfg, device=self.device))
+                dtype = models.torch_dtype(self.prep.precision.teacher_dtypes[i])
+                model = models.freeze(models.build_model(t_cfg, dtype=dtype, device=self.device))
                 if self.eval_rows:  # its own tokens and train codes, the same trained bytes
                     rows = [
                         (r["teachers"][i]["ids"], r["teachers"][i]["train"], r["trained_bytes"])
@@ -413,6 +420,10 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "shards": str(Path(self.prep.shards.dir).resolve()),  # the run report's chunk stats
             "teachers": [t.name for t in cfg.teachers],
+            # what was computed in, and how fast each device went (trainer.config.precision,
+            # trainer.throughput: medians over the logged steps)
+            "precision": self.prep.precision.summary([t.name for t in cfg.teachers]),
+            "throughput": self.throughput.summary(),
             "integrity": integrity.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
         }
         if self.is_main:

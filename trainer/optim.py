@@ -1,9 +1,12 @@
 """The student's optimizer and LR schedule, from the `optim` config section.
 
-AdamW with weight decay on matrices only (norm weights and biases are not decayed), and a
-multiplier schedule: linear warmup, then cosine down to ``min_lr_ratio``. The schedule spans
+AdamW with weight decay on matrices only (norm weights and biases are not decayed), its fused
+kernel where the run's precision says so (``optim.fused``, resolved by
+`trainer.config.precision`: on CUDA by default), and a multiplier schedule: linear warmup, then cosine down to ``min_lr_ratio``. The schedule spans
 ``steps`` (never ``stop_after``), so a run stopped early and resumed follows the same curve.
 Clipping lives in `trainer.parallel.parallelize` (the norm is reduced over the device mesh).
+The parameters it updates are FSDP2's float32 shards whatever ``parallel.param_dtype`` is, so
+its moments are float32 too.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, fused: bool) -> torch.optim.AdamW:
+    """AdamW over `model`'s parameters; `fused`: the fused kernel (one launch for every
+    parameter), else torch's default (foreach where the parameters allow it)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases
     return torch.optim.AdamW(
@@ -34,6 +39,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
+        fused=True if fused else None,
     )
 
 

@@ -22,12 +22,23 @@ from typing import Any
 
 import torch
 
-# keys shown in the tqdm postfix, in this order, when present
-_POSTFIX = ("loss", "ce", "kd", "grad_norm", "lr", "tokens_per_s")
+# keys shown in the tqdm postfix, in this order, when present, under these labels
+_POSTFIX = {
+    "loss": "loss",
+    "ce": "ce",
+    "kd": "kd",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tokens_per_s": "tokens_per_s",
+    "tokens_per_s_per_device": "tok/s/dev",  # trainer.throughput
+    "mfu": "mfu",
+}
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process so far: CUDA allocator peak on GPU, else peak RSS."""
+    """Peak memory of this process so far (the records' ``memory_gib``): on a GPU the CUDA
+    allocator's peak (``torch.cuda.max_memory_allocated``: tensors, not the allocator's cache
+    nor the teacher worker's), else the peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -199,7 +210,7 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
         if self._bar is not None and kind == "train":
-            post = {k: _fmt(metrics[k]) for k in _POSTFIX if k in metrics}
+            post = {label: _fmt(metrics[k]) for k, label in _POSTFIX.items() if k in metrics}
             self._bar.set_postfix(post, refresh=False)
 
     def advance(self, n: int = 1) -> None:
@@ -259,6 +270,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"(on {summary['eval_texts']} held-out windows, {summary.get('eval_bytes', 0)} bytes)"
         )
+    lines += _precision_lines(summary)
     for key, label in (
         ("steps", "steps trained"),
         ("train_seconds", "train seconds"),
@@ -272,3 +284,29 @@ def format_summary(summary: dict[str, Any]) -> str:
         if summary.get(key) is not None:
             lines.append(f"{label + ':':22s}{summary[key]}")
     return "\n".join(lines)
+
+
+def _precision_lines(summary: dict[str, Any]) -> list[str]:
+    """What the run computed in and how fast each device went (`trainer.config.precision`,
+    `trainer.throughput`), when the summary says."""
+    lines = []
+    p = summary.get("precision")
+    if p:
+        teachers = ", ".join(f"{k} {v}" for k, v in p.get("teacher_dtypes", {}).items())
+        lines.append(
+            f"{'precision:':22s}{p['device']}: student {p['param_dtype']} (master "
+            f"{p['master_dtype']}, reduce {p['reduce_dtype']}), fused AdamW "
+            f"{'yes' if p['fused_optimizer'] else 'no'}"
+            + (f"; teachers {teachers}" if teachers else "")
+        )
+    t = summary.get("throughput") or {}
+    if "tokens_per_s_per_device" in t:
+        parts = [f"{t['tokens_per_s_per_device']:.1f} student tokens/s per device"]
+        if "tflops_per_device" in t:
+            parts.append(f"{t['tflops_per_device']:.3g} TFLOP/s")
+        if "mfu" in t:
+            parts.append(f"MFU {t['mfu']:.1%} of {t['peak_tflops']:g} TFLOP/s")
+        if "teacher_mfu" in t:
+            parts.append(f"teachers' MFU {t['teacher_mfu']:.1%}")
+        lines.append(f"{'throughput (median):':22s}" + ", ".join(parts))
+    return lines

@@ -8,7 +8,9 @@ combined as ``loss.combine`` says: fixed weights, or the dynamic scale |CE| / |K
 previous applied step (the current step's totals are not known before its first backward).
 
 Counts under CP: each rank counts the positions and chunk terms it computes, so their sum over
-dp and cp is the global count; TP ranks count alike and are never summed.
+dp and cp is the global count; TP ranks count alike and are never summed. The live teachers'
+tokens of a logging step are summed alike (`step_sums`: each of a dp group's cp ranks counts
+1 / cp of its rows') for the per-device throughput (`trainer.throughput`).
 
 Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
 (lm_head width; V / tp of it on this rank).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from statistics import fmean
 
 import torch
 
@@ -131,6 +134,22 @@ class ShardSource(Source):
             kd = weighted_kd(self.weight_list, nums.losses[1:-1])
             self.scale = abs(nums.losses[0]) / max(abs(kd), 1e-8)  # next step's |CE|/|KD|
 
+    def _live(self) -> list[KDTerm]:
+        """The KD terms whose teacher runs (not read from a cache): their FLOPs count."""
+        return [t for t in self.terms if t.name in self.tr.throughput.teachers]
+
+    def step_sums(self) -> dict[str, float]:
+        """The live teachers' tokens of the step: real (unpadded) teacher positions of this
+        rank's microbatches, 1 / cp of them on each cp rank (summed over dp and cp: every row
+        once). Read on logging steps only."""
+        live = self._live()
+        if not live:
+            return {}
+        share = 1.0 / self.tr.mesh.cp_size
+        lens = [q.mb.aligned[t.index].teacher_len.sum() for t in live for q in self.queued]
+        host = torch.stack(lens).reshape(len(live), -1).sum(1).tolist()
+        return {f"teacher_tokens/{t.name}": n * share for t, n in zip(live, host)}
+
     def record(self, nums: StepNumbers, *, lr: float, step_s: float) -> dict[str, float]:
         measured = {
             **shm_usage(),
@@ -140,4 +159,17 @@ class ShardSource(Source):
             "memory_gib": peak_memory_gib(self.tr.device),
             "epoch": self.tr.loader.epoch,
         }
-        return train_metrics(nums, terms=self.kd_names, kd_weights=self.weight_list, host=measured)
+        m = train_metrics(nums, terms=self.kd_names, kd_weights=self.weight_list, host=measured)
+        m |= self.tr.throughput.record(
+            tokens=m["tokens"],
+            step_s=step_s,
+            seq=fmean(q.mb.input_ids_BT.shape[1] for q in self.queued),
+            teacher_tokens={
+                k.removeprefix("teacher_tokens/"): v for k, v in nums.source_sums.items()
+            },
+            teacher_seq={
+                t.name: fmean(q.mb.aligned[t.index].teacher_ids.shape[1] for q in self.queued)
+                for t in self._live()
+            },
+        )
+        return m

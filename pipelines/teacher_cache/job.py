@@ -2,7 +2,7 @@
 
     python -m pipelines.teacher_cache --shards DIR --teacher MODEL_DIR [--k 32] \\
         [--temperature 1.0] [--logprob-dtype float16|bfloat16|float32] [--no-target] \\
-        [--samples R] [--teacher-index I] [--teacher-dtype float32] [--out DIR] [--overwrite] \\
+        [--samples R] [--teacher-index I] [--teacher-dtype auto] [--out DIR] [--overwrite] \\
         [--init random --seed N --override key=value ...] [--batch-tokens 8192] \\
         [Beam pipeline options]
 
@@ -60,7 +60,7 @@ from tokenbridge.formats import shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
 from tokenbridge.formats.teacher_cache import CacheMeta
 from tokenbridge.formats.teacher_cache_reader import REBUILD
-from tokenbridge.model_spec import ModelSpec, check_dtype
+from tokenbridge.model_spec import ModelSpec, check_dtype, resolve_dtype
 from tokenbridge.tokenizers import load_tokenizer
 
 log = logging.getLogger("tokenbridge.teacher_cache")
@@ -74,7 +74,7 @@ class JobConfig:
     out: Path
     meta: CacheMeta
     teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
-    teacher_dtype: str = "float32"  # its weights and compute (as the trainer's teachers[i].dtype)
+    teacher_dtype: str = "float32"  # its weights and compute, resolved (never auto)
     batch_tokens: int = 8192  # padded teacher tokens per forward (rows x longest row)
     max_rows: int = 64
     rows_per_task: int = 512
@@ -232,7 +232,11 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--samples", type=int, default=0, help="R ids drawn per position (<= 255)")
     ap.add_argument("--sample-seed", type=int, default=0)
     ap.add_argument("--teacher-index", type=int, default=None, help="teacher column of the shards")
-    ap.add_argument("--teacher-dtype", default="float32", help="as teachers[i].dtype")
+    ap.add_argument(
+        "--teacher-dtype",
+        default="auto",
+        help="as teachers[i].dtype (auto: bfloat16 on a CUDA --device, else float32)",
+    )
     ap.add_argument("--init", default="pretrained", choices=("pretrained", "random"))
     ap.add_argument("--seed", type=int, default=0, help="random init seed (as teachers[i].seed)")
     ap.add_argument("--override", action="append", default=[], help="key=json (random init)")
@@ -251,7 +255,11 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     teacher = H.teacher_config(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
-    check_dtype(args.teacher_dtype, "--teacher-dtype")
+    # auto resolved by --device, as the trainer resolves it by its device: the cache records
+    # the dtype the teacher ran in, which a run's teachers[i].dtype must resolve to
+    dtype = resolve_dtype(
+        check_dtype(args.teacher_dtype, "--teacher-dtype", auto=True), args.device
+    )
     shard_set = shards.open_shards(args.shards)
     tok = load_tokenizer(args.teacher)
     if H.lm_head_rows(teacher) < tok.vocab_size:
@@ -265,7 +273,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
             "weights": weights,
             "tokenizer": tok.fingerprint,
             "vocab_size": tok.vocab_size,
-            "dtype": args.teacher_dtype,
+            "dtype": dtype,
         },
         shards={
             "fingerprint": shards_fingerprint(shard_set),
@@ -287,7 +295,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         out=out,
         meta=meta,
         teacher=teacher,
-        teacher_dtype=args.teacher_dtype,
+        teacher_dtype=dtype,
         batch_tokens=args.batch_tokens,
         max_rows=args.max_rows,
         rows_per_task=args.rows_per_task,

@@ -7,6 +7,8 @@ in seconds, with a message that names the file and the field. Only tokenizers, s
 projection tables and config.json files are read, plus, to verify them, the shard files
 (``data.verify``: `first_open` and `preflight` both hash them here, as the row-length scan maps
 every file) and the checkpoint to resume from (`trainer.checkpoint.checkpointer.find_resume`).
+The run's precision is resolved here for its device (`trainer.config.precision`): a teacher
+cache is checked against the dtype the teacher would run in.
 
 The config's rules are not restated here: the ones that need the number of processes or the
 tokenizers (a same-tokenizer loss on a pair with two vocabularies, a projection mode without its
@@ -31,6 +33,7 @@ from tokenbridge.projection import Projection, load_projection
 from tokenbridge.tokenizers import Tokenizer, load_tokenizer
 from trainer.checkpoint.checkpointer import find_resume, list_checkpoints
 from trainer.config import rules
+from trainer.config.precision import Precision, resolve_precision
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.microbatches import ShardReader
 from trainer.parallel import parallelize
@@ -48,6 +51,7 @@ class Prepared:
     student_rows: int  # lm_head width from config.json (the tokenizer may be smaller)
     teacher_rows: list[int]
     teacher_max_len: list[int]  # longest teacher row per teacher (sizes the channel slots)
+    precision: Precision  # the dtypes and optimizer kernel on this run's device
     resume: Path | None = None  # the verified checkpoint to resume from (None: start fresh)
     caches: list[CacheSet | None] = field(default_factory=list)  # per teacher (teachers[i].cache)
 
@@ -91,6 +95,7 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
     rules.check_tokenizers(cfg, student, teachers)  # each teacher's modes against its pair
+    precision = resolve_precision(cfg, device=parallelize.pick_device(cfg.device).type)
 
     student_hf = models.model_config(cfg.model)
     for key, check in (("tp", parallelize.check_tp), ("cp", parallelize.check_cp)):
@@ -159,11 +164,14 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         teacher_rows,
         teacher_max[: len(teachers)],
         resume=resume.path,
-        caches=_caches(cfg, teachers, shards),
+        caches=_caches(cfg, teachers, shards, precision=precision),
+        precision=precision,
     )
 
 
-def _caches(cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet) -> list:
+def _caches(
+    cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet, *, precision: Precision
+) -> list:
     """Each teacher's offline cache, checked against the shards, the teacher and its loss (a
     teacher without one, or whose term is off, gets None)."""
     out = []
@@ -181,6 +189,7 @@ def _caches(cfg: TrainConfig, teachers: list[Tokenizer], shards: ShardSet) -> li
                 tokenizer=tok.info(),
                 shards=shards,
                 verify=cfg.data.verify,
+                dtype=precision.teacher_dtypes[i],
             )
         )
     return out

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from tokenbridge.formats.checksums import VERIFY_MODES
-from tokenbridge.model_spec import DTYPES, check_model_source
+from tokenbridge.model_spec import DTYPE_CHOICES, DTYPES, check_model_source
 from trainer.config.checks import (
     ConfigError,
     check_at_least,
@@ -68,7 +68,9 @@ class TeacherConfig(ModelConfig):
     weight: float = 1.0
     tp: int = 1
     loss: str | None = None  # per-teacher loss mode; default: loss.mode
-    dtype: str = "float32"  # the frozen teacher's weights and compute (no master copy needed)
+    # the frozen teacher's weights and compute (no master copy needed); auto: bfloat16 on CUDA,
+    # float32 on CPU (`trainer.config.precision`)
+    dtype: str = "auto"
     # an offline teacher cache (`make teacher-cache`): read its outputs instead of running the
     # teacher (no worker, no weights loaded); refused unless built from these shards with this
     # teacher, k and temperature (docs/training.md, "Teacher cache")
@@ -86,7 +88,7 @@ class TeacherConfig(ModelConfig):
         check_at_least(f"{where}.tp", self.tp, 1)
         if self.loss is not None:
             check_choice(f"{where}.loss", self.loss, registry().KD_MODES)
-        check_choice(f"{where}.dtype", self.dtype, DTYPES)
+        check_choice(f"{where}.dtype", self.dtype, DTYPE_CHOICES)
 
 
 @dataclass
@@ -137,8 +139,13 @@ class OptimConfig:
     # on. Stopping is the default: a NaN mostly means a bug or a diverged run, and silently
     # skipping steps would hide it (docs/training.md)
     skip_nonfinite: bool = False
+    # the fused AdamW kernel: auto = on CUDA (one kernel for every parameter), the default
+    # foreach implementation elsewhere; true / false force it (`trainer.config.precision`)
+    fused: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if self.fused not in (True, False, "auto"):
+            fail("optim.fused", f"expected auto, true or false, got {self.fused!r}")
         check_positive("optim.lr", self.lr)
         check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         check_positive("optim.eps", self.eps)
@@ -157,7 +164,10 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: world_size / (cp * tp)
     tp: int = 1  # tensor parallel: heads, MLP and the vocabulary (lm_head, embeddings) split
     cp: int = 1  # context parallel: each sequence split over cp ranks (load-balanced layout)
-    param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy
+    # FSDP2 MixedPrecisionPolicy: the compute copies of the parameters (the sharded fp32
+    # parameters stay the optimizer's master copy) and the gradient reduction; auto = bfloat16
+    # on CUDA, float32 on CPU (`trainer.config.precision`)
+    param_dtype: str = "auto"
     reduce_dtype: str = "float32"
     reshard_after_forward: bool = True
     # "worker": each rank's teacher runs in its own process and hands its outputs over the
@@ -176,7 +186,7 @@ class ParallelConfig:
             fail("parallel.dp_shard", f"expected -1 (auto) or >= 1, got {self.dp_shard}")
         check_at_least("parallel.tp", self.tp, 1)
         check_at_least("parallel.cp", self.cp, 1)
-        check_choice("parallel.param_dtype", self.param_dtype, DTYPES)
+        check_choice("parallel.param_dtype", self.param_dtype, DTYPE_CHOICES)
         check_choice("parallel.reduce_dtype", self.reduce_dtype, DTYPES)
         check_choice("parallel.teacher_placement", self.teacher_placement, TEACHER_PLACEMENTS)
         check_at_least("parallel.channel_slots", self.channel_slots, 1)
@@ -240,6 +250,12 @@ class LoggingConfig:
     jsonl: bool = True
     tensorboard: bool = True
     progress: bool = True
+    # MFU's denominator, dense TFLOP/s of one device at the student's compute dtype: null =
+    # the table of known GPUs (`tokenbridge.flops.PEAK_TFLOPS`, bf16/fp16); a device it does not
+    # know gets no MFU (never a guess) unless named here
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         check_at_least("logging.interval", self.interval, 1)
+        if self.peak_tflops is not None:
+            check_positive("logging.peak_tflops", self.peak_tflops)

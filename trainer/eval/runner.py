@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenbridge import model_spec
 from trainer.eval import generation as gen
 from trainer.eval.bpb import score_texts
 from trainer.eval.estimates import summarize
@@ -314,9 +315,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    """`tokenbridge.model_spec.resolve_dtype` as a torch dtype (auto: bfloat16 on CUDA)."""
+    return getattr(torch, model_spec.resolve_dtype(name, device))
 
 
 def load_model(path: str | Path, *, device: str = "auto", dtype: str = "auto"):

@@ -41,13 +41,15 @@ def open_scorers(
     inprocess: bool,
     timeout_s: float,
     threads: int | None,
+    dtypes: list[str],
 ) -> list[TeacherChannel]:
-    """One started channel per teacher (closed again if any fails to start)."""
+    """One started channel per teacher (closed again if any fails to start); `dtypes`: each
+    one's dtype on this device (``teachers[i].dtype`` resolved, `trainer.config.precision`)."""
     channels: list[TeacherChannel] = []
     with starting_together(channels):
-        for t_cfg, spec, length in zip(teachers, specs, max_len):
+        for t_cfg, spec, length, dtype in zip(teachers, specs, max_len, dtypes):
             program = TeacherModelProgram(
-                t_cfg, spec, max_batch=max_batch, max_len=length, dtype=t_cfg.dtype
+                t_cfg, spec, max_batch=max_batch, max_len=length, dtype=dtype
             )
             cfg = ChannelConfig(
                 mode="inprocess" if inprocess else "process",

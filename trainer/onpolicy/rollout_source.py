@@ -127,6 +127,7 @@ class OnPolicy:
             inprocess=cfg.parallel.teacher_placement == "inprocess",
             timeout_s=cfg.parallel.teacher_timeout_s,
             threads=cfg.parallel.threads or None,
+            dtypes=[trainer.prep.precision.teacher_dtypes[t.index] for t in self.teachers.terms],
         )
 
     def close(self) -> None:
@@ -271,6 +272,10 @@ class OnPolicy:
             record["rollout/gen_tokens_per_s"] = gen_tokens / times["generate_s"]
         record.update(teacher_s=teacher_s, step_s=time.perf_counter() - t0, onpolicy=1.0)
         record["tokens_per_s"] = record["tokens"] / record["step_s"]
+        # per device; no FLOPs: the step's time went to sampling too, whose FLOPs are not counted
+        record |= self.tr.throughput.record(
+            tokens=record["tokens"], step_s=record["step_s"], seq=None
+        )
         return record
 
     # -------------------------------------------------------------------------------------

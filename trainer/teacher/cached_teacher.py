@@ -72,9 +72,12 @@ def open_teacher_cache(
     tokenizer: TokenizerInfo,
     shards: ShardSet,
     verify: str = "first_open",
+    dtype: str,
 ) -> CacheSet:
     """Teacher `index`'s cache, checked for this run (see the module docstring); its files'
-    checksums too unless `verify` (``data.verify``) is ``never``."""
+    checksums too unless `verify` (``data.verify``) is ``never``. `dtype`: the teacher's compute
+    dtype on this run's device (``teachers[i].dtype`` resolved, `trainer.config.precision`),
+    which the cache must have been built with."""
     where = f"teachers[{index}].cache"
     record = MODES[mode]
     # a mode that can read a cache builds its teacher spec without tables (`LossMode.no_cache`;
@@ -83,12 +86,25 @@ def open_teacher_cache(
     weights = weights_fingerprint(
         t_cfg.path, init=t_cfg.init, seed=t_cfg.seed, overrides=dict(t_cfg.overrides)
     )
-    expected = Expected(
-        shards, index, tokenizer=tokenizer, weights=weights, dtype=t_cfg.dtype, where=where
-    )
+    expected = Expected(shards, index, tokenizer=tokenizer, weights=weights, where=where)
     cache = open_cache(t_cfg.cache, expected, verify=verify)
+    check_dtype(cache.meta, dtype, index=index, named=t_cfg.dtype, cache=t_cfg.cache)
     check_spec(cache.meta, spec, where=where, mode=mode)
     return cache
+
+
+def check_dtype(meta: CacheMeta, dtype: str, *, index: int, named: str, cache) -> None:
+    """CacheMismatchError unless the cache's teacher ran in `dtype` (the run's, resolved from
+    `named`, the config's ``teachers[i].dtype``, auto included): the message says how to match."""
+    built = meta.teacher["dtype"]
+    if built == dtype:
+        return
+    why = f" (teachers[{index}].dtype=auto on this device)" if named == "auto" else ""
+    raise CacheMismatchError(
+        f"teachers[{index}].cache={cache}: built with teacher dtype {built}, the run uses "
+        f"{dtype}{why}; set teachers[{index}].dtype={built} to read it, or {REBUILD} "
+        f"CACHE_ARGS='--teacher-dtype {dtype}'"
+    )
 
 
 @dataclass(eq=False)

@@ -200,12 +200,14 @@ def open_teachers(
     threads: int | None,
     caches: list | None = None,
     batch_group=None,
+    dtypes: tuple[str, ...],
 ) -> list:
     """One teacher source per KD term on this rank: its cache when ``caches[i]`` is given
     (`CachedTeacher`), else a worker process (or in-process, for debugging) that runs the
     teacher one microbatch ahead (`LiveTeacher`; when ``batch_group``, the ranks holding the
     same microbatch, has more than one rank, a `SharedBatchTeacher` computing this rank's share
-    of its rows). `max_len[i]` bounds teacher i's rows."""
+    of its rows). `max_len[i]` bounds teacher i's rows; `dtypes[i]`: teacher i's dtype on this
+    device (``teachers[i].dtype`` resolved, `trainer.config.precision`)."""
     channels: list[TeacherChannel] = []
     sources: list = []
     with starting_together(channels):
@@ -221,7 +223,7 @@ def open_teachers(
                 columns=term.columns(),
                 max_batch=cfg.data.micro_batch_size,
                 max_len=max_len[term.index],
-                dtype=t_cfg.dtype,
+                dtype=dtypes[term.index],
                 used_mask=True,  # outputs only where the loss reads them (`KDTerm.teacher_inputs`)
             )
             inprocess = cfg.parallel.teacher_placement == "inprocess"

@@ -1,0 +1,123 @@
+"""Per-device throughput and model FLOPs utilisation (MFU) of the logged steps.
+
+`Throughput.record` adds to a logging step's record (`trainer.run_log`):
+
+- ``tokens_per_s_per_device``: the step's student tokens (over every rank) / the number of
+  devices (the world size) / the step's wall time. Under data parallelism each device reads its
+  own rows; under cp and tp a dp group's tokens are shared by its cp x tp devices, each doing
+  1 / (cp tp) of their FLOPs; so this is each device's share, the rate MFU needs (torchtitan
+  divides by the non-data-parallel size alike). ``tokens_per_s`` stays the global rate.
+- ``tflops_per_device``: the student's model TFLOP/s per device, that rate times
+  `tokenbridge.flops.flops_per_token` of the student at the step's sequence length (training:
+  ``6 N + 12 L H Q seq``);
+- ``mfu``: that over the device's peak (`peak_for`); left out where no peak is known;
+- ``teacher_tflops_per_device``, ``teacher_mfu``: the live teachers' forwards (``2 N + 4 L H Q
+  seq`` per teacher token, over every rank's rows) in the same wall time, on the same devices
+  (a teacher worker runs on its rank's device). A teacher read from a cache runs nothing and
+  counts nothing.
+
+Model FLOPs count what the model needs (`tokenbridge.flops`), so a model type without a
+formula there gets throughput but no FLOPs, and a device without a known peak gets FLOPs but no
+MFU. The sequence length of the attention term is the mean padded length of the logging rank's
+microbatches of the step. The run summary gets the medians over the logged steps (`summary`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenbridge import flops, models
+
+
+def peak_for(device: torch.device, *, dtype: str, tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one `device` computing in `dtype`: ``tflops`` (``logging.peak_tflops``)
+    when given, else the table's (`tokenbridge.flops.peak_flops`) for a CUDA device it knows."""
+    if tflops is not None:
+        return tflops * 1e12
+    if device.type != "cuda":
+        return None
+    return flops.peak_flops(torch.cuda.get_device_name(device), dtype=dtype)
+
+
+@dataclass
+class Throughput:
+    """What a run's step records need to say how fast each device works (see the module doc).
+
+    ``student``: its HF config (None: no FLOPs); ``teachers``: the live teachers' HF configs by
+    KD term name; ``peak``: FLOP/s of one device (None: no MFU)."""
+
+    world: int
+    student: Any = None
+    teachers: dict[str, Any] = field(default_factory=dict)
+    peak: float | None = None
+    _seen: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, trainer) -> Throughput:
+        """A `trainer.loop.Trainer`'s: its student, its teachers not read from a cache, the
+        peak of its device at its student's compute dtype."""
+        caches = trainer.prep.caches or [None] * len(trainer.cfg.teachers)
+        live = {
+            t.name: models.model_config(trainer.cfg.teachers[t.index])
+            for t in trainer.kd_terms
+            if caches[t.index] is None
+        }
+        peak = peak_for(
+            trainer.device,
+            dtype=trainer.prep.precision.param_dtype,
+            tflops=trainer.cfg.logging.peak_tflops,
+        )
+        return cls(trainer.world, trainer.model.config, live, peak)
+
+    def record(
+        self,
+        *,
+        tokens: float,
+        step_s: float,
+        seq: float | None,
+        teacher_tokens: dict[str, float] | None = None,
+        teacher_seq: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """The step's per-device keys: `tokens` student tokens over every rank in `step_s`
+        seconds at mean padded length `seq` (None: no FLOPs, e.g. a step whose time also went
+        to sampling, whose FLOPs are not counted); `teacher_tokens` / `teacher_seq`: the same
+        per live teacher."""
+        per_device = tokens / self.world / step_s
+        m = {"tokens_per_s_per_device": per_device}
+        fpt = None if seq is None else flops.flops_per_token(self.student, seq=round(seq))
+        if fpt is not None:
+            m["tflops_per_device"] = per_device * fpt / 1e12
+            achieved = flops.mfu(per_device * fpt, self.peak)
+            if achieved is not None:
+                m["mfu"] = achieved
+        teacher = self._teacher_flops(teacher_tokens or {}, teacher_seq or {})
+        if teacher is not None:
+            m["teacher_tflops_per_device"] = teacher / self.world / step_s / 1e12
+            achieved = flops.mfu(teacher / self.world / step_s, self.peak)
+            if achieved is not None:
+                m["teacher_mfu"] = achieved
+        for k, v in m.items():
+            self._seen.setdefault(k, []).append(v)
+        return m
+
+    def _teacher_flops(self, tokens: dict[str, float], seq: dict[str, float]) -> float | None:
+        """The live teachers' forward FLOPs of the step (None when none has a formula)."""
+        total, counted = 0.0, False
+        for name, config in self.teachers.items():
+            if name not in tokens or name not in seq:
+                continue
+            fpt = flops.flops_per_token(config, seq=round(seq[name]), training=False)
+            if fpt is not None:
+                total, counted = total + tokens[name] * fpt, True
+        return total if counted else None
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's ``throughput``: each key's median over the logged steps, and the
+        peak it was measured against (TFLOP/s, None when unknown)."""
+        out: dict[str, Any] = {k: statistics.median(v) for k, v in self._seen.items()}
+        out["peak_tflops"] = None if self.peak is None else self.peak / 1e12
+        return out
