@@ -82,10 +82,21 @@ def test_dask_local_cluster_writes_the_same_cache(inputs, fn_cache):
     assert _rows(inputs["tmp"] / "dask").equals(_rows(fn_dir))
 
 
+def test_auto_teacher_dtype_is_recorded_as_the_dtype_its_device_ran(inputs):
+    """--teacher-dtype auto (the default) is resolved by --device, as a run's teachers[i].dtype
+    is by its device: the cache records the dtype used, never auto (nothing is run here)."""
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16"), ("cuda:1", "bfloat16")):
+        cfg, _ = J.configure([*inputs["base"], "--device", device])
+        assert cfg.meta.teacher["dtype"] == cfg.teacher_dtype == dtype, device
+    cfg, _ = J.configure([*inputs["base"], "--device", "cuda", "--teacher-dtype", "float32"])
+    assert cfg.meta.teacher["dtype"] == "float32"  # a named dtype is kept
+
+
 def test_cached_values_are_the_teacher_programs_outputs(inputs, fn_cache, student_dir):
     fn_dir, stats = fn_cache
     meta = stats["cache"]
     assert meta["id_bits"] == 16 and meta["k"] == 8 and meta["target"]
+    assert meta["teacher"]["dtype"] == "float32"  # --teacher-dtype auto on --device cpu
     assert meta["teacher"]["weights"].startswith("random:")
     t_cfg = TeacherConfig(path=str(student_dir), init="random", seed=2, overrides=TINY)
     spec = TeacherOutputSpec(49152, topk=8, target=True)

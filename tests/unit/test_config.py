@@ -26,6 +26,7 @@ from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import TENSORS, ProjectionMismatchError
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
+from trainer.config.precision import Precision
 from trainer.config.preflight import preflight
 from trainer.config.schema import ConfigError, from_dictconfig
 from trainer.main import hydra_overrides, load_config, main
@@ -212,10 +213,12 @@ def cfg_for(student_dir, shards, *, teacher=None, mode="kd_topk", **extra):
 
 def test_preflight_accepts_matching_inputs(tmp_path, student_dir, smol):
     shards = write_synthetic(tmp_path / "ok", smol, [smol])
-    p = preflight(cfg_for(student_dir, shards), world_size=1)
+    p = preflight(cfg_for(student_dir, shards, device="cpu"), world_size=1)
     assert p.student_rows == 49152 and p.teacher_rows == [49152]
     assert p.student_tok.fingerprint == smol.fingerprint and p.projections == [None]
     assert p.teacher_max_len[0] >= 3
+    # on a CPU every auto dtype is float32, the AdamW the plain one (trainer.config.precision)
+    assert p.precision == Precision("cpu", "float32", "float32", ("float32",), False)
 
 
 def test_preflight_refuses_shards_without_marker_or_other_tokenizers(tmp_path, student_dir, smol):

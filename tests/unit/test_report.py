@@ -33,7 +33,11 @@ def fake_run(path: Path, *, steps: int, teachers=("gemma",), shards: Path | None
     for s in range(1, steps + 1):
         r = {"kind": "train", "step": s, "ce": 5.0 / s + 0.01 * (s % 3), "lr": 1e-3,
              "grad_norm": 1.0 + (s % 4) / 10, "tokens_per_s": 100.0 + s, "step_s": 0.5,
-             "teacher_s": 0.2 if teachers else 0.0, "tokens": 64}  # fmt: skip
+             "teacher_s": 0.2 if teachers else 0.0, "tokens": 64, "memory_gib": 1.0 + s / 100,
+             "tokens_per_s_per_device": 50.0 + s / 2, "tflops_per_device": 0.1 + s / 1000,
+             "mfu": 0.25 if s <= steps // 2 else 0.3}  # fmt: skip
+        if teachers:
+            r["teacher_mfu"] = 0.125
         for t in teachers:
             r[f"kd/{t}"] = 1.0 / s
             r[f"coverage/{t}"] = 0.9
@@ -46,8 +50,12 @@ def fake_run(path: Path, *, steps: int, teachers=("gemma",), shards: Path | None
     bpb = {"student_before": 2.0, "teachers": {t: 1.5 + i / 10 for i, t in enumerate(teachers)},
            "student_after": 1.8}  # fmt: skip
     (path / "bpb.json").write_text(json.dumps(bpb))
+    precision = {"device": "cuda", "param_dtype": "bfloat16", "reduce_dtype": "float32",
+                 "master_dtype": "float32", "fused_optimizer": True,
+                 "teacher_dtypes": {t: "bfloat16" for t in teachers}}  # fmt: skip
     summary = {"name": path.name, "steps": steps, "tokens": 64 * steps, "bpb": bpb,
-               "teachers": list(teachers), "shards": str(shards) if shards else None}  # fmt: skip
+               "teachers": list(teachers), "shards": str(shards) if shards else None,
+               "precision": precision}  # fmt: skip
     (path / "summary.json").write_text(json.dumps(summary))
     return path
 
@@ -140,6 +148,14 @@ def test_report_numbers_equal_metrics_jsonl(tmp_path):
     text = html.read_text()
     assert "1 unreadable line(s) in metrics.jsonl skipped" in text
     assert "2.0000" in text and "1.8000 (-0.2000)" in text  # BPB before / after
+    # precision and per-device throughput: medians over the steps, the largest memory
+    assert {"tokens_per_s_per_device.png", "mfu.png"} <= set(pngs)
+    mfu = json.loads((html.parent / "report.json").read_text())["panels"]["mfu"]["lines"]
+    assert [(x["key"], x["style"]) for x in mfu] == [("mfu", "-"), ("teacher_mfu", "--")]
+    table = text.split("<h2>Precision and throughput</h2>")[1].split("</table>")[0]
+    cells = [c.rsplit(">", 1)[1] for c in table.split("</tr>")[1].split("</td>")[:-1]]
+    assert cells == ["demo", "cuda", "bfloat16 (master float32, reduce float32)",
+                     "gemma bfloat16", "yes", "57.75", "0.1155", "27.5%", "12.5%", "1.3"]  # fmt: skip
 
 
 def test_report_of_a_run_killed_early(tmp_path):

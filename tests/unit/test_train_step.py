@@ -31,6 +31,7 @@ from trainer.parallel.mesh import SINGLE
 from trainer.shard_source import ShardSource
 from trainer.step import TrainStep, count_mismatch
 from trainer.teacher.dispatch import Queued
+from trainer.throughput import Throughput
 
 V, T, LR = 11, 5, 0.1
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +108,7 @@ def _trainer(step: TrainStep, terms, feed=None):
         cfg=SimpleNamespace(data=SimpleNamespace(grad_accum=len(SIZES)), loss=loss,
                        parallel=SimpleNamespace(logits_chunk=0)),
         forward=lambda mb: step.model(mb.input_ids_BT).logits, vocab_used=V,
-        loader=SimpleNamespace(epoch=0),
+        loader=SimpleNamespace(epoch=0), throughput=Throughput(world=1),
     )  # fmt: skip
 
 
@@ -195,6 +196,8 @@ def test_shard_batches_and_rollouts_are_two_sources_of_one_step(step):
     assert m["loss"] == pytest.approx(float(want.detach()), rel=1e-6)
     assert m["ce"] == pytest.approx(float((ce_out.sum / ce_out.count).detach()), rel=1e-6)
     assert {"kd/t", "coverage/t", "tokens_per_s", "shm_segments", "lr", "teacher_s"} <= set(m)
+    # one device: its share is the whole rate; no HF config, so no FLOPs and no MFU
+    assert m["tokens_per_s_per_device"] == m["tokens_per_s"] and "mfu" not in m
     assert m["teacher_s"] == 0.5 and feed.released == 2
     for p, w in zip(model.parameters(), want_params):
         torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ EXPECTED = {
     "lr": "learning rate",
     "grad_norm": "gradient norm",
     "tokens_per_s": "throughput",
+    "tokens_per_s_per_device": "per-device throughput",
     "kd": "per-teacher KD (a CE-only run has none)",
     "coverage": "alignment coverage",
     "chunk_kinds": "chunk kinds (shard stats.json)",
@@ -137,10 +139,50 @@ def shards_table(runs: list[Run]) -> str:
     )
 
 
+DEVICE_COLUMNS = ["run", "device", "student dtype", "teacher dtypes", "fused AdamW"]
+DEVICE_COLUMNS += ["tokens/s/device", "TFLOP/s/device", "MFU", "teacher MFU", "peak GiB"]
+
+
+def _median(run: Run, key: str) -> float | None:
+    s = run.train.get(key)
+    return statistics.median(s.values) if s is not None and len(s) else None
+
+
+def device_table(runs: list[Run]) -> str:
+    """What each run computed in (summary.json's ``precision``) and how fast each device went:
+    medians over the logged steps of metrics.jsonl (`trainer.throughput`), the peak memory's
+    largest value. A cell is "—" where nothing was recorded (no MFU on a CPU)."""
+    rows = []
+    for run in runs:
+        p = run.summary.get("precision") or {}
+        dtype = "—"
+        if p:
+            dtype = f"{p['param_dtype']} (master {p['master_dtype']}, reduce {p['reduce_dtype']})"
+        teachers = ", ".join(f"{k} {v}" for k, v in p.get("teacher_dtypes", {}).items())
+        fused = {True: "yes", False: "no"}.get(p.get("fused_optimizer"), "—")
+        mfu = [_pct(_median(run, k)) for k in ("mfu", "teacher_mfu")]
+        memory = run.train.get("memory_gib")
+        rows.append(
+            [
+                run.name,
+                p.get("device", "—"),
+                dtype,
+                teachers or "—",
+                fused,
+                H.fmt(_median(run, "tokens_per_s_per_device")),
+                H.fmt(_median(run, "tflops_per_device")),
+                *mfu,
+                H.fmt(max(memory.values)) if memory is not None and len(memory) else "—",
+            ]
+        )
+    return "<h2>Precision and throughput</h2>" + H.table(DEVICE_COLUMNS, rows, left=5)
+
+
 def render_page(runs: list[Run], charts: list[tuple[Panel | Bars, bytes, str]]) -> str:
-    """The page: a table of the runs, the charts two per row, the shards, what is missing."""
+    """The page: a table of the runs, their precision and per-device throughput, the charts two
+    per row, the shards, what is missing."""
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    body = [runs_table(runs, colors), "<h2>Training</h2>", '<div class="grid">']
+    body = [runs_table(runs, colors), device_table(runs), "<h2>Training</h2>", '<div class="grid">']
     body += [H.figure(png, alt=p.title, caption=p.caption) for p, png, _ in charts]
     body.append("</div>")
     body.append(shards_table(runs))

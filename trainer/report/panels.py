@@ -148,6 +148,16 @@ def bpb_panel(runs: list[Run], colors: list[str]) -> Panel:
     return panel
 
 
+def _keys_panel(runs, colors, panel: Panel, keys: tuple[tuple[str, str, str], ...]) -> Panel:
+    """`panel` with a line per run and (key, line style, what) of `keys` that run logged."""
+    for run, color in zip(runs, colors):
+        for key, style, what in keys:
+            if key in run.train and any(run.train[key].values):
+                label = f"{run.name} · {what}"
+                panel.lines.append(_line(run, color, key, run.train[key], label=label, style=style))
+    return panel
+
+
 def step_time_panel(runs: list[Run], colors: list[str]) -> Panel:
     panel = Panel(
         "step_time",
@@ -156,12 +166,25 @@ def step_time_panel(runs: list[Run], colors: list[str]) -> Panel:
         caption="Solid: wall time of an optimizer step; dashed: the teacher workers' forward "
         "time for its microbatches, which overlaps the student's step when the teacher runs ahead.",
     )
-    for run, color in zip(runs, colors):
-        for key, style, what in (("step_s", "-", "step"), ("teacher_s", "--", "teacher")):
-            if key in run.train and any(run.train[key].values):
-                label = f"{run.name} · {what}"
-                panel.lines.append(_line(run, color, key, run.train[key], label=label, style=style))
-    return panel
+    return _keys_panel(
+        runs, colors, panel, (("step_s", "-", "step"), ("teacher_s", "--", "teacher"))
+    )
+
+
+def mfu_panel(runs: list[Run], colors: list[str]) -> Panel:
+    """Model FLOPs utilisation per device (`trainer.throughput`): none on a CPU or a GPU whose
+    peak is unknown, so the panel is left out there."""
+    panel = Panel(
+        "mfu",
+        "Model FLOPs utilisation per device",
+        "fraction of the device's peak",
+        caption="Solid: the student's training FLOPs (6N + 12 L H Q seq per token); dashed: the "
+        "live teachers' forwards (2N + 4 L H Q seq per teacher token), on the same devices; "
+        "both over the device's dense bf16 peak.",
+    )
+    return _keys_panel(
+        runs, colors, panel, (("mfu", "-", "student"), ("teacher_mfu", "--", "teachers"))
+    )
 
 
 def chunk_kinds(runs: list[Run], colors: list[str]) -> Bars | None:
@@ -232,6 +255,17 @@ def build_panels(runs: list[Run]) -> list[Panel | Bars]:
         _metric_panel(
             runs, colors, "tokens_per_s", "tokens_per_s", "Throughput", "student tokens / s"
         ),
+        _metric_panel(
+            runs,
+            colors,
+            "tokens_per_s_per_device",
+            "tokens_per_s_per_device",
+            "Throughput per device",
+            "student tokens / s / device",
+            caption="The step's student tokens over every rank, per device (the world size), "
+            "per second of step wall time.",
+        ),
+        mfu_panel(runs, colors),
         _per_teacher(
             runs,
             colors,
