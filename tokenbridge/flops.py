@@ -13,7 +13,8 @@ models):
 The first term is two FLOPs per weight per token for the forward's matmuls (times three with the
 backward); the second is the attention's scores and weighted sum (QK^T and AV, 2 x 2 H Q seq per
 layer forward), counted over the whole sequence as PaLM and Megatron do, not halved for the
-causal mask. A sliding-window layer (Gemma 3's ``layer_types``) attends ``min(seq, window)``.
+causal mask. A sliding-window layer (Gemma 2/3's ``layer_types``, Mistral's ``sliding_window``)
+attends ``min(seq, window)``.
 
 N here is every matmul weight the model applies to a token: the attention projections (q, k, v
 with grouped-query widths, o), the MLP (gate, up, down) and the lm_head (V x hidden, counted
@@ -74,10 +75,15 @@ def matmul_params(config: Any) -> int | None:
 
 def attention_context(config: Any, seq: int) -> int:
     """The positions each token's attention reads, summed over the layers: ``seq`` per layer,
-    ``min(seq, sliding_window)`` for a layer its ``layer_types`` marks as sliding."""
+    ``min(seq, sliding_window)`` for a layer its ``layer_types`` marks as sliding (every layer
+    when a config sets a window and no layer types, as Mistral's does)."""
     layers = int(_get(config, "num_hidden_layers"))
-    types = _get(config, "layer_types") or ["full_attention"] * layers
     window = _get(config, "sliding_window")
+    types = list(_get(config, "layer_types") or [])[:layers]
+    # no layer types (Mistral): a set window is every layer's
+    types += ["sliding_attention" if window and not types else "full_attention"] * (
+        layers - len(types)
+    )
     return sum(min(seq, int(window)) if t == "sliding_attention" and window else seq for t in types)
 
 

@@ -14,7 +14,10 @@
 - ``teacher_tflops_per_device``, ``teacher_mfu``: the live teachers' forwards (``2 N + 4 L H Q
   seq`` per teacher token, over every rank's rows) in the same wall time, on the same devices
   (a teacher worker runs on its rank's device). A teacher read from a cache runs nothing and
-  counts nothing.
+  counts nothing. 2 N holds the lm_head at every teacher token, as the model's forward does;
+  `teacher_forward` applies it only where the loss reads outputs, so for a teacher whose
+  lm_head is most of N (Gemma 3) and a loss that reads few positions this counts more than the
+  worker computes.
 
 Model FLOPs count what the model needs (`tokenbridge.flops`), so a model type without a
 formula there gets throughput but no FLOPs, and a device without a known peak gets FLOPs but no

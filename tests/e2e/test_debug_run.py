@@ -22,6 +22,7 @@ import pickle
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -43,7 +44,7 @@ from tests.e2e.helpers import (
 )
 from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
-from tokenbridge import models
+from tokenbridge import flops, models
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
@@ -54,6 +55,7 @@ from trainer.microbatches import ShardReader
 from trainer.report import write_report
 
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
+PEAK_TFLOPS = 2.0  # the full run's logging.peak_tflops
 # the CPU runs name their device: `auto` would put two ranks on a one-GPU machine's GPU
 CPU = [*COMMON, "device=cpu"]
 
@@ -84,11 +86,17 @@ def inputs(tmp_path_factory, teacher_dir, student_dir) -> dict:
 @pytest.fixture(scope="module")
 def full_run(inputs) -> Path:
     run_dir = inputs["tmp"] / "full"
+    # a CPU has no peak in the table: the command line names one, so MFU is computed
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
-            "checkpoint.interval=4", "eval.max_texts=4", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+            "checkpoint.interval=4", "eval.max_texts=4", f"teachers.0.projection={PROJECTION}",
+            f"logging.peak_tflops={PEAK_TFLOPS}"]  # fmt: skip
     proc = run_trainer(args + CPU, nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "held-out bits/byte  student after" in proc.stdout
+    assert "precision:            cpu: student float32 (master float32, reduce float32), " \
+        "fused AdamW no; teachers gemma3-tiny float32" in proc.stdout  # fmt: skip
+    assert re.search(r"throughput \(median\):  [\d.]+ student tokens/s per device, .*MFU",
+                     proc.stdout)  # fmt: skip
     assert f"run report:           {run_dir / 'report' / 'report.html'}" in proc.stdout
     return run_dir
 
@@ -104,7 +112,25 @@ def test_full_run_learns_and_reuses_channel_memory(full_run):
     # one ring per rank, allocated once: same segment and size at every step
     assert {(r["shm_segments"], r["shm_bytes"]) for r in train} == {(1, train[0]["shm_bytes"])}
     assert train[0]["shm_bytes"] > 0
+    # per device: 2 ranks share the global rate; the student's training FLOPs per token lie
+    # between the formula's at the shortest and the longest padded row (8 and 64 positions)
+    student = json.loads((full_run / "export" / "config.json").read_text())
+    low, high = (flops.flops_per_token(student, seq=n) for n in (8, 64))
+    for r in train:
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-9)
+        per_token = r["tflops_per_device"] * 1e12 / r["tokens_per_s_per_device"]
+        assert low <= per_token <= high, (low, per_token, high)
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / PEAK_TFLOPS, rel=1e-9)
+        assert r["teacher_tflops_per_device"] > 0 and r["teacher_mfu"] > 0  # the live teacher
+        assert r["memory_gib"] > 0
     summary = json.loads((full_run / "summary.json").read_text())
+    assert summary["precision"] == {
+        "device": "cpu", "param_dtype": "float32", "reduce_dtype": "float32",
+        "master_dtype": "float32", "teacher_dtypes": {"gemma3-tiny": "float32"},
+        "fused_optimizer": False}  # fmt: skip
+    assert summary["throughput"]["peak_tflops"] == PEAK_TFLOPS
+    assert summary["throughput"]["mfu"] == pytest.approx(
+        statistics.median(r["mfu"] for r in train), rel=1e-9)  # fmt: skip
     bpb = summary["bpb"]
     assert bpb["student_after"] < bpb["student_before"]
     assert bpb["teachers"]["gemma3-tiny"] > 0
@@ -118,7 +144,8 @@ def test_run_report_shows_the_run_and_one_killed_early(full_run, tmp_path):
     check_page(html)
     pngs = {p.stem for p in html.parent.glob("*.png")}
     assert {"loss", "ce", "kd", "bpb", "lr", "grad_norm", "tokens_per_s", "coverage",
-            "chunk_kinds", "step_time"} <= pngs  # fmt: skip
+            "chunk_kinds", "step_time", "tokens_per_s_per_device", "mfu"} <= pngs  # fmt: skip
+    assert "<h2>Precision and throughput</h2>" in html.read_text()
     assert check_numbers(html.parent / "report.json", {"full": full_run}) >= 10
     killed = tmp_path / "killed"
     killed.mkdir()
@@ -313,6 +340,19 @@ def test_debug_run_on_cuda_with_cuda_ipc_channel(inputs):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(r["shm_segments"] == 0 for r in train)  # no host shared memory on the GPU path
     assert train[-1]["loss"] < train[0]["loss"]
+    # auto on CUDA: bfloat16 compute over float32 masters, a bfloat16 teacher, fused AdamW;
+    # MFU where the table knows this GPU; memory_gib is the CUDA allocator's peak
+    p = json.loads((run_dir / "summary.json").read_text())["precision"]
+    assert (p["param_dtype"], p["master_dtype"], p["fused_optimizer"]) == (
+        "bfloat16",
+        "float32",
+        True,
+    )
+    assert p["teacher_dtypes"] == {"gemma3-tiny": "bfloat16"}
+    known = flops.peak_flops(torch.cuda.get_device_name(), dtype="bfloat16") is not None
+    for r in train:
+        assert r["memory_gib"] > 0 and r["tflops_per_device"] > 0
+        assert ("mfu" in r) == known and ("teacher_mfu" in r) == known
 
 
 def _one_line(stderr: str, *needles: str) -> str:

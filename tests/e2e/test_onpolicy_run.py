@@ -71,7 +71,12 @@ def test_on_policy_run_reports_rollouts_terms_and_teacher_bpb(full_run):
         assert r["coverage/smollm2-tiny-teacher"] == pytest.approx(1.0)
         for key in ("time/generate_s", "time/align_s", "time/teacher_wait_s", "time/student_s"):
             assert r[key] >= 0
-    bpb = json.loads((full_run / "summary.json").read_text())["bpb"]
+        # one device: the per-device rate is the whole; no FLOPs (the step also sampled)
+        assert r["tokens_per_s_per_device"] == r["tokens_per_s"] and "tflops_per_device" not in r
+    summary = json.loads((full_run / "summary.json").read_text())
+    want = {"gemma3-tiny": "float32", "smollm2-tiny-teacher": "float32"}  # auto on a CPU
+    assert summary["precision"]["teacher_dtypes"] == want
+    bpb = summary["bpb"]
     for when in ("before", "after"):
         got = bpb[f"teacher_on_student_{when}"]
         assert set(got) == {"gemma3-tiny", "smollm2-tiny-teacher"}

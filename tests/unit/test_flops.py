@@ -68,6 +68,11 @@ def test_gemma3_counts_its_sliding_window_layers_at_their_window(teacher_dir):
     # 15 of 18 layers slide over 512 positions, 3 read the whole sequence
     assert flops.attention_context(cfg, 2048) == 15 * 512 + 3 * 2048
     assert flops.attention_context(cfg, 256) == 18 * 256
+    # a window without layer types (Mistral) is every layer's; none is none
+    mistral = {**TINY, "model_type": "mistral", "sliding_window": 16}
+    assert (
+        flops.attention_context(mistral, 64) == 2 * 16 and flops.attention_context(TINY, 64) == 128
+    )
     n, width = flops.matmul_params(cfg), 4 * 256
     assert flops.flops_per_token(cfg, seq=2048, training=False) == 2 * n + 4 * width * 13_824
 
