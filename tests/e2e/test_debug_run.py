@@ -119,7 +119,7 @@ def test_full_run_learns_and_reuses_channel_memory(full_run):
     for r in train:
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-9)
         per_token = r["tflops_per_device"] * 1e12 / r["tokens_per_s_per_device"]
-        assert low <= per_token <= high, (low, per_token, high)
+        assert low * (1 - 1e-9) <= per_token <= high * (1 + 1e-9), (low, per_token, high)
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / PEAK_TFLOPS, rel=1e-9)
         assert r["teacher_tflops_per_device"] > 0 and r["teacher_mfu"] > 0  # the live teacher
         assert r["memory_gib"] > 0
