@@ -83,6 +83,10 @@ def test_fp32_cache_trains_exactly_as_the_live_teacher(report, mode):
     # no teacher worker, no ring: the cached run (placement `worker`) ran no teacher at all
     assert r["fp32_sources"] == ["CachedTeacher"] and r["fp32_children"] == 0
     assert r["fp32_shm"].get("shm_segments", 0) == 0
+    # model FLOPs: the student's in both runs, the teacher's only where it ran
+    for a, b in zip(live, cached):
+        assert a["tflops_per_device"] > 0 and b["tflops_per_device"] > 0
+        assert a["teacher_tflops_per_device"] > 0 and "teacher_tflops_per_device" not in b
     if mode == "xtoken":
         assert all(m["kd/t"] > 0 for m in cached)
 
