@@ -60,14 +60,13 @@ def make_trainer(shards: str, run_dir: Path, *, teacher: dict, **top) -> Trainer
 
 
 def nan_logits_in_step(t: Trainer, step: int) -> None:
-    """NaN student logits in every forward of optimizer step `step` (1-based)."""
+    """NaN student logits in every forward of optimizer step `step` (1-based): the final
+    norm's output, the lm_head's input, is made NaN (the logits are never whole by default)."""
 
     def hook(_module, _args, out):
-        if t.step == step - 1:
-            out["logits"] = out.logits * float("nan")
-        return out
+        return out * float("nan") if t.step == step - 1 else out
 
-    t.model.register_forward_hook(hook)
+    t.model.model.norm.register_forward_hook(hook)
 
 
 def case_stop(shards: str, tmp: Path) -> dict:
