@@ -1,0 +1,200 @@
+"""Benchmark section "memory": the student's peak memory and step time with and without
+activation checkpointing (``parallel.activation_checkpointing``), on CPU.
+
+The demo student's shape (SmolLM2-135M: 30 layers, width 576, 49,152-wide vocabulary; random
+init, fp32), one row of `seq` tokens, one forward and backward of the student's CE exactly as the
+trainer computes it (`tokenbridge.losses.ce.ce` on the whole logits). Each measurement runs in
+its own interpreter (`bench.child.run_child`), so its peak RSS is its own, and under an address
+space cap of `LIMIT_GIB`: a run that does not fit says so instead of taking the machine down.
+
+Why the lengths measured are short: a step of all 30 layers costs ~1 min at 2k tokens on these
+2-core machines and grows faster than linearly (attention), so 4k and 16k tokens (the issue's
+lengths) would take ~5 and ~30 min a step. Peak memory, though, grows linearly in the length
+(CPU SDPA keeps O(T) per layer, the CE is chunked over rows): each variant's peaks at the
+measured lengths are fitted with a line (the residual is shown) and read at 4k and 16k. Set
+``TOKENBRIDGE_BENCH_MEMORY_LENGTHS=4096,16384`` on a machine with the time and memory to
+measure them directly; a run whose fitted peak is over the cap is skipped and named.
+
+The variants are rows of `VARIANTS`, each a dict of knobs handed to `_child`: a later axis (the
+chunked logits of ``parallel.logits_chunk``) is one more key there and in `_student_ce`.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from bench.child import run_child
+from tokenbridge import models, paths
+
+LENGTHS = tuple(
+    int(n) for n in os.environ.get("TOKENBRIDGE_BENCH_MEMORY_LENGTHS", "512,1024,2048").split(",")
+)
+TARGETS = (4096, 16384)  # the issue's lengths: goal, peak(full) <= 0.5 x peak(none) at 16k
+VARIANTS: tuple[dict, ...] = ({"ac": "none"}, {"ac": "full"})
+LIMIT_GIB = 20.0
+# one torch thread: on a 2-core machine that other jobs keep busy, two OpenMP threads ran the
+# same step up to 3x slower (bench_eval.py); step times are then CPU-seconds of the work
+THREADS = 1
+GIB = 2**30
+
+
+def _student_ce(model, ids_BT: torch.Tensor, *, logits_chunk: int | None) -> torch.Tensor:
+    """The trainer's student CE (summed over the row's targets) on `ids_BT`."""
+    from tokenbridge.losses.ce import ce
+
+    if logits_chunk is not None:  # the second axis: wire `parallel.logits_chunk` in here
+        raise NotImplementedError("parallel.logits_chunk is not in the trainer yet")
+    targets_BT = torch.full_like(ids_BT, -1)
+    targets_BT[:, :-1] = ids_BT[:, 1:]
+    logits_BTV = model(input_ids=ids_BT, use_cache=False).logits
+    return ce(logits_BTV, targets_BT, vocab_size=logits_BTV.shape[-1]).sum
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+
+
+def _child(seq: int, ac: str, logits_chunk: int | None = None) -> dict:
+    """One forward + backward in this (fresh) process: its peak RSS and step seconds."""
+    from trainer.parallel import parallelize
+
+    cap = int(LIMIT_GIB * GIB)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    model = models.build_model(models.ModelSpec(str(paths.student_dir()), init="random", seed=0))
+    parallelize.apply_ac(model, ac)
+    model.train()
+    ids_BT = torch.randint(0, model.config.vocab_size, (1, seq))
+    with_model = _peak_gib()
+    t0 = time.perf_counter()
+    try:
+        loss = _student_ce(model, ids_BT, logits_chunk=logits_chunk)
+        loss.backward()
+    except (MemoryError, RuntimeError) as e:  # the address-space cap: an allocation refused
+        if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+            raise
+        return {"fits": False, "error": f"an allocation refused under the {LIMIT_GIB:.0f} GiB cap"}
+    return {
+        "fits": True,
+        "step_s": time.perf_counter() - t0,
+        "peak_gib": _peak_gib(),
+        "model_gib": with_model,
+        "loss": float(loss) / (seq - 1),
+        "layers": model.config.num_hidden_layers,
+    }
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
+    """Least-squares line peak = a + b * tokens; (a, b, largest |residual|), or None if < 2."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(p for _, p in points) / n
+    b = sum((t - mx) * (p - my) for t, p in points) / sum((t - mx) ** 2 for t, _ in points)
+    a = my - b * mx
+    return a, b, max(abs(p - (a + b * t)) for t, p in points)
+
+
+def _name(variant: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant.items())
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main() -> str:
+    results: dict[str, dict[int, dict]] = {_name(v): {} for v in VARIANTS}
+    for seq in sorted(LENGTHS):  # variants interleaved per length: the noise hits both alike
+        for variant in VARIANTS:
+            name, done = _name(variant), results[_name(variant)]
+            fit = _fit([(t, r["peak_gib"]) for t, r in done.items() if r["fits"]])
+            if fit and fit[0] + fit[1] * seq > LIMIT_GIB:
+                done[seq] = {"fits": False, "error": f"fitted peak over {LIMIT_GIB:.0f} GiB"}
+                continue
+            done[seq] = run_child(
+                "bench.bench_memory", seq, variant["ac"], variant.get("logits_chunk")
+            )
+    base = _name(VARIANTS[0])
+    lines = [
+        "## Student memory: activation checkpointing (CPU)",
+        "",
+        f"SmolLM2-135M's shape (30 layers, random init, fp32), one row, one forward + backward "
+        f"of the student CE (`tokenbridge.losses.ce`, whole logits), each run in its own process "
+        f"({THREADS} torch thread, address space capped at {LIMIT_GIB:.0f} GiB). CPU: {_cpu()}. "
+        f"Step times are one cold step each (the machine is shared: ratios, not seconds).",
+        "",
+        "| variant | tokens | peak RSS | model built | step | step / none |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for seq in sorted(LENGTHS):
+        for name, done in results.items():
+            r = done[seq]
+            if not r["fits"]:
+                lines.append(f"| {name} | {seq} | does not fit: {r['error']} | | | |")
+                continue
+            ref = results[base][seq]
+            ratio = f"{r['step_s'] / ref['step_s']:.2f}x" if ref["fits"] else "-"
+            lines.append(
+                f"| {name} | {seq} | {r['peak_gib']:.2f} GiB | {r['model_gib']:.2f} GiB | "
+                f"{r['step_s']:.1f} s | {ratio} |"
+            )
+    lines += ["", *_targets(results, base)]
+    return "\n".join(lines)
+
+
+def _targets(results: dict[str, dict[int, dict]], base: str) -> list[str]:
+    """Peaks at the issue's lengths: measured where they were, else read off each variant's
+    line; whether they fit under the cap; each variant against the first."""
+    out = [
+        "| variant | tokens | peak (measured or fitted) | fit over measured lengths | "
+        f"under {LIMIT_GIB:.0f} GiB | vs none |",
+        "|---|---:|---:|---|---|---:|",
+    ]
+    peaks: dict[tuple[str, int], float] = {}
+    for name, done in results.items():
+        fit = _fit([(t, r["peak_gib"]) for t, r in done.items() if r["fits"]])
+        how = (
+            f"{fit[0]:.2f} + {fit[1] * 1024:.3f} GiB / 1k tokens (residual <= {fit[2]:.2f} GiB)"
+            if fit
+            else "-"
+        )
+        for seq in TARGETS:
+            r = done.get(seq)
+            if r and r["fits"]:
+                peaks[name, seq], src = r["peak_gib"], "measured"
+            elif fit:
+                peaks[name, seq], src = fit[0] + fit[1] * seq, "fitted"
+            else:
+                continue
+            fits = "yes" if peaks[name, seq] <= LIMIT_GIB else "**no**"
+            vs = peaks[name, seq] / peaks[base, seq] if (base, seq) in peaks else float("nan")
+            out.append(
+                f"| {name} | {seq} | {peaks[name, seq]:.1f} GiB ({src}) | {how} | {fits} | "
+                f"{vs:.2f}x |"
+            )
+    full, none = peaks.get(("ac=full", TARGETS[-1])), peaks.get((base, TARGETS[-1]))
+    if full and none:
+        verdict = "met" if full <= 0.5 * none else "**not met**"
+        out += [
+            "",
+            f"- Goal (issue 27): peak at {TARGETS[-1]} tokens with `full` <= 0.5x `none`: "
+            f"{full:.1f} / {none:.1f} GiB = {full / none:.2f}x, {verdict}. What AC leaves is "
+            "mostly the whole-vocabulary logits and their gradient (2 x tokens x 49,152 x 4 "
+            "bytes: 6 GiB at 16k), the target of chunked logits.",
+        ]
+    return out
+
+
+if __name__ == "__main__":
+    print(main())
