@@ -11,12 +11,17 @@ reset once the model is built), and under an address-space cap of `LIMIT_GIB`: a
 not fit says so instead of taking the machine down.
 
 Why the lengths measured are short: a step of all 30 layers costs ~30 s at 2k tokens on these
-2-core machines and grows faster than linearly (attention), so 4k and 16k tokens (the issue's
-lengths) would take minutes to tens of minutes a step. Peak memory, though, grows linearly in the
-length (CPU SDPA keeps O(T) per layer; the logits are O(T x V) or O(chunk x V)): each variant's
-peaks at the measured lengths are fitted with a line (the residual is shown) and read at 4k and
-16k. ``TOKENBRIDGE_BENCH_MEMORY_LENGTHS=4096,16384`` measures them directly on a machine with the
-time and memory; a run whose fitted peak is over the cap is skipped and named.
+2-core machines (one thread), ~90 s at 4k, and a 16k one would take well over ten minutes
+(attention is quadratic). The tensors a step keeps grow linearly in the length (CPU SDPA keeps
+O(T) per layer; the logits are O(T x V) or O(chunk x V)), so each variant's peaks at the measured
+lengths are fitted with a line (its residual shown) and read at 4k and 16k: an estimate, not a
+measurement. RSS is not quite linear: under glibc's 32 MB mmap threshold freed tensors stay in
+the heap, so short runs with many layers overstate what long ones keep. Checked once (chunked
+logits): at 4k the line said 3.4 GiB with AC and 7.5 without, the run measured 3.75 and 6.4; at
+16k, runs of 1 and 2 blocks (0.07 GiB a block with AC, 0.74 without) put 30 blocks at ~3.7 and
+~23 GiB (0.16x), against the line's 8.9 and 26.9: the line is pessimistic for AC.
+``TOKENBRIDGE_BENCH_MEMORY_LENGTHS=4096,16384`` measures directly where time and memory allow; a
+run whose fitted peak is over the cap is skipped and named.
 
 The variants are rows of `VARIANTS`, each a dict of the knobs `_child` takes; another axis is one
 more key there and in `_student_ce`.
