@@ -1,27 +1,25 @@
 """Benchmark section "memory": the student's peak memory and step time with and without
-activation checkpointing (``parallel.activation_checkpointing``), on CPU, with the trainer's
-chunked logits (``parallel.logits_chunk``) and, when asked for, with whole ones.
+activation checkpointing (``parallel.activation_checkpointing``), on CPU, at 4k and 16k tokens.
 
-The demo student's shape (SmolLM2-135M: 30 layers, width 576, 49,152-wide vocabulary; random
-init, fp32), one row of `seq` tokens, one forward and backward of the student's CE as the trainer
-computes it (`tokenbridge.losses.ce.ce` on the model's logits, or on the lm_head's input projected
-`logits_chunk` positions at a time, `trainer.parallel.head`). Each measurement runs in its own
-interpreter (`bench.child.run_child`), so its peak is its own (the kernel's RSS high-water mark,
-reset once the model is built), and under an address-space cap of `LIMIT_GIB`: a run that does
-not fit says so instead of taking the machine down.
+The demo student's shape (SmolLM2-135M: width 576, 49,152-wide vocabulary; random init, fp32),
+one row, one forward and backward of the student's CE as the trainer computes it
+(`tokenbridge.losses.ce.ce` on the lm_head's input projected `logits_chunk` rows at a time,
+`trainer.parallel.head`; or on whole logits, `logits_chunk=0`, when asked for). Each run is its
+own interpreter (`bench.child.run_child`), so its peak is its own: the RSS high-water mark of the
+step, reset once the model is built, under an address-space cap of `LIMIT_GIB` (a run that does
+not fit says so instead of taking the machine down).
 
-Why the lengths measured are short: a step of all 30 layers costs ~30 s at 2k tokens on these
-2-core machines (one thread), ~90 s at 4k, and a 16k one would take well over ten minutes
-(attention is quadratic). The tensors a step keeps grow linearly in the length (CPU SDPA keeps
-O(T) per layer; the logits are O(T x V) or O(chunk x V)), so each variant's peaks at the measured
-lengths are fitted with a line (its residual shown) and read at 4k and 16k: an estimate, not a
-measurement. RSS is not quite linear: under glibc's 32 MB mmap threshold freed tensors stay in
-the heap, so short runs with many layers overstate what long ones keep. Checked once (chunked
-logits): at 4k the line said 3.4 GiB with AC and 7.5 without, the run measured 3.75 and 6.4; at
-16k, runs of 1 and 2 blocks (0.07 GiB a block with AC, 0.74 without) put 30 blocks at ~3.7 and
-~23 GiB (0.16x), against the line's 8.9 and 26.9: the line is pessimistic for AC.
-``TOKENBRIDGE_BENCH_MEMORY_LENGTHS=4096,16384`` measures directly where time and memory allow; a
-run whose fitted peak is over the cap is skipped and named.
+Why 1 and 2 blocks, not 30: a 30-block step at 16k tokens takes well over ten minutes on these
+2-core machines. The peak is reached at the start of the backward, when every block holds what it
+saved (all of its activations without AC, only its input with it) and one block is being
+recomputed, so it is a line in the number of blocks: the runs with 1 and 2 blocks give that line
+exactly, at the real length, and it is read at 30 (`DEPTH`). The same line is checked against a
+real 30-block run at `CHECK` tokens, where that is cheap. Two things keep the runs honest and
+short: glibc's mmap threshold is fixed (`MALLOC`), so a freed tensor leaves RSS at once and the
+peak is what the step holds, not the heap's history (without it, repeated runs differed by 0.5
+GiB); and the CE scores the last `SCORED` positions only: the chunked CE projects only the rows
+it scores and holds O(chunk x V) whatever their number (its gradient goes to the [T, 576] hidden
+states either way), and scoring all 16k rows would triple the run time.
 
 The variants are rows of `VARIANTS`, each a dict of the knobs `_child` takes; another axis is one
 more key there and in `_student_ce`.
@@ -39,18 +37,20 @@ import torch
 from bench.child import run_child
 from tokenbridge import models, paths
 
-LENGTHS = tuple(
-    int(n) for n in os.environ.get("TOKENBRIDGE_BENCH_MEMORY_LENGTHS", "512,1024,2048").split(",")
-)
 TARGETS = (4096, 16384)  # the issue's lengths: goal, peak(full) <= 0.5 x peak(none) at 16k
+CHECK = 512  # tokens at which 30 blocks are run too, to check the line in the number of blocks
+DEPTHS = (1, 2)
+DEPTH = 30  # SmolLM2-135M's blocks
 CHUNK = 256  # the trainer's default parallel.logits_chunk
-# the trainer's default logits; TOKENBRIDGE_BENCH_MEMORY_WHOLE=1 adds the whole-logits pair
-# (`logits_chunk=0`: ~2.5 more minutes; bench_logits.py compares the two paths themselves)
-CHUNKS = (0, CHUNK) if os.environ.get("TOKENBRIDGE_BENCH_MEMORY_WHOLE") == "1" else (CHUNK,)
+SCORED = CHUNK
+# TOKENBRIDGE_BENCH_MEMORY_WHOLE=1 adds the whole-logits pair (`logits_chunk=0`; bench_logits.py
+# compares the two logits paths themselves)
+CHUNKS = (CHUNK, 0) if os.environ.get("TOKENBRIDGE_BENCH_MEMORY_WHOLE") == "1" else (CHUNK,)
 VARIANTS: tuple[dict, ...] = tuple(
     {"ac": ac, "logits_chunk": chunk} for chunk in CHUNKS for ac in ("none", "full")
 )
 LIMIT_GIB = 20.0
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # any tensor over 128 KiB: its own mmap
 # one torch thread: on a 2-core machine that other jobs keep busy, two OpenMP threads ran the
 # same step up to 3x slower (bench_eval.py); step times are then CPU-seconds of the work
 THREADS = 1
@@ -58,13 +58,14 @@ GIB = 2**30
 
 
 def _student_ce(model, ids_BT: torch.Tensor, *, logits_chunk: int) -> torch.Tensor:
-    """The trainer's student CE (summed over the row's targets) on `ids_BT`: on the whole
-    logits (`logits_chunk` 0) or on the lm_head's input, `logits_chunk` positions a block."""
+    """The trainer's student CE (summed) on the last `SCORED` positions of `ids_BT`: on the
+    lm_head's input, `logits_chunk` rows a block, or on the whole logits (`logits_chunk` 0)."""
     from tokenbridge.losses.ce import ce
     from trainer.parallel.head import head_logits
 
     targets_BT = torch.full_like(ids_BT, -1)
-    targets_BT[:, :-1] = ids_BT[:, 1:]
+    lo = max(ids_BT.shape[1] - 1 - SCORED, 0)  # position i predicts token i + 1
+    targets_BT[:, lo:-1] = ids_BT[:, lo + 1 :]
     if logits_chunk:
         with head_logits(model, chunk=logits_chunk) as head:
             model(input_ids=ids_BT, use_cache=False)
@@ -81,7 +82,7 @@ def _status_gib(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _child(seq: int, ac: str, logits_chunk: int = 0) -> dict:
+def _child(seq: int, layers: int, ac: str, logits_chunk: int) -> dict:
     """One forward + backward in this (fresh) process: its peak RSS and step seconds."""
     from trainer.parallel import parallelize
 
@@ -89,41 +90,27 @@ def _child(seq: int, ac: str, logits_chunk: int = 0) -> dict:
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    model = models.build_model(models.ModelSpec(str(paths.student_dir()), init="random", seed=0))
+    spec = models.ModelSpec(
+        str(paths.student_dir()), init="random", seed=0, overrides={"num_hidden_layers": layers}
+    )
+    model = models.build_model(spec)
     parallelize.apply_ac(model, ac)
     model.train()
     ids_BT = torch.randint(0, model.config.vocab_size, (1, seq))
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark from here: the step's
-    with_model = _status_gib("VmRSS")
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
-        loss = _student_ce(model, ids_BT, logits_chunk=logits_chunk)
-        loss.backward()
+        _student_ce(model, ids_BT, logits_chunk=logits_chunk).backward()
     except (MemoryError, RuntimeError) as e:  # the address-space cap: an allocation refused
         if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
             raise
-        return {"fits": False, "error": f"an allocation refused under the {LIMIT_GIB:.0f} GiB cap"}
+        return {"fits": False}
     return {
         "fits": True,
         "step_s": time.perf_counter() - t0,
         "cpu_s": time.process_time() - cpu0,  # one thread: the work, whatever else runs
         "peak_gib": _status_gib("VmHWM"),
-        "model_gib": with_model,
-        "loss": float(loss) / (seq - 1),
-        "layers": model.config.num_hidden_layers,
     }
-
-
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
-    """Least-squares line peak = a + b * tokens; (a, b, largest |residual|), or None if < 2."""
-    if len(points) < 2:
-        return None
-    n = len(points)
-    mx = sum(t for t, _ in points) / n
-    my = sum(p for _, p in points) / n
-    b = sum((t - mx) * (p - my) for t, p in points) / sum((t - mx) ** 2 for t, _ in points)
-    a = my - b * mx
-    return a, b, max(abs(p - (a + b * t)) for t, p in points)
 
 
 def _name(variant: dict) -> str:
@@ -135,25 +122,28 @@ def _baseline(variant: dict) -> str:
     return _name({**variant, "ac": "none"})
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+def _runs() -> list[tuple[int, int]]:
+    """(tokens, blocks) of every run, cheapest first."""
+    return [(CHECK, d) for d in (*DEPTHS, DEPTH)] + [(t, d) for t in TARGETS for d in DEPTHS]
 
 
-def _measure() -> dict[str, dict[int, dict]]:
-    results: dict[str, dict[int, dict]] = {_name(v): {} for v in VARIANTS}
-    for seq in sorted(LENGTHS):  # variants interleaved per length: the noise hits all alike
+def _measure() -> dict[str, dict[tuple[int, int], dict]]:
+    results: dict[str, dict[tuple[int, int], dict]] = {_name(v): {} for v in VARIANTS}
+    for seq, layers in _runs():  # variants interleaved: the machine's noise hits all alike
         for variant in VARIANTS:
-            done = results[_name(variant)]
-            fit = _fit([(t, r["peak_gib"]) for t, r in done.items() if r["fits"]])
-            if fit and fit[0] + fit[1] * seq > LIMIT_GIB:
-                done[seq] = {"fits": False, "error": f"fitted peak over {LIMIT_GIB:.0f} GiB"}
-                continue
-            done[seq] = run_child("bench.bench_memory", seq, *variant.values())
-            print(f"   {_name(variant)}, {seq} tokens: {done[seq]}", flush=True)
+            r = run_child("bench.bench_memory", seq, layers, *variant.values(), env=MALLOC)
+            results[_name(variant)][seq, layers] = r
+            print(f"   {_name(variant)}, {seq} tokens, {layers} blocks: {r}", flush=True)
     return results
+
+
+def _at_depth(done: dict, seq: int) -> tuple[float, float] | None:
+    """(peak at `DEPTH` blocks, GiB per block) from the runs with 1 and 2 blocks at `seq`."""
+    one, two = done.get((seq, DEPTHS[0])), done.get((seq, DEPTHS[1]))
+    if not (one and two and one["fits"] and two["fits"]):
+        return None
+    per = (two["peak_gib"] - one["peak_gib"]) / (DEPTHS[1] - DEPTHS[0])
+    return one["peak_gib"] + per * (DEPTH - DEPTHS[0]), per
 
 
 def main() -> str:
@@ -161,84 +151,54 @@ def main() -> str:
     lines = [
         "## Student memory: activation checkpointing (CPU)",
         "",
-        f"SmolLM2-135M's shape (30 layers, random init, fp32), one row, one forward + backward "
-        f"of the student CE (`tokenbridge.losses.ce`) on {CHUNK}-position blocks of the logits "
-        f"(`logits_chunk={CHUNK}`, the trainer's default) or whole (`logits_chunk=0`, when "
-        "asked for); "
-        f"each run in its own process ({THREADS} torch thread, address space capped at "
-        f"{LIMIT_GIB:.0f} GiB). CPU: {_cpu()}. Peak: the RSS high-water mark of the step (the "
-        "model built before it is in it). Step times are one cold step each; the machine is "
-        "shared, so the ratio is taken on the step's CPU seconds (one thread: the work done).",
+        f"SmolLM2-135M's shape (random init, fp32), one row, one forward + backward of the "
+        f"student CE (`tokenbridge.losses.ce`) on the last {SCORED} positions, logits "
+        f"projected {CHUNK} rows at a time (`logits_chunk={CHUNK}`, the trainer's default"
+        f"{'; `logits_chunk=0`: whole' if 0 in CHUNKS else ''}); each run in its own process "
+        f"({THREADS} torch thread, glibc mmap threshold 128 KiB, address space capped at "
+        f"{LIMIT_GIB:.0f} GiB). Peak: the step's RSS high-water mark (the model's own weights "
+        "in it). 30 blocks: the line through the runs with 1 and 2 (module docstring: why). "
+        "Step ratios are on CPU seconds (one thread: the work done; the machine is shared).",
         "",
-        "| variant | tokens | peak RSS | model built | step wall | step CPU | CPU vs ac=none |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for seq in sorted(LENGTHS):
-        for variant in VARIANTS:
-            name = _name(variant)
-            r, ref = results[name][seq], results[_baseline(variant)][seq]
-            if not r["fits"]:
-                lines.append(f"| {name} | {seq} | does not fit: {r['error']} | | | | |")
-                continue
-            ratio = f"{r['cpu_s'] / ref['cpu_s']:.2f}x" if ref["fits"] else "-"
-            lines.append(
-                f"| {name} | {seq} | {r['peak_gib']:.2f} GiB | {r['model_gib']:.2f} GiB | "
-                f"{r['step_s']:.1f} s | {r['cpu_s']:.1f} s | {ratio} |"
-            )
-    lines += ["", *_targets(results)]
-    return "\n".join(lines)
-
-
-def _targets(results: dict[str, dict[int, dict]]) -> list[str]:
-    """Peaks at the issue's lengths: measured where they were, else read off each variant's
-    line; whether they fit under the cap; each against its ``ac=none`` row."""
-    out = [
-        "| variant | tokens | peak (measured or fitted) | line over the measured lengths | "
-        f"under {LIMIT_GIB:.0f} GiB | vs ac=none |",
-        "|---|---:|---:|---|---|---:|",
+        f"| variant | tokens | peak, {DEPTH} blocks | per block | measured, {DEPTH} blocks | "
+        f"under {LIMIT_GIB:.0f} GiB | vs ac=none | step CPU, {DEPTHS[-1]} blocks | vs ac=none |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     peaks: dict[tuple[str, int], float] = {}
-    for variant in VARIANTS:
-        name, done = _name(variant), results[_name(variant)]
-        fit = _fit([(t, r["peak_gib"]) for t, r in done.items() if r["fits"]])
-        how = (
-            f"{fit[0]:.2f} + {fit[1] * 1024:.3f} GiB / 1k tokens (residual <= {fit[2]:.2f} GiB)"
-            if fit
-            else "-"
-        )
-        for seq in TARGETS:
-            r = done.get(seq)
-            if r and r["fits"]:
-                peaks[name, seq], src = r["peak_gib"], "measured"
-            elif fit:
-                peaks[name, seq], src = fit[0] + fit[1] * seq, "fitted"
-            else:
+    for seq in (CHECK, *TARGETS):
+        for variant in VARIANTS:
+            name, base = _name(variant), _baseline(variant)
+            done, line = results[name], _at_depth(results[name], seq)
+            if line is None:
+                lines.append(f"| {name} | {seq} | does not fit | | | | | | |")
                 continue
-            ref = peaks.get((_baseline(variant), seq))
-            vs = f"{peaks[name, seq] / ref:.2f}x" if ref else "-"
-            fits = "yes" if peaks[name, seq] <= LIMIT_GIB else "**no**"
-            out.append(
-                f"| {name} | {seq} | {peaks[name, seq]:.1f} GiB ({src}) | {how} | {fits} | {vs} |"
+            peaks[name, seq] = line[0]
+            real = done.get((seq, DEPTH))
+            measured = f"{real['peak_gib']:.2f} GiB" if real and real["fits"] else "-"
+            vs = peaks[name, seq] / peaks[base, seq] if (base, seq) in peaks else None
+            step, ref = done[seq, DEPTHS[-1]], results[base][seq, DEPTHS[-1]]
+            lines.append(
+                f"| {name} | {seq} | {line[0]:.2f} GiB | {line[1]:.3f} GiB | {measured} | "
+                f"{'yes' if line[0] <= LIMIT_GIB else '**no**'} | "
+                f"{f'{vs:.2f}x' if vs else '-'} | {step['cpu_s']:.1f} s | "
+                f"{step['cpu_s'] / ref['cpu_s']:.2f}x |"
             )
-    out.append("")
+    lines.append("")
     for variant in VARIANTS:
-        if variant["ac"] != "full":
-            continue
         full = peaks.get((_name(variant), TARGETS[-1]))
         none = peaks.get((_baseline(variant), TARGETS[-1]))
-        if full and none:
+        if variant["ac"] == "full" and full and none:
             verdict = "met" if full <= 0.5 * none else "**not met**"
-            out.append(
+            lines.append(
                 f"- Goal (issue 27), peak at {TARGETS[-1]} tokens with `full` <= 0.5x `none`, "
                 f"logits_chunk={variant['logits_chunk']}: {full:.1f} / {none:.1f} GiB = "
                 f"{full / none:.2f}x, {verdict}."
             )
-    out.append(
-        "- What AC leaves: the blocks' inputs, one block's recompute and, with whole logits, the "
-        "logits and their gradient (2 x tokens x 49,152 x 4 bytes: 6 GiB at 16k). The fitted "
-        "peaks are estimates (module docstring: a direct check found the line pessimistic for AC)."
+    lines.append(
+        "- What AC leaves: each block's input (T x 576 floats) and its weights' gradients, one "
+        "block's recompute, and the logits' own memory (whole logits: 2 x T x 49,152 floats)."
     )
-    return out
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
