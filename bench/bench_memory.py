@@ -10,16 +10,18 @@ step, reset once the model is built, under an address-space cap of `LIMIT_GIB` (
 not fit says so instead of taking the machine down).
 
 Why 1 and 2 blocks, not 30: a 30-block step at 16k tokens takes well over ten minutes on these
-2-core machines. The peak is reached at the start of the backward, when every block holds what it
-saved (all of its activations without AC, only its input with it) and one block is being
-recomputed, so it is a line in the number of blocks: the runs with 1 and 2 blocks give that line
-exactly, at the real length, and it is read at 30 (`DEPTH`). The same line is checked against a
-real 30-block run at `CHECK` tokens, where that is cheap. Two things keep the runs honest and
-short: glibc's mmap threshold is fixed (`MALLOC`), so a freed tensor leaves RSS at once and the
-peak is what the step holds, not the heap's history (without it, repeated runs differed by 0.5
-GiB); and the CE scores the last `SCORED` positions only: the chunked CE projects only the rows
-it scores and holds O(chunk x V) whatever their number (its gradient goes to the [T, 576] hidden
-states either way), and scoring all 16k rows would triple the run time.
+2-core machines. Through the backward each block frees what it saved (all its activations
+without AC, only its input with it) as its weights' gradients appear, so what the step holds
+moves along a line from the start of the backward (every block's saved tensors) to its end (every
+gradient), and its peak is at one end. Both ends are lines in the number of blocks; the runs with
+1 and 2 blocks give them at the real length (the high-water mark for the start, the RSS after the
+step for the end), read at 30 (`DEPTH`); a real 30-block run at `CHECK` tokens checks the result.
+Two things keep the runs honest and short: glibc's mmap threshold is fixed (`MALLOC`), so a freed
+tensor leaves RSS at once and the peak is what the step holds, not the heap's history (without
+it repeated runs differed by 0.5 GiB); and the CE scores the last `SCORED` positions only: the
+chunked CE projects only the rows it scores and holds O(chunk x V) whatever their number (its
+gradient goes to the [T, 576] hidden states either way), and scoring all 16k rows would triple
+the run time.
 
 The variants are rows of `VARIANTS`, each a dict of the knobs `_child` takes; another axis is one
 more key there and in `_student_ce`.
@@ -110,6 +112,7 @@ def _child(seq: int, layers: int, ac: str, logits_chunk: int) -> dict:
         "step_s": time.perf_counter() - t0,
         "cpu_s": time.process_time() - cpu0,  # one thread: the work, whatever else runs
         "peak_gib": _status_gib("VmHWM"),
+        "after_gib": _status_gib("VmRSS"),  # every gradient held, every activation freed
     }
 
 
@@ -137,13 +140,19 @@ def _measure() -> dict[str, dict[tuple[int, int], dict]]:
     return results
 
 
-def _at_depth(done: dict, seq: int) -> tuple[float, float] | None:
-    """(peak at `DEPTH` blocks, GiB per block) from the runs with 1 and 2 blocks at `seq`."""
+def _at_depth(done: dict, seq: int) -> tuple[float, float, float] | None:
+    """At `DEPTH` blocks, from the runs with 1 and 2 blocks at `seq`: (the peak while the
+    activations dominate, the RSS once every gradient is held, GiB per block of the former)."""
     one, two = done.get((seq, DEPTHS[0])), done.get((seq, DEPTHS[1]))
     if not (one and two and one["fits"] and two["fits"]):
         return None
-    per = (two["peak_gib"] - one["peak_gib"]) / (DEPTHS[1] - DEPTHS[0])
-    return one["peak_gib"] + per * (DEPTH - DEPTHS[0]), per
+
+    def line(key: str) -> tuple[float, float]:
+        per = (two[key] - one[key]) / (DEPTHS[1] - DEPTHS[0])
+        return one[key] + per * (DEPTH - DEPTHS[0]), per
+
+    (peak, per), (after, _) = line("peak_gib"), line("after_gib")
+    return peak, after, per
 
 
 def main() -> str:
@@ -157,12 +166,15 @@ def main() -> str:
         f"{'; `logits_chunk=0`: whole' if 0 in CHUNKS else ''}); each run in its own process "
         f"({THREADS} torch thread, glibc mmap threshold 128 KiB, address space capped at "
         f"{LIMIT_GIB:.0f} GiB). Peak: the step's RSS high-water mark (the model's own weights "
-        "in it). 30 blocks: the line through the runs with 1 and 2 (module docstring: why). "
-        "Step ratios are on CPU seconds (one thread: the work done; the machine is shared).",
+        f"in it). {DEPTH} blocks: read off lines through the runs with 1 and 2, one for the "
+        "peak while activations dominate and one for the RSS once every gradient is held; the "
+        "step's peak is the larger (module docstring: why). Step ratios are on CPU seconds "
+        "(one thread: the work done; the machine is shared).",
         "",
-        f"| variant | tokens | peak, {DEPTH} blocks | per block | measured, {DEPTH} blocks | "
-        f"under {LIMIT_GIB:.0f} GiB | vs ac=none | step CPU, {DEPTHS[-1]} blocks | vs ac=none |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        f"| variant | tokens | {DEPTH} blocks: activations | gradients | peak | per block | "
+        f"measured, {DEPTH} blocks | under {LIMIT_GIB:.0f} GiB | vs ac=none | step CPU, "
+        f"{DEPTHS[-1]} blocks | vs ac=none |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     peaks: dict[tuple[str, int], float] = {}
     for seq in (CHECK, *TARGETS):
@@ -170,16 +182,17 @@ def main() -> str:
             name, base = _name(variant), _baseline(variant)
             done, line = results[name], _at_depth(results[name], seq)
             if line is None:
-                lines.append(f"| {name} | {seq} | does not fit | | | | | | |")
+                lines.append(f"| {name} | {seq} | does not fit | | | | | | | | |")
                 continue
-            peaks[name, seq] = line[0]
+            acts, grads, per = line
+            peaks[name, seq] = peak = max(acts, grads)
             real = done.get((seq, DEPTH))
             measured = f"{real['peak_gib']:.2f} GiB" if real and real["fits"] else "-"
-            vs = peaks[name, seq] / peaks[base, seq] if (base, seq) in peaks else None
+            vs = peak / peaks[base, seq] if (base, seq) in peaks else None
             step, ref = done[seq, DEPTHS[-1]], results[base][seq, DEPTHS[-1]]
             lines.append(
-                f"| {name} | {seq} | {line[0]:.2f} GiB | {line[1]:.3f} GiB | {measured} | "
-                f"{'yes' if line[0] <= LIMIT_GIB else '**no**'} | "
+                f"| {name} | {seq} | {acts:.2f} GiB | {grads:.2f} GiB | **{peak:.2f} GiB** | "
+                f"{per:.3f} GiB | {measured} | {'yes' if peak <= LIMIT_GIB else '**no**'} | "
                 f"{f'{vs:.2f}x' if vs else '-'} | {step['cpu_s']:.1f} s | "
                 f"{step['cpu_s'] / ref['cpu_s']:.2f}x |"
             )
