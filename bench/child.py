@@ -15,9 +15,10 @@ import sys
 from tokenbridge import paths
 
 
-def run_child(module: str, *args) -> dict:
+def run_child(module: str, *args, env: dict[str, str] | None = None) -> dict:
     """``module._child(*args)`` in a fresh interpreter at the repo root (tokenizers kept
-    single-threaded); its printed dict. Raises with the child's stderr if it fails."""
+    single-threaded, `env` added to the environment); its printed dict. Raises with the child's
+    stderr if it fails."""
     call = ", ".join(map(repr, args))
     code = f"import json, {module} as b; print(json.dumps(b._child({call})))"
     r = subprocess.run(
@@ -25,7 +26,7 @@ def run_child(module: str, *args) -> dict:
         capture_output=True,
         text=True,
         cwd=paths.REPO_ROOT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
     )
     if r.returncode != 0:
         raise RuntimeError(f"bench child failed:\n{r.stderr[-4000:]}")

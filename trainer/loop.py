@@ -1,10 +1,10 @@
 """The training loop: the verbs forward, train_step, train, state_dict, load_state_dict.
 
 Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
-(TP plan, CP attention, then FSDP2) -> optimizer and LR schedule -> teacher channels (a worker
-process per rank, or in-process, or an offline cache read in place of the teacher) -> the step
-and its sources of microbatches -> resume. Every file and fingerprint check ran before, in
-`trainer.config.preflight`.
+(TP plan, CP attention, activation checkpointing, compile, then FSDP2) -> optimizer and LR
+schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
+read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
+and fingerprint check ran before, in `trainer.config.preflight`.
 
 One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
 the step and the token count): `train_step` runs it on the shard batches
@@ -110,7 +110,7 @@ class Trainer:
         mult = cfg.data.pad_to_multiple
         teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
-        # student: TP plan, CP attention, then FSDP2
+        # student: TP plan, CP attention, activation checkpointing, compile, then FSDP2
         self.model = models.build_model(cfg.model, device=self.device)
         self.vocab_V = models.vocab_width(self.model)
         self.vocab_used = prepared.student_tok.vocab_size
@@ -119,6 +119,11 @@ class Trainer:
         plan = parallelize.tp_plan(self.model.config.model_type) if tp > 1 else {}
         self.replicated_grads = parallelize.apply_tp(self.model, self.mesh.tp_mesh, plan)
         parallelize.apply_cp(self.model, self.mesh.cp_size)
+        parallelize.apply_ac(
+            self.model, cfg.parallel.activation_checkpointing, every=cfg.parallel.ac_every
+        )
+        if cfg.parallel.compile:
+            parallelize.apply_compile(self.model)
         precision = prepared.precision  # resolved for this device (trainer.config.precision)
         mp = MixedPrecisionPolicy(
             param_dtype=models.torch_dtype(precision.param_dtype),

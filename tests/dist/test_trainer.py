@@ -1,4 +1,5 @@
-"""The trainer on 2 gloo ranks: layout/split invariance, exact resume, sharded grad clipping.
+"""The trainer on 2 gloo ranks: layout/split invariance (activation checkpointing under CP
+included), exact resume, sharded grad clipping.
 
 One torchrun launch (tests/dist/test_trainer_cases.py) builds several real Trainers with tiny
 random-init models on the real SmolLM2 tokenizer (kd_topk against a same-tokenizer teacher);

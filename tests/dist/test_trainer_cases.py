@@ -8,8 +8,9 @@ one after another in the same process group and writes rank 0's findings to OUT 
 
 - ``layouts``: per-step losses and the final parameters' checksum of layouts that see the same
   global batch: dp=2 x 1 row x 2 microbatches, tp=2 x 2 rows x 2 microbatches, tp=2 x 1 row x 4
-  microbatches, and dp=2 with the teacher tensor-parallel over both ranks (the loss and the
-  update must not depend on the layout, the split or the teacher's sharding);
+  microbatches, dp=2 with the teacher tensor-parallel over both ranks, and cp=2 with activation
+  checkpointing of every other block (the loss and the update must not depend on the layout,
+  the split, the teacher's sharding or recomputing activations);
 - ``resume``: losses of steps 3-4 of an uninterrupted dp=2 run, and of a run stopped after step 2
   (stop_after), checkpointed, and resumed by a fresh Trainer;
 - ``modes``: two steps of xtoken (with the chain term), alm and gold (metrics per step);
@@ -57,6 +58,8 @@ def make_cfg(
     teacher_tp: int = 1,
     loss: dict | None = None,
     projection: str | None = None,
+    cp: int = 1,
+    ac: str = "none",
     **top,
 ):
     student = str(paths.student_dir())
@@ -89,7 +92,13 @@ def make_cfg(
             "eval_fraction": 0.0,
         },
         "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 1.0},
-        "parallel": {"dp_shard": dp, "tp": tp, "teacher_placement": "inprocess"},
+        "parallel": {
+            "dp_shard": dp,
+            "tp": tp,
+            "cp": cp,
+            "activation_checkpointing": ac,
+            "teacher_placement": "inprocess",
+        },
         "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
         "eval": {"max_texts": 0},
         "logging": {"jsonl": False, "tensorboard": False, "progress": False},
@@ -121,6 +130,9 @@ def case_layouts(shards: str, tmp: Path) -> dict:
         "tp2_mb1_x4": {"dp": 1, "tp": 2, "mb": 1, "accum": 4},
         # the teacher sharded on its own mesh, serving two dp ranks with different microbatches
         "dp2_teacher_tp2": {"dp": 2, "tp": 1, "mb": 1, "accum": 2, "teacher_tp": 2},
+        # activation checkpointing of block 0 of 2 under CP: the recompute in the backward
+        # gathers K and V over cp again, and FSDP shards a wrapped and a plain block
+        "cp2_ac_every_n": {"dp": 1, "tp": 1, "cp": 2, "mb": 2, "accum": 2, "ac": "every_n"},
     }.items():
         t, losses = run_steps(make_cfg(shards, str(tmp / name), **kw), 2)
         out[name] = {"losses": losses, "checksum": params_checksum(t.model)}

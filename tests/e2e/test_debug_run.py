@@ -4,7 +4,8 @@ Tiny random-init student (SmolLM2 tokenizer) and teacher (Gemma 3 tokenizer) on 
 shards of the shipped corpus and the real projection, xtoken loss through the shared-memory
 channel. Launches: a full run (loss falls, channel memory constant, eval, export, the run
 report; the export holds the final checkpoint's weights bit for bit and scores the run's own
-after bits per byte through the eval code), a run resumed from the full run's mid-way checkpoint (same losses), a run whose teacher
+after bits per byte through the eval code), a run resumed from the full run's mid-way checkpoint
+with activation checkpointing on (same losses, same exported weights), a run whose teacher
 workers form their own tensor-parallel group and one of them is killed (under `trainer.launch`:
 one line from the rank that lost its worker, exit 1, no orphan, no /dev/shm segment, nothing from
 torchrun or Python's resource tracker), a run with mismatched shards (refused before anything is
@@ -229,12 +230,15 @@ def test_export_scores_the_runs_own_after_bits_per_byte(inputs, full_run):
 
 
 def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_run):
+    """Resumed with activation checkpointing on (the full run had none): the checkpoint's
+    plain HF names load into the wrapped blocks, recomputing the activations changes no loss,
+    and the export at the end holds the uninterrupted run's weights under the same names."""
     ckpt = full_run / "checkpoints" / "step-00000004"
     assert (ckpt / ".metadata").is_file()
     run_dir = inputs["tmp"] / "resumed"
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
-            f"checkpoint.resume={ckpt}", "eval.max_texts=0", "checkpoint.export_at_end=false",
-            f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+            f"checkpoint.resume={ckpt}", "eval.max_texts=0",
+            "parallel.activation_checkpointing=full", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
     proc = run_trainer(args + CPU, nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     resumed = {r["step"]: r["loss"] for r in records(run_dir)}
@@ -242,6 +246,11 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     assert sorted(resumed) == [5, 6, 7, 8]
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
+    got = models.load_pretrained(run_dir / "export").state_dict()
+    want = models.load_pretrained(full_run / "export").state_dict()
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _descendants(pid: int) -> list[int]:

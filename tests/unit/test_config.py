@@ -60,6 +60,9 @@ def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
         (["loss.mode=kl"], "loss.mode"),
         (["parallel.tp=0"], "parallel.tp"),
         (["parallel.teacher_placement=gpu"], "parallel.teacher_placement"),
+        (["parallel.activation_checkpointing=all"], "parallel.activation_checkpointing"),
+        (["parallel.ac_every=0"], "parallel.ac_every"),
+        (["parallel.compile=maybe"], "parallel.compile"),
         (["nosuch=1"], "nosuch"),
         (["steps=abc"], "steps"),
         (["steps=10", "stop_after=11"], "stop_after"),
@@ -166,6 +169,8 @@ def test_the_trainer_runs_only_kd_topk_with_the_teachers_support(student_dir, tm
 def test_mesh_shape_must_match_the_world():
     cfg = load_config(["parallel.tp=2"])
     assert cfg.parallel.mesh_shape(4) == (2, 1, 2)
+    # conf/parallel/default.yaml: no activation checkpointing, no compile unless asked
+    assert (cfg.parallel.activation_checkpointing, cfg.parallel.compile) == ("none", False)
     with pytest.raises(ConfigError, match="must equal the world size 3"):
         cfg.parallel.mesh_shape(3)
     cfg = load_config(["parallel.tp=2", "parallel.cp=2"])

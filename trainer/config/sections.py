@@ -29,6 +29,8 @@ from trainer.config.checks import (
 )
 
 TEACHER_PLACEMENTS = ("worker", "inprocess")
+# activation checkpointing of the student's decoder blocks (`trainer.parallel.parallelize.apply_ac`)
+AC_MODES = ("none", "full", "every_n")
 EVAL_SPLITS = ("window", "document")
 
 
@@ -159,7 +161,8 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """The device mesh (dp_shard x cp x tp) of the student, mixed precision, teacher placement."""
+    """The device mesh (dp_shard x cp x tp) of the student, mixed precision, activation
+    checkpointing and compile of the student, teacher placement."""
 
     dp_shard: int = -1  # -1: world_size / (cp * tp)
     tp: int = 1  # tensor parallel: heads, MLP and the vocabulary (lm_head, embeddings) split
@@ -180,6 +183,13 @@ class ParallelConfig:
     # positions at a time (forward and backward), so memory holds O(chunk x V), not O(T x V);
     # 0 = the whole [B, T, V] logits (the path before chunking, kept for comparison)
     logits_chunk: int = 256
+    # recompute each decoder block's activations in the backward instead of keeping them:
+    # none | full (every block) | every_n (blocks i with i % ac_every == 0); about one more
+    # forward per wrapped block for a peak that no longer grows with the layers
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
+    # torch.compile each student decoder block (inductor); the first step pays the compile
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dp_shard == 0 or self.dp_shard < -1:
@@ -193,6 +203,8 @@ class ParallelConfig:
         check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
         check_at_least("parallel.threads", self.threads, 0)
         check_at_least("parallel.logits_chunk", self.logits_chunk, 0)
+        check_choice("parallel.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        check_at_least("parallel.ac_every", self.ac_every, 1)
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp_shard, cp, tp) for `world_size` processes, or ConfigError when they do not

@@ -151,6 +151,9 @@ def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, t
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
+# eager even when the student's blocks are compiled (`parallelize.apply_compile`): the KV cache
+# cannot be traced into a block's one graph, and every decode step would be a new shape anyway
+@torch.compiler.set_stance("force_eager")
 @torch.no_grad()
 def sample(
     model: nn.Module,
