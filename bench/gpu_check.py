@@ -2,8 +2,8 @@
 what only a GPU runs, with no weights and no network (docs/gpu.md).
 
 ``python -m bench.gpu_check [--dry-run] [--out DIR] [--only PART ...]`` runs six parts, each
-timed and held to its own budget (`parts`); a part that fails, runs out of time or lacks a knob
-it needs is recorded as such and the others still run:
+timed and held to its own budget (`parts`); a part that fails or runs out of time is recorded
+as such and the others still run:
 
 1. ``cuda_tests``: ``pytest -m cuda`` over the files holding such tests;
 2. ``demo_pair``: the demo pair, random-init, teacher in its worker over CUDA IPC, bf16, 2k-token
@@ -21,11 +21,6 @@ with the tiny test shapes and lengths (the channel is shared memory there, as th
 CPU; part 1 lists the tests it would run) in about 30 s on 2 idle cores: ``tests/e2e/
 test_gpu_check_dry.py`` runs it, so the script cannot rot. Exit code 1 if a part failed or ran
 out of time.
-
-A part that needs a trainer knob this checkout lacks (``parallel.activation_checkpointing``,
-``parallel.logits_chunk``, ``trainer.throughput``: MFU in the step records) is ``skipped`` with
-the reason ``knob not present``: on a GPU it is not run; in a dry run it runs without the knob,
-so its code is tried.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -56,60 +50,6 @@ DRY_PART_S = 120.0  # a dry-run part's budget (a loaded 2-core machine)
 
 
 # ---------------------------------------------------------------------------------------------
-# the knobs other work adds (code against their names; a part that needs an absent one says so)
-
-
-def _field(section: str, name: str) -> Callable[[], bool]:
-    def present() -> bool:
-        from trainer.config import sections
-
-        return name in {f.name for f in dataclasses.fields(getattr(sections, section))}
-
-    return present
-
-
-def _accepts(make: Callable[[], object]) -> Callable[[], bool]:
-    def present() -> bool:
-        from trainer.config.checks import ConfigError
-
-        try:
-            make()
-        except (ConfigError, ValueError):
-            return False
-        return True
-
-    return present
-
-
-def _teacher_auto() -> None:
-    from trainer.config.sections import TeacherConfig
-
-    TeacherConfig(path="teacher", dtype="auto").check(0)
-
-
-def _param_auto() -> None:
-    from trainer.config.sections import ParallelConfig
-
-    ParallelConfig(param_dtype="auto")
-
-
-KNOBS: dict[str, Callable[[], bool]] = {
-    "parallel.activation_checkpointing": _field("ParallelConfig", "activation_checkpointing"),
-    "parallel.compile": _field("ParallelConfig", "compile"),
-    "parallel.logits_chunk": _field("ParallelConfig", "logits_chunk"),
-    "parallel.param_dtype=auto": _accepts(_param_auto),
-    "teachers.dtype=auto": _accepts(_teacher_auto),
-    "optim.fused": _field("OptimConfig", "fused"),
-    "trainer.throughput": lambda: importlib.util.find_spec("trainer.throughput") is not None,
-}
-
-
-def knobs() -> dict[str, bool]:
-    """Which of `KNOBS` this checkout has."""
-    return {name: present() for name, present in KNOBS.items()}
-
-
-# ---------------------------------------------------------------------------------------------
 # the parts
 
 
@@ -118,7 +58,6 @@ class Part:
     key: str
     title: str
     budget_s: float  # on a GPU
-    needs: tuple[str, ...]  # knobs without which its figures would not mean what its title says
     run: Callable  # (Context, budget_s) -> figures
 
 
@@ -127,20 +66,18 @@ def parts() -> list[Part]:
     from bench import gpu_check_train as T
 
     return [
-        Part("cuda_tests", "1. CUDA-marked tests (pytest -m cuda)", 150, (),
+        Part("cuda_tests", "1. CUDA-marked tests (pytest -m cuda)", 150,
              lambda ctx, budget: C.run_cuda_tests(ctx, budget_s=budget)),
         Part("demo_pair", "2. Demo pair (Gemma-3-270M -> SmolLM2-135M shapes), 2k-token rows", 90,
-             (), lambda ctx, _: T.demo_pair(ctx)),
+             lambda ctx, _: T.demo_pair(ctx)),
         Part("scale_1b_4b", "3. ~1.2B student from ~3.9B teacher, 4k-token rows, AC", 120,
-             ("parallel.activation_checkpointing", "trainer.throughput"),
              lambda ctx, _: T.scale_1b_4b(ctx)),
         Part("long_row", "4. One 32k-token row: chunked vs whole logits", 70,
-             ("parallel.logits_chunk", "parallel.activation_checkpointing"),
              lambda ctx, _: T.long_row(ctx)),
-        Part("sampler", "5. On-policy sampler vs HF generate", 40, (),
+        Part("sampler", "5. On-policy sampler vs HF generate", 40,
              lambda ctx, _: C.sampler_vs_generate(ctx)),
         Part("teacher_program", "6. Teacher program (cache job's outputs) vs bare HF forward", 40,
-             (), lambda ctx, _: C.teacher_program(ctx)),
+             lambda ctx, _: C.teacher_program(ctx)),
     ]  # fmt: skip
 
 
@@ -151,11 +88,6 @@ def run_part(part: Part, ctx, *, limit_s: float) -> dict:
     from bench.gpu_check_cases import PartTimeout, time_limit
 
     rec: dict = {"title": part.title, "budget_s": round(limit_s, 1), "figures": {}}
-    missing = [k for k in part.needs if not ctx.knobs[k]]
-    if missing:
-        rec["status"], rec["reason"] = "skipped", "knob not present: " + ", ".join(missing)
-        if not ctx.dry:  # measured without the knob, its figures would mislead
-            return {**rec, "seconds": 0.0}
     if limit_s < 5:
         return {**rec, "status": "skipped", "reason": "no time left in the run's budget"}
     t0 = time.perf_counter()
@@ -279,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     ctx = Context(dry=args.dry_run, device=device, sizes=DRY if args.dry_run else GPU, tmp=tmp,
-                  out=out, knobs=knobs(), compile=args.compile)  # fmt: skip
+                  out=out, compile=args.compile)  # fmt: skip
     todo = [p for p in parts() if not args.only or p.key in args.only]
     result = {"check": "gpu_check", "dry_run": ctx.dry, "device": device_info(device),
               "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-              timespec="seconds"), "pack_used": used, "knobs": ctx.knobs,
+              timespec="seconds"), "pack_used": used,
               "sizes": dataclasses.asdict(ctx.sizes), "total_s": 0.0, "parts": {}}  # fmt: skip
     deadline = t_start + args.budget_s
     try:

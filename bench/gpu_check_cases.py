@@ -2,9 +2,9 @@
 against HF `generate`, and the teacher program against a bare HF forward.
 
 Shared ground, for these parts and the trainer's (`bench.gpu_check_train`): the sizes of a GPU
-run and of the CPU dry run (`Sizes`), the run's context (`Context`, with the knobs that
-`bench.gpu_check` found), and the timing, memory and time-limit helpers. Models are random-init from the shipped config.json files (no weights travel): the
-demo pair's shapes from ``conf/model/smollm2.yaml`` / ``conf/teachers/gemma3.yaml``, the dry run's
+run and of the CPU dry run (`Sizes`), the run's context (`Context`), and the timing, memory
+and time-limit helpers. Models are random-init from the shipped config.json files (no weights
+travel): the demo pair's shapes from ``conf/model/smollm2.yaml`` / ``conf/teachers/gemma3.yaml``, the dry run's
 tiny ones from ``smollm2_tiny.yaml`` / ``gemma3_tiny.yaml``, each with its real tokenizer.
 
 Legend: B rows, U teacher positions.
@@ -86,14 +86,13 @@ DRY = Sizes(
 
 @dataclass
 class Context:
-    """One run of the check: where it runs, its sizes, scratch space and the knobs found."""
+    """One run of the check: where it runs, its sizes and scratch space."""
 
     dry: bool
     device: torch.device
     sizes: Sizes
     tmp: Path
     out: Path
-    knobs: dict[str, bool]
     compile: bool = False  # part 3 with parallel.compile (off: the first step would pay it)
     cache: dict = dataclasses.field(default_factory=dict)  # shards and text, built once
 

@@ -74,8 +74,8 @@ def overrides(
     placement: str = "worker",
 ) -> list[str]:
     """The run's config: the demo experiment with random-init models (the debug one, tiny, in
-    a dry run), shards at `length`, `rows` per microbatch, no eval, checkpoint or export, bf16
-    on a GPU (``auto`` where the knob exists); `teacher` False: the CE-only twin, else the
+    a dry run), shards at `length`, `rows` per microbatch, no eval, checkpoint or export, the
+    precision by device (``auto``: bf16 and fused AdamW on a GPU); `teacher` False: the CE-only twin, else the
     teacher at `placement`."""
     shards, _ = pair_shards(ctx, length)
     out = ["experiment=debug"] if ctx.dry else ["experiment=demo", "model.init=random"]
@@ -86,20 +86,12 @@ def overrides(
             "checkpoint.save_at_end=false", "checkpoint.export_at_end=false",
             "logging.progress=false", "logging.tensorboard=false", "logging.jsonl=false",
             f"device={ctx.device.type}", f"parallel.threads={0 if ctx.gpu else 1}"]  # fmt: skip
-    half = "bfloat16" if ctx.gpu else "float32"
-    auto = ctx.knobs["parallel.param_dtype=auto"]
-    out.append(f"parallel.param_dtype={'auto' if auto else half}")
-    if ctx.knobs["optim.fused"]:
-        out.append("optim.fused=auto")
+    out += ["parallel.param_dtype=auto", "optim.fused=auto"]
     if not teacher:
         return [*out, "loss=ce", "teachers=none", *extra]
     if not ctx.dry:
         out.append("teachers.0.init=random")
-    auto = ctx.knobs["teachers.dtype=auto"]
-    out += [
-        f"teachers.0.dtype={'auto' if auto else half}",
-        f"parallel.teacher_placement={placement}",
-    ]
+    out += ["teachers.0.dtype=auto", f"parallel.teacher_placement={placement}"]
     return [*out, *extra]
 
 
@@ -172,14 +164,13 @@ def demo_pair(ctx: Context) -> dict:
 def scale_1b_4b(ctx: Context) -> dict:
     """Part 3: the ~1.2B student from the ~3.9B teacher at `scale_len`, activation
     checkpointing on every student block (and compile with ``--compile``)."""
-    s, k = ctx.sizes, ctx.knobs
+    s = ctx.sizes
     extra = [
         f"model.overrides={_dict(s.student_1b)}",
         f"teachers.0.overrides={_dict(s.teacher_4b)}",
+        "parallel.activation_checkpointing=full",
     ]
-    if k["parallel.activation_checkpointing"]:
-        extra.append("parallel.activation_checkpointing=full")
-    if ctx.compile and k["parallel.compile"]:
+    if ctx.compile:
         extra.append("parallel.compile=true")
     # the dry run keeps this teacher in process: part 2 tried the worker, and a start costs it
     # seconds (a GPU run has the 3.9B teacher in its worker, as a real run would)
@@ -206,13 +197,11 @@ def scale_1b_4b(ctx: Context) -> dict:
 def long_row(ctx: Context) -> dict:
     """Part 4: CE on one `long_len`-token row, the ~1.2B student with activation
     checkpointing: the lm_head in chunks of `logits_chunk` positions, then whole logits (0)."""
-    s, k = ctx.sizes, ctx.knobs
-    base = [f"model.overrides={_dict(s.student_1b)}"]
-    if k["parallel.activation_checkpointing"]:
-        base.append("parallel.activation_checkpointing=full")
+    s = ctx.sizes
+    base = [f"model.overrides={_dict(s.student_1b)}", "parallel.activation_checkpointing=full"]
     out: dict = {"row_tokens": s.long_len, "logits_chunk": s.logits_chunk}
     for name, chunk in (("chunked", s.logits_chunk), ("whole", 0)):
-        extra = [*base, f"parallel.logits_chunk={chunk}"] if k["parallel.logits_chunk"] else base
+        extra = [*base, f"parallel.logits_chunk={chunk}"]
         args = overrides(ctx, f"long_{name}", length=s.long_len, rows=1, teacher=False, extra=extra)
         try:
             r = trainer_steps(ctx, args)
