@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 
 from bench.child import run_child
+from bench.provenance import cpu_model
 from tokenbridge import paths
 
 COPIES = 8
@@ -163,17 +163,6 @@ def _run(kind: str, root) -> dict:
     return run_child("bench.bench_align_chat", kind, str(root))
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> str:
     root = paths.REPO_ROOT / "outputs" / "bench" / "align_chat"
     sizes = make_data(root)
@@ -192,7 +181,7 @@ def main() -> str:
         f"baseline is the same contents, one document per conversation "
         f"({sizes['text_bytes'] / 1e6:.2f} MB). Gemma-3-270M (shipped `gemma` template) x "
         "SmolLM2-135M (its own), windows 512, FnApiRunner, 1 worker; tokenizer load not timed. "
-        f"CPU: {_cpu()}, {os.cpu_count()} cores shared with other jobs "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores shared with other jobs "
         "(loaded): absolute times are noisy, the runs alternate.",
         "",
         "| run | job s (wall) | job CPU s | rows/s (wall) | student tokens | teacher tokens |",

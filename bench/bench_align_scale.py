@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.provenance import cpu_model
 from tokenbridge import paths
 
 DATA = "kjv.jsonl"
@@ -173,16 +173,8 @@ def main() -> str:
     return _section(rows, cores=cores, copies=copies, startup=startup, loads=loads)
 
 
-def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "cpu"
-
-
 def _section(rows, *, cores: int, copies: list[int], startup: dict, loads) -> str:
-    cpu = _cpu()
+    cpu = cpu_model()
     lines = [
         "## Align job at scale (issue 19) — KJV copies and one long document",
         "",

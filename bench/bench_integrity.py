@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.provenance import cpu_model
 from tokenbridge import paths
 
 BUF_MB = 256
@@ -177,14 +178,6 @@ def train(tmp: Path) -> dict:
             "ckpt_bytes": ckpt_bytes, "shard_bytes": shard_bytes, **summary["integrity"]}  # fmt: skip
 
 
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(x.split(":", 1)[1].strip() for x in out.splitlines() if "Model name" in x)
-    except (OSError, StopIteration):
-        return "unknown CPU"
-
-
 def main() -> str:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
@@ -202,7 +195,7 @@ def _train_share(t: dict) -> float:
 def render(h: dict, f: dict, a: dict, t: dict, *, load: tuple[float, float]) -> str:
     blake = h["blake2b (hashlib, 16-byte digest)"]
     lines = [
-        f"## Checksums (issue 20) — {_cpu()}, 2 shared cores",
+        f"## Checksums (issue 20) — {cpu_model()}, 2 shared cores",
         "",
         f"The machine was shared: 1-minute load average {load[0]:.1f} at the start of the "
         f"section, {load[1]:.1f} at its end (2 cores); absolute GB/s drop with it, the shares "

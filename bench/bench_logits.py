@@ -18,9 +18,10 @@ one 4k-token step also runs at the real depth of 30 blocks.
 from __future__ import annotations
 
 import os
-import platform
 import time
 from pathlib import Path
+
+from bench.provenance import cpu_model
 
 LENGTHS = (4096, 8192, 16384)
 CHUNK = 256
@@ -40,11 +41,10 @@ def _child(tokens: int, chunk: int, layers: int = LAYERS) -> dict:
     """One training step's forward + backward (CE on every position); peak RSS and time."""
     import torch
 
+    from bench.bench_memory import student_ce
     from tokenbridge import models, paths
-    from tokenbridge.losses.ce import ce
     from tokenbridge.model_spec import ModelSpec
     from trainer.parallel import parallelize
-    from trainer.parallel.head import head_logits
 
     torch.manual_seed(0)
     spec = ModelSpec(
@@ -53,20 +53,13 @@ def _child(tokens: int, chunk: int, layers: int = LAYERS) -> dict:
     model = models.build_model(spec, device=torch.device("cpu"))
     parallelize.apply_ac(model, "full", every=1)
     model.train()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, tokens))
-    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -1)], dim=1)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
     before = _status_kib("VmRSS")
     t0 = time.perf_counter()
-    if chunk:
-        with head_logits(model, chunk=chunk) as head:
-            model(input_ids=ids, use_cache=False)
-        logits = head.logits
-    else:
-        logits = model(input_ids=ids, use_cache=False).logits
-    out = ce(logits, targets, vocab_size=vocab)
-    (out.sum / out.count).backward()
+    total = student_ce(model, ids, logits_chunk=chunk, scored=tokens)  # every position
+    loss = total / (tokens - 1)
+    loss.backward()
     took = time.perf_counter() - t0
     peak = _status_kib("VmHWM")
     return {
@@ -75,15 +68,8 @@ def _child(tokens: int, chunk: int, layers: int = LAYERS) -> dict:
         "step_s": took,
         "peak_gib": peak / KIB**2,
         "step_peak_gib": (peak - before) / KIB**2,
-        "loss": float(out.sum / out.count),
+        "loss": float(loss),
     }
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "cpu"
 
 
 def main() -> str:
@@ -97,7 +83,7 @@ def main() -> str:
         print(f"   {tokens} tokens, {layers} blocks: whole {whole}, chunked {chunked}", flush=True)
     lines = [
         "## Logits never whole (student step at long sequence)\n",
-        f"CPU: {_cpu()}, {os.cpu_count()} cores. Demo student shape (SmolLM2-135M: hidden 576, "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores. Demo student shape (SmolLM2-135M: hidden 576, "
         f"V = 49152), {LAYERS} of its 30 blocks (module docstring: why) and all 30 at "
         f"{FULL_DEPTH[0]} tokens, random init, fp32, "
         "activation checkpointing on every block, one row, CE on every position, forward + "

@@ -24,7 +24,7 @@ gradient goes to the [T, 576] hidden states either way), and scoring all 16k row
 the run time.
 
 The variants are rows of `VARIANTS`, each a dict of the knobs `_child` takes; another axis is one
-more key there and in `_student_ce`.
+more key there and in `student_ce`.
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ THREADS = 1
 GIB = 2**30
 
 
-def _student_ce(model, ids_BT: torch.Tensor, *, logits_chunk: int) -> torch.Tensor:
-    """The trainer's student CE (summed) on the last `SCORED` positions of `ids_BT`: on the
+def student_ce(
+    model, ids_BT: torch.Tensor, *, logits_chunk: int, scored: int = SCORED
+) -> torch.Tensor:
+    """The trainer's student CE (summed) on the last `scored` positions of `ids_BT`: on the
     lm_head's input, `logits_chunk` rows a block, or on the whole logits (`logits_chunk` 0)."""
     from tokenbridge.losses.ce import ce
     from trainer.parallel.head import head_logits
 
     targets_BT = torch.full_like(ids_BT, -1)
-    lo = max(ids_BT.shape[1] - 1 - SCORED, 0)  # position i predicts token i + 1
+    lo = max(ids_BT.shape[1] - 1 - scored, 0)  # position i predicts token i + 1
     targets_BT[:, lo:-1] = ids_BT[:, lo + 1 :]
     if logits_chunk:
         with head_logits(model, chunk=logits_chunk) as head:
@@ -102,7 +104,7 @@ def _child(seq: int, layers: int, ac: str, logits_chunk: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark from here: the step's
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
-        _student_ce(model, ids_BT, logits_chunk=logits_chunk).backward()
+        student_ce(model, ids_BT, logits_chunk=logits_chunk).backward()
     except (MemoryError, RuntimeError) as e:  # the address-space cap: an allocation refused
         if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
             raise

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from bench.provenance import cpu_model
 from trainer.parallel.spawn import spawn
 
 TP = 3  # SmolLM2-135M: 9 heads, 3 K/V heads, MLP 1,536, vocabulary 49,152
@@ -49,12 +50,6 @@ CP_MODEL = {
 def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        found = re.search(r"model name\s*:\s*(.+)", f.read())
-    return found.group(1).strip() if found else "unknown CPU"
 
 
 def _reset_peak() -> None:
@@ -163,7 +158,7 @@ def main() -> str:
     lines = [
         "## Student step under TP and CP (CPU, gloo; `bench/bench_parallel.py`)",
         "",
-        f"{_cpu_model()}, {os.cpu_count()} cores. "
+        f"{cpu_model()}, {os.cpu_count()} cores. "
         "Forward + CE + backward + AdamW through the trainer's verbs, one torch thread per "
         f"process (tp = {TP} shares both cores, cp = 2 uses both, the baselines one). Peak = "
         "resident-set "

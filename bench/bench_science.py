@@ -8,9 +8,9 @@ a half of CPU on 2 cores from nothing; docs/science.md explains the rows and the
 from __future__ import annotations
 
 import json
-import subprocess
 
 from bench import science
+from bench.provenance import cpu_model
 
 NOTES = """
 - Train seconds: two cached/CE runs shared the 2 cores (one thread each); the live rows ran
@@ -19,11 +19,6 @@ NOTES = """
 - The cache row equals the live one: `make demo`'s live xtoken + CE run (same config, seed 0)
   ended at 1.100998176 bits/byte, the cached xtoken row's seed 0 at 1.100998169.
 """
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "?")
 
 
 def main() -> str:

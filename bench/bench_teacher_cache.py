@@ -35,6 +35,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.provenance import cpu_model
 from tokenbridge import paths
 
 REPO = paths.REPO_ROOT
@@ -127,15 +128,6 @@ def _train(shards: Path, run: Path, *extra: str) -> dict:
     return result
 
 
-def _cpu() -> str:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main() -> str:
     keep = os.environ.get("BENCH_CACHE_DIR")
     with contextlib.ExitStack() as stack:
@@ -191,7 +183,7 @@ def render(cache: dict, runs: dict) -> str:
     lines = [
         "## Teacher cache (offline teacher outputs)",
         "",
-        f"CPU: {_cpu()}, {os.cpu_count()} cores shared with other jobs (1-minute load average "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores shared with other jobs (1-minute load average "
         f"{loads} at the starts of the commands below): seconds are inflated by the load, and "
         "the load moves between commands, so read the ratios. "
         f"Inputs: {cache['rows']} demo windows ({cache['teacher_tokens']:,} Gemma tokens) of "

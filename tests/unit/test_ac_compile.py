@@ -20,7 +20,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -37,19 +36,6 @@ SHAPES = {"tiny": TINY, "demo_2_layers": {"num_hidden_layers": 2}}
 # AC recomputes the same ops on the same inputs: on CPU the gradients come out bit for bit
 # equal; the tolerance only leaves room for a machine whose kernels are not deterministic
 TIGHT = {"rtol": 1e-6, "atol": 1e-9}
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A one-process gloo group (FSDP2 and DCP are collective even on one rank)."""
-    if dist.is_initialized():  # another test module left a one-process group: use it as it is
-        assert dist.get_world_size() == 1
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def student(student_dir, overrides: dict) -> ModelConfig:

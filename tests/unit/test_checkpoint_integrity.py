@@ -11,24 +11,11 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import xxhash
 
 from tokenbridge import verify
 from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.schema import CheckpointConfig
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():  # another test left a one-process group: use it as it is
-        assert dist.get_world_size() == 1
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _state(step: int) -> dict:

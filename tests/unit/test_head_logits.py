@@ -8,21 +8,17 @@ a training step has. Blocks of 3 rows (smaller than a row) make every block boun
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from tests.unit.test_loss_modes import _projection, _same_tokenizer
+from tests.unit.test_loss_modes import _same_tokenizer, mode_inputs
 from tests.unit.test_loss_refs import logits_for, make_pair
 from tokenbridge.losses.base import zero_sum_like
 from tokenbridge.losses.ce import ce
-from tokenbridge.losses.kd_topk import student_topk_ids
 from tokenbridge.losses.modes import KD_MODES, MODES
 from tokenbridge.losses.ops.head_logits import HeadLogits, project
 from tokenbridge.losses.ops.rowwise import map_rows
 from tokenbridge.losses.ops.segments import shift_targets
-from tokenbridge.teacher.outputs import teacher_outputs_from_logits
 
 H = 6
 
@@ -78,25 +74,8 @@ def test_every_mode_equals_the_whole_logits(name, softcap):
         pair = _same_tokenizer(pair)
     student, teacher = logits_for(pair, 12, dtype=torch.float64)
     hidden, weight = _leaves(tuple(student.shape[:2]), pair.Vs, 14, padded_from=pair.vs)
-    given = {"k": 4} if "k" in {f.name for f in dataclasses.fields(r.options)} else {}
-    options = r.parse_options(given, temperature=1.5)
-    tables = None
-    if r.tables is not None:
-        tables = r.tables(
-            _projection(pair, 13), teacher_vocab_size=pair.vt, student_vocab_size=pair.vs
-        )
-    spec = r.teacher_spec(options, tables, teacher_vocab_size=pair.vt)
-    columns = r.columns(tables)
-    if spec.per_position_columns:  # on-policy top-k: the student's own top-k ids
-        whole = project(hidden.detach(), weight.detach(), softcap=softcap)
-        columns = student_topk_ids(whole, spec.columns, vocab_size=pair.vs)
-    outs = teacher_outputs_from_logits(
-        teacher,
-        spec=spec,
-        target_ids_BT=shift_targets(pair.batch.teacher_ids, pair.batch.teacher_len),
-        columns=columns,
-    )
-    prep = r.prepare(pair.batch, shift_targets(pair.batch.student_ids, pair.batch.student_len))
+    whole = project(hidden.detach(), weight.detach(), softcap=softcap)
+    options, tables, outs, prep = mode_inputs(name, pair, teacher, whole, temperature=1.5)
 
     def loss(logits):
         out = r.loss(logits, outs, prep, tables=tables, vocab_size=pair.vs, config=options)

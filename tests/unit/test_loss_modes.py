@@ -60,15 +60,13 @@ def test_every_record_is_complete():
         r.options()  # every option has a default
 
 
-@pytest.mark.parametrize("name", KD_MODES)
-def test_each_mode_runs_from_its_record_alone(name):
+def mode_inputs(name: str, pair, teacher, student, *, temperature: float):
+    """(options, tables, teacher outputs, prep) of mode `name` on `pair` as its record builds
+    them: the teacher's logits [B, T, Vt]; the student's [B, S, Vs] give the on-policy top-k
+    columns."""
     r = MODES[name]
-    pair = make_pair(11, B=3)
-    if r.same_tokenizer:
-        pair = _same_tokenizer(pair)
-    student, teacher = logits_for(pair, 12)
     given = {"k": 4} if "k" in {f.name for f in dataclasses.fields(r.options)} else {}
-    options = r.parse_options(given, temperature=1.0)
+    options = r.parse_options(given, temperature=temperature)
     tables = None
     if r.tables is not None:
         tables = r.tables(
@@ -84,8 +82,18 @@ def test_each_mode_runs_from_its_record_alone(name):
         target_ids_BT=shift_targets(pair.batch.teacher_ids, pair.batch.teacher_len),
         columns=columns,
     )
-    targets_BT = shift_targets(pair.batch.student_ids, pair.batch.student_len)
-    prep = r.prepare(pair.batch, targets_BT)
+    prep = r.prepare(pair.batch, shift_targets(pair.batch.student_ids, pair.batch.student_len))
+    return options, tables, outs, prep
+
+
+@pytest.mark.parametrize("name", KD_MODES)
+def test_each_mode_runs_from_its_record_alone(name):
+    r = MODES[name]
+    pair = make_pair(11, B=3)
+    if r.same_tokenizer:
+        pair = _same_tokenizer(pair)
+    student, teacher = logits_for(pair, 12)
+    options, tables, outs, prep = mode_inputs(name, pair, teacher, student, temperature=1.0)
     out = r.loss(student, outs, prep, tables=tables, vocab_size=pair.vs, config=options)
     assert int(out.count) == r.count(prep) > 0
     assert torch.isfinite(out.sum) and out.sum > 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.unit.test_loss_refs import logits_for, make_pair, random_key, random_t2s
 from tokenbridge.losses import (
@@ -33,18 +32,6 @@ from tokenbridge.losses import (
     xtoken,
     xtoken_teacher_spec,
 )
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():  # another test left a one-process group: use it as it is
-        assert dist.get_world_size() == 1
-        yield dist.group.WORLD
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _both(run, student):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tests.tiny import tiny_llama
@@ -47,18 +46,6 @@ def test_auto_is_bfloat16_and_fused_on_cuda_and_float32_on_cpu():
     got = resolve_precision(named, device="cuda")
     assert got.param_dtype == "float32" and resolve_precision(named, device="cpu").fused_optimizer
     assert got.summary(["a", "b"])["teacher_dtypes"] == {"a": "bfloat16", "b": "float32"}
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():  # another test left a one-process group: use it as it is
-        assert dist.get_world_size() == 1
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_bfloat16_params_keep_float32_master_shards_and_moments(group):
