@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from tokenbridge import paths
 
@@ -43,3 +44,16 @@ def vocab_fixture():
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     return _need(paths.corpus_dir())
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-process gloo group (FSDP2 and DCP are collective even on one rank): its WORLD."""
+    if dist.is_initialized():  # another test module left a one-process group: use it as it is
+        assert dist.get_world_size() == 1
+        yield dist.group.WORLD
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -5,7 +5,6 @@ other tokenizers defines its own `toks`)."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from tokenbridge import paths
 from tokenbridge.tokenizers import load_tokenizer
@@ -34,16 +33,3 @@ def toks(teacher_dir, student_dir, vocab_fixture):
         "qwen2": load_tokenizer(vocab_fixture("qwen2")),
         "phi-3": load_tokenizer(vocab_fixture("phi-3")),
     }
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A one-process gloo group (FSDP2 and DCP are collective even on one rank): its WORLD."""
-    if dist.is_initialized():  # another test module left a one-process group: use it as it is
-        assert dist.get_world_size() == 1
-        yield dist.group.WORLD
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()

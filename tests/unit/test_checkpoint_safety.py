@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from tests.unit.test_checkpoint_integrity import _state, group  # noqa: F401 - a fixture
+from tests.unit.test_checkpoint_integrity import _state
 from tokenbridge import cli
 from trainer.checkpoint import checkpointer as ckpt
 from trainer.checkpoint import dcp_io as checkpoint_dcp
