@@ -79,13 +79,14 @@ class _Source:
         f32 = torch.float32 if self.hidden.dtype != torch.float64 else torch.float64
         return [torch.zeros_like(self.hidden, dtype=f32), torch.zeros_like(self.weight, dtype=f32)]
 
-    def put(self, grads: list[Tensor], rows_r: Tensor, g_rV: Tensor) -> None:
+    def put(self, grads: list[Tensor], rows_r: Tensor, g_rV: Tensor, raw_rV: Tensor | None) -> None:
+        """Add the gradient ``g_rV`` of rows ``rows_r`` (``raw_rV``: their raw logits, which
+        soft-capping's derivative reads)."""
         if self.logits is not None:
             _put(grads[0], rows_r, g_rV)
             return
         h = self.hidden[rows_r]
-        capped = self.raw(rows_r) if self.softcap is not None else None
-        gh, gw = project_backward(g_rV, h, self.weight, capped, softcap=self.softcap)
+        gh, gw = project_backward(g_rV, h, self.weight, raw_rV, softcap=self.softcap)
         grads[0].index_add_(0, rows_r, gh.to(grads[0].dtype))
         grads[1].add_(gw)
 
@@ -103,9 +104,9 @@ def _source(logits) -> tuple:
     return logits, None, None, None
 
 
-def _x(src: _Source, rows_r: Tensor, vocab_size: int, temperature: float) -> Tensor:
-    x = src.raw(rows_r)
-    x = x.to(compute_dtype(src.anchor))
+def _x(src: _Source, raw_rV: Tensor, vocab_size: int, temperature: float) -> Tensor:
+    """Raw logits rows as the reductions read them: compute dtype, padding masked, tempered."""
+    x = raw_rV.to(compute_dtype(src.anchor))
     if vocab_size < x.shape[1]:
         x = x.masked_fill(torch.arange(x.shape[1], device=x.device) >= vocab_size, NEG_INF)
     return x / temperature if temperature != 1.0 else x
@@ -136,7 +137,7 @@ class _LogProbsAtRows(torch.autograd.Function):
         lp = torch.empty(g, k, dtype=dtype, device=device)
         rest, logz, top = (torch.empty(g, dtype=dtype, device=device) for _ in range(3))
         for a, b in _spans(g, chunk):
-            x = _x(src, rows_G[a:b], vocab_size, temperature)
+            x = _x(src, src.raw(rows_G[a:b]), vocab_size, temperature)
             m, e = _logz(x)
             s_all = e.sum(-1)
             valid, fill, has = _slot_fill(ids_GK[a:b])
@@ -159,7 +160,9 @@ class _LogProbsAtRows(torch.autograd.Function):
         src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
         grad = src.grad_buffers()
         for a, b in _spans(ids_GK.shape[0], chunk):
-            q = (_x(src, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
+            raw = src.raw(rows_G[a:b])
+            q = (_x(src, raw, vocab_size, temperature) - logz[a:b, None]).exp_()
+            raw = raw if src.softcap is not None else None  # kept only for the cap's derivative
             valid, fill, has = _slot_fill(ids_GK[a:b])
             gl = torch.where(valid, g_lp[a:b], 0.0).to(q.dtype)
             gr = g_rest[a:b].to(q.dtype)
@@ -173,7 +176,7 @@ class _LogProbsAtRows(torch.autograd.Function):
             q.mul_((c - total)[:, None]).scatter_(1, fill, vals)
             if temperature != 1.0:
                 q.div_(temperature)
-            src.put(grad, rows_G[a:b], q)
+            src.put(grad, rows_G[a:b], q, raw)
         return *src.grads(grad), None, None, None, None, None, None
 
 
@@ -207,7 +210,7 @@ class _MatchedCrossRows(torch.autograd.Function):
         x_other = torch.empty(g, other_U.numel(), dtype=dtype, device=device)
         ent, mass = torch.empty_like(logz), torch.empty_like(logz)
         for a, b in _spans(g, chunk):
-            x = _x(src, rows_G[a:b], vocab_size, temperature)
+            x = _x(src, src.raw(rows_G[a:b]), vocab_size, temperature)
             m, e = _logz(x)
             logz[a:b] = m[:, 0] + e.sum(-1).log()
             del e
@@ -231,13 +234,15 @@ class _MatchedCrossRows(torch.autograd.Function):
         src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
         grad = src.grad_buffers()
         for a, b in _spans(rows_G.numel(), chunk):
-            q = (_x(src, rows_G[a:b], vocab_size, temperature) - logz[a:b, None]).exp_()
+            raw = src.raw(rows_G[a:b])
+            q = (_x(src, raw, vocab_size, temperature) - logz[a:b, None]).exp_()
+            raw = raw if src.softcap is not None else None  # kept only for the cap's derivative
             q.mul_(g_logz[a:b].to(q.dtype)[:, None])
             p = logp_fn(a, b).to(q.dtype).exp_().mul_(g_cross[a:b].to(q.dtype)[:, None])
             q.index_add_(1, s_ids_M, p).index_add_(1, other_U, g_other[a:b].to(q.dtype))
             if temperature != 1.0:
                 q.div_(temperature)
-            src.put(grad, rows_G[a:b], q)
+            src.put(grad, rows_G[a:b], q, raw)
         return *src.grads(grad), None, None, None, None, None, None, None, None
 
 

@@ -69,9 +69,6 @@ class HeadLogits:
     def requires_grad(self) -> bool:
         return self.hidden.requires_grad or self.weight.requires_grad
 
-    def dim(self) -> int:
-        return self.hidden.dim()
-
     def reshape(self, *shape: int) -> HeadLogits:
         """A view with other leading dims; the last one must stay V (as every loss flattens)."""
         shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
@@ -90,16 +87,6 @@ class HeadLogits:
     def zero_sum(self) -> Tensor:
         """A 0-dim zero connected to the graph (`base.zero_sum_like`)."""
         return self.hidden.reshape(-1)[:0].sum() + self.weight.reshape(-1)[:0].sum()
-
-    # the projection
-    def rows(self, rows_r: Tensor) -> Tensor:
-        """The logits at flat rows ``rows_r`` [r, V] (differentiable)."""
-        return project(self.hidden.reshape(-1, self.hidden.shape[-1])[rows_r], self.weight,
-                       softcap=self.softcap)  # fmt: skip
-
-    def full(self) -> Tensor:
-        """The whole logits (tests and references only: this is what the class avoids)."""
-        return project(self.hidden, self.weight, softcap=self.softcap)
 
 
 def project(hidden_rH: Tensor, weight_VH: Tensor, *, softcap: float | None) -> Tensor:
@@ -120,7 +107,3 @@ def project_backward(
         grad_rV = grad_rV * (1 - (logits_rV / softcap).square())
     grad_rV = grad_rV.to(weight_VH.dtype)
     return grad_rV @ weight_VH, grad_rV.t() @ hidden_rH
-
-
-def is_head(logits: object) -> bool:
-    return isinstance(logits, HeadLogits)
