@@ -196,11 +196,12 @@ def random_model(ctx: Context, which: str, *, seed: int = 0):
     """The demo pair's student or teacher, random-init (the tiny shape in a dry run), in the
     run's compute dtype, on its device, in eval mode."""
     from tokenbridge import models
+    from tokenbridge.model_spec import resolve_dtype
 
     path = paths.student_dir() if which == "student" else paths.teacher_dir()
     spec = models.ModelSpec(str(path), init="random", seed=seed,
                             overrides=tiny_overrides(which) if ctx.dry else {})  # fmt: skip
-    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    dtype = models.torch_dtype(resolve_dtype("auto", ctx.device))  # the trainer's rule
     return models.build_model(spec, dtype=dtype, device=ctx.device).eval()
 
 
