@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tokenbridge import cli
+from tokenbridge import cli, urls
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import value_checks as values
@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tokenbridge.verify", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("dirs", nargs="+", type=Path, help="shard, cache or checkpoint directories")
+    ap.add_argument("dirs", nargs="+", help="shard, cache or checkpoint directories")
     args = ap.parse_args(argv)
     damaged = 0
-    for d in args.dirs:
+    for d in [urls.local(urls.check(d, where="DIR", doing="verifying")) for d in args.dirs]:
         if not d.is_dir():
             print(f"{d}: no such directory", file=sys.stderr)
             damaged += 1

@@ -67,7 +67,7 @@ from pipelines.plumbing.tagged import (
     refuse_if_dead,
     split,
 )
-from tokenbridge import paths
+from tokenbridge import paths, urls
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.chat import fit
@@ -81,6 +81,7 @@ log = logging.getLogger("tokenbridge.align")
 DEFAULT_RUNNER = "FnApiRunner"  # the plain DirectRunner tries to download Prism
 ROLL_MB = 128  # shard files roll at this size (Arrow bytes)
 SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
+OUT_SCHEMES: tuple[str, ...] = ()  # object stores --out may name
 SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
 
 
@@ -309,7 +310,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--data", action="append", required=True, help="glob(s) of input files")
     ap.add_argument("--teacher", action="append", required=True, help="teacher tokenizer/model")
     ap.add_argument("--student", required=True, help="student tokenizer/model")
-    ap.add_argument("--out", type=Path, default=None, help="shard directory (default outputs/)")
+    ap.add_argument("--out", default=None, help="shard directory (default outputs/)")
     ap.add_argument("--max-student-tokens", type=int, default=WindowConfig.max_student_tokens)
     ap.add_argument("--max-teacher-tokens", type=int, default=WindowConfig.max_teacher_tokens)
     ap.add_argument("--stride-chars", type=int, default=None, help="window overlap (chars)")
@@ -349,12 +350,17 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     )
     chat.add_argument("--long-conversations", choices=fit.OVERFLOW_MODES, default=fit.TOO_LONG)
     args, beam_args = ap.parse_known_args(argv)
+    for i, model in enumerate([args.student, *args.teacher]):
+        urls.check(
+            model, where="--student" if i == 0 else "--teacher", doing="loading a tokenizer from"
+        )
+    out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing shards to")
     window = WindowConfig(
         max_student_tokens=args.max_student_tokens,
         max_teacher_tokens=args.max_teacher_tokens,
         stride_chars=args.stride_chars,
     )
-    out = args.out or default_out_dir(args.data, args.student, args.teacher)
+    out = Path(out) if out else default_out_dir(args.data, args.student, args.teacher)
     cfg = JobConfig(
         data=args.data,
         student=args.student,

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenbridge import cli, paths
+from tokenbridge import cli, paths, urls
 from tokenbridge.projection import (
     build_projection,
     describe,
@@ -25,6 +25,8 @@ from tokenbridge.projection import (
     save_projection,
 )
 from tokenbridge.tokenizers import load_tokenizer
+
+OUT_SCHEMES: tuple[str, ...] = ()  # object stores --out may name
 
 
 def default_out(teacher: str, student: str, k: int) -> Path:
@@ -37,8 +39,11 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--teacher", required=True, help="teacher tokenizer or model directory")
     ap.add_argument("--student", required=True, help="student tokenizer or model directory")
     ap.add_argument("--k", type=int, default=8, help="entries kept per row")
-    ap.add_argument("--out", type=Path, default=None, help="output .safetensors")
+    ap.add_argument("--out", default=None, help="output .safetensors")
     args = ap.parse_args(argv)
+    urls.check(args.teacher, where="--teacher", doing="loading a tokenizer from")
+    urls.check(args.student, where="--student", doing="loading a tokenizer from")
+    out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a projection to")
     t0 = time.perf_counter()
     teacher, student = load_tokenizer(args.teacher), load_tokenizer(args.student)
     p = build_projection(
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> Path:
         teacher_rows=model_rows(args.teacher),
         student_rows=model_rows(args.student),
     )
-    out = save_projection(p, args.out or default_out(args.teacher, args.student, args.k))
+    out = save_projection(p, Path(out) if out else default_out(args.teacher, args.student, args.k))
     load_projection(out, teacher=teacher.info(), student=student.info())  # refuses a bad build
     print(f"{out}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
     return out

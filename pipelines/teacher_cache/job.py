@@ -55,7 +55,7 @@ from pipelines.plumbing.tagged import (
 )
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
-from tokenbridge import paths
+from tokenbridge import paths, urls
 from tokenbridge.formats import shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
 from tokenbridge.formats.teacher_cache import CacheMeta
@@ -66,6 +66,7 @@ from tokenbridge.tokenizers import load_tokenizer
 log = logging.getLogger("tokenbridge.teacher_cache")
 
 ROLL_MB = 128  # cache files roll at this size
+OUT_SCHEMES: tuple[str, ...] = ()  # object stores --out may name
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     """Arguments -> the job's config, checked against the shards and the teacher's tokenizer and
     weights (which are hashed here: the fingerprint the trainer will compare)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shards", type=Path, required=True, help="aligned shard directory")
+    ap.add_argument("--shards", required=True, help="aligned shard directory")
     ap.add_argument("--teacher", required=True, help="teacher model directory (HF)")
     ap.add_argument("--k", type=int, default=32, help="top-k stored per position")
     ap.add_argument("--temperature", type=float, default=1.0, help="as loss.temperature")
@@ -246,10 +247,13 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--cache-mb", type=float, default=ROLL_MB, help="cache files roll at this")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
     add_dead_fraction_arg(ap)
     args, beam_args = ap.parse_known_args(argv)
+    urls.check(args.teacher, where="--teacher", doing="loading a model from")
+    args.shards = urls.local(urls.check(args.shards, where="--shards", doing="reading shards from"))
+    out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a cache to")
     overrides = {}
     for item in args.override:
         key, _, value = item.partition("=")
@@ -287,7 +291,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         samples=args.samples,
         sample_seed=args.sample_seed,
     )
-    out = args.out or default_out_dir(args.shards, args.teacher, args.k)
+    out = Path(out) if out else default_out_dir(args.shards, args.teacher, args.k)
     if out.resolve() == args.shards.resolve():
         raise ValueError(f"--out {out} is the shard directory: choose another")
     cfg = JobConfig(

@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-from tokenbridge import cli, paths
+from tokenbridge import cli, paths, urls
 
 PLAYS = {  # corpus file stem -> title
     "hamlet_gut": "Hamlet",
@@ -132,9 +132,10 @@ def write(out: Path, corpus: Path) -> list[Path]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--corpus", type=Path, default=paths.corpus_dir() / "shakespeare")
-    ap.add_argument("--out", type=Path, default=DATA_DIR)
+    ap.add_argument("--out", default=str(DATA_DIR))
     args = ap.parse_args(argv)
-    for f in write(args.out, args.corpus):
+    out = urls.local(urls.check(args.out, where="--out", doing="writing examples to"))
+    for f in write(out, args.corpus):
         print(f"wrote {f} ({f.stat().st_size:,} bytes)")
 
 

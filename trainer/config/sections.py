@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from tokenbridge import urls
 from tokenbridge.formats.checksums import VERIFY_MODES
 from tokenbridge.model_spec import DTYPE_CHOICES, DTYPES, check_model_source
 from trainer.config.checks import (
@@ -32,6 +33,17 @@ TEACHER_PLACEMENTS = ("worker", "inprocess")
 # activation checkpointing of the student's decoder blocks (`trainer.parallel.parallelize.apply_ac`)
 AC_MODES = ("none", "full", "every_n")
 EVAL_SPLITS = ("window", "document")
+# the object stores the trainer reads its inputs from and writes its run to (`trainer.storage`)
+REMOTE_SCHEMES: tuple[str, ...] = ()
+
+
+def check_location(where: str, value: str | None, *, schemes: tuple[str, ...] = REMOTE_SCHEMES):
+    """A path field: local, or a URL of `schemes`; any other ``scheme://`` is refused now (a
+    URL handed to pathlib would become a local directory named ``s3:``)."""
+    try:
+        urls.check(value, where=where, schemes=schemes)
+    except urls.UnsupportedURLError as e:
+        raise ConfigError(f"config {e}") from None
 
 
 @dataclass
@@ -56,6 +68,7 @@ class ModelConfig:
             check_model_source(self, where)
         except ValueError as e:
             raise ConfigError(f"config {e}") from None
+        check_location(f"{where}.path", self.path, schemes=())  # models load from local dirs
         if not self.name:
             self.name = Path(self.path).name
 
@@ -86,6 +99,8 @@ class TeacherConfig(ModelConfig):
         does not know when it is built): run by `TrainConfig`."""
         where = f"teachers[{i}]"
         self._validate(where)
+        check_location(f"{where}.projection", self.projection)
+        check_location(f"{where}.cache", self.cache)
         check_positive(f"{where}.weight", self.weight, allow_zero=True)
         check_at_least(f"{where}.tp", self.tp, 1)
         if self.loss is not None:
@@ -116,6 +131,7 @@ class DataConfig:
         check_choice("data.verify", self.verify, VERIFY_MODES)
         if not self.shards or self.shards == MISSING:
             fail("data.shards", "a shard directory (from `make align`) is required")
+        check_location("data.shards", self.shards)
         for name in ("micro_batch_size", "grad_accum", "max_student_tokens", "pad_to_multiple"):
             check_at_least(f"data.{name}", getattr(self, name), 1)
         check_at_least("data.shuffle_buffer", self.shuffle_buffer, 0)
@@ -237,6 +253,7 @@ class CheckpointConfig:
         check_at_least("checkpoint.keep", self.keep, 1)
         if not self.resume:
             fail("checkpoint.resume", "expected auto, none or a checkpoint path")
+        check_location("checkpoint.resume", self.resume)
 
 
 @dataclass

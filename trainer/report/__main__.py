@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from tokenbridge import cli
+from tokenbridge import cli, urls
 from trainer.report.build import write_report
 
 
@@ -26,10 +25,12 @@ def _main(argv: list[str] | None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("runs", nargs="+", type=Path, help="run folders (runs/<name>)")
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default: see above)")
+    ap.add_argument("runs", nargs="+", help="run folders (runs/<name>)")
+    ap.add_argument("--out", default=None, help="output folder (default: see above)")
     args = ap.parse_args(argv)
-    path = write_report(args.runs, out=args.out)
+    runs = [urls.local(urls.check(r, where="run folder", doing="reading")) for r in args.runs]
+    out = urls.check(args.out, where="--out", doing="writing a report to")
+    path = write_report(runs, out=None if out is None else urls.local(out))
     print(f"run report: {path}")
     return 0
 

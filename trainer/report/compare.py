@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from tokenbridge import cli
+from tokenbridge import cli, urls
 from tokenbridge.cli import UsageError
 
 
@@ -81,15 +81,17 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.report.compare", description=__doc__)
     ap.add_argument("runs", nargs="+", help="run folders, each optionally LABEL=DIR")
-    ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--out", default=None, help="also write the table here")
     args = ap.parse_args(argv)
+    out = urls.check(args.out, where="--out", doing="writing the table to")
     summaries = {}
     for spec in args.runs:
         label, _, path = spec.rpartition("=")
-        summaries[label or Path(path).name] = load_summary(Path(path))
+        path = urls.local(urls.check(path, where="run folder", doing="reading"))
+        summaries[label or path.name] = load_summary(path)
     text = render(summaries)
-    if args.out:
-        args.out.write_text(text)
+    if out:
+        urls.local(out).write_text(text)
     print(text, end="")
     return 0
 

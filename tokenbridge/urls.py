@@ -1,0 +1,115 @@
+"""Paths that are object-store URLs: how to tell them apart, which ones a command can use, and
+where their connection settings come from.
+
+Every place a user names a path takes a local path or a URL (``s3://bucket/prefix``). A URL
+must never fall through to ``pathlib``: ``Path("s3://b/x")`` is the local relative path
+``s3:/b/x``, and a writer would silently create that directory. So each command states, per
+argument, the schemes it reads or writes (`check`), and any other ``scheme://`` is refused in
+one line (`UnsupportedURLError`, a ValueError: exit 2) before anything is written.
+
+The connection settings are the standard AWS environment variables, read by boto3, pyarrow
+and s3fs alike, so one command runs against AWS, MinIO, SeaweedFS or R2 by environment alone:
+``AWS_ENDPOINT_URL`` (any S3-compatible server), ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION`` (or ``AWS_DEFAULT_REGION``).
+`s3_settings` gathers them for the clients that do not read all of them on their own (boto3
+ignores ``AWS_REGION``; Beam takes pipeline options). Pure apart from reading the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from pathlib import Path
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+OBJECT_STORES = ("s3",)  # the schemes this repository reads and writes, and tests (SeaweedFS)
+
+
+class UnsupportedURLError(ValueError):
+    """A URL whose scheme the command cannot read or write (one line, exit 2)."""
+
+
+class StorageAccessError(PermissionError):
+    """The object store refused the request (wrong credentials, no access to the bucket)."""
+
+
+def scheme(path: str | os.PathLike | None) -> str | None:
+    """``"s3"`` for ``s3://b/k``; None for a local path (``file://`` included: it is local)."""
+    if path is None or isinstance(path, Path):
+        return None
+    m = _URL.match(str(path))
+    if m is None:
+        return None
+    s = m.group(1).lower()
+    return None if s == "file" else s
+
+
+def is_url(path: str | os.PathLike | None) -> bool:
+    return scheme(path) is not None
+
+
+def local(path: str | os.PathLike) -> Path:
+    """A local path argument as a Path (``file://`` stripped); refuses a URL (use `check`)."""
+    p = str(path)
+    if p.startswith("file://"):
+        p = p[len("file://") :]
+    if is_url(p):
+        raise UnsupportedURLError(f"{path}: expected a local path here")
+    return Path(p)
+
+
+def check(
+    value: str | os.PathLike | None, *, where: str, schemes: tuple[str, ...] = (), doing: str = ""
+) -> str | None:
+    """`value` (a command's path argument, named `where`) if it is local or its scheme is one
+    of `schemes`; else `UnsupportedURLError` in one line, before anything is written."""
+    if value is None:
+        return None
+    s = scheme(value)
+    if s is None or s in schemes:
+        return str(value)
+    what = f"{doing} " if doing else ""
+    allowed = (
+        f"a local path or a URL of {', '.join(f'{x}://' for x in schemes)}"
+        if schemes
+        else "a local path"
+    )
+    raise UnsupportedURLError(
+        f"{where}={value}: {what}{s}:// is not supported here; expected {allowed}"
+    )
+
+
+def join(base: str | os.PathLike, *names: str) -> str:
+    """`base` / names, for a URL (posix separators, never normalised away) or a local path."""
+    if is_url(base):
+        return posixpath.join(str(base).rstrip("/"), *names)
+    return str(Path(base).joinpath(*names))
+
+
+def name(path: str | os.PathLike) -> str:
+    """The last component of a path or URL (``s3://b/x/y/`` -> ``y``)."""
+    return posixpath.basename(str(path).rstrip("/")) if is_url(path) else Path(path).name
+
+
+def s3_settings(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The S3 connection settings in the environment: ``endpoint_url``, ``region``, and, only
+    where given, ``key`` / ``secret`` / ``token`` (otherwise each client's own credential chain
+    applies: profiles, instance roles). Unset ones are absent."""
+    env = os.environ if env is None else env
+    out = {
+        "endpoint_url": env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
+        "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+        "key": env.get("AWS_ACCESS_KEY_ID"),
+        "secret": env.get("AWS_SECRET_ACCESS_KEY"),
+        "token": env.get("AWS_SESSION_TOKEN"),
+    }
+    return {k: v for k, v in out.items() if v}
+
+
+DENIED_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403")
+
+
+def denied(text: str) -> bool:
+    """Whether an object-store error's text says the credentials were refused."""
+    return any(c in text for c in DENIED_CODES) or "Forbidden" in text
