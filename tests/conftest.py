@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.objectstore import SeaweedS3
 from tokenbridge import paths
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,3 +58,29 @@ def group(tmp_path_factory):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS S3 server for the whole test session (`tests.objectstore`); a server
+    that does not start fails the tests that need it, loudly."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> dict[str, str]:
+    """The standard AWS variables pointing at the test server, for this test only."""
+    env = s3_server.env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    return env
+
+
+@pytest.fixture
+def s3_bucket(s3_server, s3_env) -> str:
+    """A fresh, empty bucket on the test server (the environment points at it)."""
+    return s3_server.new_bucket()
