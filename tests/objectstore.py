@@ -86,8 +86,19 @@ class SeaweedS3:
         return name
 
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        pages = (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        )
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def download(self, bucket: str, prefix: str, dest: Path) -> Path:
+        """Every object under ``prefix/`` into `dest` (a local copy to open or compare)."""
+        client = self.client()
+        for key in self.keys(bucket, prefix.rstrip("/") + "/"):
+            target = dest / key[len(prefix.rstrip("/")) + 1 :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, key, str(target))
+        return dest
 
     def start(self) -> SeaweedS3:
         data = self.root / "data"
@@ -140,7 +151,7 @@ class SeaweedS3:
             f"its log {self.log} ends:\n{tail}"
         )
 
-    def stop(self, *, grace_s: float = 2.0) -> None:
+    def stop(self, *, grace_s: float = 0.5) -> None:
         """SIGINT, then SIGKILL after `grace_s`: weed's filer waits 15 s for its own gRPC
         streams to end, and the data directory is thrown away anyway."""
         if self.proc is None or self.proc.poll() is not None:

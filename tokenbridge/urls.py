@@ -30,7 +30,7 @@ class UnsupportedURLError(ValueError):
     """A URL whose scheme the command cannot read or write (one line, exit 2)."""
 
 
-class StorageAccessError(PermissionError):
+class StorageAccessError(ValueError):
     """The object store refused the request (wrong credentials, no access to the bucket)."""
 
 

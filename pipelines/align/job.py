@@ -54,7 +54,7 @@ from pipelines.align import chat_dofns as C
 from pipelines.align import readers
 from pipelines.align import write_dofns as W
 from pipelines.align.chat_read import peek_format
-from pipelines.plumbing import beam_worker, progress, rolling
+from pipelines.plumbing import beam_worker, progress, rolling, store
 from pipelines.plumbing import writers as PW
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
@@ -81,7 +81,7 @@ log = logging.getLogger("tokenbridge.align")
 DEFAULT_RUNNER = "FnApiRunner"  # the plain DirectRunner tries to download Prism
 ROLL_MB = 128  # shard files roll at this size (Arrow bytes)
 SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
-OUT_SCHEMES: tuple[str, ...] = ()  # object stores --out may name
+OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's FileSystems)
 SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
 
 
@@ -226,7 +226,7 @@ class JobConfig:
     data: list[str]
     student: str
     teachers: list[str]
-    out: Path
+    out: store.Location  # a local directory (Path) or an object-store URL (str)
     window: WindowConfig
     reader: readers.ReaderConfig
     pieces: PieceConfig = PieceConfig()
@@ -243,7 +243,7 @@ def build_pipeline(
     main PCollections by name (dead letters, written records, final stats) for assertions."""
     out = str(cfg.out)
     tmp = str(rolling.run_dir(cfg.out, run_id))
-    prog = str(Path(tmp) / "progress")
+    prog = rolling.progress_dir(cfg.out, run_id)
     header = W.header_for(cfg, input_files=input_files, input_bytes=total_bytes)
     read = p | "ReadDocs" >> ReadDocs(tasks, cfg=cfg, progress_dir=prog)
     aligned = read["batches"] | "AlignWindows" >> AlignWindows(cfg, progress_dir=prog)
@@ -350,6 +350,8 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     )
     chat.add_argument("--long-conversations", choices=fit.OVERFLOW_MODES, default=fit.TOO_LONG)
     args, beam_args = ap.parse_known_args(argv)
+    # first: the input is listed (row format, read tasks) through FileSystems, in this process
+    beam_args = store.beam_args(default_runner_args(beam_args))
     for i, model in enumerate([args.student, *args.teacher]):
         urls.check(
             model, where="--student" if i == 0 else "--teacher", doing="loading a tokenizer from"
@@ -360,7 +362,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_teacher_tokens=args.max_teacher_tokens,
         stride_chars=args.stride_chars,
     )
-    out = Path(out) if out else default_out_dir(args.data, args.student, args.teacher)
+    out = store.location(out) if out else default_out_dir(args.data, args.student, args.teacher)
     cfg = JobConfig(
         data=args.data,
         student=args.student,
@@ -374,7 +376,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_dead_fraction=dead_fraction(args),
         chat=chat_config(args),
     )
-    return cfg, default_runner_args(beam_args)
+    return cfg, beam_args
 
 
 def job_row_format(data: list[str]) -> str:
@@ -443,12 +445,19 @@ def run(argv: list[str] | None = None) -> dict:
     # FnApiRunner: its worker processes start without their chatter (pipelines.plumbing.beam_worker)
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
-    prog = rolling.run_dir(cfg.out, run_id) / "progress"
-    result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
-    refuse_if_dead(cfg.out / S.STATS_FILE)
-    if not (cfg.out / S.COMPLETED_MARKER).is_file():
+    prog = rolling.progress_dir(cfg.out, run_id)
+    try:
+        result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
+    finally:
+        if urls.is_url(cfg.out):
+            store.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
+    refuse_if_dead(store.join(cfg.out, S.STATS_FILE))
+    if not store.exists(store.join(cfg.out, S.COMPLETED_MARKER)):
         raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
-    stats = shards.open_shards(cfg.out).stats()
+    if urls.is_url(cfg.out):
+        stats = rolling.read_json(store.join(cfg.out, S.STATS_FILE))
+    else:
+        stats = shards.open_shards(cfg.out).stats()
     stats["wall_s"] = time.perf_counter() - t0
     stats["metrics"] = job_metrics(result)
     return stats

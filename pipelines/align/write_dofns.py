@@ -13,14 +13,13 @@ Records are tuples: ``("part", name, rows, first key, stats)`` per shard batch,
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import apache_beam as beam
 import pyarrow as pa
 
 from pipelines.align import job_stats
 from pipelines.align.align_dofns import Windows, cached_tokenizer
-from pipelines.plumbing import rolling
+from pipelines.plumbing import rolling, store
 from pipelines.plumbing.tagged import MAX_DEAD_FRACTION, StageTimer, count, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from tokenbridge.formats import checksums as integrity
@@ -65,12 +64,13 @@ class FinalizeDoFn(beam.DoFn):
         self.student_path, self.teacher_paths = student, list(teachers)
         self.max_dead_fraction = max_dead_fraction
 
-    def _infos(self, out: Path, index: dict) -> dict:
+    def _infos(self, out: store.Location, index: dict) -> dict:
         """The tokenizers, from a written shard's metadata; loaded only for a run without rows
         (this worker may never have loaded them: no need to, for a header)."""
         if index:
-            with pa.memory_map(str(out / next(iter(index))), "r") as src:
-                meta = S.read_meta(pa.ipc.open_file(src).schema, where=next(iter(index)))
+            first = next(iter(index))
+            with store.open_read(store.join(out, first)) as src:
+                meta = S.read_meta(pa.ipc.open_file(src).schema, where=first)
             student, teachers = meta.student, meta.teachers
         else:
             student = cached_tokenizer(self.student_path).info()
@@ -81,7 +81,7 @@ class FinalizeDoFn(beam.DoFn):
         return out
 
     def process(self, summary):
-        out, tmp = Path(self.out_dir), Path(self.tmp_dir)
+        out, tmp = store.location(self.out_dir), store.location(self.tmp_dir)
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=shards.shard_name)
         infos = self._infos(out, index)
         files = {name: int(info["rows"]) for name, info in index.items()}
@@ -99,7 +99,7 @@ class FinalizeDoFn(beam.DoFn):
         else:
             checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
             checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
-            shards.write_completed(out, stats, files=files, checksums=checksums)
+            rolling.write_completed(out, stats, files=files, checksums=checksums)
         rolling.remove_tmp(tmp)
         yield stats
 

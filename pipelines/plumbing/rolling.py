@@ -20,20 +20,27 @@ the teacher cache can use the same classes):
 
 A reader only ever opens files that COMPLETED lists, and COMPLETED is written after every
 rename, so a killed run leaves nothing that a reader takes for a shard.
+
+The output may be a local directory or an object-store URL (`pipelines.plumbing.store`): on an
+object store a part appears only once its upload completes, "rename" is copy then delete, and
+COMPLETED, written last with every file's checksum, is still the only commit point.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
 import pyarrow as pa
 
+from pipelines.plumbing import store
+from pipelines.plumbing.store import Location
+from tokenbridge import urls
 from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shards
 from tokenbridge.formats.checksums import HashingSink
 
 TMP_PREFIX = ".align-tmp-"
@@ -42,14 +49,22 @@ MANIFEST_SUFFIX = ".done"
 DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written sorted (stable)
 
 
-def run_dir(out: str | os.PathLike, run_id: str) -> Path:
-    return Path(out) / f"{TMP_PREFIX}{run_id}"
+def run_dir(out: Location, run_id: str) -> Location:
+    return store.join(out, f"{TMP_PREFIX}{run_id}")
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj, sort_keys=True))
-    os.replace(tmp, path)
+def progress_dir(out: Location, run_id: str) -> str:
+    """Where workers leave their progress counts (`pipelines.plumbing.progress`): the run's
+    temporary directory, or, for an object store (where every flush would be an upload), a
+    local temporary directory, which workers of this machine share (progress is best effort:
+    workers elsewhere report none)."""
+    if urls.is_url(out):
+        return str(Path(tempfile.gettempdir()) / f"tokenbridge-progress-{run_id}")
+    return str(store.join(run_dir(out, run_id), "progress"))
+
+
+def _write_json(path: Location, obj) -> None:
+    store.write_bytes(path, json.dumps(obj, sort_keys=True).encode())
 
 
 class RollingParts:
@@ -59,10 +74,10 @@ class RollingParts:
     batch's schema); "jsonl": `write` takes lists of JSON-able dicts, one line each.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, kind: str, fmt: str, roll_bytes: int):
+    def __init__(self, directory: Location, *, kind: str, fmt: str, roll_bytes: int):
         if fmt not in ("arrow", "jsonl"):
             raise ValueError(f"unknown part format {fmt!r}")
-        self.dir, self.kind, self.fmt, self.roll_bytes = Path(directory), kind, fmt, roll_bytes
+        self.dir, self.kind, self.fmt, self.roll_bytes = directory, kind, fmt, roll_bytes
         self.writer_id = uuid.uuid4().hex[:12]
         self.seq = 0
         self.sink: HashingSink | None = None
@@ -77,8 +92,8 @@ class RollingParts:
     def write(self, data) -> str:
         """Append a batch to the current part (opening one if needed); returns its name."""
         if self.sink is None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.sink = HashingSink(self.dir / self.name)
+            path = store.join(self.dir, self.name)
+            self.sink = HashingSink(path, stream=store.create(path))
             self.rows = 0
             if self.fmt == "arrow":
                 self.arrow = pa.ipc.new_file(self.sink, data.schema)
@@ -104,30 +119,33 @@ class RollingParts:
             self.arrow = None
         self.sink.close()
         manifest = {"rows": self.rows, **self.sink.entry()}
-        _write_json(self.dir / (name + MANIFEST_SUFFIX), manifest)
+        _write_json(store.join(self.dir, name + MANIFEST_SUFFIX), manifest)
         self.sink = None
         self.seq += 1
 
     def abort(self) -> None:
-        """Drop the current part (best effort: an unreferenced part is removed anyway)."""
+        """Drop the current part (best effort: an unreferenced part is removed anyway; an
+        upload that never completes leaves no object)."""
         if self.sink is not None:
             with contextlib.suppress(Exception):
                 if self.arrow is not None:
                     self.arrow.close()
                 self.sink.file.close()
-            with contextlib.suppress(OSError):
-                (self.dir / self.name).unlink()
+            with contextlib.suppress(Exception):
+                store.delete([store.join(self.dir, self.name)])
             self.sink, self.arrow = None, None
 
 
-def read_manifest(directory: Path, name: str) -> dict | None:
+def read_manifest(directory: Location, name: str) -> dict | None:
     try:
-        return json.loads((directory / (name + MANIFEST_SUFFIX)).read_text())
+        return json.loads(store.read_bytes(store.join(directory, name + MANIFEST_SUFFIX)))
     except (OSError, ValueError):
         return None
 
 
-def finalize_parts(out: Path, tmp: Path, parts: dict[str, dict], *, name_for) -> dict[str, dict]:
+def finalize_parts(
+    out: Location, tmp: Location, parts: dict[str, dict], *, name_for
+) -> dict[str, dict]:
     """Move the referenced parts into place; returns {final name: manifest + first key}.
 
     parts: part name -> {"rows": rows its records reported, "key": the smallest row key}.
@@ -138,86 +156,119 @@ def finalize_parts(out: Path, tmp: Path, parts: dict[str, dict], *, name_for) ->
     index = {}
     for i, part in enumerate(order):
         final = name_for(i, len(order))
+        src = store.join(tmp, part)
         manifest = read_manifest(tmp, part)
         if manifest is None:
-            raise RuntimeError(f"{tmp / part}: no manifest; the part was not closed")
+            raise RuntimeError(f"{src}: no manifest; the part was not closed")
         if int(manifest["rows"]) != int(parts[part]["rows"]):
             raise RuntimeError(
-                f"{tmp / part}: {manifest['rows']} rows on disk, its batches reported "
+                f"{src}: {manifest['rows']} rows on disk, its batches reported "
                 f"{parts[part]['rows']}"
             )
-        if (tmp / part).exists():
-            os.replace(tmp / part, out / final)
-        elif not (out / final).exists():
-            raise RuntimeError(f"{tmp / part}: referenced part is missing")
+        if store.exists(src):
+            store.rename(src, store.join(out, final))
+        elif not store.exists(store.join(out, final)):
+            raise RuntimeError(f"{src}: referenced part is missing")
         index[final] = {**manifest, "key": parts[part]["key"]}
     return index
 
 
-def concat_parts(tmp: Path, names: list[str], dest: Path, *, sort_below: int) -> dict:
-    """Concatenate jsonl parts into `dest` (atomically); sorted lines when the total is below
+def concat_parts(tmp: Location, names: list[str], dest: Location, *, sort_below: int) -> dict:
+    """Concatenate jsonl parts into `dest` (whole or not at all: a local file through a
+    temporary name, an object in one upload); sorted lines when the total is below
     `sort_below` bytes (a stable file), in part order above. Returns its manifest."""
-    parts = [tmp / n for n in sorted(names)]
-    total = sum(p.stat().st_size for p in parts)
-    tmp_dest = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    sink = HashingSink(tmp_dest)
+    parts = [store.join(tmp, n) for n in sorted(names)]
+    total = sum(store.size(p) for p in parts)
+    remote = urls.is_url(dest)
+    write_to = dest if remote else store.join(tmp, f".{urls.name(dest)}.concat")
+    sink = HashingSink(write_to, stream=store.create(write_to))
     rows = 0
     try:
         if total < sort_below:
-            lines = sorted(line for p in parts for line in p.read_bytes().splitlines(True))
+            lines = sorted(line for p in parts for line in store.read_bytes(p).splitlines(True))
             sink.write(b"".join(lines))
             rows = len(lines)
         else:
             for p in parts:
-                with open(p, "rb") as f:
+                with store.open_read(p) as f:
                     while block := f.read(8 << 20):
                         sink.write(block)
                         rows += block.count(b"\n")
         sink.close()
-        os.replace(tmp_dest, dest)
+        if not remote:
+            store.rename(write_to, dest)
     finally:
-        sink.close()
-        tmp_dest.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            sink.file.close()
+        if not remote:
+            store.delete([write_to])
     return {"rows": rows, **sink.entry()}
 
 
-def join_dead_letters(out: Path, tmp: Path, dead_parts: dict[str, int]) -> dict:
+def join_dead_letters(out: Location, tmp: Location, dead_parts: dict[str, int]) -> dict:
     """The dead-letter parts (name -> records their batches reported), each checked against its
     manifest, joined into ``out``'s dead-letter file; returns that file's manifest."""
     for name, n in dead_parts.items():
         manifest = read_manifest(tmp, name)
         if manifest is None or int(manifest["rows"]) != n:
-            raise RuntimeError(f"{tmp / name}: dead-letter part does not hold its {n} records")
-    return concat_parts(tmp, list(dead_parts), out / S.DEAD_LETTER_FILE, sort_below=DEAD_SORT_BELOW)
+            raise RuntimeError(
+                f"{store.join(tmp, name)}: dead-letter part does not hold its {n} records"
+            )
+    dest = store.join(out, S.DEAD_LETTER_FILE)
+    return concat_parts(tmp, list(dead_parts), dest, sort_below=DEAD_SORT_BELOW)
 
 
-def remove_tmp(tmp: Path) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+def remove_tmp(tmp: Location) -> None:
+    store.rmtree(tmp)
 
 
-def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
+# what an earlier run may have left in an output directory (relative names; `store.matching`)
+STALE = (f"*{S.SHARD_SUFFIX}", ".*.tmp-*", S.STATS_FILE, S.DEAD_LETTER_FILE, f"{TMP_PREFIX}*")
+
+
+def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
     """Refuse to write over a complete run unless `overwrite`; clear what an earlier run left.
 
     The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
     leaves a directory that looks complete."""
-    marker = out / S.COMPLETED_MARKER
-    if marker.exists() and not overwrite:
+    marker = store.join(out, S.COMPLETED_MARKER)
+    if store.exists(marker) and not overwrite:
         raise FileExistsError(
             f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
             "pass --overwrite to replace it or choose another --out"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
-    stale = [*out.glob(f"*{S.SHARD_SUFFIX}"), *out.glob(".*.tmp-*")]
-    stale += [out / S.STATS_FILE, out / S.DEAD_LETTER_FILE]
-    for p in stale:
-        if p.is_file():
-            p.unlink()
-    for d in out.glob(f"{TMP_PREFIX}*"):
-        shutil.rmtree(d, ignore_errors=True)
+    if not urls.is_url(out):
+        out.mkdir(parents=True, exist_ok=True)
+    store.delete([marker])
+    top = [n for n in store.matching(out, list(STALE)) if "/" not in n]
+    debris = [n for n in store.matching(out, [f"{TMP_PREFIX}*/*"])]
+    store.delete([store.join(out, n) for n in top + debris])
+    if not urls.is_url(out):
+        for d in out.glob(f"{TMP_PREFIX}*"):
+            store.rmtree(d)
 
 
-def write_refused(out: Path, stats: dict, why: str) -> None:
+def write_refused(out: Location, stats: dict, why: str) -> None:
     """stats.json of a run refused for its dead letters, and no COMPLETED: readers refuse the
     directory, the launcher reads why (`tagged.refuse_if_dead`), a re-run starts over."""
-    _write_json(out / S.STATS_FILE, {**stats, REFUSED: why})
+    _write_json(store.join(out, S.STATS_FILE), {**stats, REFUSED: why})
+
+
+def write_completed(out: Location, stats: dict, **marker) -> None:
+    """stats.json, then COMPLETED (`tokenbridge.formats.shards.write_completed`'s files;
+    `marker`: its keyword arguments, every file's checksum included). On an object store,
+    each is one upload, and COMPLETED, the last, is the commit point."""
+    if not urls.is_url(out):
+        shards.write_completed(out, stats, **marker)
+        return
+    listed = marker.get("files") or {}
+    missing = [f for f in listed if not store.exists(store.join(out, f))]
+    if missing:
+        raise FileNotFoundError(f"{out}: COMPLETED would list missing files {missing}")
+    docs = shards.completed_documents(stats, **marker)
+    for name in (S.STATS_FILE, S.COMPLETED_MARKER):  # the marker last
+        store.write_bytes(store.join(out, name), docs[name])
+
+
+def read_json(path: Location) -> dict:
+    return json.loads(store.read_bytes(path))

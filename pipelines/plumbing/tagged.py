@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+from pipelines.plumbing import store
 from pipelines.plumbing.rolling import REFUSED
 
 NAMESPACE = "tokenbridge"
@@ -82,10 +82,12 @@ def dead_verdict(good: int, dead: dict[str, int], *, max_fraction: float, unit: 
 
 def refuse_if_dead(stats_file) -> None:
     """Raise `TooManyDeadLetters` if the finalize step refused the run (its stats.json says so)."""
-    path = Path(stats_file)
-    if path.is_file() and (why := json.loads(path.read_text()).get(REFUSED)):
+    if not store.exists(stats_file):
+        return
+    if why := json.loads(store.read_bytes(stats_file)).get(REFUSED):
+        parent = str(stats_file).rsplit("/", 1)[0]
         raise TooManyDeadLetters(
-            f"{path.parent}: {why}; no COMPLETED written (see {path.parent}/dead_letter.jsonl)"
+            f"{parent}: {why}; no COMPLETED written (see {parent}/dead_letter.jsonl)"
         )
 
 

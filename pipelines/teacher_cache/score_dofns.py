@@ -27,13 +27,12 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from pipelines.plumbing import progress, rolling
+from pipelines.plumbing import progress, rolling, store
 from pipelines.plumbing.tagged import MAIN, MAX_DEAD_FRACTION, StageTimer, count, dead, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
 from tokenbridge.formats import teacher_cache as CF
 
 # the statistics vector of one written batch, summed by `SummaryCombineFn`
@@ -211,7 +210,7 @@ class FinalizeCacheDoFn(beam.DoFn):
         self.max_dead_fraction = max_dead_fraction
 
     def process(self, summary):
-        out, tmp = Path(self.out_dir), Path(self.tmp_dir)
+        out, tmp = store.location(self.out_dir), store.location(self.tmp_dir)
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=CF.cache_name)
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         files = {name: int(info["rows"]) for name, info in index.items()}
@@ -227,7 +226,7 @@ class FinalizeCacheDoFn(beam.DoFn):
         else:
             checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
             checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
-            shards.write_completed(
+            rolling.write_completed(
                 out,
                 stats,
                 files=files,

@@ -122,11 +122,14 @@ COST = Cost()
 
 class HashingSink:
     """A binary file that hashes what goes through it (pyarrow, torch.save and pickle write to
-    any such object). `close` flushes and fsyncs; `entry()` is then the file's marker entry."""
+    any such object). `close` flushes and fsyncs; `entry()` is then the file's marker entry.
 
-    def __init__(self, path: str | os.PathLike, *, algo: str = HASH):
-        self.path, self.algo = Path(path), algo
-        self.file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+    `stream`: write into this open binary stream instead of opening `path` (an object-store
+    upload, which has nothing to fsync: its object appears whole when the stream closes)."""
+
+    def __init__(self, path: str | os.PathLike, *, algo: str = HASH, stream=None):
+        self.path, self.algo = (Path(path) if stream is None else path), algo
+        self.file = open(self.path, "wb") if stream is None else stream  # noqa: SIM115
         self.hash = new_hash(algo)
         self.size = 0
         self.closed = False
@@ -154,10 +157,15 @@ class HashingSink:
 
     def close(self) -> None:
         if not self.closed:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
             self.closed = True
+            self.file.flush()
+            try:  # a local file; an upload stream has no descriptor (and nothing to sync)
+                fd = self.file.fileno()
+            except (OSError, ValueError, AttributeError):
+                fd = None
+            if fd is not None:
+                os.fsync(fd)
+            self.file.close()
 
     def digest(self) -> str:
         return self.hash.hexdigest()

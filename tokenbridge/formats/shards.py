@@ -238,12 +238,30 @@ def write_completed(
     missing = [f for f in files if not (out / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing shard files {missing}")
-    stats_bytes = (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(out / S.STATS_FILE, stats_bytes)
     sums = dict(checksums or {})
     for name in files:
         if name not in sums:
             sums[name] = integrity.hash_file(out / name)
+    docs = completed_documents(
+        stats, files=files, checksums=sums, kind=kind, schema_version=schema_version
+    )
+    atomic_write_bytes(out / S.STATS_FILE, docs[S.STATS_FILE])
+    atomic_write_bytes(out / S.COMPLETED_MARKER, docs[S.COMPLETED_MARKER])
+
+
+def completed_documents(
+    stats: dict,
+    *,
+    files: dict[str, int],
+    checksums: dict[str, dict],
+    kind: str = KIND,
+    schema_version: int = S.SCHEMA_VERSION,
+) -> dict[str, bytes]:
+    """The bytes of stats.json and of the COMPLETED marker that lists `files` (name -> rows)
+    with `checksums` (name -> entry, one per listed file) and stats.json's own: what
+    `write_completed` writes, for writers that store them elsewhere (an object store)."""
+    stats_bytes = (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
+    sums = dict(checksums)
     h = integrity.new_hash()
     h.update(stats_bytes)
     sums[S.STATS_FILE] = integrity.entry(len(stats_bytes), h.hexdigest())
@@ -256,7 +274,10 @@ def write_completed(
         "hash": integrity.HASH,
         "checksums": dict(sorted(sums.items())),
     }
-    atomic_write_bytes(out / S.COMPLETED_MARKER, (json.dumps(marker, indent=2) + "\n").encode())
+    return {
+        S.STATS_FILE: stats_bytes,
+        S.COMPLETED_MARKER: (json.dumps(marker, indent=2) + "\n").encode(),
+    }
 
 
 def _count_rows(path: Path) -> int:
