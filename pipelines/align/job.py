@@ -463,7 +463,7 @@ def run(argv: list[str] | None = None) -> dict:
     return stats
 
 
-def summary_line(stats: dict, out: Path) -> str:
+def summary_line(stats: dict, out: store.Location) -> str:
     kinds = ", ".join(
         f"t{i}: " + " ".join(f"{k}={v}" for k, v in ck.items())
         for i, ck in enumerate(stats["chunk_kinds"])

@@ -29,6 +29,7 @@ COMPLETED, written last with every file's checksum, is still the only commit poi
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import tempfile
 import uuid
@@ -179,21 +180,22 @@ def concat_parts(tmp: Location, names: list[str], dest: Location, *, sort_below:
     `sort_below` bytes (a stable file), in part order above. Returns its manifest."""
     parts = [store.join(tmp, n) for n in sorted(names)]
     total = sum(store.size(p) for p in parts)
+    if total < sort_below:  # in memory, and one write (an empty file too)
+        lines = sorted(line for p in parts for line in store.read_bytes(p).splitlines(True))
+        sink = HashingSink(dest, stream=io.BytesIO())
+        sink.write(b"".join(lines))
+        store.write_bytes(dest, sink.file.getvalue())
+        return {"rows": len(lines), **sink.entry()}
     remote = urls.is_url(dest)
     write_to = dest if remote else store.join(tmp, f".{urls.name(dest)}.concat")
     sink = HashingSink(write_to, stream=store.create(write_to))
     rows = 0
     try:
-        if total < sort_below:
-            lines = sorted(line for p in parts for line in store.read_bytes(p).splitlines(True))
-            sink.write(b"".join(lines))
-            rows = len(lines)
-        else:
-            for p in parts:
-                with store.open_read(p) as f:
-                    while block := f.read(8 << 20):
-                        sink.write(block)
-                        rows += block.count(b"\n")
+        for p in parts:
+            with store.open_read(p) as f:
+                while block := f.read(8 << 20):
+                    sink.write(block)
+                    rows += block.count(b"\n")
         sink.close()
         if not remote:
             store.rename(write_to, dest)

@@ -41,7 +41,7 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.plumbing import beam_worker, progress, rolling
+from pipelines.plumbing import beam_worker, progress, rolling, store
 from pipelines.plumbing import writers as W
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
@@ -66,13 +66,13 @@ from tokenbridge.tokenizers import load_tokenizer
 log = logging.getLogger("tokenbridge.teacher_cache")
 
 ROLL_MB = 128  # cache files roll at this size
-OUT_SCHEMES: tuple[str, ...] = ()  # object stores --out may name
+OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's S3 I/O)
 
 
 @dataclass(frozen=True)
 class JobConfig:
     shards: Path
-    out: Path
+    out: store.Location  # a local directory (Path) or an object-store URL (str)
     meta: CacheMeta
     teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
     teacher_dtype: str = "float32"  # its weights and compute, resolved (never auto)
@@ -129,7 +129,7 @@ class Score(beam.PTransform):
 def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, header: dict) -> dict:
     """Assemble the job on `p`; returns the main PCollections by name (tests assert on them)."""
     tmp = str(rolling.run_dir(cfg.out, run_id))
-    prog = str(Path(tmp) / "progress")
+    prog = rolling.progress_dir(cfg.out, run_id)
     meta = cfg.meta
     spec = H.teacher_spec(
         int(meta.teacher["vocab_size"]), k=meta.k, temperature=meta.temperature, target=meta.target
@@ -291,8 +291,8 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         samples=args.samples,
         sample_seed=args.sample_seed,
     )
-    out = Path(out) if out else default_out_dir(args.shards, args.teacher, args.k)
-    if out.resolve() == args.shards.resolve():
+    out = store.location(out) if out else default_out_dir(args.shards, args.teacher, args.k)
+    if not urls.is_url(out) and out.resolve() == args.shards.resolve():
         raise ValueError(f"--out {out} is the shard directory: choose another")
     cfg = JobConfig(
         shards=args.shards,
@@ -309,7 +309,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         overwrite=args.overwrite,
         max_dead_fraction=dead_fraction(args),
     )
-    return cfg, default_runner_args(beam_args)
+    return cfg, store.beam_args(default_runner_args(beam_args))
 
 
 def default_runner_args(beam_args: list[str]) -> list[str]:
@@ -344,18 +344,22 @@ def run(argv: list[str] | None = None) -> dict:
     launch_s = time.perf_counter() - t0
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, run_id=run_id, header=header)
-    prog = rolling.run_dir(cfg.out, run_id) / "progress"
+    prog = rolling.progress_dir(cfg.out, run_id)
 
     def line(totals: dict, *, elapsed: float) -> str:
         return _progress_line(totals, total=total, elapsed=elapsed)
 
-    progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
-    refuse_if_dead(cfg.out / "stats.json")
-    if not (cfg.out / "COMPLETED").is_file():
+    try:
+        progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
+    finally:
+        if urls.is_url(cfg.out):
+            store.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
+    refuse_if_dead(store.join(cfg.out, "stats.json"))
+    if not store.exists(store.join(cfg.out, "COMPLETED")):
         raise RuntimeError(
             f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"
         )
-    stats = json.loads((cfg.out / "stats.json").read_text())
+    stats = rolling.read_json(store.join(cfg.out, "stats.json"))
     stats["launch_s"] = launch_s
     return stats
 
@@ -367,7 +371,7 @@ def _list_lengths(shard_set: shards.ShardSet, column: str):
         yield np.asarray(pc.sum(pc.list_value_length(batch.column(column))).as_py() or 0)
 
 
-def summary_line(stats: dict, out: Path) -> str:
+def summary_line(stats: dict, out: store.Location) -> str:
     c = stats["cache"]
     return (
         f"{out}: {stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     stats = run(argv)
-    print(summary_line(stats, Path(stats["out"])))
+    print(summary_line(stats, stats["out"]))
 
 
 if __name__ == "__main__":

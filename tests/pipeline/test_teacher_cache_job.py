@@ -1,7 +1,8 @@
 """The teacher-cache job on Beam: the trainer's teacher program inside RunInference.
 
-On the FnApiRunner and on a Dask LocalCluster (two worker processes) it writes the same cache
-(rows keyed by shard file and row; the files' split follows the runner's bundles), whose fp32
+On the FnApiRunner and on a Dask LocalCluster (two worker processes, writing to the test S3
+server: `tests.objectstore`) it writes the same cache (rows keyed by shard file and row; the
+files' split follows the runner's bundles), whose fp32
 values are the teacher program's outputs on each row alone; rows with ids outside the teacher's
 vocabulary go to the dead letters; a complete directory is not overwritten unless asked. The
 tiny random-init teacher keeps SmolLM2's real tokenizer (the shards' teacher column).
@@ -65,12 +66,12 @@ def _rows(d) -> pa.Table:
     return pa.concat_tables(tables).sort_by([("shard_file", "ascending"), ("row", "ascending")])
 
 
-def test_dask_local_cluster_writes_the_same_cache(inputs, fn_cache):
+def test_dask_local_cluster_writes_the_same_cache_to_s3(inputs, fn_cache, s3_server, s3_bucket):
     fn_dir, fn_stats = fn_cache
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
     ) as cluster:
-        dask_stats = J.run([*inputs["base"], "--out", str(inputs["tmp"] / "dask"),
+        dask_stats = J.run([*inputs["base"], "--out", f"s3://{s3_bucket}/cache",
                             "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
                             f"--dask_client_address={cluster.scheduler_address}",
                             "--dask_npartitions=2"])  # fmt: skip
@@ -79,7 +80,9 @@ def test_dask_local_cluster_writes_the_same_cache(inputs, fn_cache):
     assert fn_stats["files"] > 1  # rolled
     strip = lambda st: {k: v for k, v in st.items() if k not in SKIP_STATS}  # noqa: E731
     assert strip(dask_stats) == strip(fn_stats)
-    assert _rows(inputs["tmp"] / "dask").equals(_rows(fn_dir))
+    copy = s3_server.download(s3_bucket, "cache", inputs["tmp"] / "dask")
+    assert (copy / "COMPLETED").is_file() and not list(copy.glob(".align-tmp-*"))
+    assert _rows(copy).equals(_rows(fn_dir))
 
 
 def test_auto_teacher_dtype_is_recorded_as_the_dtype_its_device_ran(inputs):
