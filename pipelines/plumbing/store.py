@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import logging
 import os
 import shutil
 import threading
@@ -37,6 +38,10 @@ from tokenbridge import urls
 Location = str | Path  # a local directory or file (Path) or a URL (str)
 _ENV_FLAGS = {"endpoint_url": "--s3_endpoint_url", "region": "--s3_region_name"}
 _local = threading.local()
+# the jobs log at INFO; boto's INFO records ("Found credentials in environment variables.")
+# would print on every run, between the job's own lines
+for _name in ("boto3", "botocore", "s3transfer"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 def location(path: str | os.PathLike) -> Location:
@@ -112,6 +117,11 @@ def errors(url: str, *, doing: str):
             ) from None
         if any(m in text for m in ("NoSuchKey", "NoSuchBucket", "Not Found", "code 404")):
             raise FileNotFoundError(f"{url}: no such object ({doing})") from None
+        if "Could not connect" in text:
+            raise ConnectionError(
+                f"{url}: the object store did not answer ({doing}); is AWS_ENDPOINT_URL "
+                "right and the server up?"
+            ) from None
         raise
 
 
@@ -159,6 +169,14 @@ def write_bytes(path: Location, data: bytes) -> None:
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def upload(local: Path, path: Location) -> None:
+    """Copy the local file `local` to `path` (an object: streamed in parts, whole when done)."""
+    with open(local, "rb") as src, errors(_url(path), doing="a write"):
+        dst = create(path)
+        shutil.copyfileobj(src, dst, 8 << 20)
+        dst.close()
 
 
 def exists(path: Location) -> bool:

@@ -5,17 +5,20 @@
 (``make projection``). The builder and the file format are the library's
 (`tokenbridge.projection`); this command loads both tokenizers, reads each lm_head's width from
 its config.json, builds, writes atomically, and reads the file back as the trainer will (a bad
-build is refused here, not at training time). It needs no Beam: one batched re-tokenization per
-direction takes seconds.
+build is refused here, not at training time). It runs no pipeline: one batched re-tokenization
+per direction takes seconds. ``--out s3://bucket/x.safetensors``: the file is built and checked
+locally, then uploaded (`pipelines.plumbing.store`; the object appears whole or not at all).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from pipelines.plumbing import store
 from tokenbridge import cli, paths, urls
 from tokenbridge.projection import (
     build_projection,
@@ -26,7 +29,7 @@ from tokenbridge.projection import (
 )
 from tokenbridge.tokenizers import load_tokenizer
 
-OUT_SCHEMES: tuple[str, ...] = ()  # object stores --out may name
+OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (built locally, then uploaded)
 
 
 def default_out(teacher: str, student: str, k: int) -> Path:
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> Path:
     urls.check(args.teacher, where="--teacher", doing="loading a tokenizer from")
     urls.check(args.student, where="--student", doing="loading a tokenizer from")
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a projection to")
+    if urls.is_url(out):
+        store.exists(out)  # refused credentials fail now, not after the build
     t0 = time.perf_counter()
     teacher, student = load_tokenizer(args.teacher), load_tokenizer(args.student)
     p = build_projection(
@@ -53,10 +58,16 @@ def main(argv: list[str] | None = None) -> Path:
         teacher_rows=model_rows(args.teacher),
         student_rows=model_rows(args.student),
     )
-    out = save_projection(p, Path(out) if out else default_out(args.teacher, args.student, args.k))
-    load_projection(out, teacher=teacher.info(), student=student.info())  # refuses a bad build
-    print(f"{out}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
-    return out
+    local = default_out(args.teacher, args.student, args.k) if out is None else out
+    with tempfile.TemporaryDirectory() as tmp:
+        if urls.is_url(local):
+            local = Path(tmp) / urls.name(out)
+        saved = save_projection(p, local)
+        load_projection(saved, teacher=teacher.info(), student=student.info())  # a bad build
+        if urls.is_url(out):
+            store.upload(saved, out)
+    print(f"{out or saved}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
+    return out or saved
 
 
 if __name__ == "__main__":
