@@ -95,6 +95,15 @@ class SeaweedS3:
         )
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
+    def upload(self, src: Path, bucket: str, prefix: str) -> str:
+        """The local file or directory tree `src` as objects under ``prefix``; its URL."""
+        client = self.client()
+        files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+        for p in files:
+            key = prefix if src.is_file() else f"{prefix}/{p.relative_to(src).as_posix()}"
+            client.upload_file(str(p), bucket, key)
+        return f"s3://{bucket}/{prefix}"
+
     def download(self, bucket: str, prefix: str, dest: Path) -> Path:
         """Every object under ``prefix/`` into `dest` (a local copy to open or compare)."""
         client = self.client()

@@ -229,18 +229,26 @@ def test_export_scores_the_runs_own_after_bits_per_byte(inputs, full_run):
     assert abs(got - summary["bpb"]["student_before"]) > 0.1  # not the untrained student
 
 
-def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_run):
+def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_run, s3_server):
     """Resumed with activation checkpointing on (the full run had none): the checkpoint's
     plain HF names load into the wrapped blocks, recomputing the activations changes no loss,
-    and the export at the end holds the uninterrupted run's weights under the same names."""
+    and the export at the end holds the uninterrupted run's weights under the same names.
+    Its shards and projection are read from the test S3 server: fetched once into the node's
+    cache (by local rank 0; rank 1 waits), verified, and trained on as the local files."""
     ckpt = full_run / "checkpoints" / "step-00000004"
     assert (ckpt / ".metadata").is_file()
     run_dir = inputs["tmp"] / "resumed"
-    args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
-            f"checkpoint.resume={ckpt}", "eval.max_texts=0",
-            "parallel.activation_checkpointing=full", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
-    proc = run_trainer(args + CPU, nproc=2)
+    bucket = s3_server.new_bucket()
+    shards_url = s3_server.upload(inputs["shards"], bucket, "shards")
+    projection_url = s3_server.upload(PROJECTION, bucket, f"projection/{PROJECTION.name}")
+    args = ["conf=debug", f"data.shards={shards_url}", f"run_dir={run_dir}", "steps=8",
+            f"checkpoint.resume={ckpt}", "eval.max_texts=0", f"data.cache_dir={run_dir}-cache",
+            "parallel.activation_checkpointing=full", f"teachers.0.projection={projection_url}"]  # fmt: skip
+    proc = run_trainer(args + CPU, nproc=2, env=s3_server.env())
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"data.shards={shards_url}: reading its copy {run_dir}-cache/shards-" in proc.stderr
+    assert f"teachers[0].projection={projection_url}: reading its copy" in proc.stderr
+    assert len(list(Path(f"{run_dir}-cache").iterdir())) == 2  # each input fetched once
     resumed = {r["step"]: r["loss"] for r in records(run_dir)}
     full = {r["step"]: r["loss"] for r in records(full_run)}
     assert sorted(resumed) == [5, 6, 7, 8]

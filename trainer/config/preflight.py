@@ -37,6 +37,7 @@ from trainer.config.precision import Precision, resolve_precision
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.microbatches import ShardReader
 from trainer.parallel import parallelize
+from trainer.remote_inputs import localize
 from trainer.teacher.cached_teacher import open_teacher_cache
 
 
@@ -80,6 +81,9 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     """Every check that needs no model weights. Raises ConfigError / FileNotFoundError /
     pipelines' FingerprintMismatchError, ProjectionMismatchError, ... with a clear message."""
     rules.check_world(cfg, world_size=world_size)
+    for where, (url, local) in localize(cfg).items():  # object-store inputs: local copies
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"tokenbridge train: {where}={url}: reading its copy {local}", file=sys.stderr)
     old = list_checkpoints(Path(cfg.run_dir) / "checkpoints")
     if old and cfg.checkpoint.resume == "none":
         raise ConfigError(

@@ -105,7 +105,7 @@ class TrainConfig:
         check_choice("device", self.device, DEVICES)
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)
-        check_location("run_dir", self.run_dir)
+        check_location("run_dir", self.run_dir, schemes=())
         for i, t in enumerate(self.teachers):
             t.check(i)
         rules.check_config(self)

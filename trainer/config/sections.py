@@ -33,8 +33,8 @@ TEACHER_PLACEMENTS = ("worker", "inprocess")
 # activation checkpointing of the student's decoder blocks (`trainer.parallel.parallelize.apply_ac`)
 AC_MODES = ("none", "full", "every_n")
 EVAL_SPLITS = ("window", "document")
-# the object stores the trainer reads its inputs from and writes its run to (`trainer.storage`)
-REMOTE_SCHEMES: tuple[str, ...] = ()
+# the object stores the trainer reads its inputs from (`trainer.remote_inputs`)
+REMOTE_SCHEMES = urls.OBJECT_STORES
 
 
 def check_location(where: str, value: str | None, *, schemes: tuple[str, ...] = REMOTE_SCHEMES):
@@ -126,9 +126,16 @@ class DataConfig:
     # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
     # first_open (each file when first mapped) | preflight (all before any model) | never
     verify: str = "first_open"
+    # inputs at s3:// URLs (shards, teacher caches, projections) are fetched once per node into
+    # this local directory (default ~/.cache/tokenbridge), at most cache_limit_gb of them:
+    # the least recently used are evicted first (`trainer.remote_inputs`)
+    cache_dir: str = ""
+    cache_limit_gb: float = 50.0
 
     def __post_init__(self) -> None:
         check_choice("data.verify", self.verify, VERIFY_MODES)
+        check_location("data.cache_dir", self.cache_dir or None, schemes=())
+        check_positive("data.cache_limit_gb", self.cache_limit_gb)
         if not self.shards or self.shards == MISSING:
             fail("data.shards", "a shard directory (from `make align`) is required")
         check_location("data.shards", self.shards)
@@ -253,7 +260,7 @@ class CheckpointConfig:
         check_at_least("checkpoint.keep", self.keep, 1)
         if not self.resume:
             fail("checkpoint.resume", "expected auto, none or a checkpoint path")
-        check_location("checkpoint.resume", self.resume)
+        check_location("checkpoint.resume", self.resume, schemes=())
 
 
 @dataclass

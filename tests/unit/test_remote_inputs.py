@@ -1,0 +1,73 @@
+"""The trainer's node-local cache of object-store inputs, against the test S3 server: a marked
+directory fetched and verified (a changed object refused by name, a missing marker refused as
+an unfinished job), the node's other ranks waiting for its one fetch, reuse, and eviction of the
+least recently used entries under the size limit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import shards
+from trainer.remote_inputs import FETCHED, RemoteCache
+
+
+def upload_marked(s3_server, bucket: str, prefix: str, tmp_path, files: dict[str, bytes]) -> str:
+    """`files` and a COMPLETED marker (their checksums, as a job writes it) under prefix/."""
+    local = tmp_path / prefix
+    local.mkdir(parents=True)
+    for name, data in files.items():
+        (local / name).write_bytes(data)
+    docs = shards.completed_documents(
+        {"kind": "test"},
+        files={n: 1 for n in files},
+        checksums={n: integrity.hash_file(local / n) for n in files},
+    )
+    client = s3_server.client()
+    for name, data in {**files, **docs}.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    return f"s3://{bucket}/{prefix}"
+
+
+def test_fetch_verifies_and_the_nodes_other_ranks_wait(s3_server, s3_bucket, tmp_path):
+    url = upload_marked(s3_server, s3_bucket, "a", tmp_path / "src", {"x.arrow": b"x" * 1000,
+                                                                      "y.arrow": b"y" * 10})  # fmt: skip
+    root = tmp_path / "cache"
+    got: list = []
+    waiter = threading.Thread(
+        target=lambda: got.append(RemoteCache(root, limit_bytes=10**6, local_rank=1).fetch_dir(url))
+    )
+    waiter.start()  # local rank 1 first: it waits for rank 0's fetch
+    entry = RemoteCache(root, limit_bytes=10**6, local_rank=0).fetch_dir(url)
+    waiter.join(timeout=30)
+    assert got == [entry] and (entry / FETCHED).is_file()
+    assert (entry / "x.arrow").read_bytes() == b"x" * 1000
+    assert integrity.verify_dir(entry) and all(r.ok for r in integrity.verify_dir(entry))
+    assert sorted(p.name for p in entry.iterdir()) == [
+        FETCHED, "COMPLETED", "stats.json", "x.arrow", "y.arrow"
+    ]  # fmt: skip
+    # fetched once: a second run on this node reads the copy, even with the object gone
+    s3_server.client().delete_object(Bucket=s3_bucket, Key="a/x.arrow")
+    assert RemoteCache(root, limit_bytes=10**6, local_rank=0).fetch_dir(url) == entry
+
+
+def test_changed_object_missing_marker_and_eviction(s3_server, s3_bucket, tmp_path):
+    url = upload_marked(s3_server, s3_bucket, "a", tmp_path / "src", {"x.arrow": b"x" * 100})
+    s3_server.client().put_object(Bucket=s3_bucket, Key="a/x.arrow", Body=b"z" * 100)
+    root = tmp_path / "cache"
+    cache = RemoteCache(root, limit_bytes=10**6, local_rank=0)
+    with pytest.raises(integrity.DamagedFileError, match=rf"^{url}/x.arrow: damaged: expected"):
+        cache.fetch_dir(url)
+    assert list(root.iterdir()) == []  # nothing half-fetched is left to be taken for a copy
+    with pytest.raises(FileNotFoundError, match=rf"^s3://{s3_bucket}/none/COMPLETED: no comp"):
+        cache.fetch_dir(f"s3://{s3_bucket}/none")
+    # a limit of 1.5 entries: each new fetch evicts the least recently used other one
+    b = upload_marked(s3_server, s3_bucket, "b", tmp_path / "src", {"x.arrow": b"b" * 400})
+    c = upload_marked(s3_server, s3_bucket, "c", tmp_path / "src", {"x.arrow": b"c" * 400})
+    first = RemoteCache(root, limit_bytes=1000, local_rank=0).fetch_dir(b)
+    second = RemoteCache(root, limit_bytes=1000, local_rank=0).fetch_dir(c)
+    assert not first.exists() and (second / FETCHED).is_file()
+    with pytest.raises(ValueError, match=r"does not fit the local cache \(data.cache_limit_gb"):
+        RemoteCache(root, limit_bytes=100, local_rank=0).fetch_dir(b)
