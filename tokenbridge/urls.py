@@ -107,6 +107,15 @@ def s3_settings(env: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in out.items() if v}
 
 
+def fsspec_options(settings: dict[str, str] | None = None) -> dict:
+    """`s3_settings` as s3fs / fsspec storage options (``endpoint_url``, ``key``, ...)."""
+    s = s3_settings() if settings is None else settings
+    out: dict = {k: s[k] for k in ("endpoint_url", "key", "secret", "token") if k in s}
+    if "region" in s:
+        out["client_kwargs"] = {"region_name": s["region"]}
+    return out
+
+
 DENIED_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403")
 
 

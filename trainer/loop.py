@@ -161,7 +161,7 @@ class Trainer:
         # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
         # the student's rollouts, with their prompts, sampler and teacher channels
         self.checkpointer = ckpt.Checkpointer(
-            self.run_dir / "checkpoints", cfg.checkpoint, rank=self.rank
+            ckpt.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
         )
         self.stepper = TrainStep(
             model=self.model,
@@ -392,7 +392,7 @@ class Trainer:
                 break
         train_s = time.perf_counter() - t_start
         if cfg.checkpoint.save_at_end and (
-            last_ckpt is None or not last_ckpt.name.endswith(f"{self.step:08d}")
+            last_ckpt is None or not str(last_ckpt).endswith(f"{self.step:08d}")
         ):
             last_ckpt = self.save_checkpoint()
         finished = self.step == cfg.steps or out_of_time

@@ -48,14 +48,7 @@ DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "
 def _filesystem(settings: tuple[tuple[str, str], ...]):
     import s3fs
 
-    s = dict(settings)
-    kw: dict = {"client_kwargs": {"region_name": s["region"]}} if "region" in s else {}
-    if "endpoint_url" in s:
-        kw["endpoint_url"] = s["endpoint_url"]
-    for key in ("key", "secret", "token"):
-        if key in s:
-            kw[key] = s[key]
-    return s3fs.S3FileSystem(**kw)
+    return s3fs.S3FileSystem(**urls.fsspec_options(dict(settings)))
 
 
 def filesystem():

@@ -54,7 +54,7 @@ from pipelines.align import chat_dofns as C
 from pipelines.align import readers
 from pipelines.align import write_dofns as W
 from pipelines.align.chat_read import peek_format
-from pipelines.plumbing import beam_worker, progress, rolling, store
+from pipelines.plumbing import beam_worker, progress, rolling, storage
 from pipelines.plumbing import writers as PW
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
@@ -226,7 +226,7 @@ class JobConfig:
     data: list[str]
     student: str
     teachers: list[str]
-    out: store.Location  # a local directory (Path) or an object-store URL (str)
+    out: storage.Location  # a local directory (Path) or an object-store URL (str)
     window: WindowConfig
     reader: readers.ReaderConfig
     pieces: PieceConfig = PieceConfig()
@@ -351,7 +351,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     chat.add_argument("--long-conversations", choices=fit.OVERFLOW_MODES, default=fit.TOO_LONG)
     args, beam_args = ap.parse_known_args(argv)
     # first: the input is listed (row format, read tasks) through FileSystems, in this process
-    beam_args = store.beam_args(default_runner_args(beam_args))
+    beam_args = storage.beam_args(default_runner_args(beam_args))
     for i, model in enumerate([args.student, *args.teacher]):
         urls.check(
             model, where="--student" if i == 0 else "--teacher", doing="loading a tokenizer from"
@@ -362,7 +362,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_teacher_tokens=args.max_teacher_tokens,
         stride_chars=args.stride_chars,
     )
-    out = store.location(out) if out else default_out_dir(args.data, args.student, args.teacher)
+    out = storage.location(out) if out else default_out_dir(args.data, args.student, args.teacher)
     cfg = JobConfig(
         data=args.data,
         student=args.student,
@@ -450,12 +450,12 @@ def run(argv: list[str] | None = None) -> dict:
         result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
     finally:
         if urls.is_url(cfg.out):
-            store.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
-    refuse_if_dead(store.join(cfg.out, S.STATS_FILE))
-    if not store.exists(store.join(cfg.out, S.COMPLETED_MARKER)):
+            storage.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
+    refuse_if_dead(storage.join(cfg.out, S.STATS_FILE))
+    if not storage.exists(storage.join(cfg.out, S.COMPLETED_MARKER)):
         raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
     if urls.is_url(cfg.out):
-        stats = rolling.read_json(store.join(cfg.out, S.STATS_FILE))
+        stats = rolling.read_json(storage.join(cfg.out, S.STATS_FILE))
     else:
         stats = shards.open_shards(cfg.out).stats()
     stats["wall_s"] = time.perf_counter() - t0
@@ -463,7 +463,7 @@ def run(argv: list[str] | None = None) -> dict:
     return stats
 
 
-def summary_line(stats: dict, out: store.Location) -> str:
+def summary_line(stats: dict, out: storage.Location) -> str:
     kinds = ", ".join(
         f"t{i}: " + " ".join(f"{k}={v}" for k, v in ck.items())
         for i, ck in enumerate(stats["chunk_kinds"])

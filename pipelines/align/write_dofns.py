@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from pipelines.align import job_stats
 from pipelines.align.align_dofns import Windows, cached_tokenizer
-from pipelines.plumbing import rolling, store
+from pipelines.plumbing import rolling, storage
 from pipelines.plumbing.tagged import MAX_DEAD_FRACTION, StageTimer, count, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from tokenbridge.formats import checksums as integrity
@@ -64,12 +64,12 @@ class FinalizeDoFn(beam.DoFn):
         self.student_path, self.teacher_paths = student, list(teachers)
         self.max_dead_fraction = max_dead_fraction
 
-    def _infos(self, out: store.Location, index: dict) -> dict:
+    def _infos(self, out: storage.Location, index: dict) -> dict:
         """The tokenizers, from a written shard's metadata; loaded only for a run without rows
         (this worker may never have loaded them: no need to, for a header)."""
         if index:
             first = next(iter(index))
-            with store.open_read(store.join(out, first)) as src:
+            with storage.open_read(storage.join(out, first)) as src:
                 meta = S.read_meta(pa.ipc.open_file(src).schema, where=first)
             student, teachers = meta.student, meta.teachers
         else:
@@ -81,7 +81,7 @@ class FinalizeDoFn(beam.DoFn):
         return out
 
     def process(self, summary):
-        out, tmp = store.location(self.out_dir), store.location(self.tmp_dir)
+        out, tmp = storage.location(self.out_dir), storage.location(self.tmp_dir)
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=shards.shard_name)
         infos = self._infos(out, index)
         files = {name: int(info["rows"]) for name, info in index.items()}

@@ -21,7 +21,7 @@ the teacher cache can use the same classes):
 A reader only ever opens files that COMPLETED lists, and COMPLETED is written after every
 rename, so a killed run leaves nothing that a reader takes for a shard.
 
-The output may be a local directory or an object-store URL (`pipelines.plumbing.store`): on an
+The output may be a local directory or an object-store URL (`pipelines.plumbing.storage`): on an
 object store a part appears only once its upload completes, "rename" is copy then delete, and
 COMPLETED, written last with every file's checksum, is still the only commit point.
 """
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipelines.plumbing import store
-from pipelines.plumbing.store import Location
+from pipelines.plumbing import storage
+from pipelines.plumbing.storage import Location
 from tokenbridge import urls
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
@@ -51,7 +51,7 @@ DEAD_SORT_BELOW = 64 << 20  # dead-letter files smaller than this are written so
 
 
 def run_dir(out: Location, run_id: str) -> Location:
-    return store.join(out, f"{TMP_PREFIX}{run_id}")
+    return storage.join(out, f"{TMP_PREFIX}{run_id}")
 
 
 def progress_dir(out: Location, run_id: str) -> str:
@@ -61,11 +61,11 @@ def progress_dir(out: Location, run_id: str) -> str:
     workers elsewhere report none)."""
     if urls.is_url(out):
         return str(Path(tempfile.gettempdir()) / f"tokenbridge-progress-{run_id}")
-    return str(store.join(run_dir(out, run_id), "progress"))
+    return str(storage.join(run_dir(out, run_id), "progress"))
 
 
 def _write_json(path: Location, obj) -> None:
-    store.write_bytes(path, json.dumps(obj, sort_keys=True).encode())
+    storage.write_bytes(path, json.dumps(obj, sort_keys=True).encode())
 
 
 class RollingParts:
@@ -93,8 +93,8 @@ class RollingParts:
     def write(self, data) -> str:
         """Append a batch to the current part (opening one if needed); returns its name."""
         if self.sink is None:
-            path = store.join(self.dir, self.name)
-            self.sink = HashingSink(path, stream=store.create(path))
+            path = storage.join(self.dir, self.name)
+            self.sink = HashingSink(path, stream=storage.create(path))
             self.rows = 0
             if self.fmt == "arrow":
                 self.arrow = pa.ipc.new_file(self.sink, data.schema)
@@ -120,7 +120,7 @@ class RollingParts:
             self.arrow = None
         self.sink.close()
         manifest = {"rows": self.rows, **self.sink.entry()}
-        _write_json(store.join(self.dir, name + MANIFEST_SUFFIX), manifest)
+        _write_json(storage.join(self.dir, name + MANIFEST_SUFFIX), manifest)
         self.sink = None
         self.seq += 1
 
@@ -133,13 +133,13 @@ class RollingParts:
                     self.arrow.close()
                 self.sink.file.close()
             with contextlib.suppress(Exception):
-                store.delete([store.join(self.dir, self.name)])
+                storage.delete([storage.join(self.dir, self.name)])
             self.sink, self.arrow = None, None
 
 
 def read_manifest(directory: Location, name: str) -> dict | None:
     try:
-        return json.loads(store.read_bytes(store.join(directory, name + MANIFEST_SUFFIX)))
+        return json.loads(storage.read_bytes(storage.join(directory, name + MANIFEST_SUFFIX)))
     except (OSError, ValueError):
         return None
 
@@ -157,7 +157,7 @@ def finalize_parts(
     index = {}
     for i, part in enumerate(order):
         final = name_for(i, len(order))
-        src = store.join(tmp, part)
+        src = storage.join(tmp, part)
         manifest = read_manifest(tmp, part)
         if manifest is None:
             raise RuntimeError(f"{src}: no manifest; the part was not closed")
@@ -166,9 +166,9 @@ def finalize_parts(
                 f"{src}: {manifest['rows']} rows on disk, its batches reported "
                 f"{parts[part]['rows']}"
             )
-        if store.exists(src):
-            store.rename(src, store.join(out, final))
-        elif not store.exists(store.join(out, final)):
+        if storage.exists(src):
+            storage.rename(src, storage.join(out, final))
+        elif not storage.exists(storage.join(out, final)):
             raise RuntimeError(f"{src}: referenced part is missing")
         index[final] = {**manifest, "key": parts[part]["key"]}
     return index
@@ -178,32 +178,32 @@ def concat_parts(tmp: Location, names: list[str], dest: Location, *, sort_below:
     """Concatenate jsonl parts into `dest` (whole or not at all: a local file through a
     temporary name, an object in one upload); sorted lines when the total is below
     `sort_below` bytes (a stable file), in part order above. Returns its manifest."""
-    parts = [store.join(tmp, n) for n in sorted(names)]
-    total = sum(store.size(p) for p in parts)
+    parts = [storage.join(tmp, n) for n in sorted(names)]
+    total = sum(storage.size(p) for p in parts)
     if total < sort_below:  # in memory, and one write (an empty file too)
-        lines = sorted(line for p in parts for line in store.read_bytes(p).splitlines(True))
+        lines = sorted(line for p in parts for line in storage.read_bytes(p).splitlines(True))
         sink = HashingSink(dest, stream=io.BytesIO())
         sink.write(b"".join(lines))
-        store.write_bytes(dest, sink.file.getvalue())
+        storage.write_bytes(dest, sink.file.getvalue())
         return {"rows": len(lines), **sink.entry()}
     remote = urls.is_url(dest)
-    write_to = dest if remote else store.join(tmp, f".{urls.name(dest)}.concat")
-    sink = HashingSink(write_to, stream=store.create(write_to))
+    write_to = dest if remote else storage.join(tmp, f".{urls.name(dest)}.concat")
+    sink = HashingSink(write_to, stream=storage.create(write_to))
     rows = 0
     try:
         for p in parts:
-            with store.open_read(p) as f:
+            with storage.open_read(p) as f:
                 while block := f.read(8 << 20):
                     sink.write(block)
                     rows += block.count(b"\n")
         sink.close()
         if not remote:
-            store.rename(write_to, dest)
+            storage.rename(write_to, dest)
     finally:
         with contextlib.suppress(Exception):
             sink.file.close()
         if not remote:
-            store.delete([write_to])
+            storage.delete([write_to])
     return {"rows": rows, **sink.entry()}
 
 
@@ -214,17 +214,17 @@ def join_dead_letters(out: Location, tmp: Location, dead_parts: dict[str, int]) 
         manifest = read_manifest(tmp, name)
         if manifest is None or int(manifest["rows"]) != n:
             raise RuntimeError(
-                f"{store.join(tmp, name)}: dead-letter part does not hold its {n} records"
+                f"{storage.join(tmp, name)}: dead-letter part does not hold its {n} records"
             )
-    dest = store.join(out, S.DEAD_LETTER_FILE)
+    dest = storage.join(out, S.DEAD_LETTER_FILE)
     return concat_parts(tmp, list(dead_parts), dest, sort_below=DEAD_SORT_BELOW)
 
 
 def remove_tmp(tmp: Location) -> None:
-    store.rmtree(tmp)
+    storage.rmtree(tmp)
 
 
-# what an earlier run may have left in an output directory (relative names; `store.matching`)
+# what an earlier run may have left in an output directory (relative names; `storage.matching`)
 STALE = (f"*{S.SHARD_SUFFIX}", ".*.tmp-*", S.STATS_FILE, S.DEAD_LETTER_FILE, f"{TMP_PREFIX}*")
 
 
@@ -233,27 +233,27 @@ def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
 
     The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
     leaves a directory that looks complete."""
-    marker = store.join(out, S.COMPLETED_MARKER)
-    if store.exists(marker) and not overwrite:
+    marker = storage.join(out, S.COMPLETED_MARKER)
+    if storage.exists(marker) and not overwrite:
         raise FileExistsError(
             f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
             "pass --overwrite to replace it or choose another --out"
         )
     if not urls.is_url(out):
         out.mkdir(parents=True, exist_ok=True)
-    store.delete([marker])
-    top = [n for n in store.matching(out, list(STALE)) if "/" not in n]
-    debris = [n for n in store.matching(out, [f"{TMP_PREFIX}*/*"])]
-    store.delete([store.join(out, n) for n in top + debris])
+    storage.delete([marker])
+    top = [n for n in storage.matching(out, list(STALE)) if "/" not in n]
+    debris = [n for n in storage.matching(out, [f"{TMP_PREFIX}*/*"])]
+    storage.delete([storage.join(out, n) for n in top + debris])
     if not urls.is_url(out):
         for d in out.glob(f"{TMP_PREFIX}*"):
-            store.rmtree(d)
+            storage.rmtree(d)
 
 
 def write_refused(out: Location, stats: dict, why: str) -> None:
     """stats.json of a run refused for its dead letters, and no COMPLETED: readers refuse the
     directory, the launcher reads why (`tagged.refuse_if_dead`), a re-run starts over."""
-    _write_json(store.join(out, S.STATS_FILE), {**stats, REFUSED: why})
+    _write_json(storage.join(out, S.STATS_FILE), {**stats, REFUSED: why})
 
 
 def write_completed(out: Location, stats: dict, **marker) -> None:
@@ -264,13 +264,13 @@ def write_completed(out: Location, stats: dict, **marker) -> None:
         shards.write_completed(out, stats, **marker)
         return
     listed = marker.get("files") or {}
-    missing = [f for f in listed if not store.exists(store.join(out, f))]
+    missing = [f for f in listed if not storage.exists(storage.join(out, f))]
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing files {missing}")
     docs = shards.completed_documents(stats, **marker)
     for name in (S.STATS_FILE, S.COMPLETED_MARKER):  # the marker last
-        store.write_bytes(store.join(out, name), docs[name])
+        storage.write_bytes(storage.join(out, name), docs[name])
 
 
 def read_json(path: Location) -> dict:
-    return json.loads(store.read_bytes(path))
+    return json.loads(storage.read_bytes(path))

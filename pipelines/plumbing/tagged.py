@@ -19,7 +19,7 @@ import time
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from pipelines.plumbing import store
+from pipelines.plumbing import storage
 from pipelines.plumbing.rolling import REFUSED
 
 NAMESPACE = "tokenbridge"
@@ -82,9 +82,9 @@ def dead_verdict(good: int, dead: dict[str, int], *, max_fraction: float, unit: 
 
 def refuse_if_dead(stats_file) -> None:
     """Raise `TooManyDeadLetters` if the finalize step refused the run (its stats.json says so)."""
-    if not store.exists(stats_file):
+    if not storage.exists(stats_file):
         return
-    if why := json.loads(store.read_bytes(stats_file)).get(REFUSED):
+    if why := json.loads(storage.read_bytes(stats_file)).get(REFUSED):
         parent = str(stats_file).rsplit("/", 1)[0]
         raise TooManyDeadLetters(
             f"{parent}: {why}; no COMPLETED written (see {parent}/dead_letter.jsonl)"

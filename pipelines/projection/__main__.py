@@ -7,7 +7,7 @@
 its config.json, builds, writes atomically, and reads the file back as the trainer will (a bad
 build is refused here, not at training time). It runs no pipeline: one batched re-tokenization
 per direction takes seconds. ``--out s3://bucket/x.safetensors``: the file is built and checked
-locally, then uploaded (`pipelines.plumbing.store`; the object appears whole or not at all).
+locally, then uploaded (`pipelines.plumbing.storage`; the object appears whole or not at all).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.plumbing import store
+from pipelines.plumbing import storage
 from tokenbridge import cli, paths, urls
 from tokenbridge.projection import (
     build_projection,
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> Path:
     urls.check(args.student, where="--student", doing="loading a tokenizer from")
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a projection to")
     if urls.is_url(out):
-        store.exists(out)  # refused credentials fail now, not after the build
+        storage.exists(out)  # refused credentials fail now, not after the build
     t0 = time.perf_counter()
     teacher, student = load_tokenizer(args.teacher), load_tokenizer(args.student)
     p = build_projection(
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> Path:
         saved = save_projection(p, local)
         load_projection(saved, teacher=teacher.info(), student=student.info())  # a bad build
         if urls.is_url(out):
-            store.upload(saved, out)
+            storage.upload(saved, out)
     print(f"{out or saved}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
     return out or saved
 

@@ -41,7 +41,7 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.plumbing import beam_worker, progress, rolling, store
+from pipelines.plumbing import beam_worker, progress, rolling, storage
 from pipelines.plumbing import writers as W
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
@@ -72,7 +72,7 @@ OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's S
 @dataclass(frozen=True)
 class JobConfig:
     shards: Path
-    out: store.Location  # a local directory (Path) or an object-store URL (str)
+    out: storage.Location  # a local directory (Path) or an object-store URL (str)
     meta: CacheMeta
     teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
     teacher_dtype: str = "float32"  # its weights and compute, resolved (never auto)
@@ -291,7 +291,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         samples=args.samples,
         sample_seed=args.sample_seed,
     )
-    out = store.location(out) if out else default_out_dir(args.shards, args.teacher, args.k)
+    out = storage.location(out) if out else default_out_dir(args.shards, args.teacher, args.k)
     if not urls.is_url(out) and out.resolve() == args.shards.resolve():
         raise ValueError(f"--out {out} is the shard directory: choose another")
     cfg = JobConfig(
@@ -309,7 +309,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         overwrite=args.overwrite,
         max_dead_fraction=dead_fraction(args),
     )
-    return cfg, store.beam_args(default_runner_args(beam_args))
+    return cfg, storage.beam_args(default_runner_args(beam_args))
 
 
 def default_runner_args(beam_args: list[str]) -> list[str]:
@@ -353,13 +353,13 @@ def run(argv: list[str] | None = None) -> dict:
         progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
     finally:
         if urls.is_url(cfg.out):
-            store.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
-    refuse_if_dead(store.join(cfg.out, "stats.json"))
-    if not store.exists(store.join(cfg.out, "COMPLETED")):
+            storage.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
+    refuse_if_dead(storage.join(cfg.out, "stats.json"))
+    if not storage.exists(storage.join(cfg.out, "COMPLETED")):
         raise RuntimeError(
             f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"
         )
-    stats = rolling.read_json(store.join(cfg.out, "stats.json"))
+    stats = rolling.read_json(storage.join(cfg.out, "stats.json"))
     stats["launch_s"] = launch_s
     return stats
 
@@ -371,7 +371,7 @@ def _list_lengths(shard_set: shards.ShardSet, column: str):
         yield np.asarray(pc.sum(pc.list_value_length(batch.column(column))).as_py() or 0)
 
 
-def summary_line(stats: dict, out: store.Location) -> str:
+def summary_line(stats: dict, out: storage.Location) -> str:
     c = stats["cache"]
     return (
         f"{out}: {stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "

@@ -27,7 +27,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from pipelines.plumbing import progress, rolling, store
+from pipelines.plumbing import progress, rolling, storage
 from pipelines.plumbing.tagged import MAIN, MAX_DEAD_FRACTION, StageTimer, count, dead, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
@@ -210,7 +210,7 @@ class FinalizeCacheDoFn(beam.DoFn):
         self.max_dead_fraction = max_dead_fraction
 
     def process(self, summary):
-        out, tmp = store.location(self.out_dir), store.location(self.tmp_dir)
+        out, tmp = storage.location(self.out_dir), storage.location(self.tmp_dir)
         index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=CF.cache_name)
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         files = {name: int(info["rows"]) for name, info in index.items()}

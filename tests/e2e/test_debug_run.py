@@ -46,6 +46,7 @@ from tests.e2e.helpers import (
 from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
 from tokenbridge import flops, models
+from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
@@ -233,22 +234,32 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     """Resumed with activation checkpointing on (the full run had none): the checkpoint's
     plain HF names load into the wrapped blocks, recomputing the activations changes no loss,
     and the export at the end holds the uninterrupted run's weights under the same names.
-    Its shards and projection are read from the test S3 server: fetched once into the node's
-    cache (by local rank 0; rank 1 waits), verified, and trained on as the local files."""
+    Entirely against the test S3 server: its shards and projection are fetched once into the
+    node's cache (by local rank 0; rank 1 waits), verified, and trained on as local files; its
+    checkpoints live in the store (checkpoint.dir), where it finds the full run's step 4 on its
+    own (resume=auto: fetched and verified), and saves step 8 through DCP's fsspec writer."""
     ckpt = full_run / "checkpoints" / "step-00000004"
     assert (ckpt / ".metadata").is_file()
     run_dir = inputs["tmp"] / "resumed"
     bucket = s3_server.new_bucket()
     shards_url = s3_server.upload(inputs["shards"], bucket, "shards")
     projection_url = s3_server.upload(PROJECTION, bucket, f"projection/{PROJECTION.name}")
+    s3_server.upload(ckpt, bucket, f"ckpt/{ckpt.name}")
     args = ["conf=debug", f"data.shards={shards_url}", f"run_dir={run_dir}", "steps=8",
-            f"checkpoint.resume={ckpt}", "eval.max_texts=0", f"data.cache_dir={run_dir}-cache",
-            "parallel.activation_checkpointing=full", f"teachers.0.projection={projection_url}"]  # fmt: skip
+            f"checkpoint.dir=s3://{bucket}/ckpt", "eval.max_texts=0",
+            f"data.cache_dir={run_dir}-cache", "parallel.activation_checkpointing=full",
+            f"teachers.0.projection={projection_url}"]  # fmt: skip
     proc = run_trainer(args + CPU, nproc=2, env=s3_server.env())
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"data.shards={shards_url}: reading its copy {run_dir}-cache/shards-" in proc.stderr
     assert f"teachers[0].projection={projection_url}: reading its copy" in proc.stderr
-    assert len(list(Path(f"{run_dir}-cache").iterdir())) == 2  # each input fetched once
+    assert len(list(Path(f"{run_dir}-cache").iterdir())) == 3  # shards, projection, step 4
+    saved = s3_server.download(bucket, "ckpt/step-00000008", run_dir / "step-00000008")
+    assert [r for r in integrity.verify_dir(saved) if not r.ok] == []  # marker: every file
+    assert sorted(json.loads((saved / "COMPLETED").read_text())["checksums"]) == sorted(
+        p.name for p in saved.iterdir() if p.name != "COMPLETED"
+    )
+    dcp_io.read_index(saved)  # the JSON index, as the local writer writes it
     resumed = {r["step"]: r["loss"] for r in records(run_dir)}
     full = {r["step"]: r["loss"] for r in records(full_run)}
     assert sorted(resumed) == [5, 6, 7, 8]

@@ -29,6 +29,10 @@ is verified and refused when damaged. A checkpoint without ``COMPLETED`` is resu
 unverified (refused in one line if it cannot be read); one written before checkpoints were
 JSON and tensors (its ``.metadata`` a pickle) is refused, whatever its marker says.
 
+``checkpoint.dir`` (default ``<run_dir>/checkpoints``) may be an ``s3://`` URL: the same files
+and marker, written through DCP's fsspec writer, with ``COMPLETED`` as the commit point in
+place of the rename, and resumed from a verified local copy (`trainer.checkpoint.remote`).
+
 The export (`export_student`) is the whole student gathered to rank 0 and written by
 `tokenbridge.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
 """
@@ -57,8 +61,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tokenbridge import cli, models
+from tokenbridge import cli, models, urls
 from tokenbridge.formats import checksums as integrity
+from trainer.checkpoint import remote
 from trainer.checkpoint import state_split as checkpoint_state
 from trainer.checkpoint.dcp_io import (
     DamagedCheckpointError,
@@ -120,14 +125,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def step_dir(folder: Path, step: int) -> Path:
+def folder_of(run_dir: str | Path, cfg: CheckpointConfig) -> Path | str:
+    """Where a run's checkpoints go: ``checkpoint.dir`` (a local path or a URL), by default
+    ``<run_dir>/checkpoints``."""
+    if urls.is_url(cfg.dir):
+        return cfg.dir
+    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+
+
+def step_dir(folder: Path | str, step: int) -> Path | str:
+    if urls.is_url(folder):
+        return remote.step_url(folder, step)
     return folder / f"{STEP_PREFIX}{step:08d}"
 
 
-def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+def list_checkpoints(folder: Path | str) -> list[tuple[int, Path | str]]:
     """Published checkpoints under `folder` (``step-N``: not ``.tmp``, not moved aside), oldest
     first: those with DCP's ``.metadata`` or our marker. One with a marker and no ``.metadata``
-    is damaged, and listed so that resuming says so (`find_resume`) instead of skipping it."""
+    is damaged, and listed so that resuming says so (`find_resume`) instead of skipping it.
+    In an object store: those with ``COMPLETED`` (`remote.list_steps`)."""
+    if urls.is_url(folder):
+        return remote.list_steps(folder)
     out = []
     if folder.is_dir():
         for p in folder.iterdir():
@@ -169,15 +187,24 @@ class Resume:
     notes: list[str] = field(default_factory=list)  # one line each, printed by rank 0
 
 
-def find_resume(folder: Path, cfg: CheckpointConfig, *, rank: int) -> Resume:
+def find_resume(
+    folder: Path | str, cfg: CheckpointConfig, *, rank: int, cache=None, cache_limit: int = 0
+) -> Resume:
     """The checkpoint to resume from per ``cfg.resume`` and ``cfg.strict``, verified.
 
     Every rank calls it (preflight, before any process group) and reaches the same answer:
     damage is a property of the bytes. Rank 0 alone moves damaged checkpoints aside; another
     rank that finds one moved while it reads it sees a missing file, which is damage too.
+    In an object store (`folder` or ``cfg.resume`` a URL): its verified copy in the node's
+    input cache `cache` (a directory, at most `cache_limit` bytes; `remote.find_resume`).
     """
     if cfg.resume == "none":
         return Resume(None)
+    if urls.is_url(folder) or urls.is_url(cfg.resume):
+        path, notes = remote.find_resume(str(folder), cfg, cache_dir=cache, limit_bytes=cache_limit)
+        if path is not None:
+            check_readable(path)
+        return Resume(path, notes)
     if cfg.resume != "auto":
         path = Path(cfg.resume)
         if not (path / ".metadata").is_file():
@@ -249,7 +276,7 @@ class Checkpointer:
     section; which one to resume from is `find_resume`'s, in preflight)."""
 
     def __init__(self, folder: str | Path, cfg: CheckpointConfig, *, rank: int):
-        self.folder = Path(folder)
+        self.folder = folder if urls.is_url(folder) else Path(folder)
         self.cfg = cfg
         self.rank = rank
 
@@ -257,16 +284,21 @@ class Checkpointer:
         """Write `state` (collective: every rank calls it) and return the final directory:
         its tensors through DCP, the rest as ``rank<r>.json`` (`trainer.checkpoint.state_split`)."""
         final = step_dir(self.folder, step)
-        tmp = final.with_name(final.name + ".tmp")
+        in_store = urls.is_url(final)  # written in place: COMPLETED is the commit, no rename
+        tmp = final if in_store else final.with_name(final.name + ".tmp")
         if self.rank == 0:
-            if tmp.exists():
+            if in_store:
+                remote.clear(final)  # an unfinished save of this step
+            elif tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            if not in_store:
+                tmp.mkdir(parents=True)
         dist.barrier()
         doc, tensors = checkpoint_state.split(_plain(state))
-        writer = Writer(tmp)
+        writer = remote.Writer(final) if in_store else Writer(tmp)
         state_file = {"format": STATE_FORMAT, "version": STATE_VERSION, "rank": self.rank}
-        writer.fs.write_json(tmp / f"rank{self.rank}.json", {**state_file, "state": doc})
+        rank_file = writer.fs.concat_path(tmp, f"rank{self.rank}.json")
+        writer.fs.write_json(rank_file, {**state_file, "state": doc})
         dcp.save(tensors, storage_writer=writer)
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, writer.fs.entries)  # each rank hashed what it wrote
@@ -280,6 +312,9 @@ class Checkpointer:
                 "hash": integrity.HASH,
                 "checksums": dict(sorted(sums.items())),
             }
+            if in_store:
+                remote.publish(self.folder, final, marker, keep=self.cfg.keep)
+        if self.rank == 0 and not in_store:
             integrity.write_json_atomic(tmp / MARKER, marker)  # last, before the publish
             if final.exists():
                 shutil.rmtree(final)

@@ -83,7 +83,7 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        sink = integrity.HashingSink(path)
+        sink = self.open_sink(path)
         try:
             yield sink
         except BaseException:
@@ -92,6 +92,10 @@ class HashingFileSystem(FileSystem):
         sink.close()  # flushes and fsyncs
         with self._lock:
             self.entries[Path(path).name] = sink.entry()
+
+    def open_sink(self, path) -> integrity.HashingSink:
+        """A new file at `path`, hashed as it is written (an object store's: `checkpoint.remote`)."""
+        return integrity.HashingSink(path)
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # the index is written as .metadata.tmp, then renamed
@@ -116,9 +120,9 @@ class Writer(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         metadata.storage_meta = self.storage_meta()
-        tmp = Path(self.path) / f"{INDEX}.tmp"
+        tmp = self.fs.concat_path(self.path, f"{INDEX}.tmp")
         self.fs.write_json(tmp, encode_index(metadata))
-        self.fs.rename(tmp, Path(self.path) / INDEX)
+        self.fs.rename(tmp, self.fs.concat_path(self.path, INDEX))
 
 
 def encode_index(md: Metadata) -> dict:

@@ -31,13 +31,13 @@ from tokenbridge.formats.teacher_cache_reader import CacheSet
 from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import Projection, load_projection
 from tokenbridge.tokenizers import Tokenizer, load_tokenizer
-from trainer.checkpoint.checkpointer import find_resume, list_checkpoints
+from trainer.checkpoint.checkpointer import find_resume, folder_of, list_checkpoints
 from trainer.config import rules
 from trainer.config.precision import Precision, resolve_precision
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.microbatches import ShardReader
 from trainer.parallel import parallelize
-from trainer.remote_inputs import localize
+from trainer.remote_inputs import DEFAULT_DIR, localize
 from trainer.teacher.cached_teacher import open_teacher_cache
 
 
@@ -84,7 +84,8 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     for where, (url, local) in localize(cfg).items():  # object-store inputs: local copies
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"tokenbridge train: {where}={url}: reading its copy {local}", file=sys.stderr)
-    old = list_checkpoints(Path(cfg.run_dir) / "checkpoints")
+    folder = folder_of(cfg.run_dir, cfg.checkpoint)
+    old = list_checkpoints(folder)
     if old and cfg.checkpoint.resume == "none":
         raise ConfigError(
             f"config run_dir={cfg.run_dir}: holds checkpoints of an earlier run (up to step "
@@ -93,7 +94,13 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         )
     # the global rank: torchrun's env, or the group's when one exists (multi-process tests)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    resume = find_resume(Path(cfg.run_dir) / "checkpoints", cfg.checkpoint, rank=rank)
+    resume = find_resume(
+        folder,
+        cfg.checkpoint,
+        rank=rank,
+        cache=cfg.data.cache_dir or DEFAULT_DIR,
+        cache_limit=int(cfg.data.cache_limit_gb * 1e9),
+    )
     for note in resume.notes if rank == 0 else []:
         print(f"tokenbridge train: {note}", file=sys.stderr, flush=True)
     student = _tokenizer(cfg.model, "model")

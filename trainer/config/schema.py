@@ -105,7 +105,13 @@ class TrainConfig:
         check_choice("device", self.device, DEVICES)
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)
-        check_location("run_dir", self.run_dir, schemes=())
+        # metrics, reports and exports are local files: checkpoints alone go to a store
+        try:
+            check_location("run_dir", self.run_dir, schemes=())
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e}; for checkpoints in an object store set checkpoint.dir"
+            ) from None
         for i, t in enumerate(self.teachers):
             t.check(i)
         rules.check_config(self)

@@ -249,6 +249,9 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0 = only at the end)
     keep: int = 2  # keep the newest N checkpoints
     resume: str = "auto"  # auto (newest in the run dir, if any) | none | <checkpoint path>
+    # where checkpoints go (default <run_dir>/checkpoints): a local path or an s3:// URL
+    # (`trainer.checkpoint.remote`; resumed from a verified copy in data.cache_dir)
+    dir: str = ""
     # resume=auto and the newest checkpoint fails its checksums: false = move it aside and
     # resume from the newest that verifies; true = refuse (docs/integrity.md)
     strict: bool = False
@@ -260,7 +263,8 @@ class CheckpointConfig:
         check_at_least("checkpoint.keep", self.keep, 1)
         if not self.resume:
             fail("checkpoint.resume", "expected auto, none or a checkpoint path")
-        check_location("checkpoint.resume", self.resume, schemes=())
+        check_location("checkpoint.resume", self.resume)
+        check_location("checkpoint.dir", self.dir or None)
 
 
 @dataclass
