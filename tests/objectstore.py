@@ -129,7 +129,7 @@ class SeaweedS3:
             str(WEED), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
             f"-master.port={master}", f"-master.port.grpc={master_g}",
             "-master.volumeSizeLimitMB=32", "-master.telemetry=false",
-            f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=16",
+            f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=400",  # 7 volumes per bucket (a collection each), sparse files
             "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
         ]  # fmt: skip

@@ -1,7 +1,8 @@
 """The trainer's node-local cache of object-store inputs, against the test S3 server: a marked
 directory fetched and verified (a changed object refused by name, a missing marker refused as
 an unfinished job), the node's other ranks waiting for its one fetch, reuse, and eviction of the
-least recently used entries under the size limit."""
+least recently used entries under the size limit; checkpoints in a store resumed from the
+newest that verifies."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shards
+from trainer.checkpoint import remote
+from trainer.checkpoint.dcp_io import DamagedCheckpointError
+from trainer.config.sections import CheckpointConfig
 from trainer.remote_inputs import FETCHED, RemoteCache
 
 
@@ -71,3 +75,27 @@ def test_changed_object_missing_marker_and_eviction(s3_server, s3_bucket, tmp_pa
     assert not first.exists() and (second / FETCHED).is_file()
     with pytest.raises(ValueError, match=r"does not fit the local cache \(data.cache_limit_gb"):
         RemoteCache(root, limit_bytes=100, local_rank=0).fetch_dir(b)
+
+
+def test_checkpoints_in_a_store_resume_from_the_newest_that_verifies(
+    s3_server, s3_bucket, tmp_path
+):
+    """Committed steps are those with COMPLETED; a damaged newest one is passed over for the
+    older one (checkpoint.strict=true: refused), an unfinished one is not listed at all."""
+    src = tmp_path / "src"
+    for step in (2, 4):
+        upload_marked(s3_server, s3_bucket, f"ckpt/step-0000000{step}", src, {"a": b"s%d" % step})
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/step-00000004/a", Body=b"xx")
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/step-00000006/a", Body=b"x")
+    folder = f"s3://{s3_bucket}/ckpt"
+    assert [s for s, _ in remote.list_steps(folder)] == [2, 4]
+    path, notes = remote.find_resume(
+        folder, CheckpointConfig(), cache_dir=tmp_path / "cache", limit_bytes=10**6
+    )
+    assert (path / "a").read_bytes() == b"s2"
+    assert len(notes) == 1 and notes[0].startswith(f"checkpoint {folder}/step-00000004 is damaged")
+    assert notes[0].endswith("passed over; resuming from step-00000002")
+    with pytest.raises(DamagedCheckpointError, match="checkpoint.strict=true refuses"):
+        remote.find_resume(
+            folder, CheckpointConfig(strict=True), cache_dir=tmp_path / "c2", limit_bytes=10**6
+        )
