@@ -29,8 +29,9 @@ place; a killed run leaves no marker and no file a reader would take for a shard
 The default runner is Beam's ``FnApiRunner`` with one worker process per core (the plain
 DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
 runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
-then be a filesystem that every worker and this process share). Progress goes to stderr every
-~10 s (`pipelines.plumbing.progress`).
+then be a filesystem that every worker and this process share, or an ``s3://`` URL:
+`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`). Progress goes to stderr
+every ~10 s (`pipelines.plumbing.progress`).
 """
 
 from __future__ import annotations

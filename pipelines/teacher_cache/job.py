@@ -22,7 +22,8 @@ final one over small per-batch records. A complete output directory is refused u
 Runner: Beam's ``FnApiRunner`` in this process by default (``--direct_num_workers 1``: the
 teacher's forward already uses every core through torch's threads, and each worker process
 would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink, Spark) through
-the usual ``--runner`` options, with OUT on a filesystem every worker shares.
+the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
+(`pipelines.plumbing.storage`). ``--shards`` is local (copy shards from a store first).
 """
 
 from __future__ import annotations
