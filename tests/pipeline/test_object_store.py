@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from apache_beam.utils import retry
@@ -51,7 +52,7 @@ def test_projection_is_uploaded_whole(s3_server, s3_bucket, student_dir, tmp_pat
 
 
 def test_refused_credentials_and_missing_input_are_one_line(
-    s3_server, s3_bucket, align_args, capsys, monkeypatch
+    s3_server, s3_bucket, align_args, capsys, monkeypatch, tmp_path
 ):
     out = f"s3://{s3_bucket}/shards"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -66,6 +67,12 @@ def test_refused_credentials_and_missing_input_are_one_line(
     assert cli.run(J.main, argv, prog="align") == cli.EXIT_USAGE
     assert f"FileNotFoundError: --data '{missing}' matches no file" in one_line(capsys)
     assert s3_server.keys(s3_bucket) == []  # nothing written by either
+    # an input that is there is read through Beam's FileSystems (the AWS variables mapped)
+    local = align_args[align_args.index("--data") + 1].rstrip("*")
+    s3_server.upload(Path(local) / "play0.txt", s3_bucket, "corpus/play0.txt")
+    argv[argv.index("--out") + 1] = str(tmp_path / "from_s3")
+    stats = J.run(argv)
+    assert stats["input_files"] == 1 and stats["windows"] > 0 and stats["dead_letters"] == 0
 
 
 def test_server_killed_mid_upload_leaves_no_completed_and_a_rerun_starts_over(
