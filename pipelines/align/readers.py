@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from tokenbridge import urls
+
 # dead-letter reasons (stable strings: they are counter names and stats keys)
 UNREADABLE_FILE = "unreadable_file"
 UNKNOWN_FORMAT = "unknown_format"
@@ -114,10 +116,21 @@ def file_format(path: str) -> str | None:
 
 
 def _open(path: str, *, binary_seekable: bool = False):
-    """Open through Beam's FileSystems (local, gs://, s3://, hdfs:// ... alike)."""
-    from apache_beam.io.filesystem import CompressionTypes
+    """Open through Beam's FileSystems (local, gs://, hdfs:// ... alike); ``s3://`` through
+    the jobs' storage layer (`pipelines.plumbing.storage`: one client per worker thread, and the
+    environment's settings on a worker Beam handed no options, as Dask's), decompressed as
+    FileSystems would."""
+    from apache_beam.io.filesystem import CompressedFile, CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
+    from pipelines.plumbing import storage
+
+    if urls.scheme(path) == "s3":
+        raw = storage.open_read(path)
+        kind = CompressionTypes.detect_compression_type(path)
+        if binary_seekable or kind == CompressionTypes.UNCOMPRESSED:
+            return raw
+        return CompressedFile(raw, compression_type=kind)
     kind = CompressionTypes.UNCOMPRESSED if binary_seekable else CompressionTypes.AUTO
     return FileSystems.open(path, compression_type=kind)
 
