@@ -68,10 +68,6 @@ class Dist:
     sha256: str
 
     @property
-    def sdist(self) -> bool:
-        return self.filename.endswith(".tar.gz")
-
-    @property
     def spec(self) -> str:
         return f"{self.name}=={self.version}"
 
