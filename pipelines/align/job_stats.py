@@ -71,8 +71,12 @@ def chunk_stats(layout: StatsLayout, vec, i: int, kind: np.ndarray, exact: np.nd
     vec[layout.slices["exact_chunks"].start + i] += int(np.count_nonzero(exact[mask]))
 
 
-def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict[str, int]) -> dict:
-    """stats.json: the run's header (tokenizers, config) plus totals over all documents."""
+def final_stats(
+    header: dict, vec: np.ndarray | None, dropped: dict, files: dict[str, int], *, lost: int
+) -> dict:
+    """stats.json: the run's header (tokenizers, config) plus totals over all documents.
+    `dropped`: dead letters by reason; `lost`: how many of them were documents (or input rows,
+    files) that gave no window, the rest being parts of documents that did."""
     n_t = len(header["teachers"])
     layout = StatsLayout(n_t)
     vec = layout.zeros() if vec is None else vec
@@ -103,6 +107,7 @@ def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict
         "uncuttable_spans": layout.scalar(vec, "uncuttable_spans"),
         "dead_letters": int(sum(dropped.values())),
         "drops_by_reason": dict(sorted((k, int(v)) for k, v in dropped.items())),
+        "documents_lost": int(lost),
     }
     if "chat" in header:  # a conversation job: what only conversations have
         out["chat"] = {
