@@ -92,6 +92,13 @@ def paired(a: dict[int, float], b: dict[int, float], *, level: float = 0.95) -> 
     return PairedTest(estimate(d, level=level), sd, t, n - 1, p)
 
 
+def difference(a: dict[int, float], b: dict[int, float]) -> Estimate | None:
+    """a - b paired by seed, as an estimate (a point without interval from one pair; None
+    from none)."""
+    seeds = sorted(set(a) & set(b))
+    return estimate([a[s] - b[s] for s in seeds]) if seeds else None
+
+
 def choose_lr(val: dict[tuple[str, float], list[float]], rows: tuple[str, ...]) -> float:
     """The learning rate whose mean validation BPB over ``rows`` (each row's seeds averaged
     first) is lowest; only rates every row was run at are candidates."""

@@ -46,7 +46,7 @@ def primary(payload: dict) -> list[str]:
     runs, steps = payload["runs"], payload["steps"]
     test = st.paired(_by_seed(runs, kd, steps=steps), _by_seed(runs, ce, steps=steps))
     head = (f"**Primary comparison** (named before any run, docs/science.md): "
-            f"{payload['rows'][kd]} minus {payload['rows'][ce]}, in-domain bits per byte on the "
+            f"{payload['labels'][kd]} minus {payload['labels'][ce]}, in-domain bits per byte on the "
             "held-out test chapters, paired by seed (same initial student, data order and "
             "held-out windows)")  # fmt: skip
     if test is None:
@@ -70,7 +70,7 @@ def lr_choice(payload: dict) -> list[str]:
         f"on nor among the test chapters), seeds {payload['lr_seeds']}: the rate with the "
         "lowest mean validation BPB of the primary pair.",
         "",
-        "| lr | " + " | ".join(payload["rows"][r] for r in rows) + " | mean |",
+        "| lr | " + " | ".join(payload["labels"][r] for r in rows) + " | mean |",
         "|---:|" + "---:|" * (len(rows) + 1),
     ]
     for lr in sorted({lr for (_, lr) in scores}):
@@ -120,12 +120,10 @@ def table(payload: dict) -> list[str]:
         same_steps = same_budget = None
         n_eq = None
         if row != "ce":
-            p = st.paired(by_seed, ce)
-            same_steps = p.diff if p else None
+            same_steps = st.difference(by_seed, ce)
             if ce_step:
                 n_eq = st.budget_steps(budget, ce_step_s=ce_step, steps=steps)
-                p = st.paired(by_seed, _ce_at(runs, steps, n_eq))
-                same_budget = p.diff if p else None
+                same_budget = st.difference(by_seed, _ce_at(runs, steps, n_eq))
         eq = _cell(same_budget, signed=True)
         if n_eq is not None and same_budget is not None:
             eq += f" (CE {n_eq} steps)"
@@ -143,12 +141,17 @@ def notes(payload: dict) -> list[str]:
         "row. Intervals are 95% t-intervals over seeds (df = seeds - 1); differences from "
         "CE-only are paired by seed. The suite cells are the first seed's, with the eval's own "
         "standard error over examples.",
-        f"- Budget: training seconds times the cores a run held (one for CE-only and the cached "
-        f"rows, which run two at a time; two for the live-teacher rows: the student and its "
-        f"teacher worker), plus, for the cached rows, their share of the cache build "
-        f"({cost['core_s']:.0f} core-s for {cost['windows']} windows, "
-        f"{cost['core_s'] / cost['windows']:.2f} core-s a window). The same-budget column "
-        "compares with CE-only trained for the steps that budget buys it.",
+        "- Budget: training seconds times the cores a run held (one for CE-only and the cached "
+        "rows, which run two at a time; two for the live-teacher rows: the student and its "
+        "teacher worker), plus, for the cached rows, their share of the cache build"
+        + (
+            f" ({cost['core_s']:.0f} core-s for {cost['windows']} windows, "
+            f"{cost['core_s'] / cost['windows']:.2f} core-s a window)"
+            if cost["core_s"]
+            else " (no cached row ran)"
+        )
+        + ". The same-budget column compares with CE-only trained for the steps that budget "
+        "buys it.",
     ]
     machines = [r.get("machine") for r in runs + payload.get("val_runs", [])]
     cpus = sorted({m["cpu"] for m in machines if m})

@@ -108,7 +108,8 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
     payload = {"steps": 40, "lr": 5e-5, "lr_given": False, "lr_seeds": [0], "val_runs": val,
                "primary": ["ce", "xtoken"], "rows": {k: science.ROWS[k].label
                for k in ("ce", "xtoken", "gold")}, "runs": runs, "baselines": {},
-               "cache_cost": {"core_s": 360.0, "windows": 360}}  # fmt: skip
+               "cache_cost": {"core_s": 360.0, "windows": 360},
+               "labels": {k: r.label for k, r in science.ROWS.items()}}  # fmt: skip
     text = render(payload)
     ref = stats.ttest_rel(kd, ce)
     assert f"t = {ref.statistic:.2f}, df = 4, two-sided p = **{ref.pvalue:.3g}**" in text
