@@ -207,7 +207,10 @@ def test_other_rewrites_and_ambiguous_whitespace_are_refused():
                             " }}{% endfor %}")  # fmt: skip
         bad = render(conv(("user", " Hi\tthere "), ("assistant", "Hello")), both)
         assert bad.reason == rows.TEMPLATE_REWROTE, write
-    assert "changes with the contents" in bad.detail and "verbatim or less edge whitespace" in bad.detail
+    assert (
+        "changes with the contents" in bad.detail
+        and "verbatim or less edge whitespace" in bad.detail
+    )
     dots = ChatTemplate(
         "dots", "file", "{% for m in messages %}{{ m.content.strip('.') }}|{% endfor %}"
     )

@@ -229,9 +229,7 @@ def build_vocab() -> dict:
 
 
 def build_templates() -> dict:
-    wanted = {
-        f"{_VOCAB_IN_SDIST}templates/{m}.jinja": f"{m}.jinja" for m in paths.TEMPLATE_MODELS
-    }
+    wanted = {f"{_VOCAB_IN_SDIST}templates/{m}.jinja": f"{m}.jinja" for m in paths.TEMPLATE_MODELS}
     extract_flat(fetch(DISTS["llama-cpp-python"]), wanted, paths.template_fixtures_dir())
     return {}
 
