@@ -316,14 +316,14 @@ def test_the_flat_batch_is_what_the_rows_view(smol, teachers):
 
 # ---------------------------------------------------------------- templates that trim contents
 
-EDGY = conv(  # real-world edge whitespace: leading/trailing spaces, newlines, tabs
+EDGY = conv(  # real-world edge whitespace: spaces, newlines, tabs, an ideographic space
     ("system", "\n  You answer in the words of the play.\t"),
     ("user", " Who's there?\n"),
     ("assistant", "  Nay, answer me: stand, and unfold yourself.\n\n"),
     ("user", "\tLong live the king!"),
     ("assistant", "\n\tBernardo?  "),
-    ("user", "He.\n"),
-    ("assistant", "You come most carefully upon your hour. \t\n"),
+    ("user", "\u3000誰だ？ Wer da?\n"),
+    ("assistant", "¿Quién vive? You come most carefully upon your hour. \u3000\t\n"),
 )
 
 

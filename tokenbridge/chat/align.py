@@ -163,7 +163,7 @@ class PairChunks:
     chunk_message: np.ndarray  # int32 [C]
     chunk_exact: np.ndarray  # bool [C]
     fallback_regions: int
-    loose: int  # content tokens (both sides) left outside every chunk (straddles)
+    loose: int  # tokens over text both sides contain, left outside every chunk (straddles)
 
 
 @dataclass(frozen=True)

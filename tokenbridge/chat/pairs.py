@@ -45,7 +45,7 @@ class PairBatch:
     chunk_message: np.ndarray  # int32 [C]: message index within the conversation
     chunk_exact: np.ndarray  # bool [C]
     fallback_regions: np.ndarray  # int32 [B]: DP-fallback regions of the aligner
-    loose: np.ndarray  # int32 [B]: content tokens (both sides) outside every chunk
+    loose: np.ndarray  # int32 [B]: tokens over text both sides contain, in no chunk (straddles)
 
 
 def shared_spans(span_bytes: np.ndarray, cut: np.ndarray, other_cut: np.ndarray) -> np.ndarray:
