@@ -32,13 +32,20 @@ def default_out(teacher: str, student: str, k: int) -> Path:
     return paths.REPO_ROOT / "outputs" / "projection" / f"{name}.safetensors"
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The job's arguments, ``out`` filled in (`default_out` unless given)."""
     ap = argparse.ArgumentParser(description="sparse vocabulary projection teacher <-> student")
     ap.add_argument("--teacher", required=True, help="teacher tokenizer or model directory")
     ap.add_argument("--student", required=True, help="student tokenizer or model directory")
     ap.add_argument("--k", type=int, default=8, help="entries kept per row")
     ap.add_argument("--out", type=Path, default=None, help="output .safetensors")
     args = ap.parse_args(argv)
+    args.out = args.out or default_out(args.teacher, args.student, args.k)
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
     t0 = time.perf_counter()
     teacher, student = load_tokenizer(args.teacher), load_tokenizer(args.student)
     p = build_projection(
@@ -48,7 +55,7 @@ def main(argv: list[str] | None = None) -> Path:
         teacher_rows=model_rows(args.teacher),
         student_rows=model_rows(args.student),
     )
-    out = save_projection(p, args.out or default_out(args.teacher, args.student, args.k))
+    out = save_projection(p, args.out)
     load_projection(out, teacher=teacher.info(), student=student.info())  # refuses a bad build
     print(f"{out}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
     return out
