@@ -29,7 +29,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare projection align teacher-cache verify train eval report bench gpu-check gpu-check-pack clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify train eval report bench gpu-check gpu-check-pack clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -134,6 +134,27 @@ demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samp
 demo-onpolicy-compare: models  ## on-policy vs off-policy KD vs CE-only, same wall-clock (after demo-onpolicy's inputs)
 	rm -rf runs/onpolicy_compare
 	$(PY) -m bench.onpolicy_compare
+
+# the tiny-model experiments: the real tokenizers, random weights, seconds of training on CPU.
+# Shards are made once (delete the directory to remake them); their windows fit the config's
+# data.max_student_tokens (tests/unit/test_conf_commands.py checks every conf header's commands)
+DEBUG_ALIGN := outputs/align/debug
+debug: models  ## conf=debug: xtoken distillation with tiny models, CPU (makes its projection + shards)
+	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
+	test -f $(DEBUG_ALIGN)/COMPLETED || $(PY) -m pipelines.align --data '$(DATA)' \
+	  --teacher $(TEACHER) --student $(STUDENT) --out $(DEBUG_ALIGN) --overwrite \
+	  --max-student-tokens 512 --max-teacher-tokens 512
+	rm -rf runs/debug
+	$(PY) trainer/main.py conf=debug
+
+ONPOLICY_DEBUG_ALIGN := outputs/align/onpolicy_debug
+onpolicy-debug: models  ## conf=onpolicy_debug: on-policy distillation with tiny models, CPU (makes its inputs)
+	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
+	test -f $(ONPOLICY_DEBUG_ALIGN)/COMPLETED || $(PY) -m pipelines.align --data '$(DATA)' \
+	  --teacher $(TEACHER) --teacher $(STUDENT) --student $(STUDENT) \
+	  --out $(ONPOLICY_DEBUG_ALIGN) --overwrite --max-student-tokens 64 --max-teacher-tokens 64
+	rm -rf runs/onpolicy_debug
+	$(PY) trainer/main.py conf=onpolicy_debug
 
 clean:  ## remove run outputs (keeps .venv and artifacts/)
 	rm -rf outputs runs .pytest_cache .ruff_cache

@@ -96,7 +96,7 @@ def _tokenize_code(data: str) -> str:
     t, s = str(paths.teacher_dir()), str(paths.student_dir())
     return f"""
 import glob, json, time
-from pipelines import readers
+from pipelines.align import readers
 from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
 from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.tokenizers import load_tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench import bench_channel
+from bench import bench_channel, provenance
 
 CACHE = Path(__file__).parent / "results" / "channel_cuda.md"
 FOOTER = re.compile(r"\n*_\(section ran in [^)]*\)_\s*$")
@@ -31,7 +31,12 @@ def main() -> str:
     if torch.cuda.is_available():
         return bench_channel.main(device="cuda")
     if CACHE.is_file():
-        return cached_section(CACHE.read_text()) + "\n\n" + CACHED_NOTE
+        text = cached_section(CACHE.read_text())
+        if provenance.MARK not in text:  # recorded before sections named their commit
+            title, _, body = text.partition("\n")
+            line = provenance.recorded_line(CACHE, device="NVIDIA H100 80GB HBM3")
+            text = f"{title}\n\n{line}\n{body}"
+        return text + "\n\n" + CACHED_NOTE
     return (
         "## Logit channel on a GPU (CUDA IPC)\n\nNot measured yet: needs a CUDA device "
         "(`python -m bench.run_all channel_cuda` on a GPU machine)."

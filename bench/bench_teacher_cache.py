@@ -16,8 +16,9 @@ pair, the align job) of a slice of Hamlet.
    live teacher's forward in the trainer is the worker's own time per microbatch
    (``teacher_s``) over the shards' mean teacher tokens per row (one row per microbatch).
 
-``BENCH_CACHE_DIR=<dir>`` keeps the inputs and outputs there and reuses what a cut run left
-(shards, cache, finished training runs), for a machine too loaded to finish in one go.
+``BENCH_CACHE_DIR=<dir>`` keeps the inputs there (the shards, not measured) for a second call;
+every measured figure (the cache build, the three training runs) comes from this call: nothing
+is stitched from an earlier one.
 """
 
 from __future__ import annotations
@@ -92,8 +93,7 @@ def _shards(tmp: Path) -> Path:
 
 
 def _build(shards: Path, out: Path) -> dict:
-    if (out / "COMPLETED").is_file():  # a cut run's cache (BENCH_CACHE_DIR): no process figures
-        return {**json.loads((out / "stats.json").read_text()), "process_wall_s": None}
+    shutil.rmtree(out, ignore_errors=True)  # measured in this call, never reused
     _, wall, peak = _run([sys.executable, "-m", "pipelines.teacher_cache", "--shards", str(shards),
                           "--teacher", str(paths.teacher_dir()), "--out", str(out)])  # fmt: skip
     stats = json.loads((out / "stats.json").read_text())
@@ -105,11 +105,6 @@ def _train(shards: Path, run: Path, *extra: str) -> dict:
             f"run_dir={run}", f"steps={STEPS}", "eval.max_texts=0", "device=cpu",
             "checkpoint.save_at_end=false", "checkpoint.export_at_end=false",
             "logging.progress=false", "logging.tensorboard=false", *extra]  # fmt: skip
-    done = run / "bench.json"
-    if done.is_file():  # finished in a cut run (BENCH_CACHE_DIR)
-        result = json.loads(done.read_text())
-        LOADS.extend(result.get("loads", []))
-        return result
     shutil.rmtree(run, ignore_errors=True)
     _, wall, peak = _run(args, env={"OMP_NUM_THREADS": "2"})
     loads = [LOADS[-1], os.getloadavg()[0]]  # at its start and its end
@@ -124,7 +119,6 @@ def _train(shards: Path, run: Path, *extra: str) -> dict:
         "steps": len(train),
         "loads": loads,
     }
-    done.write_text(json.dumps(result))
     return result
 
 
@@ -153,16 +147,11 @@ def _build_line(cache: dict) -> str:
         f"forwards (`--batch-tokens {cache['batch_tokens']}`: {cache['batches']} forward(s), "
         f"{cache['padding_fraction']:.0%} padding, both cores)"
     )
-    if cache.get("process_wall_s"):
-        line += (
-            f", {cache['teacher_tokens'] / cache['process_wall_s']:.1f} tokens/s over the whole "
-            f"command ({cache['process_wall_s']:.0f} s: start-up, tokenizer, weights hash, model "
-            f"load included); peak tree RSS {cache['peak_gib']:.2f} GiB"
-        )
-    else:  # reused from a cut run: the job's own wall time only
-        line += (
-            f", {cache['wall_tokens_per_s']:.1f} tokens/s over the job ({cache['wall_s']:.0f} s)"
-        )
+    line += (
+        f", {cache['teacher_tokens'] / cache['process_wall_s']:.1f} tokens/s over the whole "
+        f"command ({cache['process_wall_s']:.0f} s: start-up, tokenizer, weights hash, model "
+        f"load included); peak tree RSS {cache['peak_gib']:.2f} GiB"
+    )
     if cache.get("loads"):
         line += f"; load average {cache['loads'][0]:.1f} at its start"
     return line + "."

@@ -31,7 +31,7 @@ from bench.pair_runs import PROJECTION, ensure_projection, step_figures, write_p
 from tokenbridge import paths
 
 SEQ = 512
-REPS = 2
+REPS = 5  # the overhead is a small difference of two medians: 2 repeats were too few
 
 
 def _median(fn, reps: int = REPS) -> float:
@@ -275,7 +275,8 @@ def render(res: dict, real: dict) -> str:
         f"Gemma-3-270M teacher -> SmolLM2-135M student, xtoken (top-32 through the projection) + CE, "
         f"1 x {r['student_tokens']} student / {r['teacher_tokens']} teacher tokens of Hamlet. "
         "One process, one torch thread (as each process of the demo), parts timed alone (median "
-        "of 2 after a warm-up); ratios are to the baseline = teacher forward + a CE-only student step.",
+        f"of {REPS} after a warm-up); ratios are to the baseline = teacher forward + a CE-only "
+        "student step.",
         "",
         "| part | seconds | share of baseline |",
         "|---|---:|---:|",

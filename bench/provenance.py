@@ -87,6 +87,18 @@ class Provenance:
         return text
 
 
+def recorded_line(path: Path, *, device: str) -> str:
+    """A provenance line for a kept result that predates provenance lines, from git history:
+    the commit that recorded the file (its figures were measured on that commit's working
+    tree), that commit's date, and the device the section names."""
+    found = _git("log", "-1", "--format=%h %cs", "--", str(path))
+    sha, date = found.split() if found else ("unknown", "unknown date")
+    return (
+        f"{MARK}{sha}, {date} (read from git: the commit that recorded these figures), "
+        f"{device}; load average not recorded._"
+    )
+
+
 def section_commit(text: str) -> str | None:
     """The commit a section's provenance line names, or None (a section without one)."""
     at = text.find(MARK)

@@ -1,150 +1,184 @@
-"""Renders the science table (``bench/science.py``'s results.json) as Markdown, goals included.
+"""Renders the science table (``bench/science.py``'s results.json) as Markdown.
 
-Kept apart from the runner so the numbers can be re-rendered without a run, and so the
-aggregation (mean and standard error over seeds, the goal checks) is a pure function the
-tests pin (tests/unit/test_science_table.py).
+Kept apart from the runner so the numbers can be re-rendered without a run (``make science``
+with ``--render-only``). Every sentence here is computed from the payload: the primary test,
+the learning-rate choice, the intervals, the equal-budget comparison and the cache-vs-live
+check. The statistics themselves are `bench.science_stats`.
 """
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
+from bench import science_stats as st
 
 SUITE = ("gsm8k_bpb", "math_bpb", "humaneval_bpb", "mbpp_bpb")
-KD_ROWS_EXCLUDED = ("ce", "xtoken_live")  # not candidates for "the best KD row"
 
 
-def mean_se(xs: list[float]) -> tuple[float, float | None]:
-    """Mean and standard error of the mean (sample std / sqrt n); SE None for one value."""
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return m, None
-    var = sum((x - m) ** 2 for x in xs) / (n - 1)
-    return m, math.sqrt(var / n)
+def _after(r: dict) -> float:
+    return r["summary"]["bpb"]["student_after"]
 
 
-def fmt(m: float, se: float | None) -> str:
-    return f"{m:.4f}" if se is None else f"{m:.4f} ± {se:.4f}"
+def _by_seed(runs: list[dict], row: str, *, steps: int, phase: str = "test") -> dict[int, float]:
+    return {r["seed"]: _after(r) for r in runs
+            if r["row"] == row and r["steps"] == steps and r["phase"] == phase}  # fmt: skip
 
 
-def collect(payload: dict) -> dict[tuple[str, float], list[dict]]:
-    """Runs grouped by (row, lr)."""
-    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
-    for r in payload["runs"]:
-        groups[(r["row"], float(r["lr"]))].append(r)
-    return groups
+def _ce_at(runs: list[dict], steps: int, n: int) -> dict[int, float]:
+    """CE-only's in-domain BPB by seed when trained for ``n`` steps."""
+    return _by_seed(runs, "ce", steps=n, phase="test" if n == steps else "budget")
 
 
-def row_stats(runs: list[dict]) -> dict:
-    """One table row: in-domain, OOD, suite (first seed's, with its own SE), train seconds."""
-    ind = mean_se([r["summary"]["bpb"]["student_after"] for r in runs])
-    ood_vals = [r["evals"]["ood"] for r in runs if "ood" in r.get("evals", {})]
-    ood = mean_se([next(iter(v.values()))["value"] for v in ood_vals]) if ood_vals else None
-    suite = next((r["evals"]["suite"] for r in runs if "suite" in r.get("evals", {})), None)
-    secs = mean_se([r["summary"]["train_seconds"] for r in runs])
-    return {"in": ind, "ood": ood, "suite": suite, "secs": secs, "n": len(runs)}
+def _cell(e: st.Estimate | None, *, signed: bool = False) -> str:
+    if e is None:
+        return "-"
+    return e.fmt_signed() if signed else e.fmt()
 
 
 def _suite_cells(suite: dict | None) -> list[str]:
     if not suite:
         return ["-"] * len(SUITE)
-    return [fmt(suite[t]["value"], suite[t]["stderr"]) if t in suite else "-" for t in SUITE]
+    return [f"{suite[t]['value']:.4f} ± {suite[t]['stderr']:.4f}" if t in suite else "-"
+            for t in SUITE]  # fmt: skip
 
 
-def goals(
-    payload: dict, stats: dict[str, dict], *, before: float, teacher: float | None
-) -> list[str]:
-    """The issue's four goals, as measured (whatever they turn out to be)."""
-    kd = {k: s for k, s in stats.items() if k not in KD_ROWS_EXCLUDED}
-    if "ce" not in stats or not kd:
-        return ["- (goals need the CE row and at least one KD row)"]
-    best = min(kd, key=lambda k: kd[k]["in"][0])
-    (bm, bse), (cm, cse) = kd[best]["in"], stats["ce"]["in"]
-    diff_se = math.sqrt((bse or 0) ** 2 + (cse or 0) ** 2)
-    k_se = (cm - bm) / diff_se if diff_se > 0 else float("inf")
-    out = [
-        f"- Best KD row: **{payload['rows'][best]}** ({fmt(bm, bse)}) vs CE-only "
-        f"({fmt(cm, cse)}): {cm - bm:+.4f} bits/byte in its favour, {k_se:.1f} standard errors "
-        f"of the difference; goal >= 2: **{'met' if k_se >= 2 else 'missed'}**."
+def primary(payload: dict) -> list[str]:
+    """The pre-registered comparison: paired t-test of xtoken - CE-only over seeds."""
+    kd, ce = payload["primary"][1], payload["primary"][0]
+    runs, steps = payload["runs"], payload["steps"]
+    test = st.paired(_by_seed(runs, kd, steps=steps), _by_seed(runs, ce, steps=steps))
+    head = (f"**Primary comparison** (named before any run, docs/science.md): "
+            f"{payload['labels'][kd]} minus {payload['labels'][ce]}, in-domain bits per byte on the "
+            "held-out test chapters, paired by seed (same initial student, data order and "
+            "held-out windows)")  # fmt: skip
+    if test is None:
+        return [head + ": fewer than two paired seeds finished; no test."]
+    return [
+        f"{head}: **{test.diff.fmt_signed()}** (mean difference [95% CI]), n = {test.diff.n} "
+        f"seeds, sd {test.sd:.4f}, t = {test.t:.2f}, df = {test.df}, two-sided p = "
+        f"**{test.p:.3g}**. Negative means distillation reached the lower (better) BPB."
     ]
-    if teacher is not None and before > teacher:
-        closed = (before - bm) / (before - teacher)
-        ce_closed = (before - cm) / (before - teacher)
-        out.append(
-            f"- Gap closed (student {before:.4f} -> teacher {teacher:.4f}): best KD "
-            f"{100 * closed:.0f}%, CE-only {100 * ce_closed:.0f}%; goal >= 40%: "
-            f"**{'met' if closed >= 0.4 else 'missed'}**."
+
+
+def lr_choice(payload: dict) -> list[str]:
+    if payload.get("lr_given"):
+        return [f"Learning rate {payload['lr']:g} was given (`--lr`), not chosen here."]
+    scores: dict[tuple[str, float], list[float]] = {}
+    for r in payload["val_runs"]:
+        scores.setdefault((r["row"], r["lr"]), []).append(_after(r))
+    rows = payload["primary"]
+    lines = [
+        f"Learning rate, chosen once for every row on **validation** chapters (neither trained "
+        f"on nor among the test chapters), seeds {payload['lr_seeds']}: the rate with the "
+        "lowest mean validation BPB of the primary pair.",
+        "",
+        "| lr | " + " | ".join(payload["labels"][r] for r in rows) + " | mean |",
+        "|---:|" + "---:|" * (len(rows) + 1),
+    ]
+    for lr in sorted({lr for (_, lr) in scores}):
+        vals = [scores.get((r, lr)) for r in rows]
+        cells = [f"{sum(v) / len(v):.4f}" if v else "-" for v in vals]
+        mean = (f"{sum(sum(v) / len(v) for v in vals) / len(vals):.4f}"
+                if all(vals) else "-")  # fmt: skip
+        mark = " (chosen)" if lr == payload["lr"] else ""
+        lines.append(f"| {lr:g}{mark} | " + " | ".join(cells) + f" | {mean} |")
+    return lines
+
+
+def table(payload: dict) -> list[str]:
+    runs, steps, base = payload["runs"], payload["steps"], payload.get("baselines", {})
+    test = [r for r in runs if r["phase"] == "test"]
+    budgets: dict[str, list[float]] = {}
+    for r in test:
+        budgets.setdefault(r["row"], []).append(r["budget_s"])
+    ce_budget = budgets.get("ce")
+    ce_step = sum(ce_budget) / len(ce_budget) / steps if ce_budget else None
+    ce = _by_seed(runs, "ce", steps=steps)
+    head = ["row", "seeds", "in-domain BPB, test chapters [95% CI]",
+            "minus CE-only, same steps [95% CI]", "budget (core-s)",
+            "minus CE-only, same budget [95% CI]", "out-of-domain BPB", *SUITE]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
+    first = test[0]["summary"] if test else None
+    teachers = [v for r in test for v in (r["summary"]["bpb"].get("teachers") or {}).values()]
+    for label, ind, name in (("student, untouched", first and first["bpb"]["student_before"],
+                              "student"),
+                             ("teacher (Gemma-3-270M, untouched)",
+                              teachers[0] if teachers else None, "teacher")):  # fmt: skip
+        b = base.get(name, {})
+        ood = next(iter(b["ood"].values())) if b.get("ood") else None
+        cells = [label, "-", "-" if ind is None else f"{ind:.4f}", "-", "-", "-",
+                 "-" if ood is None else f"{ood['value']:.4f} ± {ood['stderr']:.4f}",
+                 *_suite_cells(b.get("suite"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    for row, label in payload["rows"].items():
+        mine = [r for r in test if r["row"] == row]
+        if not mine:
+            continue
+        by_seed = {r["seed"]: _after(r) for r in mine}
+        oods = [next(iter(r["evals"]["ood"].values()))["value"] for r in mine
+                if r["evals"].get("ood")]  # fmt: skip
+        suite = next((r["evals"]["suite"] for r in mine if r["evals"].get("suite")), None)
+        budget = sum(budgets[row]) / len(budgets[row])
+        same_steps = same_budget = None
+        n_eq = None
+        if row != "ce":
+            same_steps = st.difference(by_seed, ce)
+            if ce_step:
+                n_eq = st.budget_steps(budget, ce_step_s=ce_step, steps=steps)
+                same_budget = st.difference(by_seed, _ce_at(runs, steps, n_eq))
+        eq = _cell(same_budget, signed=True)
+        if n_eq is not None and same_budget is not None:
+            eq += f" (CE {n_eq} steps)"
+        cells = [label, str(len(mine)), _cell(st.estimate(list(by_seed.values()))),
+                 _cell(same_steps, signed=True), f"{budget:.0f}", eq,
+                 _cell(st.estimate(oods)) if oods else "-", *_suite_cells(suite)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def notes(payload: dict) -> list[str]:
+    runs, steps, cost = payload["runs"], payload["steps"], payload["cache_cost"]
+    out = [
+        f"- {steps} steps of one 256-token window, AdamW at lr {payload['lr']:g} for every "
+        "row. Intervals are 95% t-intervals over seeds (df = seeds - 1); differences from "
+        "CE-only are paired by seed. The suite cells are the first seed's, with the eval's own "
+        "standard error over examples.",
+        "- Budget: training seconds times the cores a run held (one for CE-only and the cached "
+        "rows, which run two at a time; two for the live-teacher rows: the student and its "
+        "teacher worker), plus, for the cached rows, their share of the cache build"
+        + (
+            f" ({cost['core_s']:.0f} core-s for {cost['windows']} windows, "
+            f"{cost['core_s'] / cost['windows']:.2f} core-s a window)"
+            if cost["core_s"]
+            else " (no cached row ran)"
         )
-    if "trl_gold" in stats:
-        tm, tse = stats["trl_gold"]["in"]
+        + ". The same-budget column compares with CE-only trained for the steps that budget "
+        "buys it.",
+    ]
+    machines = [r.get("machine") for r in runs + payload.get("val_runs", [])]
+    cpus = sorted({m["cpu"] for m in machines if m})
+    loads = [x for m in machines if m for x in m["load"]]
+    # two one-core runs side by side load 2 cores: more than the cores means other work ran
+    over = any(max(m["load"]) > m["cores"] + 0.5 for m in machines if m)
+    if cpus:
         out.append(
-            f"- vs TRL's GOLD loss in our trainer ({fmt(tm, tse)}): best KD "
-            f"{tm - bm:+.4f} in its favour; goal: **{'met' if bm < tm else 'missed'}**."
+            f"- Runs measured on {' and '.join(cpus)} ({len(cpus)} CPU model"
+            f"{'s: compare budgets with care' if len(cpus) > 1 else ''}); load average at run "
+            f"starts and ends {min(loads):.1f}-{max(loads):.1f}"
+            f"{'; some runs overlapped other work' if over else ''}."
         )
-    base = payload.get("baselines", {}).get("student", {}).get("suite")
-    if base:
-        worse = []
-        for k, s in stats.items():
-            for t in SUITE:
-                if s["suite"] and t in s["suite"] and t in base:
-                    d = s["suite"][t]["value"] - base[t]["value"]
-                    if d > base[t]["stderr"]:
-                        worse.append(f"{payload['rows'][k]} {t} {d:+.3f}")
+    cached = _by_seed(runs, "xtoken", steps=steps)
+    live = _by_seed(runs, "xtoken_live", steps=steps)
+    both = sorted(set(cached) & set(live))
+    if both:
+        worst = max(abs(cached[s] - live[s]) for s in both)
         out.append(
-            "- Eval-suite bits-per-byte rows worse than the untouched student by more than its "
-            f"standard error: {', '.join(worse) if worse else 'none'}; goal: "
-            f"**{'met' if not worse else 'missed'}**."
+            f"- Cached vs live teacher, same seeds {both}: largest in-domain difference "
+            f"{worst:.2e} bits/byte (seed {both[0]}: {cached[both[0]]:.9f} cached, "
+            f"{live[both[0]]:.9f} live)."
         )
     return out
 
 
 def render(payload: dict) -> str:
-    groups = collect(payload)
-    lr = float(payload["lr"])
-    stats = {row: row_stats(runs) for (row, g_lr), runs in groups.items() if g_lr == lr}
-    first = payload["runs"][0]["summary"]
-    before = first["bpb"]["student_before"]
-    teachers = [
-        v for r in payload["runs"] for v in (r["summary"]["bpb"].get("teachers") or {}).values()
-    ]
-    teacher = teachers[0] if teachers else None
-    base = payload.get("baselines", {})
-    head = [
-        "row",
-        "in-domain BPB (held-out chapters)",
-        "out-of-domain BPB",
-        *SUITE,
-        "train s",
-        "seeds",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-
-    def base_row(label: str, ind: float | None, name: str) -> str:
-        b = base.get(name, {})
-        ood = next(iter(b["ood"].values())) if b.get("ood") else None
-        cells = [label, "-" if ind is None else f"{ind:.4f}",
-                 "-" if ood is None else fmt(ood["value"], ood["stderr"]),
-                 *_suite_cells(b.get("suite")), "-", "-"]  # fmt: skip
-        return "| " + " | ".join(cells) + " |"
-
-    lines.append(base_row("student, untouched", before, "student"))
-    lines.append(base_row("teacher (Gemma-3-270M, untouched)", teacher, "teacher"))
-    for row, s in stats.items():
-        cells = [payload["rows"][row], fmt(*s["in"]), "-" if s["ood"] is None else fmt(*s["ood"]),
-                 *_suite_cells(s["suite"]), f"{s['secs'][0]:.0f}", str(s["n"])]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    lr_rows = sorted({row for (row, g_lr) in groups if g_lr != lr})
-    if lr_rows:
-        lines += ["", "Learning-rate check (first seed):", "",
-                  "| row | lr | in-domain BPB | out-of-domain BPB |", "|---|---:|---:|---:|"]  # fmt: skip
-        for row in lr_rows:
-            for (r, g_lr), runs in sorted(groups.items()):
-                if r == row:
-                    s = row_stats(runs[:1])
-                    ood = "-" if s["ood"] is None else f"{s['ood'][0]:.4f}"
-                    lines.append(
-                        f"| {payload['rows'][row]} | {g_lr:g} | {s['in'][0]:.4f} | {ood} |"
-                    )
-    lines += ["", "Goals (measured):", "", *goals(payload, stats, before=before, teacher=teacher)]
-    return "\n".join(lines) + "\n"
+    parts = [primary(payload), [""], lr_choice(payload), [""], table(payload), [""],
+             notes(payload)]  # fmt: skip
+    return "\n".join(line for part in parts for line in part) + "\n"

@@ -43,6 +43,12 @@ def vocab_fixture():
 
 
 @pytest.fixture(scope="session")
+def template_fixture():
+    """Callable: model name (`paths.TEMPLATE_MODELS`) -> path of its official chat template."""
+    return lambda model: _need(paths.template_fixture(model))
+
+
+@pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     return _need(paths.corpus_dir())
 

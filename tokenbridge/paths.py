@@ -49,6 +49,24 @@ def vocab_fixture(family: str) -> Path:
 VOCAB_FAMILIES = ("gpt-2", "llama-bpe", "llama-spm", "qwen2", "phi-3")
 
 
+def template_fixtures_dir() -> Path:
+    """Official chat templates of models we have no weights for (llama.cpp's copies)."""
+    return artifacts_dir() / "templates"
+
+
+def template_fixture(model: str) -> Path:
+    """e.g. template_fixture("meta-llama-Llama-3.1-8B-Instruct") -> .../templates/<model>.jinja"""
+    return template_fixtures_dir() / f"{model}.jinja"
+
+
+# Llama 3.1 (3.3's is the same file) and 3.2 `| trim` every content, Gemma 2 too
+TEMPLATE_MODELS = (
+    "meta-llama-Llama-3.1-8B-Instruct",
+    "meta-llama-Llama-3.2-3B-Instruct",
+    "google-gemma-2-2b-it",
+)
+
+
 def corpus_dir() -> Path:
     """Plain-text corpora: shakespeare/*.txt (Gutenberg plays) and kjv.jsonl (field "text")."""
     return artifacts_dir() / "corpus"

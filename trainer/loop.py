@@ -96,6 +96,8 @@ class Trainer:
             shuffle_buffer=cfg.data.shuffle_buffer,
             eval_fraction=cfg.data.eval_fraction,
             eval_split=cfg.data.eval_split,
+            val_fraction=cfg.data.val_fraction,
+            eval_on=cfg.data.eval_on,
         )
         self.loader = MicrobatchLoader(
             stream,

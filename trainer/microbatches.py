@@ -126,15 +126,29 @@ class Microbatch:
 EVAL_SPLITS = ("window", "document")
 
 
-def is_held_out(doc_id: str, window: int, fraction: float, *, by: str = "window") -> bool:
-    """Deterministic eval split, stable across runs, ranks and machines: by (doc id, window), or
-    by doc id alone (``by="document"``: a held-out document is held out whole, so no window of
-    it is ever trained on; the honest in-domain score, docs/science.md)."""
-    if fraction <= 0:
-        return False
+def held_out_set(
+    doc_id: str, window: int, fraction: float, *, by: str = "window", val_fraction: float = 0.0
+) -> str | None:
+    """Deterministic eval split, stable across runs, ranks and machines: ``"test"``, ``"val"``
+    or None (trained on), by (doc id, window) or by doc id alone (``by="document"``: a held-out
+    document is held out whole, so no window of it is ever trained on; the honest in-domain
+    score, docs/science.md).
+
+    One hash, two adjacent ranges: [0, fraction) is the test set, [fraction, fraction +
+    val_fraction) the validation set a hyper-parameter is chosen on. The test set does not move
+    when a validation set is added, and the two never share a document."""
     key = doc_id if by == "document" else f"{doc_id}\x00{window}"
     h = zlib.crc32(key.encode())
-    return h < fraction * 2**32
+    if h < fraction * 2**32:
+        return "test"
+    if h < (fraction + val_fraction) * 2**32:
+        return "val"
+    return None
+
+
+def is_held_out(doc_id: str, window: int, fraction: float, *, by: str = "window") -> bool:
+    """Whether (doc id, window) is in the test set of `held_out_set` (no validation set)."""
+    return held_out_set(doc_id, window, fraction, by=by) == "test"
 
 
 def _pad_rows(rows: list[np.ndarray], length: int, pad: int) -> torch.Tensor:
@@ -203,12 +217,20 @@ class ShardReader:
         f, i = self.locate(row)
         return f"{self.shard_set.files[f]} row {i}"
 
-    def split(self, eval_fraction: float, *, by: str = "window") -> tuple[np.ndarray, np.ndarray]:
+    def split(
+        self,
+        eval_fraction: float,
+        *,
+        by: str = "window",
+        val_fraction: float = 0.0,
+        eval_on: str = "test",
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(train rows as sorted global indices, held-out rows ordered by (doc id, window)).
 
-        The held-out order is that of the text, not of the shard rows: a multi-worker align job
-        may write the same windows in another row order, and the eval set (its first rows) must
-        not change with it.
+        Neither the test nor the validation set is trained on; the held-out rows returned are
+        those of ``eval_on`` ("test" or "val"). Their order is that of the text, not of the
+        shard rows: a multi-worker align job may write the same windows in another row order,
+        and the eval set (its first rows) must not change with it.
         """
         held = np.zeros(self.num_rows, dtype=bool)
         held_keys: dict[int, tuple[str, int]] = {}
@@ -217,8 +239,10 @@ class ShardReader:
             wins = t.column("window").to_pylist()
             s = int(self.starts[f])
             for i, (d, w) in enumerate(zip(docs, wins)):
-                if is_held_out(d, w, eval_fraction, by=by):
+                which = held_out_set(d, w, eval_fraction, by=by, val_fraction=val_fraction)
+                if which is not None:
                     held[s + i] = True
+                if which == eval_on:
                     held_keys[s + i] = (d, w)
         idx = np.arange(self.num_rows, dtype=np.int64)
         held_rows = sorted(held_keys, key=held_keys.__getitem__)
@@ -353,9 +377,13 @@ class ShardStream:
         shuffle_buffer: int,
         eval_fraction: float,
         eval_split: str = "window",
+        val_fraction: float = 0.0,
+        eval_on: str = "test",
     ):
         self.reader = reader
-        train, self.eval_rows = reader.split(eval_fraction, by=eval_split)
+        train, self.eval_rows = reader.split(
+            eval_fraction, by=eval_split, val_fraction=val_fraction, eval_on=eval_on
+        )
         self.rows = train[dp_rank::dp_size]
         if len(self.rows) == 0:
             raise ValueError(

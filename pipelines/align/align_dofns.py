@@ -320,14 +320,15 @@ class AlignWindowsDoFn(beam.DoFn):
         yield MAIN, Windows(rows, vec)
         return tokens
 
-    def _no_windows(self, cut, b: int, *, file: str, doc_id: str) -> dict:
+    def _no_windows(self, cut, b: int, *, file: str, doc_id: str, partial: bool = False) -> dict:
+        kw = {"doc_id": doc_id, "partial": partial}
         status = int(cut.status[b])
         if status == K.UNCUTTABLE:
-            return readers.dead_letter(file, UNCUTTABLE, self._uncut_detail(cut, b), doc_id=doc_id)
+            return readers.dead_letter(file, UNCUTTABLE, self._uncut_detail(cut, b), **kw)
         if status == K.BAD_CHUNKS:
             detail = "alignment chunk ends go backwards; cannot cut windows"
-            return readers.dead_letter(file, ALIGN_ERROR, detail, doc_id=doc_id)
-        return readers.dead_letter(file, NO_TOKENS, "no tokens on any side", doc_id=doc_id)
+            return readers.dead_letter(file, ALIGN_ERROR, detail, **kw)
+        return readers.dead_letter(file, NO_TOKENS, "no tokens on any side", **kw)
 
     def _uncut_detail(self, cut, b: int, *, base: int = 0) -> str:
         need = cut.err_need[:, b].tolist()
@@ -349,19 +350,17 @@ class AlignWindowsDoFn(beam.DoFn):
         for piece in walk:
             where = f" (piece {piece.index}, characters [{piece.start}, {piece.end}))"
             ptext = text[piece.start : piece.end]
+            # a piece that fails ends the document: a lost one unless earlier pieces gave windows
+            ends = {"doc_id": doc_id, "partial": n_windows > 0}
             try:
                 s_enc, t_encs = self._encode([ptext])
             except _StageError as e:
-                yield dead(
-                    readers.dead_letter(batch.file, e.reason, e.detail + where, doc_id=doc_id)
-                )
+                yield dead(readers.dead_letter(batch.file, e.reason, e.detail + where, **ends))
                 break
             als = self._align(s_enc, t_encs)
             bad = [_row_error(al, 0) for al in als if al.row_error[0]]
             if bad:
-                yield dead(
-                    readers.dead_letter(batch.file, ALIGN_ERROR, bad[0] + where, doc_id=doc_id)
-                )
+                yield dead(readers.dead_letter(batch.file, ALIGN_ERROR, bad[0] + where, **ends))
                 break
             fallback |= np.array([al.fallback_regions[0] > 0 for al in als])
             ptext_bytes = WB.BatchText.from_texts([ptext])
@@ -380,14 +379,18 @@ class AlignWindowsDoFn(beam.DoFn):
             student, teachers = self._sides(s_enc, t_encs, als)
             cut = self._cut(ptext_bytes, student, teachers, plan)
             if cut.status[0] == K.BAD_CHUNKS:
-                yield dead(self._no_windows(cut, 0, file=batch.file, doc_id=doc_id))
+                yield dead(self._no_windows(cut, 0, file=batch.file, **ends))
                 break
             vec = lay.zeros()
             lay.add(vec, "pieces", 1)
             if cut.skipped[0]:
                 detail = self._uncut_detail(cut, 0, base=piece.start)
                 detail += f"; {int(cut.skipped[0])} span(s) of this piece skipped" + where
-                yield dead(readers.dead_letter(batch.file, UNCUTTABLE, detail, doc_id=doc_id))
+                # never the document's loss: if no piece gives windows, NO_TOKENS says so below
+                skipped = readers.dead_letter(
+                    batch.file, UNCUTTABLE, detail, doc_id=doc_id, partial=True
+                )
+                yield dead(skipped)
                 lay.add(vec, "uncuttable_spans", int(cut.skipped[0]))
             if cut.seam_moved[0]:
                 count("seams_moved")

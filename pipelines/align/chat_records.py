@@ -4,8 +4,9 @@ One row per conversation. The flat per-token arrays of a `ChatBatch` already car
 so every list column is one Arrow ``ListArray`` over them (no per-row or per-token Python); a
 subset of rows (the ones that fit the windows) is one ``take``. The columns are the text
 shards' (``text`` is the student's rendering, ``char_start`` / ``char_end`` span it) plus the
-conversation columns of `tokenbridge.formats.shard_schema`: messages, trained bytes, train codes per side and
-chunk kinds per teacher. ``chat_meta`` is what the file metadata and stats.json record of the
+conversation columns of `tokenbridge.formats.shard_schema`: messages, trained bytes (as the
+student's rendering shows the contents: without the edge whitespace its template leaves out),
+train codes per side and chunk kinds per teacher. ``chat_meta`` is what the file metadata and stats.json record of the
 sides: each template (name, source, sha256), turn markers, the train mode.
 """
 
@@ -18,6 +19,7 @@ import pyarrow as pa
 
 from pipelines.align import job_stats
 from tokenbridge.chat import rows
+from tokenbridge.chat.edges import REWRITES, rewrite_kinds
 from tokenbridge.chat.train_flags import picked_messages, side_flags, train_codes
 from tokenbridge.formats import shard_schema as S
 
@@ -60,6 +62,8 @@ def record_batch(
     content_bytes = np.array(
         [len(m.content.encode("utf-8")) for c in convs for m in c.messages], np.int64
     )
+    # the bytes the student's rendering shows: less edge whitespace its template left out
+    content_bytes = content_bytes - s.cut.sum(axis=1) if content_bytes.size else content_bytes
     per_msg = np.where(chosen, content_bytes, 0)
     trained_bytes = np.add.reduceat(per_msg, s.span_splits[:-1]) if per_msg.size else per_msg
     trained_bytes = np.where(np.diff(s.span_splits) > 0, trained_bytes, 0)
@@ -99,7 +103,7 @@ def add_stats(
 ) -> None:
     """Statistics of the rows `keep` [B] of a `ChatBatch` (written as `rec`) into `vec`:
     conversations, tokens, trained tokens and bytes, text chunks by kind, fallbacks, loose
-    content tokens, turn-marker pairs."""
+    content tokens, turn-marker pairs, and per side the contents' rewrites (`edges.REWRITES`)."""
     layout.add(vec, "documents", int(keep.sum()))
     layout.add(vec, "windows", rec.num_rows)
     layout.add(vec, "student_tokens", int(np.diff(batch.student.token_splits)[keep].sum()))
@@ -110,6 +114,11 @@ def add_stats(
     layout.add(vec, "trained_tokens", int(np.count_nonzero(codes)))
     trained = rec.column(S.TRAINED_BYTES_COLUMN).to_numpy(zero_copy_only=False)
     layout.add(vec, "trained_bytes", int(trained.sum()))
+    kinds = []
+    for side in (batch.student, *batch.teachers):
+        kept = np.repeat(keep, np.diff(side.span_splits))
+        kinds.append(np.bincount(rewrite_kinds(side.cut)[kept], minlength=len(REWRITES)))
+    layout.add(vec, "content_rewrites", np.concatenate(kinds))
     for i, p in enumerate(batch.pairs):
         row = np.repeat(np.arange(len(batch)), np.diff(p.chunk_splits))
         mine = keep[row]

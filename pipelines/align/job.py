@@ -474,7 +474,8 @@ def summary_line(stats: dict, out: storage.Location) -> str:
         kinds += (
             f"; conversations {chat['conversations']} ({chat['truncated_conversations']} "
             f"truncated), trained tokens {chat['trained_tokens']}, end-of-turn pairs "
-            f"{chat['eot_pairs']}, loose tokens {chat['loose_tokens']}"
+            f"{chat['eot_pairs']}, loose tokens {chat['loose_tokens']}, contents by edge "
+            f"whitespace left out {chat['content_rewrites']}"
         )
     return (
         f"{out}: {stats['documents']} documents -> {stats['windows']} windows in "

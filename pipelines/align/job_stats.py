@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenbridge.chat.edges import REWRITES
+
 CHUNK_KIND_NAMES = ("1:1", "1:N", "N:1", "N:M")  # student:teacher tokens, alignment.CHUNK_* order
 
 
@@ -49,7 +51,10 @@ class StatsLayout:
             self.slices[name] = slice(at, at + n_teachers)
             at += n_teachers
         self.slices["chunk_kinds"] = slice(at, at + 4 * n_teachers)
-        self.size = at + 4 * n_teachers
+        at += 4 * n_teachers
+        # conversations: contents per side (student, teachers) by rewrite (edges.REWRITES)
+        self.slices["content_rewrites"] = slice(at, at + len(REWRITES) * (1 + n_teachers))
+        self.size = at + len(REWRITES) * (1 + n_teachers)
 
     def zeros(self) -> np.ndarray:
         return np.zeros(self.size, np.int64)
@@ -71,8 +76,12 @@ def chunk_stats(layout: StatsLayout, vec, i: int, kind: np.ndarray, exact: np.nd
     vec[layout.slices["exact_chunks"].start + i] += int(np.count_nonzero(exact[mask]))
 
 
-def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict[str, int]) -> dict:
-    """stats.json: the run's header (tokenizers, config) plus totals over all documents."""
+def final_stats(
+    header: dict, vec: np.ndarray | None, dropped: dict, files: dict[str, int], *, lost: int
+) -> dict:
+    """stats.json: the run's header (tokenizers, config) plus totals over all documents.
+    `dropped`: dead letters by reason; `lost`: how many of them were documents (or input rows,
+    files) that gave no window, the rest being parts of documents that did."""
     n_t = len(header["teachers"])
     layout = StatsLayout(n_t)
     vec = layout.zeros() if vec is None else vec
@@ -103,8 +112,11 @@ def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict
         "uncuttable_spans": layout.scalar(vec, "uncuttable_spans"),
         "dead_letters": int(sum(dropped.values())),
         "drops_by_reason": dict(sorted((k, int(v)) for k, v in dropped.items())),
+        "documents_lost": int(lost),
     }
     if "chat" in header:  # a conversation job: what only conversations have
+        per_side = layout.get(vec, "content_rewrites").reshape(1 + n_t, len(REWRITES))
+        rewrites = [dict(zip(REWRITES, map(int, r))) for r in per_side]
         out["chat"] = {
             **header["chat"],
             "conversations": docs,
@@ -114,5 +126,7 @@ def final_stats(header: dict, vec: np.ndarray | None, dropped: dict, files: dict
             "loose_tokens": [int(x) for x in layout.get(vec, "loose_tokens")],
             "eot_pairs": [int(x) for x in layout.get(vec, "eot_pairs")],
             "open_pairs": [int(x) for x in layout.get(vec, "open_pairs")],
+            # per side, its contents by what its template did to their edge whitespace
+            "content_rewrites": {"student": rewrites[0], "teachers": rewrites[1:]},
         }
     return out

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from pipelines.plumbing.tagged import PARTIAL
 from tokenbridge import urls
 
 # dead-letter reasons (stable strings: they are counter names and stats keys)
@@ -86,8 +87,12 @@ def dead_letter(
     line: int | None = None,
     field: str | None = None,
     doc_id: str | None = None,
+    partial: bool = False,
 ) -> dict:
-    return {
+    """One dead-letter record. `partial`: the document still gave windows and the letter names
+    what of it was skipped (a long document's uncuttable span or failed last pieces); such a
+    letter carries ``"partial": true`` and is not a lost document (`tagged.dead_verdict`)."""
+    record = {
         "file": file,
         "row": row,
         "line": line,
@@ -96,6 +101,7 @@ def dead_letter(
         "reason": reason,
         "detail": detail,
     }
+    return {**record, PARTIAL: True} if partial else record
 
 
 def file_format(path: str) -> str | None:

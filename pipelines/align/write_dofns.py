@@ -87,12 +87,12 @@ class FinalizeDoFn(beam.DoFn):
         files = {name: int(info["rows"]) for name, info in index.items()}
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
-        stats = job_stats.final_stats(header, summary["stats"], dict(summary["dead"]), files)
+        lost = dict(summary["lost"])  # not the letters of long documents that gave windows
+        stats = job_stats.final_stats(
+            header, summary["stats"], dict(summary["dead"]), files, lost=sum(lost.values())
+        )
         why = dead_verdict(
-            stats["documents"],
-            stats["drops_by_reason"],
-            max_fraction=self.max_dead_fraction,
-            unit="documents",
+            stats["documents"], lost, max_fraction=self.max_dead_fraction, unit="documents"
         )
         if why is not None:
             rolling.write_refused(out, stats, why)

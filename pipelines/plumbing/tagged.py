@@ -28,6 +28,8 @@ NAMESPACE = "tokenbridge"
 MAX_DEAD_FRACTION = 0.5
 MAIN = "main"  # tag of a DoFn's main output
 DEAD = "dead_letter"  # tag of the dead-letter outputs
+# a dead letter with this key set names part of an input that still gave output (not a lost one)
+PARTIAL = "partial"
 
 
 def count(name: str, n: int = 1) -> None:
@@ -68,8 +70,9 @@ class TooManyDeadLetters(ValueError):
 
 
 def dead_verdict(good: int, dead: dict[str, int], *, max_fraction: float, unit: str) -> str | None:
-    """None when a run with `good` rows and `dead` dead letters (by reason) may complete; else
-    why not, in one line: the share, the limit, and the three commonest reasons."""
+    """None when a run with `good` rows and `dead` lost ones (by reason: dead letters of inputs
+    that gave no output, `writers.SummaryCombineFn`'s ``lost``) may complete; else why not, in
+    one line: the share, the limit, and the three commonest reasons."""
     n_dead = sum(dead.values())
     total = good + n_dead
     if n_dead == 0 or (good > 0 and n_dead / total <= max_fraction):
@@ -98,7 +101,8 @@ def add_dead_fraction_arg(ap) -> None:
         type=float,
         default=MAX_DEAD_FRACTION,
         help="fail (exit 2, no COMPLETED) when more than this share of the input is dead-lettered "
-        f"(default {MAX_DEAD_FRACTION}); a run where every row died always fails",
+        f"(default {MAX_DEAD_FRACTION}: a wrong field name or format kills most rows, a few "
+        "damaged rows do not); a run where every row died always fails",
     )
 
 

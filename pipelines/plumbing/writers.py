@@ -6,6 +6,11 @@ summary element the finalize step reads.
 the records of the parts leave from ``process``, because Dask drops what ``finish_bundle``
 yields. `SummaryCombineFn` folds part records, statistics vectors and dead-letter counts into
 the single element the job's finalize step gets.
+
+A dead letter either stands for an input lost (a row, a document: it gave no output) or, with
+``"partial": true``, for part of one that still gave output (a long document's skipped span):
+both are counted by reason (``dead``, stats.json's ``drops_by_reason``), the lost ones also
+apart (``lost``), which is what a job's ``--max-dead-fraction`` compares with its output.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import apache_beam as beam
 import numpy as np
 
 from pipelines.plumbing import rolling
+from pipelines.plumbing.tagged import PARTIAL
 
 
 class RollingPartsDoFn(beam.DoFn):
@@ -43,12 +49,14 @@ class RollingPartsDoFn(beam.DoFn):
 
 
 class WriteDeadLettersDoFn(RollingPartsDoFn):
-    """Dead-letter records -> this bundle's rolling jsonl parts; -> ("dead", part, reason)."""
+    """Dead-letter records -> this bundle's rolling jsonl parts; -> ("dead", part, reason,
+    partial)."""
 
     KIND, FMT = "dead", "jsonl"
 
     def process(self, record: dict):
-        yield ("dead", self.parts.write([record]), record["reason"])
+        partial = bool(record.get(PARTIAL, False))
+        yield ("dead", self.parts.write([record]), record["reason"], partial)
 
 
 def _add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
@@ -61,10 +69,17 @@ def _add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
 
 class SummaryCombineFn(beam.CombineFn):
     """Everything the final step needs, in one element: parts with their rows and first key,
-    dead-letter parts, the summed statistics vector, drops by reason."""
+    dead-letter parts, the summed statistics vector, dead letters by reason (all, and only
+    those of lost inputs)."""
 
     def create_accumulator(self):
-        return {"parts": {}, "dead_parts": Counter(), "stats": None, "dead": Counter()}
+        return {
+            "parts": {},
+            "dead_parts": Counter(),
+            "stats": None,
+            "dead": Counter(),
+            "lost": Counter(),
+        }
 
     def add_input(self, acc, item):
         tag = item[0]
@@ -77,8 +92,11 @@ class SummaryCombineFn(beam.CombineFn):
         elif tag == "stats":
             acc["stats"] = _add(acc["stats"], item[1])
         else:
-            acc["dead_parts"][item[1]] += 1
-            acc["dead"][item[2]] += 1
+            _, part, reason, partial = item
+            acc["dead_parts"][part] += 1
+            acc["dead"][reason] += 1
+            if not partial:
+                acc["lost"][reason] += 1
         return acc
 
     def merge_accumulators(self, accs):
@@ -90,6 +108,7 @@ class SummaryCombineFn(beam.CombineFn):
                 q["key"] = min(q["key"], p["key"])
             out["dead_parts"].update(a["dead_parts"])
             out["dead"].update(a["dead"])
+            out["lost"].update(a["lost"])
             out["stats"] = _add(out["stats"], a["stats"])
         return out
 

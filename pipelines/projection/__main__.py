@@ -37,7 +37,8 @@ def default_out(teacher: str, student: str, k: int) -> Path:
     return paths.REPO_ROOT / "outputs" / "projection" / f"{name}.safetensors"
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The job's arguments, ``out`` filled in (`default_out` unless given)."""
     ap = argparse.ArgumentParser(description="sparse vocabulary projection teacher <-> student")
     ap.add_argument("--teacher", required=True, help="teacher tokenizer or model directory")
     ap.add_argument("--student", required=True, help="student tokenizer or model directory")
@@ -47,8 +48,14 @@ def main(argv: list[str] | None = None) -> Path:
     urls.check(args.teacher, where="--teacher", doing="loading a tokenizer from")
     urls.check(args.student, where="--student", doing="loading a tokenizer from")
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a projection to")
-    if urls.is_url(out):
-        storage.exists(out)  # refused credentials fail now, not after the build
+    args.out = storage.location(out) if out else default_out(args.teacher, args.student, args.k)
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path | str:
+    args = parse_args(argv)
+    if urls.is_url(args.out):
+        storage.exists(args.out)  # refused credentials fail now, not after the build
     t0 = time.perf_counter()
     teacher, student = load_tokenizer(args.teacher), load_tokenizer(args.student)
     p = build_projection(
@@ -58,16 +65,15 @@ def main(argv: list[str] | None = None) -> Path:
         teacher_rows=model_rows(args.teacher),
         student_rows=model_rows(args.student),
     )
-    local = default_out(args.teacher, args.student, args.k) if out is None else out
     with tempfile.TemporaryDirectory() as tmp:
-        if urls.is_url(local):
-            local = Path(tmp) / urls.name(out)
-        saved = save_projection(p, local)
+        remote = urls.is_url(args.out)
+        saved = save_projection(p, Path(tmp) / urls.name(args.out) if remote else args.out)
         load_projection(saved, teacher=teacher.info(), student=student.info())  # a bad build
-        if urls.is_url(out):
-            storage.upload(saved, out)
-    print(f"{out or saved}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
-    return out or saved
+        if remote:
+            storage.upload(saved, args.out)
+    out = args.out if remote else saved
+    print(f"{out}: {describe(p)} ({time.perf_counter() - t0:.1f} s)")
+    return out
 
 
 if __name__ == "__main__":

@@ -215,11 +215,9 @@ class FinalizeCacheDoFn(beam.DoFn):
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         files = {name: int(info["rows"]) for name, info in index.items()}
         stats = cache_stats(self.header, self.meta, summary["stats"], index, dict(summary["dead"]))
+        # every dead letter here is a row without outputs (none is partial)
         why = dead_verdict(
-            stats["rows"],
-            stats["drops_by_reason"],
-            max_fraction=self.max_dead_fraction,
-            unit="rows",
+            stats["rows"], dict(summary["lost"]), max_fraction=self.max_dead_fraction, unit="rows"
         )
         if why is not None:
             rolling.write_refused(out, stats, why)

@@ -195,6 +195,9 @@ def test_stats_name_templates_and_count_dead_letters(job, pair_paths):
     assert chat["truncated_conversations"] == 1 and chat["long_conversations"] == "keep_suffix"
     assert chat["eot_pairs"] == chat["open_pairs"] and chat["eot_pairs"][0] > n_rows
     assert chat["loose_tokens"] == [0]
+    n_msgs = sum(len(m) for m in job["expect"].values()) + 3  # the long one: system + a round
+    untouched = {"none": n_msgs, "lstrip": 0, "rstrip": 0, "trim": 0}
+    assert chat["content_rewrites"] == {"student": untouched, "teachers": [untouched]}
     assert on_disk["chat_meta"]["teachers"][0]["markers"]["close"] == ["<end_of_turn>"]
     # dead letters: file, row, field, reason of each; counted by reason
     want = [("a.jsonl", 8 + k, field, reason) for k, (_, reason, field) in enumerate(BAD_ROWS)]
@@ -211,9 +214,9 @@ def test_stats_name_templates_and_count_dead_letters(job, pair_paths):
     assert stats["drops_by_reason"] == by_reason == on_disk["drops_by_reason"]
 
 
-DROP_SYSTEM_TRIM = (  # a ChatML that leaves out system turns and trims contents
+DROP_SYSTEM_TRIM = (  # a ChatML that leaves out system turns, trims contents, replaces tabs
     "{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n"
-    "{{ m.content | trim }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{{ m.content | trim | replace('\t', ' ') }}<|im_end|>\n{% endif %}{% endfor %}"
 )
 
 
@@ -228,7 +231,8 @@ def test_template_refusals_and_too_long_on_the_dofn(student_dir):
     convs = [
         [("user", "Who?"), ("assistant", "Bernardo.")],  # written
         [("system", "Be brief."), ("user", "Who?"), ("assistant", "Bernardo.")],  # dropped
-        [("user", " Who? "), ("assistant", "Bernardo.")],  # trimmed: rewritten
+        [("user", " Who? "), ("assistant", "Bernardo.\n")],  # trimmed: located, written
+        [("user", "Who?\tYou?"), ("assistant", "Bernardo.")],  # a tab replaced: rewritten
         [("user", "Who?"), ("assistant", " ".join(["Bernardo."] * 40))],  # > 64 tokens
     ]
     batch = RowBatch("f.jsonl", [
@@ -237,14 +241,22 @@ def test_template_refusals_and_too_long_on_the_dofn(student_dir):
     ])  # fmt: skip
     out = list(fn.process(batch))
     written = [w for tag, w in out if tag == "main"]
-    assert sum(w.batch.num_rows for w in written) == 1
-    assert written[0].batch.column("doc_id").to_pylist() == ["f.jsonl:0"]
+    assert [d for w in written for d in w.batch.column("doc_id").to_pylist()] == [
+        "f.jsonl:0",
+        "f.jsonl:2",
+    ]
     dead = sorted((d["row"], d["reason"], d["field"]) for tag, d in out if tag != "main")
     assert dead == [
         (1, R.TEMPLATE_DROPPED, "messages[0].content"),
-        (2, R.TEMPLATE_REWROTE, "messages"),
-        (3, R.TOO_LONG, "messages"),
+        (3, R.TEMPLATE_REWROTE, "messages"),
+        (4, R.TOO_LONG, "messages"),
     ]
     details = {d["row"]: d["detail"] for tag, d in out if tag != "main"}
     assert details[1].startswith("teacher0") and "message 0 (system)" in details[1]
-    assert "--long-conversations keep_suffix" in details[3]
+    assert "--long-conversations keep_suffix" in details[4]
+    # per side, which contents lost edge whitespace: the teacher's " Who? " (both edges) and
+    # "Bernardo.\n" (its end); the student's template keeps every content whole
+    rewrites = sum(fn.layout.get(w.stats, "content_rewrites") for w in written).reshape(2, 4)
+    assert rewrites.tolist() == [[4, 0, 0, 0], [2, 0, 1, 1]]  # none, lstrip, rstrip, trim
+    trained = [b for w in written for b in w.batch.column(S.TRAINED_BYTES_COLUMN).to_pylist()]
+    assert trained == [len("Bernardo."), len("Bernardo.\n")]  # as the student sees them

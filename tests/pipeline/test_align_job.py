@@ -181,6 +181,7 @@ def test_malformed_inputs_go_to_dead_letters_and_counters(tmp_path, pair_paths, 
     assert sorted({r["doc_id"] for r in ss.table().to_pylist()}) == ["good.txt", "records.jsonl:0"]
     stats = ss.stats()
     assert stats["drops_by_reason"] == by_reason and stats["dead_letters"] == len(expected)
+    assert stats["documents_lost"] == len(expected)  # each letter here is a whole input lost
     lines = [json.loads(x) for x in (cfg.out / S.DEAD_LETTER_FILE).read_text().splitlines()]
     got = [(d["file"].rsplit("/", 1)[-1], d["reason"], d["row"]) for d in lines]
     assert sorted(got, key=str) == sorted(expected, key=str)
@@ -274,7 +275,8 @@ def test_prepare_out_dir_and_input_matching(tmp_path):
 def test_a_job_over_mostly_bad_rows_fails_with_no_completed(tmp_path, pair_paths, capsys):
     """Every row dead: exit 2 (one line naming the top reason), stats.json says why, no
     COMPLETED, the shards are refused; a run over the same rows plus good ones completes when
-    the limit allows it, and fails by default when they are the minority."""
+    the limit allows it, and fails by default when they are the minority. In this process
+    (``--direct_num_workers 1``): the tokenizers are loaded once, not by each worker."""
     from pipelines.plumbing.tagged import TooManyDeadLetters
     from tokenbridge import cli
 
@@ -284,7 +286,14 @@ def test_a_job_over_mostly_bad_rows_fails_with_no_completed(tmp_path, pair_paths
     (data / "rows.jsonl").write_text("".join(json.dumps({"body": i}) + "\n" for i in range(3)))
     out = tmp_path / "out"
     argv = ["--data", f"{data}/*.jsonl", "--teacher", t, "--student", s, "--out", str(out)]
-    argv += ["--max-student-tokens", "16", "--max-teacher-tokens", "16"]
+    argv += [
+        "--max-student-tokens",
+        "16",
+        "--max-teacher-tokens",
+        "16",
+        "--direct_num_workers",
+        "1",
+    ]
     code = cli.run(J.main, [*argv, "--max-dead-fraction", "1"], prog="align")
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenbridge align")]
     assert code == 2 and len(err) == 1, err  # one line (the job's own log lines aside)
@@ -302,7 +311,29 @@ def test_a_job_over_mostly_bad_rows_fails_with_no_completed(tmp_path, pair_paths
     with pytest.raises(TooManyDeadLetters, match=r"3 of 4 documents .*75% > .* 0.5"):
         J.run(argv)  # the default limit
     stats = J.run([*argv, "--max-dead-fraction", "0.8"])
-    assert stats["documents"] == 1 and stats["dead_letters"] == 3
+    assert stats["documents"] == 1 and stats["dead_letters"] == stats["documents_lost"] == 3
     assert (out / S.COMPLETED_MARKER).is_file() and "refused" not in stats
     with pytest.raises(ValueError, match=r"--max-dead-fraction 1.5: expected a share in \[0, 1\]"):
         J.run([*argv, "--overwrite", "--max-dead-fraction", "1.5"])
+
+
+def test_a_long_document_that_kept_windows_is_not_a_lost_one(tmp_path, pair_paths, pair_tokenizers):
+    """A document cut in pieces, each with a span too long for the window: every piece leaves a
+    dead letter for its skipped span, yet the document gave windows. The letters are partial,
+    no document is lost, and the run completes at the default limit (it failed when each
+    letter counted as a dead document: 3 or more of 4 or more)."""
+    t, s = pair_paths
+    window = WindowConfig(max_student_tokens=8, max_teacher_tokens=8)
+    filler = "A plain English sentence about nothing much. " * 3
+    text = "".join(f"{filler}{_uncuttable(pair_tokenizers, window)}\n" for _ in range(4))
+    (tmp_path / "long.txt").write_text(text)
+    out = tmp_path / "out"
+    argv = ["--data", str(tmp_path / "long.txt"), "--teacher", t, "--student", s]
+    argv += ["--out", str(out), "--max-student-tokens", "8", "--max-teacher-tokens", "8"]
+    argv += ["--piece-chars", "400", "--piece-overlap", "50", "--direct_num_workers", "1"]
+    stats = J.run(argv)
+    assert stats["documents"] == stats["long_documents"] == 1 and stats["windows"] > 0
+    assert stats["documents_lost"] == 0 and stats["dead_letters"] >= 3 > stats["documents"]
+    letters = [json.loads(x) for x in (out / S.DEAD_LETTER_FILE).read_text().splitlines()]
+    assert {(d["reason"], d["partial"]) for d in letters} == {("uncuttable_document", True)}
+    assert (out / S.COMPLETED_MARKER).is_file()

@@ -18,11 +18,11 @@ import pytest
 import torch
 from dask.distributed import LocalCluster
 
-from pipelines.plumbing.tagged import TooManyDeadLetters
 from pipelines.teacher_cache import job as J
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
 from tests.e2e.helpers import shakespeare_docs, write_shards
+from tokenbridge import cli
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
 from tokenbridge.teacher.outputs import TeacherOutputSpec
@@ -153,7 +153,9 @@ def _with_bad_ids(inputs, name: str, bad_rows: list[int]) -> list[str]:
     return [a if a != str(inputs["shards"]) else str(d) for a in inputs["base"]]
 
 
-def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(inputs, fn_cache, student_dir):
+def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(
+    inputs, fn_cache, student_dir, capsys
+):
     fn_dir, _ = fn_cache
     with pytest.raises(FileExistsError, match="--overwrite"):
         J.run([*inputs["base"], "--out", str(fn_dir)])
@@ -161,20 +163,20 @@ def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(inputs, fn_cac
     assert stats["rows"] == 2 and stats["drops_by_reason"] == {"id_out_of_range": 1}
     dead = (inputs["tmp"] / "badcache" / S.DEAD_LETTER_FILE).read_text().splitlines()
     assert json.loads(dead[0])["row"] == 1 and "60000" in json.loads(dead[0])["detail"]
-    # every row bad: the job fails (exit 2 through the CLI), stats.json says why, no COMPLETED
+    # every row bad: the command exits 2 with one line naming the reason, stats.json says why,
+    # no COMPLETED (even with the limit at 1), the cache files stay to look at
     out = inputs["tmp"] / "worsecache"
-    with pytest.raises(TooManyDeadLetters, match=r"3 of 3 rows .*every one.*id_out_of_range 3"):
-        J.run(
-            [
-                *_with_bad_ids(inputs, "worse", [0, 1, 2]),
-                "--out",
-                str(out),
-                "--max-dead-fraction",
-                "1",
-            ]
-        )
+    argv = [*_with_bad_ids(inputs, "worse", [0, 1, 2]), "--out", str(out)]
+    capsys.readouterr()
+    assert cli.run(J.main, [*argv, "--max-dead-fraction", "1"], prog="teacher_cache") == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenbridge")]
+    assert len(err) == 1 and err[0].startswith(
+        f"tokenbridge teacher_cache: TooManyDeadLetters: {out}: 3 of 3 rows went to the dead "
+        "letters (every one); top reasons: id_out_of_range 3; no COMPLETED written"
+    ), err
     refused = json.loads((out / "stats.json").read_text())["refused"]
     assert not (out / "COMPLETED").exists() and "id_out_of_range 3" in refused
+    assert len((out / S.DEAD_LETTER_FILE).read_text().splitlines()) == 3
 
 
 def test_sampled_ids_follow_the_teacher_and_not_the_batching():

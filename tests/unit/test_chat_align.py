@@ -312,3 +312,76 @@ def test_the_flat_batch_is_what_the_rows_view(smol, teachers):
         cat = np.concatenate([r.pairs[p].teacher_chunk for r in rows_])
         assert np.array_equal(cat, batch.pairs[p].teacher_chunk)
     assert batch.results()[1].reason == rows.TEMPLATE_ERROR
+
+
+# ---------------------------------------------------------------- templates that trim contents
+
+EDGY = conv(  # real-world edge whitespace: spaces, newlines, tabs, an ideographic space
+    ("system", "\n  You answer in the words of the play.\t"),
+    ("user", " Who's there?\n"),
+    ("assistant", "  Nay, answer me: stand, and unfold yourself.\n\n"),
+    ("user", "\tLong live the king!"),
+    ("assistant", "\n\tBernardo?  "),
+    ("user", "\u3000誰だ？ Wer da?\n"),
+    ("assistant", "¿Quién vive? You come most carefully upon your hour. \u3000\t\n"),
+)
+
+
+def _core_bytes(side, k: int, content: str) -> tuple[int, int]:
+    """Byte span of content k less its edge whitespace, in the side's rendering."""
+    core = content.strip().encode()
+    a = len(side.text[: side.spans[k, 0]].encode())
+    lead = len(content.encode()) - len(content.lstrip().encode())
+    start = a + lead - int(side.cut[k, 0])  # the leading whitespace it shows, then the core
+    assert side.text.encode()[start : start + len(core)] == core
+    return start, start + len(core)
+
+
+def test_llama3_trims_contents_the_other_side_keeps(smol, teachers, template_fixture):
+    """Llama 3.1's official template trims every content; SmolLM2's ChatML keeps it whole. Either
+    side as the student: no conversation is refused, every assistant content's trimmed bytes are
+    trained, and the text both sides contain is aligned; whitespace only one side sees is in no
+    chunk (trained by the student's ordinary rule) and not counted as loose."""
+    l31 = templates.named_template(template_fixture("meta-llama-Llama-3.1-8B-Instruct"))
+    llama = prepare_side(teachers["llama3"].tokenizer, l31)
+    convs = [EDGY, TRICKY, SINGLE, MULTI]
+    for student, teacher in ((smol, llama), (llama, smol)):
+        for c, res in zip(convs, run(convs, student, teacher)):
+            assert not isinstance(res, DeadLetter), res
+            check_pair(res, c, student, teacher, 0)
+            s, t, pair = res.student, res.teachers[0], res.pairs[0]
+            trims = (s if student is llama else t).cut
+            assert trims.any() == (c is not SINGLE and c is not MULTI)
+            assert not (t if student is llama else s).cut.any()
+            loose = 0
+            for k, m in enumerate(c.messages):
+                chunked = []
+                for side, chunk in ((s, pair.student_chunk), (t, pair.teacher_chunk)):
+                    a, b = _core_bytes(side, k, m.content)
+                    mine = (side.message == k) & (side.kind == TOKEN_CONTENT)
+                    over = mine & (side.byte_offsets[:, 0] < b) & (side.byte_offsets[:, 1] > a)
+                    # tokens wholly in whitespace this side alone sees: no chunk, not loose
+                    assert np.all(chunk[mine & ~over] == -1)
+                    loose += int(np.count_nonzero(over & (chunk < 0)))
+                    if side is s and m.role == "assistant":  # every trimmed byte is trained
+                        covered = np.zeros(b - a, bool)
+                        for x, y in side.byte_offsets[res.train & over]:
+                            covered[max(x, a) - a : min(y, b) - a] = True
+                        assert covered.all(), (k, m.content)
+                    if side is s:  # one-side whitespace is trained as the turn's other tokens
+                        assert np.all(res.train[mine] == (m.role == "assistant"))
+                    done = np.zeros(b - a, bool)
+                    for x, y in side.byte_offsets[over & (chunk >= 0)]:
+                        done[x - a : y - a] = True
+                    chunked.append(done)
+                # the same bytes of the trimmed text are chunked on both sides, in one run: all
+                # of them but a first / last word glued to whitespace only one side sees
+                assert np.array_equal(chunked[0], chunked[1]), (k, m.content)
+                at = np.flatnonzero(chunked[0])
+                assert at.size == 0 or at.size == at[-1] - at[0] + 1
+                words = m.content.strip().encode().split()
+                inner = (
+                    chunked[0][len(words[0]) : chunked[0].size - len(words[-1])] if words else []
+                )
+                assert np.all(inner), (k, m.content)
+            assert pair.loose == loose

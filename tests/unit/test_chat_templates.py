@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from tokenbridge import paths
 from tokenbridge.chat import rows, templates
 from tokenbridge.chat.render import render_conversation
 from tokenbridge.chat.rows import Conversation, DeadLetter, Message
@@ -135,13 +136,97 @@ def test_gguf_templates(vocab_fixture):
 TRIM = ChatTemplate(
     "trim", "file", "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}{% endfor %}"
 )
+EDGES = {  # name -> (filter, what the model sees of a content)
+    "trim": ("trim", str.strip),
+    "lstrip": ("string).lstrip(", str.lstrip),  # a method call: `(content | string).lstrip()`
+    "rstrip": ("string).rstrip(", str.rstrip),
+}
+# leading/trailing spaces, newlines, tabs, an ideographic space (3 UTF-8 bytes), a content of
+# whitespace only, an empty one, and one with inner whitespace only
+WHITESPACE = conv(
+    ("system", "\n\tBe brief.  "),
+    ("user", "  Who's there?\n"),
+    ("assistant", "\n\nNay, answer me:\tstand. \u3000"),
+    ("user", " \n "),
+    ("assistant", "Long  live\n\nthe king!"),
+    ("user", ""),
+    ("assistant", "\t"),
+)
 
 
-def test_a_template_that_rewrites_content_is_refused():
+def _edge_template(name: str) -> ChatTemplate:
+    f = EDGES[name][0]
+    write = "m['content'] | trim" if f == "trim" else f"(m['content'] | {f})"
+    return ChatTemplate(name, "file", "{% for m in messages %}<{{ m.role }}>\n{{ " + write +
+                        " }}<end>\n{% endfor %}")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(EDGES))
+def test_edge_whitespace_left_out_is_located_byte_for_byte(name):
+    shown = EDGES[name][1]
+    r = render(WHITESPACE, _edge_template(name))
+    assert not isinstance(r, DeadLetter), r
+    for (a, b), (lead, trail), m in zip(r.spans.tolist(), r.cut.tolist(), WHITESPACE.messages):
+        seen = shown(m.content)
+        assert r.text[a:b] == seen
+        assert r.text[a - 1] == "\n" and r.text[b : b + 5] == "<end>"  # nothing else moved
+        # the bytes left out, leading and trailing, are the content's edges
+        raw = m.content.encode()
+        assert raw[lead : len(raw) - trail] == seen.encode() or seen == ""
+        assert lead + trail + len(seen.encode()) == len(raw)
+    assert r.cut[2].tolist() == {"trim": [2, 4], "lstrip": [2, 0], "rstrip": [0, 4]}[name]
+
+
+def test_official_templates_that_trim(template_fixture):
+    """Llama 3.1/3.2 and Gemma 2 as their models ship them: each content is located as the
+    template writes it, trimmed; a tool result Llama writes as JSON is another rewrite."""
+    c = Conversation(WHITESPACE.messages[1:5])  # Gemma 2: no system turn, user first
+    for model in paths.TEMPLATE_MODELS:
+        tpl = templates.named_template(template_fixture(model))
+        r = render(c, tpl, bos="<bos>")
+        assert not isinstance(r, DeadLetter), (model, r)
+        for (a, b), m in zip(r.spans.tolist(), c.messages):
+            assert r.text[a:b] == m.content.strip()
+        assert r.cut.tolist() == [[2, 1], [2, 4], [3, 0], [0, 0]]
+    llama = templates.named_template(template_fixture(paths.TEMPLATE_MODELS[0]))
+    s = render(WHITESPACE, llama)  # the system text too: Llama writes it after its own header
+    assert s.text[s.spans[0, 0] : s.spans[0, 1]] == "Be brief." and s.cut[0].tolist() == [2, 2]
+    tool = render(conv(("user", "Temp?"), ("tool", 'Says "12 C"'), ("assistant", "Mild.")), llama)
+    assert tool.reason == rows.TEMPLATE_REWROTE and "not verbatim" in tool.detail
+
+
+def test_other_rewrites_and_ambiguous_whitespace_are_refused():
     ok = conv(("user", "Hi"), ("assistant", "Hello"))
     spans_ok(render(ok, TRIM), ok)  # trim of a content without edge spaces is no rewrite
-    bad = render(conv(("user", " Hi "), ("assistant", "Hello")), TRIM)
-    assert bad.reason == rows.TEMPLATE_REWROTE and "changes with the contents" in bad.detail
+    assert render(ok, TRIM).cut is None
+    for write in (
+        "m.content | trim | replace('\t', ' ')",  # inside the markers too
+        "m.content | trim }}{% if m.content.startswith(' ') %}!{% endif %}{{ ''",
+    ):
+        both = ChatTemplate("trim+", "file", "{% for m in messages %}<{{ m.role }}>{{ " + write +
+                            " }}{% endfor %}")  # fmt: skip
+        bad = render(conv(("user", " Hi\tthere "), ("assistant", "Hello")), both)
+        assert bad.reason == rows.TEMPLATE_REWROTE, write
+    assert (
+        "changes with the contents" in bad.detail
+        and "verbatim or less edge whitespace" in bad.detail
+    )
+    dots = ChatTemplate(
+        "dots", "file", "{% for m in messages %}{{ m.content.strip('.') }}|{% endfor %}"
+    )
+    assert render(conv(("assistant", "..Yes..")), dots).reason == rows.TEMPLATE_REWROTE
+    # untrimmed "a " then a trimmed " b" around one space: which side owns which space?
+    amb = ChatTemplate(
+        "amb",
+        "file",
+        "{% for m in messages %}{{ m.content if loop.first else m.content | trim }} {% endfor %}",
+    )
+    dead = render(conv(("user", "a "), ("assistant", " b")), amb)
+    assert dead.reason == rows.TEMPLATE_REWROTE and "ambiguous" in dead.detail
+    spans_ok(
+        render(conv(("user", "a"), ("assistant", " b")), amb),
+        conv(("user", "a"), ("assistant", "b")),
+    )
 
 
 def test_content_dependent_templates_are_refused():

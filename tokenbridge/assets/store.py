@@ -13,7 +13,9 @@ file) and the members they want; this module does the rest the same way for all 
   `pip download` of an sdist would build its metadata (its build backend, with unpinned build
   dependencies) before any check of ours;
 - `read_members` / `extract` read wheels (zip) and sdists (tar.gz) member by member, in one
-  pass; a member whose normalised path would leave the target directory is refused;
+  pass, and only ever write regular files: an archive with a member whose normalised path is
+  absolute or climbs out (``..``), or a link (symbolic or hard) pointing outside the archive, is
+  refused as a whole; a link that stays inside is skipped, never created;
 - `staged` gives a temporary sibling of the final path to write into, renamed into place only
   when the write succeeded, so a failed or interrupted write never leaves a partial file or
   directory at the final path.
@@ -28,6 +30,7 @@ import json
 import os
 import posixpath
 import shutil
+import stat
 import tarfile
 import time
 import urllib.parse
@@ -63,10 +66,6 @@ class Dist:
     version: str
     filename: str
     sha256: str
-
-    @property
-    def sdist(self) -> bool:
-        return self.filename.endswith(".tar.gz")
 
     @property
     def spec(self) -> str:
@@ -184,7 +183,8 @@ def same_dir(a: Path, b: Path) -> bool:
 
 # ---------------------------------------------------------------- downloads
 
-Downloader = Callable[[Dist, Path], None]
+# writes the pinned file into the directory it is given; returns where it came from (a URL)
+Downloader = Callable[[Dist, Path], "str | None"]
 
 
 INDEX_URL = "https://pypi.org/simple"  # PEP 691 JSON; TOKENBRIDGE_INDEX_URL overrides it
@@ -220,12 +220,14 @@ def file_url(dist: Dist) -> str:
     raise AssetError(f"{index_url()}/{project}/ does not list {dist.filename} ({dist.spec})")
 
 
-def index_download(dist: Dist, directory: Path) -> None:
-    """The pinned file, fetched as bytes from the index into `directory` (nothing is run)."""
+def index_download(dist: Dist, directory: Path) -> str:
+    """The pinned file, fetched as bytes from the index into `directory` (nothing is run);
+    returns its URL."""
     url = file_url(dist)
-    log(f"download {dist.filename}")
+    log(f"download {dist.filename} from {url}")
     with _open(url) as r, open(directory / dist.filename, "wb") as out:
         shutil.copyfileobj(r, out, 1 << 22)
+    return url
 
 
 def fetch(dist: Dist, *, download: Downloader = index_download) -> Path:
@@ -238,12 +240,13 @@ def fetch(dist: Dist, *, download: Downloader = index_download) -> Path:
     tmp = tmp_path(dest)
     tmp.mkdir()
     try:
-        download(dist, tmp)
+        source = download(dist, tmp) or "its downloader"
         got = tmp / dist.filename
         if not got.is_file():
             found = sorted(p.name for p in tmp.iterdir())
             raise AssetError(f"downloading {dist.spec} gave {found}, not {dist.filename}")
-        hint = f"the download of {dist.spec} was refused"
+        # checked before anything opens it: a tampered file is never unpacked, let alone run
+        hint = f"the download of {dist.spec} from {source} was refused"
         check_sha256(got, dist.sha256, name=str(dest), hint=hint)
         os.replace(got, dest)  # only a checked file ever takes the final name
     finally:
@@ -255,23 +258,32 @@ def fetch(dist: Dist, *, download: Downloader = index_download) -> Path:
 
 
 def read_members(archive: Path, select: Callable[[str], bool]) -> Iterator[tuple[str, IO[bytes]]]:
-    """(name, readable file) for each regular file of a wheel or sdist that `select` accepts.
+    """(normalised name, readable file) for each regular file of a wheel or sdist that `select`
+    accepts (given the normalised name).
 
     One pass in archive order: a tar.gz cannot seek backwards without decompressing again, so
-    members are read while the archive streams by.
+    members are read while the archive streams by. Every member is checked as it passes
+    (`_member_path`, `_check_link`), selected or not: an archive built to write outside its
+    target is refused as a whole, at the first such member.
     """
     if zipfile.is_zipfile(archive):
         with zipfile.ZipFile(archive) as z:
             for info in z.infolist():
-                if not info.is_dir() and select(info.filename):
+                name = _member_path(archive, info.filename)
+                if stat.S_ISLNK(info.external_attr >> 16):  # a symlink, as unix zip stores one
+                    _check_link(archive, name, z.read(info).decode("utf-8", "replace"))
+                elif not info.is_dir() and select(name):
                     with z.open(info) as src:
-                        yield info.filename, src
+                        yield name, src
         return
     with tarfile.open(archive) as tar:
         for member in tar:
-            if member.isfile() and select(member.name):
+            name = _member_path(archive, member.name)
+            if member.issym() or member.islnk():
+                _check_link(archive, name, member.linkname, hard=member.islnk())
+            elif member.isfile() and select(name):
                 with tar.extractfile(member) as src:
-                    yield member.name, src
+                    yield name, src
 
 
 def _member_path(archive: Path, name: str) -> str:
@@ -282,6 +294,17 @@ def _member_path(archive: Path, name: str) -> str:
     if name.startswith(("/", "\\")) or norm == ".." or norm.startswith("../") or drive:
         raise AssetError(f"{archive.name}: member {name!r} would land outside the target")
     return norm
+
+
+def _check_link(archive: Path, name: str, target: str, *, hard: bool = False) -> None:
+    """Refuse a link member whose target leaves the archive's root. Links are never created
+    (only regular files are written), so this refuses an archive built to attack an extractor
+    rather than guarding our own writes. A symlink's target is relative to its own folder, a
+    tar hard link's to the archive's root."""
+    base = "" if hard else posixpath.dirname(name)
+    resolved = posixpath.normpath(posixpath.join(base, target))
+    if target.startswith(("/", "\\")) or resolved == ".." or resolved.startswith("../"):
+        raise AssetError(f"{archive.name}: link {name!r} -> {target!r} points outside the target")
 
 
 def _key_of(name: str, wanted: Mapping[str, str]) -> str | None:
@@ -301,9 +324,7 @@ def extract(archive: Path, wanted: Mapping[str, str], directory: Path) -> int:
     found: set[str] = set()
     count = 0
     root = directory.resolve()
-    picked = lambda n: _key_of(_member_path(archive, n), wanted) is not None  # noqa: E731
-    for name, src in read_members(archive, picked):
-        name = _member_path(archive, name)
+    for name, src in read_members(archive, lambda n: _key_of(n, wanted) is not None):
         key = _key_of(name, wanted)
         found.add(key)
         out = directory / (wanted[key] + name[len(key) :])

@@ -125,6 +125,7 @@ class SideTokens:
     message: np.ndarray  # int32 [n]: message index (turn), -1 between turns
     role: np.ndarray  # int8 [n]: rows.ROLE_ID of that message, -1
     kind: np.ndarray  # int8 [n]: markers.TOKEN_* (scaffold, content, open, close)
+    cut: np.ndarray  # int64 [m, 2]: bytes of each content's edge whitespace not in text
 
 
 @dataclass(frozen=True)
@@ -141,13 +142,14 @@ class SideBatch:
     role: np.ndarray  # int8 [N]
     kind: np.ndarray  # int8 [N]
     token_splits: np.ndarray  # int64 [B + 1]
+    cut: np.ndarray  # int64 [M, 2]: UTF-8 bytes of edge whitespace left out (Rendering.cut)
 
     def row(self, b: int) -> SideTokens:
         lo, hi = int(self.token_splits[b]), int(self.token_splits[b + 1])
         m0, m1 = int(self.span_splits[b]), int(self.span_splits[b + 1])
         return SideTokens(self.texts[b], self.spans[m0:m1], self.ids[lo:hi], self.offsets[lo:hi],
                           self.byte_offsets[lo:hi], self.message[lo:hi], self.role[lo:hi],
-                          self.kind[lo:hi])  # fmt: skip
+                          self.kind[lo:hi], self.cut[m0:m1])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class PairChunks:
     chunk_message: np.ndarray  # int32 [C]
     chunk_exact: np.ndarray  # bool [C]
     fallback_regions: int
-    loose: int  # content tokens (both sides) left outside every chunk (straddles)
+    loose: int  # tokens over text both sides contain, left outside every chunk (straddles)
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,7 @@ def _side_batch(convs, renderings, tok: RenderedBatch, lay) -> SideBatch:
     spans = np.concatenate([r.spans for r in renderings]) if renderings else np.zeros((0, 2))
     return SideBatch([r.text for r in renderings], spans.astype(np.int64), tok.span_splits,
                      tok.ids, tok.offsets, tok.byte_offsets, lay.message, role, lay.kind,
-                     tok.token_splits)  # fmt: skip
+                     tok.token_splits, tok.cut_bytes)  # fmt: skip
 
 
 def align_conversations(

@@ -63,6 +63,7 @@ class RenderedBatch:
     span_bytes: np.ndarray  # int64 [M, 2]: each content's byte span in its rendering
     span_splits: np.ndarray  # int64 [B + 1]
     byte_base: np.ndarray  # int64 [B + 1]
+    cut_bytes: np.ndarray  # int64 [M, 2]: edge whitespace the rendering left out (Rendering.cut)
 
     def __len__(self) -> int:
         return self.token_splits.size - 1
@@ -176,5 +177,9 @@ def encode_renderings(
     span_chars = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
     span_row = np.repeat(np.arange(n_r), np.diff(span_splits))
     span_bytes = c2b[char_base[span_row, None] + span_chars] - byte_base[span_row, None]
+    cuts = [np.zeros((s.shape[0], 2), np.int64) if r.cut is None else r.cut
+            for r, s in zip(renderings, spans)]  # fmt: skip
+    cut_bytes = np.concatenate(cuts) if cuts else np.zeros((0, 2), np.int64)
     return RenderedBatch(ids, offsets, byte_offsets, special, lossless, nonspace, token_splits,
-                         span_bytes.reshape(-1, 2), span_splits, byte_base)  # fmt: skip
+                         span_bytes.reshape(-1, 2), span_splits, byte_base,
+                         cut_bytes.astype(np.int64))  # fmt: skip

@@ -67,9 +67,14 @@ class Layout:
     close: np.ndarray  # int64 [M, 2]: whitespace + close marker after message k
 
 
-def _ranges(tok: RenderedBatch) -> tuple[np.ndarray, np.ndarray]:
-    """Per message: tokens overlapping the content, tokens inside it (see module docstring)."""
+def token_ranges(tok: RenderedBatch, span_bytes: np.ndarray | None = None):
+    """Per message: tokens overlapping the content, tokens inside it (see module docstring).
+
+    span_bytes: int64 [M, 2] byte spans in each rendering to use instead of the contents' own
+    (`tokenbridge.chat.pairs`: the part of a content both sides of a pair contain)."""
     g, span = tok.global_bytes()
+    if span_bytes is not None:
+        span = span_bytes + (span - tok.span_bytes)
     bs, be = g[:, 0], g[:, 1]
     s, e = span[:, 0], span[:, 1]
     row = np.repeat(np.arange(len(tok)), np.diff(tok.span_splits))
@@ -121,7 +126,7 @@ def layout(tok: RenderedBatch, markers: TemplateMarkers, tables) -> Layout:
     """Content tokens, turn markers and message ids of every conversation of a batch."""
     is_open_id, is_close_id = tables
     n, m = tok.ids.size, tok.span_bytes.shape[0]
-    content, inside = _ranges(tok)
+    content, inside = token_ranges(tok)
     g0, g1, prev, nxt = _gaps(tok, content)
     # the close of the message before a gap: its first non-space token, if a close id
     nonspace = np.flatnonzero(tok.nonspace)
@@ -156,7 +161,7 @@ def layout(tok: RenderedBatch, markers: TemplateMarkers, tables) -> Layout:
 
 def markers_from_probe(tok: RenderedBatch, text: str) -> TemplateMarkers:
     """Learn open/close ids from a one-rendering probe whose messages alternate turns."""
-    content, _ = _ranges(tok)
+    content, _ = token_ranges(tok)
     m, n = content.shape[0], tok.ids.size
     opens, closes = set(), set()
     for k in range(1, m + 1):

@@ -8,6 +8,11 @@ the chunks of message k come as a block, in text order on both sides:
 
 so chunk ids are non-decreasing along both sides and every id is present on both.
 
+What is aligned of a content is the text both sides contain: a template that leaves out a
+content's edge whitespace (``| trim``, `tokenbridge.chat.edges`) shows its model less of it, and
+the whitespace only one side sees is treated like that side's scaffolding: no chunk, trained or
+not by the student's ordinary rule (`tokenbridge.chat.train_flags`), never counted as loose.
+
 Straddling tokens: a token whose bytes cross a content's edge belongs to no chunk. A content's
 text chunks run between the first and the last byte positions of the content that are token
 boundaries on **both** sides, so chunk text stays byte-equal; tokens outside that range get
@@ -23,7 +28,7 @@ import numpy as np
 
 from tokenbridge.alignment.chunks import align_flat
 from tokenbridge.chat.encode import RenderedBatch
-from tokenbridge.chat.markers import TOKEN_CONTENT, Layout, fill_ranges
+from tokenbridge.chat.markers import Layout, fill_ranges, token_ranges
 from tokenbridge.formats.shard_schema import CHUNK_EOT, CHUNK_OPEN
 
 
@@ -40,15 +45,36 @@ class PairBatch:
     chunk_message: np.ndarray  # int32 [C]: message index within the conversation
     chunk_exact: np.ndarray  # bool [C]
     fallback_regions: np.ndarray  # int32 [B]: DP-fallback regions of the aligner
-    loose: np.ndarray  # int32 [B]: content tokens (both sides) outside every chunk
+    loose: np.ndarray  # int32 [B]: tokens over text both sides contain, in no chunk (straddles)
 
 
-def _common_one(s: RenderedBatch, ls: Layout, t: RenderedBatch, lt: Layout, k: int):
+def shared_spans(span_bytes: np.ndarray, cut: np.ndarray, other_cut: np.ndarray) -> np.ndarray:
+    """int64 [M, 2]: each content's byte span in one side's rendering less the edge whitespace
+    only the other side left out (`RenderedBatch.cut_bytes` of both): the text both contain."""
+    lead = np.maximum(cut[:, 0], other_cut[:, 0]) - cut[:, 0]
+    trail = np.maximum(cut[:, 1], other_cut[:, 1]) - cut[:, 1]
+    a = np.minimum(span_bytes[:, 0] + lead, span_bytes[:, 1])
+    return np.stack([a, np.maximum(span_bytes[:, 1] - trail, a)], axis=1)
+
+
+def _shared(s: RenderedBatch, ls: Layout, t: RenderedBatch, lt: Layout):
+    """Per side: (byte spans both sides contain, tokens overlapping them, tokens inside them).
+    Usually no content lost whitespace on either side: the contents' own spans and ranges."""
+    if not (s.cut_bytes.any() or t.cut_bytes.any()):
+        return (s.span_bytes, ls.content, ls.inside), (t.span_bytes, lt.content, lt.inside)
+    out = []
+    for side, cut, other in ((s, s.cut_bytes, t.cut_bytes), (t, t.cut_bytes, s.cut_bytes)):
+        span = shared_spans(side.span_bytes, cut, other)
+        out.append((span, *token_ranges(side, span)))
+    return out[0], out[1]
+
+
+def _common_one(s: RenderedBatch, s_span, s_in, t: RenderedBatch, t_span, t_in, k: int):
     """(student range, teacher range, byte shift) of message k when a token straddles."""
-    s0, s1 = (int(x) for x in ls.inside[k])
-    t0, t1 = (int(x) for x in lt.inside[k])
-    sb = s.byte_offsets[s0:s1] - s.span_bytes[k, 0]
-    tb = t.byte_offsets[t0:t1] - t.span_bytes[k, 0]
+    s0, s1 = (int(x) for x in s_in[k])
+    t0, t1 = (int(x) for x in t_in[k])
+    sb = s.byte_offsets[s0:s1] - s_span[k, 0]
+    tb = t.byte_offsets[t0:t1] - t_span[k, 0]
     starts = np.intersect1d(sb[:, 0], tb[:, 0])
     ends = np.intersect1d(sb[:, 1], tb[:, 1])
     if not starts.size or not ends.size or ends[-1] <= starts[0]:
@@ -59,23 +85,23 @@ def _common_one(s: RenderedBatch, ls: Layout, t: RenderedBatch, lt: Layout, k: i
     return int(ss[0]), int(ss[1]), int(ts[0]), int(ts[1]), a
 
 
-def _common_ranges(s: RenderedBatch, ls: Layout, t: RenderedBatch, lt: Layout):
-    """Per message with text to align: (message, student [a0, a1), teacher [b0, b1), shift)."""
-    si, ti = ls.inside, lt.inside
+def _common_ranges(s: RenderedBatch, s_span, si, t: RenderedBatch, t_span, ti):
+    """Per message with text to align: (message, student [a0, a1), teacher [b0, b1), shift).
+    s_span / t_span: the byte spans to align; si / ti: the tokens inside them."""
     nonempty = (si[:, 1] > si[:, 0]) & (ti[:, 1] > ti[:, 0])
     last_s, last_t = np.maximum(si[:, 1] - 1, 0), np.maximum(ti[:, 1] - 1, 0)
     tiles = (
         nonempty
-        & (s.byte_offsets[np.minimum(si[:, 0], last_s), 0] == s.span_bytes[:, 0])
-        & (t.byte_offsets[np.minimum(ti[:, 0], last_t), 0] == t.span_bytes[:, 0])
-        & (s.byte_offsets[last_s, 1] == s.span_bytes[:, 1])
-        & (t.byte_offsets[last_t, 1] == t.span_bytes[:, 1])
+        & (s.byte_offsets[np.minimum(si[:, 0], last_s), 0] == s_span[:, 0])
+        & (t.byte_offsets[np.minimum(ti[:, 0], last_t), 0] == t_span[:, 0])
+        & (s.byte_offsets[last_s, 1] == s_span[:, 1])
+        & (t.byte_offsets[last_t, 1] == t_span[:, 1])
     ) if si.size else nonempty  # fmt: skip
     msg = np.flatnonzero(tiles)
     a0, a1, b0, b1 = si[msg, 0], si[msg, 1], ti[msg, 0], ti[msg, 1]
     shift = np.zeros(msg.size, np.int64)
     slow = [(k, r) for k in np.flatnonzero(nonempty & ~tiles).tolist()
-            if (r := _common_one(s, ls, t, lt, k)) is not None]  # fmt: skip
+            if (r := _common_one(s, s_span, si, t, t_span, ti, k)) is not None]  # fmt: skip
     if slow:
         extra = np.array([(k, *r) for k, r in slow], np.int64)
         msg = np.concatenate([msg, extra[:, 0]])
@@ -101,17 +127,18 @@ def align_pair(
 ) -> PairBatch:
     """All chunks of one pair over a batch (module docstring)."""
     n_conv, n_msg = len(s), s.span_bytes.shape[0]
-    msg, a0, a1, b0, b1, shift = _common_ranges(s, ls, t, lt)
+    (s_span, s_over, s_in), (t_span, t_over, t_in) = _shared(s, ls, t, lt)
+    msg, a0, a1, b0, b1, shift = _common_ranges(s, s_span, s_in, t, t_span, t_in)
     s_idx, s_splits = _gather(a0, a1)
     t_idx, t_splits = _gather(b0, b1)
     s_row = np.repeat(np.arange(msg.size), np.diff(s_splits))
     t_row = np.repeat(np.arange(msg.size), np.diff(t_splits))
     res = align_flat(
         student_ids=s.ids[s_idx],
-        student_byte_offsets=s.byte_offsets[s_idx] - (s.span_bytes[msg, 0] + shift)[s_row, None],
+        student_byte_offsets=s.byte_offsets[s_idx] - (s_span[msg, 0] + shift)[s_row, None],
         student_splits=s_splits,
         teacher_ids=t.ids[t_idx],
-        teacher_byte_offsets=t.byte_offsets[t_idx] - (t.span_bytes[msg, 0] + shift)[t_row, None],
+        teacher_byte_offsets=t.byte_offsets[t_idx] - (t_span[msg, 0] + shift)[t_row, None],
         teacher_splits=t_splits,
         student_lossless=np.logical_and.reduceat(s.lossless[s_idx], s_splits[:-1])
         if s_idx.size else np.ones(msg.size, bool),
@@ -158,9 +185,10 @@ def align_pair(
 
     fallback = np.bincount(msg_row[msg], weights=res.fallback_regions, minlength=n_conv)
     loose = np.zeros(n_conv, np.int64)
-    for side, lay, chunk in ((s, ls, s_chunk), (t, lt, t_chunk)):
+    for side, over, chunk in ((s, s_over, s_chunk), (t, t_over, t_chunk)):
         tok_row = np.repeat(np.arange(n_conv), np.diff(side.token_splits))
-        lost = (lay.kind == TOKEN_CONTENT) & (chunk < 0)
-        loose += np.bincount(tok_row[lost], minlength=n_conv)
+        shared = np.zeros(chunk.size, bool)  # tokens over text both sides contain
+        fill_ranges(over[:, 0], over[:, 1], True, shared)
+        loose += np.bincount(tok_row[shared & (chunk < 0)], minlength=n_conv)
     return PairBatch(s_chunk, t_chunk, chunk_splits, kind, chunk_message, exact,
                      fallback.astype(np.int32), loose.astype(np.int32))  # fmt: skip

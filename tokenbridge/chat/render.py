@@ -12,10 +12,15 @@ twice by the same template call (once when the template provably only writes con
 
 Removing the markers from (1) must give (2) exactly. Then the marker positions are the content
 spans of the real rendering, in characters. When the two differ, the template looked at the
-contents rather than only writing them (``| trim`` on a content with edge spaces, a branch on
-``'<think>' in content``): the row is a dead letter (`TEMPLATE_REWROTE`), never aligned at a
-guessed position. A template that leaves a message out (Phi-3's drops the system turn) gives
-fewer marker pairs: `TEMPLATE_DROPPED`; one that raises: `TEMPLATE_ERROR`.
+contents rather than only writing them. The one such rewrite we take is edge whitespace left
+out (``| trim`` in Llama 3.x's and Gemma 2's official templates, ``lstrip``, ``rstrip``): the
+marked rendering still gives the scaffolding exactly, and `tokenbridge.chat.edges` checks, byte
+for byte, that the real rendering is that scaffolding with each content minus some of its edge
+whitespace; the span is then the text the model sees, and `Rendering.cut` says what was left
+out. Anything else (a branch on ``'<think>' in content``, a replaced character, a JSON-escaped
+content) is a dead letter (`TEMPLATE_REWROTE`), never aligned at a guessed position. A template
+that leaves a message out (Phi-3's drops the system turn) gives fewer marker pairs:
+`TEMPLATE_DROPPED`; one that raises: `TEMPLATE_ERROR`.
 
 Text around the contents (headers, turn markers, BOS, an injected default system message, a
 separator between a folded system text and the user text) is scaffolding of that side.
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenbridge.chat import rows
+from tokenbridge.chat.edges import locate_trimmed, removed_bytes
 from tokenbridge.chat.rows import Conversation, DeadLetter
 from tokenbridge.chat.templates import ChatTemplate, render
 
@@ -39,6 +45,9 @@ _MARKERS = (("\U000f0001", "\U000f0002"), ("\U000f0003", "\U000f0004"), ("\ue000
 class Rendering:
     text: str  # the real rendering
     spans: np.ndarray  # int64 [n_messages, 2]: char span [start, end) of each content in text
+    # int64 [n_messages, 2]: UTF-8 bytes of each content's leading / trailing whitespace that the
+    # rendering leaves out (`tokenbridge.chat.edges`); None: every content verbatim
+    cut: np.ndarray | None = None
 
 
 def _markers(conv: Conversation) -> tuple[str, str] | None:
@@ -133,18 +142,31 @@ def render_conversation(
         )
     if not problem and len(spans) > n:
         problem = f"the template renders {len(spans)} contents for {n} messages"
-    if not problem and text != real:
-        problem = (
-            f"the rendering changes with the contents (first difference at {_diff(text, real)})"
-        )
     if not problem:
         for i, ((a, b), m) in enumerate(zip(spans, conv.messages)):
-            if real[a:b] != m.content:
-                problem = f"message {i} is rendered as {real[a:b][:60]!r}, not verbatim"
+            if text[a:b] != m.content:  # the template wrote something else between the markers
+                problem = f"message {i} is rendered as {text[a:b][:60]!r}, not verbatim"
                 break
+    if not problem and text != real:
+        return _trimmed(conv, real, text, spans, side)
     if problem:
         return DeadLetter(rows.TEMPLATE_REWROTE, "messages", problem, side)
     return Rendering(real, np.array(spans, dtype=np.int64).reshape(n, 2))
+
+
+def _trimmed(conv: Conversation, real: str, text: str, spans, side: str) -> Rendering | DeadLetter:
+    """The real rendering differs from the marked one: contents with edge whitespace left out
+    (located byte for byte), or a dead letter."""
+    edges = [0, *(x for span in spans for x in span), len(text)]
+    scaffolding = [text[a:b] for a, b in zip(edges[::2], edges[1::2])]
+    contents = [m.content for m in conv.messages]
+    found = locate_trimmed(real, scaffolding, contents)
+    if isinstance(found, str):
+        where = _diff(text, real)
+        detail = f"the rendering changes with the contents (first difference at {where}): {found}"
+        return DeadLetter(rows.TEMPLATE_REWROTE, "messages", detail, side)
+    located, removed = found
+    return Rendering(real, located, removed_bytes(contents, removed))
 
 
 def _first_missing(conv: Conversation, text: str, spans: list[tuple[int, int]]) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+import pickletools
 import re
 import threading
 import warnings
@@ -166,7 +167,18 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:
+        if _walks_as_pickle(data):  # protocols 0 and 1 have no header: text opcodes
+            raise UnsafeCheckpointError(f"{path} is a pickle, not JSON: {PICKLE_ERA}") from None
         raise DamagedCheckpointError(f"{path}: not a JSON document ({e})") from None
+
+
+def _walks_as_pickle(data: bytes) -> bool:
+    """Whether `data` is a whole pickle: its opcodes read up to STOP by `pickletools.genops`,
+    which decodes each opcode's argument and builds, imports and calls nothing."""
+    try:
+        return any(op.name == "STOP" for op, _, _ in pickletools.genops(data))
+    except ValueError:  # an unknown opcode, a truncated argument, or no STOP before the end
+        return False
 
 
 def read_index(directory: Path) -> Metadata:

@@ -123,6 +123,11 @@ class DataConfig:
     # what is held out: window = (doc id, window) pairs; document = whole documents by doc id
     # (no window of a held-out document is trained on: the in-domain score of docs/science.md)
     eval_split: str = "window"
+    # a validation set beside the test set (the next val_fraction of the same hash, never
+    # trained on either), and which of the two the held-out BPB is computed on: a
+    # hyper-parameter is chosen on "val" and reported on "test" (bench/science.py)
+    val_fraction: float = 0.0
+    eval_on: str = "test"
     # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
     # first_open (each file when first mapped) | preflight (all before any model) | never
     verify: str = "first_open"
@@ -146,6 +151,13 @@ class DataConfig:
             fail("data.eval_split", f"expected window or document, got {self.eval_split!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
             fail("data.eval_fraction", f"expected in [0, 1), got {self.eval_fraction}")
+        if not 0.0 <= self.val_fraction < 1.0 - self.eval_fraction:
+            fail(
+                "data.val_fraction", f"expected in [0, 1 - eval_fraction), got {self.val_fraction}"
+            )
+        check_choice("data.eval_on", self.eval_on, ("test", "val"))
+        if self.eval_on == "val" and self.val_fraction <= 0:
+            fail("data.eval_on", "val needs data.val_fraction > 0")
 
 
 @dataclass

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +35,7 @@ from tokenbridge.chat.encode import encode_renderings
 from tokenbridge.chat.render import Rendering
 from tokenbridge.chat.templates import resolve_template
 from tokenbridge.tokenizers import Tokenizer
-from trainer.microbatches import ShardReader, ShardStream
+from trainer.microbatches import ShardReader, ShardStream, held_out_set
 
 
 @dataclass(frozen=True)
@@ -125,10 +124,6 @@ def render_prompt(side: ChatSide, messages: list[dict]) -> Rendering | None:
     return Rendering(text, closed.spans)
 
 
-def _held_out(key: str, fraction: float) -> bool:
-    return fraction > 0 and zlib.crc32(key.encode()) < fraction * 2**32
-
-
 class ChatPrompts:
     """One prompt per assistant turn of ``messages`` rows (see the module docstring)."""
 
@@ -144,6 +139,8 @@ class ChatPrompts:
         seed: int,
         eval_fraction: float,
         max_tokens: int,
+        val_fraction: float = 0.0,
+        eval_on: str = "test",
     ):
         self.max_tokens = max_tokens  # a longer rendered prompt is skipped
         self.side = prepare_side(tokenizer, resolve_template(model_dir, override=template))
@@ -165,9 +162,15 @@ class ChatPrompts:
             msgs = tuple(m.as_dict() for m in conv.messages)
             for t, m in enumerate(conv.messages):
                 if m.role == "assistant" and t > 0:
-                    (held if _held_out(cid, eval_fraction) else train).append(
-                        (f"{cid}#{t}", msgs[:t], m.content)
+                    # by conversation, as the shards' document split (no turn of a held-out
+                    # conversation is trained on); the other held-out set is simply unused
+                    which = held_out_set(
+                        cid, 0, eval_fraction, by="document", val_fraction=val_fraction
                     )
+                    if which is None or which == eval_on:
+                        (train if which is None else held).append(
+                            (f"{cid}#{t}", msgs[:t], m.content)
+                        )
         self.train, self.held = train[dp_rank::dp_size], held
         if not self.train:
             raise ValueError(f"{path}: no assistant turn left for data-parallel rank {dp_rank}")

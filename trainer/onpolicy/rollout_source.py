@@ -75,6 +75,8 @@ class OnPolicy:
                 shuffle_buffer=cfg.data.shuffle_buffer,
                 eval_fraction=cfg.data.eval_fraction,
                 eval_split=cfg.data.eval_split,
+                val_fraction=cfg.data.val_fraction,
+                eval_on=cfg.data.eval_on,
                 prompt_tokens=self.op.prompt_tokens,
                 **common,
             )
@@ -87,6 +89,8 @@ class OnPolicy:
                 template=self.op.chat_template or None,
                 eval_fraction=cfg.data.eval_fraction,
                 max_tokens=cfg.data.max_student_tokens,
+                val_fraction=cfg.data.val_fraction,
+                eval_on=cfg.data.eval_on,
                 **common,
             )
             prompt_max, chat = cfg.data.max_student_tokens, self.prompts.side
