@@ -116,9 +116,12 @@ def fsspec_options(settings: dict[str, str] | None = None) -> dict:
     return out
 
 
-DENIED_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403")
+# what an S3 error says when it refused the credentials (not a bare "403": a key may hold one)
+_DENIED = re.compile(
+    r"\(403\)|code 403\b|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|Forbidden"
+)
 
 
 def denied(text: str) -> bool:
     """Whether an object-store error's text says the credentials were refused."""
-    return any(c in text for c in DENIED_CODES) or "Forbidden" in text
+    return _DENIED.search(text) is not None

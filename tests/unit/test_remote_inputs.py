@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from tokenbridge import urls
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shards
 from trainer.checkpoint import remote
@@ -57,7 +58,9 @@ def test_fetch_verifies_and_the_nodes_other_ranks_wait(s3_server, s3_bucket, tmp
     assert RemoteCache(root, limit_bytes=10**6, local_rank=0).fetch_dir(url) == entry
 
 
-def test_changed_object_missing_marker_and_eviction(s3_server, s3_bucket, tmp_path):
+def test_changed_object_missing_marker_refused_credentials_and_eviction(
+    s3_server, s3_bucket, tmp_path, monkeypatch
+):
     url = upload_marked(s3_server, s3_bucket, "a", tmp_path / "src", {"x.arrow": b"x" * 100})
     s3_server.client().put_object(Bucket=s3_bucket, Key="a/x.arrow", Body=b"z" * 100)
     root = tmp_path / "cache"
@@ -67,6 +70,10 @@ def test_changed_object_missing_marker_and_eviction(s3_server, s3_bucket, tmp_pa
     assert list(root.iterdir()) == []  # nothing half-fetched is left to be taken for a copy
     with pytest.raises(FileNotFoundError, match=rf"^s3://{s3_bucket}/none/COMPLETED: no comp"):
         cache.fetch_dir(f"s3://{s3_bucket}/none")
+    with monkeypatch.context() as m:  # refused credentials: one line naming the URL (exit 2)
+        m.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        with pytest.raises(urls.StorageAccessError, match=rf"^{url}/COMPLETED: the object store"):
+            cache.fetch_dir(url)
     # a limit of 1.5 entries: each new fetch evicts the least recently used other one
     b = upload_marked(s3_server, s3_bucket, "b", tmp_path / "src", {"x.arrow": b"b" * 400})
     c = upload_marked(s3_server, s3_bucket, "c", tmp_path / "src", {"x.arrow": b"c" * 400})

@@ -33,6 +33,9 @@ def test_schemes_joins_and_settings():
         "key": "k",
     }
     assert urls.check("s3://b/x", where="--out", schemes=("s3",)) == "s3://b/x"
+    assert urls.denied("An error occurred (403) when calling the HeadObject operation: Forbidden")
+    assert urls.denied("S3ClientError: ... code 403") and urls.denied("InvalidAccessKeyId")
+    assert not urls.denied("s3://b/shard-00403-of-00500.arrow: code 404")
     with pytest.raises(urls.UnsupportedURLError, match=r"--out=gs://b/x: gs:// is not supported"):
         urls.check("gs://b/x", where="--out", schemes=("s3",))
 
