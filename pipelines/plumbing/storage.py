@@ -69,8 +69,8 @@ def beam_args(args: list[str]) -> list[str]:
 
 def _s3() -> s3io.S3IO:
     """This thread's client of Beam's S3 I/O, made once per settings. Beam's `FileSystems`
-    builds a new boto3 session for every call (0.4 s each on these machines: 16 s of a 10 s
-    job); the pipeline options are the ones `FileSystems` has in this process (Beam sets them
+    builds a new boto3 session for every call (0.4 s each on these machines: a 3 s job took
+    17 s); the pipeline options are the ones `FileSystems` has in this process (Beam sets them
     in the launcher and its SDK workers), else, on a worker that was handed none (Dask's), the
     environment's (`urls.s3_settings`)."""
     opts = getattr(FileSystems, "_pipeline_options", None)

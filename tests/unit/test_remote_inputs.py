@@ -106,3 +106,10 @@ def test_checkpoints_in_a_store_resume_from_the_newest_that_verifies(
         remote.find_resume(
             folder, CheckpointConfig(strict=True), cache_dir=tmp_path / "c2", limit_bytes=10**6
         )
+    # checkpoint.resume naming a step: that one, verified (a damaged one refused, not passed over)
+    named = CheckpointConfig(resume=f"{folder}/step-00000002")
+    path, notes = remote.find_resume(folder, named, cache_dir=tmp_path / "c3", limit_bytes=10**6)
+    assert (path / "a").read_bytes() == b"s2" and notes == []
+    with pytest.raises(DamagedCheckpointError, match=r"^checkpoint.resume=s3://.*step-00000004: "):
+        named = CheckpointConfig(resume=f"{folder}/step-00000004")
+        remote.find_resume(folder, named, cache_dir=tmp_path / "c3", limit_bytes=10**6)
