@@ -231,7 +231,9 @@ def stats_files(out) -> list[str]:
     return [p.name for p in out.iterdir() if p.name.endswith(".arrow")] + [S.DEAD_LETTER_FILE]
 
 
-def test_prepare_out_dir_and_input_matching(tmp_path):
+def test_prepare_out_dir_and_input_matching(tmp_path, monkeypatch):
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)  # they would add --s3_* options to beam_args
     out = tmp_path / "o"
     out.mkdir()
     (out / S.COMPLETED_MARKER).write_text("{}")
