@@ -50,6 +50,7 @@ from trainer.onpolicy.rollouts import RolloutBatch, build_batch
 from trainer.onpolicy.sampler import Rollouts, SamplingConfig, gathered, sample
 from trainer.onpolicy.teachers import build_teachers, teacher_max_len
 from trainer.parallel import parallelize
+from trainer.parallel.cpus import torch_threads
 from trainer.parallel.head import head_logits
 from trainer.run_log import StepNumbers, peak_memory_gib
 from trainer.step import Source, Terms
@@ -130,7 +131,7 @@ class OnPolicy:
             depth=self.n_mb,
             inprocess=cfg.parallel.teacher_placement == "inprocess",
             timeout_s=cfg.parallel.teacher_timeout_s,
-            threads=cfg.parallel.threads or None,
+            threads=trainer.cpus.worker,
             dtypes=[trainer.prep.precision.teacher_dtypes[t.index] for t in self.teachers.terms],
         )
 
@@ -162,7 +163,12 @@ class OnPolicy:
         was_training = model.training
         model.eval()
         try:
-            with gathered(model, reshard_after_forward=self.cfg.parallel.reshard_after_forward):
+            # every core of the rank while sampling: the teacher workers wait for rollouts now
+            # (`trainer.parallel.cpus`)
+            with (
+                torch_threads(self.tr.cpus.sample),
+                gathered(model, reshard_after_forward=self.cfg.parallel.reshard_after_forward),
+            ):
                 r = sample(
                     model,
                     [p.ids for p in prompts],
