@@ -12,13 +12,13 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
   prefill is the HF forward (its cache copied once into a preallocated one); each decode step
   is a lean loop over the model's own weights, same math in the same dtype (no copy of the
   weights, so nothing to refresh after an optimizer step). Why, measured on SmolLM2-135M at
-  batch 2 on a 2-core AMD EPYC (`bench/bench_onpolicy.py`, part 1): a decode step reads all
-  538 MB of fp32 weights, and the floor is that read (~20 ms there); HF's step took ~5x it:
-  ``F.linear`` of a [2, K] input (MKL's skinny ``x @ W.T``) reaches only 2-5 GB/s there, while
-  the same product taken weight-major, ``W @ x.T`` (a pass down W's contiguous rows), runs
-  near the bandwidth (2.4x faster over the 30 layers, 3.6x on the 49k-column lm_head).
-  The static cache also removes the ``torch.cat`` that grows every layer's cache every step,
-  and the loop drops HF's per-layer module, mask and cache bookkeeping.
+  batch 2 on a 2-core AMD EPYC, one thread (`bench/bench_onpolicy.py`, part 1): a decode step
+  reads all 538 MB of fp32 weights, and the floor is that read (~23 ms there); HF's step took
+  ~4x it (~95 ms), mostly in MKL's skinny ``x @ W.T`` (``F.linear`` of a [2, K] input: 2-7 GB/s
+  there), while the same product taken weight-major, ``W @ x.T``, runs at ~18 GB/s: 2-4x
+  faster per product, 4x on the 49k-row lm_head. The lean step takes ~42 ms (~75% of it in
+  those products). The static cache also removes the ``torch.cat`` that grows every layer's
+  cache every step, and the loop drops HF's per-layer module, mask and cache bookkeeping.
 
 The two agree to float rounding (a product's summation order differs); tested on tiny Llamas:
 the same tokens in float64, greedy and sampled, and near-equal logits in float32
