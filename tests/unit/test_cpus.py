@@ -27,23 +27,26 @@ from trainer.parallel.cpus import (
 @pytest.mark.parametrize(
     "kw,want",
     [
-        # 2 cores, one worker computing alongside: 1 + 1, the student samples with both
-        ({"cores": 2, "workers": 1}, CpuPlan(1, 2, 1)),
-        ({"cores": 16, "workers": 2}, CpuPlan(6, 16, 5)),
-        ({"cores": 16, "workers": 1}, CpuPlan(8, 16, 8)),
+        # on-policy lag 1 on 2 cores: the student samples on 1 core next to the worker, and
+        # updates alone on both
+        ({"cores": 2, "workers": 1, "lag_one": True}, CpuPlan(None, 1, 1)),
+        # off-policy: the worker runs a microbatch ahead of the student's whole step
+        ({"cores": 2, "workers": 1, "pipelined": True}, CpuPlan(1, 1, 1)),
+        ({"cores": 16, "workers": 2, "pipelined": True}, CpuPlan(6, 6, 5)),
+        ({"cores": 16, "workers": 1, "lag_one": True}, CpuPlan(None, 8, 8)),
         # one core (torchrun's OMP_NUM_THREADS=1 for several local ranks): one thread each
-        ({"cores": 1, "workers": 1}, CpuPlan(1, 1, 1)),
-        ({"cores": 2, "workers": 3}, CpuPlan(1, 2, 1)),
-        # taking turns, no worker, or off: torch's default everywhere
-        ({"cores": 2, "workers": 1, "concurrent": False}, CpuPlan(None, None, None)),
-        ({"cores": 2, "workers": 0}, CpuPlan(None, None, None)),
-        ({"cores": 2, "workers": 1, "split": "off"}, CpuPlan(None, None, None)),
+        ({"cores": 1, "workers": 1, "pipelined": True}, CpuPlan(1, 1, 1)),
+        ({"cores": 2, "workers": 3, "pipelined": True}, CpuPlan(1, 1, 1)),
+        # taking turns (on-policy lag 0), no worker, or off: torch's default everywhere
+        ({"cores": 2, "workers": 1}, CpuPlan(None, None, None)),
+        ({"cores": 2, "workers": 0, "pipelined": True}, CpuPlan(None, None, None)),
+        ({"cores": 2, "workers": 1, "lag_one": True, "split": "off"}, CpuPlan(None, None, None)),
         # an explicit parallel.threads wins
-        ({"cores": 2, "workers": 1, "threads": 3}, CpuPlan(3, 3, 3)),
+        ({"cores": 2, "workers": 1, "lag_one": True, "threads": 3}, CpuPlan(3, 3, 3)),
     ],
 )
 def test_plan(kw, want):
-    args = {"threads": 0, "split": "auto", "concurrent": True, **kw}
+    args = {"threads": 0, "split": "auto", "pipelined": False, "lag_one": False, **kw}
     assert plan(**args) == want
 
 
@@ -57,20 +60,22 @@ def _cfg(*, lag=0, onpolicy=True, placement="worker", weights=(1.0,), split="aut
 
 def test_plan_for_a_run(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    cpu = torch.device("cpu")
+    cpu, none = torch.device("cpu"), CpuPlan(None, None, None)
     # on-policy lag 0: the student waits for the teacher and the teacher for rollouts
-    assert plan_for(_cfg(lag=0), device=cpu, live_teachers=0) == CpuPlan(None, None, None)
-    assert plan_for(_cfg(lag=1), device=cpu, live_teachers=0) == CpuPlan(1, 2, 1)
-    # off-policy KD by a live worker: it runs a microbatch ahead of the student
-    assert plan_for(_cfg(onpolicy=False), device=cpu, live_teachers=1) == CpuPlan(1, 2, 1)
+    assert plan_for(_cfg(lag=0), device=cpu, live_teachers=0) == none
+    assert plan_for(_cfg(lag=1), device=cpu, live_teachers=0) == CpuPlan(None, 1, 1)
     # a teacher of weight 0 has no worker
     assert plan_for(_cfg(lag=1, weights=(1.0, 0.0)), device=cpu, live_teachers=0) == CpuPlan(
-        1, 2, 1
+        None, 1, 1
     )
-    # no worker process, or not a CPU: nothing to share
-    off = CpuPlan(None, None, None)
-    assert plan_for(_cfg(lag=1, placement="inprocess"), device=cpu, live_teachers=1) == off
-    assert plan_for(_cfg(lag=1), device=torch.device("cuda", 0), live_teachers=1) == off
+    # off-policy KD by a live worker (alone, or in the off-policy steps of an on-policy run)
+    assert plan_for(_cfg(onpolicy=False), device=cpu, live_teachers=1) == CpuPlan(1, 1, 1)
+    assert plan_for(_cfg(lag=1), device=cpu, live_teachers=1) == CpuPlan(1, 1, 1)
+    # no worker process, or not a CPU: only an explicit parallel.threads
+    assert plan_for(_cfg(lag=1, placement="inprocess"), device=cpu, live_teachers=1) == none
+    assert plan_for(_cfg(lag=1), device=torch.device("cuda", 0), live_teachers=1) == none
+    cuda = plan_for(_cfg(lag=1, threads=2), device=torch.device("cuda", 0), live_teachers=1)
+    assert cuda == CpuPlan(2, 2, 2)
     assert plan_for(_cfg(lag=1, threads=1), device=cpu, live_teachers=0) == CpuPlan(1, 1, 1)
 
 

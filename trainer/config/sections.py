@@ -194,9 +194,9 @@ class ParallelConfig:
     teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
     threads: int = 0  # torch intra-op threads of the student and each teacher worker; 0 = auto
     # CPU runs with teacher workers, parallel.threads 0: where the workers compute while the
-    # student does (off-policy KD: a microbatch ahead; on-policy with lag 1), auto gives them
-    # threads that add up to the rank's cores (the student samples with all of them); two teams
-    # that each take every core fight for them (lag 1 was 2-4x slower than lag 0 on 2 cores).
+    # student does (off-policy KD: a microbatch ahead; on-policy lag 1: while it samples), auto
+    # gives them threads that add up to the rank's cores, and every core to each elsewhere; two
+    # teams that each take every core fight for them (lag 1 was slower than lag 0 on 2 cores).
     # off: torch's default (every core) in every process. See trainer/parallel/cpus.py.
     cpu_split: str = "auto"
     # the student's logits are never whole: every loss projects the lm_head's input this many

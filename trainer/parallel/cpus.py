@@ -11,11 +11,17 @@ before they sleep, holding a core the other team is waiting for. Measured (SmolL
 Gemma-3-270M teacher, `conf=onpolicy_demo`, 2-core AMD EPYC, torch's default of 2 threads each):
 an on-policy step took 9-24 s with lag 1 against 5.6 s with lag 0.
 
-`plan` gives them threads that add up to the cores instead, where they compute at once: each
-worker ``cores // (workers + 1)``, the student the rest; and the student samples its rollouts
-with all of them (the workers wait for rollouts then). Where they take turns (on-policy with
-lag 0, a teacher cache, in-process teachers) every process keeps all the cores. An explicit
-``parallel.threads`` is used as it is, everywhere.
+`plan` gives them threads that add up to the cores where they compute at once: each worker
+``cores // (workers + 1)``, the student the rest; everywhere else every process keeps all the
+cores. Off-policy, that is the student's whole run. On-policy with lag 1 the overlap is
+arranged to be the sampling (`trainer.onpolicy.rollout_source`: the teachers score this step's
+rollouts while the student samples the next step's, and the update runs alone on every core),
+because sampling gains least from a second thread (its decode steps read the weights: memory,
+not arithmetic, bounds them) and the update most. Measured there (demo models, one step):
+lag 0, 2 threads each, ~5.6 s (sample 1.9 + teacher 1.2 + update 2.3); lag 1 with the update
+on 1 thread next to the teacher on 1, 5.9 s (the update, 3.6 s on one thread, was the critical
+path); 2 + 1 threads there (not adding up), 6.8 s. An explicit ``parallel.threads`` is used as
+it is, everywhere.
 
 The cores are not pinned (``os.sched_setaffinity``): the thread counts are what stops the fight,
 and unpinned threads can move away from a core that another job on the machine is using.
@@ -52,22 +58,26 @@ def openmp_env(environ=os.environ) -> dict[str, str]:
 class CpuPlan:
     """torch intra-op threads per role (None: leave torch's default, all the rank's cores)."""
 
-    student: int | None  # the student, training (and everything else it runs)
-    sample: int | None  # the student, sampling on-policy rollouts
+    student: int | None  # the student, outside the phase below
+    overlap: int | None  # the student while its teacher workers compute (on-policy lag 1: sampling)
     worker: int | None  # each teacher worker
 
 
-def plan(*, threads: int, split: str, workers: int, concurrent: bool, cores: int) -> CpuPlan:
+def plan(
+    *, threads: int, split: str, workers: int, pipelined: bool, lag_one: bool, cores: int
+) -> CpuPlan:
     """Threads for the student and each of ``workers`` teacher workers on ``cores`` (torch's
     default for this process: the cores it may use, or ``OMP_NUM_THREADS``, which torchrun sets
-    to 1 for several local ranks). ``concurrent``: the workers compute while the student does.
-    See the module docstring."""
+    to 1 for several local ranks). ``pipelined``: off-policy workers compute a microbatch ahead
+    of the student's whole step; ``lag_one``: on-policy workers score while the student samples
+    (see the module docstring)."""
     if threads > 0:
         return CpuPlan(threads, threads, threads)
-    if split == "off" or workers == 0 or not concurrent:
+    if split == "off" or workers == 0 or not (pipelined or lag_one):
         return CpuPlan(None, None, None)
     per = max(1, cores // (workers + 1))
-    return CpuPlan(max(1, cores - workers * per), cores, per)
+    share = max(1, cores - workers * per)
+    return CpuPlan(share if pipelined else None, share, per)
 
 
 def plan_for(cfg, *, device, live_teachers: int) -> CpuPlan:
@@ -77,15 +87,15 @@ def plan_for(cfg, *, device, live_teachers: int) -> CpuPlan:
 
     par, op = cfg.parallel, cfg.onpolicy
     if device.type != "cpu" or par.teacher_placement != "worker":
-        return plan(threads=par.threads, split="off", workers=0, concurrent=False, cores=1)
+        return CpuPlan(*(3 * [par.threads or None]))
     on = len([t for t in cfg.teachers if t.weight != 0]) if op.enabled else 0
-    at_once = [live_teachers] + ([on] if op.enabled and op.lag == 1 else [])
-    workers = max(at_once)
+    lag_one = op.enabled and op.lag == 1 and on > 0
     return plan(
         threads=par.threads,
         split=par.cpu_split,
-        workers=workers,
-        concurrent=workers > 0,
+        workers=max(live_teachers, on if lag_one else 0),
+        pipelined=live_teachers > 0,
+        lag_one=lag_one,
         cores=torch.get_num_threads(),
     )
 
