@@ -1,7 +1,7 @@
 """The sampler's model side: prefill the prompts once, then one token per live row per step.
 
-`sampler.sample` owns the loop (draws, stops, seeds, TP broadcast); a `Decoder` owns the model
-and its KV cache behind four verbs: ``prefill`` (the last position's logits of left-padded
+`sampler.sample` owns the loop (draws, stops, seeds, TP broadcast); a decoder (`make_decoder`:
+one of the two below) owns the model and its KV cache behind four verbs: ``prefill`` (the last position's logits of left-padded
 prompts), ``repeat`` (each row n times, for n samples of one prefill), ``keep`` (rows that
 stopped leave the batch) and ``step`` (feed one token per live row, get its next logits).
 
@@ -18,7 +18,8 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
   there), while the same product taken weight-major, ``W @ x.T``, runs at ~18 GB/s: 2-4x
   faster per product, 4x on the 49k-row lm_head. The lean step takes ~42 ms (~75% of it in
   those products). The static cache also removes the ``torch.cat`` that grows every layer's
-  cache every step, and the loop drops HF's per-layer module, mask and cache bookkeeping.
+  cache every step, and the loop drops HF's per-layer module, mask and cache bookkeeping. At
+  4-8 live rows MKL is slower than at 2 either way (batch 8: ~105 vs ~115 ms a step).
 
 The two agree to float rounding (a product's summation order differs); tested on tiny Llamas:
 the same tokens in float64, greedy and sampled, and near-equal logits in float32
@@ -126,8 +127,7 @@ def _project(x_BK: torch.Tensor, weights: list, bias_N: torch.Tensor | None) -> 
 
 
 def _rms_norm(x_BH: torch.Tensor, w_H: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm (float32 inside, back to the input's dtype) in few operations
-    (``F.rms_norm`` is a composite of more on CPU)."""
+    """HF's LlamaRMSNorm, step for step (float32 inside, back to the input's dtype)."""
     h = x_BH.to(torch.float32)
     h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     return w_H * h.to(x_BH.dtype)
@@ -221,9 +221,8 @@ class LlamaDecoder:
         self.bias_BT, self.pos_B = self.bias_BT[keep_B], self.pos_B[keep_B]
 
     def step(self, next_B: torch.Tensor) -> torch.Tensor:
-        """One token per live row in, its next logits [B, V] out. The same math as HF's
-        forward; written for few operations per layer (each costs a few microseconds of
-        dispatch, ~40 a layer here against ~75 in the first version of this loop)."""
+        """One token per live row in, its next logits [B, V] out: the same math as HF's
+        forward, in few operations per layer (each costs microseconds of dispatch)."""
         t, B = self.t, len(next_B)
         if t >= self.max_len:
             raise ValueError(f"decode step at position {t}: the cache holds {self.max_len}")
@@ -240,8 +239,8 @@ class LlamaDecoder:
             qk = qk * cos_B11 + qk.roll(D // 2, -1) * sin_B11  # RoPE on q and k at once
             self.k[i].select(2, t).copy_(qk[:, NH:])
             self.v[i].select(2, t).copy_(qkv_BND[:, NH + KV :])
-            # attention by hand: torch's CPU SDPA took ~200 us a layer here (it repeats the
-            # cache for GQA); query head j reads key-value head j // G, as HF's repeat_kv
+            # attention as HF's eager attention, without repeating the cache for GQA: query
+            # head j reads key-value head j // G, as after HF's repeat_kv
             s_BKGT = torch.matmul(
                 qk[:, :NH].view(B, KV, G, D), self.k[i][:, :, : t + 1].transpose(-1, -2)
             )
