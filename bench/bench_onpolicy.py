@@ -2,9 +2,13 @@
 the on-policy step broken into its phases, and TRL's GOLD trainer on-policy step next to ours.
 
 Part 1, sampler: the same model, batch, prompts and lengths, ``trainer.onpolicy.sampler.sample``
-against ``model.generate(do_sample=True, top_p, top_k=0)`` (both exactly N new tokens),
-alternating, median of 3 after a warm-up, one torch thread: the real SmolLM2-135M and a tiny
-random model with its tokenizer (where per-step overhead, not the weights, dominates).
+(its lean decode path, `trainer.onpolicy.decode.LlamaDecoder`, and its HF-forward path)
+against ``model.generate(do_sample=True, top_p, top_k=0)`` (all exactly N new tokens), next to
+the memory floor of a decode step: the time to read every weight once (a sum over each
+parameter), all four alternating in one process, median of 3 after a warm-up, one torch thread:
+the real SmolLM2-135M at batch 2 and 8, and a tiny random model with its tokenizer (where
+per-step overhead, not the weights, dominates). ``python -m bench.bench_onpolicy sampler`` runs
+this part alone (about 2 minutes on 2 cores) and prints its table.
 
 Part 2, FSDP2: a 2-rank gloo torchrun (`bench/onpolicy_fsdp.py`) samples with the FSDP2-wrapped
 student, with and without `sampler.gathered` (parameters gathered once per rollout phase):
@@ -35,50 +39,83 @@ import torch
 from tokenbridge import paths
 
 B, PROMPT, NEW = 8, 16, 32
+SAMPLER_BATCHES = (2, 8)  # SmolLM2-135M: the issue's batch 2, and 8
 REPS = 3
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
 
-def _median_pair(ours, theirs, *, reps: int = REPS) -> tuple[float, float]:
-    ours(), theirs()  # warm-up
-    a, b = [], []
+def _median_runs(fns: dict, *, reps: int = REPS) -> dict[str, float]:
+    """Median seconds of each callable, run in turn (one warm-up round first)."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        ours()
-        a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        theirs()
-        b.append(time.perf_counter() - t0)
-    return statistics.median(a), statistics.median(b)
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def read_weights(model):
+    """A callable that reads every parameter once (a sum each): a decode step's memory floor,
+    since a step reads all the weights at least once."""
+    params = [p.detach() for p in model.parameters()]
+    device = params[0].device
+
+    def read():
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        for p in params:
+            total += p.sum()
+        return float(total)  # one sync at the end (CUDA)
+
+    return read
 
 
 def sampler_vs_generate(
     model, prompts, vocab: int, *, new: int = NEW, reps: int = REPS, top_p: float = 0.9
 ) -> dict:
-    """Our sampler and HF `generate` on the same model (on its device) and prompts, exactly
-    `new` tokens each: tokens/s of both (the GPU is synchronised before a clock is read)."""
+    """Our sampler (lean path and HF-forward path) and HF `generate` on the same model (on its
+    device) and prompts, exactly `new` tokens each, and the time to read the weights once:
+    tokens/s, ms per token step (prefill included) and the floor (the GPU is synchronised
+    before a clock is read)."""
     from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
 
     device = next(model.parameters()).device
     ids, mask = _left_pad(prompts, device)
     cfg = SamplingConfig(temperature=1.0, top_p=top_p, max_new_tokens=new)
 
-    def ours():
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def ours(lean: bool = True):
         sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
-               vocab_size=vocab)  # fmt: skip
+               vocab_size=vocab, lean=lean)  # fmt: skip
+        sync()
 
     def theirs():
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=top_p,
                            top_k=0, temperature=1.0, max_new_tokens=new, min_new_tokens=new,
                            pad_token_id=0)  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
 
-    a, b = _median_pair(ours, theirs, reps=reps)
+    t = _median_runs(
+        {"ours": ours, "hf": theirs, "hf_path": lambda: ours(False), "floor": read_weights(model)},
+        reps=reps,
+    )
     tokens = len(prompts) * new
-    return {"ours_tok_s": tokens / a, "hf_tok_s": tokens / b, "speedup": b / a}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "ours_tok_s": tokens / t["ours"], "hf_tok_s": tokens / t["hf"],
+        "speedup": t["hf"] / t["ours"],
+        "ours_step_ms": t["ours"] / new * 1e3, "hf_step_ms": t["hf"] / new * 1e3,
+        "hf_path_step_ms": t["hf_path"] / new * 1e3, "floor_ms": t["floor"] * 1e3,
+        "over_floor": t["ours"] / new / t["floor"], "weight_mb": weights / 1e6,
+        "bandwidth_gb_s": weights / t["floor"] / 1e9, "rows": len(prompts),
+    }  # fmt: skip
 
 
 def part_sampler() -> dict:
@@ -90,17 +127,19 @@ def part_sampler() -> dict:
     tok = load_tokenizer(paths.student_dir())
     from bench.onpolicy_prompts import prompts_from_kjv
 
-    prompts = prompts_from_kjv(tok, B, PROMPT)
     res = {}
-    for name, cfg in (
-        ("smollm2-135m", ModelConfig(str(paths.student_dir()))),
+    for name, cfg, batches in (
+        ("smollm2-135m", ModelConfig(str(paths.student_dir())), SAMPLER_BATCHES),
         (
             "tiny (SmolLM2 vocab)",
             ModelConfig(str(paths.student_dir()), init="random", overrides=TINY),
+            (B,),
         ),
     ):
         model = models.build_model(cfg).eval()
-        res[name] = sampler_vs_generate(model, prompts, tok.vocab_size)
+        for rows in batches:
+            prompts = prompts_from_kjv(tok, rows, PROMPT)
+            res[f"{name}, batch {rows}"] = sampler_vs_generate(model, prompts, tok.vocab_size)
         del model
     return res
 
@@ -141,21 +180,31 @@ def main() -> str:
     return render(res)
 
 
+def render_sampler(sampler: dict) -> list[str]:
+    lines = [
+        f"**Sampler vs HF `generate`**: {PROMPT}-token KJV prompts, exactly {NEW} new tokens, "
+        "temperature 1, top-p 0.9, one thread, median of 3 alternating runs. ms per token step "
+        "= a rollout's seconds / new tokens (the prefill included). Floor: reading every weight "
+        "once (a sum over each parameter, in the same run), the least a decode step can take.",
+        "",
+        "| model | ours ms/step | ours, HF forward | HF generate | floor ms | ours / floor | "
+        "speed-up vs generate | ours tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in sampler.items():
+        lines.append(
+            f"| {name} | {r['ours_step_ms']:.1f} | {r['hf_path_step_ms']:.1f} | "
+            f"{r['hf_step_ms']:.1f} | {r['floor_ms']:.1f} ({r['weight_mb']:.0f} MB at "
+            f"{r['bandwidth_gb_s']:.0f} GB/s) | {r['over_floor']:.2f}x | {r['speedup']:.2f}x | "
+            f"{r['ours_tok_s']:.1f} |"
+        )
+    return lines
+
+
 def render(res: dict) -> str:
     from bench.onpolicy_step import render_step, render_trl
 
-    lines = [
-        "## On-policy distillation (CPU)",
-        "",
-        f"**Sampler vs HF `generate`**: batch {B}, {PROMPT}-token KJV prompts, exactly {NEW} "
-        "new tokens, temperature 1, top-p 0.9, one thread, median of 3 alternating runs.",
-        "",
-        "| model | ours tokens/s | HF generate tokens/s | speed-up |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, r in res["sampler"].items():
-        lines.append(f"| {name} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x |")  # fmt: skip
+    lines = ["## On-policy distillation (CPU)", "", *render_sampler(res["sampler"])]
     f = res["fsdp"]
     lines += [
         "",
@@ -171,3 +220,12 @@ def render(res: dict) -> str:
     lines += render_step(res["step"])
     lines += render_trl(res["trl"])
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    # `python -m bench.bench_onpolicy sampler`: part 1 alone, its table printed (BENCHMARKS.md
+    # is written by `make bench` only)
+    if sys.argv[1:] == ["sampler"]:
+        print("\n".join(render_sampler(part_sampler())))
+    else:
+        raise SystemExit("usage: python -m bench.bench_onpolicy sampler")

@@ -51,7 +51,7 @@ from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
 from trainer.microbatches import Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
 from trainer.onpolicy.rollout_source import OnPolicy
-from trainer.parallel import parallelize
+from trainer.parallel import cpus, parallelize
 from trainer.parallel.cp_attention import model_inputs
 from trainer.parallel.head import head_logits
 from trainer.parallel.mesh import build_mesh
@@ -60,6 +60,14 @@ from trainer.shard_source import ShardSource
 from trainer.step import TrainStep
 from trainer.teacher.dispatch import Feed, open_teachers
 from trainer.throughput import Throughput
+
+
+def _live_teachers(cfg: TrainConfig, prepared: Prepared) -> int:
+    """Off-policy KD teachers run live (by a worker or in process), not read from a cache."""
+    if not cfg.kd_enabled:
+        return 0
+    caches = prepared.caches or [None] * len(cfg.teachers)
+    return sum(t.weight != 0 and c is None for t, c in zip(cfg.teachers, caches))
 
 
 class Trainer:
@@ -71,8 +79,12 @@ class Trainer:
         self.prep = prepared
         self.device = parallelize.pick_device(cfg.device)
         self.rank, self.world = parallelize.init_distributed(self.device)
-        if cfg.parallel.threads:
-            torch.set_num_threads(cfg.parallel.threads)
+        # the student's and its teacher workers' threads (`trainer.parallel.cpus`)
+        self.cpus = cpus.plan_for(
+            cfg, device=self.device, live_teachers=_live_teachers(cfg, prepared)
+        )
+        if self.cpus.student is not None:
+            torch.set_num_threads(self.cpus.student)
         dp, cp, tp = cfg.parallel.mesh_shape(self.world)
         self.mesh = build_mesh(self.device, dp=dp, cp=cp, tp=tp)
         self.run_dir = Path(cfg.run_dir)
@@ -151,7 +163,7 @@ class Trainer:
             rank=self.rank,
             world=self.world,
             max_len=teacher_max,
-            threads=cfg.parallel.threads or None,
+            threads=self.cpus.worker,
             caches=prepared.caches,
             batch_group=self.mesh.batch,
             dtypes=precision.teacher_dtypes,

@@ -103,6 +103,10 @@ def run(argv: list[str]) -> int:
     """Check, build, train, close (the body of `main`; failures are `main`'s to report)."""
     try:
         cfg = load_config(argv)
+        from trainer.parallel.cpus import openmp_env
+
+        # before torch is imported: OpenMP reads it once, when torch loads (trainer.parallel.cpus)
+        os.environ.update(openmp_env())
         from trainer.config.preflight import preflight
 
         prepared = preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))

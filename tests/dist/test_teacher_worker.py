@@ -29,10 +29,11 @@ import psutil
 import pytest
 import torch
 
-from tokenbridge.paths import REPO_ROOT
 from tests.tiny import save_tiny_llama
-from trainer.config.schema import TeacherConfig
+from tokenbridge.paths import REPO_ROOT
 from tokenbridge.teacher.outputs import TeacherOutputSpec
+from trainer.config.schema import TeacherConfig
+from trainer.parallel.cpus import openmp_env
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
 from trainer.teacher.model_program import TeacherModelProgram
 from trainer.teacher.ring import (
@@ -138,6 +139,11 @@ def test_round_trip_equals_inprocess_slots_reused_then_worker_killed(tiny_dir, b
             if i == 2:
                 worker = psutil.Process(ch.worker_pid)
                 base = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), shm_mappings())
+                # its idle OpenMP threads spin briefly, then sleep (trainer.parallel.cpus): set
+                # in its environment before it imported torch, not left in ours
+                env = worker.environ()
+                assert all(env.get(k) == v for k, v in openmp_env().items())
+                assert all(os.environ.get(k) != v for k, v in openmp_env().items())
         # 24 steps: one buffer per slot, the same segment, no new files or mappings.
         assert all(len(p) == 1 for p in ptrs.values()) and ptrs[0] != ptrs[1]
         now = (me.num_fds(), worker.num_fds(), shm_maps(ch.worker_pid), shm_mappings())

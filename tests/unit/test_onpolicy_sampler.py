@@ -175,3 +175,28 @@ def test_gathered_keeps_fsdp_parameters_whole_and_the_outputs_bit_identical(one_
         assert isinstance(weight(), DTensor)
         assert torch.equal(wrapped(input_ids=ids).logits, want)
         assert isinstance(weight(), DTensor)  # reshard_after_forward is back
+
+
+def test_fsdp_samples_on_the_lean_path_inside_gathered_and_on_hf_outside(one_rank):
+    """Inside `gathered` the parameters are whole, so an FSDP2 Llama decodes on the lean path
+    (`decode.LlamaDecoder`); outside they are DTensors and it falls back to the HF forward.
+    Both sample what the unwrapped model samples (float64: draws far from float rounding)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.onpolicy.decode import HFDecoder, LlamaDecoder, make_decoder
+
+    plain, wrapped = tiny_llama(V, seed=3).double(), tiny_llama(V, seed=3).double()
+    for layer in wrapped.model.layers:
+        fully_shard(layer)
+    fully_shard(wrapped)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, record_topk=3)
+    kw = {"config": cfg, "seeds": [1, 2, 3], "stop_ids": [], "vocab_size": V}
+    want = sample(plain, PROMPTS, **kw)
+    assert isinstance(make_decoder(wrapped, vocab_size=V, max_len=8), HFDecoder)
+    outside = sample(wrapped, PROMPTS, **kw)
+    with gathered(wrapped, reshard_after_forward=True):
+        assert isinstance(make_decoder(wrapped, vocab_size=V, max_len=8), LlamaDecoder)
+        inside = sample(wrapped, PROMPTS, **kw)
+    for got in (outside, inside):
+        assert got.completions == want.completions
+        assert all(np.array_equal(a, b) for a, b in zip(got.topk_ids, want.topk_ids))

@@ -97,7 +97,7 @@ class OnPolicyConfig:
     # sum: weighted sum of the teachers' terms; mixture: one target distribution mixed in
     # probability space from teachers that share the student's tokenizer
     mix: str = "sum"
-    lag: int = 0  # 1: the teacher scores step i+1's rollouts while the student learns on step i
+    lag: int = 0  # 1: learn on rollouts sampled one update earlier (the teacher scores them while the student samples the next)
     prompts: str = "text"  # text: a prefix of a shard window; chat: conversation rows
     prompt_tokens: int = 32  # text prompts: student tokens of the window (BOS included)
     chat_data: str = ""  # chat prompts: a JSONL file of `messages` rows

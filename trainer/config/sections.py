@@ -30,6 +30,8 @@ from trainer.config.checks import (
 )
 
 TEACHER_PLACEMENTS = ("worker", "inprocess")
+# how a CPU rank's cores are shared by the student and its teacher workers (`trainer.parallel.cpus`)
+CPU_SPLITS = ("auto", "off")
 # activation checkpointing of the student's decoder blocks (`trainer.parallel.parallelize.apply_ac`)
 AC_MODES = ("none", "full", "every_n")
 EVAL_SPLITS = ("window", "document")
@@ -213,7 +215,13 @@ class ParallelConfig:
     teacher_placement: str = "worker"
     channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
     teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
-    threads: int = 0  # torch intra-op threads per process; 0 = leave torch's default
+    threads: int = 0  # torch intra-op threads of the student and each teacher worker; 0 = auto
+    # CPU runs with teacher workers, parallel.threads 0: where the workers compute while the
+    # student does (off-policy KD: a microbatch ahead; on-policy lag 1: while it samples), auto
+    # gives them threads that add up to the rank's cores, and every core to each elsewhere; two
+    # teams that each take every core fight for them (lag 1 was slower than lag 0 on 2 cores).
+    # off: torch's default (every core) in every process. See trainer/parallel/cpus.py.
+    cpu_split: str = "auto"
     # the student's logits are never whole: every loss projects the lm_head's input this many
     # positions at a time (forward and backward), so memory holds O(chunk x V), not O(T x V);
     # 0 = the whole [B, T, V] logits (the path before chunking, kept for comparison)
@@ -237,6 +245,7 @@ class ParallelConfig:
         check_at_least("parallel.channel_slots", self.channel_slots, 1)
         check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
         check_at_least("parallel.threads", self.threads, 0)
+        check_choice("parallel.cpu_split", self.cpu_split, CPU_SPLITS)
         check_at_least("parallel.logits_chunk", self.logits_chunk, 0)
         check_choice("parallel.activation_checkpointing", self.activation_checkpointing, AC_MODES)
         check_at_least("parallel.ac_every", self.ac_every, 1)

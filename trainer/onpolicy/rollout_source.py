@@ -20,10 +20,12 @@ and checkpoints). This module holds what is the on-policy side's own:
 
 Policy lag (``onpolicy.lag``): 0 is exact on-policy, every rollout is learnt by the weights that
 sampled it. 1 overlaps the teacher with the student: the rollouts of the next on-policy step are
-sampled and submitted *before* the student learns on this step's, so the teacher scores them
-while the student runs its forward and backward, and each update learns on rollouts sampled by
-the weights one update older. The pending rollouts are part of the checkpoint, so a resumed run
-learns on exactly what the uninterrupted one would.
+sampled *before* the student learns on this step's, while the teachers score this step's, and
+submitted after the update; each update learns on rollouts sampled by the weights one update
+older. The overlap is the sampling rather than the update because on CPU the two processes
+then share the cores (`trainer.parallel.cpus`), and sampling gains least from more threads. The
+pending rollouts are part of the checkpoint, so a resumed run learns on exactly what the
+uninterrupted one would.
 
 Legend: B rollouts in a microbatch, T student positions, V student lm_head width.
 """
@@ -50,6 +52,7 @@ from trainer.onpolicy.rollouts import RolloutBatch, build_batch
 from trainer.onpolicy.sampler import Rollouts, SamplingConfig, gathered, sample
 from trainer.onpolicy.teachers import build_teachers, teacher_max_len
 from trainer.parallel import parallelize
+from trainer.parallel.cpus import torch_threads
 from trainer.parallel.head import head_logits
 from trainer.run_log import StepNumbers, peak_memory_gib
 from trainer.step import Source, Terms
@@ -130,7 +133,7 @@ class OnPolicy:
             depth=self.n_mb,
             inprocess=cfg.parallel.teacher_placement == "inprocess",
             timeout_s=cfg.parallel.teacher_timeout_s,
-            threads=cfg.parallel.threads or None,
+            threads=trainer.cpus.worker,
             dtypes=[trainer.prep.precision.teacher_dtypes[t.index] for t in self.teachers.terms],
         )
 
@@ -154,15 +157,19 @@ class OnPolicy:
             for s in range(self.op.n_samples)
         ]
 
-    def generate(self, prompts=None, *, salt: str = "") -> Rollouts:
-        """Rollouts of this rank's next prompts (or of ``prompts``) with the current weights."""
+    def generate(self, prompts=None, *, salt: str = "", threads: int | None = None) -> Rollouts:
+        """Rollouts of this rank's next prompts (or of ``prompts``) with the current weights;
+        ``threads``: torch's threads meanwhile (None: unchanged)."""
         if prompts is None:
             prompts = self.prompts.next_prompts(self.op.prompts_per_step)
         model = self.tr.model
         was_training = model.training
         model.eval()
         try:
-            with gathered(model, reshard_after_forward=self.cfg.parallel.reshard_after_forward):
+            with (
+                torch_threads(threads),
+                gathered(model, reshard_after_forward=self.cfg.parallel.reshard_after_forward),
+            ):
                 r = sample(
                     model,
                     [p.ids for p in prompts],
@@ -251,23 +258,27 @@ class OnPolicy:
             batches = self.batches(r)
             times["align_s"] += time.perf_counter() - t1
             self._timed_submit(batches, times)
+        nxt = None
+        if self.op.lag == 1 and not last:
+            # the next step's rollouts, sampled by these weights before they learn on `r`,
+            # while the teachers score `r`; on CPU with the threads the workers leave free, so
+            # that the update below runs alone on every core (`trainer.parallel.cpus`)
+            t3 = time.perf_counter()
+            nxt = self.generate(threads=self.tr.cpus.overlap)
+            times["generate_s"] += time.perf_counter() - t3
+            times["gen_tokens"] += nxt.new_tokens
+            t4 = time.perf_counter()
+            nxt_batches = self.batches(nxt)
+            times["align_s"] += time.perf_counter() - t4
         t2 = time.perf_counter()
         outs, teacher_s = self.receive(len(batches))
         times["teacher_wait_s"] += time.perf_counter() - t2
-        if self.op.lag == 1 and not last:
-            # the next step's rollouts, sampled by these weights before they learn on `r`:
-            # the teachers score them while the student runs its forward and backward
-            t3 = time.perf_counter()
-            self.pending = self.generate()
-            times["generate_s"] += time.perf_counter() - t3
-            times["gen_tokens"] += self.pending.new_tokens
-            t4 = time.perf_counter()
-            self._pending_batches = self.batches(self.pending)
-            times["align_s"] += time.perf_counter() - t4
-            self._timed_submit(self._pending_batches, times)
         t5 = time.perf_counter()
         record = self.tr.stepper.run(RolloutSource(self, r, batches, outs), log=log)
         times["student_s"] += time.perf_counter() - t5
+        if nxt is not None:  # scored while the student samples the step after this one
+            self._timed_submit(nxt_batches, times)
+            self.pending, self._pending_batches = nxt, nxt_batches
         if record is None:
             return None
         gen_tokens = times.pop("gen_tokens", 0)

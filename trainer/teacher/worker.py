@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp  # registers the reductions that send CUDA tensors/events as IPC handles
 
+from trainer.parallel.cpus import child_env, openmp_env
 from trainer.teacher.ring import (
     ChannelError,
     SlotRing,
@@ -149,7 +150,9 @@ class WorkerProcess:
             name=f"teacher-worker-{group.rank if group else 0}",
             daemon=True,  # killed by multiprocessing's atexit if the student forgets close()
         )
-        with _sigint_ignored():
+        # idle OpenMP threads of the worker sleep after a short spin instead of holding a core
+        # the student needs (`trainer.parallel.cpus`): read when the worker imports torch
+        with _sigint_ignored(), child_env(openmp_env()):
             proc.start()
         child_conn.close()
         worker = cls(

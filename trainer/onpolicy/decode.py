@@ -1,0 +1,280 @@
+"""The sampler's model side: prefill the prompts once, then one token per live row per step.
+
+`sampler.sample` owns the loop (draws, stops, seeds, TP broadcast); a decoder (`make_decoder`:
+one of the two below) owns the model and its KV cache behind four verbs: ``prefill`` (the last position's logits of left-padded
+prompts), ``repeat`` (each row n times, for n samples of one prefill), ``keep`` (rows that
+stopped leave the batch) and ``step`` (feed one token per live row, get its next logits).
+
+- `HFDecoder`: any HF causal LM through its own forward and ``DynamicCache``. The generic path,
+  and the one under tensor parallelism (a vocab-sharded logits DTensor is gathered) or while
+  parameters are still FSDP-sharded (outside `sampler.gathered`).
+- `LlamaDecoder`: Llama-family students (SmolLM2; `LEAN_TYPES`) with whole parameters. The
+  prefill is the HF forward (its cache copied once into a preallocated one); each decode step
+  is a lean loop over the model's own weights, same math in the same dtype (no copy of the
+  weights, so nothing to refresh after an optimizer step). Why, measured on SmolLM2-135M at
+  batch 2 on a 2-core AMD EPYC, one thread (`bench/bench_onpolicy.py`, part 1): a decode step
+  reads all 538 MB of fp32 weights, and the floor is that read (~23 ms there); HF's step took
+  ~4x it (~95 ms), mostly in MKL's skinny ``x @ W.T`` (``F.linear`` of a [2, K] input: 2-7 GB/s
+  there), while the same product taken weight-major, ``W @ x.T``, runs at ~18 GB/s: 2-4x
+  faster per product, 4x on the 49k-row lm_head. The lean step takes ~42 ms (~75% of it in
+  those products). The static cache also removes the ``torch.cat`` that grows every layer's
+  cache every step, and the loop drops HF's per-layer module, mask and cache bookkeeping. At
+  4-8 live rows MKL is slower than at 2 either way (batch 8: ~105 vs ~115 ms a step).
+
+The two agree to float rounding (a product's summation order differs); tested on tiny Llamas:
+the same tokens in float64, greedy and sampled, and near-equal logits in float32
+(tests/unit/test_onpolicy_decode.py).
+
+Legend: B live rows, P prompt positions, T cache positions (P + new tokens), V vocabulary
+kept, H hidden size, NH / KV query / key-value heads, G = NH / KV, D head size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+# model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
+LEAN_TYPES = ("llama",)
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    """Whole-vocabulary logits: a vocab-sharded DTensor (TP lm_head) is gathered."""
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
+class HFDecoder:
+    """Any HF causal LM: its forward with a ``DynamicCache`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, *, vocab_size: int):
+        self.model, self.vocab = model, vocab_size
+        self.cache = DynamicCache()
+
+    def prefill(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor) -> torch.Tensor:
+        self.mask_BT = mask_BP
+        pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+        self.pos_B1 = pos_BP[:, -1:]
+        out = self.model(
+            input_ids=ids_BP,
+            attention_mask=mask_BP,
+            position_ids=pos_BP,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = out.past_key_values
+        return _full(out.logits)[:, -1, : self.vocab]
+
+    def repeat(self, n: int) -> None:
+        self.cache.batch_repeat_interleave(n)
+        self.mask_BT = self.mask_BT.repeat_interleave(n, 0)
+        self.pos_B1 = self.pos_B1.repeat_interleave(n, 0)
+
+    def keep(self, keep_B: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep_B)
+        self.mask_BT, self.pos_B1 = self.mask_BT[keep_B], self.pos_B1[keep_B]
+
+    def step(self, next_B: torch.Tensor) -> torch.Tensor:
+        self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones(len(next_B), 1)], dim=1)
+        self.pos_B1 = self.pos_B1 + 1
+        out = self.model(
+            input_ids=next_B[:, None],
+            attention_mask=self.mask_BT,
+            position_ids=self.pos_B1,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return _full(out.logits)[:, -1, : self.vocab]
+
+
+def _weight_major(rows: int, n: int, k: int, device: torch.device) -> bool:
+    """Take ``x @ W.T`` as ``(W @ x.T).T`` for a [rows, k] input and an [n, k] weight? Measured
+    with MKL on the 2-core AMD EPYC, fp32, weights not in cache, 1 and 2 threads: 2-4x faster
+    at 1-3 rows; from 4 to 8 rows still faster when W is tall (n >= k: q/k/v, gate/up, lm_head)
+    but slower when it is wide (down_proj); past 8 rows ``F.linear`` is as good. Other
+    devices: ``F.linear`` (cuBLAS has no such gap)."""
+    if device.type != "cpu":
+        return False
+    return rows <= 3 or (rows <= 8 and n >= k)
+
+
+def _project(x_BK: torch.Tensor, weights: list, bias_N: torch.Tensor | None) -> torch.Tensor:
+    """[B, sum N]: ``x`` through the [N_i, K] weights side by side, as ``F.linear`` through
+    their concatenation would (the q/k/v or gate/up products of one input, the lm_head alone);
+    ``bias_N``: their biases concatenated, or None.
+
+    Weight-major where that is faster (`_weight_major`): each ``W_i @ x.T`` is written into its
+    rows of one [sum N, B] buffer (no concatenation), and the result is its transposed view.
+    ``x`` is made row-major so that ``x.T`` is a transposed view (MKL took 4x longer over a
+    [K, B] copy), and one row is padded to two (MKL's two-column product is ~2x faster than its
+    one-column one)."""
+    B, K = x_BK.shape
+    N = sum(w.shape[0] for w in weights)
+    if not _weight_major(B, N, K, x_BK.device):
+        y_BN = torch.cat([F.linear(x_BK, w) for w in weights], -1)
+    else:
+        x = x_BK.contiguous() if B > 1 else torch.cat([x_BK, torch.zeros_like(x_BK)])
+        out_NB, x_KB = x.new_empty((N, x.shape[0])), x.t()
+        row = 0
+        for w in weights:
+            torch.mm(w, x_KB, out=out_NB[row : row + w.shape[0]])
+            row += w.shape[0]
+        y_BN = out_NB.t()[:B]
+    return y_BN if bias_N is None else y_BN + bias_N
+
+
+def _rms_norm(x_BH: torch.Tensor, w_H: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm, step for step (float32 inside, back to the input's dtype)."""
+    h = x_BH.to(torch.float32)
+    h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return w_H * h.to(x_BH.dtype)
+
+
+def _plain(layer: nn.Module) -> nn.Module:
+    """A decoder block without its activation-checkpointing wrapper."""
+    return getattr(layer, "_checkpoint_wrapped_module", layer)
+
+
+def _weights(*linears: nn.Linear) -> tuple[list, torch.Tensor | None]:
+    """The weights of linears that share an input, and their biases concatenated (or None)."""
+    if all(m.bias is None for m in linears):
+        return [m.weight for m in linears], None
+    biases = [m.weight.new_zeros(len(m.weight)) if m.bias is None else m.bias for m in linears]
+    return [m.weight for m in linears], torch.cat(biases)
+
+
+class LlamaDecoder:
+    """The lean decode path for Llama-family models (see the module docstring). Build it with
+    `make_decoder`, which checks that it applies."""
+
+    def __init__(self, model: nn.Module, *, vocab_size: int, max_len: int):
+        cfg, inner = model.config, model.model
+        self.model, self.vocab, self.max_len = model, vocab_size, max_len
+        self.heads, self.kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        # only the tokenizer's rows of a padded lm_head: a contiguous slice, no copy
+        head = model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        self.head = ([head.weight[:vocab_size]], None if bias is None else bias[:vocab_size])
+        self.blocks = []
+        for layer in inner.layers:
+            blk = _plain(layer)
+            at, mlp = blk.self_attn, blk.mlp
+            self.blocks.append(
+                (
+                    blk.input_layernorm.weight,
+                    _weights(at.q_proj, at.k_proj, at.v_proj),
+                    _weights(at.o_proj),
+                    blk.post_attention_layernorm.weight,
+                    _weights(mlp.gate_proj, mlp.up_proj),
+                    _weights(mlp.down_proj),
+                )
+            )
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        # attention probabilities in float32 at least, as HF's attention takes them
+        self.soft_dtype = torch.promote_types(self.dtype, torch.float32)
+        # cos/sin of every position a rollout can reach, from the model's own rotary module
+        # (its RoPE type and attention scaling included); rotate_half(x) * sin is taken as
+        # roll(x, D/2) * (sin with its first half negated)
+        pos_1T = torch.arange(max_len, device=self.device)[None]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = inner.rotary_emb(probe, pos_1T)
+        half = self.head_dim // 2
+        self.cos_TD = cos[0]
+        self.sin_TD = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
+
+    def prefill(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor) -> torch.Tensor:
+        hf = HFDecoder(self.model, vocab_size=self.vocab)
+        logits_BV = hf.prefill(ids_BP, mask_BP)
+        B, P = ids_BP.shape
+        shape = (B, self.kv, self.max_len, self.head_dim)
+        self.k, self.v = [], []
+        for layer in hf.cache.layers:  # copied once into the preallocated cache
+            k = torch.empty(shape, dtype=layer.keys.dtype, device=self.device)
+            v = torch.empty(shape, dtype=layer.values.dtype, device=self.device)
+            k[:, :, :P], v[:, :, :P] = layer.keys, layer.values
+            self.k.append(k)
+            self.v.append(v)
+        # additive attention bias per cache position: 0 where a row has a token, the dtype's
+        # minimum at its left padding (HF's masking value; exp of it is exactly 0)
+        bias_BT = torch.zeros((B, self.max_len), dtype=self.dtype, device=self.device)
+        bias_BT[:, :P].masked_fill_(mask_BP == 0, torch.finfo(self.dtype).min)
+        self.bias_BT, self.t = bias_BT, P
+        self.pos_B = mask_BP.sum(-1) - 1  # position of each row's last token
+        return logits_BV
+
+    def repeat(self, n: int) -> None:
+        self.k = [k.repeat_interleave(n, 0) for k in self.k]
+        self.v = [v.repeat_interleave(n, 0) for v in self.v]
+        self.bias_BT = self.bias_BT.repeat_interleave(n, 0)
+        self.pos_B = self.pos_B.repeat_interleave(n, 0)
+
+    def keep(self, keep_B: torch.Tensor) -> None:
+        self.k = [k[keep_B] for k in self.k]
+        self.v = [v[keep_B] for v in self.v]
+        self.bias_BT, self.pos_B = self.bias_BT[keep_B], self.pos_B[keep_B]
+
+    def step(self, next_B: torch.Tensor) -> torch.Tensor:
+        """One token per live row in, its next logits [B, V] out: the same math as HF's
+        forward, in few operations per layer (each costs microseconds of dispatch)."""
+        t, B = self.t, len(next_B)
+        if t >= self.max_len:
+            raise ValueError(f"decode step at position {t}: the cache holds {self.max_len}")
+        NH, KV, D = self.heads, self.kv, self.head_dim
+        self.pos_B = self.pos_B + 1
+        cos_B11, sin_B11 = self.cos_TD[self.pos_B][:, None], self.sin_TD[self.pos_B][:, None]
+        bias_B11T = self.bias_BT[:, None, None, : t + 1]
+        x_BH = self.embed[next_B]
+        G, scale = NH // KV, D**-0.5
+        for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.blocks):
+            h = _rms_norm(x_BH, ln1, self.eps)
+            qkv_BND = _project(h, *qkv).view(B, NH + 2 * KV, D)
+            qk = qkv_BND[:, : NH + KV]
+            qk = qk * cos_B11 + qk.roll(D // 2, -1) * sin_B11  # RoPE on q and k at once
+            self.k[i].select(2, t).copy_(qk[:, NH:])
+            self.v[i].select(2, t).copy_(qkv_BND[:, NH + KV :])
+            # attention as HF's eager attention, without repeating the cache for GQA: query
+            # head j reads key-value head j // G, as after HF's repeat_kv
+            s_BKGT = torch.matmul(
+                qk[:, :NH].view(B, KV, G, D), self.k[i][:, :, : t + 1].transpose(-1, -2)
+            )
+            p_BKGT = torch.softmax(s_BKGT.mul_(scale).add_(bias_B11T), -1, dtype=self.soft_dtype)
+            a_BKGD = torch.matmul(p_BKGT.to(self.dtype), self.v[i][:, :, : t + 1])
+            x_BH = x_BH + _project(a_BKGD.view(B, NH * D), *o)
+            h = _rms_norm(x_BH, ln2, self.eps)
+            g_BI, u_BI = _project(h, *gate_up).chunk(2, -1)
+            x_BH = x_BH + _project(F.silu(g_BI) * u_BI, *down)
+        self.t = t + 1
+        logits = _project(_rms_norm(x_BH, self.norm, self.eps), *self.head)
+        # row-major for the vocabulary work (one column at a time: 4x faster than
+        # .contiguous() of the transposed view)
+        return torch.stack(logits.unbind(0)) if logits.stride(-1) != 1 else logits
+
+
+def lean_applies(model: nn.Module) -> bool:
+    """Can `LlamaDecoder` run this model: a Llama-family HF model whose parameters are whole
+    tensors (not DTensors: TP-sharded, or FSDP2-sharded outside `sampler.gathered`)?"""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) not in LEAN_TYPES:
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return False
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return False
+    return not any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def make_decoder(
+    model: nn.Module, *, vocab_size: int, max_len: int, lean: bool = True, tp: bool = False
+):
+    """The decoder for this model: the lean path when it applies (and ``lean``, and not under
+    TP), else the HF forward."""
+    if lean and not tp and lean_applies(model):
+        return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len)
+    return HFDecoder(model, vocab_size=vocab_size)
