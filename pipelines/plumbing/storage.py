@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import threading
-import uuid
 from pathlib import Path
 
 from apache_beam.io.aws import s3io
@@ -34,6 +33,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from tokenbridge import urls
+from tokenbridge.formats.shards import atomic_write_bytes
 
 Location = str | Path  # a local directory or file (Path) or a URL (str)
 _ENV_FLAGS = {"endpoint_url": "--s3_endpoint_url", "region": "--s3_region_name"}
@@ -158,17 +158,8 @@ def write_bytes(path: Location, data: bytes) -> None:
         with errors(str(path), doing="a write"):  # one PUT: Beam's multipart writer cannot
             _s3().client.client.put_object(Bucket=bucket, Key=key, Body=data)  # write 0 bytes
         return
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
 
 
 def upload(local: Path, path: Location) -> None:
