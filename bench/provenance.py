@@ -35,7 +35,10 @@ def commit() -> str:
     head = _git("rev-parse", "--short=10", "HEAD")
     if not head:
         return "unknown"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO).returncode != 0
+    # the bench's own outputs do not count: a second section must not call the first's dirty
+    outputs = (":(exclude)bench/results", ":(exclude)BENCHMARKS.md")
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", *outputs],
+                           cwd=REPO).returncode != 0  # fmt: skip
     return head + ("+dirty" if dirty else "")
 
 
