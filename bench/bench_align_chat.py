@@ -181,8 +181,8 @@ def main() -> str:
         f"baseline is the same contents, one document per conversation "
         f"({sizes['text_bytes'] / 1e6:.2f} MB). Gemma-3-270M (shipped `gemma` template) x "
         "SmolLM2-135M (its own), windows 512, FnApiRunner, 1 worker; tokenizer load not timed. "
-        f"CPU: {cpu_model()}, {os.cpu_count()} cores shared with other jobs "
-        "(loaded): absolute times are noisy, the runs alternate.",
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores (the load is in the provenance line above); "
+        "the runs alternate.",
         "",
         "| run | job s (wall) | job CPU s | rows/s (wall) | student tokens | teacher tokens |",
         "|---|---:|---:|---:|---:|---:|",

@@ -115,8 +115,7 @@ def main() -> str:
         "bits-per-byte rows are the tighter signal. Reproduce with `make eval LIMIT="
         f"{LIMIT} TASKS=default,text:{_held_out()}` (no LIMIT: full sets).\n",
         markdown_table(payload),
-        f"Seconds per task, wall and CPU (the whole run: {wall:.0f} s wall, both models, on a "
-        f"machine shared with other jobs; peak RSS of the eval process after each model: {rss}):\n",
+        f"Seconds per task, wall and CPU (the whole run: {wall:.0f} s wall, both models; peak RSS of the eval process after each model: {rss}):\n",
         timing_table(payload),
         _scorer_vs_naive(),
     ]

@@ -172,9 +172,8 @@ def render(cache: dict, runs: dict) -> str:
     lines = [
         "## Teacher cache (offline teacher outputs)",
         "",
-        f"CPU: {cpu_model()}, {os.cpu_count()} cores shared with other jobs (1-minute load average "
-        f"{loads} at the starts of the commands below): seconds are inflated by the load, and "
-        "the load moves between commands, so read the ratios. "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores (1-minute load average {loads} at the "
+        "starts of the commands below; the load moves between commands, so read the ratios). "
         f"Inputs: {cache['rows']} demo windows ({cache['teacher_tokens']:,} Gemma tokens) of "
         "Hamlet, aligned by `make align` with the demo's 256-token windows.",
         "",
