@@ -87,6 +87,11 @@ def join(base: str | os.PathLike, *names: str) -> str:
     return str(Path(base).joinpath(*names))
 
 
+def store_key(url: str) -> str:
+    """``bucket/key`` of ``s3://bucket/key``: how s3fs names an object (other text unchanged)."""
+    return url[len("s3://") :] if url.startswith("s3://") else url
+
+
 def name(path: str | os.PathLike) -> str:
     """The last component of a path or URL (``s3://b/x/y/`` -> ``y``)."""
     return posixpath.basename(str(path).rstrip("/")) if is_url(path) else Path(path).name

@@ -77,10 +77,6 @@ def _errors(url: str, doing: str):
         raise
 
 
-def _key(url: str) -> str:
-    return url[len("s3://") :] if url.startswith("s3://") else url
-
-
 class RemoteCache:
     """A node-local cache of fetched inputs: one entry (directory) per URL."""
 
@@ -145,7 +141,7 @@ class RemoteCache:
         marker_url = urls.join(url, marker)
         with _errors(marker_url, "a read"):
             try:
-                raw = fs.cat_file(_key(marker_url))
+                raw = fs.cat_file(urls.store_key(marker_url))
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"{marker_url}: no completion marker; the job that writes it did not finish "
@@ -161,7 +157,7 @@ class RemoteCache:
     def _download_file(self, url: str, entry: Path, name: str) -> None:
         fs = filesystem()
         with _errors(url, "a lookup"):
-            size = int(fs.size(_key(url)))
+            size = int(fs.size(urls.store_key(url)))
         self._make_room(size, url)
         _download(fs, url, entry / name, expected=None)
         _commit(entry, url)
@@ -175,7 +171,7 @@ def _download(fs, url: str, dest: Path, *, expected: dict | None) -> None:
         part, algo=integrity.entry_algo(expected) if expected else integrity.HASH
     )
     try:
-        with _errors(url, "a read"), fs.open(_key(url), "rb", block_size=8 << 20) as src:
+        with _errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=8 << 20) as src:
             while block := src.read(8 << 20):
                 sink.write(block)
         sink.close()

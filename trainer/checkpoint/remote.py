@@ -92,7 +92,7 @@ def list_steps(folder: str) -> list[tuple[int, str]]:
     fs, out = filesystem(), []
     fs.invalidate_cache()  # another process (rank 0, an earlier run) may have written since
     try:
-        found = fs.glob(f"{_key(folder)}/{STEP_PREFIX}*/{MARKER}")
+        found = fs.glob(f"{urls.store_key(folder)}/{STEP_PREFIX}*/{MARKER}")
     except FileNotFoundError:
         return []
     for key in found:
@@ -105,10 +105,10 @@ def list_steps(folder: str) -> list[tuple[int, str]]:
 def clear(step: str) -> None:
     """Remove what a step holds (``COMPLETED`` first: never a marker over missing files)."""
     fs = filesystem()
-    if fs.exists(_key(urls.join(step, MARKER))):
-        fs.rm_file(_key(urls.join(step, MARKER)))
-    if fs.exists(_key(step)):
-        fs.rm(_key(step), recursive=True)
+    if fs.exists(urls.store_key(urls.join(step, MARKER))):
+        fs.rm_file(urls.store_key(urls.join(step, MARKER)))
+    if fs.exists(urls.store_key(step)):
+        fs.rm(urls.store_key(step), recursive=True)
     fs.invalidate_cache()
 
 
@@ -116,7 +116,7 @@ def publish(folder: str, step: str, marker: dict, *, keep: int) -> None:
     """Rank 0, after every rank wrote `step`: its ``COMPLETED`` (the commit point), then only
     the newest `keep` checkpoints kept."""
     fs = filesystem()
-    fs.pipe_file(_key(urls.join(step, MARKER)), json.dumps(marker, indent=2).encode())
+    fs.pipe_file(urls.store_key(urls.join(step, MARKER)), json.dumps(marker, indent=2).encode())
     fs.invalidate_cache()
     for _, old in list_steps(folder)[:-keep]:
         clear(old)
@@ -154,7 +154,3 @@ def find_resume(folder: str, cfg, *, cache_dir: str | os.PathLike, limit_bytes: 
             "them to start from step 0"
         )
     return None, []
-
-
-def _key(url: str) -> str:
-    return url[len("s3://") :] if url.startswith("s3://") else url
