@@ -66,7 +66,7 @@ def parts() -> list[Part]:
     from bench import gpu_check_train as T
 
     return [
-        Part("cuda_tests", "1. CUDA-marked tests (pytest -m cuda)", 150,
+        Part("cuda_tests", "1. CUDA-marked tests (pytest -m cuda)", 130,
              lambda ctx, budget: C.run_cuda_tests(ctx, budget_s=budget)),
         Part("demo_pair", "2. Demo pair (Gemma-3-270M -> SmolLM2-135M shapes), 2k-token rows", 90,
              lambda ctx, _: T.demo_pair(ctx)),
@@ -74,7 +74,7 @@ def parts() -> list[Part]:
              lambda ctx, _: T.scale_1b_4b(ctx)),
         Part("long_row", "4. One 32k-token row: chunked vs whole logits", 70,
              lambda ctx, _: T.long_row(ctx)),
-        Part("sampler", "5. On-policy sampler vs HF generate", 40,
+        Part("sampler", "5. On-policy sampler vs HF generate", 80,
              lambda ctx, _: C.sampler_vs_generate(ctx)),
         Part("teacher_program", "6. Teacher program (cache job's outputs) vs bare HF forward", 40,
              lambda ctx, _: C.teacher_program(ctx)),

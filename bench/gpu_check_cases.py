@@ -56,7 +56,7 @@ class Sizes:
     sample_prompt: int
     sample_new: int
     fwd_len: int  # part 6: teacher tokens per row (rows: the cache job's batch of tokens)
-    reps: int  # timed repetitions of parts 5 and 6 (after one warm-up)
+    reps: int  # timed repetitions of part 6 (after one warm-up); part 5 times one
     text_chars: int  # of the shipped corpus, for the shards and prompts
     # the "1B student / 4B teacher" shapes (config.json overrides, init=random)
     student_1b: dict
@@ -144,9 +144,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_s(fn: Callable[[], object], *, reps: int, device: torch.device) -> float:
-    """Median seconds of `reps` calls after one warm-up, the device synchronised each time."""
-    fn()
+def median_s(
+    fn: Callable[[], object], *, reps: int, device: torch.device, warmup: bool = True
+) -> float:
+    """Median seconds of `reps` calls after one warm-up (unless not `warmup`), the device
+    synchronised each time."""
+    if warmup:
+        fn()
     sync(device)
     times = []
     for _ in range(reps):
@@ -280,21 +284,46 @@ def run_cuda_tests(ctx: Context, *, budget_s: float) -> dict:
 
 def sampler_vs_generate(ctx: Context) -> dict:
     """The SmolLM2-shaped student samples the same prompts with our sampler and with
-    `model.generate` (exactly `sample_new` tokens each, top-p 0.9)."""
-    from bench.bench_onpolicy import sampler_vs_generate as compare
+    `model.generate` (exactly `sample_new` tokens each, top-p 0.9), and the time to read its
+    weights once (the floor of a decode step). Each path is warmed up on a few tokens, then
+    timed once, and printed as it ends: a run cut at the budget still says which path ran
+    long (a first GPU run overran 80 s with no figure)."""
+    from bench.bench_onpolicy import read_weights
     from bench.onpolicy_prompts import prompts_from_lines
     from tokenbridge.tokenizers import load_tokenizer
+    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
 
-    s = ctx.sizes
+    s, dev = ctx.sizes, ctx.device
     tok = load_tokenizer(paths.student_dir())
     text = corpus_text(ctx)
     paragraphs = [text[i : i + 2000] for i in range(0, len(text), 2000)]
     prompts = prompts_from_lines(tok, paragraphs, s.sample_rows, s.sample_prompt)
     model = random_model(ctx, "student")
-    r = compare(model, prompts, tok.vocab_size, new=s.sample_new, reps=s.reps)
-    return {"rows": s.sample_rows, "prompt_tokens": s.sample_prompt, "new_tokens": s.sample_new,
-            "ours_tokens_per_s": r["ours_tok_s"], "hf_generate_tokens_per_s": r["hf_tok_s"],
-            "ours_over_hf": r["speedup"]}  # fmt: skip
+    ids, mask = _left_pad(prompts, dev)
+
+    def ours(new: int) -> None:
+        cfg = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=new)
+        sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
+               vocab_size=tok.vocab_size)  # fmt: skip
+
+    @torch.no_grad()
+    def generate(new: int) -> None:
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.9, top_k=0,
+                       temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)  # fmt: skip
+
+    floor = read_weights(model)
+    floor_s = median_s(floor, reps=5, device=dev)
+    out = {"rows": s.sample_rows, "prompt_tokens": s.sample_prompt, "new_tokens": s.sample_new,
+           "floor_ms": floor_s * 1e3}  # fmt: skip
+    for name, fn in (("ours", ours), ("hf_generate", generate)):
+        fn(min(8, s.sample_new))  # warm-up: kernels, allocator
+        t = median_s(lambda fn=fn: fn(s.sample_new), reps=1, device=dev, warmup=False)
+        out[f"{name}_tokens_per_s"] = s.sample_rows * s.sample_new / t
+        out[f"{name}_step_ms"] = t / s.sample_new * 1e3
+        print(f"   {name}: {t:.1f} s for {s.sample_new} tokens x {s.sample_rows} rows", flush=True)
+    out["ours_over_hf"] = out["ours_tokens_per_s"] / out["hf_generate_tokens_per_s"]
+    out["ours_over_floor"] = out["ours_step_ms"] / out["floor_ms"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,9 +58,10 @@ def pair_shards(ctx: Context, length: int) -> tuple[Path, dict]:
     return ctx.cache[key]
 
 
-def _dict(d: dict) -> str:
-    """A Hydra override value for a dict: ``{a:1,b:2}``."""
-    return "{" + ",".join(f"{k}:{v}" for k, v in d.items()) + "}"
+def _set(prefix: str, d: dict) -> list[str]:
+    """Hydra overrides setting each key of `d` under `prefix`, added where the composed config
+    lacks it (``++``: conf/model/smollm2.yaml has no `overrides`; the tiny one has them all)."""
+    return [f"++{prefix}.{k}={v}" for k, v in d.items()]
 
 
 def overrides(
@@ -166,8 +167,8 @@ def scale_1b_4b(ctx: Context) -> dict:
     checkpointing on every student block (and compile with ``--compile``)."""
     s = ctx.sizes
     extra = [
-        f"model.overrides={_dict(s.student_1b)}",
-        f"teachers.0.overrides={_dict(s.teacher_4b)}",
+        *_set("model.overrides", s.student_1b),
+        *_set("teachers.0.overrides", s.teacher_4b),
         "parallel.activation_checkpointing=full",
     ]
     if ctx.compile:
@@ -198,7 +199,7 @@ def long_row(ctx: Context) -> dict:
     """Part 4: CE on one `long_len`-token row, the ~1.2B student with activation
     checkpointing: the lm_head in chunks of `logits_chunk` positions, then whole logits (0)."""
     s = ctx.sizes
-    base = [f"model.overrides={_dict(s.student_1b)}", "parallel.activation_checkpointing=full"]
+    base = [*_set("model.overrides", s.student_1b), "parallel.activation_checkpointing=full"]
     out: dict = {"row_tokens": s.long_len, "logits_chunk": s.logits_chunk}
     for name, chunk in (("chunked", s.logits_chunk), ("whole", 0)):
         extra = [*base, f"parallel.logits_chunk={chunk}"]

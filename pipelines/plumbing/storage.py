@@ -28,10 +28,6 @@ import shutil
 import threading
 from pathlib import Path
 
-from apache_beam.io.aws import s3io
-from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import PipelineOptions
-
 from tokenbridge import urls
 from tokenbridge.formats.shards import atomic_write_bytes
 
@@ -57,6 +53,9 @@ def join(base: Location, *names: str) -> Location:
 def beam_args(args: list[str]) -> list[str]:
     """`args` plus the S3 options of the environment that `args` does not set; and this
     process's `FileSystems` configured with them (the launcher lists and writes too)."""
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
     out = list(args)
     settings = urls.s3_settings()
     for key, flag in _ENV_FLAGS.items():
@@ -67,12 +66,17 @@ def beam_args(args: list[str]) -> list[str]:
     return out
 
 
-def _s3() -> s3io.S3IO:
+def _s3():
     """This thread's client of Beam's S3 I/O, made once per settings. Beam's `FileSystems`
     builds a new boto3 session for every call (0.4 s each on these machines: a 3 s job took
     17 s); the pipeline options are the ones `FileSystems` has in this process (Beam sets them
     in the launcher and its SDK workers), else, on a worker that was handed none (Dask's), the
-    environment's (`urls.s3_settings`)."""
+    environment's (`urls.s3_settings`). Beam is imported here, not at the top: a local-only
+    job (the projection on a bare GPU image) runs without it."""
+    from apache_beam.io.aws import s3io
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
     opts = getattr(FileSystems, "_pipeline_options", None)
     env = urls.s3_settings()
     key = (None if opts is None else id(opts), tuple(sorted(env.items())))

@@ -26,7 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import modeling_utils
 
+# a boolean [B, T] `logits_to_keep` (logits only where a token is scored) came with
+# `slice_logits_to_keep` in transformers 5.2x; older ones (5.17 on a GPU image) index
+# hidden[:, keep, :] and fail: there the whole segment's logits are computed and masked here
+MASK_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")
 SHARED_MIN = 48  # tokens a prefix must share before it is worth running once
 
 
@@ -188,13 +193,16 @@ def _feed(model, cache, *, base_mask_CK, base_len_C, seqs, starts, limits, vocab
             attention_mask=torch.cat([base_mask_CK, real_CT[:, :e]], dim=1),
             position_ids=pos_CT[:, s:e],
             past_key_values=cache,
-            logits_to_keep=keep,
+            logits_to_keep=keep if MASK_KEEP else 0,
         )
         cache = out.past_key_values
         if not keep.any():
             continue
+        # a segment's whole logits fit `limits.max_logits` (seg above), so an older transformers
+        # costs no more memory than the mask would
+        logits = out.logits if MASK_KEEP else out.logits[keep]
         # log p = logit - logsumexp: no second [N, V] tensor for a full log-softmax
-        logits_NV = _upcast(out.logits.reshape(-1, out.logits.shape[-1])[:, :vocab])
+        logits_NV = _upcast(logits.reshape(-1, logits.shape[-1])[:, :vocab])
         tgt_N = tgt_CT[:, s:e][keep]
         rows_N = keep.nonzero()[:, 0]  # the kept logits come in this row-major order
         logp_N = logits_NV.gather(1, tgt_N[:, None])[:, 0] - torch.logsumexp(logits_NV, -1)
