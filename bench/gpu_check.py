@@ -150,22 +150,32 @@ def render(result: dict) -> str:
     d = result["device"]
     where = (f"one {d['device']} ({d.get('memory_gib')} GiB), driver {d['driver']}, CUDA "
              f"{d['cuda']}" if d["cuda"] else "CPU")  # fmt: skip
+    runs = result.get("runs")  # several runs merged by bench.gpu_check_merge
+    when = (f"{len(runs)} runs on one machine (each part's run is in its row)" if runs else
+            f"commit `{result['commit']}`, {result['date']}; {result['total_s']:.0f} s in all")  # fmt: skip
     lines = [
         "## GPU check (`make gpu-check`)",
         "",
         f"Measured on {where}; torch {d['torch']}, transformers {d['transformers']}, Python "
-        f"{d['python']}; commit `{result['commit']}`, {result['date']}; {result['total_s']:.0f} s "
-        "in all. Random-init models from the shipped config.json files (no weights), the real "
-        "tokenizers, the shipped corpus; bf16 on the GPU. Ratios are within this run.",
+        f"{d['python']}; {when}. Random-init models from the shipped config.json files (no "
+        "weights), the real tokenizers, the shipped corpus; bf16 on the GPU. Ratios are within "
+        "one run.",
     ]
+    if runs:
+        lines += [""] + [f"- run {i}: commit `{r['commit']}`, {r['date']}, {r['total_s']:.0f} s"
+                         for i, r in enumerate(runs, 1)]  # fmt: skip
+    if result.get("note"):
+        lines += ["", result["note"]]
     if result["dry_run"]:
         lines += ["", "**Dry run** (CPU, tiny shapes and lengths): the figures check the "
                   "script and measure nothing."]  # fmt: skip
-    lines += ["", "| part | status | seconds |", "|---|---|---:|"]
+    lines += ["", "| part | status | seconds |" + (" run |" if runs else ""),
+              "|---|---|---:|" + ("---:|" if runs else "")]  # fmt: skip
     for p in result["parts"].values():
         why = p.get("reason") or p.get("error", "")
         why = f" ({why[:200]})".replace("\n", " ").replace("|", "/") if why else ""
-        lines.append(f"| {p['title']} | {p['status']}{why} | {p['seconds']:.0f} |")
+        run = f" {p['run']} |" if runs else ""
+        lines.append(f"| {p['title']} | {p['status']}{why} | {p['seconds']:.0f} |{run}")
     for p in result["parts"].values():
         if not p["figures"]:
             continue

@@ -90,3 +90,30 @@ def test_the_checks_copies_of_the_cache_jobs_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(job.JobConfig)}
     assert C.CACHE_ROWS_PER_HEAD == handler.ROWS_PER_HEAD
     assert fields["batch_tokens"] == C.CACHE_BATCH_TOKENS
+
+
+def test_merge_takes_each_part_from_the_newest_run_that_ran_it(dry, tmp_path):
+    """`bench.gpu_check_merge`: a rerun of one part (``--only``) replaces that part only, its
+    row names the run; runs from other software are refused."""
+    from bench.gpu_check_merge import main as merge_main
+
+    _, got = dry
+    first = got["json"]
+    rerun = {**first, "date": "2999-01-01T00:00:00+00:00",
+             "commit": "later", "parts": {"sampler": {**first["parts"]["sampler"],
+                                                      "status": "timeout", "figures": {}}}}  # fmt: skip
+    files = []
+    for i, r in enumerate((rerun, first)):  # out of order on purpose: merged by date
+        files.append(tmp_path / f"run{i}.json")
+        files[-1].write_text(json.dumps(r))
+    assert merge_main([*map(str, files), "--out", str(tmp_path / "m"), "--note", "why"]) == 0
+    merged = json.loads((tmp_path / "m" / "gpu_check.json").read_text())
+    assert tuple(merged["parts"]) == PARTS
+    assert merged["parts"]["sampler"]["status"] == "timeout"
+    assert merged["parts"]["sampler"]["run"] == 2
+    assert {p["run"] for k, p in merged["parts"].items() if k != "sampler"} == {1}
+    md = (tmp_path / "m" / "gpu_check.md").read_text()
+    assert "`later`" in md and first["commit"] in md and "why" in md
+    other = {**rerun, "device": {**rerun["device"], "torch": "0.0"}}
+    files[0].write_text(json.dumps(other))
+    assert merge_main([*map(str, files), "--out", str(tmp_path / "n")]) == 2
