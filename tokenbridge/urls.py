@@ -17,6 +17,7 @@ ignores ``AWS_REGION``; Beam takes pipeline options). Pure apart from reading th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import re
@@ -130,3 +131,41 @@ _DENIED = re.compile(
 def denied(text: str) -> bool:
     """Whether an object-store error's text says the credentials were refused."""
     return _DENIED.search(text) is not None
+
+
+def _details(e: BaseException) -> str:
+    """An error's text, with Beam's per-path exceptions (BeamIOError.exception_details) and an
+    HTTP code where the exception carries one."""
+    parts = [f"{type(e).__name__}: {e}"]
+    details = getattr(e, "exception_details", None)
+    if isinstance(details, dict):
+        parts += [f"{type(x).__name__}: {x}" for x in details.values()]
+    code = getattr(e, "code", None)
+    return " ".join(parts) + (f" code {code}" if code is not None else "")
+
+
+@contextlib.contextmanager
+def store_errors(url: str, *, doing: str, keep: tuple[type[BaseException], ...] = ()):
+    """An object store's failures on `url` as one line: refused credentials
+    (`StorageAccessError`: exit 2), a missing object (FileNotFoundError), no answer
+    (ConnectionError); `keep` and anything else as they are. Every client here (boto3 under
+    Beam's S3 I/O, s3fs) says these in its own words."""
+    try:
+        yield
+    except (StorageAccessError, FileNotFoundError, *keep):
+        raise
+    except Exception as e:
+        text = _details(e)
+        if isinstance(e, PermissionError) or denied(text):
+            raise StorageAccessError(
+                f"{url}: the object store refused {doing} (access denied); check "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL"
+            ) from None
+        if any(m in text for m in ("NoSuchKey", "NoSuchBucket", "Not Found", "code 404")):
+            raise FileNotFoundError(f"{url}: no such object ({doing})") from None
+        if "Could not connect" in text:
+            raise ConnectionError(
+                f"{url}: the object store did not answer ({doing}); is AWS_ENDPOINT_URL "
+                "right and the server up?"
+            ) from None
+        raise

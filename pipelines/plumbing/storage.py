@@ -94,39 +94,9 @@ def _url(path: Location) -> str:
     return str(path)
 
 
-def _details(e: BaseException) -> str:
-    """An error's text with Beam's per-path exceptions (BeamIOError.exception_details)."""
-    parts = [f"{type(e).__name__}: {e}"]
-    details = getattr(e, "exception_details", None)
-    if isinstance(details, dict):
-        parts += [f"{type(x).__name__}: {x}" for x in details.values()]
-    code = getattr(e, "code", None)
-    return " ".join(parts) + (f" code {code}" if code is not None else "")
-
-
-@contextlib.contextmanager
 def errors(url: str, *, doing: str):
-    """The object store's failures on `url` as one line: refused credentials
-    (`urls.StorageAccessError`), a missing object (FileNotFoundError); others as they are."""
-    try:
-        yield
-    except (urls.StorageAccessError, FileNotFoundError):
-        raise
-    except Exception as e:
-        text = _details(e)
-        if urls.denied(text):
-            raise urls.StorageAccessError(
-                f"{url}: the object store refused {doing} (access denied); check "
-                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL"
-            ) from None
-        if any(m in text for m in ("NoSuchKey", "NoSuchBucket", "Not Found", "code 404")):
-            raise FileNotFoundError(f"{url}: no such object ({doing})") from None
-        if "Could not connect" in text:
-            raise ConnectionError(
-                f"{url}: the object store did not answer ({doing}); is AWS_ENDPOINT_URL "
-                "right and the server up?"
-            ) from None
-        raise
+    """The object store's failures on `url` as one line (`urls.store_errors`)."""
+    return urls.store_errors(url, doing=doing)
 
 
 def create(path: Location):

@@ -7,16 +7,17 @@ newest that verifies."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from tokenbridge import urls
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shards
+from tokenbridge.remote_cache import FETCHED, RemoteCache
 from trainer.checkpoint import remote
 from trainer.checkpoint.dcp_io import DamagedCheckpointError
 from trainer.config.sections import CheckpointConfig
-from trainer.remote_inputs import FETCHED, RemoteCache
 
 
 def upload_marked(s3_server, bucket: str, prefix: str, tmp_path, files: dict[str, bytes]) -> str:
@@ -67,7 +68,8 @@ def test_changed_object_missing_marker_refused_credentials_and_eviction(
     cache = RemoteCache(root, limit_bytes=10**6, local_rank=0)
     with pytest.raises(integrity.DamagedFileError, match=rf"^{url}/x.arrow: damaged: expected"):
         cache.fetch_dir(url)
-    assert list(root.iterdir()) == []  # nothing half-fetched is left to be taken for a copy
+    # nothing half-fetched is left to be taken for a copy (the entry's lock file stays)
+    assert [p.name for p in root.iterdir()] == [".locks"]
     with pytest.raises(FileNotFoundError, match=rf"^s3://{s3_bucket}/none/COMPLETED: no comp"):
         cache.fetch_dir(f"s3://{s3_bucket}/none")
     with monkeypatch.context() as m:  # refused credentials: one line naming the URL (exit 2)
@@ -113,3 +115,30 @@ def test_checkpoints_in_a_store_resume_from_the_newest_that_verifies(
     with pytest.raises(DamagedCheckpointError, match=r"^checkpoint.resume=s3://.*step-00000004: "):
         named = CheckpointConfig(resume=f"{folder}/step-00000004")
         remote.find_resume(folder, named, cache_dir=tmp_path / "c3", limit_bytes=10**6)
+
+
+def test_two_fetchers_of_one_entry_download_it_once(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """Outside torchrun (two jobs, two Beam workers on one machine) every process is local
+    rank 0: the entry's lock makes the second wait for the first's copy, not fetch again."""
+    url = upload_marked(s3_server, s3_bucket, "two", tmp_path / "src", {"x.arrow": b"x" * 100})
+    calls = []
+    real = RemoteCache._download_dir
+
+    def slow(self, *a, **kw):
+        calls.append(1)
+        time.sleep(0.3)  # long enough for the other thread to reach the lock
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(RemoteCache, "_download_dir", slow)
+    got = []
+    threads = [
+        threading.Thread(target=lambda: got.append(
+            RemoteCache(tmp_path / "c", limit_bytes=10**6, local_rank=0).fetch_dir(url)))
+        for _ in range(2)
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1]
+    assert (got[0] / "x.arrow").read_bytes() == b"x" * 100

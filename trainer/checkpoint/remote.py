@@ -10,7 +10,7 @@ unfinished save, invisible to `list_steps` and cleared by the next save of that 
 deletes an old step's ``COMPLETED`` before its other files.
 
 Resuming (`find_resume`): the newest step with ``COMPLETED`` is fetched into the node's input
-cache (`trainer.remote_inputs.RemoteCache`, local rank 0 fetches, each file hashed as it
+cache (`tokenbridge.remote_cache.RemoteCache`, local rank 0 fetches, each file hashed as it
 downloads and refused by name when it differs from the marker); a damaged one is passed over
 for the next older one (``checkpoint.strict=true``: refused) and left in place, since the
 store cannot move it aside. The run then loads the local copy with the local reader, so every
@@ -28,9 +28,9 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from tokenbridge import urls
 from tokenbridge.formats import checksums as integrity
+from tokenbridge.remote_cache import RemoteCache, filesystem
 from trainer.checkpoint.dcp_io import DamagedCheckpointError, HashingFileSystem
 from trainer.checkpoint.dcp_io import Writer as LocalWriter
-from trainer.remote_inputs import RemoteCache, filesystem
 
 MARKER = "COMPLETED"
 STEP_PREFIX = "step-"

@@ -1,0 +1,194 @@
+"""A node-local cache of inputs fetched from an object store, verified while they download.
+
+Used by the trainer (`trainer.remote_inputs.localize`: ``data.shards``, teacher caches and
+projections; `trainer.checkpoint.remote`: a checkpoint to resume), by ``tokenbridge.verify`` on
+an ``s3://`` directory and by the teacher-cache job's launcher (``--shards s3://``).
+
+- a directory with a completion marker (shards, a teacher cache) is fetched marker first: no
+  marker is the same refusal as for a local directory (the job did not finish); then every file
+  the marker lists, each hashed while it downloads and refused by name when it differs from
+  the marker (size or xxh3_64), under a temporary name renamed into place; the marker last,
+  then ``.fetched``, the entry's commit point;
+- a single file (a projection: it has no marker; its loader checks its fingerprints) the same
+  way, unverified.
+
+One process per entry fetches: under torchrun the node's ``LOCAL_RANK`` 0 (the others wait for
+``.fetched``, so each file crosses the network once per node); any other process takes the
+entry's lock file first, so two jobs (or two Beam workers) on one machine never download the
+same entry at once. An entry already fetched is reused (and its ``.fetched`` touched). The
+cache holds at most `limit_bytes`: before a fetch, whole entries are evicted oldest first (by
+their last use) until the new one fits, never one this process uses; an input larger than the
+limit is refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tokenbridge import urls
+from tokenbridge.formats import checksums as integrity
+
+FETCHED = ".fetched"  # an entry's commit point: written after every file is in place
+WAIT_S = 3600.0  # how long a rank waits for its node's fetch
+POLL_S = 0.2
+LOCKS = ".locks"  # one lock file per entry (kept: removing one races with a waiter)
+DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenbridge"
+
+
+@functools.cache
+def _filesystem(settings: tuple[tuple[str, str], ...]):
+    import s3fs
+
+    return s3fs.S3FileSystem(**urls.fsspec_options(dict(settings)))
+
+
+def filesystem():
+    """The s3fs file system of the environment's settings (`urls.s3_settings`)."""
+    return _filesystem(tuple(sorted(urls.s3_settings().items())))
+
+
+def _errors(url: str, doing: str):
+    """The store's failures as one line naming `url` (`urls.store_errors`); a damaged file's
+    own error as it is."""
+    return urls.store_errors(url, doing=doing, keep=(integrity.IntegrityError,))
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` (created if missing) for the block: one fetcher per entry
+    among this machine's processes (the lock goes with the process if it dies)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class RemoteCache:
+    """A node-local cache of fetched inputs: one entry (directory) per URL."""
+
+    def __init__(self, root: str | os.PathLike, *, limit_bytes: int, local_rank: int):
+        self.root, self.limit, self.local_rank = Path(root), int(limit_bytes), local_rank
+        self.in_use: set[Path] = set()  # entries this run reads: never evicted
+
+    def entry(self, url: str) -> Path:
+        digest = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
+        return self.root / f"{urls.name(url)[:48]}-{digest}"
+
+    def fetch_dir(self, url: str, *, marker: str = "COMPLETED") -> Path:
+        """The local copy of the marked directory `url`, fetched and verified if needed."""
+        return self._fetch(url, lambda entry: self._download_dir(url, entry, marker))
+
+    def fetch_file(self, url: str) -> Path:
+        """The local copy of the single file `url` (no marker: unverified)."""
+        name = urls.name(url)
+        return self._fetch(url, lambda entry: self._download_file(url, entry, name)) / name
+
+    def _fetch(self, url: str, download) -> Path:
+        entry = self.entry(url)
+        done = entry / FETCHED
+        self.in_use.add(entry)
+        if self.local_rank != 0:  # the node's rank 0 fetches; this one waits for its commit
+            deadline = time.monotonic() + WAIT_S
+            while not done.is_file():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url}: local rank 0 did not fetch it into {entry}")
+                time.sleep(POLL_S)
+            return entry
+        (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
+        with _locked(self.root / LOCKS / entry.name):
+            if done.is_file():  # fetched before, or by the process that held the lock
+                done.touch()  # its last use: what eviction orders by
+                return entry
+            shutil.rmtree(entry, ignore_errors=True)  # a fetch that died half way
+            entry.mkdir(parents=True)
+            try:
+                download(entry)
+            except BaseException:
+                shutil.rmtree(entry, ignore_errors=True)
+                raise
+        return entry
+
+    def _make_room(self, need: int, url: str) -> None:
+        """Evict whole entries, least recently used first, until `need` more bytes fit."""
+        if need > self.limit:
+            raise ValueError(
+                f"{url}: {need / 1e9:.2f} GB does not fit the local cache (data.cache_limit_gb="
+                f"{self.limit / 1e9:g}); raise the limit or point data.cache_dir at a larger disk"
+            )
+        entries = [e for e in self.root.iterdir() if (e / FETCHED).is_file()]
+        used = sum(_size(e) for e in entries)
+        for e in sorted(entries, key=lambda e: (e / FETCHED).stat().st_mtime):
+            if used + need <= self.limit:
+                break
+            if e not in self.in_use:
+                used -= _size(e)
+                shutil.rmtree(e, ignore_errors=True)
+
+    def _download_dir(self, url: str, entry: Path, marker: str) -> None:
+        fs = filesystem()
+        marker_url = urls.join(url, marker)
+        with _errors(marker_url, "a read"):
+            try:
+                raw = fs.cat_file(urls.store_key(marker_url))
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"{marker_url}: no completion marker; the job that writes it did not finish "
+                    "(still running, or crashed), or the URL is wrong"
+                ) from None
+        sums = json.loads(raw).get("checksums", {})
+        self._make_room(sum(int(e["bytes"]) for e in sums.values()), url)
+        for name in sorted(sums):
+            _download(fs, urls.join(url, name), entry / name, expected=sums[name])
+        (entry / marker).write_bytes(raw)
+        _commit(entry, url)
+
+    def _download_file(self, url: str, entry: Path, name: str) -> None:
+        fs = filesystem()
+        with _errors(url, "a lookup"):
+            size = int(fs.size(urls.store_key(url)))
+        self._make_room(size, url)
+        _download(fs, url, entry / name, expected=None)
+        _commit(entry, url)
+
+
+def _download(fs, url: str, dest: Path, *, expected: dict | None) -> None:
+    """`url` to `dest`, hashed on its way (`HashingSink`), renamed into place once whole and,
+    when `expected` (a marker entry), equal to it."""
+    part = dest.with_name(f".{dest.name}.part")
+    sink = integrity.HashingSink(
+        part, algo=integrity.entry_algo(expected) if expected else integrity.HASH
+    )
+    try:
+        with _errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=8 << 20) as src:
+            while block := src.read(8 << 20):
+                sink.write(block)
+        sink.close()
+    finally:
+        sink.close()
+    if expected is not None:
+        found = sink.entry()
+        if found != integrity.entry(int(expected["bytes"]), expected[sink.algo], sink.algo):
+            part.unlink(missing_ok=True)
+            raise integrity.DamagedFileError(
+                url, expected=integrity.describe(expected), found=integrity.describe(found),
+                hint="the object differs from its completion marker: re-run the job that wrote it",
+            )  # fmt: skip
+    os.replace(part, dest)
+
+
+def _commit(entry: Path, url: str) -> None:
+    integrity.write_json_atomic(entry / FETCHED, {"url": url, "fetched": time.time()})
+
+
+def _size(entry: Path) -> int:
+    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
