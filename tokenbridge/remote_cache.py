@@ -135,20 +135,11 @@ class RemoteCache:
                 shutil.rmtree(e, ignore_errors=True)
 
     def _download_dir(self, url: str, entry: Path, marker: str) -> None:
-        fs = filesystem()
-        marker_url = urls.join(url, marker)
-        with _errors(marker_url, "a read"):
-            try:
-                raw = fs.cat_file(urls.store_key(marker_url))
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"{marker_url}: no completion marker; the job that writes it did not finish "
-                    "(still running, or crashed), or the URL is wrong"
-                ) from None
-        sums = json.loads(raw).get("checksums", {})
+        raw, parsed = read_marker_url(url, marker)
+        sums = parsed.get("checksums", {})
         self._make_room(sum(int(e["bytes"]) for e in sums.values()), url)
         for name in sorted(sums):
-            _download(fs, urls.join(url, name), entry / name, expected=sums[name])
+            download(urls.join(url, name), entry / name, expected=sums[name])
         (entry / marker).write_bytes(raw)
         _commit(entry, url)
 
@@ -157,13 +148,29 @@ class RemoteCache:
         with _errors(url, "a lookup"):
             size = int(fs.size(urls.store_key(url)))
         self._make_room(size, url)
-        _download(fs, url, entry / name, expected=None)
+        download(url, entry / name, expected=None)
         _commit(entry, url)
 
 
-def _download(fs, url: str, dest: Path, *, expected: dict | None) -> None:
+def read_marker_url(url: str, marker: str = "COMPLETED") -> tuple[bytes, dict]:
+    """The completion marker of the directory `url`: its bytes and its JSON; FileNotFoundError
+    (one line) when there is none."""
+    marker_url = urls.join(url, marker)
+    with _errors(marker_url, "a read"):
+        try:
+            raw = filesystem().cat_file(urls.store_key(marker_url))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{marker_url}: no completion marker; the job that writes it did not finish "
+                "(still running, or crashed), or the URL is wrong"
+            ) from None
+    return raw, json.loads(raw)
+
+
+def download(url: str, dest: Path, *, expected: dict | None) -> None:
     """`url` to `dest`, hashed on its way (`HashingSink`), renamed into place once whole and,
-    when `expected` (a marker entry), equal to it."""
+    when `expected` (a marker entry), equal to it (else `DamagedFileError`, nothing kept)."""
+    fs = filesystem()
     part = dest.with_name(f".{dest.name}.part")
     sink = integrity.HashingSink(
         part, algo=integrity.entry_algo(expected) if expected else integrity.HASH

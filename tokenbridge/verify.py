@@ -10,6 +10,9 @@ their checksums (`tokenbridge.formats.checksums`), recognised by the marker's ``
   checkpoint's files hashed; a save that never finished (``step-N.tmp``) and a checkpoint
   moved aside by a resume (``step-N.damaged``) are named, not verified.
 
+DIR may also be an ``s3://`` URL of a marked directory (`verify_url`): each object is streamed
+once through its hash into a temporary copy (checked as above), then deleted.
+
 One line per file, ``OK`` or what is wrong; exit code 0 when everything verified, 2 when
 anything is damaged or missing; any other failure (an unreadable directory) is one line and an
 exit code from `tokenbridge.cli`. Nothing here imports the trainer: a checkpoint's marker is the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -119,6 +123,35 @@ def verify_path(d: Path, out=None) -> int:
     return damaged
 
 
+def verify_url(url: str, out=None) -> int:
+    """Verify a marked directory in an object store (shards, a teacher cache, one checkpoint
+    step): each listed object streamed once through its hash into a temporary copy (the shards'
+    values are checked on that copy), then deleted; a folder of checkpoints is not walked."""
+    from tokenbridge.remote_cache import download, read_marker_url
+
+    out = out or sys.stdout
+    try:
+        raw, marker = read_marker_url(url, MARKER)
+    except FileNotFoundError:
+        print(f"{url}: no {MARKER} marker: not a complete tokenbridge directory (a folder of "
+              "checkpoints: name one step-N)", file=out)  # fmt: skip
+        return 1
+    print(f"{url}: {marker.get('kind', 'shards')} (marker version {marker.get('version', 1)})",
+          file=out)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tokenbridge-verify-") as tmp:
+        d, errors = Path(tmp), {}
+        for name, expected in sorted(marker.get("checksums", {}).items()):
+            try:
+                download(urls.join(url, name), d / name, expected=expected)
+            except (integrity.DamagedFileError, FileNotFoundError) as e:
+                errors[name] = str(e).removeprefix(f"{urls.join(url, name)}: ")
+        (d / MARKER).write_bytes(raw)
+        reports = verify_marked(d, marker)
+        for r in reports:
+            r.error = errors.get(r.name, r.error)
+        return _print(url, reports, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tokenbridge.verify", description=__doc__.split("\n")[0]
@@ -126,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dirs", nargs="+", help="shard, cache or checkpoint directories")
     args = ap.parse_args(argv)
     damaged = 0
-    for d in [urls.local(urls.check(d, where="DIR", doing="verifying")) for d in args.dirs]:
+    for d in [
+        urls.check(d, where="DIR", schemes=urls.OBJECT_STORES, doing="verifying") for d in args.dirs
+    ]:
+        if urls.is_url(d):
+            damaged += verify_url(d)
+            continue
+        d = urls.local(d)
         if not d.is_dir():
             print(f"{d}: no such directory", file=sys.stderr)
             damaged += 1

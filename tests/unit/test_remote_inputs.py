@@ -20,7 +20,9 @@ from trainer.checkpoint.dcp_io import DamagedCheckpointError
 from trainer.config.sections import CheckpointConfig
 
 
-def upload_marked(s3_server, bucket: str, prefix: str, tmp_path, files: dict[str, bytes]) -> str:
+def upload_marked(
+    s3_server, bucket: str, prefix: str, tmp_path, files: dict[str, bytes], kind=shards.KIND
+) -> str:
     """`files` and a COMPLETED marker (their checksums, as a job writes it) under prefix/."""
     local = tmp_path / prefix
     local.mkdir(parents=True)
@@ -30,6 +32,7 @@ def upload_marked(s3_server, bucket: str, prefix: str, tmp_path, files: dict[str
         {"kind": "test"},
         files={n: 1 for n in files},
         checksums={n: integrity.hash_file(local / n) for n in files},
+        kind=kind,
     )
     client = s3_server.client()
     for name, data in {**files, **docs}.items():
@@ -142,3 +145,21 @@ def test_two_fetchers_of_one_entry_download_it_once(s3_server, s3_bucket, tmp_pa
         t.join()
     assert len(calls) == 1 and len(got) == 2 and got[0] == got[1]
     assert (got[0] / "x.arrow").read_bytes() == b"x" * 100
+
+
+def test_verify_reads_a_marked_directory_in_the_store(s3_server, s3_bucket, tmp_path, capsys):
+    """``make verify DIR=s3://...``: every listed object hashed (OK, then DAMAGED naming the
+    changed one after it is overwritten); no marker: named, exit 2."""
+    from tokenbridge.verify import main as verify
+
+    files = {"x.bin": b"x" * 100, "y.bin": b"y" * 50}  # not shards: no values to check
+    url = upload_marked(s3_server, s3_bucket, "v", tmp_path / "src", files, kind="test")
+    assert verify([url]) == 0
+    out = capsys.readouterr().out
+    assert "  OK       x.bin" in out and "  OK       y.bin" in out and f"{url}: 3 OK" in out
+    s3_server.client().put_object(Bucket=s3_bucket, Key="v/y.bin", Body=b"z" * 50)
+    assert verify([url]) == 2
+    out = capsys.readouterr().out
+    assert "  OK       x.bin" in out and "  DAMAGED  y.bin: damaged: expected" in out
+    assert verify([f"s3://{s3_bucket}/nothing"]) == 2
+    assert "nothing: no COMPLETED marker" in capsys.readouterr().out

@@ -48,7 +48,7 @@ def test_schemes_joins_and_settings():
         (cache_job.main, ["--shards", "gs://b/shards", "--teacher", "t"], "--shards"),
         (cache_job.main, ["--shards", "s", "--teacher", "t", "--out", "az://b/o"], "--out"),
         (projection_job.main, ["--teacher", "t", "--student", "s", "--out", "gs://b/p"], "--out"),
-        (verify.main, ["s3://bucket/shards"], "DIR"),
+        (verify.main, ["gs://bucket/shards"], "DIR"),
         (report_main._main, ["runs/a", "--out", "s3://bucket/report"], "--out"),
     ],
 )  # fmt: skip
