@@ -23,7 +23,9 @@ Runner: Beam's ``FnApiRunner`` in this process by default (``--direct_num_worker
 teacher's forward already uses every core through torch's threads, and each worker process
 would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink, Spark) through
 the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
-(`pipelines.plumbing.storage`). ``--shards`` is local (copy shards from a store first).
+(`pipelines.plumbing.storage`). ``--shards`` may be an ``s3://`` URL too: the launcher plans on a
+verified copy in ``--cache-dir`` (`tokenbridge.remote_cache`), and each worker reads the objects
+its tasks name, refusing one that differs from the marker's checksum.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerp
 from tokenbridge.formats.teacher_cache import CacheMeta
 from tokenbridge.formats.teacher_cache_reader import REBUILD
 from tokenbridge.model_spec import ModelSpec, check_dtype, resolve_dtype
+from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
 from tokenbridge.tokenizers import load_tokenizer
 
 log = logging.getLogger("tokenbridge.teacher_cache")
@@ -72,7 +75,7 @@ OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's S
 
 @dataclass(frozen=True)
 class JobConfig:
-    shards: Path
+    shards: Path  # local: the directory, or the verified copy of `shards_url`
     out: storage.Location  # a local directory (Path) or an object-store URL (str)
     meta: CacheMeta
     teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
@@ -85,12 +88,23 @@ class JobConfig:
     threads: int | None = None
     overwrite: bool = False
     max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
+    shards_url: str | None = None  # --shards given as an object-store URL: workers read it
 
 
-def plan_tasks(shard_set: shards.ShardSet, rows_per_task: int) -> list[D.RowTask]:
-    """Row ranges of every shard file, `rows_per_task` rows each (the unit a worker reads)."""
+def plan_tasks(
+    shard_set: shards.ShardSet, rows_per_task: int, *, url: str | None = None
+) -> list[D.RowTask]:
+    """Row ranges of every shard file, `rows_per_task` rows each (the unit a worker reads).
+    With `url` (the shards in an object store) a task names the object and its checksum: a
+    worker on another machine reads it from there, and refuses it if it changed."""
+    sums = shard_set.checksums if url else {}
     return [
-        D.RowTask(str(path), a, min(a + rows_per_task, n))
+        D.RowTask(
+            urls.join(url, path.name) if url else str(path),
+            a,
+            min(a + rows_per_task, n),
+            expected=sums.get(path.name),
+        )  # fmt: skip
         for path, n in zip(shard_set.files, shard_set.file_rows)
         for a in range(0, n, rows_per_task)
     ]
@@ -176,12 +190,14 @@ def _progress_line(totals: dict, *, total: int, elapsed: float) -> str:
     )
 
 
-def default_out_dir(shards_dir: Path, teacher: str, k: int) -> Path:
+def default_out_dir(shards_name: str, teacher: str, k: int) -> Path:
+    """outputs/teacher_cache/<shards>__<teacher>__k<k>: `shards_name` is the shard directory's
+    name (the last part of its URL for shards in a store)."""
     return (
         paths.REPO_ROOT
         / "outputs"
         / "teacher_cache"
-        / (f"{shards_dir.resolve().name}__{Path(teacher.rstrip('/')).name}__k{k}")
+        / (f"{shards_name}__{Path(teacher.rstrip('/')).name}__k{k}")
     )
 
 
@@ -223,7 +239,14 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     """Arguments -> the job's config, checked against the shards and the teacher's tokenizer and
     weights (which are hashed here: the fingerprint the trainer will compare)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shards", required=True, help="aligned shard directory")
+    ap.add_argument("--shards", required=True, help="aligned shard directory (or s3:// URL)")
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help=f"where --shards s3://... is copied for planning (default {DEFAULT_DIR})",
+    )
+    ap.add_argument("--cache-limit-gb", type=float, default=50.0,
+                    help="size limit of --cache-dir (least recently used copies evicted)")  # fmt: skip
     ap.add_argument("--teacher", required=True, help="teacher model directory (HF)")
     ap.add_argument("--k", type=int, default=32, help="top-k stored per position")
     ap.add_argument("--temperature", type=float, default=1.0, help="as loss.temperature")
@@ -253,7 +276,15 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     add_dead_fraction_arg(ap)
     args, beam_args = ap.parse_known_args(argv)
     urls.check(args.teacher, where="--teacher", doing="loading a model from")
-    args.shards = urls.local(urls.check(args.shards, where="--shards", doing="reading shards from"))
+    shards_url = urls.check(args.shards, where="--shards", schemes=urls.OBJECT_STORES,
+                            doing="reading shards from")  # fmt: skip
+    if urls.is_url(shards_url):
+        # the launcher plans on a verified local copy; the workers read the objects themselves
+        cache = RemoteCache(args.cache_dir or DEFAULT_DIR,
+                            limit_bytes=int(args.cache_limit_gb * 1e9), local_rank=0)  # fmt: skip
+        args.shards = cache.fetch_dir(shards_url)
+    else:
+        args.shards, shards_url = urls.local(shards_url), None
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a cache to")
     overrides = {}
     for item in args.override:
@@ -292,7 +323,8 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         samples=args.samples,
         sample_seed=args.sample_seed,
     )
-    out = storage.location(out) if out else default_out_dir(args.shards, args.teacher, args.k)
+    name = urls.name(shards_url) if shards_url else args.shards.resolve().name
+    out = storage.location(out) if out else default_out_dir(name, args.teacher, args.k)
     if not urls.is_url(out) and out.resolve() == args.shards.resolve():
         raise ValueError(f"--out {out} is the shard directory: choose another")
     cfg = JobConfig(
@@ -309,6 +341,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         threads=args.threads,
         overwrite=args.overwrite,
         max_dead_fraction=dead_fraction(args),
+        shards_url=shards_url,
     )
     return cfg, storage.beam_args(default_runner_args(beam_args))
 
@@ -328,14 +361,14 @@ def run(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     cfg, beam_args = configure(argv)
     shard_set = shards.open_shards(cfg.shards)
-    tasks = plan_tasks(shard_set, cfg.rows_per_task)
+    tasks = plan_tasks(shard_set, cfg.rows_per_task, url=cfg.shards_url)
     col = f"teacher{cfg.meta.shards['teacher_index']}_ids"
     total = sum(int(x) for x in _list_lengths(shard_set, col))
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
     run_id = uuid.uuid4().hex[:12]
     header = {
         "out": str(cfg.out),
-        "shards_dir": str(cfg.shards.resolve()),
+        "shards_dir": cfg.shards_url or str(cfg.shards.resolve()),
         "teacher_path": str(cfg.teacher.path),
         "batch_tokens": cfg.batch_tokens,
         "device": cfg.device,

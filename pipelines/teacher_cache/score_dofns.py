@@ -19,6 +19,7 @@ outputs and mixes tagged outputs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from pipelines.plumbing import progress, rolling, storage
 from pipelines.plumbing.tagged import MAIN, MAX_DEAD_FRACTION, StageTimer, count, dead, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
+from tokenbridge import urls
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import teacher_cache as CF
@@ -43,9 +45,10 @@ INFERENCE_ERROR = "inference_error"
 
 @dataclass(frozen=True)
 class RowTask:
-    path: str  # the shard file
+    path: str  # the shard file: a local path, or an object-store URL
     start: int
     end: int
+    expected: dict | None = None  # the marker's checksum entry of a URL's object
 
 
 def cut_batches(lengths: np.ndarray, *, budget: int, max_rows: int) -> list[np.ndarray]:
@@ -73,10 +76,28 @@ class ReadRowBatchesDoFn(beam.DoFn):
         self.column = S.teacher_ids_column(teacher_index)
         self.vocab_size, self.budget, self.max_rows = vocab_size, budget, max_rows
 
+    def setup(self):
+        self._object: tuple[str, pa.Table] | None = None  # the last object read: its table
+
+    def _table(self, task: RowTask) -> pa.Table:
+        """A URL's object read whole once per run of tasks on it (a file's tasks are planned in
+        a row), its bytes checked against the marker's entry."""
+        if self._object is None or self._object[0] != task.path:
+            data = storage.read_bytes(task.path)
+            if task.expected is not None:
+                integrity.check_bytes(data, task.expected, where=task.path)
+            self._object = (task.path, pa.ipc.open_file(pa.py_buffer(data)).read_all())
+        return self._object[1]
+
     def process(self, task: RowTask):
         name = Path(task.path).name
-        with pa.memory_map(task.path, "r") as src:
-            table = pa.ipc.open_file(src).read_all().slice(task.start, task.end - task.start)
+        with contextlib.ExitStack() as stack:
+            if urls.is_url(task.path):
+                table = self._table(task)
+            else:
+                src = stack.enter_context(pa.memory_map(task.path, "r"))
+                table = pa.ipc.open_file(src).read_all()
+            table = table.slice(task.start, task.end - task.start)
             col = table.column(self.column).combine_chunks()
             # copied out while the file is mapped: the arrays may be views of the map
             offsets = col.offsets.to_numpy().copy()

@@ -66,20 +66,28 @@ def _rows(d) -> pa.Table:
     return pa.concat_tables(tables).sort_by([("shard_file", "ascending"), ("row", "ascending")])
 
 
-def test_dask_local_cluster_writes_the_same_cache_to_s3(inputs, fn_cache, s3_server, s3_bucket):
+def test_dask_local_cluster_reads_and_writes_the_same_cache_in_s3(
+    inputs, fn_cache, s3_server, s3_bucket, tmp_path
+):
+    """Entirely against the store: the shards read from s3:// (the launcher plans on a verified
+    copy, each worker reads its tasks' objects), the cache written there."""
     fn_dir, fn_stats = fn_cache
+    shards_url = s3_server.upload(inputs["shards"], s3_bucket, "shards")
+    base = [shards_url if a == str(inputs["shards"]) else a for a in inputs["base"]]
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
     ) as cluster:
-        dask_stats = J.run([*inputs["base"], "--out", f"s3://{s3_bucket}/cache",
+        dask_stats = J.run([*base, "--out", f"s3://{s3_bucket}/cache",
+                            "--cache-dir", str(tmp_path / "copies"),
                             "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
                             f"--dask_client_address={cluster.scheduler_address}",
                             "--dask_npartitions=2"])  # fmt: skip
     ss = shards.open_shards(inputs["shards"])
     assert fn_stats["rows"] == ss.num_rows and fn_stats["dead_letters"] == 0
     assert fn_stats["files"] > 1  # rolled
-    strip = lambda st: {k: v for k, v in st.items() if k not in SKIP_STATS}  # noqa: E731
+    strip = lambda st: {k: v for k, v in st.items() if k not in SKIP_STATS | {"shards_dir"}}  # noqa: E731
     assert strip(dask_stats) == strip(fn_stats)
+    assert dask_stats["shards_dir"] == shards_url  # the URL, not the launcher's copy
     copy = s3_server.download(s3_bucket, "cache", inputs["tmp"] / "dask")
     assert (copy / "COMPLETED").is_file() and not list(copy.glob(".align-tmp-*"))
     assert _rows(copy).equals(_rows(fn_dir))
@@ -191,3 +199,23 @@ def test_sampled_ids_follow_the_teacher_and_not_the_batching():
     parts(0, logits[1:, :16])
     parts(16, logits[1:, 16:])
     assert np.array_equal(parts.ids, whole.ids[1:])
+
+
+def test_a_worker_refuses_a_shard_object_that_changed(inputs, s3_server, s3_bucket):
+    """A task names its object and the marker's checksum: an object rewritten after the
+    launcher planned is refused by name, not scored."""
+    from pipelines.teacher_cache.score_dofns import ReadRowBatchesDoFn
+    from tokenbridge.formats import checksums as integrity
+
+    ss = shards.open_shards(inputs["shards"])
+    url = s3_server.upload(inputs["shards"], s3_bucket, "changed")
+    tasks = J.plan_tasks(ss, 12, url=url)
+    assert tasks[0].path == f"{url}/{ss.files[0].name}" and tasks[0].expected is not None
+    fn = ReadRowBatchesDoFn(teacher_index=0, vocab_size=10**6, budget=256, max_rows=8)
+    fn.setup()
+    assert sum(1 for _ in fn.process(tasks[0])) > 0
+    key = f"changed/{ss.files[0].name}"
+    s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=b"not the shard")
+    fn.setup()  # a fresh worker: nothing read yet
+    with pytest.raises(integrity.DamagedFileError, match=rf"^{tasks[0].path}: damaged"):
+        list(fn.process(tasks[0]))

@@ -200,6 +200,16 @@ def verify_file(path: str | os.PathLike, expected: dict, *, hint: str = "") -> N
         raise DamagedFileError(p, expected=describe(expected), found=describe(found), hint=hint)
 
 
+def check_bytes(data: bytes, expected: dict, *, where: str, hint: str = "") -> None:
+    """`verify_file` for bytes already in memory (an object read whole), named `where`."""
+    algo = entry_algo(expected)
+    h = new_hash(algo)
+    h.update(data)
+    found = entry(len(data), h.hexdigest(), algo)
+    if found["bytes"] != int(expected["bytes"]) or found[algo] != expected[algo]:
+        raise DamagedFileError(where, expected=describe(expected), found=describe(found), hint=hint)
+
+
 _verified: set[tuple] = set()
 _verified_lock = threading.Lock()
 
