@@ -16,6 +16,12 @@ pair, the align job) of a slice of Hamlet.
    live teacher's forward in the trainer is the worker's own time per microbatch
    (``teacher_s``) over the shards' mean teacher tokens per row (one row per microbatch).
 
+3. The bare HF forward of the same rows, ``model(input_ids, attention_mask).logits`` and
+   nothing else (`bare_forward`, its own process): batched as the job batches them (its
+   `cut_batches` at its `--batch-tokens`, every core), and one row at a time on one thread
+   (the live worker's layout). The teacher program's tokens/s over these is its efficiency
+   (issue 29's goal: >= 0.8x).
+
 ``BENCH_CACHE_DIR=<dir>`` keeps the inputs there (the shards, not measured) for a second call;
 every measured figure (the cache build, the three training runs) comes from this call: nothing
 is stitched from an earlier one.
@@ -122,6 +128,62 @@ def _train(shards: Path, run: Path, *extra: str) -> dict:
     return result
 
 
+def bare_forward(shards: Path, *, threads: int, batch_tokens: int | None) -> dict:
+    """Real teacher tokens/s of ``model(...).logits`` over every row's teacher ids: batched
+    by the job's `cut_batches` at `batch_tokens` (None: one row per forward), `threads`
+    torch threads, fp32 (the job's and the worker's dtype on CPU). Median of 2 passes after
+    a warm-up forward."""
+    import numpy as np
+    import torch
+
+    from pipelines.teacher_cache.score_dofns import cut_batches
+    from tokenbridge import models
+    from tokenbridge.formats import shards as SH
+    from tokenbridge.model_spec import ModelSpec
+
+    torch.set_num_threads(threads)
+    ss = SH.open_shards(shards)
+    rows = [np.asarray(r, np.int64) for t in map(ss.read_table, ss.files)
+            for r in t.column("teacher0_ids").to_pylist()]  # fmt: skip
+    lengths = np.asarray([len(r) for r in rows])
+    groups = (cut_batches(lengths, budget=batch_tokens, max_rows=64) if batch_tokens
+              else [np.asarray([i]) for i in range(len(rows))])  # fmt: skip
+    model = models.freeze(
+        models.build_model(ModelSpec(path=str(paths.teacher_dir()), init="pretrained"))
+    )
+    batches = []
+    for g in groups:
+        u = int(lengths[g].max())
+        ids = torch.zeros(len(g), u, dtype=torch.int64)
+        mask = torch.zeros(len(g), u, dtype=torch.int64)
+        for j, i in enumerate(g):
+            ids[j, : lengths[i]], mask[j, : lengths[i]] = torch.from_numpy(rows[i]), 1
+        batches.append((ids, mask))
+
+    @torch.no_grad()
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for ids, mask in batches:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)  # .logits: every position
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        model(input_ids=batches[0][0], attention_mask=batches[0][1], use_cache=False)
+    secs = statistics.median(one_pass() for _ in range(2))
+    return {"tokens_per_s": float(lengths.sum()) / secs, "forwards": len(batches),
+            "threads": threads, "tokens": int(lengths.sum())}  # fmt: skip
+
+
+def _bare(shards: Path, *, threads: int, batch_tokens: int | None) -> dict:
+    """`bare_forward` in its own process (its own threads, as the job's and the worker's)."""
+    arg = "None" if batch_tokens is None else str(batch_tokens)
+    code = (f"import json; from pathlib import Path; from bench.bench_teacher_cache import "
+            f"bare_forward; print(json.dumps(bare_forward(Path({str(shards)!r}), "
+            f"threads={threads}, batch_tokens={arg})))")  # fmt: skip
+    out, _, _ = _run([sys.executable, "-c", code])
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> str:
     keep = os.environ.get("BENCH_CACHE_DIR")
     with contextlib.ExitStack() as stack:
@@ -132,6 +194,9 @@ def main() -> str:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_cache_")))
         shards = _shards(tmp)
         cache = _build(shards, tmp / "cache")
+        cores = os.cpu_count() or 1
+        cache["bare_batched"] = _bare(shards, threads=cores, batch_tokens=cache["batch_tokens"])
+        cache["bare_row"] = _bare(shards, threads=1, batch_tokens=None)
         cached = f"teachers.0.cache={tmp / 'cache'}"
         runs = {
             "live teacher (worker), 1 thread each": _train(shards, tmp / "live"),
@@ -155,6 +220,21 @@ def _build_line(cache: dict) -> str:
     if cache.get("loads"):
         line += f"; load average {cache['loads'][0]:.1f} at its start"
     return line + "."
+
+
+def _bare_line(cache: dict, live_tps: float) -> str:
+    """The teacher program against the bare HF forward of the same rows (goal >= 0.8x)."""
+    b, r = cache["bare_batched"], cache["bare_row"]
+    return (
+        f"- **Teacher program vs a bare forward** (`model(...).logits` of the same rows, fp32, "
+        f"its own process, measured after the build): batched as the job batches them "
+        f"({b['forwards']} forward(s), {b['threads']} threads) **{b['tokens_per_s']:.1f}** "
+        f"tokens/s, so the build's forwards ran at "
+        f"**{cache['teacher_tokens_per_s'] / b['tokens_per_s']:.2f}x** it; one row per forward "
+        f"on one thread (the worker's layout) **{r['tokens_per_s']:.1f}** tokens/s, so the live "
+        f"worker ran at **{live_tps / r['tokens_per_s']:.2f}x** it, while the student trained "
+        "beside it (goal >= 0.8x for both)."
+    )
 
 
 def render(cache: dict, runs: dict) -> str:
@@ -189,6 +269,7 @@ def render(cache: dict, runs: dict) -> str:
         f"tokens/s; the build ran at **{cache['teacher_tokens_per_s'] / live_tps:.2f}x** that "
         "(the same teacher program on batched rows, with both cores; under load, compare only "
         "figures taken at similar loads).",
+        _bare_line(cache, live_tps),
         "",
         f"`trainer/main.py conf=demo` on these shards, {STEPS} steps each, median step after the "
         "first two, peak RSS of the whole process tree:",
