@@ -137,8 +137,10 @@ def build_model(
     """The causal LM of `cfg`: pretrained weights, or a seeded random init of its config.
 
     The random init draws from a forked RNG seeded with ``cfg.seed``, so every process that
-    builds the same config (student ranks, teacher workers) gets bit-identical weights, and the
-    caller's RNG stream is untouched.
+    builds the same config on the same kind of device (student ranks, teacher workers) gets
+    bit-identical weights, and the caller's RNG stream is untouched. On a GPU the weights are
+    drawn there, by its RNG, not on the host then copied (billions of host draws: the GPU
+    check's 1B/4B part ran past its two minutes once, where is not measured yet).
     """
     if cfg.init == "pretrained":
         path = Path(cfg.path)
@@ -147,7 +149,12 @@ def build_model(
         model = load_pretrained(path, dtype=dtype)
     else:
         hf_cfg = model_config(cfg)
-        with torch.random.fork_rng(devices=[]):
+        dev = torch.device(device)
+        gpu = dev.type == "cuda"
+        forked = (
+            [dev.index if dev.index is not None else torch.cuda.current_device()] if gpu else []
+        )
+        with torch.random.fork_rng(devices=forked), torch.device(dev if gpu else "cpu"):
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     return model.to(device)
