@@ -20,6 +20,7 @@ length (`bench.pair_runs`), through the real projection of the two tokenizers.
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 import torch
@@ -108,9 +109,16 @@ def trainer_steps(ctx: Context, args: list[str]) -> dict:
     s = ctx.sizes
     reset_peak(ctx.device)
     cfg = compose_config(args)
+    t0 = time.perf_counter()
     trainer = Trainer(cfg, preflight(cfg, world_size=1))
+    # printed as they happen: a part cut at its budget still says where its time went
+    print(f"   {cfg.name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        records = [trainer.train_step(log=True) for _ in range(s.warmup + s.steps)]
+        records = []
+        for i in range(s.warmup + s.steps):
+            t0 = time.perf_counter()
+            records.append(trainer.train_step(log=True))
+            print(f"   {cfg.name}: step {i + 1} in {time.perf_counter() - t0:.2f} s", flush=True)
         figures = step_figures(records, skip=s.warmup)
         figures["device_used_gib"] = device_used_gib(ctx.device)
         figures["student_params"] = models.num_params(trainer.model)
