@@ -140,3 +140,40 @@ def test_the_cache_refuses_a_step_past_its_length():
         nxt = dec.step(nxt).argmax(-1)
         with pytest.raises(ValueError, match="the cache holds"):
             dec.step(nxt)
+
+
+def _tiny(model_type: str, **overrides):
+    """A tiny random model of another Llama-family type (`LEAN_TYPES`), random biases on."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    shape = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128}  # fmt: skip
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **overrides))
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.bias is not None:
+            torch.nn.init.normal_(m.bias, std=0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+@torch.no_grad()
+def test_mistral_and_qwen2_lean_steps_give_the_hf_logits(model_type):
+    """Mistral (a sliding window longer than the rollout) and Qwen2 (q/k/v biases) take the
+    lean path, with the HF forward's logits at every step."""
+    model = _tiny(model_type, sliding_window=64)
+    (ids, mask), lean, ref = _decoders(model, PROMPTS, new=6)
+    nxt = lean.prefill(ids, mask).argmax(-1)
+    ref.prefill(ids, mask)
+    for step in range(6):
+        torch.testing.assert_close(lean.step(nxt), ref.step(nxt), rtol=1e-5, atol=1e-5)
+        nxt = (nxt * 5 + step) % V
+
+
+def test_a_sliding_window_shorter_than_the_rollout_takes_the_hf_path():
+    """The lean path attends to every position: a window it would overrun is left to HF."""
+    short = _tiny("mistral", sliding_window=4)
+    assert isinstance(make_decoder(short, vocab_size=V, max_len=16), HFDecoder)
+    assert isinstance(make_decoder(short, vocab_size=V, max_len=4), LlamaDecoder)
+    qwen = _tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert isinstance(make_decoder(qwen, vocab_size=V, max_len=16), HFDecoder)

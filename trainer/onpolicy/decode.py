@@ -8,7 +8,7 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
 - `HFDecoder`: any HF causal LM through its own forward and ``DynamicCache``. The generic path,
   and the one under tensor parallelism (a vocab-sharded logits DTensor is gathered) or while
   parameters are still FSDP-sharded (outside `sampler.gathered`).
-- `LlamaDecoder`: Llama-family students (SmolLM2; `LEAN_TYPES`) with whole parameters. The
+- `LlamaDecoder`: Llama-family students (SmolLM2, Mistral, Qwen2: `LEAN_TYPES`) with whole parameters. The
   prefill is the HF forward (its cache copied once into a preallocated one); each decode step
   is a lean loop over the model's own weights, same math in the same dtype (no copy of the
   weights, so nothing to refresh after an optimizer step). Why, measured on SmolLM2-135M at
@@ -37,7 +37,10 @@ from torch import nn
 from transformers import DynamicCache
 
 # model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
-LEAN_TYPES = ("llama",)
+# the same decoder layer as Llama's (pre-norm RMSNorm, RoPE from the model's rotary module,
+# GQA attention with optional biases, SwiGLU): Mistral and Qwen2 (q/k/v biases) differ only by
+# a sliding window, which the lean path does not apply (`_full_attention`)
+LEAN_TYPES = ("llama", "mistral", "qwen2")
 
 
 def _full(logits: torch.Tensor) -> torch.Tensor:
@@ -257,11 +260,28 @@ class LlamaDecoder:
         return torch.stack(logits.unbind(0)) if logits.stride(-1) != 1 else logits
 
 
-def lean_applies(model: nn.Module) -> bool:
-    """Can `LlamaDecoder` run this model: a Llama-family HF model whose parameters are whole
-    tensors (not DTensors: TP-sharded, or FSDP2-sharded outside `sampler.gathered`)?"""
+def _full_attention(cfg, max_len: int) -> bool:
+    """Does every layer attend to every earlier position up to `max_len` tokens? Not where a
+    sliding window is on and shorter (Mistral's `sliding_window`, Qwen2's `use_sliding_window`
+    or `layer_types`)."""
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "model_type", None) == "qwen2" and not getattr(
+        cfg, "use_sliding_window", False
+    ):
+        window = None
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        window = window or 0  # a sliding layer: full only if its window covers max_len
+    return window is None or window >= max_len
+
+
+def lean_applies(model: nn.Module, *, max_len: int | None = None) -> bool:
+    """Can `LlamaDecoder` run this model: a Llama-family HF model (`LEAN_TYPES`) attending to
+    every position up to `max_len`, whose parameters are whole tensors (not DTensors:
+    TP-sharded, or FSDP2-sharded outside `sampler.gathered`)?"""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in LEAN_TYPES:
+        return False
+    if max_len is not None and not _full_attention(cfg, max_len):
         return False
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return False
@@ -275,6 +295,6 @@ def make_decoder(
 ):
     """The decoder for this model: the lean path when it applies (and ``lean``, and not under
     TP), else the HF forward."""
-    if lean and not tp and lean_applies(model):
+    if lean and not tp and lean_applies(model, max_len=max_len):
         return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len)
     return HFDecoder(model, vocab_size=vocab_size)
