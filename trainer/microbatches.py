@@ -162,6 +162,30 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+class StreamedTables:
+    """``ShardReader.tables`` of streamed shards: file `f` mapped when a row of it is first
+    read (`StreamedFiles.path` fetches it, and the next one in the background); at most the
+    stream's window of files stays mapped here."""
+
+    def __init__(self, shard_set):
+        self.shard_set, self.stream = shard_set, shard_set.stream
+        self.mapped: dict[int, pa.Table] = {}  # in order of last use
+
+    def __len__(self) -> int:
+        return len(self.shard_set.files)
+
+    def __getitem__(self, f: int) -> pa.Table:
+        t = self.mapped.pop(f, None)
+        if t is None:
+            t = self.shard_set.read_table(self.stream.path(f))
+            while len(self.mapped) >= self.stream.keep:
+                self.mapped.pop(next(iter(self.mapped)))
+        else:
+            self.stream.path(f)  # its last use, and the next file's prefetch
+        self.mapped[f] = t
+        return t
+
+
 class ShardReader:
     """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped.
 
@@ -173,21 +197,28 @@ class ShardReader:
         self.shard_set = shard_set
         self.num_teachers = len(shard_set.meta.teachers)
         self.max_student_tokens = max_student_tokens
-        self.tables: list[pa.Table] = [shard_set.read_table(p) for p in shard_set.files]
+        self.stream = shard_set.stream  # data.stream: files mapped as the rows reach them
+        self.tables = (
+            StreamedTables(shard_set)
+            if self.stream
+            else [shard_set.read_table(p) for p in shard_set.files]
+        )
         # per file: the first row of each record batch (a table's chunks are the file's batches)
-        self.batch_starts = [
-            np.cumsum([0] + [len(c) for c in t.column(0).chunks]) for t in self.tables
-        ]
+        self._batch_starts: dict[int, np.ndarray] = {}
         self.checked: set[tuple[int, int]] = set()  # (file, batch) whose values were checked
         self.starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
 
     def check_values(self, f: int, i: int) -> None:
         """Check the record batch holding row `i` of file `f`, once (cheap after the first)."""
-        b = int(np.searchsorted(self.batch_starts[f], i, side="right") - 1)
+        t = self.tables[f]
+        if f not in self._batch_starts:
+            self._batch_starts[f] = np.cumsum([0] + [len(c) for c in t.column(0).chunks])
+        starts = self._batch_starts[f]
+        b = int(np.searchsorted(starts, i, side="right") - 1)
         if (f, b) not in self.checked:
-            t, first = self.tables[f], int(self.batch_starts[f][b])
-            batch = t.slice(first, int(self.batch_starts[f][b + 1]) - first).to_batches()[0]
+            first = int(starts[b])
+            batch = t.slice(first, int(starts[b + 1]) - first).to_batches()[0]
             values.check_batch(
                 batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
             )
@@ -195,6 +226,9 @@ class ShardReader:
 
     def max_lengths(self) -> tuple[int, list[int]]:
         """(longest student row, longest row of each teacher), without reading the rows."""
+
+        if self.stream:
+            return self._window_limits()
 
         def longest(col: str) -> int:
             m = [pc.max(pc.list_value_length(t.column(col))).as_py() for t in self.tables]
@@ -208,6 +242,24 @@ class ShardReader:
                 "shorter windows (--max-student-tokens) or raise the limit"
             )
         return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
+
+    def _window_limits(self) -> tuple[int, list[int]]:
+        """Streamed shards: the align job's window limits (stats.json) bound every row, since
+        the rows themselves are not here yet."""
+        cfg = self.shard_set.stats().get("window_config") or {}
+        if "max_student_tokens" not in cfg or "max_teacher_tokens" not in cfg:
+            raise ValueError(
+                f"{self.shard_set.dir}: data.stream needs the align job's window limits in "
+                "stats.json (window_config), to size the teachers' buffers before any row is "
+                "read; these shards have none: set data.stream=false"
+            )
+        student = int(cfg["max_student_tokens"])
+        if student > self.max_student_tokens:
+            raise ValueError(
+                f"{self.shard_set.dir}: windows of up to {student} student tokens > "
+                f"data.max_student_tokens={self.max_student_tokens}; raise the limit"
+            )
+        return student, [int(cfg["max_teacher_tokens"])] * self.num_teachers
 
     def locate(self, row: int) -> tuple[int, int]:
         f = int(np.searchsorted(self.starts, row, side="right") - 1)
@@ -234,7 +286,9 @@ class ShardReader:
         """
         held = np.zeros(self.num_rows, dtype=bool)
         held_keys: dict[int, tuple[str, int]] = {}
-        for f, t in enumerate(self.tables):
+        for f in range(len(self.shard_set.files)):
+            # streamed: the file's index (its doc_id and window columns), not the file
+            t = self.stream.index(f) if self.stream else self.tables[f]
             docs = t.column("doc_id").to_pylist()
             wins = t.column("window").to_pylist()
             s = int(self.starts[f])
@@ -385,6 +439,8 @@ class ShardStream:
             eval_fraction, by=eval_split, val_fraction=val_fraction, eval_on=eval_on
         )
         self.rows = train[dp_rank::dp_size]
+        if reader.stream:  # the files this rank reads: the only ones fetched ahead
+            reader.stream.order = sorted({reader.locate(int(r))[0] for r in self.rows})
         if len(self.rows) == 0:
             raise ValueError(
                 f"{reader.shard_set.dir}: {len(train)} training rows (after holding out "

@@ -7,16 +7,18 @@
 any model loads, `localize` replaces each URL in the config by its local copy under
 ``data.cache_dir``, at most ``data.cache_limit_gb`` of it.
 
-What is not here (the trainer maps every shard file at start, for its row-length scan): a
-window of files fetched one ahead of the reader, for datasets larger than a node's disk.
+With ``data.stream=true`` the shards are not fetched whole: `tokenbridge.streamed_shards`
+fetches their index, then each file as the reader reaches it (the next one in the background),
+keeping at most ``data.stream_files`` of them on disk.
 """
 
 from __future__ import annotations
 
 import os
 
-from tokenbridge import urls
+from tokenbridge import streamed_shards, urls
 from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
+from trainer.config.checks import ConfigError
 
 __all__ = ["DEFAULT_DIR", "localize"]
 
@@ -31,7 +33,24 @@ def localize(cfg) -> dict[str, tuple[str, str]]:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
     was: dict[str, tuple[str, str]] = {}
-    if urls.is_url(cfg.data.shards):
+    if cfg.data.stream:
+        url = cfg.data.shards
+        if not urls.is_url(url):
+            raise ConfigError(
+                f"config data.stream=true: data.shards={url} is local; streaming reads shards "
+                "from an object store (s3://...): set data.stream=false"
+            )
+        if any(t.cache for t in cfg.teachers):
+            raise ConfigError(
+                "config data.stream=true with teachers[i].cache: a teacher cache is joined to "
+                "every shard row before the run starts; fetch the shards whole "
+                "(data.stream=false)"
+            )
+        cfg.data.shards = str(
+            streamed_shards.prepare(url, cache.root, keep_files=cfg.data.stream_files)
+        )
+        was["data.shards"] = (url, f"{cfg.data.shards} (streamed)")
+    elif urls.is_url(cfg.data.shards):
         url, cfg.data.shards = cfg.data.shards, str(cache.fetch_dir(cfg.data.shards))
         was["data.shards"] = (url, cfg.data.shards)
     for i, t in enumerate(cfg.teachers):

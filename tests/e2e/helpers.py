@@ -83,6 +83,7 @@ def write_shards(
         "student": student.info().to_json(),
         "teachers": [t.info().to_json() for t in teachers],
         "windows": len(rows),
+        "window_config": {"max_student_tokens": max_tokens, "max_teacher_tokens": max_tokens},
         # as the align job counts them (per document, before windowing): the run report plots them
         "chunk_kinds": [dict(zip(CHUNK_KIND_NAMES, map(int, k))) for k in kinds],
     }

@@ -234,8 +234,9 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     """Resumed with activation checkpointing on (the full run had none): the checkpoint's
     plain HF names load into the wrapped blocks, recomputing the activations changes no loss,
     and the export at the end holds the uninterrupted run's weights under the same names.
-    Entirely against the test S3 server: its shards and projection are fetched once into the
-    node's cache (by local rank 0; rank 1 waits), verified, and trained on as local files; its
+    Entirely against the test S3 server: its shards are streamed (``data.stream``: one file
+    at a time into the node's cache, fetched once for both ranks under each file's lock), its
+    projection fetched once (by local rank 0; rank 1 waits), each verified; its
     checkpoints live in the store (checkpoint.dir), where it finds the full run's step 4 on its
     own (resume=auto: fetched and verified), and saves step 8 through DCP's fsspec writer."""
     ckpt = full_run / "checkpoints" / "step-00000004"
@@ -248,12 +249,15 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     args = ["conf=debug", f"data.shards={shards_url}", f"run_dir={run_dir}", "steps=8",
             f"checkpoint.dir=s3://{bucket}/ckpt", "eval.max_texts=0",
             f"data.cache_dir={run_dir}-cache", "parallel.activation_checkpointing=full",
+            "data.stream=true", "data.stream_files=2",
             f"teachers.0.projection={projection_url}"]  # fmt: skip
     proc = run_trainer(args + CPU, nproc=2, env=s3_server.env())
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"data.shards={shards_url}: reading its copy {run_dir}-cache/shards-" in proc.stderr
+    assert "-stream (streamed)" in proc.stderr
     assert f"teachers[0].projection={projection_url}: reading its copy" in proc.stderr
-    assert len(list(Path(f"{run_dir}-cache").iterdir())) == 3  # shards, projection, step 4
+    entries = [p for p in Path(f"{run_dir}-cache").iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 3  # the streamed shards, the projection, step 4
     saved = s3_server.download(bucket, "ckpt/step-00000008", run_dir / "step-00000008")
     assert [r for r in integrity.verify_dir(saved) if not r.ok] == []  # marker: every file
     assert sorted(json.loads((saved / "COMPLETED").read_text())["checksums"]) == sorted(

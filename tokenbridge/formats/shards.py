@@ -307,6 +307,8 @@ class ShardSet:
     file_rows: list[int]
     checksums: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> entry
     verify: str = "first_open"  # integrity.VERIFY_MODES
+    # data.stream: the files are fetched as a reader reaches them (`streamed_shards`)
+    stream: object | None = None
 
     def check_file(self, path: Path) -> None:
         """Verify `path` against the marker unless `verify` is never (or the marker, of version
@@ -405,6 +407,10 @@ def open_shards(
         raise FileNotFoundError(f"{d}: no such shard directory")
     marker = _read_marker(d)
     listed, sums = marker["files"], marker.get("checksums", {})
+    from tokenbridge import streamed_shards
+
+    if streamed_shards.is_streamed(d):  # the data files come later, one at a time
+        return _open_streamed(d, marker, student=student, teachers=teachers, verify=verify)
     files = [d / name for name in sorted(listed)]
     missing = [p.name for p in files if not p.is_file()]
     if missing:
@@ -426,6 +432,34 @@ def open_shards(
         elif m != meta:
             raise ValueError(f"{path}: tokenizer metadata differs from {files[0].name}")
         file_rows.append(rows)
+    return _checked(d, meta, marker, files, file_rows, student=student, teachers=teachers,
+                    verify=verify)  # fmt: skip
+
+
+def _open_streamed(d: Path, marker: dict, *, student, teachers, verify: str) -> ShardSet:
+    """A streamed entry (`tokenbridge.streamed_shards`): metadata and row counts from its
+    per-file indexes and marker; the files themselves are fetched by `ShardSet.stream`."""
+    from tokenbridge.streamed_shards import INDEX, StreamedFiles
+
+    names = sorted(marker["files"])
+    meta = None
+    for name in names:
+        with pa.memory_map(str(d / INDEX / name), "r") as src:
+            m = S.read_meta(pa.ipc.open_file(src).schema, where=f"{d}/{name}")
+        if meta is None:
+            meta = m
+        elif m != meta:
+            raise ValueError(f"{d}/{name}: tokenizer metadata differs from {names[0]}")
+    rows = [int(marker["files"][n]) for n in names]
+    out = _checked(d, meta, marker, [d / n for n in names], rows, student=student,
+                   teachers=teachers, verify=verify)  # fmt: skip
+    out.stream = StreamedFiles(d, names, marker.get("checksums", {}))
+    return out
+
+
+def _checked(d, meta, marker, files, file_rows, *, student, teachers, verify) -> ShardSet:
+    """The `ShardSet`, its metadata checked against the caller's tokenizers."""
+    sums = marker.get("checksums", {})
     if meta is None:  # an empty run: nothing aligned, metadata from stats.json
         stats = json.loads((d / S.STATS_FILE).read_text())
         meta = S.ShardMeta(

@@ -138,11 +138,17 @@ class DataConfig:
     # the least recently used are evicted first (`trainer.remote_inputs`)
     cache_dir: str = ""
     cache_limit_gb: float = 50.0
+    # s3:// shards read one file at a time, the next fetched in the background, at most
+    # stream_files of them on disk (`tokenbridge.streamed_shards`): for datasets larger than
+    # the node's disk; else the whole directory is fetched before the run starts
+    stream: bool = False
+    stream_files: int = 3
 
     def __post_init__(self) -> None:
         check_choice("data.verify", self.verify, VERIFY_MODES)
         check_location("data.cache_dir", self.cache_dir or None, schemes=())
         check_positive("data.cache_limit_gb", self.cache_limit_gb)
+        check_at_least("data.stream_files", self.stream_files, 2)
         if not self.shards or self.shards == MISSING:
             fail("data.shards", "a shard directory (from `make align`) is required")
         check_location("data.shards", self.shards)

@@ -1,0 +1,166 @@
+"""Shards in an object store read one file at a time (``data.stream=true``), for datasets
+larger than a node's disk.
+
+`prepare` makes the local entry of a shard URL without its data files: the COMPLETED marker,
+stats.json (verified against it), and per shard file an index of its ``doc_id`` and ``window``
+columns, read with ranged requests (Arrow IPC reads only the footer and those columns'
+buffers, not the token ids), which is all the held-out split and the row count need. The
+schema's metadata rides along in each index, so the tokenizer checks run as for local shards.
+
+At run time `StreamedFiles.path(f)` hands a reader the local copy of shard file `f`: fetched if
+missing (hashed while it downloads, refused if it differs from the marker), then the next
+file is fetched in the background (the stream reads rows in file order, so a step never waits
+on the network once the stream is running), and the least recently used files beyond
+``keep_files`` are deleted. A file still mapped by a reader stays readable after its deletion
+(POSIX); one needed again later (the next epoch, a shuffle buffer reaching back) is fetched
+again. Every process of a node shares the entry; each file's lock makes one of them download
+it while the others wait for it (`tokenbridge.remote_cache`), so a file crosses the network
+once per node while it stays in the window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+
+from tokenbridge import urls
+from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import shard_schema as S
+from tokenbridge.remote_cache import LOCKS, _errors, _locked, download, filesystem, read_marker_url
+
+STREAM = ".stream.json"  # the entry's commit point: written once the index is complete
+INDEX = ".index"  # one Arrow file per shard file: doc_id, window, the shard schema's metadata
+INDEX_COLUMNS = ("doc_id", "window")
+RANGE_BYTES = 1 << 18  # ranged reads of the index columns: small blocks, not s3fs's 5 MB
+
+
+def entry_of(url: str, root: Path) -> Path:
+    digest = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
+    return root / f"{urls.name(url)[:48]}-{digest}-stream"
+
+
+def prepare(url: str, root: str | os.PathLike, *, keep_files: int) -> Path:
+    """The local entry of the shard directory `url` (marker, stats.json, per-file index; no
+    data file), made once per node: every process may call it, one makes it."""
+    root = Path(root)
+    entry = entry_of(url, root)
+    (root / LOCKS).mkdir(parents=True, exist_ok=True)
+    with _locked(root / LOCKS / entry.name):
+        if (entry / STREAM).is_file():
+            return entry
+        shutil.rmtree(entry, ignore_errors=True)  # one that died half way
+        (entry / INDEX).mkdir(parents=True)
+        raw, marker = read_marker_url(url, S.COMPLETED_MARKER)
+        sums = marker.get("checksums", {})
+        if S.STATS_FILE in sums:
+            download(
+                urls.join(url, S.STATS_FILE), entry / S.STATS_FILE, expected=sums[S.STATS_FILE]
+            )
+        for name, rows in sorted(marker["files"].items()):
+            index = _index(urls.join(url, name))
+            if index.num_rows != int(rows):
+                raise ValueError(
+                    f"{urls.join(url, name)}: {index.num_rows} rows, {S.COMPLETED_MARKER} says {rows}"
+                )
+            path = str(entry / INDEX / name)
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, index.schema) as w:
+                w.write_table(index)
+        (entry / S.COMPLETED_MARKER).write_bytes(raw)
+        integrity.write_json_atomic(entry / STREAM, {"url": url, "keep_files": int(keep_files)})
+    return entry
+
+
+def _index(url: str) -> pa.Table:
+    """The ``doc_id`` and ``window`` columns of the shard object `url`, with its schema's
+    metadata, read by ranges (its footer, then those columns' buffers)."""
+    fs = filesystem()
+    with _errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=RANGE_BYTES) as f:
+        schema = pa.ipc.open_file(f).schema
+        missing = [c for c in INDEX_COLUMNS if schema.get_field_index(c) < 0]
+        if missing:
+            raise ValueError(f"{url}: not a shard file (no column {missing})")
+        opts = pa.ipc.IpcReadOptions(
+            included_fields=[schema.get_field_index(c) for c in INDEX_COLUMNS]
+        )
+        table = pa.ipc.open_file(f, options=opts).read_all()
+    return table.replace_schema_metadata(schema.metadata)
+
+
+def is_streamed(d: str | os.PathLike) -> bool:
+    return (Path(d) / STREAM).is_file()
+
+
+class StreamedFiles:
+    """The data files of a prepared entry, fetched as a reader reaches them (module doc)."""
+
+    def __init__(self, entry: Path, names: list[str], sums: dict[str, dict]):
+        info = json.loads((entry / STREAM).read_text())
+        self.entry, self.url, self.keep = entry, info["url"], max(2, int(info["keep_files"]))
+        self.names, self.sums = names, sums
+        self.downloads = 0  # files this process downloaded (tests; a log line at the end)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenbridge-prefetch")
+        self._next: dict[str, object] = {}  # name -> its background fetch
+        # the files the reader will read, in order (the stream's training rows; default all):
+        # what comes after the current one is fetched ahead, a file of held-out rows is not
+        self.order = list(range(len(names)))
+
+    def index(self, f: int) -> pa.Table:
+        """Shard file `f`'s ``doc_id`` and ``window`` columns (local, small)."""
+        return pa.ipc.open_file(pa.memory_map(str(self.entry / INDEX / self.names[f]))).read_all()
+
+    def path(self, f: int) -> Path:
+        """The local copy of shard file `f` (fetched now if it is not there), its successor
+        fetched in the background, the least recently used beyond `keep` deleted."""
+        name = self.names[f]
+        pending = self._next.pop(name, None)
+        if pending is not None:
+            pending.result()  # raises what the background fetch raised
+        p = self._ensure(name)
+        os.utime(p)  # its last use: what the window evicts by
+        later = [g for g in self.order if g > f] or self.order  # the next one, or wrap around
+        nxt = self.names[later[0]] if later else name
+        if nxt != name and nxt not in self._next and not (self.entry / nxt).is_file():
+            self._next[nxt] = self._pool.submit(self._ensure, nxt)
+        self._evict(keep={name, nxt})
+        return p
+
+    def _ensure(self, name: str) -> Path:
+        p = self.entry / name
+        if p.is_file():
+            return p
+        with _locked(self.entry / INDEX / f".{name}.lock"):  # one download per node
+            if not p.is_file():
+                download(urls.join(self.url, name), p, expected=self.sums.get(name))
+                with self._lock:
+                    self.downloads += 1
+        return p
+
+    def _evict(self, *, keep: set[str]) -> None:
+        local = [self.entry / n for n in self.names if (self.entry / n).is_file()]
+        extra = len(local) - self.keep
+        if extra <= 0:
+            return
+        for p in sorted(local, key=_mtime)[:extra]:
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+
+    def local_files(self) -> list[str]:
+        return [n for n in self.names if (self.entry / n).is_file()]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
