@@ -38,6 +38,7 @@ from tokenbridge.remote_cache import LOCKS, _errors, _locked, download, filesyst
 STREAM = ".stream.json"  # the entry's commit point: written once the index is complete
 INDEX = ".index"  # one Arrow file per shard file: doc_id, window, the shard schema's metadata
 INDEX_COLUMNS = ("doc_id", "window")
+DOWNLOADS = ".downloads"  # one line per file downloaded on this node: "name bytes"
 RANGE_BYTES = 1 << 18  # ranged reads of the index columns: small blocks, not s3fs's 5 MB
 
 
@@ -141,6 +142,9 @@ class StreamedFiles:
                 download(urls.join(self.url, name), p, expected=self.sums.get(name))
                 with self._lock:
                     self.downloads += 1
+                # the node's record of every download (any process): what a file cost again
+                with open(self.entry / DOWNLOADS, "a") as log:
+                    log.write(f"{name} {p.stat().st_size}\n")
         return p
 
     def _evict(self, *, keep: set[str]) -> None:

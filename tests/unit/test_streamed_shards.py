@@ -58,6 +58,8 @@ def test_streamed_rows_equal_the_local_rows_with_a_window_of_files(
     wanted = len({a.locate(int(r))[0] for r in sa.rows})
     assert streamed.stream.order == sorted({a.locate(int(r))[0] for r in sa.rows})
     assert 2 * wanted <= streamed.stream.downloads <= 2 * wanted + 1
+    log = (entry / streamed_shards.DOWNLOADS).read_text().splitlines()
+    assert len(log) == streamed.stream.downloads  # the node's record of every download
 
 
 def test_a_changed_object_is_refused_by_name(local_shards, s3_server, s3_bucket, tmp_path):
