@@ -20,6 +20,7 @@ once per node while it stays in the window.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -112,6 +113,7 @@ class StreamedFiles:
         # the files the reader will read, in order (the stream's training rows; default all):
         # what comes after the current one is fetched ahead, a file of held-out rows is not
         self.order = list(range(len(names)))
+        self._keep: set[str] = set()  # the current file and the next: never evicted
 
     def index(self, f: int) -> pa.Table:
         """Shard file `f`'s ``doc_id`` and ``window`` columns (local, small)."""
@@ -128,10 +130,17 @@ class StreamedFiles:
         os.utime(p)  # its last use: what the window evicts by
         later = [g for g in self.order if g > f] or self.order  # the next one, or wrap around
         nxt = self.names[later[0]] if later else name
+        self._keep = {name, nxt}
+        # room for the next one before it arrives: at most `keep` files on disk at any time
+        self._evict(room=0 if (self.entry / nxt).is_file() else 1)
         if nxt != name and nxt not in self._next and not (self.entry / nxt).is_file():
             self._next[nxt] = self._pool.submit(self._ensure, nxt)
-        self._evict(keep={name, nxt})
         return p
+
+    def touch(self, f: int) -> None:
+        """A row of file `f` was read from its mapping: its last use (if it is still here)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.entry / self.names[f])
 
     def _ensure(self, name: str) -> Path:
         p = self.entry / name
@@ -147,14 +156,13 @@ class StreamedFiles:
                     log.write(f"{name} {p.stat().st_size}\n")
         return p
 
-    def _evict(self, *, keep: set[str]) -> None:
+    def _evict(self, *, room: int) -> None:
+        """Delete the least recently used files (never the current or the next one) until
+        `room` more fit in the window."""
         local = [self.entry / n for n in self.names if (self.entry / n).is_file()]
-        extra = len(local) - self.keep
-        if extra <= 0:
-            return
-        for p in sorted(local, key=_mtime)[:extra]:
-            if p.name not in keep:
-                p.unlink(missing_ok=True)
+        extra = len(local) + room - self.keep
+        for p in sorted((p for p in local if p.name not in self._keep), key=_mtime)[:extra]:
+            p.unlink(missing_ok=True)
 
     def local_files(self) -> list[str]:
         return [n for n in self.names if (self.entry / n).is_file()]

@@ -180,8 +180,8 @@ class StreamedTables:
             t = self.shard_set.read_table(self.stream.path(f))
             while len(self.mapped) >= self.stream.keep:
                 self.mapped.pop(next(iter(self.mapped)))
-        else:
-            self.stream.path(f)  # its last use, and the next file's prefetch
+        else:  # mapped here: readable even if another rank evicted it; never fetched again
+            self.stream.touch(f)
         self.mapped[f] = t
         return t
 
