@@ -257,9 +257,13 @@ def run_all(jobs: list[Job], args, *, cache_share_s: float) -> list[dict]:
 
 
 def inputs(args) -> dict:
-    """The shards and the teacher cache the rows read (made once, kept), and what the cache
-    cost: its build's core-seconds and the windows it scored."""
+    """The shards, the projection and the teacher cache the rows read (made once, kept), and
+    what the cache cost: its build's core-seconds and the windows it scored."""
+    from bench.pair_runs import ensure_projection
+
     teacher, student = paths.teacher_dir(), paths.student_dir()
+    # conf=demo's teachers.0.projection (`make projection`): a fresh clone has none
+    ensure_projection(teacher, student)
     if not (SHARDS / "COMPLETED").is_file():
         _sh([PY, "-m", "pipelines.align", "--data", "artifacts/corpus/kjv_letters.jsonl",
              "--teacher", str(teacher), "--student", str(student), "--out", str(SHARDS),
