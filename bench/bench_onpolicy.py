@@ -19,10 +19,10 @@ scores through on-the-fly alignment): generate / align / teacher score / student
 backward + AdamW, each timed alone in one process; the overhead of scoring + alignment over
 generation + student step.
 
-Part 4, TRL 1.16's GOLDTrainer (``lmbda=1``: on-policy, ULD loss) with the same student,
-prompts, batch and lengths and a teacher it accepts (byte-level: a tiny random model with the
-GPT-2 fixture vocabulary), its ``training_step`` next to our step with the same teacher
-(`bench/onpolicy_trl.py`, own process).
+Part 4, TRL 1.16's GOLDTrainer (its own code: ``lmbda=1``, HF ``generate``, ULD loss, its
+ByteLevel gate lifted for Gemma) next to our trainer (``conf=onpolicy_demo``, xtoken, lag 0 and
+1), the real pair, the same chat prompts, batch 2, 64 and 128 new tokens, 2 threads each: step
+time and the peak RSS of each process tree (`bench/onpolicy_vs_trl.py`).
 """
 
 from __future__ import annotations
@@ -161,15 +161,9 @@ def part_step() -> dict:
 
 
 def part_trl() -> dict:
-    out = paths.REPO_ROOT / "outputs" / "bench" / "onpolicy_trl.json"
-    cmd = [sys.executable, str(paths.REPO_ROOT / "bench" / "onpolicy_trl.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    proc = subprocess.run(cmd, cwd=paths.REPO_ROOT, timeout=1800, env=env,
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"}
-    return json.loads(out.read_text())
+    from bench.onpolicy_vs_trl import measure
+
+    return measure([64, 128], steps=4)
 
 
 def main() -> str:
@@ -202,7 +196,8 @@ def render_sampler(sampler: dict) -> list[str]:
 
 
 def render(res: dict) -> str:
-    from bench.onpolicy_step import render_step, render_trl
+    from bench.onpolicy_step import render_step
+    from bench.onpolicy_vs_trl import render as render_trl
 
     lines = ["## On-policy distillation (CPU)", "", *render_sampler(res["sampler"])]
     f = res["fsdp"]

@@ -34,14 +34,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
+from bench.child import run_measured
 from bench.provenance import cpu_model
 from tokenbridge import paths
 
@@ -52,32 +50,13 @@ HAMLET = "hamlet_gut.txt"
 PROJECTION = REPO / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
 
 
-def _tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
-
-
 LOADS: list[float] = []  # 1-minute load average at the start of every command (other jobs)
 
 
 def _run(cmd: list[str], *, env: dict | None = None) -> tuple[str, float, float]:
-    """(stdout, wall seconds, peak RSS GiB of the whole process tree, sampled every 0.2 s)."""
+    """`bench.child.run_measured`, the load average at its start recorded."""
     LOADS.append(os.getloadavg()[0])
-    t0 = time.perf_counter()
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    ps, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        peak = max(peak, _tree_rss(ps))
-        time.sleep(0.2)
-    out, err = proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:4])}... failed:\n{err[-4000:]}")
-    return out, time.perf_counter() - t0, peak / 2**30
+    return run_measured(cmd, env=env)
 
 
 def _shards(tmp: Path) -> Path:

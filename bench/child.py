@@ -7,10 +7,13 @@ a module's ``_child(*args)``, returning a JSON-able dict that the child prints a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 from tokenbridge import paths
 
@@ -31,3 +34,37 @@ def run_child(module: str, *args, env: dict[str, str] | None = None) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"bench child failed:\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def tree_rss(proc) -> int:
+    """Resident bytes of a `psutil.Process` and all its descendants now."""
+    import psutil
+
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def run_measured(cmd: list[str], *, env: dict | None = None) -> tuple[str, float, float]:
+    """Run `cmd` at the repo root: (stdout, wall seconds, peak RSS GiB of its whole process
+    tree, sampled every 0.2 s). Output goes through files, so a chatty child never blocks on a
+    full pipe while it is sampled. Raises with its stderr if it fails."""
+    import psutil
+
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=paths.REPO_ROOT, env=full_env, stdout=out, stderr=err,
+                                text=True)  # fmt: skip
+        ps, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(ps))
+            time.sleep(0.2)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(map(str, cmd[:4]))}... failed:\n{err.read()[-4000:]}")
+        return out.read(), wall, peak / 2**30

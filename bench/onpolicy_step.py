@@ -126,26 +126,3 @@ def render_step(s: dict) -> list[str]:
         "",
     ]
     return lines
-
-
-def render_trl(t: dict) -> list[str]:
-    head = (
-        f"**TRL GOLDTrainer on-policy step vs ours**: SmolLM2-135M student, batch {t['batch']}, "
-        f"{t['new_tokens']} new tokens, the same KJV conversations, a byte-level teacher (tiny "
-        "random Llama, GPT-2 fixture vocabulary), one thread. TRL: lmbda=1, ULD loss, "
-        "`generate`; ours: sampler + on-the-fly alignment + alm over completion chunks."
-    )
-    if t.get("trl_error"):
-        return [head, "", f"TRL's trainer did not run here: `{t['trl_error']}`.", ""]
-    ratio = t["ours_median"] / t["trl_median"]
-    return [
-        head,
-        "",
-        "| | seconds per step (median) |",
-        "|---|---:|",
-        f"| TRL GOLDTrainer | {t['trl_median']:.2f} |",
-        f"| ours | {t['ours_median']:.2f} |",
-        "",
-        f"Our step time over theirs: **{ratio:.2f}x**.",
-        "",
-    ]
