@@ -217,7 +217,8 @@ class ParallelConfig:
     reduce_dtype: str = "float32"
     reshard_after_forward: bool = True
     # "worker": each rank's teacher runs in its own process and hands its outputs over the
-    # shared-memory (CPU) / CUDA IPC (GPU) channel; "inprocess": same process (debugging)
+    # shared-memory (CPU) / CUDA IPC (GPU) channel; "inprocess": in the trainer's process (one
+    # torch runtime: less memory, but no overlap of teacher and student; also for debugging)
     teacher_placement: str = "worker"
     channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
     teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
