@@ -47,10 +47,27 @@ def tree_rss(proc) -> int:
     return total
 
 
-def run_measured(cmd: list[str], *, env: dict | None = None) -> tuple[str, float, float]:
+def tree_pss(proc) -> int:
+    """Proportional set size of a process tree now (Linux smaps): each shared page counted
+    once over the processes that map it, where a sum of RSS counts it in each (two processes
+    with torch's libraries loaded count those pages twice). Slower to read than RSS."""
+    import psutil
+
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            total += p.memory_full_info().pss
+    return total
+
+
+def run_measured(
+    cmd: list[str], *, env: dict | None = None, peaks: dict | None = None
+) -> tuple[str, float, float]:
     """Run `cmd` at the repo root: (stdout, wall seconds, peak RSS GiB of its whole process
-    tree, sampled every 0.2 s). Output goes through files, so a chatty child never blocks on a
-    full pipe while it is sampled. Raises with its stderr if it fails."""
+    tree, sampled every 0.2 s). With `peaks` (a dict), the tree's peak PSS is sampled too and
+    stored there as ``pss_gib`` (and the RSS peak as ``rss_gib``). Output goes through files,
+    so a chatty child never blocks on a full pipe while it is sampled. Raises with its stderr
+    if it fails."""
     import psutil
 
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -58,11 +75,15 @@ def run_measured(cmd: list[str], *, env: dict | None = None) -> tuple[str, float
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=paths.REPO_ROOT, env=full_env, stdout=out, stderr=err,
                                 text=True)  # fmt: skip
-        ps, peak = psutil.Process(proc.pid), 0
+        ps, peak, pss = psutil.Process(proc.pid), 0, 0
         while proc.poll() is None:
             peak = max(peak, tree_rss(ps))
+            if peaks is not None:
+                pss = max(pss, tree_pss(ps))
             time.sleep(0.2)
         wall = time.perf_counter() - t0
+        if peaks is not None:
+            peaks.update(rss_gib=peak / 2**30, pss_gib=pss / 2**30)
         out.seek(0)
         err.seek(0)
         if proc.returncode:

@@ -16,7 +16,8 @@ other in this run, each in its own process tree:
   TRL's layout).
 
 Figures: the median step after the first (TRL: its callback's step time; ours: the run's
-``step_s``), and the peak RSS of the whole process tree (ours: trainer + teacher worker).
+``step_s``), and the peak memory of the whole process tree (ours: trainer + teacher worker),
+as PSS and as a sum of RSS (`bench.child.run_measured`).
 
     python -m bench.onpolicy_vs_trl [--new 64,128] [--steps 4]     # prints JSON
 """
@@ -122,23 +123,25 @@ def ours(
             "checkpoint.save_at_end=false", "checkpoint.export_at_end=false",
             "logging.progress=false", "logging.tensorboard=false", "device=cpu",
             f"parallel.teacher_placement={placement}"]  # fmt: skip
-    _, wall, peak = run_measured(args)
+    peaks: dict = {}
+    _, wall, peak = run_measured(args, peaks=peaks)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     step_s = [r["step_s"] for r in rows if r["kind"] == "train"]
     return {"steps": step_s, "median_s": statistics.median(step_s[1:]), "peak_gib": peak,
-            "wall_s": wall}  # fmt: skip
+            "pss_gib": peaks["pss_gib"], "wall_s": wall}  # fmt: skip
 
 
 def trl(tmp: Path, conversations: Path, *, new: int, steps: int) -> dict:
     out = tmp / f"trl_{new}.json"
+    peaks: dict = {}
     _, wall, peak = run_measured(
         [sys.executable, "-m", "bench.onpolicy_vs_trl", "trl", str(conversations), str(new),
          str(steps), str(out)],
-        env={"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"},
+        env={"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}, peaks=peaks,
     )  # fmt: skip
     times = json.loads(out.read_text())["steps"]
     return {"steps": times, "median_s": statistics.median(times[1:]), "peak_gib": peak,
-            "wall_s": wall}  # fmt: skip
+            "pss_gib": peaks["pss_gib"], "wall_s": wall}  # fmt: skip
 
 
 def measure(new_tokens: list[int], steps: int) -> dict:
@@ -183,21 +186,27 @@ def render(res: dict) -> list[str]:
         f"samples chat prompts (KJV conversations' first user turns), Gemma-3-270M scores them "
         f"(TRL: ULD over its byte-offset groups, its ByteLevel gate lifted; ours: xtoken over "
         f"on-the-fly aligned chunks), batch {BATCH}, temperature 1, top-p 1, AdamW, "
-        f"{THREADS} threads each, one after the other; median step after the first, peak RSS of "
-        "each process tree (ours: trainer + teacher worker).",
+        f"{THREADS} threads each, one after the other; median step after the first, and the "
+        "peak memory of each process tree (ours: trainer + teacher worker) as PSS (a page "
+        "two processes share counted once: the physical memory) and as a sum of RSS (shared "
+        "pages, such as torch's libraries, counted in each process).",
         "",
-        "| new tokens | TRL step s | TRL peak GiB | ours lag 0 s | ours lag 1 s | ours lag 0, "
-        "teacher in process s | ours peak GiB (lag 0 / lag 1 / in process) | TRL / ours "
-        "(fastest) |",
+        "| new tokens | TRL step s | ours lag 0 s | ours lag 1 s | ours lag 0, teacher in "
+        "process s | TRL / ours (fastest) | peak PSS GiB: TRL / ours lag 0 / lag 1 / in process "
+        "| peak RSS sum GiB (same order) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for new, r in res.items():
-        t, a, b, c = r["trl"], r["ours_lag0"], r["ours_lag1"], r["ours_lag0_inprocess"]
-        best = min(a["median_s"], b["median_s"], c["median_s"])
+        runs = [r["trl"], r["ours_lag0"], r["ours_lag1"], r["ours_lag0_inprocess"]]
+        best = min(x["median_s"] for x in runs[1:])
         lines.append(
-            f"| {new} | {t['median_s']:.2f} | {t['peak_gib']:.2f} | {a['median_s']:.2f} | "
-            f"{b['median_s']:.2f} | {c['median_s']:.2f} | {a['peak_gib']:.2f} / "
-            f"{b['peak_gib']:.2f} / {c['peak_gib']:.2f} | **{t['median_s'] / best:.2f}x** |"
+            f"| {new} | "
+            + " | ".join(f"{x['median_s']:.2f}" for x in runs)
+            + f" | **{runs[0]['median_s'] / best:.2f}x** | "
+            + " / ".join(f"{x['pss_gib']:.2f}" for x in runs)
+            + " | "
+            + " / ".join(f"{x['peak_gib']:.2f}" for x in runs)
+            + " |"
         )
     lines += ["", "Goals: our step >= 2.5x faster than TRL's at both lengths, our peak <= TRL's, "
               "lag 1 faster than lag 0.", ""]  # fmt: skip
