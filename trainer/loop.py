@@ -49,13 +49,14 @@ from trainer.config.preflight import Prepared
 from trainer.config.schema import TrainConfig
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
-from trainer.microbatches import Microbatch, MicrobatchLoader, ShardReader, ShardStream, pad_id
+from trainer.microbatches import Microbatch, MicrobatchLoader, pad_id
 from trainer.onpolicy.rollout_source import OnPolicy
 from trainer.parallel import cpus, parallelize
 from trainer.parallel.cp_attention import model_inputs
 from trainer.parallel.head import head_logits
 from trainer.parallel.mesh import build_mesh
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
+from trainer.shard_reader import ShardReader, ShardStream
 from trainer.shard_source import ShardSource
 from trainer.step import TrainStep
 from trainer.teacher.dispatch import Feed, open_teachers

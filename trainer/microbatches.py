@@ -1,19 +1,12 @@
-"""Shard streaming: aligned Arrow shards -> padded microbatches, per data-parallel rank.
+"""Aligned shard rows -> padded microbatches, per data-parallel rank.
 
-The shards (`tokenbridge.formats.shards`) are memory-mapped, never loaded whole. Every row has a global
-index (files in order, rows in order). A row is held out for evaluation when a hash of its
-(doc id, window) falls under ``eval_fraction``; of the rest, data-parallel rank r reads the
-rows whose index is r modulo the dp size, in order, through a bounded shuffle buffer drawn with
-a seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
-microbatches, which the collectives of FSDP need).
+The rows come from `trainer.shard_reader` (the held-out split, memory-mapped random access,
+the endless shuffled stream of one data-parallel rank); this module pads them into
+microbatches and keeps the stream's position for checkpoints.
 
 Under context parallelism the microbatch stays whole (the teachers read whole rows, and the
 chunk index is built from them); `Microbatch.student_rows` gives the student's share on one CP
 rank: its positions of every row in the load-balanced layout, with their global position ids.
-
-The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
-small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
-the uninterrupted run would have read.
 
 Conversation shards carry a train code per token: `train_targets` turns them into the target
 mask (a position keeps its target only if the token it predicts is trained), and each
@@ -26,19 +19,15 @@ on one context-parallel rank.
 
 from __future__ import annotations
 
-import random
-import zlib
 from dataclasses import dataclass, field, fields
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from tokenbridge.dist_ops.context_parallel import cp_positions, to_cp_layout
 from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import value_checks as values
 from tokenbridge.losses.ops.segments import AlignedBatch
+from trainer.shard_reader import ShardStream
 
 IGNORE = -1  # target id of positions that are not trained on (as tokenbridge.losses expects)
 
@@ -126,31 +115,6 @@ class Microbatch:
 EVAL_SPLITS = ("window", "document")
 
 
-def held_out_set(
-    doc_id: str, window: int, fraction: float, *, by: str = "window", val_fraction: float = 0.0
-) -> str | None:
-    """Deterministic eval split, stable across runs, ranks and machines: ``"test"``, ``"val"``
-    or None (trained on), by (doc id, window) or by doc id alone (``by="document"``: a held-out
-    document is held out whole, so no window of it is ever trained on; the honest in-domain
-    score, docs/science.md).
-
-    One hash, two adjacent ranges: [0, fraction) is the test set, [fraction, fraction +
-    val_fraction) the validation set a hyper-parameter is chosen on. The test set does not move
-    when a validation set is added, and the two never share a document."""
-    key = doc_id if by == "document" else f"{doc_id}\x00{window}"
-    h = zlib.crc32(key.encode())
-    if h < fraction * 2**32:
-        return "test"
-    if h < (fraction + val_fraction) * 2**32:
-        return "val"
-    return None
-
-
-def is_held_out(doc_id: str, window: int, fraction: float, *, by: str = "window") -> bool:
-    """Whether (doc id, window) is in the test set of `held_out_set` (no validation set)."""
-    return held_out_set(doc_id, window, fraction, by=by) == "test"
-
-
 def _pad_rows(rows: list[np.ndarray], length: int, pad: int) -> torch.Tensor:
     out = np.full((len(rows), length), pad, dtype=np.int64)
     for i, r in enumerate(rows):
@@ -160,193 +124,6 @@ def _pad_rows(rows: list[np.ndarray], length: int, pad: int) -> torch.Tensor:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-class StreamedTables:
-    """``ShardReader.tables`` of streamed shards: file `f` mapped when a row of it is first
-    read (`StreamedFiles.path` fetches it, and the next one in the background); at most the
-    stream's window of files stays mapped here."""
-
-    def __init__(self, shard_set):
-        self.shard_set, self.stream = shard_set, shard_set.stream
-        self.mapped: dict[int, pa.Table] = {}  # in order of last use
-
-    def __len__(self) -> int:
-        return len(self.shard_set.files)
-
-    def __getitem__(self, f: int) -> pa.Table:
-        t = self.mapped.pop(f, None)
-        if t is None:
-            t = self.shard_set.read_table(self.stream.path(f))
-            while len(self.mapped) >= self.stream.keep:
-                self.mapped.pop(next(iter(self.mapped)))
-        else:  # mapped here: readable even if another rank evicted it; never fetched again
-            self.stream.touch(f)
-        self.mapped[f] = t
-        return t
-
-
-class ShardReader:
-    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped.
-
-    Each file is verified against its checksum when mapped (`ShardSet.read_table`, per
-    ``data.verify``), and each record batch's values are checked (`tokenbridge.formats.value_checks`) the first
-    time one of its rows is read, before that row reaches a model."""
-
-    def __init__(self, shard_set, *, max_student_tokens: int):
-        self.shard_set = shard_set
-        self.num_teachers = len(shard_set.meta.teachers)
-        self.max_student_tokens = max_student_tokens
-        self.stream = shard_set.stream  # data.stream: files mapped as the rows reach them
-        self.tables = (
-            StreamedTables(shard_set)
-            if self.stream
-            else [shard_set.read_table(p) for p in shard_set.files]
-        )
-        # per file: the first row of each record batch (a table's chunks are the file's batches)
-        self._batch_starts: dict[int, np.ndarray] = {}
-        self.checked: set[tuple[int, int]] = set()  # (file, batch) whose values were checked
-        self.starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
-        self.num_rows = int(self.starts[-1])
-
-    def check_values(self, f: int, i: int) -> None:
-        """Check the record batch holding row `i` of file `f`, once (cheap after the first)."""
-        t = self.tables[f]
-        if f not in self._batch_starts:
-            self._batch_starts[f] = np.cumsum([0] + [len(c) for c in t.column(0).chunks])
-        starts = self._batch_starts[f]
-        b = int(np.searchsorted(starts, i, side="right") - 1)
-        if (f, b) not in self.checked:
-            first = int(starts[b])
-            batch = t.slice(first, int(starts[b + 1]) - first).to_batches()[0]
-            values.check_batch(
-                batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
-            )
-            self.checked.add((f, b))
-
-    def max_lengths(self) -> tuple[int, list[int]]:
-        """(longest student row, longest row of each teacher), without reading the rows."""
-
-        if self.stream:
-            return self._window_limits()
-
-        def longest(col: str) -> int:
-            m = [pc.max(pc.list_value_length(t.column(col))).as_py() for t in self.tables]
-            return max([x for x in m if x is not None], default=0)
-
-        student = longest("student_ids")
-        if student > self.max_student_tokens:
-            raise ValueError(
-                f"{self.shard_set.dir}: rows of up to {student} student tokens > "
-                f"data.max_student_tokens={self.max_student_tokens}; re-run the align job with "
-                "shorter windows (--max-student-tokens) or raise the limit"
-            )
-        return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
-
-    def _window_limits(self) -> tuple[int, list[int]]:
-        """Streamed shards: the align job's window limits (stats.json) bound every row, since
-        the rows themselves are not here yet."""
-        cfg = self.shard_set.stats().get("window_config") or {}
-        if "max_student_tokens" not in cfg or "max_teacher_tokens" not in cfg:
-            raise ValueError(
-                f"{self.shard_set.dir}: data.stream needs the align job's window limits in "
-                "stats.json (window_config), to size the teachers' buffers before any row is "
-                "read; these shards have none: set data.stream=false"
-            )
-        student = int(cfg["max_student_tokens"])
-        if student > self.max_student_tokens:
-            raise ValueError(
-                f"{self.shard_set.dir}: windows of up to {student} student tokens > "
-                f"data.max_student_tokens={self.max_student_tokens}; raise the limit"
-            )
-        return student, [int(cfg["max_teacher_tokens"])] * self.num_teachers
-
-    def locate(self, row: int) -> tuple[int, int]:
-        f = int(np.searchsorted(self.starts, row, side="right") - 1)
-        return f, row - int(self.starts[f])
-
-    def where(self, row: int) -> str:
-        f, i = self.locate(row)
-        return f"{self.shard_set.files[f]} row {i}"
-
-    def split(
-        self,
-        eval_fraction: float,
-        *,
-        by: str = "window",
-        val_fraction: float = 0.0,
-        eval_on: str = "test",
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(train rows as sorted global indices, held-out rows ordered by (doc id, window)).
-
-        Neither the test nor the validation set is trained on; the held-out rows returned are
-        those of ``eval_on`` ("test" or "val"). Their order is that of the text, not of the
-        shard rows: a multi-worker align job may write the same windows in another row order,
-        and the eval set (its first rows) must not change with it.
-        """
-        held = np.zeros(self.num_rows, dtype=bool)
-        held_keys: dict[int, tuple[str, int]] = {}
-        for f in range(len(self.shard_set.files)):
-            # streamed: the file's index (its doc_id and window columns), not the file
-            t = self.stream.index(f) if self.stream else self.tables[f]
-            docs = t.column("doc_id").to_pylist()
-            wins = t.column("window").to_pylist()
-            s = int(self.starts[f])
-            for i, (d, w) in enumerate(zip(docs, wins)):
-                which = held_out_set(d, w, eval_fraction, by=by, val_fraction=val_fraction)
-                if which is not None:
-                    held[s + i] = True
-                if which == eval_on:
-                    held_keys[s + i] = (d, w)
-        idx = np.arange(self.num_rows, dtype=np.int64)
-        held_rows = sorted(held_keys, key=held_keys.__getitem__)
-        return idx[~held], np.asarray(held_rows, dtype=np.int64)
-
-    def _list(self, t: pa.Table, col: str, i: int) -> np.ndarray:
-        return t.column(col)[i].values.to_numpy(zero_copy_only=False)
-
-    def row(self, row: int) -> dict:
-        f, i = self.locate(row)
-        self.check_values(f, i)
-        t = self.tables[f]
-        ids = self._list(t, "student_ids", i)
-        if len(ids) > self.max_student_tokens:
-            raise ValueError(
-                f"{self.where(row)}: {len(ids)} student tokens > data.max_student_tokens="
-                f"{self.max_student_tokens}; re-run the align job with shorter windows or raise "
-                "the limit"
-            )
-        out = {"student_ids": ids, "text": t.column("text")[i].as_py(), "teachers": []}
-        for k in range(self.num_teachers):
-            out["teachers"].append(
-                {
-                    "ids": self._list(t, S.teacher_ids_column(k), i),
-                    "chunk": self._list(t, S.teacher_chunk_column(k), i),
-                    "student_chunk": self._list(t, S.teacher_student_chunk_column(k), i),
-                    "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
-                }
-            )
-        if self.is_chat:
-            self._chat_columns(out, t, i)
-        return out
-
-    @property
-    def is_chat(self) -> bool:
-        """Conversation shards (train codes, chunk kinds; `tokenbridge.formats.shard_schema`)."""
-        return self.shard_set.meta.is_chat
-
-    def _chat_columns(self, out: dict, t: pa.Table, i: int) -> None:
-        """A conversation row's train codes and trained bytes, and each teacher's train codes
-        and chunk kinds (in `out`, next to the ids they belong to)."""
-        out["train"] = self._list(t, S.STUDENT_TRAIN_COLUMN, i)
-        out["trained_bytes"] = int(t.column(S.TRAINED_BYTES_COLUMN)[i].as_py())
-        for k, teacher in enumerate(out["teachers"]):
-            teacher["train"] = self._list(t, S.teacher_train_column(k), i)
-            teacher["chunk_kind"] = self._list(t, S.teacher_chunk_kind_column(k), i)
-
-    def text(self, row: int) -> str:
-        f, i = self.locate(row)
-        return self.tables[f].column("text")[i].as_py()
 
 
 def train_targets(targets_BT: torch.Tensor, train_BT: torch.Tensor) -> torch.Tensor:
@@ -416,78 +193,6 @@ def collate(
             )
         )
     return mb
-
-
-class ShardStream:
-    """The endless, shuffled, resumable row stream of one data-parallel rank."""
-
-    def __init__(
-        self,
-        reader: ShardReader,
-        *,
-        dp_rank: int,
-        dp_size: int,
-        seed: int,
-        shuffle_buffer: int,
-        eval_fraction: float,
-        eval_split: str = "window",
-        val_fraction: float = 0.0,
-        eval_on: str = "test",
-    ):
-        self.reader = reader
-        train, self.eval_rows = reader.split(
-            eval_fraction, by=eval_split, val_fraction=val_fraction, eval_on=eval_on
-        )
-        self.rows = train[dp_rank::dp_size]
-        if reader.stream:  # the files this rank reads: the only ones fetched ahead
-            reader.stream.order = sorted({reader.locate(int(r))[0] for r in self.rows})
-        if len(self.rows) == 0:
-            raise ValueError(
-                f"{reader.shard_set.dir}: {len(train)} training rows (after holding out "
-                f"{len(self.eval_rows)} for eval) cannot feed {dp_size} data-parallel ranks"
-            )
-        self.layout = {"dp_rank": dp_rank, "dp_size": dp_size, "seed": seed, "rows": len(train)}
-        self.buffer_size = shuffle_buffer
-        self.epoch = 0
-        self.cursor = 0
-        self.buffer: list[int] = []
-        # one RNG per (seed, rank): ranks shuffle independently, runs repeat exactly
-        self.rng = random.Random(f"{seed}/{dp_rank}")
-
-    def _advance(self) -> int:
-        r = int(self.rows[self.cursor])
-        self.cursor += 1
-        if self.cursor == len(self.rows):
-            self.cursor, self.epoch = 0, self.epoch + 1
-        return r
-
-    def next_row(self) -> int:
-        if self.buffer_size == 0:
-            return self._advance()
-        while len(self.buffer) < self.buffer_size:
-            self.buffer.append(self._advance())
-        j = self.rng.randrange(len(self.buffer))
-        self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
-        return self.buffer.pop()
-
-    def state_dict(self) -> dict:
-        return {
-            "layout": dict(self.layout),
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "buffer": list(self.buffer),
-            "rng": self.rng.getstate(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["layout"] != self.layout:
-            raise ValueError(
-                f"data position saved for {state['layout']} cannot resume {self.layout} "
-                "(other shards, seed or data-parallel size)"
-            )
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self.buffer = [int(x) for x in state["buffer"]]
-        self.rng.setstate(state["rng"])
 
 
 class MicrobatchLoader:

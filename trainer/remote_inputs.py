@@ -18,7 +18,6 @@ import os
 
 from tokenbridge import streamed_shards, urls
 from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
-from trainer.config.checks import ConfigError
 
 __all__ = ["DEFAULT_DIR", "localize"]
 
@@ -33,19 +32,8 @@ def localize(cfg) -> dict[str, tuple[str, str]]:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
     was: dict[str, tuple[str, str]] = {}
-    if cfg.data.stream:
+    if cfg.data.stream:  # a URL, no teacher cache (`rules.stream_reads_a_store`)
         url = cfg.data.shards
-        if not urls.is_url(url):
-            raise ConfigError(
-                f"config data.stream=true: data.shards={url} is local; streaming reads shards "
-                "from an object store (s3://...): set data.stream=false"
-            )
-        if any(t.cache for t in cfg.teachers):
-            raise ConfigError(
-                "config data.stream=true with teachers[i].cache: a teacher cache is joined to "
-                "every shard row before the run starts; fetch the shards whole "
-                "(data.stream=false)"
-            )
         cfg.data.shards = str(
             streamed_shards.prepare(url, cache.root, keep_files=cfg.data.stream_files)
         )

@@ -40,7 +40,8 @@ from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.schema import LossConfig
 from trainer.eval import trained_bpb
 from trainer.loss_terms import ce_term, combine_terms
-from trainer.microbatches import IGNORE, ShardReader, collate
+from trainer.microbatches import IGNORE, collate
+from trainer.shard_reader import ShardReader
 from trainer.teacher.model_program import teacher_forward
 
 MODE_FUNCS = {"xtoken": xtoken, "gold": gold, "alm": alm}

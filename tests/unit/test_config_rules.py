@@ -110,6 +110,10 @@ def _cases(student_dir) -> dict[str, tuple[dict, str]]:
             {"teachers": [_teacher(student_dir, cache="/c")], "loss": {"mode": "gold"}},
             r"config teachers\[0\]\.cache: loss gold cannot read a teacher cache",
         ),
+        "stream_reads_a_store": (
+            {"data": {"shards": "/nowhere", "stream": True}},
+            r"config data\.stream: data\.shards=/nowhere is local",
+        ),
         "warmup_within_steps": (
             {"steps": 5, "optim": {"warmup_steps": 10}},
             r"config optim\.warmup_steps: 10 > steps=5",

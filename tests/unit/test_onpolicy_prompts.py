@@ -15,8 +15,8 @@ from tests.e2e.helpers import shakespeare_docs, write_shards
 from tokenbridge import paths
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
-from trainer.microbatches import ShardReader
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
+from trainer.shard_reader import ShardReader
 
 MESSAGES = paths.REPO_ROOT / "tokenbridge" / "chat" / "data" / "shakespeare_messages.jsonl"
 

@@ -13,7 +13,7 @@ from tests.e2e.helpers import shakespeare_docs, write_shards
 from tokenbridge import streamed_shards
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shards
-from trainer.microbatches import ShardReader, ShardStream
+from trainer.shard_reader import ShardReader, ShardStream
 
 FILES, KEEP = 5, 2
 
@@ -73,14 +73,12 @@ def test_a_changed_object_is_refused_by_name(local_shards, s3_server, s3_bucket,
 
 
 def test_stream_is_refused_where_it_cannot_work(tmp_path):
+    """A local directory, or a teacher cache beside the stream: one config error each."""
     from trainer.config.checks import ConfigError
-    from trainer.config.schema import TrainConfig
-    from trainer.remote_inputs import localize
+    from trainer.config.compose import compose_config
 
-    cfg = TrainConfig.__new__(TrainConfig)
-    from trainer.config.sections import DataConfig
-
-    cfg.data = DataConfig(shards=str(tmp_path), stream=True, cache_dir=str(tmp_path / "c"))
-    cfg.teachers = []
-    with pytest.raises(ConfigError, match="data.shards=.* is local"):
-        localize(cfg)
+    with pytest.raises(ConfigError, match=r"data.stream: data.shards=.* is local"):
+        compose_config(["experiment=debug", f"data.shards={tmp_path}", "data.stream=true"])
+    with pytest.raises(ConfigError, match=r"data.stream: a teacher cache"):
+        compose_config(["experiment=debug", "data.shards=s3://b/shards", "data.stream=true",
+                        f"teachers.0.cache={tmp_path}"])  # fmt: skip

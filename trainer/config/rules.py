@@ -115,6 +115,19 @@ def caches_serve_their_modes(cfg: TrainConfig) -> None:
             fail(f"teachers[{i}].cache", f"loss {mode} cannot read a teacher cache: {why}")
 
 
+def stream_reads_a_store(cfg: TrainConfig) -> None:
+    """data.stream fetches shard files from an object store as the reader reaches them: not a
+    local directory, and not beside a teacher cache (joined to every shard row at start)."""
+    if not cfg.data.stream:
+        return
+    if "://" not in str(cfg.data.shards):
+        fail("data.stream", f"data.shards={cfg.data.shards} is local; streaming reads shards "
+             "from an object store (s3://...): set data.stream=false")  # fmt: skip
+    if any(t.cache for t in cfg.teachers):
+        fail("data.stream", "a teacher cache (teachers[i].cache) is joined to every shard row "
+             "before the run starts: fetch the shards whole (data.stream=false)")  # fmt: skip
+
+
 def warmup_within_steps(cfg: TrainConfig) -> None:
     if cfg.optim.warmup_steps > cfg.steps:
         fail("optim.warmup_steps", f"{cfg.optim.warmup_steps} > steps={cfg.steps}")
@@ -128,6 +141,7 @@ CONFIG_RULES = (
     cp_splits_the_padding,
     onpolicy_fits_the_teachers,
     caches_serve_their_modes,
+    stream_reads_a_store,
     warmup_within_steps,
 )
 
