@@ -55,14 +55,20 @@ def filesystem():
     return _filesystem(tuple(sorted(urls.s3_settings().items())))
 
 
-def _errors(url: str, doing: str):
+def errors(url: str, doing: str):
     """The store's failures as one line naming `url` (`urls.store_errors`); a damaged file's
     own error as it is."""
     return urls.store_errors(url, doing=doing, keep=(integrity.IntegrityError,))
 
 
+def entry_name(url: str) -> str:
+    """A cache entry's directory name: the URL's last part, readable, and a digest of it all."""
+    digest = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
+    return f"{urls.name(url)[:48]}-{digest}"
+
+
 @contextlib.contextmanager
-def _locked(path: Path):
+def locked(path: Path):
     """An exclusive lock on `path` (created if missing) for the block: one fetcher per entry
     among this machine's processes (the lock goes with the process if it dies)."""
     with open(path, "a") as f:
@@ -81,8 +87,7 @@ class RemoteCache:
         self.in_use: set[Path] = set()  # entries this run reads: never evicted
 
     def entry(self, url: str) -> Path:
-        digest = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
-        return self.root / f"{urls.name(url)[:48]}-{digest}"
+        return self.root / entry_name(url)
 
     def fetch_dir(self, url: str, *, marker: str = "COMPLETED") -> Path:
         """The local copy of the marked directory `url`, fetched and verified if needed."""
@@ -105,7 +110,7 @@ class RemoteCache:
                 time.sleep(POLL_S)
             return entry
         (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
-        with _locked(self.root / LOCKS / entry.name):
+        with locked(self.root / LOCKS / entry.name):
             if done.is_file():  # fetched before, or by the process that held the lock
                 done.touch()  # its last use: what eviction orders by
                 return entry
@@ -145,7 +150,7 @@ class RemoteCache:
 
     def _download_file(self, url: str, entry: Path, name: str) -> None:
         fs = filesystem()
-        with _errors(url, "a lookup"):
+        with errors(url, "a lookup"):
             size = int(fs.size(urls.store_key(url)))
         self._make_room(size, url)
         download(url, entry / name, expected=None)
@@ -156,7 +161,7 @@ def read_marker_url(url: str, marker: str = "COMPLETED") -> tuple[bytes, dict]:
     """The completion marker of the directory `url`: its bytes and its JSON; FileNotFoundError
     (one line) when there is none."""
     marker_url = urls.join(url, marker)
-    with _errors(marker_url, "a read"):
+    with errors(marker_url, "a read"):
         try:
             raw = filesystem().cat_file(urls.store_key(marker_url))
         except FileNotFoundError:
@@ -176,7 +181,7 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
         part, algo=integrity.entry_algo(expected) if expected else integrity.HASH
     )
     try:
-        with _errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=8 << 20) as src:
+        with errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=8 << 20) as src:
             while block := src.read(8 << 20):
                 sink.write(block)
         sink.close()
@@ -191,6 +196,8 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
                 hint="the object differs from its completion marker: re-run the job that wrote it",
             )  # fmt: skip
     os.replace(part, dest)
+    if expected is not None:  # hashed on its way: the reader that maps it need not hash it again
+        integrity.mark_verified(dest, expected)
 
 
 def _commit(entry: Path, url: str) -> None:

@@ -21,7 +21,6 @@ once per node while it stays in the window.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -34,7 +33,15 @@ import pyarrow as pa
 from tokenbridge import urls
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
-from tokenbridge.remote_cache import LOCKS, _errors, _locked, download, filesystem, read_marker_url
+from tokenbridge.remote_cache import (
+    LOCKS,
+    download,
+    entry_name,
+    errors,
+    filesystem,
+    locked,
+    read_marker_url,
+)
 
 STREAM = ".stream.json"  # the entry's commit point: written once the index is complete
 INDEX = ".index"  # one Arrow file per shard file: doc_id, window, the shard schema's metadata
@@ -44,8 +51,8 @@ RANGE_BYTES = 1 << 18  # ranged reads of the index columns: small blocks, not s3
 
 
 def entry_of(url: str, root: Path) -> Path:
-    digest = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
-    return root / f"{urls.name(url)[:48]}-{digest}-stream"
+    """The streamed entry of `url`: beside a whole copy's entry, never the same directory."""
+    return root / f"{entry_name(url)}-stream"
 
 
 def prepare(url: str, root: str | os.PathLike, *, keep_files: int) -> Path:
@@ -54,7 +61,7 @@ def prepare(url: str, root: str | os.PathLike, *, keep_files: int) -> Path:
     root = Path(root)
     entry = entry_of(url, root)
     (root / LOCKS).mkdir(parents=True, exist_ok=True)
-    with _locked(root / LOCKS / entry.name):
+    with locked(root / LOCKS / entry.name):
         if (entry / STREAM).is_file():
             return entry
         shutil.rmtree(entry, ignore_errors=True)  # one that died half way
@@ -83,7 +90,7 @@ def _index(url: str) -> pa.Table:
     """The ``doc_id`` and ``window`` columns of the shard object `url`, with its schema's
     metadata, read by ranges (its footer, then those columns' buffers)."""
     fs = filesystem()
-    with _errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=RANGE_BYTES) as f:
+    with errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=RANGE_BYTES) as f:
         schema = pa.ipc.open_file(f).schema
         missing = [c for c in INDEX_COLUMNS if schema.get_field_index(c) < 0]
         if missing:
@@ -146,7 +153,7 @@ class StreamedFiles:
         p = self.entry / name
         if p.is_file():
             return p
-        with _locked(self.entry / INDEX / f".{name}.lock"):  # one download per node
+        with locked(self.entry / INDEX / f".{name}.lock"):  # one download per node
             if not p.is_file():
                 download(urls.join(self.url, name), p, expected=self.sums.get(name))
                 with self._lock:

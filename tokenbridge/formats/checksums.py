@@ -219,17 +219,30 @@ def verify_once(path: str | os.PathLike, expected: dict, *, hint: str = "") -> b
     expected entry): a file opened by preflight and again by the trainer is hashed once.
     Returns True when it hashed the file now."""
     p = Path(path)
-    try:
-        st = p.stat()
-        key = (str(p.resolve()), st.st_size, st.st_mtime_ns, json.dumps(expected, sort_keys=True))
-    except OSError:
-        key = None
+    key = _once_key(p, expected)
     if key is not None and key in _verified:
         return False
     verify_file(p, expected, hint=hint)
     with _verified_lock:
         _verified.add(key)
     return True
+
+
+def mark_verified(path: str | os.PathLike, expected: dict) -> None:
+    """Record `path` as verified against `expected` in this process (`verify_once` then skips
+    it while it is unchanged): for a file hashed as it was written or downloaded."""
+    key = _once_key(Path(path), expected)
+    if key is not None:
+        with _verified_lock:
+            _verified.add(key)
+
+
+def _once_key(p: Path, expected: dict) -> tuple | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return (str(p.resolve()), st.st_size, st.st_mtime_ns, json.dumps(expected, sort_keys=True))
 
 
 def read_marker(directory: str | os.PathLike, name: str) -> dict:
