@@ -14,7 +14,8 @@ length (`bench.pair_runs`), through the real projection of the two tokenizers.
    rows with activation checkpointing: tokens/s, MFU (the run's own, `trainer.throughput`),
    peak memory;
 4. CE on one 32k-token row with the ~1.2B student: peak memory with the lm_head applied in
-   chunks (``parallel.logits_chunk``) and with whole logits, if those fit.
+   chunks (``parallel.logits_chunk``) and with whole logits, if those fit; the step's peak and
+   the forward + backward's alone (the optimizer's states set the step's peak at this size).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from bench.gpu_check_cases import (
     device_used_gib,
     median_s,
     random_model,
+    peak_gib,
     reset_peak,
     teacher_rows,
     uninterrupted,
@@ -113,6 +115,11 @@ def trainer_steps(ctx: Context, args: list[str]) -> dict:
     trainer = Trainer(cfg, preflight(cfg, world_size=1))
     # printed as they happen: a part cut at its budget still says where its time went
     print(f"   {cfg.name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+    # the peak of forward + backward alone: read just before each optimizer step, then reset,
+    # so the optimizer's states (allocated at its first step) do not hide what logits cost
+    fwd_bwd: list[float] = []
+    trainer.optimizer.register_step_pre_hook(lambda *_: fwd_bwd.append(peak_gib(ctx.device)))
+    trainer.optimizer.register_step_post_hook(lambda *_: reset_peak(ctx.device))
     try:
         records = []
         for i in range(s.warmup + s.steps):
@@ -121,6 +128,7 @@ def trainer_steps(ctx: Context, args: list[str]) -> dict:
             print(f"   {cfg.name}: step {i + 1} in {time.perf_counter() - t0:.2f} s", flush=True)
         figures = step_figures(records, skip=s.warmup)
         figures["device_used_gib"] = device_used_gib(ctx.device)
+        figures["fwd_bwd_peak_gib"] = max(fwd_bwd[s.warmup :], default=None)
         figures["student_params"] = models.num_params(trainer.model)
     finally:
         with uninterrupted():
@@ -218,5 +226,6 @@ def long_row(ctx: Context) -> dict:
             out[f"{name}_logits"] = "out of memory"
             continue
         out[f"{name}_peak_memory_gib"] = r["memory_gib"]
+        out[f"{name}_fwd_bwd_peak_gib"] = r["fwd_bwd_peak_gib"]
         out[f"{name}_step_s"] = r["step_s"]
     return out

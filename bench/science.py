@@ -196,7 +196,8 @@ def train(j: Job) -> dict:
         shutil.rmtree(j.run_dir, ignore_errors=True)
         t, load0 = time.time(), provenance.load()
         print(f"== train {j.run_dir.name}", flush=True)
-        _sh(j.cmd, j.run_dir.with_suffix(".log"), threads=1)
+        # not with_suffix: a run's name has dots (lr0.0001) and seeds would share one log
+        _sh(j.cmd, j.run_dir.parent / f"{j.run_dir.name}.log", threads=1)
         print(f"   done {j.run_dir.name} in {time.time() - t:.0f} s", flush=True)
         # where and how loaded: the budget column compares seconds across runs and sessions
         machine = {"cpu": provenance.cpu_model(), "cores": os.cpu_count(),
@@ -340,8 +341,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     record = args.out / "cache_cost.json"
-    cost = json.loads(record.read_text()) if args.render_only and record.is_file() else None
-    cost = cost or inputs(args)
+    if args.render_only and not record.is_file():
+        # rendering builds nothing: the inputs (the teacher cache above all) are shared by runs
+        raise SystemExit(f"--render-only: no {record}; run `python -m bench.science` first")
+    cost = json.loads(record.read_text()) if args.render_only else inputs(args)
     share = cost["core_s"] / cost["windows"]
     step = (lambda jobs: done(jobs, args, cache_share_s=share)) if args.render_only else (
         lambda jobs: run_all(jobs, args, cache_share_s=share))  # fmt: skip

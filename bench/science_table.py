@@ -155,6 +155,9 @@ def notes(payload: dict) -> list[str]:
     ]
     machines = [r.get("machine") for r in runs + payload.get("val_runs", [])]
     cpus = sorted({m["cpu"] for m in machines if m})
+    commits = sorted({m["commit"] for m in machines if m and m.get("commit")})
+    if commits:
+        out.append(f"- Runs made on commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}.")
     loads = [x for m in machines if m for x in m["load"]]
     # two one-core runs side by side load 2 cores: more than the cores means other work ran
     over = any(max(m["load"]) > m["cores"] + 0.5 for m in machines if m)

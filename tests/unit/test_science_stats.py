@@ -110,7 +110,11 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
                for k in ("ce", "xtoken", "gold")}, "runs": runs, "baselines": {},
                "cache_cost": {"core_s": 360.0, "windows": 360},
                "labels": {k: r.label for k, r in science.ROWS.items()}}  # fmt: skip
+    runs[0]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "load": [1.0, 1.9], "commit": "e375e37"}
+    val[0]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "load": [3.3, 3.8], "commit": "07b5fd5"}
     text = render(payload)
+    assert "- Runs made on commits 07b5fd5, e375e37." in text
+    assert "load average at run starts and ends 1.0-3.8; some runs overlapped" in text
     ref = stats.ttest_rel(kd, ce)
     assert f"t = {ref.statistic:.2f}, df = 4, two-sided p = **{ref.pvalue:.3g}**" in text
     assert "| 5e-05 (chosen) | 1.2000 | 1.1000 | 1.1500 |" in text
@@ -121,3 +125,11 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
     assert f"{same_steps:+.4f} [" in gold and f"{same_budget:+.4f} [" in gold
     assert "(CE 100 steps)" in gold and "| 100 |" in gold
     assert "goal" not in text.lower() and "met" not in text.split()
+
+
+def test_render_only_builds_nothing(tmp_path):
+    """``--render-only`` with no finished inputs refuses; it must never rebuild the shared
+    teacher cache the running rows read."""
+    with pytest.raises(SystemExit, match="render-only: no"):
+        science.main(["--render-only", "--out", str(tmp_path / "none")])
+    assert not (tmp_path / "none" / "cache.log").exists()
