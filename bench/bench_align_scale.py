@@ -100,6 +100,18 @@ from pipelines.align import readers
 from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
 from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.tokenizers import load_tokenizer
+
+# the code these figures depend on (`bench.provenance.measured_paths`): a later change
+# to any of it marks the kept section stale
+MEASURES = (
+    "pipelines/align",
+    "pipelines/plumbing",
+    "tokenbridge/alignment",
+    "tokenbridge/tokenizers",
+    "tokenbridge/formats",
+    "bench/bench_align_scale.py",
+)
+
 toks = [load_tokenizer({s!r}), load_tokenizer({t!r})]
 piece = PieceConfig().piece_chars
 secs, n_tok = 0.0, 0

@@ -40,6 +40,14 @@ import torch
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
 from trainer.teacher.ring import TensorSpec
 
+# the code these figures depend on (`bench.provenance.measured_paths`): a later change
+# to any of it marks the kept section stale
+MEASURES = (
+    "trainer/teacher",
+    "bench/bench_channel.py",
+)
+
+
 SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20)  # bytes per microbatch
 
 

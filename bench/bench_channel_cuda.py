@@ -16,6 +16,15 @@ import torch
 
 from bench import bench_channel, provenance
 
+# the code these figures depend on (`bench.provenance.measured_paths`): a later change
+# to any of it marks the kept section stale
+MEASURES = (
+    "trainer/teacher",
+    "bench/bench_channel.py",
+    "bench/bench_channel_cuda.py",
+)
+
+
 CACHE = Path(__file__).parent / "results" / "channel_cuda.md"
 FOOTER = re.compile(r"\n*_\(section ran in [^)]*\)_\s*$")
 CACHED_NOTE = "_(cached: figures from the last run on a GPU machine; this machine has no CUDA)_"

@@ -31,6 +31,15 @@ import torch
 from tokenbridge.dist_ops import vp_entropy, vp_soft_ce, vp_target_logprobs
 from trainer.parallel.spawn import spawn
 
+# the code these figures depend on (`bench.provenance.measured_paths`): a later change
+# to any of it marks the kept section stale
+MEASURES = (
+    "tokenbridge/dist_ops",
+    "trainer/parallel",
+    "bench/bench_dist_ops.py",
+)
+
+
 V = 262_144
 T = int(os.environ.get("TB_BENCH_DIST_T", 4_096))  # smaller T only for a quick smoke run
 TP = 2

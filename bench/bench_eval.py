@@ -27,6 +27,17 @@ from trainer.eval.loglik import BatchLimits, TokenStats, encode_pair, score_item
 from trainer.eval.results import markdown_table, timing_table
 from trainer.eval.tasks import TASKS, load
 
+# the code these figures depend on (`bench.provenance.measured_paths`): a later change
+# to any of it marks the kept section stale
+MEASURES = (
+    "trainer/eval",
+    "tokenbridge/models.py",
+    "tokenbridge/model_spec.py",
+    "tokenbridge/tokenizers",
+    "bench/bench_eval.py",
+)
+
+
 LIMIT = int(os.environ.get("TOKENBRIDGE_EVAL_LIMIT", "20"))
 # One torch thread: on a 2-core machine that other jobs keep busy, 2 OpenMP threads ran a matmul
 # 3x slower than 1 (each barrier waits for the descheduled thread); CPU seconds = the work.

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import provenance
 from bench.gpu_pack import commit, use_pack
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -153,8 +154,15 @@ def render(result: dict) -> str:
     runs = result.get("runs")  # several runs merged by bench.gpu_check_merge
     when = (f"{len(runs)} runs on one machine (each part's run is in its row)" if runs else
             f"commit `{result['commit']}`, {result['date']}; {result['total_s']:.0f} s in all")  # fmt: skip
+    # the provenance line `bench.provenance` reads (the oldest run's commit: stale from there)
+    first = (runs or [result])[0]
+    commit = first["commit"].removesuffix("-dirty")[:10]
     lines = [
         "## GPU check (`make gpu-check`)",
+        "",
+        f"{provenance.MARK}{commit}{'+dirty' if first['commit'].endswith('-dirty') else ''}, "
+        f"{first['date'][:16].replace('T', ' ')} UTC, {d['device'] if d['cuda'] else 'CPU'}; "
+        "load average not recorded._",
         "",
         f"Measured on {where}; torch {d['torch']}, transformers {d['transformers']}, Python "
         f"{d['python']}; {when}. Random-init models from the shipped config.json files (no "

@@ -12,6 +12,7 @@ it measured has changed since its commit, `stale_note` says so under it.
 
 from __future__ import annotations
 
+import ast
 import datetime
 import os
 import platform
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# the code a section's figures depend on: a change here makes a kept section stale
+# the code a section's figures depend on, unless its module names a narrower ``MEASURES``
+# (`measured_paths`): a change there makes a kept section stale
 CODE_PATHS = ("tokenbridge", "trainer", "pipelines", "bench")
 MARK = "_Measured on commit "
 
@@ -110,17 +112,36 @@ def section_commit(text: str) -> str | None:
     return text[at + len(MARK) :].split(",", 1)[0].split("+", 1)[0].strip() or None
 
 
-def stale_note(text: str) -> str | None:
-    """Under a kept section: whether the code changed since the commit it names."""
+def measured_paths(module: Path) -> tuple[str, ...]:
+    """The paths a section's module says its figures depend on (a top-level ``MEASURES``
+    tuple of repo paths, read without importing the module), else `CODE_PATHS`."""
+    if not module.is_file():
+        return CODE_PATHS
+    tree = ast.parse(module.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MEASURES" for t in node.targets
+        ):
+            paths = ast.literal_eval(node.value)
+            missing = [q for q in paths if not (REPO / q).exists()]
+            if missing:  # a renamed file would silently stop marking the section stale
+                raise ValueError(f"{module.name}: MEASURES names missing paths {missing}")
+            return tuple(paths)
+    return CODE_PATHS
+
+
+def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:
+    """Under a kept section: whether the code it measures (`paths`) changed since the commit
+    it names."""
     sha = section_commit(text)
     if sha is None and "Not run" in text:
         return None  # no figures to be stale
     if sha is None:
         return "_This section names no commit: it predates provenance lines; treat as stale._"
-    changed = _git("log", "--oneline", f"{sha}..HEAD", "--", *CODE_PATHS)
+    changed = _git("log", "--oneline", f"{sha}..HEAD", "--", *paths)
     if not _git("rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}"):
         return f"_Commit {sha} is not in this checkout: whether the code changed is unknown._"
     if changed:
         n = len(changed.splitlines())
-        return f"_The code has changed since {sha} ({n} commits touch {', '.join(CODE_PATHS)})._"
+        return f"_The code has changed since {sha} ({n} commits touch {', '.join(paths)})._"
     return None

@@ -51,12 +51,26 @@ def run_one(name: str, *, allow_load: bool) -> None:
     took = time.perf_counter() - t0
     if KEPT in section:
         print(f"   {name}: kept the last section (not measurable here)")
+        _add_provenance(RESULTS / f"{name}.md", section)
         return
     title, _, body = section.strip().partition("\n")
     text = f"{title}\n\n{prov.line()}\n{body.rstrip()}\n\n_(section ran in {took:.0f} s)_\n"
     tmp = RESULTS / f"{name}.md.tmp"
     tmp.write_text(text)
     tmp.replace(RESULTS / f"{name}.md")
+
+
+def _add_provenance(stored: Path, section: str) -> None:
+    """A kept section stored before sections named their commit gets the provenance line its
+    module now derives (from git, or from the run's own record), so staleness can be judged."""
+    if not stored.is_file() or provenance.MARK in (text := stored.read_text()):
+        return
+    line = next((x for x in section.splitlines() if x.startswith(provenance.MARK)), None)
+    if line:
+        title, _, body = text.partition("\n")
+        tmp = stored.with_suffix(".md.tmp")
+        tmp.write_text(f"{title}\n\n{line}\n{body}")
+        tmp.replace(stored)
 
 
 def collect() -> str:
@@ -74,7 +88,8 @@ def collect() -> str:
             parts.append(f"## {name}\n\nNot run yet (`make bench BENCH={name}`).\n")
             continue
         text = path.read_text()
-        note = provenance.stale_note(text)
+        paths = provenance.measured_paths(Path(bench.__path__[0]) / f"bench_{name}.py")
+        note = provenance.stale_note(text, paths)
         parts.append(text if note is None else f"{text.rstrip()}\n\n{note}\n")
     return "\n".join(parts)
 

@@ -3,6 +3,8 @@ writes the file from the stored sections only, refusing a loaded machine unless 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import provenance, run_all
@@ -36,6 +38,22 @@ def test_a_kept_section_says_when_the_code_changed_since():
     assert "not in this checkout" in provenance.stale_note(f"{provenance.MARK}0123456789, x_")
 
 
+def test_a_section_is_stale_only_when_the_code_it_measures_changed():
+    import bench
+
+    for name in run_all.discover():  # every MEASURES names paths that exist (else it raises)
+        paths = provenance.measured_paths(Path(bench.__path__[0]) / f"bench_{name}.py")
+        assert paths and all(isinstance(p, str) for p in paths), name
+    # the last commit that touched bench_losses.py: stale for the whole tree once a later
+    # commit touched bench/, not for the file itself
+    sha = provenance._git("log", "-1", "--format=%h", "--", "bench/bench_losses.py")
+    later = provenance._git("log", "--oneline", f"{sha}..HEAD", "--", "bench") if sha else ""
+    if later:
+        text = f"## s\n\n{provenance.MARK}{sha}, then_"
+        assert provenance.stale_note(text, ("bench/bench_losses.py",)) is None
+        assert "changed since" in provenance.stale_note(text)
+
+
 def test_a_loaded_machine_is_refused_unless_allowed(monkeypatch, tmp_path):
     monkeypatch.setattr(provenance, "load", lambda: 99.0)
     monkeypatch.setattr(run_all, "RESULTS", tmp_path)
@@ -51,3 +69,13 @@ def test_collect_marks_sections_never_run(monkeypatch, tmp_path):
     text = run_all.collect()
     assert "## Alpha" in text and "| 1 |" in text
     assert "## beta\n\nNot run yet" in text
+
+
+def test_a_kept_section_gains_the_provenance_line_its_module_derives(tmp_path):
+    stored = tmp_path / "gpu.md"
+    stored.write_text("## GPU\n\nfigures\n\n_(section ran in 9 s)_\n")
+    line = f"{provenance.MARK}abcdef1234, 2026-11-27 02:59 UTC, H200; load average not recorded._"
+    run_all._add_provenance(stored, f"## GPU\n\n{line}\n\nfigures\n\n{run_all.KEPT} x)_")
+    assert stored.read_text() == f"## GPU\n\n{line}\n\nfigures\n\n_(section ran in 9 s)_\n"
+    run_all._add_provenance(stored, f"## GPU\n\n{provenance.MARK}0000000000, y_\n")
+    assert provenance.section_commit(stored.read_text()) == "abcdef1234"  # kept as it was
