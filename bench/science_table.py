@@ -108,9 +108,11 @@ def table(payload: dict) -> list[str]:
                  "-" if ood is None else f"{ood['value']:.4f} ± {ood['stderr']:.4f}",
                  *_suite_cells(b.get("suite"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    missing = []
     for row, label in payload["rows"].items():
         mine = [r for r in test if r["row"] == row]
         if not mine:
+            missing.append(label)
             continue
         by_seed = {r["seed"]: _after(r) for r in mine}
         oods = [next(iter(r["evals"]["ood"].values()))["value"] for r in mine
@@ -131,6 +133,8 @@ def table(payload: dict) -> list[str]:
                  _cell(same_steps, signed=True), f"{budget:.0f}", eq,
                  _cell(st.estimate(oods)) if oods else "-", *_suite_cells(suite)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    if missing:  # a partial rendering (--render-only) says what it lacks
+        lines += ["", f"Not run yet (planned, no finished seed): {', '.join(missing)}."]
     return lines
 
 

@@ -125,6 +125,9 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
     assert f"{same_steps:+.4f} [" in gold and f"{same_budget:+.4f} [" in gold
     assert "(CE 100 steps)" in gold and "| 100 |" in gold
     assert "goal" not in text.lower() and "met" not in text.split()
+    assert "Not run yet" not in text
+    payload["rows"]["alm"] = science.ROWS["alm"].label  # planned, nothing finished
+    assert "Not run yet (planned, no finished seed): alm." in render(payload)
 
 
 def test_render_only_builds_nothing(tmp_path):
