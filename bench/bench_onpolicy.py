@@ -33,10 +33,12 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from tokenbridge import paths
+from trainer.onpolicy.int8 import int8_available
 
 B, PROMPT, NEW = 8, 16, 32
 SAMPLER_BATCHES = (2, 8)  # SmolLM2-135M: the batch 2, and 8
@@ -90,9 +92,9 @@ def sampler_vs_generate(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def ours(lean: bool = True):
-        sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
-               vocab_size=vocab, lean=lean)  # fmt: skip
+    def ours(lean: bool = True, weights: str = "model"):
+        sample(model, prompts, config=replace(cfg, weights=weights),
+               seeds=list(range(len(prompts))), stop_ids=[], vocab_size=vocab, lean=lean)  # fmt: skip
         sync()
 
     def theirs():
@@ -102,10 +104,10 @@ def sampler_vs_generate(
                            pad_token_id=0)  # fmt: skip
         sync()
 
-    t = _median_runs(
-        {"ours": ours, "hf": theirs, "hf_path": lambda: ours(False), "floor": read_weights(model)},
-        reps=reps,
-    )
+    fns = {"ours": ours, "hf": theirs, "hf_path": lambda: ours(False), "floor": read_weights(model)}
+    if device.type == "cpu" and int8_available():  # the int8 copy, made per rollout as in a run
+        fns["int8"] = lambda: ours(weights="int8")
+    t = _median_runs(fns, reps=reps)
     tokens = len(prompts) * new
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
@@ -115,6 +117,7 @@ def sampler_vs_generate(
         "hf_path_step_ms": t["hf_path"] / new * 1e3, "floor_ms": t["floor"] * 1e3,
         "over_floor": t["ours"] / new / t["floor"], "weight_mb": weights / 1e6,
         "bandwidth_gb_s": weights / t["floor"] / 1e9, "rows": len(prompts),
+        "int8_step_ms": t["int8"] / new * 1e3 if "int8" in t else None,
     }  # fmt: skip
 
 
@@ -182,16 +185,22 @@ def render_sampler(sampler: dict) -> list[str]:
         "once (a sum over each parameter, in the same run), the least a decode step can take.",
         "",
         "| model | ours ms/step | ours, HF forward | HF generate | floor ms | ours / floor | "
-        "speed-up vs generate | ours tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "speed-up vs generate | ours tokens/s | ours, int8 copy ms/step | int8 speed-up vs "
+        "generate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in sampler.items():
+        q = r.get("int8_step_ms")
+        int8 = f"{q:.1f} | {r['hf_step_ms'] / q:.2f}x" if q else "not run | -"
         lines.append(
             f"| {name} | {r['ours_step_ms']:.1f} | {r['hf_path_step_ms']:.1f} | "
             f"{r['hf_step_ms']:.1f} | {r['floor_ms']:.1f} ({r['weight_mb']:.0f} MB at "
             f"{r['bandwidth_gb_s']:.0f} GB/s) | {r['over_floor']:.2f}x | {r['speedup']:.2f}x | "
-            f"{r['ours_tok_s']:.1f} |"
+            f"{r['ours_tok_s']:.1f} | {int8} |"
         )
+    lines += ["", "The int8 copy (`onpolicy.sampler_weights: int8`) samples from another "
+              "distribution than the model's; a run weights its loss by the likelihood ratio "
+              "(docs/onpolicy.md). Its time includes making the copy, once per rollout phase."]  # fmt: skip
     return lines
 
 

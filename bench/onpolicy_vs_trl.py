@@ -13,7 +13,8 @@ other in this run, each in its own process tree:
 - ours: ``trainer/main.py conf=onpolicy_demo`` with chat prompts from the same file,
   ``onpolicy.loss=xtoken``, lag 0 and lag 1 (the teacher in its worker), and lag 0 with the
   teacher in the trainer's process (``parallel.teacher_placement=inprocess``: one torch runtime,
-  TRL's layout).
+  TRL's layout), and lag 0 and 1 sampling from the int8 copy (``onpolicy.sampler_weights=int8``,
+  ratio-weighted).
 
 Figures: the median step after the first (TRL: its callback's step time; ours: the run's
 ``step_s``), and the peak memory of the whole process tree (ours: trainer + teacher worker),
@@ -110,9 +111,9 @@ def _shards(tmp: Path) -> Path:
 
 def ours(
     tmp: Path, shards: Path, conversations: Path, *, new: int, lag: int, steps: int,
-    placement: str = "worker",
+    placement: str = "worker", weights: str = "model",
 ) -> dict:  # fmt: skip
-    run = tmp / f"ours_{new}_{lag}_{placement}"
+    run = tmp / f"ours_{new}_{lag}_{placement}_{weights}"
     args = [sys.executable, "trainer/main.py", "conf=onpolicy_demo", f"run_dir={run}",
             f"data.shards={shards}", f"steps={steps}", "optim.warmup_steps=1",
             "onpolicy.prompts=chat", f"onpolicy.chat_data={conversations}",
@@ -122,7 +123,8 @@ def ours(
             "onpolicy.eval_prompts=0", "eval.max_texts=0", f"parallel.threads={THREADS}",
             "checkpoint.save_at_end=false", "checkpoint.export_at_end=false",
             "logging.progress=false", "logging.tensorboard=false", "device=cpu",
-            f"parallel.teacher_placement={placement}"]  # fmt: skip
+            f"parallel.teacher_placement={placement}",
+            f"onpolicy.sampler_weights={weights}"]  # fmt: skip
     peaks: dict = {}
     _, wall, peak = run_measured(args, peaks=peaks)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -159,6 +161,13 @@ def measure(new_tokens: list[int], steps: int) -> dict:
                 "ours_lag0_inprocess": ours(
                     tmp, shards, conv, new=new, lag=0, steps=steps, placement="inprocess"
                 ),  # fmt: skip
+                # sampling from the int8 copy, ratio-weighted (docs/onpolicy.md)
+                "ours_lag0_int8": ours(
+                    tmp, shards, conv, new=new, lag=0, steps=steps, weights="int8"
+                ),  # fmt: skip
+                "ours_lag1_int8": ours(
+                    tmp, shards, conv, new=new, lag=1, steps=steps, weights="int8"
+                ),  # fmt: skip
             }
     return out
 
@@ -179,6 +188,17 @@ if __name__ == "__main__":
     main()
 
 
+# the table's columns: TRL first, then our layouts
+VARIANTS = (
+    ("trl", "TRL"),
+    ("ours_lag0", "ours lag 0"),
+    ("ours_lag1", "ours lag 1"),
+    ("ours_lag0_inprocess", "ours lag 0, teacher in process"),
+    ("ours_lag0_int8", "ours lag 0, int8 sampling"),
+    ("ours_lag1_int8", "ours lag 1, int8 sampling"),
+)
+
+
 def render(res: dict) -> list[str]:
     """Issue 29's table from `measure`'s result (goals: >= 2.5x faster, peak <= TRL's)."""
     lines = [
@@ -191,13 +211,13 @@ def render(res: dict) -> list[str]:
         "two processes share counted once: the physical memory) and as a sum of RSS (shared "
         "pages, such as torch's libraries, counted in each process).",
         "",
-        "| new tokens | TRL step s | ours lag 0 s | ours lag 1 s | ours lag 0, teacher in "
-        "process s | TRL / ours (fastest) | peak PSS GiB: TRL / ours lag 0 / lag 1 / in process "
-        "| peak RSS sum GiB (same order) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| new tokens | "
+        + " | ".join(f"{label} s" for _, label in VARIANTS)
+        + " | TRL / ours (fastest) | peak PSS GiB (same order) | peak RSS sum GiB (same order) |",
+        "|---:|" + "---:|" * (len(VARIANTS) + 3),
     ]
     for new, r in res.items():
-        runs = [r["trl"], r["ours_lag0"], r["ours_lag1"], r["ours_lag0_inprocess"]]
+        runs = [r[k] for k, _ in VARIANTS if k in r]
         best = min(x["median_s"] for x in runs[1:])
         lines.append(
             f"| {new} | "

@@ -4,8 +4,9 @@ A tiny SmolLM2-tokenizer student samples completions of shard-window prefixes; a
 Gemma-tokenizer teacher (on-the-fly alignment, opd_pg) and a tiny SmolLM2-tokenizer teacher
 (top-k OPD on the student's support) score them in their worker processes. Launches: a full
 run (metrics, the teachers' bits/byte of the student's completions before and after); the same
-run stopped after its checkpoint and resumed (same losses); a run with policy lag 1 and GKD
-mixing (lmbda 0.5: on- and off-policy steps), stopped and resumed likewise; an off-policy
+run stopped after its checkpoint and resumed (same losses); a run with policy lag 1, GKD
+mixing (lmbda 0.5: on- and off-policy steps) and the sampler's int8 copy (ratio-weighted
+steps), stopped and resumed likewise; an off-policy
 baseline (lmbda 0) ended by its time budget; a teacher worker killed while it scores (the
 clear error, in bounded time).
 """
@@ -101,7 +102,8 @@ def test_resume_across_on_policy_steps_is_exact(full_run, shards, tmp_path):
 
 
 def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
-    extra = ("onpolicy.lag=1", "onpolicy.lmbda=0.5", *LEAN)
+    # the sampler's int8 copy too: its recorded log-probs ride in the pending rollouts
+    extra = ("onpolicy.lag=1", "onpolicy.lmbda=0.5", "onpolicy.sampler_weights=int8", *LEAN)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _run(shards, full, *extra)
     _run(shards, resumed, *extra, "stop_after=3")
@@ -109,6 +111,9 @@ def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
     a = records(full)
     kinds = [r.get("onpolicy", 0.0) for r in a]
     assert 0 < sum(kinds) < len(kinds)  # both kinds of steps ran
+    for r in (r for r in a if r.get("onpolicy")):  # ratio-weighted: weights near 1, capped
+        assert 0 < r["ratio/weight_mean"] <= 2.0 and 0 <= r["ratio/clipped_frac"] <= 1
+        assert 0 < r["ratio/abs_log_ratio_mean"] < 1.0
     b = [r for r in records(resumed) if r["step"] > 3]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-6)
 

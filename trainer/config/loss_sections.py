@@ -111,6 +111,11 @@ class OnPolicyConfig:
     max_new_tokens: int = 64
     seed: int = 0
     eval_prompts: int = 8  # held-out prompts: the teacher's bits/byte of the student's text
+    # model: sample with the student's own weights (exact on-policy); int8: an int8 copy made
+    # at each rollout phase (CPU, Llama-family students: ~4x fewer bytes per decode step), each
+    # position's loss weighted by the likelihood ratio of its state (trainer/onpolicy/importance.py)
+    sampler_weights: str = "model"
+    ratio_clip: float = 2.0  # int8 sampling: the cap on each position's ratio weight
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lmbda <= 1.0:
@@ -124,6 +129,9 @@ class OnPolicyConfig:
         for name in ("micro_batch_size", "eval_prompts"):
             check_at_least(f"onpolicy.{name}", getattr(self, name), 0)
         check_positive("onpolicy.temperature", self.temperature)
+        check_choice("onpolicy.sampler_weights", self.sampler_weights, ("model", "int8"))
+        if not self.ratio_clip >= 1.0:
+            fail("onpolicy.ratio_clip", f"expected >= 1 (inf: no cap), got {self.ratio_clip}")
         if not 0.0 < self.top_p <= 1.0:
             fail("onpolicy.top_p", f"expected in (0, 1], got {self.top_p}")
         rollouts = self.prompts_per_step * self.n_samples

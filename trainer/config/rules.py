@@ -103,6 +103,10 @@ def onpolicy_fits_the_teachers(cfg: TrainConfig) -> None:
         fail("parallel.cp", "on-policy steps run at cp=1 so far (tp and dp work)")
     if not any(t.weight > 0 for t in teachers):
         fail("teachers", "on-policy distillation needs a teacher with weight > 0")
+    if op.sampler_weights == "int8" and (cfg.device == "cuda" or cfg.parallel.tp > 1):
+        # fbgemm's CPU kernels, through the lean decode path (never under TP)
+        fail("onpolicy.sampler_weights", "int8 sampling runs on CPU at tp=1 "
+             f"(device={cfg.device}, parallel.tp={cfg.parallel.tp}): use model")  # fmt: skip
 
 
 def caches_serve_their_modes(cfg: TrainConfig) -> None:

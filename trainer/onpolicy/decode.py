@@ -8,7 +8,9 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
 - `HFDecoder`: any HF causal LM through its own forward and ``DynamicCache``. The generic path,
   and the one under tensor parallelism (a vocab-sharded logits DTensor is gathered) or while
   parameters are still FSDP-sharded (outside `sampler.gathered`).
-- `LlamaDecoder`: Llama-family students (SmolLM2, Mistral, Qwen2: `LEAN_TYPES`) with whole parameters. The
+- `LlamaDecoder`: Llama-family students (SmolLM2, Mistral, Qwen2: `LEAN_TYPES`) with whole
+  parameters, through their own weights or (``weights="int8"``) an int8 copy of every
+  projection made at construction (`trainer.onpolicy.int8`). The
   prefill is the HF forward (its cache copied once into a preallocated one); each decode step
   is a lean loop over the model's own weights, same math in the same dtype (no copy of the
   weights, so nothing to refresh after an optimizer step). Why, measured on SmolLM2-135M at
@@ -35,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
+
+from trainer.onpolicy.int8 import Int8Linear, int8_available
 
 # model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
 # the same decoder layer as Llama's (pre-norm RMSNorm, RoPE from the model's rotary module,
@@ -149,11 +153,27 @@ def _weights(*linears: nn.Linear) -> tuple[list, torch.Tensor | None]:
     return [m.weight for m in linears], torch.cat(biases)
 
 
+class _Dense:
+    """`_project` through the model's own weights (no copy: always the current ones)."""
+
+    def __init__(self, weights: list, bias: torch.Tensor | None):
+        self.weights, self.bias = weights, bias
+
+    def __call__(self, x_BK: torch.Tensor) -> torch.Tensor:
+        return _project(x_BK, self.weights, self.bias)
+
+
+def _projector(weights: list, bias: torch.Tensor | None, kind: str):
+    return Int8Linear(weights, bias) if kind == "int8" else _Dense(weights, bias)
+
+
 class LlamaDecoder:
     """The lean decode path for Llama-family models (see the module docstring). Build it with
     `make_decoder`, which checks that it applies."""
 
-    def __init__(self, model: nn.Module, *, vocab_size: int, max_len: int):
+    def __init__(self, model: nn.Module, *, vocab_size: int, max_len: int, weights: str = "model"):
+        if weights not in ("model", "int8"):
+            raise ValueError(f"decoder weights: expected model or int8, got {weights!r}")
         cfg, inner = model.config, model.model
         self.model, self.vocab, self.max_len = model, vocab_size, max_len
         self.heads, self.kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -164,7 +184,8 @@ class LlamaDecoder:
         # only the tokenizer's rows of a padded lm_head: a contiguous slice, no copy
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
-        self.head = ([head.weight[:vocab_size]], None if bias is None else bias[:vocab_size])
+        head_b = None if bias is None else bias[:vocab_size]
+        self.head = _projector([head.weight[:vocab_size]], head_b, weights)
         self.blocks = []
         for layer in inner.layers:
             blk = _plain(layer)
@@ -172,11 +193,11 @@ class LlamaDecoder:
             self.blocks.append(
                 (
                     blk.input_layernorm.weight,
-                    _weights(at.q_proj, at.k_proj, at.v_proj),
-                    _weights(at.o_proj),
+                    _projector(*_weights(at.q_proj, at.k_proj, at.v_proj), weights),
+                    _projector(*_weights(at.o_proj), weights),
                     blk.post_attention_layernorm.weight,
-                    _weights(mlp.gate_proj, mlp.up_proj),
-                    _weights(mlp.down_proj),
+                    _projector(*_weights(mlp.gate_proj, mlp.up_proj), weights),
+                    _projector(*_weights(mlp.down_proj), weights),
                 )
             )
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -237,7 +258,7 @@ class LlamaDecoder:
         G, scale = NH // KV, D**-0.5
         for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.blocks):
             h = _rms_norm(x_BH, ln1, self.eps)
-            qkv_BND = _project(h, *qkv).view(B, NH + 2 * KV, D)
+            qkv_BND = qkv(h).view(B, NH + 2 * KV, D)
             qk = qkv_BND[:, : NH + KV]
             qk = qk * cos_B11 + qk.roll(D // 2, -1) * sin_B11  # RoPE on q and k at once
             self.k[i].select(2, t).copy_(qk[:, NH:])
@@ -249,12 +270,12 @@ class LlamaDecoder:
             )
             p_BKGT = torch.softmax(s_BKGT.mul_(scale).add_(bias_B11T), -1, dtype=self.soft_dtype)
             a_BKGD = torch.matmul(p_BKGT.to(self.dtype), self.v[i][:, :, : t + 1])
-            x_BH = x_BH + _project(a_BKGD.view(B, NH * D), *o)
+            x_BH = x_BH + o(a_BKGD.view(B, NH * D))
             h = _rms_norm(x_BH, ln2, self.eps)
-            g_BI, u_BI = _project(h, *gate_up).chunk(2, -1)
-            x_BH = x_BH + _project(F.silu(g_BI) * u_BI, *down)
+            g_BI, u_BI = gate_up(h).chunk(2, -1)
+            x_BH = x_BH + down(F.silu(g_BI) * u_BI)
         self.t = t + 1
-        logits = _project(_rms_norm(x_BH, self.norm, self.eps), *self.head)
+        logits = self.head(_rms_norm(x_BH, self.norm, self.eps))
         # row-major for the vocabulary work (one column at a time: 4x faster than
         # .contiguous() of the transposed view)
         return torch.stack(logits.unbind(0)) if logits.stride(-1) != 1 else logits
@@ -291,10 +312,28 @@ def lean_applies(model: nn.Module, *, max_len: int | None = None) -> bool:
 
 
 def make_decoder(
-    model: nn.Module, *, vocab_size: int, max_len: int, lean: bool = True, tp: bool = False
+    model: nn.Module,
+    *,
+    vocab_size: int,
+    max_len: int,
+    lean: bool = True,
+    tp: bool = False,
+    weights: str = "model",
 ):
     """The decoder for this model: the lean path when it applies (and ``lean``, and not under
-    TP), else the HF forward."""
-    if lean and not tp and lean_applies(model, max_len=max_len):
-        return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len)
+    TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.int8`) needs the lean path
+    and fbgemm, and says why not in one line."""
+    lean_ok = lean and not tp and lean_applies(model, max_len=max_len)
+    if weights == "int8":
+        why = (
+            "this torch build has no fbgemm (x86 CPU builds do)" if not int8_available()
+            else "the model is on a GPU" if next(model.parameters()).device.type != "cpu"
+            else "it needs the lean decode path: a Llama-family model (llama, mistral, qwen2) "
+            "with whole parameters, full attention over the rollout, not under TP"
+            if not lean_ok else None
+        )  # fmt: skip
+        if why:
+            raise ValueError(f"onpolicy.sampler_weights=int8: {why}")
+    if lean_ok:
+        return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len, weights=weights)
     return HFDecoder(model, vocab_size=vocab_size)

@@ -38,6 +38,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -46,6 +47,7 @@ from tokenbridge.losses.opd import mix_teacher_outputs
 from tokenbridge.teacher.outputs import TeacherOutputs
 from trainer.loss_terms import kd_weights
 from trainer.onpolicy.agreement import completion_bpb
+from trainer.onpolicy.importance import RATIO_STATS, policy_logprobs, prefix_weights, scale_grad
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
 from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy
 from trainer.onpolicy.rollouts import RolloutBatch, build_batch
@@ -111,6 +113,7 @@ class OnPolicy:
             max_new_tokens=self.op.max_new_tokens,
             n_samples=self.op.n_samples,
             record_topk=self.teachers.topk,
+            weights=self.op.sampler_weights,
         )
         per_step = self.op.prompts_per_step * self.op.n_samples
         self.mb = self.op.micro_batch_size or per_step
@@ -157,9 +160,12 @@ class OnPolicy:
             for s in range(self.op.n_samples)
         ]
 
-    def generate(self, prompts=None, *, salt: str = "", threads: int | None = None) -> Rollouts:
+    def generate(
+        self, prompts=None, *, salt: str = "", threads: int | None = None, exact: bool = False
+    ) -> Rollouts:
         """Rollouts of this rank's next prompts (or of ``prompts``) with the current weights;
-        ``threads``: torch's threads meanwhile (None: unchanged)."""
+        ``threads``: torch's threads meanwhile (None: unchanged); ``exact``: the model's own
+        weights even where ``onpolicy.sampler_weights`` is int8 (the eval's completions)."""
         if prompts is None:
             prompts = self.prompts.next_prompts(self.op.prompts_per_step)
         model = self.tr.model
@@ -173,7 +179,7 @@ class OnPolicy:
                 r = sample(
                     model,
                     [p.ids for p in prompts],
-                    config=self.sampling,
+                    config=replace(self.sampling, weights="model") if exact else self.sampling,
                     seeds=self.seeds(prompts, salt),
                     stop_ids=self.teachers.stop_ids,
                     vocab_size=self.tr.vocab_used,
@@ -304,7 +310,7 @@ class OnPolicy:
         prompts = self.prompts.held_out(self.op.eval_prompts)
         if not prompts:
             return {}
-        r = self.generate(prompts, salt="eval/")
+        r = self.generate(prompts, salt="eval/", exact=True)
         batches = self.batches(r)
         outs = self.score_all(batches)
         names = [t.name for t in self.teachers.terms]
@@ -342,6 +348,8 @@ class RolloutSource(Source):
         self.terms = terms[:1] if op.mixture else terms  # the mixture: one term, the first's mode
         self.kd_names = ["mixture"] if op.mixture else [t.name for t in terms]
         self.kd_modes = [t.mode for t in self.terms]
+        # the ratio weights' sums over this step's microbatches (int8 sampling only)
+        self.ratio = Counter()
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -366,6 +374,9 @@ class RolloutSource(Source):
         # rank computes the same loss, and the gather's backward keeps each rank's shard of it.
         # With parallel.logits_chunk, the logits are projected block by block, never whole.
         chunk = self.op.tr.cfg.parallel.logits_chunk
+        # rollouts from another distribution are weighted through whole logits (a gradient
+        # hook per position; `importance`): short CPU rollouts, where int8 sampling applies
+        chunk = 0 if b.behaviour_BT is not None else chunk
         kw = {"input_ids": b.input_ids_BT, "attention_mask": b.attention_mask_BT}
         if chunk:
             with head_logits(model, chunk=chunk, gather_vocab=True) as head:
@@ -374,6 +385,8 @@ class RolloutSource(Source):
         else:
             with parallelize.gathered_logits(model):
                 logits_BTV = model(**kw, use_cache=False).logits
+        if b.behaviour_BT is not None:
+            self._weigh(logits_BTV, b)
         if self.op.mixture:
             raw = [t.weight for t in self.op.teachers.terms]
             mixed = mix_teacher_outputs(self.outs[i], raw)
@@ -381,6 +394,20 @@ class RolloutSource(Source):
         else:
             kd = [t.loss(logits_BTV, self.outs[i][j], preps[j]) for j, t in enumerate(self.terms)]
         yield Terms(None, kd)
+
+    def _weigh(self, logits_BTV: torch.Tensor, b) -> None:
+        """Weight each position's gradient by its state's likelihood ratio (`importance`)."""
+        op = self.op
+        target = policy_logprobs(
+            logits_BTV, b.targets_BT, config=op.sampling, vocab=op.tr.vocab_used
+        )
+        w_BT, stats = prefix_weights(target, b.behaviour_BT, b.targets_BT, clip=op.op.ratio_clip)
+        n = int((b.targets_BT >= 0).sum())
+        for k, v in stats.items():
+            self.ratio[k] += v * n
+        self.ratio["n"] += n
+        if logits_BTV.requires_grad:
+            scale_grad(logits_BTV, w_BT)
 
     def combine(self, ce: torch.Tensor | None, kd: list[torch.Tensor]) -> torch.Tensor:
         return combine_teachers(kd, self.op.kd_weights)[0]
@@ -392,6 +419,8 @@ class RolloutSource(Source):
         names = ["rollouts", "new_tokens", "stopped"]
         for t in self.op.teachers.terms:
             names += [f"dropped/{t.name}", f"chunks_boundary/{t.name}", f"chunks_invalid/{t.name}"]
+        if self.op.sampling.records_logprobs:
+            names += [*RATIO_STATS, "ratio/n"]
         return names
 
     def step_sums(self) -> dict[str, float]:
@@ -403,6 +432,8 @@ class RolloutSource(Source):
                 sum(b.chunk_drops[j]["boundary"] for b, _ in batches),
                 sum(b.chunk_drops[j]["invalid_utf8"] for b, _ in batches),
             ]
+        if self.op.sampling.records_logprobs:
+            vals += [self.ratio[k] for k in RATIO_STATS] + [self.ratio["n"]]
         return dict(zip(self._stat_names(), vals))
 
     def record(self, nums: StepNumbers, *, lr: float, step_s: float) -> dict[str, float]:
@@ -417,6 +448,9 @@ class RolloutSource(Source):
         m["rollout/len_mean"] = m.pop("new_tokens") / n
         m["rollout/stopped_frac"] = m.pop("stopped") / n
         m["rollout/count"] = m.pop("rollouts")
+        if "ratio/n" in m:  # sums over positions (and ranks) -> means
+            n = max(1.0, m.pop("ratio/n"))
+            m.update({k: m[k] / n for k in RATIO_STATS})
         tr = self.op.tr
         m.update(
             tokens=int(counts[-1]), memory_gib=peak_memory_gib(tr.device), epoch=tr.loader.epoch

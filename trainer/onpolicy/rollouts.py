@@ -45,6 +45,9 @@ class RolloutBatch:
     drops: list[Counter] = field(default_factory=list)  # per teacher: reason -> rollouts
     chunk_drops: list[Counter] = field(default_factory=list)  # per teacher: boundary, invalid
     rollouts: int = 0
+    # log-probability of each target under the distribution it was drawn from, where that is
+    # not the trained one (`trainer.onpolicy.importance`); None when the sampler used the model
+    behaviour_BT: torch.Tensor | None = None
 
     def to(self, device) -> RolloutBatch:
         def mv(a: AlignedBatch) -> AlignedBatch:
@@ -61,6 +64,7 @@ class RolloutBatch:
             self.drops,
             self.chunk_drops,
             self.rollouts,
+            None if self.behaviour_BT is None else self.behaviour_BT.to(device),
         )
 
 
@@ -114,6 +118,10 @@ def build_batch(
     for b, (s, p) in enumerate(zip(seqs, n_prompt)):
         targets[b, p - 1 : len(s) - 1] = torch.from_numpy(s[p:])
     batch = RolloutBatch(ids, mask, targets, [], [], rollouts=len(rows))
+    if rollouts.logprobs is not None:
+        batch.behaviour_BT = torch.zeros(ids.shape, dtype=torch.float32)
+        for b, (s, p, r) in enumerate(zip(seqs, n_prompt, rows)):
+            batch.behaviour_BT[b, p - 1 : len(s) - 1] = torch.from_numpy(rollouts.logprobs[r])
     topk = [rollouts.topk_ids[r] for r in rows] if rollouts.topk_ids is not None else None
     for view, cols_wanted in zip(teachers, want_cols):
         drops, chunk_drops = Counter(), Counter()

@@ -55,6 +55,9 @@ class SamplingConfig:
     max_new_tokens: int = 64
     n_samples: int = 1  # completions per prompt
     record_topk: int = 0  # K > 0: keep the policy's top-k ids at every sampled position
+    # model: decode with the model's own weights; int8: a quantized copy (`decode.make_decoder`),
+    # recording each drawn token's log-probability for the ratio-weighted loss
+    weights: str = "model"
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -63,6 +66,14 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1 or self.n_samples < 1 or self.record_topk < 0:
             raise ValueError(f"invalid sampling sizes: {self}")
+        if self.weights not in ("model", "int8"):
+            raise ValueError(f"sampler weights: expected model or int8, got {self.weights!r}")
+        if self.weights == "int8" and self.temperature == 0:
+            raise ValueError("int8 sampling weights its loss by likelihood ratios: not greedy")
+
+    @property
+    def records_logprobs(self) -> bool:
+        return self.weights != "model"
 
 
 @dataclass
@@ -74,6 +85,10 @@ class Rollouts:
     stopped: list[bool]  # per rollout: True = ended on a stop id, False = hit max_new_tokens
     prompt_index: list[int]
     topk_ids: list[np.ndarray] | None = None  # per rollout int32 [len(completion), K]
+    # per rollout float32 [len(completion)]: each token's log-probability under the distribution
+    # it was drawn from (temperature and top-p applied); only where the sampler's weights are
+    # not the model's own (`SamplingConfig.records_logprobs`)
+    logprobs: list[np.ndarray] | None = None
     seconds: float = 0.0
     meta: list[dict] = field(default_factory=list)  # per rollout, from the prompt source
 
@@ -137,6 +152,21 @@ def choose(
     return ids_B
 
 
+def drawn_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor, *, config: SamplingConfig):
+    """[B] float32: log-probability of each drawn token under the distribution `choose` drew it
+    from: the tempered softmax, restricted to the top-p nucleus and renormalised (the nucleus:
+    the most likely tokens until their mass reaches top_p, as `_in_nucleus` decides)."""
+    logp_BV = torch.log_softmax(logits_BV.float() / config.temperature, dim=-1)
+    out_B = logp_BV.gather(1, ids_B[:, None])[:, 0]
+    if config.top_p < 1:
+        p_BV = logp_BV.exp()
+        sorted_BV = p_BV.sort(-1, descending=True).values
+        ahead_BV = sorted_BV.cumsum(-1) - sorted_BV  # the mass before each token in the order
+        mass_B = torch.where(ahead_BV < config.top_p, sorted_BV, 0.0).sum(-1)
+        out_B = out_B - mass_B.log()
+    return out_B
+
+
 def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = np.zeros((len(prompts), width), np.int64)
@@ -183,6 +213,7 @@ def sample(
         max_len=ids_BP.shape[1] + config.max_new_tokens,
         lean=lean,
         tp=_tp_size(tp_group) > 1,
+        weights=config.weights,
     )
     logits_BV = dec.prefill(ids_BP, mask_BP)
     if n > 1:  # one prefill per prompt, the cache copied per sample
@@ -199,6 +230,7 @@ def sample(
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)
     tokens_RN = torch.full((rows, config.max_new_tokens), -1, dtype=torch.int64, device=device)
     topk_RNK = torch.zeros((rows, config.max_new_tokens, k), dtype=torch.int32, device=device)
+    logp_RN = torch.zeros((rows, config.max_new_tokens), dtype=torch.float32, device=device)
     stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)
     live_B = torch.arange(rows, device=device)  # the rollout each live row belongs to
     live = list(range(rows))  # the same on the host: no device sync per step to pick generators
@@ -212,6 +244,8 @@ def sample(
         tokens_RN[live_B, step] = next_B
         if k:
             topk_RNK[live_B, step] = logits_BV.topk(k, dim=-1).indices.to(torch.int32)
+        if config.records_logprobs:
+            logp_RN[live_B, step] = drawn_logprobs(logits_BV, next_B, config=config)
         ended_B = torch.isin(next_B, stop)
         stopped_R[live_B] = ended_B
         if step == config.max_new_tokens - 1:
@@ -227,6 +261,7 @@ def sample(
     tokens = tokens_RN.cpu().numpy()
     lens = (tokens >= 0).sum(1)
     topk = topk_RNK.cpu().numpy() if k else None
+    logp = logp_RN.cpu().numpy() if config.records_logprobs else None
     index = [r // n for r in range(rows)]
     return Rollouts(
         prompts=[list(map(int, prompts[i])) for i in index],
@@ -234,6 +269,7 @@ def sample(
         stopped=stopped_R.cpu().tolist(),
         prompt_index=index,
         topk_ids=None if topk is None else [topk[r, : lens[r]] for r in range(rows)],
+        logprobs=None if logp is None else [logp[r, : lens[r]] for r in range(rows)],
         seconds=time.perf_counter() - t0,
     )
 
