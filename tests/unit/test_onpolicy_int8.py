@@ -80,6 +80,33 @@ def test_drawn_logprobs_match_a_sorting_reference():
                 assert float(got[b]) == pytest.approx(want, abs=1e-4)
 
 
+def test_the_nucleus_mass_beyond_the_top_k_falls_back_to_a_sort():
+    from trainer.onpolicy.sampler import _nucleus_mass
+
+    torch.manual_seed(4)
+    peaked = torch.softmax(torch.randn(3, 500) * 4, -1)  # the top 8 hold 0.5
+    flat = torch.softmax(torch.randn(2, 500) * 0.1, -1)  # they do not: sorted
+    for p in (peaked, flat):
+        for top_p in (0.5, 0.95):
+            got = _nucleus_mass(p, top_p, k=8)
+            srt = p.sort(-1, descending=True).values
+            want = torch.where(srt.cumsum(-1) - srt < top_p, srt, 0.0).sum(-1)
+            torch.testing.assert_close(got, want)
+
+
+@torch.no_grad()
+def test_a_copy_made_once_serves_later_rollouts_alike():
+    from trainer.onpolicy.decode import int8_weights
+
+    model = tiny_llama(V, seed=6)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=5, weights="int8")
+    kw = {"config": cfg, "seeds": [1, 2, 3], "stop_ids": [], "vocab_size": V}
+    copy = int8_weights(model, vocab_size=V, threads=2)
+    a, b = sample(model, PROMPTS, **kw, int8=copy), sample(model, PROMPTS, **kw)
+    assert a.completions == b.completions
+    assert all((x == y).all() for x, y in zip(a.logprobs, b.logprobs))
+
+
 @torch.no_grad()
 def test_the_sampler_records_the_distribution_it_drew_from():
     """Replay the rollouts' tokens through a fresh int8 decoder, the same batch with the same
@@ -186,6 +213,8 @@ def test_int8_is_refused_where_it_cannot_run():
         OnPolicyConfig(sampler_weights="fp16")
     with pytest.raises(ConfigError, match="onpolicy.ratio_clip"):
         OnPolicyConfig(ratio_clip=0.5)
+    with pytest.raises(ConfigError, match="onpolicy.sampler_refresh"):
+        OnPolicyConfig(sampler_refresh=0)
 
 
 def test_the_config_refuses_int8_sampling_on_a_gpu_or_under_tp():

@@ -116,6 +116,9 @@ class OnPolicyConfig:
     # position's loss weighted by the likelihood ratio of its state (trainer/onpolicy/importance.py)
     sampler_weights: str = "model"
     ratio_clip: float = 2.0  # int8 sampling: the cap on each position's ratio weight
+    # int8 sampling: make a new copy every this many rollout phases (making one costs about
+    # 15-20 decode steps on CPU; an older copy is another q, which the ratio corrects)
+    sampler_refresh: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lmbda <= 1.0:
@@ -124,7 +127,8 @@ class OnPolicyConfig:
         check_choice("onpolicy.prompts", self.prompts, ONPOLICY_PROMPTS)
         if self.lag not in (0, 1):
             fail("onpolicy.lag", f"expected 0 (exact on-policy) or 1, got {self.lag}")
-        for name in ("prompt_tokens", "prompts_per_step", "n_samples", "max_new_tokens"):
+        for name in ("prompt_tokens", "prompts_per_step", "n_samples", "max_new_tokens",
+                     "sampler_refresh"):  # fmt: skip
             check_at_least(f"onpolicy.{name}", getattr(self, name), 1)
         for name in ("micro_batch_size", "eval_prompts"):
             check_at_least(f"onpolicy.{name}", getattr(self, name), 0)

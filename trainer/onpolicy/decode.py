@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from trainer.onpolicy.int8 import Int8Linear, int8_available
+from trainer.onpolicy.int8 import Int8Weights, int8_available
 
 # model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
 # the same decoder layer as Llama's (pre-norm RMSNorm, RoPE from the model's rotary module,
@@ -163,16 +163,42 @@ class _Dense:
         return _project(x_BK, self.weights, self.bias)
 
 
-def _projector(weights: list, bias: torch.Tensor | None, kind: str):
-    return Int8Linear(weights, bias) if kind == "int8" else _Dense(weights, bias)
+def projection_groups(
+    model: nn.Module, *, vocab_size: int
+) -> list[tuple[list, torch.Tensor | None]]:
+    """(weights, bias) of every product a decode step takes, in order: per block q/k/v, o,
+    gate/up, down, then the lm_head's tokenizer rows (a contiguous slice of a padded head)."""
+    out = []
+    for layer in model.model.layers:
+        blk = _plain(layer)
+        at, mlp = blk.self_attn, blk.mlp
+        out += [_weights(at.q_proj, at.k_proj, at.v_proj), _weights(at.o_proj),
+                _weights(mlp.gate_proj, mlp.up_proj), _weights(mlp.down_proj)]  # fmt: skip
+    head = model.get_output_embeddings()
+    bias = getattr(head, "bias", None)
+    out.append(([head.weight[:vocab_size]], None if bias is None else bias[:vocab_size]))
+    return out
+
+
+def int8_weights(model: nn.Module, *, vocab_size: int, threads: int | None = None) -> Int8Weights:
+    """An int8 copy of the model's decode products (`trainer.onpolicy.int8`), for `LlamaDecoder`."""
+    return Int8Weights(projection_groups(model, vocab_size=vocab_size), threads=threads)
 
 
 class LlamaDecoder:
     """The lean decode path for Llama-family models (see the module docstring). Build it with
-    `make_decoder`, which checks that it applies."""
+    `make_decoder`, which checks that it applies. ``weights``: "model" (its own weights, no
+    copy), "int8" (a copy made here) or an `Int8Weights` made earlier from this model."""
 
-    def __init__(self, model: nn.Module, *, vocab_size: int, max_len: int, weights: str = "model"):
-        if weights not in ("model", "int8"):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        vocab_size: int,
+        max_len: int,
+        weights: str | Int8Weights = "model",
+    ):
+        if isinstance(weights, str) and weights not in ("model", "int8"):
             raise ValueError(f"decoder weights: expected model or int8, got {weights!r}")
         cfg, inner = model.config, model.model
         self.model, self.vocab, self.max_len = model, vocab_size, max_len
@@ -181,25 +207,18 @@ class LlamaDecoder:
         self.eps = cfg.rms_norm_eps
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        # only the tokenizer's rows of a padded lm_head: a contiguous slice, no copy
-        head = model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
-        head_b = None if bias is None else bias[:vocab_size]
-        self.head = _projector([head.weight[:vocab_size]], head_b, weights)
-        self.blocks = []
-        for layer in inner.layers:
-            blk = _plain(layer)
-            at, mlp = blk.self_attn, blk.mlp
-            self.blocks.append(
-                (
-                    blk.input_layernorm.weight,
-                    _projector(*_weights(at.q_proj, at.k_proj, at.v_proj), weights),
-                    _projector(*_weights(at.o_proj), weights),
-                    blk.post_attention_layernorm.weight,
-                    _projector(*_weights(mlp.gate_proj, mlp.up_proj), weights),
-                    _projector(*_weights(mlp.down_proj), weights),
-                )
-            )
+        if weights == "model":
+            products = [_Dense(w, b) for w, b in projection_groups(model, vocab_size=vocab_size)]
+        else:
+            if weights == "int8":
+                weights = int8_weights(model, vocab_size=vocab_size)
+            products = weights.linears
+        *blocks, self.head = products
+        self.blocks = [
+            (_plain(layer).input_layernorm.weight, *blocks[4 * i : 4 * i + 2],
+             _plain(layer).post_attention_layernorm.weight, *blocks[4 * i + 2 : 4 * i + 4])
+            for i, layer in enumerate(inner.layers)
+        ]  # fmt: skip
         self.dtype, self.device = self.embed.dtype, self.embed.device
         # attention probabilities in float32 at least, as HF's attention takes them
         self.soft_dtype = torch.promote_types(self.dtype, torch.float32)
@@ -319,10 +338,12 @@ def make_decoder(
     lean: bool = True,
     tp: bool = False,
     weights: str = "model",
+    int8: Int8Weights | None = None,
 ):
     """The decoder for this model: the lean path when it applies (and ``lean``, and not under
     TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.int8`) needs the lean path
-    and fbgemm, and says why not in one line."""
+    and fbgemm, and says why not in one line; ``int8``: a copy made earlier (else one is made
+    here)."""
     lean_ok = lean and not tp and lean_applies(model, max_len=max_len)
     if weights == "int8":
         why = (
@@ -335,5 +356,6 @@ def make_decoder(
         if why:
             raise ValueError(f"onpolicy.sampler_weights=int8: {why}")
     if lean_ok:
-        return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len, weights=weights)
+        chosen = int8 if weights == "int8" and int8 is not None else weights
+        return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len, weights=chosen)
     return HFDecoder(model, vocab_size=vocab_size)

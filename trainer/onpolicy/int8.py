@@ -22,6 +22,7 @@ likelihood ratio of the completion before it (`trainer.onpolicy.importance`).
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,12 +42,15 @@ class Int8Linear:
     """``x @ cat(weights).T + bias`` through one packed int8 matrix (per-row scales)."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None):
-        w = torch.cat([x.detach().float() for x in weights])
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
+        w = weights[0].detach() if len(weights) == 1 else torch.cat([x.detach() for x in weights])
+        w = w.float()
+        scale = (w.abs().amax(1) / 127).clamp_(min=1e-12)
+        # rounded here, not by torch.quantize_per_channel (3x slower at one thread)
+        q8 = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         zero = torch.zeros(len(w), dtype=torch.long)
         with warnings.catch_warnings():  # torch marks its quantized tensors deprecated
             warnings.simplefilter("ignore", UserWarning)
-            q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+            q = torch._make_per_channel_quantized_tensor(q8, scale.double(), zero, 0)
         b = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(q, b)
         self.out_features = len(w)
@@ -54,3 +58,13 @@ class Int8Linear:
     def __call__(self, x_BK: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x_BK.float().contiguous(), self.packed, REDUCE_RANGE)
         return y.to(x_BK.dtype)
+
+
+class Int8Weights:
+    """`Int8Linear`s of a list of (weights, bias) groups (`decode.projection_groups`), made on
+    ``threads`` threads (fbgemm packs each matrix on one: ~1 s for SmolLM2-135M's on one core)."""
+
+    def __init__(self, groups: list, *, threads: int | None = None):
+        n = threads or torch.get_num_threads()
+        with torch.no_grad(), ThreadPoolExecutor(max(1, n)) as pool:
+            self.linears = list(pool.map(lambda g: Int8Linear(*g), groups))

@@ -47,6 +47,7 @@ from tokenbridge.losses.opd import mix_teacher_outputs
 from tokenbridge.teacher.outputs import TeacherOutputs
 from trainer.loss_terms import kd_weights
 from trainer.onpolicy.agreement import completion_bpb
+from trainer.onpolicy.decode import int8_weights
 from trainer.onpolicy.importance import RATIO_STATS, policy_logprobs, prefix_weights, scale_grad
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
 from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy
@@ -120,6 +121,9 @@ class OnPolicy:
         self.n_mb = per_step // self.mb
         self.choice = random.Random(f"{self.op.seed}/lmbda")  # the same draw on every rank
         self.pending: Rollouts | None = None  # lag 1: sampled and submitted, not learnt yet
+        # int8 sampling: the copy and the rollout phases it has served (not checkpointed: a
+        # resumed run makes a new one, so with sampler_refresh > 1 its rollouts may differ)
+        self.int8, self.int8_uses = None, 0
         self._pending_batches: list | None = None
         self.mixture = self.op.mix == "mixture" and len(self.teachers.terms) > 1
         # the step's KD terms: the teachers' own, or one on their mixture (weighted inside)
@@ -176,6 +180,7 @@ class OnPolicy:
                 torch_threads(threads),
                 gathered(model, reshard_after_forward=self.cfg.parallel.reshard_after_forward),
             ):
+                int8 = None if exact else self._int8_copy(model)
                 r = sample(
                     model,
                     [p.ids for p in prompts],
@@ -184,11 +189,23 @@ class OnPolicy:
                     stop_ids=self.teachers.stop_ids,
                     vocab_size=self.tr.vocab_used,
                     tp_group=self.tp_group,
+                    int8=int8,
                 )
         finally:
             model.train(was_training)
         r.meta = [{"key": prompts[i].key, "messages": prompts[i].messages} for i in r.prompt_index]
         return r
+
+    def _int8_copy(self, model):
+        """The int8 copy this rollout phase samples from (None: the model's own weights): a new
+        one every ``onpolicy.sampler_refresh`` phases, made on the threads torch has now."""
+        if self.sampling.weights != "int8":
+            return None
+        if self.int8 is None or self.int8_uses >= self.op.sampler_refresh:
+            self.int8 = int8_weights(model, vocab_size=self.tr.vocab_used)
+            self.int8_uses = 0
+        self.int8_uses += 1
+        return self.int8
 
     def batches(self, r: Rollouts) -> list[tuple[RolloutBatch, list]]:
         """The rollouts' microbatches and each term's preparation (its mask or chunk index)."""
