@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # the code a section's figures depend on, unless its module names a narrower ``MEASURES``
 # (`measured_paths`): a change there makes a kept section stale
 CODE_PATHS = ("tokenbridge", "trainer", "pipelines", "bench")
+LIBRARY_PATHS = CODE_PATHS[:-1]
 MARK = "_Measured on commit "
 
 
@@ -113,8 +114,9 @@ def section_commit(text: str) -> str | None:
 
 
 def measured_paths(module: Path) -> tuple[str, ...]:
-    """The paths a section's module says its figures depend on (a top-level ``MEASURES``
-    tuple of repo paths, read without importing the module), else `CODE_PATHS`."""
+    """The paths a section's figures depend on: its module's top-level ``MEASURES`` tuple of
+    repo paths (read without importing the module), else the library and the bench modules it
+    imports."""
     if not module.is_file():
         return CODE_PATHS
     tree = ast.parse(module.read_text())
@@ -127,7 +129,36 @@ def measured_paths(module: Path) -> tuple[str, ...]:
             if missing:  # a renamed file would silently stop marking the section stale
                 raise ValueError(f"{module.name}: MEASURES names missing paths {missing}")
             return tuple(paths)
-    return CODE_PATHS
+    # the package code, and of bench/ only the modules this section imports (transitively):
+    # a change to another section's script does not make this one stale
+    return (*LIBRARY_PATHS, *sorted(_bench_imports(module)))
+
+
+def _bench_imports(module: Path, seen: set[str] | None = None) -> set[str]:
+    """bench/*.py files `module` imports, itself included, following their own imports."""
+    seen = set() if seen is None else seen
+    rel = str(module.relative_to(REPO))
+    if rel in seen or not module.is_file():
+        return seen
+    seen.add(rel)
+    for node in ast.walk(ast.parse(module.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = (
+                [node.module] if node.module != "bench" else [f"bench.{a.name}" for a in node.names]
+            )
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.startswith("bench."):
+                _bench_imports(REPO / (name.replace(".", "/") + ".py"), seen)
+        # a script launched by its path ("bench" / "onpolicy_fsdp.py")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            script = REPO / "bench" / Path(node.value).name
+            if node.value.endswith(".py") and script.is_file():
+                _bench_imports(script, seen)
+    return seen
 
 
 def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:

@@ -44,6 +44,10 @@ def test_a_section_is_stale_only_when_the_code_it_measures_changed():
     for name in run_all.discover():  # every MEASURES names paths that exist (else it raises)
         paths = provenance.measured_paths(Path(bench.__path__[0]) / f"bench_{name}.py")
         assert paths and all(isinstance(p, str) for p in paths), name
+    # without MEASURES: the library, and of bench/ what the section imports or launches
+    onpolicy = provenance.measured_paths(Path(bench.__path__[0]) / "bench_onpolicy.py")
+    assert {"trainer", "bench/onpolicy_vs_trl.py", "bench/onpolicy_fsdp.py"} <= set(onpolicy)
+    assert "bench/bench_losses.py" not in onpolicy and "bench" not in onpolicy
     # the last commit that touched bench_losses.py: stale for the whole tree once a later
     # commit touched bench/, not for the file itself
     sha = provenance._git("log", "-1", "--format=%h", "--", "bench/bench_losses.py")
