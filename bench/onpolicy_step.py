@@ -17,9 +17,6 @@ import torch
 from tokenbridge import paths
 
 ROWS, PROMPT, NEW = 4, 16, 48
-PROJECTION = (
-    paths.REPO_ROOT / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
-)
 
 
 def _median(fn, reps: int = 2):
@@ -34,6 +31,7 @@ def _median(fn, reps: int = 2):
 
 def step_breakdown() -> dict:
     from bench.onpolicy_prompts import prompts_from_kjv
+    from bench.pair_runs import ensure_projection
     from tokenbridge import models
     from tokenbridge.losses.modes import MODES
     from tokenbridge.losses.xtoken import XTokenConfig
@@ -52,7 +50,8 @@ def step_breakdown() -> dict:
     teacher = models.freeze(models.build_model(ModelConfig(str(paths.teacher_dir()))))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
     record, opts = MODES["xtoken"], XTokenConfig(k=32)
-    tables = record.tables(load_projection(PROJECTION), teacher_vocab_size=t_tok.vocab_size,
+    # conf=demo's projection: built here on a fresh clone (`make bench` runs no `make demo`)
+    tables = record.tables(load_projection(ensure_projection()), teacher_vocab_size=t_tok.vocab_size,
                            student_vocab_size=s_tok.vocab_size)  # fmt: skip
     spec = scoring_spec(record.teacher_spec(opts, tables, teacher_vocab_size=t_tok.vocab_size))
     view = TeacherView(t_tok, 512, stop_id=t_tok.eos_id)
