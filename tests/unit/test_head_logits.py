@@ -33,12 +33,19 @@ def _leaves(shape_BS, V: int, seed: int, *, padded_from: int):
     return hidden.requires_grad_(), weight.requires_grad_()
 
 
-def _both(loss_fn, hidden, weight, *, softcap=None, chunk=3):
-    """(value, d hidden, d weight) of ``loss_fn(logits)`` for whole logits, then for a head."""
+def _both(loss_fn, hidden, weight, *, softcap=None, chunk=3, scale=None):
+    """(value, d hidden, d weight) of ``loss_fn(logits)`` for whole logits, then for a head;
+    ``scale`` (the rows' shape): each row's logits gradient scaled, by a hook on the whole
+    logits (the dense reference) and by the head's ``row_scale``."""
     results = []
     for whole in (True, False):
         h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-        logits = project(h, w, softcap=softcap) if whole else HeadLogits(h, w, softcap, chunk)
+        if whole:
+            logits = project(h, w, softcap=softcap)
+            if scale is not None:
+                logits.register_hook(lambda g: g * scale[..., None])
+        else:
+            logits = HeadLogits(h, w, softcap, chunk, scale)
         out = loss_fn(logits)
         out.backward()
         results.append((out.detach(), h.grad, w.grad))
@@ -65,9 +72,10 @@ def test_ce_equals_the_whole_logits(softcap):
     _assert_same(_both(loss, hidden, weight, softcap=softcap))
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row_scale"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("name", KD_MODES)
-def test_every_mode_equals_the_whole_logits(name, softcap):
+def test_every_mode_equals_the_whole_logits(name, softcap, scaled):
     r = MODES[name]
     pair = make_pair(11, B=3)
     if r.same_tokenizer:
@@ -82,7 +90,9 @@ def test_every_mode_equals_the_whole_logits(name, softcap):
         assert int(out.count) == r.count(prep) > 0
         return out.sum
 
-    _assert_same(_both(loss, hidden, weight, softcap=softcap))
+    g = torch.Generator().manual_seed(15)
+    scale = torch.rand(hidden.shape[:-1], generator=g, dtype=torch.float64) * 2 if scaled else None
+    _assert_same(_both(loss, hidden, weight, softcap=softcap, scale=scale))
 
 
 def test_a_head_projects_only_the_rows_a_loss_selects():

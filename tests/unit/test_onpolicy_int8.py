@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama
+from tokenbridge.losses.ops.head_logits import HeadLogits, project
 from trainer.config.checks import ConfigError
 from trainer.config.loss_sections import OnPolicyConfig
 from trainer.onpolicy.decode import LlamaDecoder, make_decoder
@@ -181,6 +182,13 @@ def test_policy_logprobs_read_the_targets_and_the_sampled_columns():
         ..., 0
     ]
     assert torch.allclose(got, torch.where(targets >= 0, want, 0.0), atol=1e-6)
+    # logits never whole: the same from the head's input and weight, in blocks of 2 rows
+    hidden, weight = torch.randn(2, 5, 8), torch.randn(V + 4, 8)
+    head = HeadLogits(hidden, weight, None, 2)
+    cfg = SamplingConfig(temperature=0.8, top_p=0.7)
+    whole = policy_logprobs(project(hidden, weight, softcap=None), targets, config=cfg, vocab=V)
+    torch.testing.assert_close(policy_logprobs(head, targets, config=cfg, vocab=V), whole)
+    assert torch.equal(scale_grad(head, torch.ones(2, 5)).row_scale, torch.ones(2, 5))
 
 
 def test_scale_grad_weights_each_positions_gradient_as_a_weighted_loss_would():
@@ -193,7 +201,7 @@ def test_scale_grad_weights_each_positions_gradient_as_a_weighted_loss_would():
     def per_position(x):  # a KD-like term per position: cross-entropy to a target
         return -(target * x.log_softmax(-1)).sum(-1)
 
-    scale_grad(logits, w)
+    assert scale_grad(logits, w) is logits
     per_position(logits).sum().backward()
     (w * per_position(ref)).sum().backward()
     torch.testing.assert_close(logits.grad, ref.grad)

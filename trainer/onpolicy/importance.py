@@ -20,16 +20,19 @@ p is read from the step's own forward (the current weights): log p(y_t) of every
 tempered and restricted to p's top-p nucleus as the sampler restricts q's (`sampler.drawn_logprobs`);
 a token outside p's nucleus has p = 0, and the positions after it weigh 0.
 
-The weights scale the gradient of each position's logits (`scale_grad`), so every loss mode is
-weighted without a change to it; the logged loss is the unweighted one.
+The weights scale the gradient of each position's logits (`scale_grad`: a hook on whole
+logits, ``HeadLogits.row_scale`` on logits never whole), so every loss mode is weighted without
+a change to it; the logged loss is the unweighted one.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
+from tokenbridge.losses.ops.head_logits import HeadLogits, project
 from trainer.onpolicy.sampler import SamplingConfig, drawn_logprobs
 
 # the step record's means over target positions (`prefix_weights`)
@@ -44,9 +47,19 @@ def policy_logprobs(
     transform of ``config``, over the first ``vocab`` columns (the ones the sampler draws)."""
     out = torch.zeros(targets_BT.shape, dtype=torch.float32, device=targets_BT.device)
     live = (targets_BT >= 0).nonzero(as_tuple=True)
-    if live[0].numel():
-        x_RV = logits_BTV.detach()[live][:, :vocab]
-        out[live] = drawn_logprobs(x_RV, targets_BT[live], config=config)
+    if not live[0].numel():
+        return out
+    ids_R = targets_BT[live]
+    if not isinstance(logits_BTV, HeadLogits):
+        out[live] = drawn_logprobs(logits_BTV.detach()[live][:, :vocab], ids_R, config=config)
+        return out
+    # logits never whole: the live rows projected a block at a time
+    h_RH, lp = logits_BTV.hidden.detach()[live], []
+    for a in range(0, len(ids_R), logits_BTV.chunk):
+        h = h_RH[a : a + logits_BTV.chunk]
+        x = project(h, logits_BTV.weight.detach(), softcap=logits_BTV.softcap)[:, :vocab]
+        lp.append(drawn_logprobs(x, ids_R[a : a + len(h)], config=config))
+    out[live] = torch.cat(lp)
     return out
 
 
@@ -72,7 +85,12 @@ def prefix_weights(
     return w_BT.float(), stats
 
 
-def scale_grad(logits_BTV: torch.Tensor, w_BT: torch.Tensor) -> None:
-    """Multiply the gradient that reaches each position's logits by its weight."""
-    w = w_BT.to(logits_BTV.dtype)[..., None]
-    logits_BTV.register_hook(lambda g: g * w)
+def scale_grad(logits_BTV, w_BT: torch.Tensor):
+    """The logits with the gradient that reaches each position's multiplied by its weight: a
+    hook on a tensor (returned as it is), ``row_scale`` on a `HeadLogits` (a copy)."""
+    if isinstance(logits_BTV, HeadLogits):
+        return replace(logits_BTV, row_scale=w_BT.to(logits_BTV.hidden.dtype))
+    if logits_BTV.requires_grad:
+        w = w_BT.to(logits_BTV.dtype)[..., None]
+        logits_BTV.register_hook(lambda g: g * w)
+    return logits_BTV

@@ -29,6 +29,7 @@ import torch
 # activations quantized to 7 bits: fbgemm's choice for x86 without VNNI, where 8-bit products
 # can saturate its 16-bit accumulations; the ratio-weighted loss corrects the difference
 REDUCE_RANGE = True
+BLOCK_ROWS = 4096  # rows quantized at a time (16 MB of float32 at SmolLM2's width)
 
 
 def int8_available() -> bool:
@@ -42,18 +43,27 @@ class Int8Linear:
     """``x @ cat(weights).T + bias`` through one packed int8 matrix (per-row scales)."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None):
-        w = weights[0].detach() if len(weights) == 1 else torch.cat([x.detach() for x in weights])
-        w = w.float()
-        scale = (w.abs().amax(1) / 127).clamp_(min=1e-12)
-        # rounded here, not by torch.quantize_per_channel (3x slower at one thread)
-        q8 = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        zero = torch.zeros(len(w), dtype=torch.long)
+        rows = [w.detach() for w in weights]
+        n, k = sum(len(w) for w in rows), rows[0].shape[1]
+        scale = torch.empty(n)
+        q8 = torch.empty((n, k), dtype=torch.int8)
+        # rounded here, not by torch.quantize_per_channel (3x slower at one thread), a block of
+        # rows at a time: no float copy of a whole matrix (the lm_head's is 113 MB)
+        at = 0
+        for w in rows:
+            for blk in w.split(BLOCK_ROWS):
+                b = blk.float()
+                s = torch.maximum(b.amax(1), -b.amin(1)).div_(127).clamp_(min=1e-12)
+                scale[at : at + len(b)] = s
+                q8[at : at + len(b)] = b.div(s[:, None]).round_().clamp_(-127, 127)
+                at += len(b)
+        zero = torch.zeros(n, dtype=torch.long)
         with warnings.catch_warnings():  # torch marks its quantized tensors deprecated
             warnings.simplefilter("ignore", UserWarning)
             q = torch._make_per_channel_quantized_tensor(q8, scale.double(), zero, 0)
         b = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(q, b)
-        self.out_features = len(w)
+        self.out_features = n
 
     def __call__(self, x_BK: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x_BK.float().contiguous(), self.packed, REDUCE_RANGE)

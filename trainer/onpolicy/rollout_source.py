@@ -391,9 +391,6 @@ class RolloutSource(Source):
         # rank computes the same loss, and the gather's backward keeps each rank's shard of it.
         # With parallel.logits_chunk, the logits are projected block by block, never whole.
         chunk = self.op.tr.cfg.parallel.logits_chunk
-        # rollouts from another distribution are weighted through whole logits (a gradient
-        # hook per position; `importance`): short CPU rollouts, where int8 sampling applies
-        chunk = 0 if b.behaviour_BT is not None else chunk
         kw = {"input_ids": b.input_ids_BT, "attention_mask": b.attention_mask_BT}
         if chunk:
             with head_logits(model, chunk=chunk, gather_vocab=True) as head:
@@ -403,7 +400,7 @@ class RolloutSource(Source):
             with parallelize.gathered_logits(model):
                 logits_BTV = model(**kw, use_cache=False).logits
         if b.behaviour_BT is not None:
-            self._weigh(logits_BTV, b)
+            logits_BTV = self._weigh(logits_BTV, b)
         if self.op.mixture:
             raw = [t.weight for t in self.op.teachers.terms]
             mixed = mix_teacher_outputs(self.outs[i], raw)
@@ -412,8 +409,9 @@ class RolloutSource(Source):
             kd = [t.loss(logits_BTV, self.outs[i][j], preps[j]) for j, t in enumerate(self.terms)]
         yield Terms(None, kd)
 
-    def _weigh(self, logits_BTV: torch.Tensor, b) -> None:
-        """Weight each position's gradient by its state's likelihood ratio (`importance`)."""
+    def _weigh(self, logits_BTV, b):
+        """The logits with each position's gradient weighted by its state's likelihood ratio
+        (`importance`)."""
         op = self.op
         target = policy_logprobs(
             logits_BTV, b.targets_BT, config=op.sampling, vocab=op.tr.vocab_used
@@ -423,8 +421,7 @@ class RolloutSource(Source):
         for k, v in stats.items():
             self.ratio[k] += v * n
         self.ratio["n"] += n
-        if logits_BTV.requires_grad:
-            scale_grad(logits_BTV, w_BT)
+        return scale_grad(logits_BTV, w_BT)
 
     def combine(self, ce: torch.Tensor | None, kd: list[torch.Tensor]) -> torch.Tensor:
         return combine_teachers(kd, self.op.kd_weights)[0]

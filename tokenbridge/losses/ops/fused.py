@@ -61,7 +61,8 @@ class _Source:
 
     def __init__(self, logits_NV, hidden_NH, weight_VH, softcap):
         self.logits, self.hidden, self.weight = logits_NV, hidden_NH, weight_VH
-        self.softcap = softcap
+        # a head with a row scale passes (softcap, scale [N]) through the softcap slot
+        self.softcap, self.scale = softcap if isinstance(softcap, tuple) else (softcap, None)
 
     @property
     def anchor(self) -> Tensor:
@@ -85,6 +86,8 @@ class _Source:
         if self.logits is not None:
             _put(grads[0], rows_r, g_rV)
             return
+        if self.scale is not None:
+            g_rV = g_rV * self.scale[rows_r].to(g_rV.dtype)[:, None]
         h = self.hidden[rows_r]
         gh, gw = project_backward(g_rV, h, self.weight, raw_rV, softcap=self.softcap)
         grads[0].index_add_(0, rows_r, gh.to(grads[0].dtype))
@@ -100,6 +103,8 @@ def _source(logits) -> tuple:
     """The Function inputs for a tensor or a `HeadLogits`: (logits, hidden, weight, softcap)."""
     if isinstance(logits, HeadLogits):
         hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
+        if logits.row_scale is not None:
+            return None, hidden, logits.weight, (logits.softcap, logits.row_scale.reshape(-1))
         return None, hidden, logits.weight, logits.softcap
     return logits, None, None, None
 

@@ -42,6 +42,10 @@ class HeadLogits:
     weight: Tensor
     softcap: float | None = None
     chunk: int = 256
+    # the leading shape of ``hidden``, or None: the gradient that reaches each row's logits is
+    # multiplied by its value (importance weights, `trainer.onpolicy.importance`); the values
+    # are unchanged
+    row_scale: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.hidden.shape[-1] != self.weight.shape[-1]:
@@ -51,6 +55,11 @@ class HeadLogits:
             )
         if self.chunk < 1:
             raise ValueError(f"HeadLogits: chunk must be >= 1, got {self.chunk}")
+        if self.row_scale is not None and self.row_scale.shape != self.hidden.shape[:-1]:
+            raise ValueError(
+                f"HeadLogits: row_scale {tuple(self.row_scale.shape)} is not the rows' shape "
+                f"{tuple(self.hidden.shape[:-1])}"
+            )
 
     # the few tensor attributes the losses read
     @property
@@ -74,15 +83,14 @@ class HeadLogits:
         shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
         if shape[-1] not in (self.weight.shape[0], -1) or len(shape) < 2:
             raise ValueError(f"HeadLogits: reshape {shape} must keep the vocabulary last")
-        return HeadLogits(
-            self.hidden.reshape(*shape[:-1], self.hidden.shape[-1]),
-            self.weight,
-            self.softcap,
-            self.chunk,
-        )
+        hidden = self.hidden.reshape(*shape[:-1], self.hidden.shape[-1])
+        scale = None if self.row_scale is None else self.row_scale.reshape(hidden.shape[:-1])
+        return HeadLogits(hidden, self.weight, self.softcap, self.chunk, scale)
 
     def detach(self) -> HeadLogits:
-        return HeadLogits(self.hidden.detach(), self.weight.detach(), self.softcap, self.chunk)
+        return HeadLogits(
+            self.hidden.detach(), self.weight.detach(), self.softcap, self.chunk, self.row_scale
+        )
 
     def zero_sum(self) -> Tensor:
         """A 0-dim zero connected to the graph (`base.zero_sum_like`)."""
@@ -107,3 +115,18 @@ def project_backward(
         grad_rV = grad_rV * (1 - (logits_rV / softcap).square())
     grad_rV = grad_rV.to(weight_VH.dtype)
     return grad_rV @ weight_VH, grad_rV.t() @ hidden_rH
+
+
+class ScaleGrad(torch.autograd.Function):
+    """``x`` unchanged forward; backward, each row's gradient times ``scale_r`` (a copy: a
+    Function may not return its input as is)."""
+
+    @staticmethod
+    def forward(ctx, x_rV: Tensor, scale_r: Tensor) -> Tensor:
+        ctx.save_for_backward(scale_r)
+        return x_rV.clone()
+
+    @staticmethod
+    def backward(ctx, g_rV: Tensor):
+        (scale_r,) = ctx.saved_tensors
+        return g_rV * scale_r.to(g_rV.dtype)[:, None], None

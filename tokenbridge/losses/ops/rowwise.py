@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from tokenbridge.losses.ops.head_logits import HeadLogits, project
+from tokenbridge.losses.ops.head_logits import HeadLogits, ScaleGrad, project
 
 DEFAULT_CHUNK = 256
 
@@ -103,9 +103,12 @@ def _map_head_rows(
     hidden_NH = head.hidden
     picked = hidden_NH[rows_G]  # [G, H]: one gather node, its gradient assembled once
     softcap = head.softcap
+    scale_G = None if head.row_scale is None else head.row_scale.reshape(-1)[rows_G]
 
-    def run(h_rH, w_VH, *sliced):
+    def run(h_rH, w_VH, s_r, *sliced):
         x = project(h_rH, w_VH, softcap=softcap)
+        if s_r is not None:  # the rows' gradient scaled (`HeadLogits.row_scale`)
+            x = ScaleGrad.apply(x, s_r)
         return fn(x, torch.arange(x.shape[0], device=x.device), *sliced)
 
     parts: list[tuple[Tensor, ...]] = []
@@ -114,9 +117,10 @@ def _map_head_rows(
         if lo == hi:
             continue
         sliced = [e[lo:hi] for e in extras]
+        s_r = None if scale_G is None else scale_G[lo:hi]
         if recompute:
-            out = checkpoint(run, picked[lo:hi], head.weight, *sliced, use_reentrant=False)
+            out = checkpoint(run, picked[lo:hi], head.weight, s_r, *sliced, use_reentrant=False)
         else:
-            out = run(picked[lo:hi], head.weight, *sliced)
+            out = run(picked[lo:hi], head.weight, s_r, *sliced)
         parts.append(out)
     return tuple(torch.cat(cols, dim=0) for cols in zip(*parts))
