@@ -87,7 +87,7 @@ def collect() -> str:
         if not path.exists():
             parts.append(f"## {name}\n\nNot run yet (`make bench BENCH={name}`).\n")
             continue
-        text = path.read_text()
+        text = provenance.reflag(path.read_text())
         paths = provenance.measured_paths(Path(bench.__path__[0]) / f"bench_{name}.py")
         note = provenance.stale_note(text, paths)
         parts.append(text if note is None else f"{text.rstrip()}\n\n{note}\n")

@@ -17,7 +17,7 @@ def test_a_section_line_names_its_commit_machine_and_load():
     assert "abc1234567" in line and "Some CPU, 2 cores" in line and "0.5" in line
     assert "under load" not in line
     assert provenance.section_commit(f"## x\n\n{line}\nbody") == "abc1234567"
-    p.load_end = 2.5
+    p.load_end = 4.5  # twice the cores at its end: more than its own processes
     assert "**Measured under load**" in p.line()
 
 
@@ -83,3 +83,16 @@ def test_a_kept_section_gains_the_provenance_line_its_module_derives(tmp_path):
     assert stored.read_text() == f"## GPU\n\n{line}\n\nfigures\n\n_(section ran in 9 s)_\n"
     run_all._add_provenance(stored, f"## GPU\n\n{provenance.MARK}0000000000, y_\n")
     assert provenance.section_commit(stored.read_text()) == "abcdef1234"  # kept as it was
+
+
+def test_the_under_load_mark_follows_the_loads_a_line_states():
+    def line(start, end):
+        p = provenance.Provenance("abc1234567", "t", "Some CPU", 2, start)
+        p.load_end = end
+        return f"## s\n\n{p.line()}\nbody\n"
+
+    assert "under load" not in line(0.0, 2.9)  # its own processes at the end
+    assert "under load" in line(2.5, 1.0) and "under load" in line(0.5, 4.5)
+    stale = line(0.0, 2.9).replace("end._", "end._ **Measured under load** (old rule).")
+    assert provenance.reflag(stale) == line(0.0, 2.9)
+    assert provenance.reflag(line(2.5, 1.0)) == line(2.5, 1.0)
