@@ -30,6 +30,17 @@ import psutil
 from bench.provenance import cpu_model
 from tokenbridge import paths
 
+# the code these figures depend on (`bench.provenance.measured_paths`): a later change
+# to any of it marks the kept section stale
+MEASURES = (
+    "pipelines/align",
+    "pipelines/plumbing",
+    "tokenbridge/alignment",
+    "tokenbridge/tokenizers",
+    "tokenbridge/formats",
+    "bench/bench_align_scale.py",
+)
+
 DATA = "kjv.jsonl"
 
 
@@ -100,17 +111,6 @@ from pipelines.align import readers
 from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
 from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.tokenizers import load_tokenizer
-
-# the code these figures depend on (`bench.provenance.measured_paths`): a later change
-# to any of it marks the kept section stale
-MEASURES = (
-    "pipelines/align",
-    "pipelines/plumbing",
-    "tokenbridge/alignment",
-    "tokenbridge/tokenizers",
-    "tokenbridge/formats",
-    "bench/bench_align_scale.py",
-)
 
 toks = [load_tokenizer({s!r}), load_tokenizer({t!r})]
 piece = PieceConfig().piece_chars
