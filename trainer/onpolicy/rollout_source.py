@@ -202,6 +202,7 @@ class OnPolicy:
         if self.sampling.weights != "int8":
             return None
         if self.int8 is None or self.int8_uses >= self.op.sampler_refresh:
+            self.int8 = None  # the old copy freed first: never two at once
             self.int8 = int8_weights(model, vocab_size=self.tr.vocab_used)
             self.int8_uses = 0
         self.int8_uses += 1
