@@ -200,5 +200,6 @@ def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:
         return f"_Commit {sha} is not in this checkout: whether the code changed is unknown._"
     if changed:
         n = len(changed.splitlines())
-        return f"_The code has changed since {sha} ({n} commits touch {', '.join(paths)})._"
+        what = "1 commit touches" if n == 1 else f"{n} commits touch"
+        return f"_The code has changed since {sha} ({what} {', '.join(paths)})._"
     return None
