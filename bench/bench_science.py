@@ -8,9 +8,12 @@ the section is computed from the run's results.json (`bench.science_table`).
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
+from pathlib import Path
 
-from bench import science
+from bench import provenance, science
 
 MODELS = (
     "The models are GGUF files from PyPI wheels, dequantized to fp32 by `make models`: "
@@ -22,6 +25,52 @@ MODELS = (
 def main() -> str:
     science.main([])
     return section(science.REPO / "runs" / "science")
+
+
+def render_only(out: Path) -> str:
+    """The section of the runs finished in `out` (``science --render-only``: nothing is run),
+    with a provenance line of its own: the oldest commit the runs were made on (what the code
+    is compared with for staleness), the CPU, and the runs' files' dates."""
+    science.main(["--render-only", "--out", str(out)])
+    payload = json.loads((out / "results.json").read_text())
+    runs = payload["runs"] + payload.get("val_runs", [])
+    machines = [r["machine"] for r in runs if r.get("machine")]
+    if not machines:
+        raise SystemExit(f"{out}: no finished run names its machine")
+    commits = sorted({m["commit"] for m in machines}, key=_commit_order)
+    stamps = sorted((out / "runs").glob("*/summary.json"), key=lambda f: f.stat().st_mtime)
+    dates = [_utc(stamps[0].stat().st_mtime), _utc(stamps[-1].stat().st_mtime)]
+    title, _, body = section(out).partition("\n")
+    line = (f"{provenance.MARK}{commits[0]}, runs finished {dates[0]} to {dates[1]}, "
+            f"{machines[0]['cpu']}, {machines[0]['cores']} cores; rendered from the finished "
+            "runs (`python -m bench.bench_science --render-only`), each run's commit and load "
+            "in the notes below._")  # fmt: skip
+    return f"{title}\n\n{line}\n{body}"
+
+
+def _utc(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _commit_order(sha: str) -> int:
+    """Older commits first: how many commits precede it (unknown ones last)."""
+    n = provenance._git("rev-list", "--count", sha.split("+")[0])
+    return int(n) if n else 10**9
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_science")
+    ap.add_argument("--render-only", action="store_true", required=True,
+                    help="render the finished runs into bench/results and BENCHMARKS.md")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=science.REPO / "runs" / "science")
+    args = ap.parse_args()
+    from bench import run_all
+
+    text = render_only(args.out)
+    tmp = run_all.RESULTS / "science.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(run_all.RESULTS / "science.md")
+    run_all.main(["--collect"])
 
 
 def section(out) -> str:
