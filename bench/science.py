@@ -201,7 +201,8 @@ def train(j: Job) -> dict:
         print(f"   done {j.run_dir.name} in {time.time() - t:.0f} s", flush=True)
         # where and how loaded: the budget column compares seconds across runs and sessions
         machine = {"cpu": provenance.cpu_model(), "cores": os.cpu_count(),
-                   "load": [load0, provenance.load()], "commit": provenance.commit()}  # fmt: skip
+                   "load": [load0, provenance.load()], "commit": provenance.commit(),
+                   "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
         (j.run_dir / "machine.json").write_text(json.dumps(machine))
     return json.loads(summary.read_text())
 
