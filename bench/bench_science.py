@@ -58,6 +58,20 @@ def _commit_order(sha: str) -> int:
     return int(n) if n else 10**9
 
 
+def section(out) -> str:
+    """The BENCHMARKS.md section of the table in `out` (results.json + science.md)."""
+    payload = json.loads((out / "results.json").read_text())
+    return (
+        "## The science table: every loss mode vs CE-only vs TRL's GOLD loss\n\n"
+        f"Student SmolLM2-135M, teacher Gemma-3-270M, the KJV New Testament letters (whole "
+        f"chapters held out for test, others for validation), {payload['steps']} steps; "
+        f"primary pair seeds {payload['primary_seeds']}, other rows seeds {payload['seeds']}; "
+        f"eval suite LIMIT {payload['limit']}, out-of-domain text `{payload['ood_text']}` "
+        f"({payload['ood_limit']} chunks). {MODELS} docs/science.md explains the table.\n\n"
+        + (out / "science.md").read_text()
+    )
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m bench.bench_science")
     ap.add_argument("--render-only", action="store_true", required=True,
@@ -71,17 +85,3 @@ if __name__ == "__main__":
     tmp.write_text(text)
     tmp.replace(run_all.RESULTS / "science.md")
     run_all.main(["--collect"])
-
-
-def section(out) -> str:
-    """The BENCHMARKS.md section of the table in `out` (results.json + science.md)."""
-    payload = json.loads((out / "results.json").read_text())
-    return (
-        "## The science table: every loss mode vs CE-only vs TRL's GOLD loss\n\n"
-        f"Student SmolLM2-135M, teacher Gemma-3-270M, the KJV New Testament letters (whole "
-        f"chapters held out for test, others for validation), {payload['steps']} steps; "
-        f"primary pair seeds {payload['primary_seeds']}, other rows seeds {payload['seeds']}; "
-        f"eval suite LIMIT {payload['limit']}, out-of-domain text `{payload['ood_text']}` "
-        f"({payload['ood_limit']} chunks). {MODELS} docs/science.md explains the table.\n\n"
-        + (out / "science.md").read_text()
-    )
