@@ -27,6 +27,7 @@ from trainer.config.schema import LossConfig, OptimConfig
 from trainer.loop import Trainer
 from trainer.loss_terms import kd_weights
 from trainer.onpolicy.rollout_source import RolloutSource
+from trainer.onpolicy.sampler import SamplingConfig
 from trainer.parallel.mesh import SINGLE
 from trainer.shard_source import ShardSource
 from trainer.step import TrainStep, count_mismatch
@@ -156,7 +157,7 @@ def rollout_source(step: TrainStep, terms: list[FakeTerm]):
     batches = []
     for i, b in enumerate(SIZES):
         rb = SimpleNamespace(input_ids_BT=_ids(b, 40 + i), attention_mask_BT=torch.ones(b, T),
-                             drops=[Counter() for _ in terms],
+                             drops=[Counter() for _ in terms], behaviour_BT=None,
                              chunk_drops=[Counter(boundary=0, invalid_utf8=i) for _ in terms])  # fmt: skip
         batches.append((rb, [_mask(b, 50 + i + 7 * j) for j in range(len(terms))]))
     n = sum(SIZES)
@@ -165,7 +166,7 @@ def rollout_source(step: TrainStep, terms: list[FakeTerm]):
     )
     teachers = SimpleNamespace(terms=terms)
     op = SimpleNamespace(tr=_trainer(step, []), teachers=teachers, mixture=False,
-                         kd_weights=kd_weights(terms))  # fmt: skip
+                         kd_weights=kd_weights(terms), sampling=SamplingConfig())  # fmt: skip
     return RolloutSource(op, r, batches, [[{}, {}] for _ in batches]), batches
 
 
