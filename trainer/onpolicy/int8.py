@@ -13,8 +13,9 @@ The activations are quantized per call, over the live rows together, so a row's 
 on the rows beside it (still seeded and reproducible for the same batch). torch marks these
 quantized ops deprecated (for torchao); `int8_available` checks that the build has them.
 
-The copy is made from the current weights each time the sampler starts (`LlamaDecoder`), so it
-is never stale; its distribution is not the trained model's, so the sampler records the
+The copy is made from the current weights every ``onpolicy.sampler_refresh`` rollout phases
+(`trainer.onpolicy.rollout_source`; a `LlamaDecoder` given no copy makes its own); its
+distribution is not the trained model's, so the sampler records the
 log-probability of every token it drew and the step weights each position's loss by the
 likelihood ratio of the completion before it (`trainer.onpolicy.importance`).
 """
@@ -63,7 +64,6 @@ class Int8Linear:
             q = torch._make_per_channel_quantized_tensor(q8, scale.double(), zero, 0)
         b = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(q, b)
-        self.out_features = n
 
     def __call__(self, x_BK: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x_BK.float().contiguous(), self.packed, REDUCE_RANGE)
