@@ -179,8 +179,34 @@ def part_trl() -> dict:
     return measure([64, 128], steps=4)
 
 
+PARTS = {"sampler": part_sampler, "fsdp": part_fsdp, "step": part_step, "trl": part_trl}
+PARTS_DIR = paths.REPO_ROOT / "outputs" / "bench" / "onpolicy_parts"
+
+
+def run_part(name: str, *, resume: bool) -> dict:
+    """One part, its result stored the moment it ends (a later part that fails loses nothing).
+    ``resume`` (``ONPOLICY_RESUME=1``): a part already stored from this same clean commit is
+    read back, said so, instead of measured again."""
+    from bench import provenance
+
+    path, commit = PARTS_DIR / f"{name}.json", provenance.commit()
+    if resume and path.is_file() and "dirty" not in commit:
+        saved = json.loads(path.read_text())
+        if saved["commit"] == commit:
+            print(f"onpolicy part {name}: reusing its result from {saved['at']} (commit {commit})")
+            return saved["result"]
+    result = PARTS[name]()
+    PARTS_DIR.mkdir(parents=True, exist_ok=True)
+    at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"commit": commit, "at": at, "result": result}, indent=2))
+    os.replace(tmp, path)
+    return result
+
+
 def main() -> str:
-    res = {"sampler": part_sampler(), "fsdp": part_fsdp(), "step": part_step(), "trl": part_trl()}
+    resume = os.environ.get("ONPOLICY_RESUME") == "1"
+    res = {name: run_part(name, resume=resume) for name in PARTS}
     raw = paths.REPO_ROOT / "outputs" / "bench" / "onpolicy.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(res, indent=2))

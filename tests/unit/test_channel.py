@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.tiny import save_tiny_llama
-from tokenbridge.teacher.outputs import TeacherOutputSpec
+from tokenbridge.teacher.outputs import TeacherOutputSpec, Workspace
 from trainer.config.schema import TeacherConfig
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
 from trainer.teacher.model_program import TeacherModelProgram, teacher_forward
@@ -172,13 +172,24 @@ def test_teacher_forward_targets_and_columns_match_dense_log_softmax():
         for t in range(int(mask[b].sum()) - 1):  # a next token exists inside the row
             want[b, t] = logp[b, t, ids[b, t + 1]]
     top = torch.topk(logp, 4, dim=-1)
-    for model in (chunked, whole):
-        with torch.no_grad():
-            out = teacher_forward(model, ids, mask, spec=spec, columns=cols, chunk=3).tensors()
+    work = Workspace()  # reused across calls and shapes, as a worker keeps it
+    runs = [(chunked, None, 3), (whole, None, 3), (chunked, work, 3), (chunked, work, 2)]
+    for model, ws, chunk in runs:
+        # grad mode on, a weight that wants grad: the teacher forward never builds a graph
+        out = teacher_forward(
+            model, ids, mask, spec=spec, columns=cols, chunk=chunk, workspace=ws
+        ).tensors()
         assert check_shapes(program.output_spec(), out, where="t")
         torch.testing.assert_close(out["target_logprob"].double(), want, rtol=0, atol=1e-5)
         torch.testing.assert_close(out["col_logprobs"].double(), logp[..., cols], rtol=0, atol=1e-5)
         torch.testing.assert_close(out["topk_logprobs"].double(), top.values, rtol=0, atol=1e-5)
+    # Gemma's cap, applied in place on the reused product: the capped dense reference
+    capped = SimpleNamespace(
+        **{**vars(chunked), "config": SimpleNamespace(final_logit_softcapping=2.0)}
+    )
+    out = teacher_forward(capped, ids, mask, spec=spec, columns=cols, chunk=3, workspace=work)
+    cap_logp = torch.log_softmax((torch.tanh(logits / 2.0) * 2.0).double(), dim=-1)
+    torch.testing.assert_close(out.col_logprobs.double(), cap_logp[..., cols], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="give that many ids"):
         TeacherModelProgram(
             TeacherConfig(path="unused"), spec, columns=cols[:2], max_batch=B, max_len=T

@@ -24,6 +24,7 @@ from tokenbridge.losses.ops.segments import shift_targets
 from tokenbridge.teacher.outputs import (
     TeacherOutputs,
     TeacherOutputSpec,
+    Workspace,
     allocate_teacher_outputs,
     teacher_outputs_from_logits,
 )
@@ -37,6 +38,7 @@ def _whole_vocab(tp_group) -> None:
         )
 
 
+@torch.no_grad()  # a teacher's outputs are targets: no graph, and the products write `out=`
 def teacher_forward(
     model,
     ids_BU: torch.Tensor,
@@ -47,6 +49,7 @@ def teacher_forward(
     chunk: int,
     used_BU: torch.Tensor | None = None,
     on_logits=None,
+    workspace: Workspace | None = None,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
     a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
@@ -59,6 +62,8 @@ def teacher_forward(
     ``on_logits``: called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits
     [B, n, V] (the teacher cache samples ids from them; whole vocabulary: refused under TP);
     not with ``used_BU``.
+    ``workspace``: buffers kept by the caller between calls for the [rows, V] products and
+    passes (`Workspace`); a fresh one per call when None.
     """
     if on_logits is not None and used_BU is not None:
         raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")
@@ -78,15 +83,41 @@ def teacher_forward(
     hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    workspace = workspace or Workspace()
+    # a plain lm_head writes its product into a reused buffer, capped in place (same values)
+    plain = (
+        type(head) is torch.nn.Linear
+        and head.bias is None
+        and type(head.weight)
+        in (
+            torch.Tensor,
+            torch.nn.Parameter,
+        )
+    )
 
-    def logits_of(h):
-        """(logits, tp group): this rank's vocabulary shard under TP, softcapped."""
-        logits, group = unwrap_vocab_sharded(head(h))
+    def logits_of(h_BnH):
+        """(logits [B, n, V], tp group): this rank's vocabulary shard under TP, softcapped."""
+        if plain:
+            B, n, H = h_BnH.shape
+            buf = workspace.get("logits", B * n, head.weight.shape[0], h_BnH.device)
+            # one [B*n, H] product (the span is contiguous), written into the buffer
+            torch.mm(h_BnH.reshape(B * n, H), head.weight.t(), out=buf)
+            if softcap:
+                buf.div_(softcap).tanh_().mul_(softcap)
+            return buf.view(B, n, -1), None
+        logits, group = unwrap_vocab_sharded(head(h_BnH))
         return (torch.tanh(logits / softcap) * softcap if softcap else logits), group
 
     if used_BU is not None and not bool(used_BU.all()):
         return _used_rows_only(
-            hidden_BUH, tgt_BU, used_BU, logits_of, spec=spec, columns=columns, chunk=chunk
+            hidden_BUH,
+            tgt_BU,
+            used_BU,
+            logits_of,
+            spec=spec,
+            columns=columns,
+            chunk=chunk,
+            workspace=workspace,
         )
     out = allocate_teacher_outputs(spec, *ids_BU.shape, device=ids_BU.device)
     _fill_by_spans(
@@ -98,11 +129,14 @@ def teacher_forward(
         spec=spec,
         step=chunk,
         on_logits=on_logits,
+        workspace=workspace,
     )
     return out
 
 
-def _fill_by_spans(out, hidden_BUH, logits_of, *, tgt_BU, columns, spec, step, on_logits=None):
+def _fill_by_spans(
+    out, hidden_BUH, logits_of, *, tgt_BU, columns, spec, step, on_logits=None, workspace=None
+):
     """Fill ``out`` [B, U] ``step`` positions at a time: the lm_head on that span of the hidden
     states, then its teacher outputs written in place. ``columns`` [B, U, N] (per position)
     are sliced with the span; any other ``columns`` is passed whole."""
@@ -110,7 +144,10 @@ def _fill_by_spans(out, hidden_BUH, logits_of, *, tgt_BU, columns, spec, step, o
     per_position = columns is not None and columns.dim() == 3
     for t0 in range(0, U, step):
         n = min(step, U - t0)
-        logits, tp_group = logits_of(hidden_BUH[:, t0 : t0 + n])
+        # contiguous: a frozen lm_head (no grad) applied to a strided [B, n, H] slice is not
+        # folded into one [B*n, H] product by torch.matmul but run as a bmm of B products,
+        # each reading the whole 262k x H weight: 2x the build's time at B = 14 (measured)
+        logits, tp_group = logits_of(hidden_BUH[:, t0 : t0 + n].contiguous())
         if on_logits is not None:
             _whole_vocab(tp_group)
             on_logits(t0, logits)
@@ -121,10 +158,11 @@ def _fill_by_spans(out, hidden_BUH, logits_of, *, tgt_BU, columns, spec, step, o
             columns=columns[:, t0 : t0 + n] if per_position else columns,
             out=out.narrow_t(t0, n),
             tp_group=tp_group,
+            workspace=workspace,
         )
 
 
-def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk):
+def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk, workspace):
     """Outputs at the used positions: their hidden states gathered into one row [1, N], the
     lm_head applied `chunk` * B rows at a time, then scattered into the [B, U] outputs."""
     B, U, H = hidden_BUH.shape
@@ -135,7 +173,9 @@ def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, ch
     per_position = columns is not None and columns.dim() == 3  # [B, U, N] -> [1, N_used, N]
     c_N = columns.reshape(B * U, -1)[rows][None] if per_position else columns
     step = max(1, chunk * B)
-    _fill_by_spans(flat, h_N, logits_of, tgt_BU=t_N, columns=c_N, spec=spec, step=step)
+    _fill_by_spans(
+        flat, h_N, logits_of, tgt_BU=t_N, columns=c_N, spec=spec, step=step, workspace=workspace
+    )
     out = allocate_teacher_outputs(spec, B, U, device=hidden_BUH.device)
     for name, dst in out.tensors().items():
         dst.fill_(float("nan") if dst.is_floating_point() else -1)

@@ -155,6 +155,28 @@ class TeacherOutputs:
             )
 
 
+class Workspace:
+    """Buffers of the teacher's [rows, V] fp32 passes (the lm_head's product, the exp of the
+    reductions), kept by a caller between calls (a teacher program, the cache job's handler)
+    and reused. On CPU every [256, 262144] fp32 tensor (268 MB) is mapped anew by the allocator
+    and paid again in page faults, ~70 ms each on a 2-core EPYC against 13 ms for the pass
+    itself; a cache build's batch makes two per span of positions. On a GPU the caching
+    allocator already reuses memory: no buffer is kept there."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Tensor] = {}
+
+    def get(self, name: str, rows: int, width: int, device) -> Tensor:
+        """An uninitialised fp32 [rows, width] view of buffer ``name``, grown when too small."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            return torch.empty(rows, width, device=device)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < rows * width:
+            buf = self._bufs[name] = torch.empty(rows * width)
+        return buf[: rows * width].view(rows, width)
+
+
 def allocate_teacher_outputs(
     spec: TeacherOutputSpec, batch: int, seq: int, *, device=None, share_memory: bool = False
 ) -> TeacherOutputs:
@@ -236,14 +258,15 @@ def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
 
 
 @torch.no_grad()
-def _rows_local(x_RV, spec, tgt_R, cols) -> dict[str, Tensor]:
-    """Same fields on one device, sharing one exp(x - max) buffer: every mass outside a set is a
-    sum over that buffer with the set zeroed (exact), not 1 - sum and not a masked copy."""
+def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
+    """Same fields on one device, sharing one exp(x - max) buffer (``work_RV`` when given):
+    every mass outside a set is a sum over that buffer with the set zeroed (exact), not 1 - sum
+    and not a masked copy."""
     x1 = vo.mask_padded(x_RV.float(), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     m = xs.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
-    e = (xs - m).exp_()
+    e = (xs - m if work_RV is None else torch.sub(xs, m, out=work_RV)).exp_()
     s_all = e.sum(-1)
     logz = m[:, 0] + s_all.log()
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
@@ -288,6 +311,7 @@ def teacher_outputs_from_logits(
     columns: Tensor | None = None,
     out: TeacherOutputs | None = None,
     tp_group=None,
+    workspace: Workspace | None = None,
 ) -> TeacherOutputs:
     """Compute the spec's fields from teacher logits, ``spec.chunk_size`` rows at a time.
 
@@ -295,6 +319,7 @@ def teacher_outputs_from_logits(
     ``columns``: global column ids [N], or per-position ids [B, T, N] (-1 = empty slot).
     ``out``: preallocated outputs to fill in place (e.g. a shared-memory slot, or `narrow_t`
     views when the logits arrive in pieces along T); allocated when None.
+    ``workspace``: reused buffers for the [rows, V] passes (`Workspace`).
     """
     _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group)
     b, t, width = logits_BTV.shape
@@ -313,8 +338,9 @@ def teacher_outputs_from_logits(
         c = cols
         if cols is not None and spec.per_position_columns:
             c = cols[:, t0:t1].reshape(-1, spec.columns)
+        work = None if workspace is None else workspace.get("exp", *rows.shape, rows.device)
         vals = (
-            _rows_local(rows, spec, tgt, c)
+            _rows_local(rows, spec, tgt, c, work)
             if tp_group is None
             else _rows(rows, spec, tgt, c, tp_group)
         )
