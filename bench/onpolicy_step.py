@@ -37,10 +37,12 @@ def step_breakdown() -> dict:
     from tokenbridge.losses.xtoken import XTokenConfig
     from tokenbridge.projection import load_projection
     from tokenbridge.teacher.forward import teacher_forward
+    from tokenbridge.teacher.outputs import Workspace
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig
     from trainer.onpolicy.realign import TeacherView
     from trainer.onpolicy.rollout_scoring import scoring_spec
+    from trainer.onpolicy.rollout_source import used_inputs
     from trainer.onpolicy.rollouts import build_batch
     from trainer.onpolicy.sampler import SamplingConfig, sample
 
@@ -69,15 +71,17 @@ def step_breakdown() -> dict:
     gen_s, r = _median(generate)
     align_s, b = _median(lambda: build_batch(r, list(range(ROWS)), student=s_tok,
                                              teachers=[view], want_cols=[False], pad_id=0))  # fmt: skip
-    inp = b.teacher_inputs[0]
+    prep = record.prepare(b.aligned[0], b.targets_BT)
+    # as the trainer's worker: the positions the loss and the eval read, one reused workspace
+    inp, work = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0]), Workspace()
 
     def score():
         with torch.no_grad():
             return teacher_forward(teacher, inp["input_ids"], inp["attention_mask"], spec=spec,
-                                 columns=None, chunk=128)  # fmt: skip
+                                   columns=None, chunk=128, used_BU=inp["used_mask"],
+                                   workspace=work)  # fmt: skip
 
     score_s, outs = _median(score)
-    prep = record.prepare(b.aligned[0], b.targets_BT)
 
     def learn():
         logits = student(input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT).logits
@@ -92,6 +96,7 @@ def step_breakdown() -> dict:
     return {
         "rows": ROWS, "prompt": PROMPT, "new": NEW, "student_tokens": int(b.attention_mask_BT.sum()),
         "teacher_tokens": int(inp["attention_mask"].sum()), "chunks": terms,
+        "teacher_scored": int(inp["used_mask"].sum()),
         "generate_s": gen_s, "align_s": align_s, "score_s": score_s, "learn_s": learn_s,
         "dropped": sum(b.drops[0].values()),
     }  # fmt: skip
@@ -109,7 +114,8 @@ def render_step(s: dict) -> list[str]:
     lines = [
         f"**The on-policy step, demo models**: SmolLM2-135M samples {s['rows']} x {s['new']} "
         f"tokens after {s['prompt']}-token KJV prompts ({s['student_tokens']} student / "
-        f"{s['teacher_tokens']} teacher tokens, {s['chunks']} completion chunks, "
+        f"{s['teacher_tokens']} teacher tokens, {s['teacher_scored']} of them scored "
+        f"(the positions the loss reads), {s['chunks']} completion chunks, "
         f"{s['dropped']} rollouts dropped); Gemma-3-270M scores through on-the-fly alignment. "
         "Each phase alone, one thread, median of 2.",
         "",

@@ -7,6 +7,8 @@ SmolLM2-vocab teachers mixed in probability space (`onpolicy.mix: mixture`)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -18,8 +20,10 @@ from tokenbridge.losses.ops.cp_chunks import complete_chunks
 from tokenbridge.teacher.forward import teacher_forward
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.schema import ModelConfig
+from trainer.onpolicy.agreement import completion_nats_bytes
 from trainer.onpolicy.realign import TeacherView
 from trainer.onpolicy.rollout_scoring import scoring_spec
+from trainer.onpolicy.rollout_source import used_inputs
 from trainer.onpolicy.rollouts import build_batch
 from trainer.onpolicy.sampler import SamplingConfig, sample
 
@@ -54,15 +58,17 @@ def setup(student_dir, teacher_dir):
 
 
 def _outputs(model, inputs, spec):
-    with torch.no_grad():
-        return teacher_forward(
-            model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            spec=spec,
-            columns=inputs.get("col_ids"),
-            chunk=7,  # several lm_head pieces
-        )
+    """The teacher's outputs as a run's worker computes them: at the ``used_mask`` positions
+    only (`used_inputs`; NaN elsewhere, so a loss reading any other position fails here)."""
+    return teacher_forward(
+        model,
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        spec=spec,
+        columns=inputs.get("col_ids"),
+        chunk=7,  # several lm_head pieces
+        used_BU=inputs["used_mask"],
+    )
 
 
 def _run(setup, mode, options, j, teacher, *, scale: float = 1.0):
@@ -73,11 +79,20 @@ def _run(setup, mode, options, j, teacher, *, scale: float = 1.0):
     record = MODES[mode]
     t_vocab = teacher.config.vocab_size
     spec = scoring_spec(record.teacher_spec(options, None, teacher_vocab_size=t_vocab))
-    outs = _outputs(teacher, b.teacher_inputs[j], spec)
+    prep = record.prepare(b.aligned[j], b.targets_BT)
+    inputs = used_inputs(record, prep, b.aligned[j], b.teacher_inputs[j])
+    used, real = inputs["used_mask"], inputs["attention_mask"] > 0
+    assert bool((used <= real).all()) and int(used.sum()) < int(real.sum())  # the prompt skipped
+    outs = _outputs(teacher, inputs, spec)
+    # the agreement eval reads the same outputs: equal to its value from every position's
+    n, nbytes = completion_nats_bytes(b.aligned[j], outs, student_lengths=s_tok.token_lengths)
+    full = teacher_forward(teacher, inputs["input_ids"], inputs["attention_mask"], spec=spec,
+                           columns=inputs.get("col_ids"), chunk=7)  # fmt: skip
+    want = completion_nats_bytes(b.aligned[j], full, student_lengths=s_tok.token_lengths)
+    assert nbytes == want[1] > 0 and math.isclose(n, want[0], rel_tol=1e-6)
     with torch.no_grad():
         logits = setup["student"](input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT)
     x = (logits.logits.double() * scale).requires_grad_(True)
-    prep = record.prepare(b.aligned[j], b.targets_BT)
     out = record.loss(x, outs, prep, tables=None, vocab_size=s_tok.vocab_size, config=options)
     out.sum.backward()
     # chunk modes prepare a ChunkSplit: its text view holds the trained (completion) chunks
@@ -165,13 +180,13 @@ def test_mixture_of_two_teachers_equals_dense(setup):
     b, s_tok = setup["batch"], setup["s_tok"]
     record, opts, w = MODES["opd_topk"], OPDTopKConfig(k=K), [0.25, 0.75]
     spec = scoring_spec(record.teacher_spec(opts, None, teacher_vocab_size=s_tok.vocab_size))
-    inputs = b.teacher_inputs[0]
+    prep = record.prepare(b.aligned[0], b.targets_BT)
+    inputs = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0])
     mixed = mix_teacher_outputs([_outputs(setup[n], inputs, spec) for n in ("same", "same2")], w)
     with torch.no_grad():
         z = setup["student"](input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT).logits
     logits = z.double() * 40.0
     x = logits.clone().requires_grad_(True)
-    prep = record.prepare(b.aligned[0], b.targets_BT)
     out = record.loss(x, mixed, prep, tables=None, vocab_size=s_tok.vocab_size, config=opts)
     out.sum.backward()
     y = logits.clone().requires_grad_(True)

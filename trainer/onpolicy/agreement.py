@@ -38,7 +38,8 @@ def completion_nats_bytes(
     nxt_BU = torch.cat([t_chunk_BU[:, 1:], t_chunk_BU.new_full((t_chunk_BU.shape[0], 1), -1)], 1)
     scored_BU = (nxt_BU >= 0) & (pos_U[None, :] + 1 < aligned.teacher_len[:, None])
     lp_BU = outs.target_logprob[:, :u].to(torch.float64)
-    nats = float(-(lp_BU * scored_BU).sum())
+    # where, not a product: the teacher leaves NaN at the positions nobody reads (used_mask)
+    nats = float(-torch.where(scored_BU, lp_BU, 0.0).sum())
     s_ids = aligned.student_ids[aligned.student_chunk >= 0].cpu().numpy()
     nbytes = int(np.maximum(student_lengths[s_ids], 0).sum())
     return nats, nbytes

@@ -6,7 +6,8 @@ spec may ask for the teacher's log-probs at the student's own top-k ids, which t
 slot with the rows (``col_ids`` [B, U, K], -1 = none). Every on-policy spec also carries the
 teacher's log-prob of each realised token (``target_logprob``, `scoring_spec`): sampled-token
 reverse KL and the chain losses read it, and the held-out eval turns it into the teacher's bits
-per byte of the student's own text.
+per byte of the student's own text. Only the positions those read are scored (``used_mask``,
+`rollout_source.used_inputs`): the prompt is the teacher's context, not its output.
 
 `open_scorers` starts one channel per on-policy teacher on this rank (worker process, or
 in-process for debugging), with as many slots as a step has microbatches: outputs are copied out
@@ -49,7 +50,7 @@ def open_scorers(
     with starting_together(channels):
         for t_cfg, spec, length, dtype in zip(teachers, specs, max_len, dtypes):
             program = TeacherModelProgram(
-                t_cfg, spec, max_batch=max_batch, max_len=length, dtype=dtype
+                t_cfg, spec, max_batch=max_batch, max_len=length, dtype=dtype, used_mask=True
             )
             cfg = ChannelConfig(
                 mode="inprocess" if inprocess else "process",

@@ -51,7 +51,7 @@ from trainer.onpolicy.decode import int8_weights
 from trainer.onpolicy.importance import RATIO_STATS, policy_logprobs, prefix_weights, scale_grad
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
 from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy
-from trainer.onpolicy.rollouts import RolloutBatch, build_batch
+from trainer.onpolicy.rollouts import RolloutBatch, build_batch, completion_rows
 from trainer.onpolicy.sampler import Rollouts, SamplingConfig, gathered, sample
 from trainer.onpolicy.teachers import build_teachers, teacher_max_len
 from trainer.parallel import parallelize
@@ -59,6 +59,19 @@ from trainer.parallel.cpus import torch_threads
 from trainer.parallel.head import head_logits
 from trainer.run_log import StepNumbers, peak_memory_gib
 from trainer.step import Source, Terms
+
+
+def used_inputs(record, prep, aligned, inputs: dict) -> dict:
+    """A teacher's inputs with ``used_mask`` [B, U]: the positions that predict a completion
+    token (every on-policy loss and the agreement eval read those only: the prompt is never a
+    target and carries no chunk), with the rows the mode itself names where it names them.
+    The teacher's lm_head (262k columns for Gemma) and its reductions skip the prompt
+    (`teacher_forward`)."""
+    width = inputs["input_ids"].shape[1]
+    used = completion_rows(aligned, width)
+    if record.teacher_rows is not None:
+        used |= record.teacher_rows(prep, width).bool()
+    return {**inputs, "used_mask": used & (inputs["attention_mask"] > 0)}
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -226,6 +239,9 @@ class OnPolicy:
                 t.record.prepare(b.aligned[j], b.targets_BT)
                 for j, t in enumerate(self.teachers.terms)
             ]
+            for j, t in enumerate(self.teachers.terms):
+                inputs = b.teacher_inputs[j]
+                b.teacher_inputs[j] = used_inputs(t.record, preps[j], b.aligned[j], inputs)
             out.append((b, preps))
         return out
 

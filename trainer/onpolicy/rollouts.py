@@ -68,6 +68,16 @@ class RolloutBatch:
         )
 
 
+def completion_rows(aligned: AlignedBatch, width: int) -> torch.Tensor:
+    """bool [B, width]: the teacher positions that predict a completion token (the next
+    position carries a chunk id), a superset of what the agreement eval scores."""
+    chunk_BU = aligned.teacher_chunk
+    rows = torch.zeros(chunk_BU.shape[0], width, dtype=torch.bool, device=chunk_BU.device)
+    n = min(width, chunk_BU.shape[1])
+    rows[:, : n - 1] = chunk_BU[:, 1:n] >= 0
+    return rows
+
+
 def _pad(rows: list[np.ndarray], width: int, fill: int) -> torch.Tensor:
     out = np.full((len(rows), width), fill, np.int64)
     for i, r in enumerate(rows):
