@@ -338,12 +338,11 @@ def teacher_outputs_from_logits(
         c = cols
         if cols is not None and spec.per_position_columns:
             c = cols[:, t0:t1].reshape(-1, spec.columns)
-        work = None if workspace is None else workspace.get("exp", *rows.shape, rows.device)
-        vals = (
-            _rows_local(rows, spec, tgt, c, work)
-            if tp_group is None
-            else _rows(rows, spec, tgt, c, tp_group)
-        )
+        if tp_group is None:
+            work = None if workspace is None else workspace.get("exp", *rows.shape, rows.device)
+            vals = _rows_local(rows, spec, tgt, c, work)
+        else:
+            vals = _rows(rows, spec, tgt, c, tp_group)
         for name, val in vals.items():
             view = dst[name][:, t0:t1]
             view.copy_(val.reshape(view.shape))
