@@ -117,6 +117,9 @@ def base_overrides(args, *, seed: int, lr: float, steps: int, run_dir: Path) -> 
         f"seed={seed}", f"data.seed={seed}", f"optim.lr={lr}", f"data.shards={SHARDS}", *SPLIT,
         "checkpoint.save_at_end=false", "logging.progress=false", "logging.tensorboard=false",
         "eval.teacher=false", "parallel.threads=1",
+        # the table's runs began with torch's foreach AdamW, the CPU default until fused became
+        # it: every row keeps it, so the rows differ by their loss only
+        "optim.fused=false",
     ]  # fmt: skip
 
 

@@ -129,7 +129,7 @@ def test_full_run_learns_and_reuses_channel_memory(full_run):
     assert summary["precision"] == {
         "device": "cpu", "param_dtype": "float32", "reduce_dtype": "float32",
         "master_dtype": "float32", "teacher_dtypes": {"gemma3-tiny": "float32"},
-        "fused_optimizer": False}  # fmt: skip
+        "fused_optimizer": True}  # fmt: skip
     assert summary["throughput"]["peak_tflops"] == PEAK_TFLOPS
     assert summary["throughput"]["mfu"] == pytest.approx(
         statistics.median(r["mfu"] for r in train), rel=1e-9)  # fmt: skip

