@@ -176,7 +176,7 @@ def part_step() -> dict:
 def part_trl() -> dict:
     from bench.onpolicy_vs_trl import measure
 
-    return measure([64, 128], steps=4)
+    return measure([64, 128], steps=5)
 
 
 PARTS = {"sampler": part_sampler, "fsdp": part_fsdp, "step": part_step, "trl": part_trl}

@@ -16,11 +16,12 @@ other in this run, each in its own process tree:
   TRL's layout), and lag 0 and 1 sampling from the int8 copy (``onpolicy.sampler_weights=int8``,
   ratio-weighted).
 
-Figures: the median step after the first (TRL: its callback's step time; ours: the run's
-``step_s``), and the peak memory of the whole process tree (ours: trainer + teacher worker),
+Figures: the median of the steps between the first and the last (`steady`: the first warms up,
+and with lag 1 samples two rollouts; after the last, lag 1 samples none) (TRL: its callback's
+step time; ours: the run's ``step_s``), and the peak memory of the whole process tree (ours: trainer + teacher worker),
 as PSS and as a sum of RSS (`bench.child.run_measured`).
 
-    python -m bench.onpolicy_vs_trl [--new 64,128] [--steps 4]     # prints JSON
+    python -m bench.onpolicy_vs_trl [--new 64,128] [--steps 5]     # prints JSON
 """
 
 from __future__ import annotations
@@ -129,8 +130,15 @@ def ours(
     _, wall, peak = run_measured(args, peaks=peaks)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     step_s = [r["step_s"] for r in rows if r["kind"] == "train"]
-    return {"steps": step_s, "median_s": statistics.median(step_s[1:]), "peak_gib": peak,
+    return {"steps": step_s, "median_s": steady(step_s), "peak_gib": peak,
             "pss_gib": peaks["pss_gib"], "wall_s": wall}  # fmt: skip
+
+
+def steady(step_s: list[float]) -> float:
+    """The median step between the first and the last (module docstring)."""
+    if len(step_s) < 3:
+        raise ValueError(f"{len(step_s)} steps: the steady median needs 3 or more")
+    return statistics.median(step_s[1:-1])
 
 
 def trl(tmp: Path, conversations: Path, *, new: int, steps: int) -> dict:
@@ -142,7 +150,7 @@ def trl(tmp: Path, conversations: Path, *, new: int, steps: int) -> dict:
         env={"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}, peaks=peaks,
     )  # fmt: skip
     times = json.loads(out.read_text())["steps"]
-    return {"steps": times, "median_s": statistics.median(times[1:]), "peak_gib": peak,
+    return {"steps": times, "median_s": steady(times), "peak_gib": peak,
             "pss_gib": peaks["pss_gib"], "wall_s": wall}  # fmt: skip
 
 
@@ -179,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     ap = argparse.ArgumentParser(prog="python -m bench.onpolicy_vs_trl")
     ap.add_argument("--new", default="64,128", help="new tokens per rollout (comma list)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first not counted)")
+    ap.add_argument(
+        "--steps", type=int, default=5, help="steps per run (the first and the last not counted)"
+    )
     args = ap.parse_args(argv)
     print(json.dumps(measure([int(x) for x in args.new.split(",")], args.steps), indent=2))
 
@@ -206,7 +216,9 @@ def render(res: dict) -> list[str]:
         f"samples chat prompts (KJV conversations' first user turns), Gemma-3-270M scores them "
         f"(TRL: ULD over its byte-offset groups, its ByteLevel gate lifted; ours: xtoken over "
         f"on-the-fly aligned chunks), batch {BATCH}, temperature 1, top-p 1, AdamW, "
-        f"{THREADS} threads each, one after the other; median step after the first, and the "
+        f"{THREADS} threads each, one after the other; median of the steps between the first "
+        f"and the last (the first warms up; at lag 1 it samples twice, and after the last it "
+        f"samples nothing), and the "
         "peak memory of each process tree (ours: trainer + teacher worker) as PSS (a page "
         "two processes share counted once: the physical memory) and as a sum of RSS (shared "
         "pages, such as torch's libraries, counted in each process).",
