@@ -53,10 +53,20 @@ def _shard_values(d: Path, name: str) -> str | None:
     return None
 
 
-def verify_marked(d: Path, marker: dict) -> list[integrity.FileReport]:
-    """Reports for every file of a directory with a marker (plus its unlisted files)."""
+def verify_marked(
+    d: Path, marker: dict, *, hashed: frozenset[str] = frozenset()
+) -> list[integrity.FileReport]:
+    """Reports for every file of a directory with a marker (plus its unlisted files).
+    ``hashed``: files whose checksum already matched as they were written here (`verify_url`'s
+    streamed copies): not read again for it."""
     sums = marker.get("checksums", {})
-    reports = integrity.verify_listed(d, sums)
+    reports = integrity.verify_listed(d, {k: v for k, v in sums.items() if k not in hashed})
+    reports += [
+        integrity.FileReport(k, int(v["bytes"]), note=integrity.describe(v) + ", while streamed")
+        for k, v in sums.items()
+        if k in hashed
+    ]
+    reports.sort(key=lambda r: r.name)
     listed = set(marker.get("files", {})) | set(sums)
     for name in sorted(set(marker.get("files", {})) - set(sums)):
         reports.append(
@@ -139,14 +149,15 @@ def verify_url(url: str, out=None) -> int:
     print(f"{url}: {marker.get('kind', 'shards')} (marker version {marker.get('version', 1)})",
           file=out)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tokenbridge-verify-") as tmp:
-        d, errors = Path(tmp), {}
+        d, errors, hashed = Path(tmp), {}, set()
         for name, expected in sorted(marker.get("checksums", {}).items()):
             try:
                 download(urls.join(url, name), d / name, expected=expected)
+                hashed.add(name)  # its hash checked on the way in: not read a second time
             except (integrity.DamagedFileError, FileNotFoundError) as e:
                 errors[name] = str(e).removeprefix(f"{urls.join(url, name)}: ")
         (d / MARKER).write_bytes(raw)
-        reports = verify_marked(d, marker)
+        reports = verify_marked(d, marker, hashed=frozenset(hashed))
         for r in reports:
             r.error = errors.get(r.name, r.error)
         return _print(url, reports, out)

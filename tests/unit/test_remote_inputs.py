@@ -148,7 +148,7 @@ def test_two_fetchers_of_one_entry_download_it_once(s3_server, s3_bucket, tmp_pa
 
 
 def test_verify_reads_a_marked_directory_in_the_store(s3_server, s3_bucket, tmp_path, capsys):
-    """``make verify DIR=s3://...``: every listed object hashed (OK, then DAMAGED naming the
+    """``make verify DIR=s3://...``: every listed object hashed once (OK, then DAMAGED naming the
     changed one after it is overwritten); no marker: named, exit 2."""
     from tokenbridge.verify import main as verify
 
@@ -157,6 +157,7 @@ def test_verify_reads_a_marked_directory_in_the_store(s3_server, s3_bucket, tmp_
     assert verify([url]) == 0
     out = capsys.readouterr().out
     assert "  OK       x.bin" in out and "  OK       y.bin" in out and f"{url}: 3 OK" in out
+    assert out.count(", while streamed)") == 3  # each listed object (stats.json too), hashed once
     s3_server.client().put_object(Bucket=s3_bucket, Key="v/y.bin", Body=b"z" * 50)
     assert verify([url]) == 2
     out = capsys.readouterr().out
