@@ -190,6 +190,17 @@ def test_teacher_forward_targets_and_columns_match_dense_log_softmax():
     out = teacher_forward(capped, ids, mask, spec=spec, columns=cols, chunk=3, workspace=work)
     cap_logp = torch.log_softmax((torch.tanh(logits / 2.0) * 2.0).double(), dim=-1)
     torch.testing.assert_close(out.col_logprobs.double(), cap_logp[..., cols], rtol=0, atol=1e-5)
+    # a bf16 teacher (CUDA's default): its product goes to a bf16 buffer of the same workspace
+    head16 = torch.nn.Linear(H, V, bias=False).to(torch.bfloat16)
+    head16.weight.data.copy_(head.weight.data)
+    bf16 = SimpleNamespace(
+        model=lambda **kw: SimpleNamespace(last_hidden_state=hidden.bfloat16()),
+        lm_head=head16,
+        config=SimpleNamespace(),
+    )
+    out = teacher_forward(bf16, ids, mask, spec=spec, columns=cols, chunk=3, workspace=work)
+    # bf16 logits of size ~10 round by ~0.03-0.06; measured max error 0.12 here
+    torch.testing.assert_close(out.col_logprobs.double(), logp[..., cols], rtol=0, atol=0.25)
     with pytest.raises(ValueError, match="give that many ids"):
         TeacherModelProgram(
             TeacherConfig(path="unused"), spec, columns=cols[:2], max_batch=B, max_len=T

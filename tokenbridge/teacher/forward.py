@@ -18,6 +18,7 @@ Legend: B rows, U teacher positions, V teacher lm_head width, H hidden size, N c
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 from tokenbridge.losses.ops.segments import shift_targets
@@ -88,20 +89,17 @@ def teacher_forward(
     plain = (
         type(head) is torch.nn.Linear
         and head.bias is None
-        and type(head.weight)
-        in (
-            torch.Tensor,
-            torch.nn.Parameter,
-        )
+        and not isinstance(head.weight, DTensor)  # TP: the module's own hooks shard it
     )
 
     def logits_of(h_BnH):
         """(logits [B, n, V], tp group): this rank's vocabulary shard under TP, softcapped."""
         if plain:
             B, n, H = h_BnH.shape
-            buf = workspace.get("logits", B * n, head.weight.shape[0], h_BnH.device)
+            w_VH = head.weight
+            buf = workspace.get("logits", B * n, w_VH.shape[0], h_BnH.device, w_VH.dtype)
             # one [B*n, H] product (the span is contiguous), written into the buffer
-            torch.mm(h_BnH.reshape(B * n, H), head.weight.t(), out=buf)
+            torch.mm(h_BnH.reshape(B * n, H), w_VH.t(), out=buf)
             if softcap:
                 buf.div_(softcap).tanh_().mul_(softcap)
             return buf.view(B, n, -1), None

@@ -166,14 +166,16 @@ class Workspace:
     def __init__(self) -> None:
         self._bufs: dict[str, Tensor] = {}
 
-    def get(self, name: str, rows: int, width: int, device) -> Tensor:
-        """An uninitialised fp32 [rows, width] view of buffer ``name``, grown when too small."""
+    def get(
+        self, name: str, rows: int, width: int, device, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """An uninitialised [rows, width] view of buffer ``name``, grown when too small."""
         device = torch.device(device)
         if device.type != "cpu":
-            return torch.empty(rows, width, device=device)
+            return torch.empty(rows, width, device=device, dtype=dtype)
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < rows * width:
-            buf = self._bufs[name] = torch.empty(rows * width)
+        if buf is None or buf.numel() < rows * width or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(rows * width, dtype=dtype)
         return buf[: rows * width].view(rows, width)
 
 
