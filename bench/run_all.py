@@ -15,9 +15,9 @@ written here: no section is written by hand.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import pkgutil
-import sys
 import time
 from pathlib import Path
 
@@ -95,16 +95,28 @@ def collect() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(argv if argv is not None else sys.argv[1:])
-    allow_load = "--allow-load" in args
-    names = [a for a in args if not a.startswith("--")]
-    if "--collect" in args:
-        names = []
-    elif not names:
-        names = discover()
+    known = discover()
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.run_all",
+        description="Run the benchmark sections and write BENCHMARKS.md (`make bench`).",
+    )
+    ap.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"sections to run (default: all of {known})"
+    )
+    ap.add_argument(
+        "--allow-load", action="store_true", help="run on a loaded machine (the section says so)"
+    )
+    ap.add_argument(
+        "--collect", action="store_true", help="only rebuild BENCHMARKS.md from bench/results/"
+    )
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {known}")
+    names = [] if args.collect else (args.names or known)
     RESULTS.mkdir(exist_ok=True)
     for name in names:
-        run_one(name, allow_load=allow_load)
+        run_one(name, allow_load=args.allow_load)
     tmp = OUT.with_suffix(".tmp")
     tmp.write_text(collect())
     tmp.replace(OUT)

@@ -96,3 +96,15 @@ def test_the_under_load_mark_follows_the_loads_a_line_states():
     stale = line(0.0, 2.9).replace("end._", "end._ **Measured under load** (old rule).")
     assert provenance.reflag(stale) == line(0.0, 2.9)
     assert provenance.reflag(line(2.5, 1.0)) == line(2.5, 1.0)
+
+
+def test_run_all_help_and_unknown_names_run_nothing(monkeypatch, capsys):
+    """``--help`` prints the usage and ``NAME`` must be a section: neither runs a benchmark
+    (a ``--help`` once started every section)."""
+    ran = []
+    monkeypatch.setattr(run_all, "run_one", lambda name, **kw: ran.append(name))
+    for argv, code in ((["--help"], 0), (["nosuch"], 2), (["--no-such-flag"], 2)):
+        with pytest.raises(SystemExit) as e:
+            run_all.main(argv)
+        assert e.value.code == code
+    assert ran == [] and "unknown sections ['nosuch']" in capsys.readouterr().err
