@@ -32,8 +32,10 @@ from trainer import main as trainer_main
 TOKENIZER_OPTIONS = (("teacher_tokenizer", "teacher"), ("student_tokenizer", "student"))
 
 
-def with_tokenizers(argv: list[str]) -> list[str]:
-    """``argv`` plus the tokenizer options ``trl_gold`` needs and ``argv`` leaves unset."""
+def trl_argv(argv: list[str]) -> list[str]:
+    """``argv`` plus what ``trl_gold`` needs and ``argv`` leaves unset: the tokenizer options,
+    and whole logits (``parallel.logits_chunk=0``: TRL's loss indexes a logits tensor, not our
+    `HeadLogits`; refused when ``argv`` names another chunk)."""
     cfg = trainer_main.load_config(argv)
     modes = cfg.teacher_modes() if cfg.kd_enabled else []
     if "trl_gold" not in modes:
@@ -46,13 +48,20 @@ def with_tokenizers(argv: list[str]) -> list[str]:
         for key, side in TOKENIZER_OPTIONS
         if cfg.loss.options.get(key) is None
     ]
+    named = [a for a in argv if a.lstrip("+").startswith("parallel.logits_chunk=")]
+    if named and cfg.parallel.logits_chunk != 0:
+        raise cli.UsageError(
+            f"trl_gold reads whole logits (TRL's own code): {named[-1]} must be 0 or left out"
+        )
+    if not named:
+        extra.append("parallel.logits_chunk=0")
     return [*argv, *extra]
 
 
 def run(argv: list[str]) -> int:
     import bench.trl_gold  # noqa: F401  (registers loss.mode=trl_gold)
 
-    return trainer_main.run(with_tokenizers(argv))
+    return trainer_main.run(trl_argv(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

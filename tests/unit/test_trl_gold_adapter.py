@@ -187,20 +187,24 @@ def test_registered_only_when_imported_and_options_checked(trl_gold):
         trl_gold.uld_for(trl_gold.TrlGoldConfig())
 
 
-def test_launcher_fills_the_tokenizers_from_the_config(trl_gold):
-    from bench.trl_gold_train import with_tokenizers
+def test_launcher_fills_the_tokenizers_and_whole_logits_from_the_config(trl_gold):
+    from bench.trl_gold_train import trl_argv
+    from tokenbridge.cli import UsageError
     from trainer.main import load_config
 
     argv = ["conf=debug", "loss=ce", "loss.mode=trl_gold", "loss.kd_weight=1.0"]
-    full = with_tokenizers(argv)
+    full = trl_argv(argv)
     cfg = load_config(full)
     assert cfg.loss.options == {
         "teacher_tokenizer": cfg.teachers[0].path,
         "student_tokenizer": cfg.model.path,
     }
-    given = [*argv, "+loss.options.student_tokenizer=/x"]
-    assert with_tokenizers(given) == [
+    assert cfg.parallel.logits_chunk == 0  # TRL's loss indexes whole logits
+    given = [*argv, "+loss.options.student_tokenizer=/x", "parallel.logits_chunk=0"]
+    assert trl_argv(given) == [
         *given,
         f"+loss.options.teacher_tokenizer={cfg.teachers[0].path}",
     ]
-    assert with_tokenizers(["conf=debug"]) == ["conf=debug"]  # xtoken: untouched
+    with pytest.raises(UsageError, match="parallel.logits_chunk=64 must be 0"):
+        trl_argv([*argv, "parallel.logits_chunk=64"])
+    assert trl_argv(["conf=debug"]) == ["conf=debug"]  # xtoken: untouched
