@@ -37,7 +37,6 @@ def step_breakdown() -> dict:
     from tokenbridge.losses.xtoken import XTokenConfig
     from tokenbridge.projection import load_projection
     from tokenbridge.teacher.forward import teacher_forward
-    from tokenbridge.teacher.outputs import Workspace
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig
     from trainer.onpolicy.realign import TeacherView
@@ -72,14 +71,14 @@ def step_breakdown() -> dict:
     align_s, b = _median(lambda: build_batch(r, list(range(ROWS)), student=s_tok,
                                              teachers=[view], want_cols=[False], pad_id=0))  # fmt: skip
     prep = record.prepare(b.aligned[0], b.targets_BT)
-    # as the trainer's worker: the positions the loss and the eval read, one reused workspace
-    inp, work = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0]), Workspace()
+    # as the trainer's worker: the positions the loss and the eval read
+    inp = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0])
 
     def score():
         with torch.no_grad():
             return teacher_forward(teacher, inp["input_ids"], inp["attention_mask"], spec=spec,
-                                   columns=None, chunk=128, used_BU=inp["used_mask"],
-                                   workspace=work)  # fmt: skip
+                                   columns=None, chunk=128,
+                                   used_BU=inp["used_mask"])  # fmt: skip
 
     score_s, outs = _median(score)
 

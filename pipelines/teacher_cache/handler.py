@@ -23,7 +23,6 @@ Legend: B rows, U teacher positions (the batch's longest row), K top-k, R sample
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,11 +34,8 @@ from apache_beam.ml.inference.base import ModelHandler
 from tokenbridge import models
 from tokenbridge.model_spec import ModelSpec, check_dtype
 from tokenbridge.teacher.forward import teacher_forward
-from tokenbridge.teacher.outputs import TeacherOutputSpec, Workspace
+from tokenbridge.teacher.outputs import TeacherOutputSpec
 
-# each scoring thread's reused [rows, V] buffers (`Workspace`: RunInference may score from
-# several threads of one worker process, so they are not shared)
-_THREAD = threading.local()
 ROWS_PER_HEAD = 256  # rows (B x positions) per lm_head application: bounds the [rows, V] logits
 
 
@@ -193,7 +189,6 @@ class TeacherCacheHandler(ModelHandler):
                 columns=None,
                 chunk=max(1, ROWS_PER_HEAD // b),
                 on_logits=sampler,
-                workspace=_workspace(),
             )
         result = {k: v.cpu().numpy() for k, v in outs.tensors().items()}
         if sampler is not None:
@@ -226,12 +221,6 @@ class TeacherCacheHandler(ModelHandler):
                     merged[k] = np.zeros((len(batch), u, *v.shape[2:]), v.dtype)
                 merged[k][i, : v.shape[1]] = v[0]
         return merged, errors
-
-
-def _workspace() -> Workspace:
-    if not hasattr(_THREAD, "workspace"):
-        _THREAD.workspace = Workspace()
-    return _THREAD.workspace
 
 
 def teacher_config(path: str, *, init: str, seed: int, overrides: dict) -> ModelSpec:

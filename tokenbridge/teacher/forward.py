@@ -63,8 +63,8 @@ def teacher_forward(
     ``on_logits``: called as ``on_logits(t0, logits)`` with each chunk's (softcapped) logits
     [B, n, V] (the teacher cache samples ids from them; whole vocabulary: refused under TP);
     not with ``used_BU``.
-    ``workspace``: buffers kept by the caller between calls for the [rows, V] products and
-    passes (`Workspace`); a fresh one per call when None.
+    ``workspace``: buffers for the [rows, V] products and passes (`Workspace`), reused by
+    every span; a fresh one for this call when None (what the trainer and the cache job do).
     """
     if on_logits is not None and used_BU is not None:
         raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")

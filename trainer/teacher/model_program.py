@@ -45,7 +45,6 @@ from tokenbridge import models
 from tokenbridge.teacher.forward import teacher_forward
 from tokenbridge.teacher.outputs import (
     TeacherOutputSpec,
-    Workspace,
     teacher_output_fields,
 )
 from trainer.config.schema import TeacherConfig
@@ -83,8 +82,6 @@ class TeacherModelProgram:
     used_mask: bool = False
     _model: Any = dataclasses.field(default=None, init=False, repr=False)
     _tp_group: Any = dataclasses.field(default=None, init=False, repr=False)
-    # the [rows, V] buffers of the lm_head and its reductions, reused by every call
-    _workspace: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # refused here, in the student, rather than in the worker at the first microbatch
@@ -137,11 +134,10 @@ class TeacherModelProgram:
             )
             self._tp_group = groups.tp
         self._model = model
-        self._workspace = Workspace()
 
     def __getstate__(self) -> dict:
         # only the recipe travels to the worker; the model is built there
-        return {**self.__dict__, "_model": None, "_tp_group": None, "_workspace": None}
+        return {**self.__dict__, "_model": None, "_tp_group": None}
 
     def _gather(self, *tensors_BU: torch.Tensor) -> tuple[list[torch.Tensor], int]:
         """The TP group's inputs, each padded to the group's largest [B, U] and concatenated;
@@ -188,6 +184,5 @@ class TeacherModelProgram:
             chunk=self.lm_head_chunk,
             used_BU=used_BU,
             on_logits=on_logits,
-            workspace=self._workspace,
         )
         return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}
