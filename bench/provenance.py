@@ -198,6 +198,8 @@ def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:
     changed = _git("log", "--oneline", f"{sha}..HEAD", "--", *paths)
     if not _git("rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}"):
         return f"_Commit {sha} is not in this checkout: whether the code changed is unknown._"
+    if changed and not _git("diff", "--name-only", sha, "HEAD", "--", *paths):
+        return None  # commits touched it and were undone: the code measured is the same
     if changed:
         n = len(changed.splitlines())
         what = "1 commit touches" if n == 1 else f"{n} commits touch"

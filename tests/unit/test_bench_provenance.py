@@ -108,3 +108,28 @@ def test_run_all_help_and_unknown_names_run_nothing(monkeypatch, capsys):
             run_all.main(argv)
         assert e.value.code == code
     assert ran == [] and "unknown sections ['nosuch']" in capsys.readouterr().err
+
+
+def test_commits_undone_leave_a_section_fresh(monkeypatch, tmp_path):
+    """A change and its revert after a section's commit: the code it measured is the same, so
+    it is not called stale; a change that stays is."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                           cwd=tmp_path, capture_output=True, text=True, check=True)  # fmt: skip
+        return r.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "measured")
+    sha = git("rev-parse", "--short=10", "HEAD")
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    text = f"## s\n\n{provenance.MARK}{sha}, then_"
+    for body, stale in (("a = 2\n", True), ("a = 1\n", False)):  # changed, then undone
+        (tmp_path / "code.py").write_text(body)
+        git("commit", "-qam", "edit")
+        note = provenance.stale_note(text, ("code.py",))
+        assert (note is not None) == stale, (body, note)
+    assert note is None  # two commits touched code.py since, and it is back as measured
