@@ -110,7 +110,10 @@ def breakdown(threads: int, tmp: Path) -> dict:
     t_in = mb.teacher_inputs(0)
     student = models.build_model(ModelConfig(path=str(paths.student_dir())))
     teacher = models.freeze(models.build_model(TeacherConfig(path=str(paths.teacher_dir()))))
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    # the trainer's optimizer on this device (`optim.fused: auto`: the fused kernel on CPU too)
+    from trainer.config.precision import resolve_fused
+
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5, fused=resolve_fused("auto", "cpu"))
     xcfg = XTokenConfig(k=32)
     spec = xtoken_teacher_spec(xcfg, teacher_vocab_size=t_tok.vocab_size)
     from tokenbridge.projection import load_projection
