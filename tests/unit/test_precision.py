@@ -44,7 +44,9 @@ def test_auto_is_bfloat16_on_cuda_float32_on_cpu_and_fused_on_both():
     # named values are kept on either device; optim.fused=false forces foreach on a CPU
     named = _cfg(parallel={"param_dtype": "float32"}, optim={"fused": False})
     got = resolve_precision(named, device="cuda")
-    assert got.param_dtype == "float32" and not resolve_precision(named, device="cpu").fused_optimizer
+    assert (
+        got.param_dtype == "float32" and not resolve_precision(named, device="cpu").fused_optimizer
+    )
     assert got.summary(["a", "b"])["teacher_dtypes"] == {"a": "bfloat16", "b": "float32"}
 
 
