@@ -96,7 +96,7 @@ def full_run(inputs) -> Path:
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "held-out bits/byte  student after" in proc.stdout
     assert "precision:            cpu: student float32 (master float32, reduce float32), " \
-        "fused AdamW no; teachers gemma3-tiny float32" in proc.stdout  # fmt: skip
+        "fused AdamW yes; teachers gemma3-tiny float32" in proc.stdout  # fmt: skip
     assert re.search(r"throughput \(median\):  [\d.]+ student tokens/s per device, .*MFU",
                      proc.stdout)  # fmt: skip
     assert f"run report:           {run_dir / 'report' / 'report.html'}" in proc.stdout

@@ -223,7 +223,7 @@ def test_preflight_accepts_matching_inputs(tmp_path, student_dir, smol):
     assert p.student_tok.fingerprint == smol.fingerprint and p.projections == [None]
     assert p.teacher_max_len[0] >= 3
     # on a CPU every auto dtype is float32, the AdamW the plain one (trainer.config.precision)
-    assert p.precision == Precision("cpu", "float32", "float32", ("float32",), False)
+    assert p.precision == Precision("cpu", "float32", "float32", ("float32",), True)
 
 
 def test_preflight_refuses_shards_without_marker_or_other_tokenizers(tmp_path, student_dir, smol):
