@@ -14,7 +14,8 @@ summary.json and eval JSON are read back, so the runner can be stopped and calle
    (out-of-domain, the eval suite's ``text:`` task) and, on the first seed of ``--suite-rows``,
    the eval suite's bits-per-byte rows.
 3. **equal budget**: CE-only run for the steps each row's core-seconds buy it
-   (`science_stats.budget_steps`), on the first ``--seeds``.
+   (`science_stats.budget_steps`, on a 25-step grid), on ``--budget-seeds`` (the first seed:
+   each CE run there costs as much as a KD run).
 
 Rows that read the teacher from the offline cache (``make teacher-cache``) and CE-only run two
 at a time on one thread each (one core each); rows with a live teacher run alone, the teacher
@@ -162,7 +163,7 @@ def plan_table(args, lr: float) -> list[Job]:
 
 
 def plan_budget(args, lr: float, runs: list[dict]) -> list[Job]:
-    """CE-only at the steps each row's mean budget buys (first --seeds), where that differs
+    """CE-only at the steps each row's mean budget buys (--budget-seeds), where that differs
     from the equal-steps runs by more than 10%."""
     budgets = budgets_by_row(runs)
     if "ce" not in budgets:
@@ -171,7 +172,7 @@ def plan_budget(args, lr: float, runs: list[dict]) -> list[Job]:
     wanted = {science_stats.budget_steps(b, ce_step_s=ce_step, steps=args.steps)
               for k, b in budgets.items() if k != "ce"}  # fmt: skip
     return [job(args, "ce", seed=s, lr=lr, phase="budget", steps=n)
-            for n in sorted(wanted - {args.steps}) for s in args.seeds]  # fmt: skip
+            for n in sorted(wanted - {args.steps}) for s in args.budget_seeds]  # fmt: skip
 
 
 def budgets_by_row(runs: list[dict]) -> dict[str, float]:
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="rows whose first seed gets the eval suite (CPU)")  # fmt: skip
     ap.add_argument("--limit", type=int, default=100, help="eval suite examples per task")
     ap.add_argument("--ood-limit", type=int, default=12, help="out-of-domain text chunks")
+    ap.add_argument("--budget-seeds", default="0", help="seeds of the equal-budget CE runs")
     ap.add_argument("--no-budget", action="store_true", help="skip the equal-budget CE runs")
     ap.add_argument("--render-only", action="store_true", help="the table of finished runs")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every row (k=v)")
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = [r for r in args.rows if r not in ROWS]
     if bad:
         raise SystemExit(f"unknown rows {bad}; known: {list(ROWS)}")
-    for name in ("primary_seeds", "seeds", "lr_seeds"):
+    for name in ("primary_seeds", "seeds", "lr_seeds", "budget_seeds"):
         setattr(args, name, [int(x) for x in getattr(args, name).split(",") if x])
     args.suite_rows = [r for r in args.suite_rows.split(",") if r]
     args.lr_grid = [float(x) for x in args.lr_grid.split(",") if x]
@@ -359,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         runs += step(plan_budget(args, lr, runs))
     payload = {"steps": args.steps, "lr": lr, "lr_given": bool(args.lr), "lr_grid": args.lr_grid,
                "lr_seeds": args.lr_seeds, "primary": list(PRIMARY), "seeds": args.seeds,
+               "budget_seeds": args.budget_seeds,
                "primary_seeds": args.primary_seeds, "limit": args.limit,
                "suite_rows": args.suite_rows, "ood_limit": args.ood_limit, "ood_text": OOD_TEXT,
                "rows": {k: ROWS[k].label for k in args.rows}, "cache_cost": cost,

@@ -113,15 +113,18 @@ def choose_lr(val: dict[tuple[str, float], list[float]], rows: tuple[str, ...]) 
     return min(sorted(full), key=score)
 
 
-def budget_steps(budget_s: float, *, ce_step_s: float, steps: int, tol: float = 0.1) -> int:
-    """The CE-only steps a budget of ``budget_s`` core-seconds buys (a multiple of 5), or
+def budget_steps(
+    budget_s: float, *, ce_step_s: float, steps: int, tol: float = 0.1, grid: int = 25
+) -> int:
+    """The CE-only steps a budget of ``budget_s`` core-seconds buys, on a grid of ``grid``
+    steps (rows of near budgets share one CE run: each costs as much as a KD run), or
     ``steps`` itself when that is within ``tol`` of it (the equal-steps runs serve)."""
     if ce_step_s <= 0:
         raise ValueError(f"CE-only step cost must be positive, got {ce_step_s}")
     n = budget_s / ce_step_s
     if abs(n - steps) <= tol * steps:
         return steps
-    return max(5, 5 * round(n / 5))
+    return max(grid, grid * round(n / grid))
 
 
 def run_budget(train_s: float, *, cores: int, cache_share_s: float = 0.0) -> float:

@@ -138,6 +138,12 @@ def table(payload: dict) -> list[str]:
     return lines
 
 
+def _budget_seeds(seeds: list[int]) -> str:
+    if len(seeds) == 1:
+        return f"seed {seeds[0]} only: one pair, a point without interval"
+    return f"seeds {', '.join(map(str, seeds))}, paired by seed"
+
+
 def notes(payload: dict) -> list[str]:
     runs, steps, cost = payload["runs"], payload["steps"], payload["cache_cost"]
     out = [
@@ -155,7 +161,9 @@ def notes(payload: dict) -> list[str]:
             else " (no cached row ran)"
         )
         + ". The same-budget column compares with CE-only trained for the steps that budget "
-        "buys it.",
+        "buys it (on a 25-step grid), "
+        + _budget_seeds(payload.get("budget_seeds") or payload.get("seeds") or [0])
+        + ".",
     ]
     machines = [r.get("machine") for r in runs + payload.get("val_runs", [])]
     cpus = sorted({m["cpu"] for m in machines if m})

@@ -55,14 +55,16 @@ def test_lr_choice_uses_only_rates_every_row_ran():
 
 def test_budget_steps():
     assert science_stats.budget_steps(42.0, ce_step_s=1.0, steps=40) == 40  # within 10%
-    assert science_stats.budget_steps(97.0, ce_step_s=1.0, steps=40) == 95
+    assert science_stats.budget_steps(97.0, ce_step_s=1.0, steps=40) == 100  # 25-step grid
+    assert science_stats.budget_steps(112.0, ce_step_s=1.0, steps=40) == 100
+    assert science_stats.budget_steps(97.0, ce_step_s=1.0, steps=40, grid=5) == 95
     assert science_stats.run_budget(100.0, cores=2, cache_share_s=7.0) == 207.0
 
 
 def _args(tmp_path: Path, **kw) -> argparse.Namespace:
     base = dict(out=tmp_path, rows=list(science.ROWS), primary_seeds=[0, 1, 2, 3, 4],
                 seeds=[0, 1, 2], steps=40, lr_grid=[5e-5, 1e-4], lr_seeds=[0],
-                suite_rows=["ce", "xtoken"], set=[])  # fmt: skip
+                suite_rows=["ce", "xtoken"], budget_seeds=[0], set=[])  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -80,12 +82,15 @@ def test_plan_seeds_splits_and_phases(tmp_path):
     # the table's runs train on the same chapters as the learning-rate runs, scored on test
     assert all("data.val_fraction=0.1" in j.cmd and "data.eval_on=val" not in j.cmd for j in table)
     assert {j.cores for j in table if j.row == "gold"} == {2}
-    # budget: gold cost 2.5x CE a run -> CE at 100 steps, on --seeds
+    # budget: gold cost 2.5x CE a run, alm 2.4x -> one CE run at 100 steps, on --budget-seeds
     runs = [{"row": r, "phase": "test", "budget_s": b, "seed": 0}
-            for r, b in (("ce", 40.0), ("xtoken", 41.0), ("gold", 100.0))]  # fmt: skip
+            for r, b in (("ce", 40.0), ("xtoken", 41.0), ("gold", 100.0),
+                         ("alm", 96.0))]  # fmt: skip
     extra = science.plan_budget(args, 5e-5, runs)
-    assert {(j.row, j.steps, j.seed) for j in extra} == {("ce", 100, s) for s in (0, 1, 2)}
+    assert {(j.row, j.steps, j.seed) for j in extra} == {("ce", 100, 0)}
     assert all("steps=100" in j.cmd for j in extra)
+    extra = science.plan_budget(_args(tmp_path, budget_seeds=[0, 1, 2]), 5e-5, runs)
+    assert {(j.row, j.steps, j.seed) for j in extra} == {("ce", 100, s) for s in (0, 1, 2)}
 
 
 def _run(row, seed, bpb, *, steps=40, phase="test", budget=40.0):
@@ -108,7 +113,7 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
     payload = {"steps": 40, "lr": 5e-5, "lr_given": False, "lr_seeds": [0], "val_runs": val,
                "primary": ["ce", "xtoken"], "rows": {k: science.ROWS[k].label
                for k in ("ce", "xtoken", "gold")}, "runs": runs, "baselines": {},
-               "cache_cost": {"core_s": 360.0, "windows": 360},
+               "cache_cost": {"core_s": 360.0, "windows": 360}, "budget_seeds": [0, 1, 2],
                "labels": {k: r.label for k, r in science.ROWS.items()}}  # fmt: skip
     runs[0]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "load": [1.0, 1.9], "commit": "e375e37"}
     val[0]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "load": [3.3, 3.8], "commit": "07b5fd5"}
@@ -124,6 +129,7 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
     same_budget = sum(1.105 - (1.090 + s / 1000) for s in range(3)) / 3
     assert f"{same_steps:+.4f} [" in gold and f"{same_budget:+.4f} [" in gold
     assert "(CE 100 steps)" in gold and "| 100 |" in gold
+    assert "(on a 25-step grid), seeds 0, 1, 2, paired by seed." in text
     assert "goal" not in text.lower() and "met" not in text.split()
     assert "Not run yet" not in text
     payload["rows"]["alm"] = science.ROWS["alm"].label  # planned, nothing finished
