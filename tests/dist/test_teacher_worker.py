@@ -111,9 +111,12 @@ def gone(pid: int) -> bool:
 
 
 def workers_left() -> list[psutil.Process]:
-    """Our child processes, except multiprocessing's resource tracker (lives as long as we do)."""
+    """Our child processes, except multiprocessing's resource tracker (lives as long as we do)
+    and the session's servers (the object store of tests.objectstore: an earlier test in the
+    same pytest run may have started it)."""
     kids = psutil.Process().children()
-    return [k for k in kids if "resource_tracker" not in " ".join(k.cmdline())]
+    keep = ("resource_tracker", "weed")
+    return [k for k in kids if not any(w in " ".join(k.cmdline()) for w in keep)]
 
 
 def shm_maps(pid: int) -> int:
