@@ -14,8 +14,8 @@ summary.json and eval JSON are read back, so the runner can be stopped and calle
    (out-of-domain, the eval suite's ``text:`` task) and, on the first seed of ``--suite-rows``,
    the eval suite's bits-per-byte rows.
 3. **equal budget**: CE-only run for the steps each row's core-seconds buy it
-   (`science_stats.budget_steps`, on a 25-step grid), on ``--budget-seeds`` (the first seed:
-   each CE run there costs as much as a KD run).
+   (`science_stats.budget_steps`, on a 25-step grid), on ``--budget-seeds`` (default
+   ``--seeds``; fewer make the column cheaper: each CE run there costs as much as a KD run).
 
 Rows that read the teacher from the offline cache (``make teacher-cache``) and CE-only run two
 at a time on one thread each (one core each); rows with a live teacher run alone, the teacher
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="rows whose first seed gets the eval suite (CPU)")  # fmt: skip
     ap.add_argument("--limit", type=int, default=100, help="eval suite examples per task")
     ap.add_argument("--ood-limit", type=int, default=12, help="out-of-domain text chunks")
-    ap.add_argument("--budget-seeds", default="0", help="seeds of the equal-budget CE runs")
+    ap.add_argument("--budget-seeds", default="",
+                    help="seeds of the equal-budget CE runs (default: --seeds)")  # fmt: skip
     ap.add_argument("--no-budget", action="store_true", help="skip the equal-budget CE runs")
     ap.add_argument("--render-only", action="store_true", help="the table of finished runs")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every row (k=v)")
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown rows {bad}; known: {list(ROWS)}")
     for name in ("primary_seeds", "seeds", "lr_seeds", "budget_seeds"):
         setattr(args, name, [int(x) for x in getattr(args, name).split(",") if x])
+    args.budget_seeds = args.budget_seeds or args.seeds
     args.suite_rows = [r for r in args.suite_rows.split(",") if r]
     args.lr_grid = [float(x) for x in args.lr_grid.split(",") if x]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -120,15 +120,18 @@ def table(payload: dict) -> list[str]:
         suite = next((r["evals"]["suite"] for r in mine if r["evals"].get("suite")), None)
         budget = sum(budgets[row]) / len(budgets[row])
         same_steps = same_budget = None
-        n_eq = None
+        n_eq, paired = None, 0
         if row != "ce":
             same_steps = st.difference(by_seed, ce)
             if ce_step:
                 n_eq = st.budget_steps(budget, ce_step_s=ce_step, steps=steps)
-                same_budget = st.difference(by_seed, _ce_at(runs, steps, n_eq))
+                ce_eq = _ce_at(runs, steps, n_eq)
+                same_budget = st.difference(by_seed, ce_eq)
+                paired = len(set(by_seed) & set(ce_eq))
         eq = _cell(same_budget, signed=True)
         if n_eq is not None and same_budget is not None:
-            eq += f" (CE {n_eq} steps)"
+            fewer = "" if paired == len(by_seed) else f", {paired} of {len(by_seed)} seeds"
+            eq += f" (CE {n_eq} steps{fewer})"
         cells = [label, str(len(mine)), _cell(st.estimate(list(by_seed.values()))),
                  _cell(same_steps, signed=True), f"{budget:.0f}", eq,
                  _cell(st.estimate(oods)) if oods else "-", *_suite_cells(suite)]  # fmt: skip
@@ -141,7 +144,8 @@ def table(payload: dict) -> list[str]:
 def _budget_seeds(seeds: list[int]) -> str:
     if len(seeds) == 1:
         return f"seed {seeds[0]} only: one pair, a point without interval"
-    return f"seeds {', '.join(map(str, seeds))}, paired by seed"
+    return (f"seeds {', '.join(map(str, seeds))}, paired by seed (a cell names its seeds where "
+            "fewer of them ran)")  # fmt: skip
 
 
 def notes(payload: dict) -> list[str]:
