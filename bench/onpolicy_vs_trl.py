@@ -112,7 +112,7 @@ def _shards(tmp: Path) -> Path:
 
 def ours(
     tmp: Path, shards: Path, conversations: Path, *, new: int, lag: int, steps: int,
-    placement: str = "worker", weights: str = "model",
+    placement: str = "worker", weights: str = "model", threads: int = 0,
 ) -> dict:  # fmt: skip
     run = tmp / f"ours_{new}_{lag}_{placement}_{weights}"
     args = [sys.executable, "trainer/main.py", "conf=onpolicy_demo", f"run_dir={run}",
@@ -121,7 +121,7 @@ def ours(
             f"onpolicy.prompts_per_step={BATCH}", f"onpolicy.max_new_tokens={new}",
             f"onpolicy.lag={lag}", "onpolicy.loss=xtoken", "onpolicy.top_p=1.0",
             "onpolicy.teacher_chat_templates=[gemma]",  # the GGUF-made dir has none
-            "onpolicy.eval_prompts=0", "eval.max_texts=0", f"parallel.threads={THREADS}",
+            "onpolicy.eval_prompts=0", "eval.max_texts=0", f"parallel.threads={threads}",
             "checkpoint.save_at_end=false", "checkpoint.export_at_end=false",
             "logging.progress=false", "logging.tensorboard=false", "device=cpu",
             f"parallel.teacher_placement={placement}",

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.tiny import tiny_llama
-from trainer.onpolicy.decode import HFDecoder, LlamaDecoder, _project, make_decoder
+from trainer.onpolicy import orient
+from trainer.onpolicy.decode import HFDecoder, LlamaDecoder, make_decoder
 from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
 
 V = 96
@@ -113,9 +114,14 @@ def test_projections_equal_f_linear(rows, n, k):
     x = torch.randn(rows, k, generator=g)
     ws = [torch.randn(n, k, generator=g), torch.randn(n // 2, k, generator=g)]
     b = torch.randn(n + n // 2, generator=g)
-    torch.testing.assert_close(_project(x, ws, b), F.linear(x, torch.cat(ws), b))
-    torch.testing.assert_close(_project(x, ws, None), F.linear(x, torch.cat(ws)))
-    torch.testing.assert_close(_project(x.t().contiguous().t(), ws[:1], None), x @ ws[0].T)
+    for major in (False, True):
+        got = orient.project(x, ws, b, major=major)
+        torch.testing.assert_close(got, F.linear(x, torch.cat(ws), b))
+        torch.testing.assert_close(
+            orient.project(x, ws, None, major=major), F.linear(x, torch.cat(ws))
+        )
+        strided = x.t().contiguous().t()
+        torch.testing.assert_close(orient.project(strided, ws[:1], None, major=major), x @ ws[0].T)
 
 
 def test_the_hf_forward_where_the_lean_path_does_not_apply():
@@ -177,3 +183,26 @@ def test_a_sliding_window_shorter_than_the_rollout_takes_the_hf_path():
     assert isinstance(make_decoder(short, vocab_size=V, max_len=4), LlamaDecoder)
     qwen = _tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert isinstance(make_decoder(qwen, vocab_size=V, max_len=16), HFDecoder)
+
+
+@torch.no_grad()
+def test_the_products_form_is_measured_once_and_either_gives_the_same_tokens(monkeypatch):
+    """The lean step measures both forms of each kind of product (q/k/v, o, gate/up, down,
+    lm_head) at its first step with a new row count, keeps the result for the process (a
+    planted choice is not measured again), and either form samples the same tokens."""
+    model = tiny_llama(V, seed=3).double()
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    kw = {"config": cfg, "seeds": [4, 5, 6], "stop_ids": [], "vocab_size": V}
+    monkeypatch.setattr(orient, "_CHOICE", {})
+    want = sample(model, PROMPTS, **kw).completions
+    threads = torch.get_num_threads()
+    at_three = {k[1:3] for k in orient.choices() if k[0] == 3}
+    assert at_three == {(64, 32), (32, 32), (128, 32), (32, 64), (V, 32)}  # 5 kinds, 3 rows
+    assert all(k[3] == torch.float64 and k[4] == threads for k in orient.choices())
+    planted = {k: not v for k, v in orient.choices().items()}
+    orient._CHOICE.update(planted)
+    assert sample(model, PROMPTS, **kw).completions == want
+    assert orient.choices() == planted  # kept, not measured again
+    for major in (False, True):
+        monkeypatch.setattr(orient, "weight_major", lambda rows, shape, m=major: m)
+        assert sample(model, PROMPTS, **kw).completions == want

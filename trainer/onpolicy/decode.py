@@ -13,15 +13,15 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
   projection made at construction (`trainer.onpolicy.int8`). The
   prefill is the HF forward (its cache copied once into a preallocated one); each decode step
   is a lean loop over the model's own weights, same math in the same dtype (no copy of the
-  weights, so nothing to refresh after an optimizer step). Why, measured on SmolLM2-135M at
-  batch 2 on a 2-core AMD EPYC, one thread (`bench/bench_onpolicy.py`, part 1): a decode step
-  reads all 538 MB of fp32 weights, and the floor is that read (~23 ms there); HF's step took
-  ~4x it (~95 ms), mostly in MKL's skinny ``x @ W.T`` (``F.linear`` of a [2, K] input: 2-7 GB/s
-  there), while the same product taken weight-major, ``W @ x.T``, runs at ~18 GB/s: 2-4x
-  faster per product, 4x on the 49k-row lm_head. The lean step takes ~42 ms (~75% of it in
-  those products). The static cache also removes the ``torch.cat`` that grows every layer's
-  cache every step, and the loop drops HF's per-layer module, mask and cache bookkeeping. At
-  4-8 live rows MKL is slower than at 2 either way (batch 8: ~105 vs ~115 ms a step).
+  weights, so nothing to refresh after an optimizer step). Why: a decode step reads every
+  weight once (538 MB of fp32 for SmolLM2-135M), and the floor is that read; HF's step spends
+  most of its time in skinny products ``x @ W.T`` at a few rows, whose speed depends on the
+  BLAS library, the CPU and the form of the product (`trainer.onpolicy.orient`: on the AMD EPYC
+  the weight-major form ``W @ x.T`` is 2-4x faster, on the Intel Xeon ``F.linear`` is 2x
+  faster; each process measures both once and keeps the faster). The static cache also removes
+  the ``torch.cat`` that grows every layer's cache every step, and the loop drops HF's
+  per-layer module, mask and cache bookkeeping (`bench/bench_onpolicy.py`, part 1, puts the
+  step next to HF `generate` and the floor).
 
 The two agree to float rounding (a product's summation order differs); tested on tiny Llamas:
 the same tokens in float64, greedy and sampled, and near-equal logits in float32
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from trainer.onpolicy import orient
 from trainer.onpolicy.int8 import Int8Weights, int8_available
 
 # model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
@@ -97,42 +98,6 @@ class HFDecoder:
         return _full(out.logits)[:, -1, : self.vocab]
 
 
-def _weight_major(rows: int, n: int, k: int, device: torch.device) -> bool:
-    """Take ``x @ W.T`` as ``(W @ x.T).T`` for a [rows, k] input and an [n, k] weight? Measured
-    with MKL on the 2-core AMD EPYC, fp32, weights not in cache, 1 and 2 threads: 2-4x faster
-    at 1-3 rows; from 4 to 8 rows still faster when W is tall (n >= k: q/k/v, gate/up, lm_head)
-    but slower when it is wide (down_proj); past 8 rows ``F.linear`` is as good. Other
-    devices: ``F.linear`` (cuBLAS has no such gap)."""
-    if device.type != "cpu":
-        return False
-    return rows <= 3 or (rows <= 8 and n >= k)
-
-
-def _project(x_BK: torch.Tensor, weights: list, bias_N: torch.Tensor | None) -> torch.Tensor:
-    """[B, sum N]: ``x`` through the [N_i, K] weights side by side, as ``F.linear`` through
-    their concatenation would (the q/k/v or gate/up products of one input, the lm_head alone);
-    ``bias_N``: their biases concatenated, or None.
-
-    Weight-major where that is faster (`_weight_major`): each ``W_i @ x.T`` is written into its
-    rows of one [sum N, B] buffer (no concatenation), and the result is its transposed view.
-    ``x`` is made row-major so that ``x.T`` is a transposed view (MKL took 4x longer over a
-    [K, B] copy), and one row is padded to two (MKL's two-column product is ~2x faster than its
-    one-column one)."""
-    B, K = x_BK.shape
-    N = sum(w.shape[0] for w in weights)
-    if not _weight_major(B, N, K, x_BK.device):
-        y_BN = torch.cat([F.linear(x_BK, w) for w in weights], -1)
-    else:
-        x = x_BK.contiguous() if B > 1 else torch.cat([x_BK, torch.zeros_like(x_BK)])
-        out_NB, x_KB = x.new_empty((N, x.shape[0])), x.t()
-        row = 0
-        for w in weights:
-            torch.mm(w, x_KB, out=out_NB[row : row + w.shape[0]])
-            row += w.shape[0]
-        y_BN = out_NB.t()[:B]
-    return y_BN if bias_N is None else y_BN + bias_N
-
-
 def _rms_norm(x_BH: torch.Tensor, w_H: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm, step for step (float32 inside, back to the input's dtype)."""
     h = x_BH.to(torch.float32)
@@ -154,13 +119,15 @@ def _weights(*linears: nn.Linear) -> tuple[list, torch.Tensor | None]:
 
 
 class _Dense:
-    """`_project` through the model's own weights (no copy: always the current ones)."""
+    """`orient.project` through the model's own weights (no copy: always the current ones), in
+    the form this machine measured faster (`orient.tune`)."""
 
     def __init__(self, weights: list, bias: torch.Tensor | None):
-        self.weights, self.bias = weights, bias
+        self.weights, self.bias, self.shape = weights, bias, orient.shape(weights)
 
     def __call__(self, x_BK: torch.Tensor) -> torch.Tensor:
-        return _project(x_BK, self.weights, self.bias)
+        major = x_BK.device.type == "cpu" and orient.weight_major(len(x_BK), self.shape)
+        return orient.project(x_BK, self.weights, self.bias, major=major)
 
 
 def projection_groups(
@@ -207,8 +174,13 @@ class LlamaDecoder:
         self.eps = cfg.rms_norm_eps
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
+        # per kind of product (q/k/v, o, gate/up, down, lm_head) every layer's weights: the form
+        # of each is measured at the first step with a new number of rows (`orient.tune`)
+        self.kinds = None
         if weights == "model":
-            products = [_Dense(w, b) for w, b in projection_groups(model, vocab_size=vocab_size)]
+            groups = projection_groups(model, vocab_size=vocab_size)
+            products = [_Dense(w, b) for w, b in groups]
+            self.kinds = [[w for w, _ in groups[j:-1:4]] for j in range(4)] + [[groups[-1][0]]]
         else:
             if weights == "int8":
                 weights = int8_weights(model, vocab_size=vocab_size)
@@ -270,6 +242,8 @@ class LlamaDecoder:
         if t >= self.max_len:
             raise ValueError(f"decode step at position {t}: the cache holds {self.max_len}")
         NH, KV, D = self.heads, self.kv, self.head_dim
+        if self.kinds is not None:
+            orient.tune(self.kinds, B)  # once per process, rows and threads
         self.pos_B = self.pos_B + 1
         cos_B11, sin_B11 = self.cos_TD[self.pos_B][:, None], self.sin_TD[self.pos_B][:, None]
         bias_B11T = self.bias_BT[:, None, None, : t + 1]
