@@ -23,7 +23,10 @@ sampled it. 1 overlaps the teacher with the student: the rollouts of the next on
 sampled *before* the student learns on this step's, while the teachers score this step's, and
 submitted after the update; each update learns on rollouts sampled by the weights one update
 older. The overlap is the sampling rather than the update because on CPU the two processes
-then share the cores (`trainer.parallel.cpus`), and sampling gains least from more threads. The
+then share the cores (`trainer.parallel.cpus`), and sampling gains least from more threads;
+the sampler polls the teachers before each decode step (`TeacherChannel.done`, never waiting)
+and takes every core back as soon as they have finished, so the overlap lasts as long as the
+scoring and no longer (``time/overlap_s``). The
 pending rollouts are part of the checkpoint, so a resumed run learns on exactly what the
 uninterrupted one would.
 
@@ -37,7 +40,7 @@ import random
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -137,6 +140,7 @@ class OnPolicy:
         # int8 sampling: the copy and the rollout phases it has served (not checkpointed: a
         # resumed run makes a new one, so with sampler_refresh > 1 its rollouts may differ)
         self.int8, self.int8_uses = None, 0
+        self.overlap_s = 0.0  # lag 1: seconds the last rollout phase sampled beside the teachers
         self._pending_batches: list | None = None
         self.mixture = self.op.mix == "mixture" and len(self.teachers.terms) > 1
         # the step's KD terms: the teachers' own, or one on their mixture (weighted inside)
@@ -178,16 +182,27 @@ class OnPolicy:
         ]
 
     def generate(
-        self, prompts=None, *, salt: str = "", threads: int | None = None, exact: bool = False
+        self,
+        prompts=None,
+        *,
+        salt: str = "",
+        threads: int | None = None,
+        release: Callable[[], bool] | None = None,
+        exact: bool = False,
     ) -> Rollouts:
         """Rollouts of this rank's next prompts (or of ``prompts``) with the current weights;
-        ``threads``: torch's threads meanwhile (None: unchanged); ``exact``: the model's own
-        weights even where ``onpolicy.sampler_weights`` is int8 (the eval's completions)."""
+        ``threads``: torch's threads meanwhile (None: unchanged), until ``release()`` (polled
+        before each decode step) says the work beside it is over, then torch's threads again;
+        ``exact``: the model's own weights even where ``onpolicy.sampler_weights`` is int8 (the
+        eval's completions)."""
         if prompts is None:
             prompts = self.prompts.next_prompts(self.op.prompts_per_step)
         model = self.tr.model
         was_training = model.training
         model.eval()
+        on_step = None
+        if release is not None and threads is not None:
+            on_step = _Release(release, threads=torch.get_num_threads())
         try:
             with (
                 torch_threads(threads),
@@ -203,9 +218,12 @@ class OnPolicy:
                     vocab_size=self.tr.vocab_used,
                     tp_group=self.tp_group,
                     int8=int8,
+                    on_step=on_step,
                 )
         finally:
             model.train(was_training)
+        if on_step is not None:
+            self.overlap_s = on_step.held()
         r.meta = [{"key": prompts[i].key, "messages": prompts[i].messages} for i in r.prompt_index]
         return r
 
@@ -267,6 +285,10 @@ class OnPolicy:
         self.submit(batches)
         times["submit_s"] += time.perf_counter() - t0
 
+    def _scored(self) -> bool:
+        """Have the teachers finished every microbatch submitted to them (never waits)?"""
+        return all(ch.done() for ch in self.channels)
+
     def receive(self, n: int) -> tuple[list[list[TeacherOutputs]], float]:
         """The outputs of the next ``n`` microbatches, per microbatch per teacher."""
         outs, teacher_s = [], 0.0
@@ -301,11 +323,13 @@ class OnPolicy:
         nxt = None
         if self.op.lag == 1 and not last:
             # the next step's rollouts, sampled by these weights before they learn on `r`,
-            # while the teachers score `r`; on CPU with the threads the workers leave free, so
-            # that the update below runs alone on every core (`trainer.parallel.cpus`)
+            # while the teachers score `r`; on CPU with the threads the workers leave free
+            # (`trainer.parallel.cpus`) until they have finished, then on every core, and the
+            # update below runs alone on every core
             t3 = time.perf_counter()
-            nxt = self.generate(threads=self.tr.cpus.overlap)
+            nxt = self.generate(threads=self.tr.cpus.overlap, release=self._scored)
             times["generate_s"] += time.perf_counter() - t3
+            times["overlap_s"] += self.overlap_s
             times["gen_tokens"] += nxt.new_tokens
             t4 = time.perf_counter()
             nxt_batches = self.batches(nxt)
@@ -368,6 +392,24 @@ class OnPolicy:
         if self.pending is not None:  # the teacher scores it again: the channels start empty
             self._pending_batches = self.batches(self.pending)
             self.submit(self._pending_batches)
+
+
+class _Release:
+    """A sampler's ``on_step``: once ``release()`` is true, torch's ``threads`` again (those it
+    had before `torch_threads` lowered them: the work beside the sampler is over)."""
+
+    def __init__(self, release: Callable[[], bool], *, threads: int):
+        self.release, self.threads = release, threads
+        self.t0, self.held_s = time.perf_counter(), None
+
+    def __call__(self) -> None:
+        if self.held_s is None and self.release():
+            torch.set_num_threads(self.threads)
+            self.held_s = time.perf_counter() - self.t0
+
+    def held(self) -> float:
+        """Seconds the lowered thread count was held (all along if never released)."""
+        return time.perf_counter() - self.t0 if self.held_s is None else self.held_s
 
 
 class RolloutSource(Source):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,6 +208,7 @@ def sample(
     tp_group: dist.ProcessGroup | None = None,
     lean: bool = True,
     int8: Int8Weights | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> Rollouts:
     """Sample ``config.n_samples`` completions of every prompt (see the module docstring).
 
@@ -219,6 +220,8 @@ def sample(
     always the HF forward, the reference the lean path is tested against).
     ``int8``: with ``config.weights == "int8"``, a copy made earlier (`decode.int8_weights`);
     None: one is made from the current weights.
+    ``on_step``: called before every decode step (the caller may change torch's threads there:
+    `rollout_source.OnPolicy.generate`); it must not draw from the rollouts' generators.
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
@@ -275,6 +278,8 @@ def sample(
             dec.keep(keep_B)
             live_B, next_B = live_B[keep_B], next_B[keep_B]
             live = live_B.tolist()
+        if on_step is not None:
+            on_step()
         logits_BV = dec.step(next_B)
     tokens = tokens_RN.cpu().numpy()
     lens = (tokens >= 0).sum(1)

@@ -82,7 +82,8 @@ class TeacherBackend(Protocol):
     """What the channel asks of the teacher behind it (a worker process, or an inline call).
 
     ``run`` starts microbatch ``seq`` on the inputs in ``slot``; ``wait_done`` returns
-    ``(seq, slot, output shapes, teacher seconds)`` once its outputs are in the slot. A backend
+    ``(seq, slot, output shapes, teacher seconds)`` once its outputs are in the slot; ``done(n)``
+    says, without waiting, whether the oldest ``n`` in flight have finished. A backend
     raises on failure; the channel then calls ``kill`` and stays broken.
     """
 
@@ -99,6 +100,8 @@ class TeacherBackend(Protocol):
     def run(self, seq: int, slot: int, shapes: dict) -> None: ...
 
     def wait_done(self, seq: int, slot: int, timeout: float) -> tuple: ...
+
+    def done(self, n: int) -> bool: ...
 
     def kill(self) -> None: ...
 
@@ -132,6 +135,9 @@ class InProcessTeacher:
 
     def wait_done(self, seq: int, slot: int, timeout: float) -> tuple:
         return self._done.popleft()
+
+    def done(self, n: int) -> bool:
+        return True  # computed inside ``run``
 
     def kill(self) -> None:
         return None
@@ -263,6 +269,14 @@ class TeacherChannel:
         self._pending.append((seq, slot))
         self._guard(f"microbatch {seq}", self._backend.run, seq, slot, shapes)
         return seq
+
+    def done(self) -> bool:
+        """Are the outputs of every submitted microbatch there (``receive`` would not wait)?
+        Never waits; a failed teacher raises here as in ``receive``."""
+        self._check()
+        if not self._pending:
+            return True
+        return self._guard("a microbatch", self._backend.done, len(self._pending))
 
     def receive(self, timeout: float | None = None) -> Received:
         """Outputs of the oldest submitted microbatch (waits; bounded by ``timeout``)."""

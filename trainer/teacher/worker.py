@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -122,6 +123,7 @@ class WorkerProcess:
         self._free_events = events  # CUDA: recorded by the student when a slot may be written
         self._ready_events = None  # CUDA: recorded by the worker when a slot's outputs are done
         self.info: dict | None = None
+        self._inbox: deque[tuple] = deque()  # messages `done` received before they were awaited
 
     @classmethod
     def start(
@@ -183,25 +185,16 @@ class WorkerProcess:
         )
 
     def _wait(self, timeout: float, what: str) -> tuple:
+        if self._inbox:  # taken by `done` before anyone waited for it
+            return self._inbox.popleft()
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if self._conn.poll(max(0.0, min(self.poll_s, left))):
-                try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
-                    raise self._died(what) from None
-                if msg[0] == "mapped":
-                    self._on_mapped()
-                    continue
-                if msg[0] == "error":
-                    _, phase, tb = msg
-                    last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback"
-                    raise TeacherWorkerError(
-                        f"teacher worker (pid {self.pid}) failed while {phase}: {last}\n"
-                        f"its traceback:\n{tb}"
-                    )
-                return msg
+                msg = self._recv(what)
+                if msg is not None:
+                    return msg
+                continue
             if not self._proc.is_alive():
                 if self._conn.poll(0):
                     continue  # it wrote a last message (its traceback) before exiting
@@ -211,6 +204,34 @@ class WorkerProcess:
                     f"teacher worker (pid {self.pid}) gave no answer in {timeout:.1f} s while "
                     f"{what}; it was killed (raise ChannelConfig.timeout_s if it is only slow)"
                 )
+
+    def _recv(self, what: str) -> tuple | None:
+        """The next message of the worker (one is waiting), raised if it is an error; None for
+        one the backend handles itself (the ring mapped)."""
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._died(what) from None
+        if msg[0] == "mapped":
+            self._on_mapped()
+            return None
+        if msg[0] == "error":
+            _, phase, tb = msg
+            last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback"
+            raise TeacherWorkerError(
+                f"teacher worker (pid {self.pid}) failed while {phase}: {last}\n"
+                f"its traceback:\n{tb}"
+            )
+        return msg
+
+    def done(self, n: int) -> bool:
+        """Have the oldest ``n`` microbatches in flight finished? Never waits: the messages
+        waiting now are kept for ``wait_done`` in order."""
+        while self._conn.poll(0):
+            msg = self._recv("computing")
+            if msg is not None:
+                self._inbox.append(msg)
+        return sum(m[0] == "done" for m in self._inbox) >= n
 
     def wait_ready(self, timeout: float) -> None:
         if self.info is not None:
