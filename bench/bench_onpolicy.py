@@ -154,6 +154,12 @@ def part_sampler() -> dict:
             prompts = prompts_from_kjv(tok, rows, PROMPT)
             res[f"{name}, batch {rows}"] = sampler_vs_generate(model, prompts, tok.vocab_size)
         del model
+    # the form of each product the lean step measured (`trainer.onpolicy.orient`), for the
+    # real model's shapes: (rows, N, K) -> weight-major faster
+    from trainer.onpolicy import orient
+
+    res["forms"] = {f"{k[0]},{k[1]},{k[2]}": v for k, v in orient.choices().items()
+                    if k[3] == torch.float32 and k[2] == 576}  # fmt: skip
     return res
 
 
@@ -226,7 +232,10 @@ def render_sampler(sampler: dict) -> list[str]:
         "generate, over floor |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    forms = sampler.get("forms", {})
     for name, r in sampler.items():
+        if name == "forms":
+            continue
         q, q1 = r.get("int8_step_ms"), r.get("int8_reused_step_ms")
         int8 = (
             f"{q:.1f} | {q1:.1f} | {r['int8_copy_s']:.2f} | {r['hf_step_ms'] / q1:.2f}x, "
@@ -245,6 +254,12 @@ def render_sampler(sampler: dict) -> list[str]:
               "(docs/onpolicy.md). Made per rollout, its time includes making the copy; a run "
               "makes one every `onpolicy.sampler_refresh` rollout phases. The floor is fp32's "
               "(the int8 copy reads a quarter of those bytes)."]  # fmt: skip
+    if forms:  # SmolLM2's products at 2 rows, as this process measured them (`orient`)
+        two = sorted((k, v) for k, v in forms.items() if k.startswith("2,"))
+        named = ", ".join(f"{k.split(',', 1)[1].replace(',', 'x')}: "
+                          f"{'weight-major' if v else 'F.linear'}" for k, v in two)  # fmt: skip
+        lines += ["", "The form of each product of SmolLM2-135M's lean decode step at 2 rows, "
+                  f"as this machine measured it (N x K; `trainer/onpolicy/orient.py`): {named}."]  # fmt: skip
     return lines
 
 

@@ -2,8 +2,10 @@
 
 The same student (SmolLM2-135M) and teacher (Gemma-3-270M), the same chat prompts (the first
 user turn of conversations made from KJV verses, contents cut to 400 characters), batch 2,
-temperature 1, top-p 1, AdamW, both at 2 torch threads, at 64 and 128 new tokens, one after the
-other in this run, each in its own process tree:
+temperature 1, top-p 1, AdamW, on the same 2 cores (TRL at 2 torch threads; ours with the
+trainer's own thread plan, ``parallel.threads=0``: 2 threads, and at lag 1 one for the sampler
+and one for the teacher worker while both compute, `trainer.parallel.cpus`), at 64 and 128 new
+tokens, one after the other in this run, each in its own process tree:
 
 - TRL 1.16's ``GOLDTrainer`` (its own code: ``lmbda=1``, every step on-policy with HF
   ``generate``; ``use_uld_loss=True``, its cross-tokenizer loss), with the one change our TRL
@@ -216,7 +218,9 @@ def render(res: dict) -> list[str]:
         f"samples chat prompts (KJV conversations' first user turns), Gemma-3-270M scores them "
         f"(TRL: ULD over its byte-offset groups, its ByteLevel gate lifted; ours: xtoken over "
         f"on-the-fly aligned chunks), batch {BATCH}, temperature 1, top-p 1, AdamW, "
-        f"{THREADS} threads each, one after the other; median of the steps between the first "
+        f"{THREADS} cores (TRL at {THREADS} torch threads, ours with the trainer's thread plan: "
+        f"{THREADS} threads, and at lag 1 one each for the sampler and the teacher worker while "
+        "both compute), one after the other; median of the steps between the first "
         f"and the last (the first warms up; at lag 1 it samples twice, and after the last it "
         f"samples nothing), and the "
         "peak memory of each process tree (ours: trainer + teacher worker) as PSS (a page "
