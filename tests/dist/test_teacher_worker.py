@@ -153,6 +153,24 @@ def test_round_trip_equals_inprocess_slots_reused_then_worker_killed(tiny_dir, b
         assert now == base and set(base[3]) == {ch.shm_name} and base[2] >= 1
         assert not our_shm()  # mapped by both: its name is gone
 
+        # done() never waits: false while the worker cannot compute (stopped), true once both
+        # microbatches are in; what it took early is received in order, unchanged
+        os.kill(ch.worker_pid, signal.SIGSTOP)
+        ch.submit(batches[3])
+        ch.submit(batches[4])
+        time.sleep(0.2)
+        assert not ch.done()
+        os.kill(ch.worker_pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not ch.done():
+            assert time.monotonic() < deadline, "done() never became true"
+            time.sleep(0.01)
+        for batch in (batches[3], batches[4]):
+            with ch.receive() as r:
+                want = reference(batch)
+                assert all(torch.equal(t, want[name]) for name, t in r.outputs.items())
+        assert ch.done()  # nothing in flight
+
         # Kill the worker while it computes: a clear error, well inside the 60 s timeout.
         ch.submit(batches[5])
         os.kill(ch.worker_pid, signal.SIGKILL)

@@ -200,3 +200,33 @@ def test_fsdp_samples_on_the_lean_path_inside_gathered_and_on_hf_outside(one_ran
     for got in (outside, inside):
         assert got.completions == want.completions
         assert all(np.array_equal(a, b) for a, b in zip(got.topk_ids, want.topk_ids))
+
+
+def test_on_step_is_polled_before_every_decode_step_and_changes_no_draw(model):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    kw = {"config": cfg, "seeds": [4, 5, 6], "stop_ids": [], "vocab_size": V}
+    want = sample(model, PROMPTS, **kw).completions
+    calls = []
+    got = sample(model, PROMPTS, on_step=lambda: calls.append(torch.rand(1)), **kw)
+    assert got.completions == want  # the global RNG drawn from in between: no effect
+    assert len(calls) == 5  # 6 tokens: the prefill's logits, then 5 decode steps
+
+
+def test_release_gives_torch_its_threads_back_once_the_work_beside_is_over():
+    """Lag 1's sampler (`rollout_source._Release`): lowered threads while the teachers score,
+    every thread again from the first poll that finds them done, and never lowered again."""
+    from trainer.onpolicy.rollout_source import _Release
+    from trainer.parallel.cpus import torch_threads
+
+    before, state = torch.get_num_threads(), {"done": False}
+    release = _Release(lambda: state["done"], threads=before + 1)
+    with torch_threads(1):
+        release()
+        assert torch.get_num_threads() == 1 and release.held_s is None
+        state["done"] = True
+        release()
+        assert torch.get_num_threads() == before + 1 and release.held() == release.held_s >= 0
+        state["done"] = False
+        release()
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
