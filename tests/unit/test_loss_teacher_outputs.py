@@ -168,3 +168,38 @@ def test_spec_union_serves_two_losses():
     assert (u.topk, u.target) == (8, True)
     with pytest.raises(ValueError):
         a.union(TeacherOutputSpec(VOCAB, topk=1, temperature=2.0))
+
+
+@pytest.mark.parametrize(("width", "k"), [(262_144, 32), (49_152, 8), (151_936, 32), (30, 4)])
+def test_blocked_topk_equals_torch_topk(width, k):
+    from tokenbridge.teacher.outputs import topk_blocked
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(5, width, generator=g)
+    x[1, 1000 : 1000 + 2 * k] += 50.0  # every top value in one or two blocks
+    x[2, : width - 3] = NEG  # fewer finite logits than k
+    x[3, ::97] = 9.0  # ties at the top: the values still agree
+    x[4] = x[4].round(decimals=1)  # many ties everywhere
+    vals, ids = topk_blocked(x, k)
+    want_vals, want_ids = torch.topk(x, k, dim=-1)
+    assert torch.equal(vals, want_vals)
+    assert torch.equal(x.gather(1, ids), vals)  # the ids name those values
+    assert all(len(set(r)) == k for r in ids.tolist())  # k distinct columns
+    assert torch.equal(ids[:2], want_ids[:2])  # no ties: the same ids as torch's
+
+
+def test_blocked_topk_through_the_outputs_matches_dense():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 16_384, generator=g) * 4
+    spec = TeacherOutputSpec(16_384, topk=4, columns=2, rest_sorted=4, chunk_size=4)
+    out = teacher_outputs_from_logits(x, spec=spec, columns=torch.tensor([5, 9]))
+    lp = torch.log_softmax(x.double(), -1)
+    order = torch.argsort(lp, -1, descending=True)
+    assert torch.equal(out.topk_ids.long(), order[..., :4])
+    torch.testing.assert_close(
+        out.topk_logprobs.double(), lp.gather(-1, order[..., :4]), rtol=1e-5, atol=1e-5
+    )
+    rest = lp.clone()
+    rest[..., [5, 9]] = NEG
+    want = torch.sort(rest.exp(), -1, descending=True).values[..., :4]
+    torch.testing.assert_close(out.rest_sorted_probs.double(), want, rtol=1e-5, atol=1e-7)

@@ -260,6 +260,31 @@ def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
     e_RV[none, 0] = keep0
 
 
+MAX_BLOCK = 1024  # columns per block of `topk_blocked` (a [rows, V / block] pass of maxes)
+
+
+def topk_blocked(x_RV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``torch.topk(x, k, dim=-1)`` (values, ids; largest first) by blocks of columns: the
+    maxes of each block of up to `MAX_BLOCK` columns, the k blocks with the largest maxes, then
+    the top k of those k blocks' columns. Exact: a column outside them that beat one inside
+    would lie in a block whose max beats the max of every chosen block, so the chosen blocks
+    hold k columns at least as large; among equal values the ids may differ from torch's.
+    Why: torch.topk over 262,144 columns cost ~0.4 ms a row on one core, as much as the
+    exp and sums of the whole logsumexp; this reads the row once for the maxes (~8x less).
+    Falls back to torch.topk where the blocks would not save a pass (few columns, large k)."""
+    R, V = x_RV.shape
+    block = V & -V  # the largest power of two that divides V
+    block = min(block, MAX_BLOCK)
+    n_blocks = V // block
+    if block < 64 or n_blocks < 4 * k or not x_RV.is_contiguous():
+        return torch.topk(x_RV, k, dim=-1)
+    top_blocks_Rk = torch.topk(x_RV.view(R, n_blocks, block).amax(-1), k, dim=-1).indices
+    offsets = torch.arange(block, device=x_RV.device)
+    cols_RC = (top_blocks_Rk[..., None] * block + offsets).view(R, k * block)
+    vals, at = torch.topk(x_RV.gather(1, cols_RC), k, dim=-1)
+    return vals, cols_RC.gather(1, at)
+
+
 @torch.no_grad()
 def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
     """Same fields on one device, sharing one exp(x - max) buffer (``work_RV`` when given):
@@ -275,7 +300,7 @@ def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
     out: dict[str, Tensor] = {}
     if spec.topk:
-        vals, ids = torch.topk(xs, spec.topk, dim=-1)
+        vals, ids = topk_blocked(xs, spec.topk)
         lp = vals - logz[:, None]
         live = lp > NEG_INF
         out["topk_ids"] = torch.where(live, ids, -1)
@@ -293,7 +318,7 @@ def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
         if spec.per_position_columns:
             out["col_ids"] = cols
         if spec.rest_sorted:
-            vals, _ = torch.topk(e, spec.rest_sorted, dim=-1)
+            vals, _ = topk_blocked(e, spec.rest_sorted)
             out["rest_sorted_probs"] = vals / s_all[:, None]
     if spec.target:
         if spec.temperature == 1.0:

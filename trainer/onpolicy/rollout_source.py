@@ -139,7 +139,7 @@ class OnPolicy:
         self.pending: Rollouts | None = None  # lag 1: sampled and submitted, not learnt yet
         # int8 sampling: the copy and the rollout phases it has served (not checkpointed: a
         # resumed run makes a new one, so with sampler_refresh > 1 its rollouts may differ)
-        self.int8, self.int8_uses = None, 0
+        self.int8, self.int8_uses, self.int8_copy_s = None, 0, 0.0  # seconds making copies
         self.overlap_s = 0.0  # lag 1: seconds the last rollout phase sampled beside the teachers
         self._pending_batches: list | None = None
         self.mixture = self.op.mix == "mixture" and len(self.teachers.terms) > 1
@@ -200,15 +200,17 @@ class OnPolicy:
         model = self.tr.model
         was_training = model.training
         model.eval()
-        on_step = None
+        on_step, cores = None, torch.get_num_threads()
         if release is not None and threads is not None:
-            on_step = _Release(release, threads=torch.get_num_threads())
+            on_step = _Release(release, threads=cores)
         try:
             with (
                 torch_threads(threads),
                 gathered(model, reshard_after_forward=self.cfg.parallel.reshard_after_forward),
             ):
-                int8 = None if exact else self._int8_copy(model)
+                # the copy packs a matrix per Python thread, each at torch's lowered count: on
+                # every core even beside the teachers (on one, it outlasted their scoring)
+                int8 = None if exact else self._int8_copy(model, threads=cores)
                 r = sample(
                     model,
                     [p.ids for p in prompts],
@@ -227,15 +229,17 @@ class OnPolicy:
         r.meta = [{"key": prompts[i].key, "messages": prompts[i].messages} for i in r.prompt_index]
         return r
 
-    def _int8_copy(self, model):
+    def _int8_copy(self, model, *, threads: int):
         """The int8 copy this rollout phase samples from (None: the model's own weights): a new
-        one every ``onpolicy.sampler_refresh`` phases, made on the threads torch has now."""
+        one every ``onpolicy.sampler_refresh`` phases, packed on ``threads`` threads."""
         if self.sampling.weights != "int8":
             return None
         if self.int8 is None or self.int8_uses >= self.op.sampler_refresh:
+            t0 = time.perf_counter()
             self.int8 = None  # the old copy freed first: never two at once
-            self.int8 = int8_weights(model, vocab_size=self.tr.vocab_used)
+            self.int8 = int8_weights(model, vocab_size=self.tr.vocab_used, threads=threads)
             self.int8_uses = 0
+            self.int8_copy_s += time.perf_counter() - t0
         self.int8_uses += 1
         return self.int8
 
@@ -307,7 +311,7 @@ class OnPolicy:
     def step(self, *, log: bool, last: bool) -> dict[str, float] | None:
         """One on-policy optimizer step (see the module docstring); its record on a logging
         step. ``last``: no later on-policy step will run in this process (lag 1 samples none)."""
-        t0 = time.perf_counter()
+        t0, copy0 = time.perf_counter(), self.int8_copy_s
         times = Counter()
         if self.pending is not None:  # lag 1: sampled and submitted during the last step
             r, batches = self.pending, self._pending_batches
@@ -346,6 +350,8 @@ class OnPolicy:
         if record is None:
             return None
         gen_tokens = times.pop("gen_tokens", 0)
+        if self.sampling.weights == "int8":  # of generate_s: packing the int8 copies
+            times["int8_copy_s"] = self.int8_copy_s - copy0
         record.update({f"time/{k}": v for k, v in times.items()})
         if times["generate_s"] > 0:  # this rank's sampler speed over what it sampled this step
             record["rollout/gen_tokens_per_s"] = gen_tokens / times["generate_s"]
