@@ -95,7 +95,7 @@ def breakdown(threads: int, tmp: Path) -> dict:
         xtoken,
         xtoken_teacher_spec,
     )
-    from tokenbridge.teacher.outputs import TeacherOutputs, teacher_outputs_from_logits
+    from tokenbridge.teacher.outputs import TeacherOutputs, Workspace, teacher_outputs_from_logits
     from trainer.config.schema import ModelConfig, TeacherConfig
     from trainer.microbatches import collate
     from trainer.shard_reader import ShardReader
@@ -146,7 +146,10 @@ def breakdown(threads: int, tmp: Path) -> dict:
         hidden = body()
         r["teacher_head"] = _median(lambda: teacher.lm_head(hidden))
         logits_t = teacher.lm_head(hidden)
-        r["teacher_outputs"] = _median(lambda: teacher_outputs_from_logits(logits_t, spec=spec))
+        ws = Workspace()  # as `teacher_forward` reuses its buffers within a call
+        r["teacher_outputs"] = _median(
+            lambda: teacher_outputs_from_logits(logits_t, spec=spec, workspace=ws)
+        )
     outs = t_fwd().tensors()
     prog = TeacherModelProgram(
         TeacherConfig(path="x"), spec, max_batch=1, max_len=a.teacher_ids.shape[1]

@@ -172,7 +172,7 @@ def test_spec_union_serves_two_losses():
 
 @pytest.mark.parametrize(("width", "k"), [(262_144, 32), (49_152, 8), (151_936, 32), (30, 4)])
 def test_blocked_topk_equals_torch_topk(width, k):
-    from tokenbridge.teacher.outputs import topk_blocked
+    from tokenbridge.teacher.blocked import topk_blocked
 
     g = torch.Generator().manual_seed(width)
     x = torch.randn(5, width, generator=g)
@@ -203,3 +203,49 @@ def test_blocked_topk_through_the_outputs_matches_dense():
     rest[..., [5, 9]] = NEG
     want = torch.sort(rest.exp(), -1, descending=True).values[..., :4]
     torch.testing.assert_close(out.rest_sorted_probs.double(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+@pytest.mark.parametrize("workspace", [False, True])
+def test_blocked_passes_match_dense_fields(tau, workspace):
+    """Top-k + target without columns take the blocked passes (`teacher.blocked`): every field
+    equals the float64 dense log-softmax, the tail exact even below fp32's 1 - sum (~e-16)."""
+    from tokenbridge.teacher.blocked import block_size
+    from tokenbridge.teacher.outputs import Workspace
+
+    width, vocab, k = 16_384, 16_000, 8
+    assert block_size(width, k) == 256  # the blocked path, not torch.topk's
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, width, generator=g) * 3
+    x[0, 0, 77] = 60.0  # one column holds all but ~e-46 of the mass (at tau 2: ~e-19)
+    x[0, 1, : vocab - 3] = NEG  # fewer finite logits than k
+    x[1, 2, 4000:4020] = 25.0  # ties at the top, all in one block
+    tgt = torch.randint(0, vocab, (2, 5), generator=g)
+    tgt[1, -1] = -1
+    spec = TeacherOutputSpec(vocab, topk=k, target=True, temperature=tau, chunk_size=4)
+    out = teacher_outputs_from_logits(
+        x, spec=spec, target_ids_BT=tgt, workspace=Workspace() if workspace else None
+    )
+    y = x.double()
+    y[..., vocab:] = NEG
+    lp = torch.log_softmax(y / tau, -1)
+    vals = torch.topk(lp, k, -1).values
+    torch.testing.assert_close(out.topk_logprobs.double(), vals, rtol=1e-5, atol=1e-5)
+    live = vals > NEG
+    got = lp.gather(-1, out.topk_ids.long().clamp(min=0))
+    assert torch.equal(out.topk_ids >= 0, live)
+    torch.testing.assert_close(got[live], vals[live], rtol=1e-5, atol=1e-5)  # ids name them
+    tail = lp.scatter(-1, out.topk_ids.long().clamp(min=0), NEG)
+    tail = torch.where(live.all(-1, keepdim=True), tail, lp.masked_fill(live_mask(lp, k), NEG))
+    torch.testing.assert_close(
+        out.tail_logprob.double(), torch.logsumexp(tail, -1), rtol=1e-5, atol=1e-5
+    )
+    assert -60 < out.tail_logprob[0, 0] < -16  # exact, where log(1 - sum of the top k) is not
+    want = torch.log_softmax(y, -1).gather(-1, tgt.clamp(min=0)[..., None])[..., 0]
+    want = torch.where(tgt >= 0, want, 0.0)
+    torch.testing.assert_close(out.target_logprob.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def live_mask(lp, k):
+    """The top-k columns of each row of ``lp`` (float64) as a bool mask."""
+    return torch.zeros_like(lp, dtype=torch.bool).scatter(-1, torch.topk(lp, k, -1).indices, True)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.teacher import blocked
 
 NEG_INF = float("-inf")
 
@@ -260,38 +261,21 @@ def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
     e_RV[none, 0] = keep0
 
 
-MAX_BLOCK = 1024  # columns per block of `topk_blocked` (a [rows, V / block] pass of maxes)
-
-
-def topk_blocked(x_RV: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``torch.topk(x, k, dim=-1)`` (values, ids; largest first) by blocks of columns: the
-    maxes of each block of up to `MAX_BLOCK` columns, the k blocks with the largest maxes, then
-    the top k of those k blocks' columns. Exact: a column outside them that beat one inside
-    would lie in a block whose max beats the max of every chosen block, so the chosen blocks
-    hold k columns at least as large; among equal values the ids may differ from torch's.
-    Why: torch.topk over 262,144 columns cost ~0.4 ms a row on one core, as much as the
-    exp and sums of the whole logsumexp; this reads the row once for the maxes (~8x less).
-    Falls back to torch.topk where the blocks would not save a pass (few columns, large k)."""
-    R, V = x_RV.shape
-    block = V & -V  # the largest power of two that divides V
-    block = min(block, MAX_BLOCK)
-    n_blocks = V // block
-    if block < 64 or n_blocks < 4 * k or not x_RV.is_contiguous():
-        return torch.topk(x_RV, k, dim=-1)
-    top_blocks_Rk = torch.topk(x_RV.view(R, n_blocks, block).amax(-1), k, dim=-1).indices
-    offsets = torch.arange(block, device=x_RV.device)
-    cols_RC = (top_blocks_Rk[..., None] * block + offsets).view(R, k * block)
-    vals, at = torch.topk(x_RV.gather(1, cols_RC), k, dim=-1)
-    return vals, cols_RC.gather(1, at)
-
-
 @torch.no_grad()
-def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
-    """Same fields on one device, sharing one exp(x - max) buffer (``work_RV`` when given):
-    every mass outside a set is a sum over that buffer with the set zeroed (exact), not 1 - sum
-    and not a masked copy."""
+def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None) -> dict[str, Tensor]:
+    """Same fields on one device. Top-k (+ target) without columns: in blocked passes
+    (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
+    ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
+    zeroed (exact), not 1 - sum and not a masked copy."""
     x1 = vo.mask_padded(x_RV.float(), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
+    R, V = xs.shape
+    if spec.topk and not spec.columns:
+        work = workspace.get("exp", 1, V, xs.device) if workspace else xs.new_empty(V)
+        fields_ = blocked.topk_fields(xs, spec.topk, work.view(-1))
+        if fields_ is not None:
+            return _from_blocked(fields_, spec, x1, tgt_R)
+    work_RV = None if workspace is None else workspace.get("exp", R, V, xs.device)
     m = xs.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
     e = (xs - m if work_RV is None else torch.sub(xs, m, out=work_RV)).exp_()
@@ -300,7 +284,7 @@ def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
     out: dict[str, Tensor] = {}
     if spec.topk:
-        vals, ids = topk_blocked(xs, spec.topk)
+        vals, ids = blocked.topk_blocked(xs, spec.topk)
         lp = vals - logz[:, None]
         live = lp > NEG_INF
         out["topk_ids"] = torch.where(live, ids, -1)
@@ -318,15 +302,31 @@ def _rows_local(x_RV, spec, tgt_R, cols, work_RV=None) -> dict[str, Tensor]:
         if spec.per_position_columns:
             out["col_ids"] = cols
         if spec.rest_sorted:
-            vals, _ = topk_blocked(e, spec.rest_sorted)
+            vals, _ = blocked.topk_blocked(e, spec.rest_sorted)
             out["rest_sorted_probs"] = vals / s_all[:, None]
     if spec.target:
-        if spec.temperature == 1.0:
-            logz1 = logz
-        else:
-            logz1 = torch.logsumexp(x1, -1)
-        tl = x1.gather(1, tgt_R.clamp(min=0)[:, None])[:, 0] - logz1
-        out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
+        out["target_logprob"] = _target(x1, tgt_R, logz if spec.temperature == 1.0 else None)
+    return out
+
+
+def _target(x1_RV: Tensor, tgt_R: Tensor, logz1_R: Tensor | None) -> Tensor:
+    """log p(next token) at temperature 1 (``logz1``: logZ at temperature 1 when known)."""
+    logz1 = torch.logsumexp(x1_RV, -1) if logz1_R is None else logz1_R
+    tl = x1_RV.gather(1, tgt_R.clamp(min=0)[:, None])[:, 0] - logz1
+    return torch.where(tgt_R >= 0, tl, 0.0)
+
+
+def _from_blocked(f: dict[str, Tensor], spec, x1_RV: Tensor, tgt_R) -> dict[str, Tensor]:
+    """The spec's fields from `blocked.topk_fields`."""
+    logz = torch.where(torch.isfinite(f["logz"]), f["logz"], 0.0)  # an all -inf row -> zeros
+    lp = f["vals"] - logz[:, None]
+    out = {
+        "topk_ids": torch.where(lp > NEG_INF, f["ids"], -1),
+        "topk_logprobs": lp,
+        "tail_logprob": f["tail"] - logz,
+    }
+    if spec.target:
+        out["target_logprob"] = _target(x1_RV, tgt_R, logz if spec.temperature == 1.0 else None)
     return out
 
 
@@ -367,8 +367,7 @@ def teacher_outputs_from_logits(
         if cols is not None and spec.per_position_columns:
             c = cols[:, t0:t1].reshape(-1, spec.columns)
         if tp_group is None:
-            work = None if workspace is None else workspace.get("exp", *rows.shape, rows.device)
-            vals = _rows_local(rows, spec, tgt, c, work)
+            vals = _rows_local(rows, spec, tgt, c, workspace)
         else:
             vals = _rows(rows, spec, tgt, c, tp_group)
         for name, val in vals.items():
