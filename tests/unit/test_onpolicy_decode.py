@@ -206,3 +206,23 @@ def test_the_products_form_is_measured_once_and_either_gives_the_same_tokens(mon
     for major in (False, True):
         monkeypatch.setattr(orient, "weight_major", lambda rows, shape, m=major: m)
         assert sample(model, PROMPTS, **kw).completions == want
+
+
+def test_measured_forms_travel_in_a_checkpoint_and_are_taken_on_resume(monkeypatch):
+    """A checkpoint keeps the forms measured (`orient.saved`, JSON through `state_split`); a
+    resumed process takes them (`restore`) instead of measuring: the same products, the same
+    rounding, the same tokens as the run it resumes."""
+    import json
+
+    from trainer.checkpoint.state_split import split
+
+    monkeypatch.setattr(orient, "_CHOICE", {})
+    planted = {(2, 192, 64, torch.float32, 1): True, (3, 49_152, 576, torch.float64, 2): False}
+    orient._CHOICE.update(planted)
+    doc, tensors = split({"product_forms": orient.saved()})
+    assert not tensors  # plain JSON values
+    monkeypatch.setattr(orient, "_CHOICE", {})  # a fresh process
+    orient.restore(json.loads(json.dumps(doc))["product_forms"])
+    assert orient.choices() == planted
+    # read back at the thread count it was measured with, not at another
+    assert orient.weight_major(2, (192, 64, torch.float32)) is (torch.get_num_threads() == 1)

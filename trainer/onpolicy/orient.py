@@ -19,7 +19,8 @@ these machines), once per process. Past `MAX_TUNED_ROWS` rows, or on another dev
 CPU (cuBLAS has no such gap), ``F.linear``.
 
 Both forms give the same values up to float rounding (a product's summation order differs);
-tested in tests/unit/test_onpolicy_decode.py.
+tested in tests/unit/test_onpolicy_decode.py. A checkpoint keeps what was measured (`saved`,
+`restore`): a resumed run takes the same forms rather than a fresh, noisy measurement.
 
 Legend: B rows, K input width, N output width (the products' weights side by side).
 """
@@ -99,3 +100,19 @@ def tune(kinds: list[list[list[torch.Tensor]]], rows: int) -> None:
 def choices() -> dict[tuple, bool]:
     """What this process measured: (rows, N, K, dtype, threads) -> weight-major faster."""
     return dict(_CHOICE)
+
+
+def saved() -> list[list]:
+    """`choices` as plain values for a checkpoint's JSON: [rows, N, K, dtype, threads, major]."""
+    return [
+        [r, n, k, str(d).removeprefix("torch."), t, m]
+        for (r, n, k, d, t), m in sorted(_CHOICE.items(), key=str)
+    ]
+
+
+def restore(forms: list[list]) -> None:
+    """Take the forms a run measured (`saved`, from its checkpoint) in place of measuring them:
+    the two forms differ in float rounding, so a resumed run samples with the products of the
+    run it resumes (where its thread counts are the same)."""
+    for r, n, k, d, t, m in forms:
+        _CHOICE[(int(r), int(n), int(k), getattr(torch, d), int(t))] = bool(m)

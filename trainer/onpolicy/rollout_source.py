@@ -49,6 +49,7 @@ from tokenbridge.losses.multi_teacher import combine_teachers
 from tokenbridge.losses.opd import mix_teacher_outputs
 from tokenbridge.teacher.outputs import TeacherOutputs
 from trainer.loss_terms import kd_weights
+from trainer.onpolicy import orient
 from trainer.onpolicy.agreement import completion_bpb
 from trainer.onpolicy.decode import int8_weights
 from trainer.onpolicy.importance import RATIO_STATS, policy_logprobs, prefix_weights, scale_grad
@@ -388,11 +389,13 @@ class OnPolicy:
             "prompts": self.prompts.state_dict(),
             "choice": self.choice.getstate(),
             "pending": None if self.pending is None else dict(vars(self.pending)),
+            "product_forms": orient.saved(),  # a resumed run samples with the same products
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.choice.setstate(state["choice"])
+        orient.restore(state.get("product_forms", []))  # none in checkpoints before them
         pending = state["pending"]
         self.pending = None if pending is None else Rollouts(**pending)
         if self.pending is not None:  # the teacher scores it again: the channels start empty
