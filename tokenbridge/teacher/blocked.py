@@ -11,8 +11,9 @@ Here the columns are cut into blocks of `BLOCK` (the largest power of two up to 
 divides V) and every whole-row pass reads the logits once:
 
 1. the maxes of each block [rows, V / BLOCK]; the row's max is their max;
-2. exp(x - max) a row at a time, into a buffer of one row (it stays in the core's cache),
-   summed per block [rows, V / BLOCK]; logZ = max + log of their sum;
+2. exp(x - max) a row at a time on the CPU, into a buffer of one row (it stays in the core's
+   cache; all rows at once on a GPU), summed per block [rows, V / BLOCK]; logZ = max + log of
+   their sum;
 3. the top k from the k blocks with the largest maxes (`topk_blocked`: exact);
 4. the tail bucket's mass = the sums of the blocks not chosen + the chosen blocks' columns
    outside the top k: a sum of non-negative terms, exact, never 1 - sum(top k).
@@ -31,6 +32,14 @@ from torch import Tensor
 
 BLOCK = 256  # columns per block at most: the pass of maxes is [R, V / 256], the candidates k x 256
 ROW_BYTES = 1 << 20  # the exp pass's rows at a time: ~1 MB, within a core's L2 cache
+
+
+def pass_rows(rows: int, width: int, device) -> int:
+    """Rows of the exp pass at a time: ~`ROW_BYTES` of them on the CPU (they stay in the core's
+    cache), all of them on a GPU (one kernel each, not one per row)."""
+    if torch.device(device).type != "cpu":
+        return rows
+    return max(1, min(rows, ROW_BYTES // (4 * width)))
 
 
 def block_size(width: int, k: int) -> int:
@@ -71,7 +80,7 @@ def _top_from_blocks(x_RV, maxes_RB, k, block):
 def topk_fields(xs_RV: Tensor, k: int, work: Tensor) -> dict[str, Tensor] | None:
     """(max [R, 1], logZ [R], top-k values [R, K] and ids [R, K], tail log-mass [R]) of rows
     ``xs`` in the blocked passes of the module docstring, or None where `block_size` says the
-    blocks would not pay. ``work``: a flat fp32 buffer of at least one row (``V`` values).
+    blocks would not pay. ``work``: a flat fp32 buffer of `pass_rows` rows at least.
     The tail log-mass is log sum exp over the columns outside the top k (not minus logZ)."""
     R, V = xs_RV.shape
     block = block_size(V, k)
@@ -82,7 +91,9 @@ def topk_fields(xs_RV: Tensor, k: int, work: Tensor) -> dict[str, Tensor] | None
     m_R1 = maxes_RB.amax(-1, keepdim=True)
     m_R1 = torch.where(torch.isfinite(m_R1), m_R1, 0.0)  # an all -inf row: sums of zeros
     sums_RB = xs_RV.new_empty(R, B)
-    n = max(1, min(R, ROW_BYTES // (4 * V), work.numel() // V))
+    n = pass_rows(R, V, xs_RV.device)
+    if work.numel() < n * V:
+        raise ValueError(f"topk_fields: work holds {work.numel()} values, needs {n} x {V}")
     for r0 in range(0, R, n):
         r1 = min(R, r0 + n)
         e = work[: (r1 - r0) * V].view(r1 - r0, V)

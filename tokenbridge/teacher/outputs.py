@@ -271,7 +271,8 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None) -> dict[st
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     R, V = xs.shape
     if spec.topk and not spec.columns:
-        work = workspace.get("exp", 1, V, xs.device) if workspace else xs.new_empty(V)
+        n = blocked.pass_rows(R, V, xs.device)
+        work = workspace.get("exp", n, V, xs.device) if workspace else xs.new_empty(n, V)
         fields_ = blocked.topk_fields(xs, spec.topk, work.view(-1))
         if fields_ is not None:
             return _from_blocked(fields_, spec, x1, tgt_R)
