@@ -298,8 +298,9 @@ def render(res: dict, real: dict) -> str:
         f"Gemma-3-270M teacher -> SmolLM2-135M student, xtoken (top-32 through the projection) + CE, "
         f"1 x {r['student_tokens']} student / {r['teacher_tokens']} teacher tokens of Hamlet. "
         "One process, one torch thread (as each process of the demo), parts timed alone (median "
-        f"of {REPS} after a warm-up); ratios are to the baseline = teacher forward + a CE-only "
-        "student step.",
+        f"of {REPS} after a warm-up) except the teacher forward, the CE-only step and the "
+        "distillation step, timed in turn within each repeat; ratios are to the baseline = "
+        "teacher forward + a CE-only student step.",
         "",
         "| part | seconds | share of baseline |",
         "|---|---:|---:|",
