@@ -36,13 +36,8 @@ REPS = 5  # the overhead is a small difference of two medians: 2 repeats were to
 
 
 def _median(fn, reps: int = REPS) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``fn`` alone over ``reps`` runs after a warm-up."""
+    return _alternated([fn], reps)[0]
 
 
 def _alternated(fns: list, reps: int = REPS) -> list[float]:
