@@ -34,11 +34,15 @@ export TOKENIZERS_PARALLELISM := false
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-setup: $(SETUP)  ## create .venv with the pinned dependencies (idempotent)
-$(SETUP): pyproject.toml requirements.lock
+# torch 2.13.0: the CUDA build where nvidia-smi lists a GPU, else the CPU build
+# (tokenbridge/assets/torch_build.py; TORCH_BUILD=cpu|cuda overrides the detection)
+TORCH_BUILD ?= auto
+setup: $(SETUP)  ## create .venv with the pinned dependencies (idempotent; TORCH_BUILD=cpu|cuda)
+$(SETUP): pyproject.toml requirements.lock requirements-cuda.lock
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -c requirements.lock -e '.[dev]'
+	torch_args=$$($(VENV)/bin/python tokenbridge/assets/torch_build.py --device $(TORCH_BUILD)) && \
+	  $(VENV)/bin/pip install -q -c requirements.lock $$torch_args -e '.[dev]'
 	touch $@
 
 models: $(SETUP)  ## fetch + convert teacher/student, tokenizer fixtures, corpora, eval data into artifacts/
