@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.objectstore import SeaweedS3
+from bench.storage.seaweed import SeaweedS3
 from tokenbridge import paths
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -15,9 +15,9 @@ import pytest
 from apache_beam.utils import retry
 from safetensors import safe_open
 
+from bench.storage.seaweed import SeaweedS3
 from pipelines.align import job as J
 from pipelines.projection.__main__ import main as projection_job
-from tests.objectstore import SeaweedS3
 from tokenbridge import cli
 from tokenbridge.formats import shard_schema as S
 
