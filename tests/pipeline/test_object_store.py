@@ -1,4 +1,4 @@
-"""The jobs against a real S3 server (SeaweedFS on loopback, `tests.objectstore`): a projection
+"""The jobs against a real S3 server (SeaweedFS on loopback, `bench.storage.seaweed`): a projection
 uploaded whole, and the failures a user meets: refused credentials and a missing input (one
 line each, exit 2), and a server whose endpoint dies while the align job uploads (the job fails, no
 COMPLETED; once the server is back, a re-run starts over and completes). The align job's output

@@ -1,7 +1,7 @@
 """The teacher-cache job on Beam: the trainer's teacher program inside RunInference.
 
 On the FnApiRunner and on a Dask LocalCluster (two worker processes, writing to the test S3
-server: `tests.objectstore`) it writes the same cache (rows keyed by shard file and row; the
+server: `bench.storage.seaweed`) it writes the same cache (rows keyed by shard file and row; the
 files' split follows the runner's bundles), whose fp32
 values are the teacher program's outputs on each row alone; rows with ids outside the teacher's
 vocabulary go to the dead letters; a complete directory is not overwritten unless asked. The
