@@ -118,13 +118,13 @@ bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.m
 # here. Neither target sets anything up: the check needs no weights (docs/gpu.md).
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:  ## GPU check, <= 9 min on one H100/H200, no weights or network (docs/gpu.md; OUT=dir)
-	$(GPU_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT))
+	$(GPU_PY) -m bench.gpu.check $(if $(OUT),--out $(OUT))
 
 gpu-check-pack: models  ## .gpucheck/: tokenizers, text, Hydra for a GPU machine without them (docs/gpu.md)
-	$(PY) -m bench.gpu_pack
+	$(PY) -m bench.gpu.pack
 
 science: models $(VENV)/.stamp-bench  ## the science table: every loss mode vs CE-only vs TRL's GOLD (docs/science.md)
-	$(PY) -m bench.science
+	$(PY) -m bench.science.experiment
 
 KJV_ALIGN := outputs/align/kjv
 demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samples KJV continuations, Gemma scores
@@ -137,7 +137,7 @@ demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samp
 
 demo-onpolicy-compare: models  ## on-policy vs off-policy KD vs CE-only, same wall-clock (after demo-onpolicy's inputs)
 	rm -rf runs/onpolicy_compare
-	$(PY) -m bench.onpolicy_compare
+	$(PY) -m bench.onpolicy.equal_budget
 
 # the tiny-model experiments: the real tokenizers, random weights, seconds of training on CPU.
 # Shards are made once (delete the directory to remake them); their windows fit the config's

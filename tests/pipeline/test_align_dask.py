@@ -2,7 +2,7 @@
 (two worker processes), giving the same rows, stats and dead letters as the FnApiRunner (the
 rows' order and their split into rolled files depend on the runner's bundles).
 
-Both write to an S3 server as well (SeaweedFS on loopback, `tests.objectstore`): the
+Both write to an S3 server as well (SeaweedFS on loopback, `bench.storage.seaweed`): the
 FnApiRunner's objects are the bytes of its local run, file for file, and the Dask workers, which
 get no pipeline options from Beam, find the server through the AWS variables they inherit (the
 Dask run reads its input from the server too).

@@ -1,4 +1,4 @@
-"""The jobs against a real S3 server (SeaweedFS on loopback, `tests.objectstore`): a projection
+"""The jobs against a real S3 server (SeaweedFS on loopback, `bench.storage.seaweed`): a projection
 uploaded whole, and the failures a user meets: refused credentials and a missing input (one
 line each, exit 2), and a server whose endpoint dies while the align job uploads (the job fails, no
 COMPLETED; once the server is back, a re-run starts over and completes). The align job's output
@@ -15,9 +15,9 @@ import pytest
 from apache_beam.utils import retry
 from safetensors import safe_open
 
+from bench.storage.seaweed import SeaweedS3
 from pipelines.align import job as J
 from pipelines.projection.__main__ import main as projection_job
-from tests.objectstore import SeaweedS3
 from tokenbridge import cli
 from tokenbridge.formats import shard_schema as S
 

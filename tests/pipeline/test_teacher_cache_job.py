@@ -1,7 +1,7 @@
 """The teacher-cache job on Beam: the trainer's teacher program inside RunInference.
 
 On the FnApiRunner and on a Dask LocalCluster (two worker processes, writing to the test S3
-server: `tests.objectstore`) it writes the same cache (rows keyed by shard file and row; the
+server: `bench.storage.seaweed`) it writes the same cache (rows keyed by shard file and row; the
 files' split follows the runner's bundles), whose fp32
 values are the teacher program's outputs on each row alone; rows with ids outside the teacher's
 vocabulary go to the dead letters; a complete directory is not overwritten unless asked. The
@@ -18,11 +18,12 @@ import pytest
 import torch
 from dask.distributed import LocalCluster
 
+from bench.common import shakespeare_docs
 from pipelines.teacher_cache import job as J
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
-from tests.e2e.helpers import shakespeare_docs, write_shards
 from tokenbridge import cli
+from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
 from tokenbridge.teacher.outputs import TeacherOutputSpec
@@ -46,7 +47,7 @@ def teacher_args(student_dir) -> list[str]:
 def inputs(tmp_path_factory, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("teacher_cache")
     docs = shakespeare_docs(10, chars=700)
-    d = write_shards(tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[student_dir])
+    d = write_text_shards(tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[student_dir])
     base = ["--shards", str(d), *teacher_args(student_dir), "--k", "8", "--threads", "1"]
     base += ["--logprob-dtype", "float32", "--samples", "4", "--rows-per-task", "12"]
     base += ["--batch-tokens", "256", "--cache-mb", "0.02"]

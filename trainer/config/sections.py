@@ -127,7 +127,7 @@ class DataConfig:
     eval_split: str = "window"
     # a validation set beside the test set (the next val_fraction of the same hash, never
     # trained on either), and which of the two the held-out BPB is computed on: a
-    # hyper-parameter is chosen on "val" and reported on "test" (bench/science.py)
+    # hyper-parameter is chosen on "val" and reported on "test" (bench/science/experiment.py)
     val_fraction: float = 0.0
     eval_on: str = "test"
     # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
