@@ -33,7 +33,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tokenbridge import urls
+from tokenbridge import atomic, urls
 from tokenbridge.formats import checksums as integrity
 
 FETCHED = ".fetched"  # an entry's commit point: written after every file is in place
@@ -195,7 +195,7 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
                 url, expected=integrity.describe(expected), found=integrity.describe(found),
                 hint="the object differs from its completion marker: re-run the job that wrote it",
             )  # fmt: skip
-    os.replace(part, dest)
+    atomic.replace(part, dest)
     if expected is not None:  # hashed on its way: the reader that maps it need not hash it again
         integrity.mark_verified(dest, expected)
 

@@ -28,8 +28,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from tokenbridge import urls
-from tokenbridge.formats.shards import atomic_write_bytes
+from tokenbridge import atomic, urls
 
 Location = str | Path  # a local directory or file (Path) or a URL (str)
 _ENV_FLAGS = {"endpoint_url": "--s3_endpoint_url", "region": "--s3_region_name"}
@@ -133,7 +132,7 @@ def write_bytes(path: Location, data: bytes) -> None:
             _s3().client.client.put_object(Bucket=bucket, Key=key, Body=data)  # write 0 bytes
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, data)
+    atomic.write(path, data, fsync=True)
 
 
 def upload(local: Path, path: Location) -> None:
@@ -161,7 +160,7 @@ def size(path: Location) -> int:
 def rename(src: Location, dst: Location) -> None:
     """Move a file: a rename on a local disk, copy then delete on an object store."""
     if not urls.is_url(src):
-        os.replace(src, dst)
+        atomic.replace(src, dst)
         return
     with errors(_url(src), doing="a copy"):
         _s3().rename(str(src), _url(dst))

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.plumbing import storage
-from tokenbridge import cli, paths, urls
+from pipelines.plumbing import jobs, storage
+from tokenbridge import cli, urls
 from tokenbridge.projection import (
     build_projection,
     describe,
@@ -33,8 +33,9 @@ OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (built locally, then uplo
 
 
 def default_out(teacher: str, student: str, k: int) -> Path:
-    name = f"{Path(teacher.rstrip('/')).name}__{Path(student.rstrip('/')).name}__k{k}"
-    return paths.REPO_ROOT / "outputs" / "projection" / f"{name}.safetensors"
+    """outputs/projection/<teacher>__<student>__k<k>.safetensors."""
+    names = [urls.name(teacher), urls.name(student), f"k{k}"]
+    return jobs.default_out_dir("projection", names, suffix=".safetensors")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -44,21 +44,19 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.plumbing import beam_worker, progress, rolling, storage
+from pipelines.plumbing import beam_worker, jobs, rolling, storage
 from pipelines.plumbing import writers as W
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
     DEAD,
     MAIN,
-    MAX_DEAD_FRACTION,
     add_dead_fraction_arg,
     dead_fraction,
-    refuse_if_dead,
     split,
 )
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
-from tokenbridge import paths, urls
+from tokenbridge import urls
 from tokenbridge.formats import shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
 from tokenbridge.formats.teacher_cache import CacheMeta
@@ -69,25 +67,23 @@ from tokenbridge.tokenizers import load_tokenizer
 
 log = logging.getLogger("tokenbridge.teacher_cache")
 
-ROLL_MB = 128  # cache files roll at this size
+ROLL_MB = jobs.ROLL_MB  # cache files roll at this size
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's S3 I/O)
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class JobConfig(jobs.JobConfig):
+    """The teacher-cache job's config (``out`` and the rest of the output side: `jobs.JobConfig`)."""
+
     shards: Path  # local: the directory, or the verified copy of `shards_url`
-    out: storage.Location  # a local directory (Path) or an object-store URL (str)
     meta: CacheMeta
     teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
     teacher_dtype: str = "float32"  # its weights and compute, resolved (never auto)
     batch_tokens: int = 8192  # padded teacher tokens per forward (rows x longest row)
     max_rows: int = 64
     rows_per_task: int = 512
-    roll_bytes: int = ROLL_MB << 20
     device: str = "cpu"
     threads: int | None = None
-    overwrite: bool = False
-    max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
     shards_url: str | None = None  # --shards given as an object-store URL: workers read it
 
 
@@ -193,12 +189,7 @@ def _progress_line(totals: dict, *, total: int, elapsed: float) -> str:
 def default_out_dir(shards_name: str, teacher: str, k: int) -> Path:
     """outputs/teacher_cache/<shards>__<teacher>__k<k>: `shards_name` is the shard directory's
     name (the last part of its URL for shards in a store)."""
-    return (
-        paths.REPO_ROOT
-        / "outputs"
-        / "teacher_cache"
-        / (f"{shards_name}__{Path(teacher.rstrip('/')).name}__k{k}")
-    )
+    return jobs.default_out_dir("teacher_cache", [shards_name, urls.name(teacher), f"k{k}"])
 
 
 def _teacher_index(shard_set: shards.ShardSet, fingerprint: str, given: int | None) -> int:
@@ -343,17 +334,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_dead_fraction=dead_fraction(args),
         shards_url=shards_url,
     )
-    return cfg, storage.beam_args(default_runner_args(beam_args))
-
-
-def default_runner_args(beam_args: list[str]) -> list[str]:
-    """FnApiRunner in this process unless the caller chose a runner or a worker count."""
-    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
-        return beam_args
-    out = ["--runner", "FnApiRunner", *beam_args]
-    if not any(a.startswith("--direct_num_workers") for a in beam_args):
-        out += ["--direct_num_workers", "1"]
-    return out
+    return cfg, storage.beam_args(jobs.default_runner_args(beam_args, workers=1))
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -378,21 +359,12 @@ def run(argv: list[str] | None = None) -> dict:
     launch_s = time.perf_counter() - t0
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, run_id=run_id, header=header)
-    prog = rolling.progress_dir(cfg.out, run_id)
 
     def line(totals: dict, *, elapsed: float) -> str:
         return _progress_line(totals, total=total, elapsed=elapsed)
 
-    try:
-        progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
-    finally:
-        if urls.is_url(cfg.out):
-            storage.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
-    refuse_if_dead(storage.join(cfg.out, "stats.json"))
-    if not storage.exists(storage.join(cfg.out, "COMPLETED")):
-        raise RuntimeError(
-            f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"
-        )
+    jobs.run_to_completion(p, cfg.out, run_id, hint=REBUILD, total_bytes=total,
+                           label="teacher-cache", line=line)  # fmt: skip
     stats = rolling.read_json(storage.join(cfg.out, "stats.json"))
     stats["launch_s"] = launch_s
     return stats
@@ -406,18 +378,18 @@ def _list_lengths(shard_set: shards.ShardSet, column: str):
 
 
 def summary_line(stats: dict, out: storage.Location) -> str:
+    """`jobs.summary_line` of a cache run: rows, teacher tokens, bytes and tokens per second."""
     c = stats["cache"]
-    return (
-        f"{out}: {stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "
+    what = (
+        f"{stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "
         f"{c['logprob_dtype']}, {stats['bytes_per_token']:.1f} bytes/token, "
-        f"{stats['teacher_tokens_per_s']:.0f} teacher tokens/s; dead letters "
-        f"{stats['dead_letters']} {stats['drops_by_reason']} ({stats['wall_s']:.1f} s)"
+        f"{stats['teacher_tokens_per_s']:.0f} teacher tokens/s"
     )
+    return jobs.summary_line(stats, out, what=what)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    jobs.configure_logging()
     stats = run(argv)
     print(summary_line(stats, stats["out"]))
 
