@@ -227,58 +227,48 @@ class TrlTables:
         return self
 
 
-def _tables(projection, *, teacher_vocab_size: int, student_vocab_size: int) -> TrlTables:
-    return TrlTables(teacher_vocab_size)  # TRL reads no projection: it matches vocab strings
+class TrlGoldMode(LossMode):
+    """``trl_gold`` as the trainer sees it: the trained text chunks, one term per row."""
+
+    name = NAME
+    options = TrlGoldConfig
+    no_cache = "it reads the teacher's whole distribution (TRL's loss), which no cache stores"
+
+    def tables(self, projection, *, teacher_vocab_size: int, student_vocab_size: int):
+        return TrlTables(teacher_vocab_size)  # TRL reads no projection: it matches vocab strings
+
+    def teacher_spec(self, options: TrlGoldConfig, tables, *, teacher_vocab_size: int):
+        uld_for(options)  # load the tokenizers and TRL's mapping now: a bad path fails at startup
+        return TeacherOutputSpec(teacher_vocab_size, columns=teacher_vocab_size)
+
+    def columns(self, tables: TrlTables) -> Tensor:
+        return torch.arange(tables.teacher_vocab_size)  # the whole distribution
+
+    def prepare(self, aligned: AlignedBatch, targets_BT: Tensor) -> ChunkIndex:
+        return split_chunks(index_chunks(aligned), targets_BT).text  # trained text chunks
+
+    def count(self, index: ChunkIndex, cp=None) -> int:
+        return index.student.targets.numel() // index.student.width  # rows: TRL's mean is per row
+
+    def teacher_rows(self, index: ChunkIndex, width: int) -> Tensor:
+        """The teacher rows either merge reads: a chunk's token positions (observed) and the
+        positions before them (bayesian): [first - 1, last] per complete chunk."""
+        te = index.teacher
+        chunks = complete_chunks(index)[0]
+        first, n = te.first[chunks] - 1, te.count[chunks] + 1
+        dev = first.device
+        steps = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        rows = torch.zeros(te.targets.numel(), dtype=torch.bool, device=dev)
+        rows[torch.repeat_interleave(first, n) + steps] = True
+        return rows.view(-1, te.width)
+
+    def loss(self, logits_BSV, outs, index, *, tables, vocab_size, config, tp_group=None, cp=None):
+        if tp_group is not None or cp is not None:
+            raise ValueError(f"{NAME}: TRL's loss takes whole logits on whole rows (tp = cp = 1)")
+        return trl_gold(logits_BSV, outs, index, uld=uld_for(config), vocab_size=vocab_size)
 
 
-def _teacher_spec(options: TrlGoldConfig, tables, *, teacher_vocab_size: int):
-    uld_for(options)  # load the tokenizers and TRL's mapping now: a bad path fails at startup
-    return TeacherOutputSpec(teacher_vocab_size, columns=teacher_vocab_size)
-
-
-def _columns(tables: TrlTables) -> Tensor:
-    return torch.arange(tables.teacher_vocab_size)  # the whole distribution
-
-
-def _prepare(aligned: AlignedBatch, targets_BT: Tensor) -> ChunkIndex:
-    return split_chunks(index_chunks(aligned), targets_BT).text  # trained text chunks
-
-
-def _count(index: ChunkIndex, cp=None) -> int:
-    return index.student.targets.numel() // index.student.width  # rows: TRL's mean is per row
-
-
-def _teacher_rows(index: ChunkIndex, width: int) -> Tensor:
-    """The teacher rows either merge reads: a chunk's token positions (observed) and the
-    positions before them (bayesian): [first - 1, last] per complete chunk."""
-    te = index.teacher
-    chunks = complete_chunks(index)[0]
-    first, n = te.first[chunks] - 1, te.count[chunks] + 1
-    dev = first.device
-    steps = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n)
-    rows = torch.zeros(te.targets.numel(), dtype=torch.bool, device=dev)
-    rows[torch.repeat_interleave(first, n) + steps] = True
-    return rows.view(-1, te.width)
-
-
-def _loss(logits_BSV, outs, index, *, tables, vocab_size, config, tp_group=None, cp=None):
-    if tp_group is not None or cp is not None:
-        raise ValueError(f"{NAME}: TRL's loss takes whole logits on whole rows (tp = cp = 1)")
-    return trl_gold(logits_BSV, outs, index, uld=uld_for(config), vocab_size=vocab_size)
-
-
-MODE = LossMode(
-    NAME,
-    TrlGoldConfig,
-    tables=_tables,
-    teacher_spec=_teacher_spec,
-    columns=_columns,
-    prepare=_prepare,
-    count=_count,
-    loss=_loss,
-    teacher_rows=_teacher_rows,
-    no_cache="it reads the teacher's whole distribution (TRL's loss), which no cache stores",
-)
+MODE = TrlGoldMode()
 
 
 def register() -> None:
