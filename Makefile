@@ -67,7 +67,7 @@ align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several
 	$(PY) -m pipelines.align --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
 
 verify: $(SETUP)  ## checksums (+ values) of DIR=<shards | cache | checkpoint(s) | run dir>; exit 2 on damage
-	$(PY) -m tokenbridge.verify $(DIR)
+	$(PY) -m tokenbridge.commands.verify $(DIR)
 
 teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
 	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
@@ -88,7 +88,7 @@ DEMO_CE    := name=demo_ce loss=ce teachers=none checkpoint.save_at_end=false
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU), vs CE-only
 	@date +%s > .demo-start
 	@echo "== 1/5 tokenizer pair report"
-	$(PY) -m tokenbridge.pair_report $(TEACHER) $(STUDENT)
+	$(PY) -m tokenbridge.commands.pair_report $(TEACHER) $(STUDENT)
 	@echo "== 2/5 sparse vocabulary projection (Gemma -> SmolLM2)"
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
 	@echo "== 3/5 align the KJV letters (one document per chapter) into shards (Beam, FnApiRunner)"

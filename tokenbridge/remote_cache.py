@@ -1,7 +1,7 @@
 """A node-local cache of inputs fetched from an object store, verified while they download.
 
 Used by the trainer (`trainer.remote_inputs.localize`: ``data.shards``, teacher caches and
-projections; `trainer.checkpoint.remote`: a checkpoint to resume), by ``tokenbridge.verify`` on
+projections; `trainer.checkpoint.remote`: a checkpoint to resume), by ``tokenbridge.commands.verify`` on
 an ``s3://`` directory and by the teacher-cache job's launcher (``--shards s3://``).
 
 - a directory with a completion marker (shards, a teacher cache) is fetched marker first: no

@@ -7,7 +7,7 @@
 any model loads, `localize` replaces each URL in the config by its local copy under
 ``data.cache_dir``, at most ``data.cache_limit_gb`` of it.
 
-With ``data.stream=true`` the shards are not fetched whole: `tokenbridge.streamed_shards`
+With ``data.stream=true`` the shards are not fetched whole: `tokenbridge.formats.streamed_shards`
 fetches their index, then each file as the reader reaches it (the next one in the background),
 keeping at most ``data.stream_files`` of them on disk.
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 
-from tokenbridge import streamed_shards, urls
+from tokenbridge import urls
+from tokenbridge.formats import streamed_shards
 from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
 
 __all__ = ["DEFAULT_DIR", "localize"]

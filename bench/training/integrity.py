@@ -231,7 +231,7 @@ def render(h: dict, f: dict, a: dict, t: dict, *, load: tuple[float, float]) -> 
         f"- `make align` on KJV (1 process): job {a['job_s']:.1f} s, {a['files']} files, "
         f"{a['bytes'] / 1e6:.1f} MB; hashing inside the writers {a['hash_at_write_s']:.3f} s = "
         f"**{a['hash_at_write_s'] / a['job_s']:.2%} of the job**; verifying the output "
-        f"afterwards (`python -m tokenbridge.verify`'s hashing) {a['verify_s']:.3f} s = "
+        f"afterwards (`python -m tokenbridge.commands.verify`'s hashing) {a['verify_s']:.3f} s = "
         f"{a['verify_s'] / a['job_s']:.2%}; the value checks of all its record batches "
         f"({a['check_rows']} rows, {a['shard_bytes'] / 1e6:.1f} MB of shards) "
         f"{a['check_s']:.3f} s = {a['shard_bytes'] / a['check_s'] / 1e9:.2f} GB/s of shard.",

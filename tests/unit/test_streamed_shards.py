@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from bench.common import shakespeare_docs
-from tokenbridge import streamed_shards
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shards
+from tokenbridge.formats import shards, streamed_shards
 from trainer.shard_reader import ShardReader, ShardStream
 
 FILES, KEEP = 5, 2

@@ -6,8 +6,8 @@ CPU machine the same spec matches PyTorch's CPU wheel (``2.13.0+cpu``, which sor
 ``2.13.0``) once its index is named; a wheel pip already finds without any index (a find-links
 folder, as on our CI machines) is taken as it is and no index is added.
 
-Run by the Makefile before the package is installed, so stdlib only, as a script: it prints the
-extra pip arguments on stdout and says what it chose on stderr. ``--device cpu|cuda`` (``make
+Run by the Makefile before the package is installed, so stdlib only (`tokenbridge.cli` is), as a
+script: it prints the extra pip arguments on stdout and says what it chose on stderr. ``--device cpu|cuda`` (``make
 setup DEVICE=...``) overrides the detection.
 """
 
@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 TORCH = "torch==2.13.0"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -83,4 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run by path before `pip install -e .`: import the repo's package, not this folder's modules
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+    from tokenbridge import cli
+
+    sys.exit(cli.run(main, sys.argv[1:], prog="setup"))

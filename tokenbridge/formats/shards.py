@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 COMPLETED_VERSION = 3
 READABLE_COMPLETED_VERSIONS = (1, 2, 3)
-KIND = "shards"  # the marker's kind, for `tokenbridge.verify`
+KIND = "shards"  # the marker's kind, for `tokenbridge.commands.verify`
 
 
 class IncompleteShardsError(RuntimeError):
@@ -211,7 +211,7 @@ def write_completed(
     added here. A listed shard without one is hashed here, from disk: only for callers that
     wrote it by other means (every writer in this repository passes its own).
     `kind` and `schema_version`: of the files listed (the teacher cache has its own of both;
-    `tokenbridge.verify` checks the values of ``kind="shards"`` files only).
+    `tokenbridge.commands.verify` checks the values of ``kind="shards"`` files only).
     """
     out = Path(out_dir)
     if files is None:
@@ -329,7 +329,7 @@ class ShardSet:
         return json.loads((self.dir / S.STATS_FILE).read_text())
 
 
-_REBUILD = "re-copy it or re-run the align job (`python -m tokenbridge.verify DIR` checks them all)"
+_REBUILD = "re-copy it or re-run the align job (`python -m tokenbridge.commands.verify DIR` checks them all)"
 
 
 @contextlib.contextmanager
@@ -388,7 +388,7 @@ def open_shards(
         raise FileNotFoundError(f"{d}: no such shard directory")
     marker = _read_marker(d)
     listed, sums = marker["files"], marker.get("checksums", {})
-    from tokenbridge import streamed_shards
+    from tokenbridge.formats import streamed_shards
 
     if streamed_shards.is_streamed(d):  # the data files come later, one at a time
         return _open_streamed(d, marker, student=student, teachers=teachers, verify=verify)
@@ -418,9 +418,9 @@ def open_shards(
 
 
 def _open_streamed(d: Path, marker: dict, *, student, teachers, verify: str) -> ShardSet:
-    """A streamed entry (`tokenbridge.streamed_shards`): metadata and row counts from its
+    """A streamed entry (`tokenbridge.formats.streamed_shards`): metadata and row counts from its
     per-file indexes and marker; the files themselves are fetched by `ShardSet.stream`."""
-    from tokenbridge.streamed_shards import INDEX, StreamedFiles
+    from tokenbridge.formats.streamed_shards import INDEX, StreamedFiles
 
     names = sorted(marker["files"])
     meta = None

@@ -78,7 +78,7 @@ from trainer.config.schema import CheckpointConfig, ModelConfig
 
 STEP_PREFIX = "step-"
 EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT: export the student after the next logged step
-MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (tokenbridge.verify reads it)
+MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (tokenbridge.commands.verify reads it)
 MARKER_VERSION = 1
 DAMAGED = ".damaged"  # suffix of a checkpoint moved aside by a resume that found it damaged
 STATE_FORMAT, STATE_VERSION = "tokenbridge-checkpoint-state", 1  # rank<r>.json

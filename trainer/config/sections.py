@@ -139,7 +139,7 @@ class DataConfig:
     cache_dir: str = ""
     cache_limit_gb: float = 50.0
     # s3:// shards read one file at a time, the next fetched in the background, at most
-    # stream_files of them on disk (`tokenbridge.streamed_shards`): for datasets larger than
+    # stream_files of them on disk (`tokenbridge.formats.streamed_shards`): for datasets larger than
     # the node's disk; else the whole directory is fetched before the run starts
     stream: bool = False
     stream_files: int = 3

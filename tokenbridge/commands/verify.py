@@ -1,4 +1,4 @@
-"""``python -m tokenbridge.verify DIR [DIR ...]`` (``make verify DIR=...``): is what was written intact?
+"""``python -m tokenbridge.commands.verify DIR [DIR ...]`` (``make verify DIR=...``): is what was written intact?
 
 DIR is any directory a tokenbridge writer completes with a marker that lists its files and
 their checksums (`tokenbridge.formats.checksums`), recognised by the marker's ``kind``:
@@ -165,7 +165,7 @@ def verify_url(url: str, out=None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m tokenbridge.verify", description=__doc__.split("\n")[0]
+        prog="python -m tokenbridge.commands.verify", description=__doc__.split("\n")[0]
     )
     ap.add_argument("dirs", nargs="+", help="shard, cache or checkpoint directories")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""How two tokenizers relate: `python -m tokenbridge.pair_report TEACHER STUDENT [TEXT_FILE]`.
+"""How two tokenizers relate: `python -m tokenbridge.commands.pair_report TEACHER STUDENT [TEXT_FILE]`.
 
 The first thing to look at before distilling across tokenizers: how much of the two vocabularies
 is the same (compared by the bytes tokens stand for, and, for contrast, by their spelling, which
@@ -149,7 +149,7 @@ def format_report(r: dict, sample_label: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m tokenbridge.pair_report", description=__doc__.split("\n")[0]
+        prog="python -m tokenbridge.commands.pair_report", description=__doc__.split("\n")[0]
     )
     ap.add_argument(
         "teacher", help="tokenizer or model dir / tokenizer.json / .gguf / .model / tiktoken"
