@@ -1,6 +1,6 @@
 """The align job on conversations vs the same contents as raw text, in one run (issue 12).
 
-Data: the shipped example conversations (`tokenbridge.chat.example`: ``messages`` and
+Data: the shipped example conversations (`tokenbridge.commands.chat_example`: ``messages`` and
 prompt/completion rows), copied COPIES times (each copy's first user turn numbered, so no two
 rows are equal), plus one bad row per BAD_EVERY (cycling through four refusal reasons, in the
 file's row format, so the dead-letter path is timed too). Baseline: a text job over the same
@@ -74,13 +74,13 @@ def _as_messages(row: dict) -> list[dict]:
 
 def make_data(root) -> dict:
     """Write chat/*.jsonl and text/contents.jsonl under `root`; returns their sizes."""
-    from tokenbridge.chat import example
+    from tokenbridge.commands import chat_example
 
     (root / "chat").mkdir(parents=True, exist_ok=True)
     (root / "text").mkdir(parents=True, exist_ok=True)
     text_lines, n_conv, n_bad = [], 0, 0
-    for name in (example.MESSAGES_FILE, example.PROMPT_COMPLETION_FILE):
-        rows = [json.loads(x) for x in (example.DATA_DIR / name).read_text().splitlines()]
+    for name in (chat_example.MESSAGES_FILE, chat_example.PROMPT_COMPLETION_FILE):
+        rows = [json.loads(x) for x in (chat_example.DATA_DIR / name).read_text().splitlines()]
         out = []
         for k in range(COPIES):
             for r in rows:

@@ -29,11 +29,11 @@ def identity_projection(tokenizer_dir: str | os.PathLike, out: str | os.PathLike
 
 
 def example_rows(n: int, *, fmt: str = "messages") -> list[dict]:
-    """The first `n` rows of a shipped example conversation file (`tokenbridge.chat.example`)."""
-    from tokenbridge.chat import example
+    """The first `n` rows of a shipped example conversation file (`tokenbridge.commands.chat_example`)."""
+    from tokenbridge.commands import chat_example
 
-    name = example.MESSAGES_FILE if fmt == "messages" else example.PROMPT_COMPLETION_FILE
-    lines = (example.DATA_DIR / name).read_text(encoding="utf-8").splitlines()
+    name = chat_example.MESSAGES_FILE if fmt == "messages" else chat_example.PROMPT_COMPLETION_FILE
+    lines = (chat_example.DATA_DIR / name).read_text(encoding="utf-8").splitlines()
     return [json.loads(x) for x in lines[:n]]
 
 

@@ -10,7 +10,7 @@ Two files, one per row format, exercising what the align job must handle:
   multi-turn follow-ups ("and then?"), some with a system message, some with an empty one;
 - ``shakespeare_prompt_completion.jsonl``: prompt/completion rows, strings or message lists.
 
-Run: ``python -m tokenbridge.chat.example [--corpus DIR] [--out DIR]``.
+Run: ``python -m tokenbridge.commands.chat_example [--corpus DIR] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ PLAYS = {  # corpus file stem -> title
 }
 MESSAGES_FILE = "shakespeare_messages.jsonl"
 PROMPT_COMPLETION_FILE = "shakespeare_prompt_completion.jsonl"
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "chat" / "data"
 SEED = 12
 MAX_SPEECH = 400  # chars: short answers keep the file small and every row inside a window
 SYSTEMS = (
