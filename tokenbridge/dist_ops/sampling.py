@@ -1,9 +1,9 @@
 """Top-k / top-p (nucleus) truncation thresholds over a vocab-sharded logits chunk.
 
-Scores under the distribution the sampler used (temperature, top-k, top-p, vLLM's order) with no
-rank seeing a whole row: the truncation is one per-row threshold, constant for autograd, found
-for top-p by a bisection on the fp32 logits' order-preserving int32 keys (docs/parallelism.md,
-"The distributed loss ops").
+On-policy scoring reads sampled tokens under the distribution the sampler used (temperature,
+top-k, top-p: vLLM's order) while no rank sees a whole row, so the truncation is one per-row
+threshold, a constant for autograd; top-p's is found by bisection on the fp32 logits'
+order-preserving int32 keys (docs/parallelism.md, "The distributed loss ops").
 
 Legend: N rows, V local vocab columns; in: fp32 [N, V_local] already divided by the
 temperature; out: [N] thresholds, identical on every TP rank (-inf = nothing truncated).

@@ -1,8 +1,8 @@
 """Run a per-row computation over selected rows of a [N, V] logits tensor, block by block.
 
-This is what keeps the composed (tensor-parallel) loss path memory-lean: each block runs under
-non-reentrant activation checkpointing, so the peak is the logits, their gradient and ONE
-block's fp32 intermediates, whatever T is (docs/losses.md, "Memory and speed").
+This keeps the composed loss path (under TP, and where no fused Function exists) memory-lean:
+each block runs under non-reentrant activation checkpointing, so the peak is the logits, their
+gradient and ONE block's fp32 intermediates, whatever T is (docs/losses.md, "Memory and speed").
 
 Legend: N rows of the logits, V vocabulary, G selected rows, c block rows, r selected in a block.
 """
