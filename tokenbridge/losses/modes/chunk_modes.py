@@ -1,9 +1,8 @@
 """The chunk modes: one term per aligned chunk of two tokenizations (`xtoken`, `gold`, `alm`).
 
-`ChunkMode` keeps the chunks both sides present and predicted, and trained (conversations: the
-shards' train flags mask the targets). It prepares a `turns.ChunkSplit`: the mode's own loss on
-the text chunks plus the end-of-turn term (`turns.eot`) on the turn-marker pairs, in one sum and
-one count; their teacher then also ships ``target_logprob`` (`ChunkMode.spec_for`).
+`ChunkMode` keeps the chunks both sides present, predicted and trained, and prepares a
+`turns.ChunkSplit`: the mode's own loss on the text chunks plus the end-of-turn term on the
+turn-marker pairs, in one sum and one count (their teacher then also ships ``target_logprob``).
 
 Legend: B rows, T student positions (whole rows), L of them on this CP rank (T at cp = 1), V
 student lm_head width (its local shard under TP).
