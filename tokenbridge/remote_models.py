@@ -4,7 +4,7 @@ A Beam worker or a training node shares no disk with whoever launched it, so a t
 model named by URL (``s3://bucket/models/smollm2-135m``) is fetched by each machine once into
 its node-local cache (`tokenbridge.remote_cache`) and read from there. What makes the copy
 trustworthy is the directory's ``COMPLETED`` marker (kind ``model``), written by `mark` (``python
--m tokenbridge.verify --mark DIR [--upload URL]``): every file's size and xxh3_64. The fetch
+-m tokenbridge.commands.verify --mark DIR [--upload URL]``): every file's size and xxh3_64. The fetch
 hashes each file on its way in and refuses one that differs, by name; a directory without a
 marker is refused in one line, never read unverified. The copy keeps the directory's name, so
 a tokenizer loaded from it has the name (and the fingerprint) it has locally.
@@ -79,7 +79,7 @@ def fetch(cache: RemoteCache, url: str) -> Path:
     except MarkerNotFoundError:
         raise MarkerNotFoundError(
             f"{url}: no {MARKER} marker listing its files' checksums, so it is not read "
-            f"(unverified); upload it with `python -m tokenbridge.verify --mark DIR --upload {url}`"
+            f"(unverified); upload it with `python -m tokenbridge.commands.verify --mark DIR --upload {url}`"
         ) from None
 
 

@@ -3,7 +3,7 @@
 (memory-mapped).
 
 ``data.shards``, ``teachers[i].cache``, ``teachers[i].projection``, and the models
-(``model.path``, ``teachers[i].path``: directories marked by ``python -m tokenbridge.verify
+(``model.path``, ``teachers[i].path``: directories marked by ``python -m tokenbridge.commands.verify
 --mark``, `tokenbridge.remote_models`) may be ``s3://`` URLs
 (`tokenbridge.urls`: the standard AWS variables say where the store is and who asks). Before
 any model loads, `localize` replaces each URL in the config by its local copy under

@@ -1,5 +1,5 @@
 """Model and tokenizer directories at URLs (`tokenbridge.remote_models`), against the test S3
-server: marked and uploaded by ``python -m tokenbridge.verify --mark DIR --upload URL``, fetched
+server: marked and uploaded by ``python -m tokenbridge.commands.verify --mark DIR --upload URL``, fetched
 verified into a cache under their own name (same tokenizer name and fingerprint as the local
 directory); a changed file or a directory without a marker refused in one line (exit 2, no
 COMPLETED) by the align job; the trainer's ``model.path`` fetched before anything loads."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from tokenbridge.verify import main as verify
+from tokenbridge.commands.verify import main as verify
 
 from pipelines.align import job as align_job
 from tokenbridge import cli, remote_models
