@@ -9,10 +9,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from tokenbridge.commands.verify import main as verify
 
 from pipelines.align import job as align_job
 from tokenbridge import cli, remote_models
+from tokenbridge.commands.verify import main as verify
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.main import load_config
