@@ -11,7 +11,8 @@ import pytest
 from pipelines.align import job as align_job
 from pipelines.projection import __main__ as projection_job
 from pipelines.teacher_cache import job as cache_job
-from tokenbridge import cli, urls, verify
+from tokenbridge import cli, urls
+from tokenbridge.commands import verify
 from trainer.config.schema import ConfigError
 from trainer.main import load_config
 from trainer.report import __main__ as report_main
