@@ -1,7 +1,9 @@
 """A node-local cache of inputs fetched from an object store, verified while they download.
 
 Used by the trainer (`trainer.remote_inputs.localize`: ``data.shards``, teacher caches and
-projections; `trainer.checkpoint.remote`: a checkpoint to resume), by ``tokenbridge.commands.verify`` on
+projections, and model directories through `tokenbridge.remote_models`;
+`trainer.checkpoint.remote`: a checkpoint to resume), by the Beam workers' tokenizers and
+teachers (`tokenbridge.remote_models`), by ``tokenbridge.commands.verify`` on
 an ``s3://`` directory and by the teacher-cache job's launcher (``--shards s3://``).
 
 - a directory with a completion marker (shards, a teacher cache) is fetched marker first: no

@@ -30,7 +30,9 @@ The default runner is Beam's ``FnApiRunner`` with one worker process per core (t
 DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
 runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
 then be a filesystem that every worker and this process share, or an ``s3://`` URL:
-`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`). Progress goes to stderr
+`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`; the tokenizers may be
+``s3://`` URLs of marked directories, which each worker fetches itself in ``setup``:
+`tokenbridge.remote_models`). Progress goes to stderr
 every ~10 s (`pipelines.plumbing.progress`).
 """
 

@@ -25,7 +25,9 @@ would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink
 the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
 (`pipelines.plumbing.storage`). ``--shards`` may be an ``s3://`` URL too: the launcher plans on a
 verified copy in ``--cache-dir`` (`tokenbridge.remote_cache`), and each worker reads the objects
-its tasks name, refusing one that differs from the marker's checksum.
+its tasks name, refusing one that differs from the marker's checksum. ``--teacher`` may be the
+``s3://`` URL of a marked model directory (`tokenbridge.remote_models`): the launcher checks its
+own verified copy, each worker fetches one into its machine's cache in ``load_model``.
 """
 
 from __future__ import annotations
