@@ -20,6 +20,7 @@ MODEL   ?=
 BENCH   ?=
 RUNS    ?= runs/demo
 DIR     ?=
+URL     ?=
 ALIGN_ARGS ?=
 SHARDS  ?= outputs/align/demo
 CACHE_ARGS ?=
@@ -29,7 +30,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify train eval report bench gpu-check gpu-check-pack clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify upload-model wheel train eval report bench gpu-check gpu-check-pack clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +69,12 @@ align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several
 
 verify: $(SETUP)  ## checksums (+ values) of DIR=<shards | cache | checkpoint(s) | run dir>; exit 2 on damage
 	$(PY) -m tokenbridge.commands.verify $(DIR)
+
+upload-model: $(SETUP)  ## mark DIR= (a model or tokenizer directory: every file's checksum) and upload it to URL=
+	$(PY) -m tokenbridge.commands.verify --mark $(DIR) --upload $(URL)
+
+wheel: $(SETUP)  ## dist/tokenbridge-*.whl, for the Beam SDK container (docker/beam-sdk.Dockerfile)
+	$(VENV)/bin/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
 	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)

@@ -30,6 +30,7 @@ SECTIONS = {
     "align_chat": "align.chat",
     "align_job": "align.beam_job",
     "align_scale": "align.scale",
+    "align_tokenize_gap": "align.tokenize_gap",
     "alignment": "align.alignment",
     "channel": "training.logit_channel",
     "channel_cuda": "gpu.channel_cuda",

@@ -2,7 +2,9 @@
 (`tokenbridge.remote_cache`), verified, then read from the local copy exactly as a local input
 (memory-mapped).
 
-``data.shards``, ``teachers[i].cache`` and ``teachers[i].projection`` may be ``s3://`` URLs
+``data.shards``, ``teachers[i].cache``, ``teachers[i].projection``, and the models
+(``model.path``, ``teachers[i].path``: directories marked by ``python -m tokenbridge.commands.verify
+--mark``, `tokenbridge.remote_models`) may be ``s3://`` URLs
 (`tokenbridge.urls`: the standard AWS variables say where the store is and who asks). Before
 any model loads, `localize` replaces each URL in the config by its local copy under
 ``data.cache_dir``, at most ``data.cache_limit_gb`` of it.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from tokenbridge import urls
+from tokenbridge import remote_models, urls
 from tokenbridge.formats import streamed_shards
 from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
 
@@ -25,8 +27,9 @@ __all__ = ["DEFAULT_DIR", "localize"]
 
 def localize(cfg) -> dict[str, tuple[str, str]]:
     """Replace every object-store URL among the run's inputs (``data.shards``,
-    ``teachers[i].cache``, ``teachers[i].projection``) by its verified local copy, in `cfg`
-    (a `TrainConfig`); returns {field: (URL, local copy)}. Every rank calls it (preflight)."""
+    ``teachers[i].cache``, ``teachers[i].projection``, ``model.path``, ``teachers[i].path``) by
+    its verified local copy, in `cfg` (a `TrainConfig`); returns {field: (URL, local copy)}.
+    Every rank calls it (preflight)."""
     cache = RemoteCache(
         cfg.data.cache_dir or DEFAULT_DIR,
         limit_bytes=int(cfg.data.cache_limit_gb * 1e9),
@@ -42,6 +45,13 @@ def localize(cfg) -> dict[str, tuple[str, str]]:
     elif urls.is_url(cfg.data.shards):
         url, cfg.data.shards = cfg.data.shards, str(cache.fetch_dir(cfg.data.shards))
         was["data.shards"] = (url, cfg.data.shards)
+    for where, m in [
+        ("model", cfg.model),
+        *((f"teachers[{i}]", t) for i, t in enumerate(cfg.teachers)),
+    ]:
+        if urls.is_url(m.path):
+            url, m.path = m.path, str(remote_models.fetch(cache, m.path))
+            was[f"{where}.path"] = (url, m.path)
     for i, t in enumerate(cfg.teachers):
         if urls.is_url(t.cache):
             url, t.cache = t.cache, str(cache.fetch_dir(t.cache))

@@ -30,7 +30,9 @@ The default runner is Beam's ``FnApiRunner`` with one worker process per core (t
 DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
 runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
 then be a filesystem that every worker and this process share, or an ``s3://`` URL:
-`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`). Progress goes to stderr
+`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`; the tokenizers may be
+``s3://`` URLs of marked directories, which each worker fetches itself in ``setup``:
+`tokenbridge.remote_models`). Progress goes to stderr
 every ~10 s (`pipelines.plumbing.progress`).
 """
 
@@ -66,7 +68,7 @@ from pipelines.plumbing.tagged import (
     dead_fraction,
     split,
 )
-from tokenbridge import urls
+from tokenbridge import remote_models, urls
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.chat import fit
@@ -82,6 +84,7 @@ ROLL_MB = jobs.ROLL_MB  # shard files roll at this size (Arrow bytes)
 SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's FileSystems)
 SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
+MODEL_SCHEMES = urls.OBJECT_STORES  # tokenizers may be marked directories in a store
 
 
 def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
@@ -331,9 +334,8 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     # first: the input is listed (row format, read tasks) through FileSystems, in this process
     beam_args = storage.beam_args(default_runner_args(beam_args))
     for i, model in enumerate([args.student, *args.teacher]):
-        urls.check(
-            model, where="--student" if i == 0 else "--teacher", doing="loading a tokenizer from"
-        )
+        where = "--student" if i == 0 else "--teacher"
+        urls.check(model, where=where, schemes=MODEL_SCHEMES, doing="loading a tokenizer from")
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing shards to")
     window = WindowConfig(
         max_student_tokens=args.max_student_tokens,
@@ -390,7 +392,9 @@ def chat_config(args) -> C.ChatConfig | None:
 
     def template(model: str, override: str | None, who: str):
         try:
-            return resolve_template(model, override=None if override == "own" else override)
+            return resolve_template(
+                remote_models.local_copy(model), override=None if override == "own" else override
+            )
         except ValueError as e:
             flag = "--chat-template" if who == "student" else "--teacher-chat-template"
             raise ValueError(f"{who}: {e} ({flag})") from None
@@ -414,7 +418,9 @@ def run(argv: list[str] | None = None) -> dict:
     cfg, beam_args = parse_args(argv)
     t0 = time.perf_counter()
     for path in [cfg.student, *cfg.teachers]:
-        if "://" not in path and not Path(path).exists():
+        if urls.is_url(path):  # fetched and verified here too: a bad URL is one line, now
+            remote_models.local_copy(path)
+        elif not Path(path).exists():
             raise FileNotFoundError(f"tokenizer {path!r} does not exist")
     tasks, total_bytes, n_files = match_inputs(cfg.data)
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)

@@ -72,19 +72,44 @@ def _s3():
     in the launcher and its SDK workers), else, on a worker that was handed none (Dask's), the
     environment's (`urls.s3_settings`). Beam is imported here, not at the top: a local-only
     job (the projection on a bare GPU image) runs without it."""
-    from apache_beam.io.aws import s3io
     from apache_beam.io.filesystems import FileSystems
     from apache_beam.options.pipeline_options import PipelineOptions
 
     opts = getattr(FileSystems, "_pipeline_options", None)
     env = urls.s3_settings()
-    key = (None if opts is None else id(opts), tuple(sorted(env.items())))
+    retries = urls.retry_config()
+    key = (None if opts is None else id(opts), tuple(sorted(env.items())), tuple(retries.items()))
     cached = getattr(_local, "s3", None)
     if cached is None or cached[0] != key:
         if opts is None:
             opts = PipelineOptions([f"{f}={env[k]}" for k, f in _ENV_FLAGS.items() if k in env])
-        _local.s3 = (key, s3io.S3IO(options=opts))
+        _local.s3 = (key, _retrying_s3io(opts, retries))
     return _local.s3[1]
+
+
+def _retrying_s3io(opts, retries: dict):
+    """Beam's S3 I/O whose boto3 client retries as `urls.retry_config` says (Beam builds it
+    with botocore's defaults: the legacy mode's 5 attempts)."""
+    import boto3
+    from apache_beam.io.aws import s3io
+    from apache_beam.options.pipeline_options import S3Options
+    from botocore.config import Config
+
+    io = s3io.S3IO(options=opts)
+    o = opts.view_as(S3Options)
+    io.client.client = boto3.session.Session().client(
+        "s3",
+        region_name=o.s3_region_name,
+        api_version=o.s3_api_version,
+        use_ssl=not o.s3_disable_ssl,
+        verify=o.s3_verify,
+        endpoint_url=o.s3_endpoint_url,
+        aws_access_key_id=o.s3_access_key_id,
+        aws_secret_access_key=o.s3_secret_access_key,
+        aws_session_token=o.s3_session_token,
+        config=Config(retries=retries),
+    )
+    return io
 
 
 def _url(path: Location) -> str:

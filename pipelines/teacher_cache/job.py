@@ -25,12 +25,15 @@ would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink
 the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
 (`pipelines.plumbing.storage`). ``--shards`` may be an ``s3://`` URL too: the launcher plans on a
 verified copy in ``--cache-dir`` (`tokenbridge.remote_cache`), and each worker reads the objects
-its tasks name, refusing one that differs from the marker's checksum.
+its tasks name, refusing one that differs from the marker's checksum. ``--teacher`` may be the
+``s3://`` URL of a marked model directory (`tokenbridge.remote_models`): the launcher checks its
+own verified copy, each worker fetches one into its machine's cache in ``load_model``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -56,13 +59,13 @@ from pipelines.plumbing.tagged import (
 )
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
-from tokenbridge import urls
+from tokenbridge import remote_models, urls
 from tokenbridge.formats import shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
 from tokenbridge.formats.teacher_cache import CacheMeta
 from tokenbridge.formats.teacher_cache_reader import REBUILD
 from tokenbridge.model_spec import ModelSpec, check_dtype, resolve_dtype
-from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
+from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache, default_dir
 from tokenbridge.tokenizers import load_tokenizer
 
 log = logging.getLogger("tokenbridge.teacher_cache")
@@ -234,11 +237,12 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument(
         "--cache-dir",
         default=None,
-        help=f"where --shards s3://... is copied for planning (default {DEFAULT_DIR})",
+        help=f"where this process copies --shards / --teacher s3://... (default {DEFAULT_DIR}; "
+        "workers use their machine's ~/.cache/tokenbridge)",
     )
     ap.add_argument("--cache-limit-gb", type=float, default=50.0,
                     help="size limit of --cache-dir (least recently used copies evicted)")  # fmt: skip
-    ap.add_argument("--teacher", required=True, help="teacher model directory (HF)")
+    ap.add_argument("--teacher", required=True, help="teacher model directory (HF) or its URL")
     ap.add_argument("--k", type=int, default=32, help="top-k stored per position")
     ap.add_argument("--temperature", type=float, default=1.0, help="as loss.temperature")
     ap.add_argument(
@@ -266,13 +270,19 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
     add_dead_fraction_arg(ap)
     args, beam_args = ap.parse_known_args(argv)
-    urls.check(args.teacher, where="--teacher", doing="loading a model from")
+    urls.check(args.teacher, where="--teacher", schemes=urls.OBJECT_STORES,
+               doing="loading a model from")  # fmt: skip
     shards_url = urls.check(args.shards, where="--shards", schemes=urls.OBJECT_STORES,
                             doing="reading shards from")  # fmt: skip
+    cache = RemoteCache(args.cache_dir or default_dir(),
+                        limit_bytes=int(args.cache_limit_gb * 1e9), local_rank=0)  # fmt: skip
+    # a teacher at a URL: checked here on this machine's verified copy (tokenizer, lm_head,
+    # weights' fingerprint); each worker fetches its own copy (the handler's load_model)
+    teacher_dir = (
+        str(remote_models.fetch(cache, args.teacher)) if urls.is_url(args.teacher) else args.teacher
+    )
     if urls.is_url(shards_url):
         # the launcher plans on a verified local copy; the workers read the objects themselves
-        cache = RemoteCache(args.cache_dir or DEFAULT_DIR,
-                            limit_bytes=int(args.cache_limit_gb * 1e9), local_rank=0)  # fmt: skip
         args.shards = cache.fetch_dir(shards_url)
     else:
         args.shards, shards_url = urls.local(shards_url), None
@@ -282,18 +292,19 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     teacher = H.teacher_config(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    local = dataclasses.replace(teacher, path=teacher_dir)
     # auto resolved by --device, as the trainer resolves it by its device: the cache records
     # the dtype the teacher ran in, which a run's teachers[i].dtype must resolve to
     dtype = resolve_dtype(
         check_dtype(args.teacher_dtype, "--teacher-dtype", auto=True), args.device
     )
     shard_set = shards.open_shards(args.shards)
-    tok = load_tokenizer(args.teacher)
-    if H.lm_head_rows(teacher) < tok.vocab_size:
+    tok = load_tokenizer(teacher_dir)
+    if H.lm_head_rows(local) < tok.vocab_size:
         raise ValueError(f"{args.teacher}: lm_head narrower than its tokenizer ({tok.vocab_size})")
     index = _teacher_index(shard_set, tok.fingerprint, args.teacher_index)
     check_samples(args.samples, student=shard_set.meta.student, teacher=tok.info())
-    weights = weights_fingerprint(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    weights = weights_fingerprint(teacher_dir, init=args.init, seed=args.seed, overrides=overrides)
     meta = CacheMeta(
         teacher={
             "name": teacher.name,

@@ -13,6 +13,11 @@ their checksums (`tokenbridge.formats.checksums`), recognised by the marker's ``
 DIR may also be an ``s3://`` URL of a marked directory (`verify_url`): each object is streamed
 once through its hash into a temporary copy (checked as above), then deleted.
 
+``--mark DIR [--upload URL]`` writes the marker of a model or tokenizer directory instead
+(`tokenbridge.remote_models`: every file's checksum), and uploads it, marker last: the jobs and
+the trainer then take URL as a ``--teacher`` / ``--student`` / ``model.path`` and each machine
+fetches it verified.
+
 One line per file, ``OK`` or what is wrong; exit code 0 when everything verified, 2 when
 anything is damaged or missing; any other failure (an unreadable directory) is one line and an
 exit code from `tokenbridge.cli`. Nothing here imports the trainer: a checkpoint's marker is the
@@ -163,12 +168,32 @@ def verify_url(url: str, out=None) -> int:
         return _print(url, reports, out)
 
 
+def _mark(args) -> int:
+    """``--mark [--upload URL]``: mark each DIR (and upload the one DIR)."""
+    from tokenbridge import remote_models
+
+    if args.upload is not None and (not args.mark or len(args.dirs) != 1):
+        raise cli.UsageError("--upload URL takes --mark and exactly one DIR")
+    for d in args.dirs:
+        d = urls.local(urls.check(d, where="DIR", doing="marking"))
+        marker = remote_models.mark(d)
+        size = sum(int(e["bytes"]) for e in marker["checksums"].values())
+        print(f"{d}: marked {len(marker['checksums'])} files ({size / 1e6:.1f} MB)")
+        if args.upload is not None:
+            print(f"{d}: uploaded to {remote_models.upload(d, args.upload, marker=marker)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tokenbridge.commands.verify", description=__doc__.split("\n")[0]
     )
     ap.add_argument("dirs", nargs="+", help="shard, cache or checkpoint directories")
+    ap.add_argument("--mark", action="store_true", help="write a model directory's marker")
+    ap.add_argument("--upload", default=None, help="with --mark: copy the one DIR to this URL")
     args = ap.parse_args(argv)
+    if args.mark or args.upload:
+        return _mark(args)
     damaged = 0
     for d in [
         urls.check(d, where="DIR", schemes=urls.OBJECT_STORES, doing="verifying") for d in args.dirs

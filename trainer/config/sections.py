@@ -12,7 +12,6 @@ and no model loaded, so a bad value fails in milliseconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -50,7 +49,8 @@ def check_location(where: str, value: str | None, *, schemes: tuple[str, ...] = 
 
 @dataclass
 class ModelConfig:
-    """A causal LM from a local HF directory (config.json + tokenizer, + weights if pretrained)."""
+    """A causal LM from a HF directory (config.json + tokenizer, + weights if pretrained), local
+    or at an object-store URL."""
 
     path: str = MISSING
     # "pretrained": load the weights; "random": build from the dir's config.json with
@@ -70,9 +70,10 @@ class ModelConfig:
             check_model_source(self, where)
         except ValueError as e:
             raise ConfigError(f"config {e}") from None
-        check_location(f"{where}.path", self.path, schemes=())  # models load from local dirs
+        # a URL: a marked directory, fetched verified by `trainer.remote_inputs.localize`
+        check_location(f"{where}.path", self.path)
         if not self.name:
-            self.name = Path(self.path).name
+            self.name = urls.name(self.path)
 
 
 @dataclass
