@@ -81,9 +81,9 @@ log = logging.getLogger("tokenbridge.align")
 
 DEFAULT_RUNNER = jobs.DEFAULT_RUNNER
 ROLL_MB = jobs.ROLL_MB  # shard files roll at this size (Arrow bytes)
-SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
+SPLIT_MIN, SPLIT_MAX = 1 << 18, 64 << 20  # byte ranges of large jsonl files, per read task
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's FileSystems)
-SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
+SPLITS_PER_RUN = 64  # aim for this many read tasks: dealt round-robin, even to 16 workers
 MODEL_SCHEMES = urls.OBJECT_STORES  # tokenizers may be marked directories in a store
 
 
@@ -98,7 +98,7 @@ def match_inputs(
     patterns: list[str], *, split_bytes: int | None = None
 ) -> tuple[list[F.InputSplit], int, int]:
     """Glob patterns -> (read tasks, total bytes, files). A large uncompressed local jsonl file
-    becomes byte-range tasks of `split_bytes` (default: about 1/16 of the input, 1-64 MB). A
+    becomes byte-range tasks of `split_bytes` (default: about 1/64 of the input, 256 KB-64 MB). A
     pattern matching nothing is an error (a typo in DATA must not produce an empty, complete
     shard directory)."""
     found, bases, sizes = [], [], {}
