@@ -92,9 +92,7 @@ def _measure(code: str) -> dict:
 def _job_code(data: str, out: Path, workers: int) -> str:
     t, s = str(paths.teacher_dir()), str(paths.student_dir())
     argv = ["--data", data, "--teacher", t, "--student", s, "--out", str(out), "--overwrite"]
-    argv += ["--direct_num_workers", str(workers)]
-    if workers > 1:
-        argv += ["--direct_running_mode", "multi_processing"]
+    argv += ["--direct_num_workers", str(workers)]  # threads or processes: the job's default
     return (
         "import json; from pipelines.align import job as J\n"
         f"st = J.run({argv!r})\n"
@@ -214,16 +212,19 @@ def main() -> str:
 
 
 def _section(rows, *, cores: int, copies: list[int], startup: dict, loads) -> str:
+    from pipelines.align.job import default_runner_args
+
     cpu = cpu_model()
+    mode = default_runner_args([], cores)[-1] if cores > 1 else "in-process"
     lines = [
         "## Align job at scale (issues 19, 29) — KJV copies, one long document, short documents",
         "",
-        f"CPU: {cpu}, {cores} cores. Default runner: FnApiRunner with {cores} worker processes. "
+        f"CPU: {cpu}, {cores} cores. Default runner: FnApiRunner with {cores} workers ({mode}). "
         "Gemma-3-270M teacher x SmolLM2-135M student, 512-token windows. Peak RSS: the whole "
         "process tree (launcher + workers). Tokenize alone: both tokenizers' `encode_batch` "
         "(offsets included) over the same texts, one process, measured in the same run. "
         f"1-minute load average {loads[0]:.1f} at the start, {loads[1]:.1f} at the end: the "
-        "machine may be shared, so wall times are noisy (a 2-process job suffers more from other "
+        "machine may be shared, so wall times are noisy (a 2-worker job suffers more from other "
         "load than 1-process tokenization); CPU seconds are the steadier figure. Before issue 19 "
         "(the issue's table, same machine type): KJV x16 147 s and 2.86 GB, a 41 MB document "
         "105 s and 7.3 GB.",
@@ -257,7 +258,7 @@ def _section(rows, *, cores: int, copies: list[int], startup: dict, loads) -> st
             )
     lines.append(
         f"- fixed start-up (the job on 200 verses): {startup[cores]['job_s']:.1f} s with "
-        f"{cores} worker processes (each imports Beam and loads both tokenizers), "
+        f"{cores} workers ({mode}; each process imports Beam and loads both tokenizers), "
         f"{startup[1]['job_s']:.1f} s in-process; it dominates the 1-copy row."
     )
     for name, tok, job, _ in rows:

@@ -139,8 +139,12 @@ def main() -> str:
     job = best["job"]
     base_key = min(("whole", "batches", "batches_1t"), key=lambda k: best[k]["wall_s"])
     whole = best[base_key]
+    from pipelines.align.job import default_runner_args
+
+    cores = len(os.sched_getaffinity(0))
+    mode = default_runner_args([], cores)[-1] if cores > 1 else "in-process"
     label = {
-        "job": "align job (default runner, TOKENIZERS_PARALLELISM=false)",
+        "job": f"align job (default runner: {cores} workers, {mode}; TOKENIZERS_PARALLELISM=false)",
         "whole": "tokenize: one `tokenizers` encode_batch per tokenizer, threads on",
         "batches": "tokenize: our encode_batch in the job's batches, threads on",
         "batches_1t": "tokenize: our encode_batch in the job's batches, threads off",
