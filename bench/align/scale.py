@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.common import short_documents
 from bench.provenance import cpu_model
 from tokenbridge import paths
 
@@ -159,19 +160,13 @@ def _inputs(
     (tmp / "long" / "long.jsonl").write_text(json.dumps({"text": text}) + "\n")
     out.append((f"one {len(text.encode()) / 1e6:.0f} MB document", f"{tmp}/long/*.jsonl"))
     if short_copies:
-        out.append(_short_docs(tmp, verses, short_copies))
+        out.append(_short_docs(tmp, short_copies))
     return out
 
 
-def _short_docs(tmp: Path, verses: list[str], copies: int) -> tuple[str, str]:
-    """Many short documents (issue 29's shape: ~300 characters, ~70 MB): consecutive verses
-    joined until a document has 260 characters, over ``copies`` passes of the KJV."""
-    docs, cur = [], ""
-    for v in verses * copies:
-        cur = f"{cur} {v}" if cur else v
-        if len(cur) >= 260:
-            docs.append(cur)
-            cur = ""
+def _short_docs(tmp: Path, copies: int) -> tuple[str, str]:
+    """`bench.common.short_documents` over ``copies`` passes of the KJV, in one file."""
+    docs = short_documents(copies)
     (tmp / "short").mkdir()
     path = tmp / "short" / "short.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
