@@ -22,7 +22,7 @@ import numpy as np
 from tokenbridge.chat import rows
 from tokenbridge.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, Layout, fill_ranges
 from tokenbridge.chat.rows import Conversation
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 
 
 def picked_messages(convs: list[Conversation], *, train_on: str) -> np.ndarray:
@@ -67,6 +67,6 @@ def side_flags(side, picked: np.ndarray, *, train_on: str) -> np.ndarray:
 
 def train_codes(flags: np.ndarray, kind: np.ndarray) -> np.ndarray:
     """int8 [N] shard train codes (`tokenbridge.formats.shard_schema.TRAIN_*`) from flags and token kinds."""
-    codes = np.where(kind == TOKEN_CONTENT, S.TRAIN_CONTENT, S.TRAIN_OTHER)
-    codes = np.where(kind == TOKEN_CLOSE, S.TRAIN_END_OF_TURN, codes)
-    return np.where(flags, codes, S.TRAIN_NONE).astype(np.int8)
+    codes = np.where(kind == TOKEN_CONTENT, shard_schema.TRAIN_CONTENT, shard_schema.TRAIN_OTHER)
+    codes = np.where(kind == TOKEN_CLOSE, shard_schema.TRAIN_END_OF_TURN, codes)
+    return np.where(flags, codes, shard_schema.TRAIN_NONE).astype(np.int8)

@@ -29,9 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from tokenbridge import cli, urls
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import value_checks as values
+from tokenbridge.formats import checksums, shard_schema, value_checks
 
 MARKER = "COMPLETED"
 STEP_PREFIX = "step-"  # the trainer's checkpoint directories (trainer.checkpoint.checkpointer)
@@ -42,11 +40,11 @@ def _shard_values(d: Path, name: str) -> str | None:
     try:
         with pa.memory_map(str(d / name), "r") as src:
             reader = pa.ipc.open_file(src)
-            meta = S.read_meta(reader.schema, where=str(d / name))
+            meta = shard_schema.read_meta(reader.schema, where=str(d / name))
             row = 0
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
-                values.check_batch(batch, meta, where=str(d / name), first_row=row)
+                value_checks.check_batch(batch, meta, where=str(d / name), first_row=row)
                 row += batch.num_rows
     except (pa.ArrowException, OSError, ValueError) as e:
         return str(e).splitlines()[0]
@@ -55,14 +53,14 @@ def _shard_values(d: Path, name: str) -> str | None:
 
 def verify_marked(
     d: Path, marker: dict, *, hashed: frozenset[str] = frozenset()
-) -> list[integrity.FileReport]:
+) -> list[checksums.FileReport]:
     """Reports for every file of a directory with a marker (plus its unlisted files).
     ``hashed``: files whose checksum already matched as they were written here (`verify_url`'s
     streamed copies): not read again for it."""
     sums = marker.get("checksums", {})
-    reports = integrity.verify_listed(d, {k: v for k, v in sums.items() if k not in hashed})
+    reports = checksums.verify_listed(d, {k: v for k, v in sums.items() if k not in hashed})
     reports += [
-        integrity.FileReport(k, int(v["bytes"]), note=integrity.describe(v) + ", while streamed")
+        checksums.FileReport(k, int(v["bytes"]), note=checksums.describe(v) + ", while streamed")
         for k, v in sums.items()
         if k in hashed
     ]
@@ -70,7 +68,7 @@ def verify_marked(
     listed = set(marker.get("files", {})) | set(sums)
     for name in sorted(set(marker.get("files", {})) - set(sums)):
         reports.append(
-            integrity.FileReport(name, None, note="no checksum recorded (marker version 1)")
+            checksums.FileReport(name, None, note="no checksum recorded (marker version 1)")
         )
     # Shard markers of version 2 had no kind; every other writer names its own.
     if marker.get("kind", "shards") == "shards" and "schema_version" in marker:
@@ -81,11 +79,11 @@ def verify_marked(
                 r.error = _shard_values(d, name)
     for p in sorted(d.iterdir()):
         if p.name not in listed and p.name != MARKER and not p.name.startswith("."):
-            reports.append(integrity.FileReport(p.name, None, note="not listed: readers ignore it"))
+            reports.append(checksums.FileReport(p.name, None, note="not listed: readers ignore it"))
     return reports
 
 
-def _print(d: Path, reports: list[integrity.FileReport], out) -> int:
+def _print(d: Path, reports: list[checksums.FileReport], out) -> int:
     damaged = 0
     for r in reports:
         if r.ok:
@@ -102,8 +100,8 @@ def verify_path(d: Path, out=None) -> int:
     out = out or sys.stdout
     if (d / MARKER).is_file():
         try:
-            marker = integrity.read_marker(d, MARKER)
-        except integrity.IntegrityError as e:
+            marker = checksums.read_marker(d, MARKER)
+        except checksums.IntegrityError as e:
             print(f"{d}: DAMAGED marker: {e}", file=out)
             return 1
         print(
@@ -154,7 +152,7 @@ def verify_url(url: str, out=None) -> int:
             try:
                 download(urls.join(url, name), d / name, expected=expected)
                 hashed.add(name)  # its hash checked on the way in: not read a second time
-            except (integrity.DamagedFileError, FileNotFoundError) as e:
+            except (checksums.DamagedFileError, FileNotFoundError) as e:
                 errors[name] = str(e).removeprefix(f"{urls.join(url, name)}: ")
         (d / MARKER).write_bytes(raw)
         reports = verify_marked(d, marker, hashed=frozenset(hashed))

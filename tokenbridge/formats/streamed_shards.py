@@ -31,8 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import checksums, shard_schema
 from tokenbridge.remote_cache import (
     LOCKS,
     download,
@@ -66,23 +65,25 @@ def prepare(url: str, root: str | os.PathLike, *, keep_files: int) -> Path:
             return entry
         shutil.rmtree(entry, ignore_errors=True)  # one that died half way
         (entry / INDEX).mkdir(parents=True)
-        raw, marker = read_marker_url(url, S.COMPLETED_MARKER)
+        raw, marker = read_marker_url(url, shard_schema.COMPLETED_MARKER)
         sums = marker.get("checksums", {})
-        if S.STATS_FILE in sums:
+        if shard_schema.STATS_FILE in sums:
             download(
-                urls.join(url, S.STATS_FILE), entry / S.STATS_FILE, expected=sums[S.STATS_FILE]
+                urls.join(url, shard_schema.STATS_FILE),
+                entry / shard_schema.STATS_FILE,
+                expected=sums[shard_schema.STATS_FILE],
             )
         for name, rows in sorted(marker["files"].items()):
             index = _index(urls.join(url, name))
             if index.num_rows != int(rows):
                 raise ValueError(
-                    f"{urls.join(url, name)}: {index.num_rows} rows, {S.COMPLETED_MARKER} says {rows}"
+                    f"{urls.join(url, name)}: {index.num_rows} rows, {shard_schema.COMPLETED_MARKER} says {rows}"
                 )
             path = str(entry / INDEX / name)
             with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, index.schema) as w:
                 w.write_table(index)
-        (entry / S.COMPLETED_MARKER).write_bytes(raw)
-        integrity.write_json_atomic(entry / STREAM, {"url": url, "keep_files": int(keep_files)})
+        (entry / shard_schema.COMPLETED_MARKER).write_bytes(raw)
+        checksums.write_json_atomic(entry / STREAM, {"url": url, "keep_files": int(keep_files)})
     return entry
 
 

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.formats.checksums import COST, IntegrityError
 
 
@@ -123,10 +123,12 @@ def _same_lengths(
         )
 
 
-def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int = 0):
+def check_batch(
+    batch: pa.RecordBatch, meta: shard_schema.ShardMeta, *, where: str, first_row: int = 0
+):
     """Raise `BadValueError` for the first value of `batch` out of its range (see the module
     docstring). `where`: the file; `first_row`: the batch's first row in that file. Its time
-    and rows count in `integrity.COST`."""
+    and rows count in `checksums.COST`."""
     t0 = time.perf_counter()
     try:
         _check(batch, meta, where=where, first_row=first_row)
@@ -135,18 +137,20 @@ def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_r
         COST.checked_rows += batch.num_rows
 
 
-def _check(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int) -> None:
+def _check(
+    batch: pa.RecordBatch, meta: shard_schema.ShardMeta, *, where: str, first_row: int
+) -> None:
     s_offsets, _ = _check_range(
         batch, "student_ids", lo=0, hi=meta.student.vocab_size, where=where,
         first_row=first_row, what=f"student vocabulary {meta.student.name}",
     )  # fmt: skip
     for i, t in enumerate(meta.teachers):
-        ids = S.teacher_ids_column(i)
+        ids = shard_schema.teacher_ids_column(i)
         t_offsets, _ = _check_range(
             batch, ids, lo=0, hi=t.vocab_size, where=where, first_row=first_row,
             what=f"teacher {i} vocabulary {t.name}",
         )  # fmt: skip
-        n_col = S.teacher_n_chunks_column(i)
+        n_col = shard_schema.teacher_n_chunks_column(i)
         n_chunks = batch.column(n_col).to_numpy(zero_copy_only=False)
         if len(n_chunks) and n_chunks.min() < 0:
             row = int(np.flatnonzero(n_chunks < 0)[0])
@@ -154,8 +158,8 @@ def _check(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: i
                 where, row=first_row + row, column=n_col, detail=f"{int(n_chunks[row])} < 0"
             )
         for col, ref, of in (
-            (S.teacher_chunk_column(i), t_offsets, ids),
-            (S.teacher_student_chunk_column(i), s_offsets, "student_ids"),
+            (shard_schema.teacher_chunk_column(i), t_offsets, ids),
+            (shard_schema.teacher_student_chunk_column(i), s_offsets, "student_ids"),
         ):
             offsets = _check_chunks(batch, col, n_chunks, where=where, first_row=first_row)
             _same_lengths(offsets, ref, where=where, first_row=first_row, column=col, of=of)

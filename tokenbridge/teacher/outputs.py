@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.teacher import blocked
 
 NEG_INF = float("-inf")
@@ -221,30 +221,30 @@ def _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group) -> None:
 @torch.no_grad()
 def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
     """All requested fields for R rows of raw teacher logits (vocab-parallel composition)."""
-    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
+    x1 = vocab_ops.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
-    logz = vo.logsumexp(xs, tp_group)
+    logz = vocab_ops.logsumexp(xs, tp_group)
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
     out: dict[str, Tensor] = {}
     if spec.topk:
-        vals, ids = vo.topk(xs, spec.topk, tp_group)
+        vals, ids = vocab_ops.topk(xs, spec.topk, tp_group)
         lp = vals - logz[:, None]
         ids = torch.where(lp > NEG_INF, ids, -1)
         out["topk_ids"] = ids
         out["topk_logprobs"] = lp
-        out["tail_logprob"] = vo.logsumexp_excluding(xs, ids, tp_group) - logz
+        out["tail_logprob"] = vocab_ops.logsumexp_excluding(xs, ids, tp_group) - logz
     if spec.columns:
-        out["col_logprobs"] = vo.gather(xs, cols, tp_group) - logz[:, None]
-        out["col_rest_logprob"] = vo.logsumexp_excluding(xs, cols, tp_group) - logz
+        out["col_logprobs"] = vocab_ops.gather(xs, cols, tp_group) - logz[:, None]
+        out["col_rest_logprob"] = vocab_ops.logsumexp_excluding(xs, cols, tp_group) - logz
         if spec.per_position_columns:
             out["col_ids"] = cols
     if spec.rest_sorted:
-        rest = vo.exclude_columns(xs, cols, tp_group)
-        vals, _ = vo.topk(rest, spec.rest_sorted, tp_group)
+        rest = vocab_ops.exclude_columns(xs, cols, tp_group)
+        vals, _ = vocab_ops.topk(rest, spec.rest_sorted, tp_group)
         out["rest_sorted_probs"] = (vals - logz[:, None]).exp()
     if spec.target:
-        logz1 = logz if spec.temperature == 1.0 else vo.logsumexp(x1, tp_group)
-        tl = vo.gather(x1, tgt_R[:, None], tp_group)[:, 0] - logz1
+        logz1 = logz if spec.temperature == 1.0 else vocab_ops.logsumexp(x1, tp_group)
+        tl = vocab_ops.gather(x1, tgt_R[:, None], tp_group)[:, 0] - logz1
         out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
     return out
 
@@ -267,7 +267,7 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None) -> dict[st
     (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
     ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
     zeroed (exact), not 1 - sum and not a masked copy."""
-    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size)
+    x1 = vocab_ops.mask_padded(x_RV.float(), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     R, V = xs.shape
     if spec.topk and not spec.columns:
