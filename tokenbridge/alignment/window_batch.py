@@ -1,14 +1,9 @@
 """Windows of a whole batch of documents, columnar: flat token arrays in, an Arrow batch out.
 
-The align job's hot path. `cut_batch` runs the Numba cutter (`tokenbridge.alignment.window_kernel`) over
-the concatenated token and chunk arrays of a batch (document boundaries as row splits) and
-`to_record_batch` gathers every shard column for all windows at once; no Python runs per window
-or per token. The rules are those of `tokenbridge.alignment.windows` (the per-document reference, which the
-tests compare this against), plus the piece semantics of `tokenbridge.alignment.long_documents`.
-
-Extra per-token columns (a train mask, roles) ride along: `to_record_batch` takes, per extra
-column, a flat array over one side's tokens and the value its BOS/EOS get, and gathers it with
-the same token ranges as that side's ids.
+The align job's hot path: `cut_batch` runs the Numba cutter over the batch's concatenated token
+and chunk arrays, and `to_record_batch` gathers every shard column for all windows at once; no
+Python runs per window or per token. Same rules as `tokenbridge.alignment.windows`, the
+per-document reference the tests compare it with, plus the pieces of long documents.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Which student tokens are trained: the per-token train flag of a conversation.
 
-A flag on token t means token t is a *target*: CE and every KD mode apply at the position that
-predicts it (the trainer shifts by one as for raw text), and counts follow the flags.
-
-Modes (`rows.TRAIN_MODES`):
-
-- ``assistant`` (default): every trainable assistant turn's content tokens (straddling ones
-  included: the student must produce them to say the content) and its end-of-turn run (any
-  whitespace the template writes before its close token, and the token): the student learns
-  to stop. Trainable turns are all assistant turns of a ``messages`` row and the completion's
-  assistant turns of a ``prompt_completion`` row;
-- ``last_assistant``: only the last trainable assistant turn (multi-turn data whose earlier
-  replies come from another model);
-- ``all``: every token, scaffolding included (plain language modelling of the rendering).
+A flag on token t makes it a *target*: CE and every KD mode apply at the position that predicts
+it, and counts follow the flags. Modes (`rows.TRAIN_MODES`): ``assistant`` (default: trainable
+assistant contents and their end-of-turn runs), ``last_assistant``, ``all`` (docs/alignment.md,
+"Conversations").
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """``python -m tokenbridge.commands.verify DIR [DIR ...]`` (``make verify DIR=...``): is what was written intact?
 
-DIR is any directory a tokenbridge writer completes with a marker that lists its files and
-their checksums (`tokenbridge.formats.checksums`), recognised by the marker's ``kind``:
-
-- a shard directory (``make align``): every listed file hashed, and every record batch of
-  every shard checked for values out of range (`tokenbridge.formats.value_checks`);
-- a teacher-cache directory, or any other marked directory: every listed file hashed;
-- a checkpoint (``<run_dir>/checkpoints/step-N``), a folder of them, or a run directory: every
-  checkpoint's files hashed; a save that never finished (``step-N.tmp``) and a checkpoint
-  moved aside by a resume (``step-N.damaged``) are named, not verified.
-
-DIR may also be an ``s3://`` URL of a marked directory (`verify_url`): each object is streamed
-once through its hash into a temporary copy (checked as above), then deleted.
-
-One line per file, ``OK`` or what is wrong; exit code 0 when everything verified, 2 when
-anything is damaged or missing; any other failure (an unreadable directory) is one line and an
-exit code from `tokenbridge.cli`. Nothing here imports the trainer: a checkpoint's marker is the
-same kind of JSON as a shard directory's.
+DIR is any directory a tokenbridge writer completes with a checksummed marker, recognised by
+its ``kind`` (shards, whose values are checked too; a teacher cache; a checkpoint, a folder of
+them or a run directory), or an ``s3://`` URL of one. One line per file, exit code 2 on any
+damage (docs/integrity.md). Nothing here imports the trainer: a checkpoint's marker is the same
+kind of JSON as a shard directory's.
 """
 
 from __future__ import annotations

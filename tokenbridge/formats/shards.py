@@ -1,21 +1,10 @@
 """Aligned shard directories: write Arrow IPC shards atomically, read them back only when complete.
 
-A shard directory holds ``shard-XXXXX-of-YYYYY.arrow`` files (Arrow IPC *file* format, so a
-reader can memory-map them and jump to any record batch), ``dead_letter.jsonl``, ``stats.json``
-and ``COMPLETED``, written last. Every file is first written under a hidden temporary name (the
-align job: rolled part files in a temporary directory, `pipelines.plumbing.rolling`) and then renamed, so
-a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker: a directory that
-looks complete is complete. ``COMPLETED`` is the shard index: it lists the shard files and their
-row counts (so stale files from an earlier crashed run are never picked up) and every file's
-size and checksum as computed while it was written (`tokenbridge.formats.checksums`: xxh3_64 from marker
-version 3 on, blake2b in version 2). Markers of version 1 (no checksums) are still read, unverified.
-
-The reader (`open_shards`) refuses a directory without the marker, a schema version it does not
-know, shards made with tokenizers other than the ones the caller is about to train with
-(compared by fingerprint, the hash of the vocabulary), and, per its `verify` mode, a file whose
-checksum differs from the marker (`first_open`: when `ShardSet.read_table` first maps it;
-`preflight`: every file, in `open_shards`; `never`). Values are checked per record batch by
-`tokenbridge.formats.value_checks` before a row reaches a model.
+Shards are Arrow IPC *files*, so a reader memory-maps them and jumps to any record batch. Every
+file is written under a temporary name and renamed, and ``COMPLETED``, written last, lists the
+shard files with their rows and checksums: a directory that looks complete is complete, and
+stale files of a crashed run are never picked up. The reader refuses what the trainer must not
+read (no marker, another schema version or tokenizer, a damaged file: docs/integrity.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Open a teacher cache for training: refuse what must not be read, join its rows to the shards.
 
-`open_cache` checks, before anything trains, in this order: the COMPLETED marker (its absence
-means the job did not finish), the marker and cache versions, that it is a teacher cache, every
-listed file (present, a cache file of the same `CacheMeta`, the listed row count), then the
-caller's expectations (`Expected`: the shards it trains on, which teacher column, the teacher's
-tokenizer and weights fingerprints, its compute dtype), and finally the row-for-row join: every
-cache row names a shard row ``(shard_file, row)``, and every shard row must be scored exactly
-once (a cache with dead letters lacks rows: refused, naming them).
-
-Unless ``verify="never"`` (the trainer passes ``data.verify``), every file the reader maps is
-hashed first against the marker's checksum (`tokenbridge.formats.checksums.verify_once`: once per
-process), so a damaged copy is refused by name before it trains: all at open, since the join
-reads every file (``first_open`` and ``preflight`` are the same here).
-
-The join gives, per global shard row (the trainer's numbering: shard files in name order, rows
-in order), the cache file and the row in it; `CacheSet.read` fetches one row's outputs from the
-memory-mapped files (nothing is loaded whole).
+`open_cache` checks, before anything trains: the marker, the versions, every listed file, then
+the caller's expectations (`Expected`: shards, teacher column, tokenizer and weights, compute
+dtype), and finally the join: every shard row must be scored exactly once (a cache with dead
+letters is refused, naming them). Files are hashed at open unless ``verify="never"``, since the
+join reads them all (docs/integrity.md). `CacheSet.read` then maps one row's outputs.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The one structure a teacher hands the loss, and how it is computed from teacher logits.
 
-A teacher never ships fp32 [T, V_teacher] (262,144 columns for Gemma: 1 MiB per token). It
-ships, per position, only what the configured loss reads:
-
-- ``topk_ids`` / ``topk_logprobs``: its top-k tokens and their log-probs at the KD temperature,
-  plus ``tail_logprob``, the exact log of the mass outside the top-k (the tail bucket);
-- ``col_logprobs``: log-probs on a column set, either one global set (e.g. the exact-map teacher
-  ids for `gold`) or per-position ids (``col_ids``; e.g. the student's own top-k for the
-  on-policy core of `kd_topk`), plus ``col_rest_logprob``, the log-mass outside the set;
-- ``rest_sorted_probs``: the largest probabilities outside the column set, descending (ULD);
-- ``target_logprob``: log p(realised next token) at temperature 1 (0 where there is none). The
-  chain log-probs of aligned chunks are segment sums of this [B, T] field, done by the loss.
-
-Every field has a shape fixed by (B, T, spec), so a teacher worker can preallocate ring-buffer
-slots (`teacher_output_fields` / `allocate_teacher_outputs`) in shared memory or behind CUDA IPC
-handles and fill them in place (``out=``). Top-k slots whose log-prob is -inf (fewer finite
-logits than k) get id -1, the "empty slot" convention shared with the projection tables.
+A teacher never ships fp32 [T, V_teacher] logits, only what the configured loss reads per
+position: top-k + tail, log-probs on a column set, a sorted rest, the realised token's log-prob
+(the fields: docs/losses.md, "Teacher outputs"). Every field's shape is fixed by (B, T, spec), so
+a worker preallocates ring slots (shared memory or CUDA IPC) and fills them in place (``out=``).
 
 Legend: B batch, T teacher positions, V teacher lm_head width, K top-k, N columns, M sorted rest.
 """

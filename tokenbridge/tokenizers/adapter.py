@@ -1,26 +1,10 @@
 """One tokenizer interface over HF tokenizer.json / directories, GGUF, SentencePiece and tiktoken.
 
-Everything downstream (alignment, projection, shards, bits-per-byte) needs more than ids: where
-each token lies in the text (character and UTF-8 byte offsets), the exact bytes each token stands
-for, the special tokens and their roles, the number of ids the tokenizer can emit, and a
-fingerprint of the vocabulary to refuse artifacts made with another one. This module gives all of
-that, with no special tokens added, and arrays in numpy.
-
-How offsets are computed: ids come from the backend's fastest call. Where a row's token bytes
-reassemble the bytes the tokenizer saw (the text's UTF-8, plus a SentencePiece dummy-prefix space,
-minus bytes a byte-level vocabulary has no token for and drops; checked exactly, one numpy gather
-per batch), offsets follow from cumulative token byte lengths, mapped to characters. The other
-rows (normalizers, a literal "▁", unknown characters) take the backend's own character offsets,
-which are checked: offsets that cannot locate the tokens raise `NoOffsetsError`.
-
-Conventions: a token that covers part of a character (byte-level or byte-fallback pieces) gets
-that whole character as its char span, so char spans of neighbours may overlap; byte spans never
-do. The invented dummy-prefix space covers no text ("▁" alone is [0, 0), "▁Hello" is [0, 5)).
-Special tokens are never parsed from text: "<eos>" in a document is five characters (llama.cpp's
-parse_special=false), so data cannot inject control tokens; callers add BOS/EOS by role.
-
-A tokenizer that loads empty (the transformers 5 trap `LlamaTokenizerFast(vocab_file=...)` saves a
-tokenizer.json with only special tokens) raises `EmptyTokenizerError`.
+Everything downstream (alignment, projection, shards, bits per byte) needs where each token lies
+in the text and the exact bytes it stands for, not only ids. Offsets come from the token bytes
+where they reassemble the text, else from the backend's own, checked; special tokens are never
+parsed from text, so data cannot inject control tokens (docs/alignment.md, "Tokens and their
+bytes").
 """
 
 from __future__ import annotations
@@ -62,11 +46,12 @@ class UnknownTokenizerFormatError(TokenizerError):
 
 
 class EmptyTokenizerError(TokenizerError):
-    pass
+    """A tokenizer that loads with only special tokens (transformers 5 saves such a
+    tokenizer.json from ``LlamaTokenizerFast(vocab_file=...)``)."""
 
 
 class NoOffsetsError(TokenizerError):
-    pass
+    """The backend's character offsets cannot locate a row's tokens in its text."""
 
 
 _ERRORS = {"unknown": UnknownTokenizerFormatError, "empty": EmptyTokenizerError}
