@@ -1,10 +1,5 @@
-"""The on-policy step's phases with the demo models, and the Markdown of parts 3 and 4 of
-`bench/onpolicy/section.py`.
-
-SmolLM2-135M samples 4 completions of 48 tokens for 16-token KJV prompts; Gemma-3-270M scores
-them after on-the-fly alignment with xtoken's outputs (top-32 + the realised token); the
-student's forward, the xtoken loss over completion chunks, backward and AdamW. Each phase is
-timed alone (median of 2 after a warm-up) in one process with one torch thread.
+"""Part 3 of `bench.onpolicy.section`: the on-policy step with the demo models, each phase
+(generate, align, teacher score, student step) timed alone, and its Markdown.
 """
 
 from __future__ import annotations
