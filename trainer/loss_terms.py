@@ -29,11 +29,11 @@ import torch
 
 from tokenbridge.losses.base import LossOutput
 from tokenbridge.losses.ce import ce
-from tokenbridge.losses.combine import combine
+from tokenbridge.losses.combine import CombineConfig, combine
 from tokenbridge.losses.modes import MODES, LossMode
 from tokenbridge.losses.multi_teacher import MultiTeacherConfig, combine_teachers, teacher_weights
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
-from trainer.config.schema import LossConfig, TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.microbatches import Microbatch
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def ce_term(
 
 
 def combine_terms(
-    loss_cfg: LossConfig,
+    config: CombineConfig,
     ce: torch.Tensor,
     kd: list[torch.Tensor],
     *,
@@ -166,11 +166,12 @@ def combine_terms(
 ) -> torch.Tensor:
     """The loss to backward from the normalised CE and KD terms (each its local sum over its
     global count): CE alone without KD terms, else the teachers' ``weights``-ed KD sum combined
-    with CE (`tokenbridge.losses.combine`; ``scale``: the dynamic mode's |CE| / |KD|)."""
+    with CE (`tokenbridge.losses.combine`; ``config``: ``LossConfig.combine_config()``, built
+    once per run; ``scale``: the dynamic mode's |CE| / |KD|)."""
     if not kd:
-        return loss_cfg.ce_weight * ce
+        return config.ce_weight * ce
     kd_v, _ = combine_teachers(kd, weights.to(ce.device))
-    total, _ = combine(kd_v, ce, config=loss_cfg.combine_config(), scale=scale)
+    total, _ = combine(kd_v, ce, config=config, scale=scale)
     return total
 
 

@@ -80,6 +80,7 @@ class ShardSource(Source):
         self.weight_list = weights.tolist() if weights is not None else []
         # on the device once: a host tensor would be copied over (a sync) every microbatch
         self.weights = weights.to(device) if weights is not None else None
+        self.combine_config = loss.combine_config()  # built once: the step reads no config code
         self.scale: float | None = None  # dynamic combine: last applied step's |CE| / |KD|
         self.queued: list[Queued] = []
         self.teacher_s = 0.0
@@ -159,7 +160,7 @@ class ShardSource(Source):
         return Terms(ce_out, kd_outs, sums)
 
     def combine(self, ce: torch.Tensor | None, kd: list[torch.Tensor]) -> torch.Tensor:
-        return combine_terms(self.loss, ce, kd, weights=self.weights, scale=self.scale)
+        return combine_terms(self.combine_config, ce, kd, weights=self.weights, scale=self.scale)
 
     def rows(self) -> list:
         return [r for q in self.queued for r in q.mb.rows]

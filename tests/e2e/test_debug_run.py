@@ -308,6 +308,23 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def test_one_debug_step_enters_each_trainer_file_once(inputs):
+    """One logging step of conf=debug traced call by call (`tests.e2e.step_trace`): on every
+    call stack the trainer/ files form contiguous runs, so a reader following the step from the
+    loop to the losses enters each file once (no source reaches back into the `Trainer`)."""
+    out = inputs["tmp"] / "step_trace.json"
+    cmd = [sys.executable, "-m", "tests.e2e.step_trace", str(inputs["shards"]), str(PROJECTION),
+           str(inputs["tmp"] / "step_trace"), str(out), *CPU]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    found = json.loads(out.read_text())
+    assert found["broken"] == [], "\n".join(found["broken"])
+    # the trace saw the step: the loop, the step, the source, the feed, the forward, the losses
+    step = {"loop.py", "step.py", "shard_source.py", "teacher/dispatch.py", "parallel/head.py",
+            "loss_terms.py"}  # fmt: skip
+    assert step <= set(found["entered"]), found["entered"]
+
+
 def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
     run_dir = inputs["tmp"] / "killed"
     cmd = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc_per_node=2",
