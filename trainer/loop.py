@@ -177,6 +177,17 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(
             ckpt.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
         )
+        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            enabled=self.is_main,
+            jsonl=cfg.logging.jsonl,
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+            total_steps=cfg.stop_after or cfg.steps,
+            fresh=self.resumed_from is None,
+        )
+        self._closers.append(self.metrics)
         self.stepper = TrainStep(
             model=self.model,
             optimizer=self.optimizer,
@@ -186,7 +197,7 @@ class Trainer:
             optim=cfg.optim,
             checkpoints=self.checkpointer.folder,
             device=self.device,
-            say=lambda line: self.metrics.write(line),
+            say=self.metrics.write,
         )
         self.shards = ShardSource(
             model=self.model,
@@ -216,20 +227,9 @@ class Trainer:
             )
             self._closers.append(self.onpolicy)
 
-        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
-        self.metrics = MetricsLogger(
-            self.run_dir,
-            enabled=self.is_main,
-            jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress,
-            total_steps=cfg.stop_after or cfg.steps,
-            start_step=self.step,
-            fresh=self.resumed_from is None,
-        )
-        self._closers.append(self.metrics)
+        self.metrics.start(self.step)
 
     # ---------------------------------------------------------------------------------------
     # state
