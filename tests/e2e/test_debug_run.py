@@ -12,7 +12,9 @@ torchrun or Python's resource tracker), a run with mismatched shards (refused be
 built, in one line), and the integrity cases of issue 20: a copy of the full run whose newest
 checkpoint is truncated (refused with checkpoint.strict=true; else resumed from the older one,
 same losses) and a copy of the shards with 32 bytes changed (refused in one line, exit 2); and
-of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, never run).
+of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, never run); and of
+issue 39: one step traced call by call in one process (`tests.e2e.step_trace`), entering each
+trainer/ file once.
 """
 
 from __future__ import annotations
