@@ -20,6 +20,7 @@ MODEL   ?=
 BENCH   ?=
 RUNS    ?= runs/demo
 DIR     ?=
+URL     ?=
 ALIGN_ARGS ?=
 SHARDS  ?= outputs/align/demo
 CACHE_ARGS ?=
@@ -29,16 +30,20 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify train eval report bench gpu-check gpu-check-pack clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify upload-model wheel train eval report bench gpu-check gpu-check-pack clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-setup: $(SETUP)  ## create .venv with the pinned dependencies (idempotent)
-$(SETUP): pyproject.toml requirements.lock
+# torch 2.13.0: the CUDA build where nvidia-smi lists a GPU, else the CPU build
+# (tokenbridge/assets/torch_build.py; TORCH_BUILD=cpu|cuda overrides the detection)
+TORCH_BUILD ?= auto
+setup: $(SETUP)  ## create .venv with the pinned dependencies (idempotent; TORCH_BUILD=cpu|cuda)
+$(SETUP): pyproject.toml requirements.lock requirements-cuda.lock
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -c requirements.lock -e '.[dev]'
+	torch_args=$$($(VENV)/bin/python tokenbridge/assets/torch_build.py --device $(TORCH_BUILD)) && \
+	  $(VENV)/bin/pip install -q -c requirements.lock $$torch_args -e '.[dev]'
 	touch $@
 
 models: $(SETUP)  ## fetch + convert teacher/student, tokenizer fixtures, corpora, eval data into artifacts/
@@ -63,7 +68,13 @@ align: models  ## Beam job: DATA glob -> aligned Arrow shards (TEACHER= (several
 	$(PY) -m pipelines.align --data '$(DATA)' $(foreach t,$(TEACHER),--teacher $(t)) --student $(STUDENT) $(if $(OUT),--out $(OUT)) $(ALIGN_ARGS)
 
 verify: $(SETUP)  ## checksums (+ values) of DIR=<shards | cache | checkpoint(s) | run dir>; exit 2 on damage
-	$(PY) -m tokenbridge.verify $(DIR)
+	$(PY) -m tokenbridge.commands.verify $(DIR)
+
+upload-model: $(SETUP)  ## mark DIR= (a model or tokenizer directory: every file's checksum) and upload it to URL=
+	$(PY) -m tokenbridge.commands.verify --mark $(DIR) --upload $(URL)
+
+wheel: $(SETUP)  ## dist/tokenbridge-*.whl, for the Beam SDK container (docker/beam-sdk.Dockerfile)
+	$(VENV)/bin/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
 	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
@@ -84,7 +95,7 @@ DEMO_CE    := name=demo_ce loss=ce teachers=none checkpoint.save_at_end=false
 demo: models  ## the main job on the shipped default (real Gemma-3-270M -> SmolLM2-135M, CPU), vs CE-only
 	@date +%s > .demo-start
 	@echo "== 1/5 tokenizer pair report"
-	$(PY) -m tokenbridge.pair_report $(TEACHER) $(STUDENT)
+	$(PY) -m tokenbridge.commands.pair_report $(TEACHER) $(STUDENT)
 	@echo "== 2/5 sparse vocabulary projection (Gemma -> SmolLM2)"
 	$(PY) -m pipelines.projection --teacher $(TEACHER) --student $(STUDENT) --k 8
 	@echo "== 3/5 align the KJV letters (one document per chapter) into shards (Beam, FnApiRunner)"
@@ -114,13 +125,13 @@ bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.m
 # here. Neither target sets anything up: the check needs no weights (docs/gpu.md).
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:  ## GPU check, <= 9 min on one H100/H200, no weights or network (docs/gpu.md; OUT=dir)
-	$(GPU_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT))
+	$(GPU_PY) -m bench.gpu.check $(if $(OUT),--out $(OUT))
 
 gpu-check-pack: models  ## .gpucheck/: tokenizers, text, Hydra for a GPU machine without them (docs/gpu.md)
-	$(PY) -m bench.gpu_pack
+	$(PY) -m bench.gpu.pack
 
 science: models $(VENV)/.stamp-bench  ## the science table: every loss mode vs CE-only vs TRL's GOLD (docs/science.md)
-	$(PY) -m bench.science
+	$(PY) -m bench.science.experiment
 
 KJV_ALIGN := outputs/align/kjv
 demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samples KJV continuations, Gemma scores
@@ -133,7 +144,7 @@ demo-onpolicy: models  ## on-policy distillation, real pair on CPU: SmolLM2 samp
 
 demo-onpolicy-compare: models  ## on-policy vs off-policy KD vs CE-only, same wall-clock (after demo-onpolicy's inputs)
 	rm -rf runs/onpolicy_compare
-	$(PY) -m bench.onpolicy_compare
+	$(PY) -m bench.onpolicy.equal_budget
 
 # the tiny-model experiments: the real tokenizers, random weights, seconds of training on CPU.
 # Shards are made once (delete the directory to remake them); their windows fit the config's

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 CODE_PATHS = ("tokenbridge", "trainer", "pipelines", "bench")
 LIBRARY_PATHS = CODE_PATHS[:-1]
 MARK = "_Measured on commit "
+RESULTS = REPO / "bench" / "results"  # each section's stored file (`run_all`)
 
 
 def _git(*args: str) -> str:
@@ -161,47 +162,64 @@ def measured_paths(module: Path) -> tuple[str, ...]:
 
 
 def _bench_imports(module: Path, seen: set[str] | None = None) -> set[str]:
-    """bench/*.py files `module` imports, itself included, following their own imports."""
+    """The bench/ files `module` uses, itself included, following their own: what it imports,
+    and the bench modules or scripts it names to launch (``run_child("bench.align.chat")``,
+    ``-m bench.science.trl_gold_train``, ``"bench/onpolicy/fsdp_gather.py"``)."""
     seen = set() if seen is None else seen
-    rel = str(module.relative_to(REPO))
+    rel = module.relative_to(REPO).as_posix()
     if rel in seen or not module.is_file() or rel == "bench/provenance.py":
         return seen  # this module formats the lines; it measures nothing
     seen.add(rel)
     for node in ast.walk(ast.parse(module.read_text())):
-        names = []
+        names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module:
-            names = (
-                [node.module] if node.module != "bench" else [f"bench.{a.name}" for a in node.names]
-            )
-            names += [f"{node.module}.{a.name}" for a in node.names]
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
         for name in names:
-            if name.startswith("bench."):
+            if name.startswith("bench/") and name.endswith(".py"):
+                _bench_imports(REPO / name, seen)
+            elif name.startswith("bench."):  # a module file; a package's __init__ measures nothing
                 _bench_imports(REPO / (name.replace(".", "/") + ".py"), seen)
-        # a script launched by its path ("bench" / "onpolicy_fsdp.py")
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            script = REPO / "bench" / Path(node.value).name
-            if node.value.endswith(".py") and script.is_file():
-                _bench_imports(script, seen)
     return seen
+
+
+def _renames(sha: str) -> dict[str, tuple[str, bool]]:
+    """Files moved since `sha`: new path -> (its path at `sha`, moved unchanged). Found over the
+    whole tree, so a move between folders is one rename, not a delete and an add."""
+    out = {}
+    for line in _git("diff", "--name-status", "-M", sha, "HEAD").splitlines():
+        status, *names = line.split("\t")
+        if status.startswith("R") and len(names) == 2:
+            out[names[1]] = (names[0], status == "R100")
+    return out
+
+
+def _under(path: str, paths: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in paths)
 
 
 def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:
     """Under a kept section: whether the code it measures (`paths`) changed since the commit
-    it names."""
+    it names. A file moved since (bench/'s folders) is followed to its path at that commit, and
+    a move alone changes nothing."""
     sha = section_commit(text)
     if sha is None and "Not run" in text:
         return None  # no figures to be stale
     if sha is None:
         return "_This section names no commit: it predates provenance lines; treat as stale._"
-    changed = _git("log", "--oneline", f"{sha}..HEAD", "--", *paths)
     if not _git("rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}"):
         return f"_Commit {sha} is not in this checkout: whether the code changed is unknown._"
-    if changed and not _git("diff", "--name-only", sha, "HEAD", "--", *paths):
-        return None  # commits touched it and were undone: the code measured is the same
-    if changed:
-        n = len(changed.splitlines())
-        what = "1 commit touches" if n == 1 else f"{n} commits touch"
-        return f"_The code has changed since {sha} ({what} {', '.join(paths)})._"
-    return None
+    if not _git("log", "--oneline", f"{sha}..HEAD", "--", *paths):
+        return None
+    moved = {new: old for new, old in _renames(sha).items() if _under(new, paths)}
+    then = (*paths, *(old for old, _ in moved.values()))  # the same files, as named at `sha`
+    diff = _git("diff", "--name-only", "-M", sha, "HEAD", "--", *then).splitlines()
+    # a file moved unchanged is listed under its new name: not a change
+    if not [f for f in diff if f not in moved or not moved[f][1]]:
+        return None  # commits touched it and were undone (or only moved it): the same code
+    n = len(_git("log", "--oneline", f"{sha}..HEAD", "--", *then).splitlines())
+    what = "1 commit touches" if n == 1 else f"{n} commits touch"
+    return f"_The code has changed since {sha} ({what} {', '.join(paths)})._"

@@ -1,6 +1,6 @@
-"""`make bench`: run every benchmark module and write BENCHMARKS.md.
+"""`make bench`: run every benchmark section and write BENCHMARKS.md.
 
-Each module ``bench/bench_<name>.py`` has ``main() -> str`` returning a Markdown section. The
+`SECTIONS` names each section's module; its ``main() -> str`` returns a Markdown section. The
 machines here are noisy, so every section quotes ratios against a baseline measured in the same
 run, plus peak memory, and opens with its provenance (`bench.provenance`: commit, time, CPU and
 cores, load average at its start and end, "measured under load" when the load exceeded the core
@@ -17,28 +17,52 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
 import time
 from pathlib import Path
 
-import bench
 from bench import provenance
 
-RESULTS = Path(__file__).parent / "results"
-OUT = Path(__file__).parent.parent / "BENCHMARKS.md"
+RESULTS = provenance.RESULTS
+OUT = provenance.REPO / "BENCHMARKS.md"
 KEPT = "_(cached:"  # a section's marker: not measurable here, its last run kept
+# section name (its results file, `make bench BENCH=name`) -> its module under bench/
+SECTIONS = {
+    "align_chat": "align.chat",
+    "align_job": "align.beam_job",
+    "align_scale": "align.scale",
+    "align_tokenize_gap": "align.tokenize_gap",
+    "alignment": "align.alignment",
+    "channel": "training.logit_channel",
+    "channel_cuda": "gpu.channel_cuda",
+    "demo": "training.demo",
+    "dist_ops": "training.dist_ops",
+    "eval": "training.eval",
+    "gpu_check": "gpu.section",
+    "integrity": "training.integrity",
+    "logits": "training.logits",
+    "losses": "training.losses",
+    "memory": "training.memory",
+    "object_store": "storage.object_store",
+    "onpolicy": "onpolicy.section",
+    "parallel": "training.parallel",
+    "projection": "align.projection_build",
+    "science": "science.section",
+    "teacher_cache": "teacher.cache",
+    "trainer": "training.trainer_step",
+}
 
 
 def discover() -> list[str]:
-    return sorted(
-        m.name[len("bench_") :]
-        for m in pkgutil.iter_modules(bench.__path__)
-        if m.name.startswith("bench_")
-    )
+    return sorted(SECTIONS)
+
+
+def module_file(name: str) -> Path:
+    """The file of section `name`'s module (read by `provenance.measured_paths`, not imported)."""
+    return provenance.REPO / "bench" / (SECTIONS[name].replace(".", "/") + ".py")
 
 
 def run_one(name: str, *, allow_load: bool) -> None:
-    """Run ``bench_<name>.main()`` and store its section with its provenance line."""
+    """Run section `name`'s ``main()`` and store its section with its provenance line."""
     prov = provenance.Provenance.start()
     if prov.load_start > prov.cores and not allow_load:
         raise SystemExit(
@@ -47,7 +71,7 @@ def run_one(name: str, *, allow_load: bool) -> None:
         )
     print(f"== bench {name}", flush=True)
     t0 = time.perf_counter()
-    section = importlib.import_module(f"bench.bench_{name}").main()
+    section = importlib.import_module(f"bench.{SECTIONS[name]}").main()
     took = time.perf_counter() - t0
     if KEPT in section:
         print(f"   {name}: kept the last section (not measurable here)")
@@ -88,7 +112,7 @@ def collect() -> str:
             parts.append(f"## {name}\n\nNot run yet (`make bench BENCH={name}`).\n")
             continue
         text = provenance.reflag(path.read_text())
-        paths = provenance.measured_paths(Path(bench.__path__[0]) / f"bench_{name}.py")
+        paths = provenance.measured_paths(module_file(name))
         note = provenance.stale_note(text, paths)
         parts.append(text if note is None else f"{text.rstrip()}\n\n{note}\n")
     return "\n".join(parts)

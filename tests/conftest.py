@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.objectstore import SeaweedS3
+from bench.storage.seaweed import SeaweedS3
 from tokenbridge import paths
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -68,7 +68,7 @@ def group(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """One SeaweedFS S3 server for the whole test session (`tests.objectstore`); a server
+    """One SeaweedFS S3 server for the whole test session (`bench.storage.seaweed`); a server
     that does not start fails the tests that need it, loudly."""
     server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
     yield server

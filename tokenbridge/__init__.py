@@ -14,6 +14,6 @@ own needs nothing else:
 - `tokenbridge.losses` (+ `tokenbridge.dist_ops`): the losses, pure functions returning a sum
   and a count, with the vocab- and context-parallel ops they run on;
 - `tokenbridge.models` (+ `model_spec`): HF causal LMs from local directories, load and export;
-- tools on this floor: `tokenbridge.assets` (``make models``), `tokenbridge.verify` (``make
-  verify``), `tokenbridge.pair_report`, and `tokenbridge.cli` (how every command fails: one line).
+- tools on this floor: `tokenbridge.assets` (``make models``), `tokenbridge.commands.verify` (``make
+  verify``), `tokenbridge.commands.pair_report`, and `tokenbridge.cli` (how every command fails: one line).
 """

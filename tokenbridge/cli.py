@@ -1,7 +1,7 @@
 """How every tokenbridge command ends when it fails: one line, an exit code, no traceback.
 
-Each command line tool (`pipelines.align.job`, `tokenbridge.projection`, `tokenbridge.pair_report`,
-`tokenbridge.assets`, `pipelines.teacher_cache`, `tokenbridge.verify`, `tokenbridge.chat.example`,
+Each command line tool (`pipelines.align.job`, `tokenbridge.projection`, `tokenbridge.commands.pair_report`,
+`tokenbridge.assets`, `pipelines.teacher_cache`, `tokenbridge.commands.verify`, `tokenbridge.commands.chat_example`,
 ``trainer/main.py``, `trainer.eval`, `trainer.eval.datasets`, `trainer.report`) runs its ``main``
 through ``run`` (tests/unit/test_cli.py checks that every ``__main__`` does), which turns a
 failure the user can act on into a single line on stderr::

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from tokenbridge import atomic
 from tokenbridge.model_spec import ModelSource, ModelSpec  # noqa: F401  (models.ModelSpec)
 
 # files of a HF directory that make up its tokenizer (copied into exports as they are)
@@ -208,8 +209,7 @@ def export_hf(
     """
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    try:
+    with atomic.replacing(out, tmp=tmp, directory=True):
         hf_cfg = model_config(cfg)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_cfg)
@@ -225,10 +225,4 @@ def export_hf(
         copy_tokenizer_files(cfg.path, tmp)
         if extra:
             (tmp / "tokenbridge.json").write_text(json.dumps(extra, indent=2, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from tokenbridge import atomic
 from tokenbridge.formats.shard_schema import TokenizerInfo
 from tokenbridge.tokenizers import Tokenizer, TokenizerError
 
@@ -335,13 +335,9 @@ def save_projection(p: Projection, path: str | os.PathLike) -> Path:
 
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
     tensors = {name: np.ascontiguousarray(getattr(p, name)) for name in TENSORS}
-    try:
+    with atomic.replacing(final) as tmp:
         save_file(tensors, str(tmp), metadata={k: str(v) for k, v in p.meta.items()})
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
     return final
 
 

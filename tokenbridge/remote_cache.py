@@ -1,7 +1,9 @@
 """A node-local cache of inputs fetched from an object store, verified while they download.
 
 Used by the trainer (`trainer.remote_inputs.localize`: ``data.shards``, teacher caches and
-projections; `trainer.checkpoint.remote`: a checkpoint to resume), by ``tokenbridge.verify`` on
+projections, and model directories through `tokenbridge.remote_models`;
+`trainer.checkpoint.remote`: a checkpoint to resume), by the Beam workers' tokenizers and
+teachers (`tokenbridge.remote_models`), by ``tokenbridge.commands.verify`` on
 an ``s3://`` directory and by the teacher-cache job's launcher (``--shards s3://``).
 
 - a directory with a completion marker (shards, a teacher cache) is fetched marker first: no
@@ -33,26 +35,36 @@ import shutil
 import time
 from pathlib import Path
 
-from tokenbridge import urls
+from tokenbridge import atomic, urls
 from tokenbridge.formats import checksums as integrity
 
 FETCHED = ".fetched"  # an entry's commit point: written after every file is in place
 WAIT_S = 3600.0  # how long a rank waits for its node's fetch
 POLL_S = 0.2
 LOCKS = ".locks"  # one lock file per entry (kept: removing one races with a waiter)
-DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenbridge"
+
+
+def default_dir() -> Path:
+    """This process's cache directory: ``$XDG_CACHE_HOME/tokenbridge``, else
+    ``~/.cache/tokenbridge`` (read now: a worker has its own HOME)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenbridge"
+
+
+DEFAULT_DIR = default_dir()  # the launching process's (what the commands' help texts show)
 
 
 @functools.cache
-def _filesystem(settings: tuple[tuple[str, str], ...]):
+def _filesystem(settings: tuple[tuple[str, str], ...], retries: tuple[tuple[str, object], ...]):
     import s3fs
 
-    return s3fs.S3FileSystem(**urls.fsspec_options(dict(settings)))
+    return s3fs.S3FileSystem(**urls.fsspec_options(dict(settings), retries=dict(retries)))
 
 
 def filesystem():
-    """The s3fs file system of the environment's settings (`urls.s3_settings`)."""
-    return _filesystem(tuple(sorted(urls.s3_settings().items())))
+    """The s3fs file system of the environment's settings (`urls.s3_settings`, its retries:
+    `urls.retry_config`)."""
+    settings, retries = urls.s3_settings(), urls.retry_config()
+    return _filesystem(tuple(sorted(settings.items())), tuple(sorted(retries.items())))
 
 
 def errors(url: str, doing: str):
@@ -89,9 +101,13 @@ class RemoteCache:
     def entry(self, url: str) -> Path:
         return self.root / entry_name(url)
 
-    def fetch_dir(self, url: str, *, marker: str = "COMPLETED") -> Path:
-        """The local copy of the marked directory `url`, fetched and verified if needed."""
-        return self._fetch(url, lambda entry: self._download_dir(url, entry, marker))
+    def fetch_dir(self, url: str, *, marker: str = "COMPLETED", named: bool = False) -> Path:
+        """The local copy of the marked directory `url`, fetched and verified if needed. With
+        `named`, the copy is a directory named as the URL's last part inside the entry (a
+        tokenizer loaded from it takes that name, as from the directory it was uploaded from)."""
+        sub = urls.name(url) if named else ""
+        entry = self._fetch(url, lambda entry: self._download_dir(url, entry / sub, marker))
+        return entry / sub if sub else entry
 
     def fetch_file(self, url: str) -> Path:
         """The local copy of the single file `url` (no marker: unverified)."""
@@ -139,14 +155,16 @@ class RemoteCache:
                 used -= _size(e)
                 shutil.rmtree(e, ignore_errors=True)
 
-    def _download_dir(self, url: str, entry: Path, marker: str) -> None:
+    def _download_dir(self, url: str, dest: Path, marker: str) -> None:
+        """The marked directory `url` into `dest` (the entry, or a directory inside it)."""
         raw, parsed = read_marker_url(url, marker)
         sums = parsed.get("checksums", {})
         self._make_room(sum(int(e["bytes"]) for e in sums.values()), url)
+        dest.mkdir(parents=True, exist_ok=True)
         for name in sorted(sums):
-            download(urls.join(url, name), entry / name, expected=sums[name])
-        (entry / marker).write_bytes(raw)
-        _commit(entry, url)
+            download(urls.join(url, name), dest / name, expected=sums[name])
+        (dest / marker).write_bytes(raw)
+        _commit(self.entry(url), url)
 
     def _download_file(self, url: str, entry: Path, name: str) -> None:
         fs = filesystem()
@@ -157,15 +175,19 @@ class RemoteCache:
         _commit(entry, url)
 
 
+class MarkerNotFoundError(FileNotFoundError):
+    """A directory URL without its completion marker (one line, exit 2)."""
+
+
 def read_marker_url(url: str, marker: str = "COMPLETED") -> tuple[bytes, dict]:
-    """The completion marker of the directory `url`: its bytes and its JSON; FileNotFoundError
-    (one line) when there is none."""
+    """The completion marker of the directory `url`: its bytes and its JSON;
+    `MarkerNotFoundError` (one line) when there is none."""
     marker_url = urls.join(url, marker)
     with errors(marker_url, "a read"):
         try:
             raw = filesystem().cat_file(urls.store_key(marker_url))
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise MarkerNotFoundError(
                 f"{marker_url}: no completion marker; the job that writes it did not finish "
                 "(still running, or crashed), or the URL is wrong"
             ) from None
@@ -195,7 +217,7 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
                 url, expected=integrity.describe(expected), found=integrity.describe(found),
                 hint="the object differs from its completion marker: re-run the job that wrote it",
             )  # fmt: skip
-    os.replace(part, dest)
+    atomic.replace(part, dest)
     if expected is not None:  # hashed on its way: the reader that maps it need not hash it again
         integrity.mark_verified(dest, expected)
 

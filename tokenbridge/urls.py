@@ -113,12 +113,25 @@ def s3_settings(env: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in out.items() if v}
 
 
-def fsspec_options(settings: dict[str, str] | None = None) -> dict:
-    """`s3_settings` as s3fs / fsspec storage options (``endpoint_url``, ``key``, ...)."""
+def retry_config(env: dict[str, str] | None = None) -> dict:
+    """How every S3 client here retries: botocore's ``standard`` mode (exponential backoff with
+    jitter, at most 20 s between attempts, on throttling, 5xx and dropped connections), 8
+    attempts; ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` override them as they do for boto3."""
+    env = os.environ if env is None else env
+    return {
+        "mode": env.get("AWS_RETRY_MODE") or "standard",
+        "max_attempts": int(env.get("AWS_MAX_ATTEMPTS") or 8),
+    }
+
+
+def fsspec_options(settings: dict[str, str] | None = None, *, retries: dict | None = None) -> dict:
+    """`s3_settings` as s3fs / fsspec storage options (``endpoint_url``, ``key``, ..., and the
+    botocore retries of `retry_config`)."""
     s = s3_settings() if settings is None else settings
     out: dict = {k: s[k] for k in ("endpoint_url", "key", "secret", "token") if k in s}
     if "region" in s:
         out["client_kwargs"] = {"region_name": s["region"]}
+    out["config_kwargs"] = {"retries": retry_config() if retries is None else retries}
     return out
 
 

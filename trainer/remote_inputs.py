@@ -2,12 +2,14 @@
 (`tokenbridge.remote_cache`), verified, then read from the local copy exactly as a local input
 (memory-mapped).
 
-``data.shards``, ``teachers[i].cache`` and ``teachers[i].projection`` may be ``s3://`` URLs
+``data.shards``, ``teachers[i].cache``, ``teachers[i].projection``, and the models
+(``model.path``, ``teachers[i].path``: directories marked by ``python -m tokenbridge.commands.verify
+--mark``, `tokenbridge.remote_models`) may be ``s3://`` URLs
 (`tokenbridge.urls`: the standard AWS variables say where the store is and who asks). Before
 any model loads, `localize` replaces each URL in the config by its local copy under
 ``data.cache_dir``, at most ``data.cache_limit_gb`` of it.
 
-With ``data.stream=true`` the shards are not fetched whole: `tokenbridge.streamed_shards`
+With ``data.stream=true`` the shards are not fetched whole: `tokenbridge.formats.streamed_shards`
 fetches their index, then each file as the reader reaches it (the next one in the background),
 keeping at most ``data.stream_files`` of them on disk.
 """
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import os
 
-from tokenbridge import streamed_shards, urls
+from tokenbridge import remote_models, urls
+from tokenbridge.formats import streamed_shards
 from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
 
 __all__ = ["DEFAULT_DIR", "localize"]
@@ -24,8 +27,9 @@ __all__ = ["DEFAULT_DIR", "localize"]
 
 def localize(cfg) -> dict[str, tuple[str, str]]:
     """Replace every object-store URL among the run's inputs (``data.shards``,
-    ``teachers[i].cache``, ``teachers[i].projection``) by its verified local copy, in `cfg`
-    (a `TrainConfig`); returns {field: (URL, local copy)}. Every rank calls it (preflight)."""
+    ``teachers[i].cache``, ``teachers[i].projection``, ``model.path``, ``teachers[i].path``) by
+    its verified local copy, in `cfg` (a `TrainConfig`); returns {field: (URL, local copy)}.
+    Every rank calls it (preflight)."""
     cache = RemoteCache(
         cfg.data.cache_dir or DEFAULT_DIR,
         limit_bytes=int(cfg.data.cache_limit_gb * 1e9),
@@ -41,6 +45,13 @@ def localize(cfg) -> dict[str, tuple[str, str]]:
     elif urls.is_url(cfg.data.shards):
         url, cfg.data.shards = cfg.data.shards, str(cache.fetch_dir(cfg.data.shards))
         was["data.shards"] = (url, cfg.data.shards)
+    for where, m in [
+        ("model", cfg.model),
+        *((f"teachers[{i}]", t) for i, t in enumerate(cfg.teachers)),
+    ]:
+        if urls.is_url(m.path):
+            url, m.path = m.path, str(remote_models.fetch(cache, m.path))
+            was[f"{where}.path"] = (url, m.path)
     for i, t in enumerate(cfg.teachers):
         if urls.is_url(t.cache):
             url, t.cache = t.cache, str(cache.fetch_dir(t.cache))

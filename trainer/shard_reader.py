@@ -2,7 +2,7 @@
 access to each row (memory-mapped), and the endless, shuffled, resumable stream of row indices.
 
 The shards (`tokenbridge.formats.shards`) are memory-mapped, never loaded whole; streamed
-shards (``data.stream``, `tokenbridge.streamed_shards`) are mapped a file at a time as the
+shards (``data.stream``, `tokenbridge.formats.streamed_shards`) are mapped a file at a time as the
 rows reach them. Every row has a global index (files in order, rows in order). A row is held
 out for evaluation when a hash of its (doc id, window) falls under ``eval_fraction`` (and for
 validation under the next ``val_fraction``); of the rest, data-parallel rank r reads the rows

@@ -32,6 +32,7 @@ import pyarrow as pa
 from pipelines.align import job_stats, readers
 from pipelines.plumbing import progress
 from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
+from tokenbridge import remote_models
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment import window_batch as WB
 from tokenbridge.alignment import window_kernel as K
@@ -55,10 +56,11 @@ _TOKENIZERS_LOCK = threading.Lock()
 
 
 def cached_tokenizer(path: str) -> Tokenizer:
-    """One tokenizer object per worker process and path (DoFn.setup calls this)."""
+    """One tokenizer object per worker process and path (DoFn.setup calls this); a URL is read
+    from this machine's verified copy (`tokenbridge.remote_models`, fetched once per machine)."""
     with _TOKENIZERS_LOCK:
         if path not in _TOKENIZERS:
-            _TOKENIZERS[path] = load_tokenizer(path)
+            _TOKENIZERS[path] = load_tokenizer(remote_models.local_copy(path))
             release_free_memory()
         return _TOKENIZERS[path]
 

@@ -30,7 +30,9 @@ The default runner is Beam's ``FnApiRunner`` with one worker process per core (t
 DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
 runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
 then be a filesystem that every worker and this process share, or an ``s3://`` URL:
-`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`). Progress goes to stderr
+`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`; the tokenizers may be
+``s3://`` URLs of marked directories, which each worker fetches itself in ``setup``:
+`tokenbridge.remote_models`). Progress goes to stderr
 every ~10 s (`pipelines.plumbing.progress`).
 """
 
@@ -55,20 +57,18 @@ from pipelines.align import chat_dofns as C
 from pipelines.align import readers
 from pipelines.align import write_dofns as W
 from pipelines.align.chat_read import peek_format
-from pipelines.plumbing import beam_worker, progress, rolling, storage
+from pipelines.plumbing import beam_worker, jobs, rolling, storage
 from pipelines.plumbing import writers as PW
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
     DEAD,
     MAIN,
-    MAX_DEAD_FRACTION,
     NAMESPACE,
     add_dead_fraction_arg,
     dead_fraction,
-    refuse_if_dead,
     split,
 )
-from tokenbridge import paths, urls
+from tokenbridge import remote_models, urls
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.chat import fit
@@ -79,23 +79,19 @@ from tokenbridge.formats import shards
 
 log = logging.getLogger("tokenbridge.align")
 
-DEFAULT_RUNNER = "FnApiRunner"  # the plain DirectRunner tries to download Prism
-ROLL_MB = 128  # shard files roll at this size (Arrow bytes)
+DEFAULT_RUNNER = jobs.DEFAULT_RUNNER
+ROLL_MB = jobs.ROLL_MB  # shard files roll at this size (Arrow bytes)
 SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's FileSystems)
 SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
+MODEL_SCHEMES = urls.OBJECT_STORES  # tokenizers may be marked directories in a store
 
 
 def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
-    """outputs/align/<student>__<teachers>__<data> (names only, so reruns land in one place)."""
-
-    def slug(p: str) -> str:
-        name = Path(p.rstrip("/")).name
-        return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:40]
-
-    data_name = slug(readers.glob_base(data[0]) or data[0])
-    parts = [slug(student), "+".join(slug(t) for t in teachers), data_name]
-    return paths.REPO_ROOT / "outputs" / "align" / "__".join(parts)
+    """outputs/align/<student>__<teachers>__<data>."""
+    data_name = jobs.slug(readers.glob_base(data[0]) or data[0])
+    parts = [jobs.slug(student), "+".join(jobs.slug(t) for t in teachers), data_name]
+    return jobs.default_out_dir("align", parts)
 
 
 def match_inputs(
@@ -223,17 +219,15 @@ class Finalize(beam.PTransform):
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class JobConfig(jobs.JobConfig):
+    """The align job's config (``out`` and the rest of the output side: `jobs.JobConfig`)."""
+
     data: list[str]
     student: str
     teachers: list[str]
-    out: storage.Location  # a local directory (Path) or an object-store URL (str)
     window: WindowConfig
     reader: readers.ReaderConfig
     pieces: PieceConfig = PieceConfig()
-    roll_bytes: int = ROLL_MB << 20
-    overwrite: bool = False
-    max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
     chat: C.ChatConfig | None = None  # a conversation job
 
 
@@ -288,22 +282,8 @@ def job_metrics(result) -> dict:
 
 
 def default_runner_args(beam_args: list[str], cores: int | None = None) -> list[str]:
-    """FnApiRunner with one worker process per core, unless the caller chose a runner.
-
-    ``--direct_num_workers N`` alone would run N threads in one process (the GIL allows no
-    speed-up), so N > 1 comes with ``--direct_running_mode multi_processing`` unless the caller
-    named a mode; ``--direct_num_workers 1`` runs in this process."""
-    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
-        return beam_args
-    opts = PipelineOptions(beam_args).get_all_options()
-    out = ["--runner", DEFAULT_RUNNER, *beam_args]
-    workers = opts.get("direct_num_workers")
-    if not any(a.startswith("--direct_num_workers") for a in beam_args):
-        workers = cores or len(os.sched_getaffinity(0))
-        out += ["--direct_num_workers", str(workers)]
-    if workers > 1 and not any(a.startswith("--direct_running_mode") for a in beam_args):
-        out += ["--direct_running_mode", "multi_processing"]
-    return out
+    """The FnApiRunner with one worker process per core (`jobs.default_runner_args`)."""
+    return jobs.default_runner_args(beam_args, workers=cores or len(os.sched_getaffinity(0)))
 
 
 def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
@@ -354,9 +334,8 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     # first: the input is listed (row format, read tasks) through FileSystems, in this process
     beam_args = storage.beam_args(default_runner_args(beam_args))
     for i, model in enumerate([args.student, *args.teacher]):
-        urls.check(
-            model, where="--student" if i == 0 else "--teacher", doing="loading a tokenizer from"
-        )
+        where = "--student" if i == 0 else "--teacher"
+        urls.check(model, where=where, schemes=MODEL_SCHEMES, doing="loading a tokenizer from")
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing shards to")
     window = WindowConfig(
         max_student_tokens=args.max_student_tokens,
@@ -413,7 +392,9 @@ def chat_config(args) -> C.ChatConfig | None:
 
     def template(model: str, override: str | None, who: str):
         try:
-            return resolve_template(model, override=None if override == "own" else override)
+            return resolve_template(
+                remote_models.local_copy(model), override=None if override == "own" else override
+            )
         except ValueError as e:
             flag = "--chat-template" if who == "student" else "--teacher-chat-template"
             raise ValueError(f"{who}: {e} ({flag})") from None
@@ -437,7 +418,9 @@ def run(argv: list[str] | None = None) -> dict:
     cfg, beam_args = parse_args(argv)
     t0 = time.perf_counter()
     for path in [cfg.student, *cfg.teachers]:
-        if "://" not in path and not Path(path).exists():
+        if urls.is_url(path):  # fetched and verified here too: a bad URL is one line, now
+            remote_models.local_copy(path)
+        elif not Path(path).exists():
             raise FileNotFoundError(f"tokenizer {path!r} does not exist")
     tasks, total_bytes, n_files = match_inputs(cfg.data)
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
@@ -446,15 +429,7 @@ def run(argv: list[str] | None = None) -> dict:
     # FnApiRunner: its worker processes start without their chatter (pipelines.plumbing.beam_worker)
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
-    prog = rolling.progress_dir(cfg.out, run_id)
-    try:
-        result = progress.run_with_progress(p, prog, total_bytes=total_bytes)
-    finally:
-        if urls.is_url(cfg.out):
-            storage.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
-    refuse_if_dead(storage.join(cfg.out, S.STATS_FILE))
-    if not storage.exists(storage.join(cfg.out, S.COMPLETED_MARKER)):
-        raise RuntimeError(f"the pipeline finished but {cfg.out} has no COMPLETED marker")
+    result = jobs.run_to_completion(p, cfg.out, run_id, total_bytes=total_bytes)
     if urls.is_url(cfg.out):
         stats = rolling.read_json(storage.join(cfg.out, S.STATS_FILE))
     else:
@@ -465,6 +440,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def summary_line(stats: dict, out: storage.Location) -> str:
+    """`jobs.summary_line` of an align run: documents, windows, tokens, chunk kinds."""
     kinds = ", ".join(
         f"t{i}: " + " ".join(f"{k}={v}" for k, v in ck.items())
         for i, ck in enumerate(stats["chunk_kinds"])
@@ -477,19 +453,17 @@ def summary_line(stats: dict, out: storage.Location) -> str:
             f"{chat['eot_pairs']}, loose tokens {chat['loose_tokens']}, contents by edge "
             f"whitespace left out {chat['content_rewrites']}"
         )
-    return (
-        f"{out}: {stats['documents']} documents -> {stats['windows']} windows in "
+    what = (
+        f"{stats['documents']} documents -> {stats['windows']} windows in "
         f"{stats['shards']} shards; tokens student={stats['tokens']['student']} "
         f"teachers={stats['tokens']['teachers']}; chunks {kinds}; "
-        f"fallback rate {stats['fallback_rate']}; dead letters {stats['dead_letters']} "
-        f"{stats['drops_by_reason']} ({stats['wall_s']:.1f} s)"
+        f"fallback rate {stats['fallback_rate']}"
     )
+    return jobs.summary_line(stats, out, what=what)
 
 
 def main(argv: list[str] | None = None) -> None:
-    # force: importing Beam already configured the root logger (see pipelines/__init__.py)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    jobs.configure_logging()
     cfg, _ = parse_args(argv)
     stats = run(argv)
     print(summary_line(stats, cfg.out))

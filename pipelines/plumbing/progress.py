@@ -24,6 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tokenbridge import atomic
+
 FLUSH_S = 2.0
 _SINKS: dict[str, ProgressSink] = {}
 _SINKS_LOCK = threading.Lock()
@@ -54,8 +56,7 @@ class ProgressSink:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(data)
-            os.replace(tmp, self.path)
+            atomic.write(self.path, data, fsync=False, tmp=tmp)
 
 
 def sink_for(directory: str | None) -> ProgressSink | None:

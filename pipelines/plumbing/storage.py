@@ -28,8 +28,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from tokenbridge import urls
-from tokenbridge.formats.shards import atomic_write_bytes
+from tokenbridge import atomic, urls
 
 Location = str | Path  # a local directory or file (Path) or a URL (str)
 _ENV_FLAGS = {"endpoint_url": "--s3_endpoint_url", "region": "--s3_region_name"}
@@ -73,19 +72,44 @@ def _s3():
     in the launcher and its SDK workers), else, on a worker that was handed none (Dask's), the
     environment's (`urls.s3_settings`). Beam is imported here, not at the top: a local-only
     job (the projection on a bare GPU image) runs without it."""
-    from apache_beam.io.aws import s3io
     from apache_beam.io.filesystems import FileSystems
     from apache_beam.options.pipeline_options import PipelineOptions
 
     opts = getattr(FileSystems, "_pipeline_options", None)
     env = urls.s3_settings()
-    key = (None if opts is None else id(opts), tuple(sorted(env.items())))
+    retries = urls.retry_config()
+    key = (None if opts is None else id(opts), tuple(sorted(env.items())), tuple(retries.items()))
     cached = getattr(_local, "s3", None)
     if cached is None or cached[0] != key:
         if opts is None:
             opts = PipelineOptions([f"{f}={env[k]}" for k, f in _ENV_FLAGS.items() if k in env])
-        _local.s3 = (key, s3io.S3IO(options=opts))
+        _local.s3 = (key, _retrying_s3io(opts, retries))
     return _local.s3[1]
+
+
+def _retrying_s3io(opts, retries: dict):
+    """Beam's S3 I/O whose boto3 client retries as `urls.retry_config` says (Beam builds it
+    with botocore's defaults: the legacy mode's 5 attempts)."""
+    import boto3
+    from apache_beam.io.aws import s3io
+    from apache_beam.options.pipeline_options import S3Options
+    from botocore.config import Config
+
+    io = s3io.S3IO(options=opts)
+    o = opts.view_as(S3Options)
+    io.client.client = boto3.session.Session().client(
+        "s3",
+        region_name=o.s3_region_name,
+        api_version=o.s3_api_version,
+        use_ssl=not o.s3_disable_ssl,
+        verify=o.s3_verify,
+        endpoint_url=o.s3_endpoint_url,
+        aws_access_key_id=o.s3_access_key_id,
+        aws_secret_access_key=o.s3_secret_access_key,
+        aws_session_token=o.s3_session_token,
+        config=Config(retries=retries),
+    )
+    return io
 
 
 def _url(path: Location) -> str:
@@ -133,7 +157,7 @@ def write_bytes(path: Location, data: bytes) -> None:
             _s3().client.client.put_object(Bucket=bucket, Key=key, Body=data)  # write 0 bytes
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, data)
+    atomic.write(path, data, fsync=True)
 
 
 def upload(local: Path, path: Location) -> None:
@@ -161,7 +185,7 @@ def size(path: Location) -> int:
 def rename(src: Location, dst: Location) -> None:
     """Move a file: a rename on a local disk, copy then delete on an object store."""
     if not urls.is_url(src):
-        os.replace(src, dst)
+        atomic.replace(src, dst)
         return
     with errors(_url(src), doing="a copy"):
         _s3().rename(str(src), _url(dst))

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.plumbing import storage
-from tokenbridge import cli, paths, urls
+from pipelines.plumbing import jobs, storage
+from tokenbridge import cli, remote_models, urls
 from tokenbridge.projection import (
     build_projection,
     describe,
@@ -33,20 +33,22 @@ OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (built locally, then uplo
 
 
 def default_out(teacher: str, student: str, k: int) -> Path:
-    name = f"{Path(teacher.rstrip('/')).name}__{Path(student.rstrip('/')).name}__k{k}"
-    return paths.REPO_ROOT / "outputs" / "projection" / f"{name}.safetensors"
+    """outputs/projection/<teacher>__<student>__k<k>.safetensors."""
+    names = [urls.name(teacher), urls.name(student), f"k{k}"]
+    return jobs.default_out_dir("projection", names, suffix=".safetensors")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The job's arguments, ``out`` filled in (`default_out` unless given)."""
     ap = argparse.ArgumentParser(description="sparse vocabulary projection teacher <-> student")
-    ap.add_argument("--teacher", required=True, help="teacher tokenizer or model directory")
-    ap.add_argument("--student", required=True, help="student tokenizer or model directory")
+    ap.add_argument("--teacher", required=True, help="teacher tokenizer or model dir, or its URL")
+    ap.add_argument("--student", required=True, help="student tokenizer or model dir, or its URL")
     ap.add_argument("--k", type=int, default=8, help="entries kept per row")
     ap.add_argument("--out", default=None, help="output .safetensors")
     args = ap.parse_args(argv)
-    urls.check(args.teacher, where="--teacher", doing="loading a tokenizer from")
-    urls.check(args.student, where="--student", doing="loading a tokenizer from")
+    for where in ("teacher", "student"):
+        urls.check(getattr(args, where), where=f"--{where}", schemes=urls.OBJECT_STORES,
+                   doing="loading a tokenizer from")  # fmt: skip
     out = urls.check(args.out, where="--out", schemes=OUT_SCHEMES, doing="writing a projection to")
     args.out = storage.location(out) if out else default_out(args.teacher, args.student, args.k)
     return args
@@ -57,13 +59,15 @@ def main(argv: list[str] | None = None) -> Path | str:
     if urls.is_url(args.out):
         storage.exists(args.out)  # refused credentials fail now, not after the build
     t0 = time.perf_counter()
-    teacher, student = load_tokenizer(args.teacher), load_tokenizer(args.student)
+    # a URL: this machine's verified copy (tokenbridge.remote_models)
+    t_dir, s_dir = remote_models.local_copy(args.teacher), remote_models.local_copy(args.student)
+    teacher, student = load_tokenizer(t_dir), load_tokenizer(s_dir)
     p = build_projection(
         teacher,
         student,
         k=args.k,
-        teacher_rows=model_rows(args.teacher),
-        student_rows=model_rows(args.student),
+        teacher_rows=model_rows(t_dir),
+        student_rows=model_rows(s_dir),
     )
     with tempfile.TemporaryDirectory() as tmp:
         remote = urls.is_url(args.out)

@@ -22,7 +22,7 @@ Legend: B rows, U teacher positions (the batch's longest row), K top-k, R sample
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from apache_beam.ml.inference.base import ModelHandler
 
-from tokenbridge import models
+from pipelines.teacher_cache import devices
+from pipelines.teacher_cache.sampled_ids import Sampler, sample_keys
+from tokenbridge import models, remote_models, urls
 from tokenbridge.model_spec import ModelSpec, check_dtype
 from tokenbridge.teacher.forward import teacher_forward
 from tokenbridge.teacher.outputs import TeacherOutputSpec
@@ -66,54 +68,6 @@ class ScoredBatch:
     errors: dict[int, str] = field(default_factory=dict)  # index in the batch -> error
 
 
-def sample_keys(seed: int, shard_file: str, rows: np.ndarray) -> np.ndarray:
-    """uint64 per row: the root of its sampling stream, from (seed, shard file, row) only, so the
-    draws never depend on how rows were batched."""
-    out = np.empty(len(rows), np.uint64)
-    for i, r in enumerate(rows):
-        h = hashlib.blake2b(f"{seed}/{shard_file}/{int(r)}".encode(), digest_size=8)
-        out[i] = np.frombuffer(h.digest(), np.uint64)[0]
-    return out
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    # a well-mixed 64-bit hash (uint64 arithmetic wraps in numpy arrays)
-    z = x + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def uniforms(keys_B: np.ndarray, t0: int, n: int, r: int) -> np.ndarray:
-    """float64 [B, n, r] in [0, 1): draw j at position t0 + i of row b, counter-based."""
-    counter = (np.arange(t0, t0 + n, dtype=np.uint64)[:, None] * np.uint64(r)) + np.arange(
-        r, dtype=np.uint64
-    )
-    z = _splitmix64(keys_B[:, None, None] ^ _splitmix64(counter)[None])
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-class Sampler:
-    """``on_logits`` hook: R ids per position drawn from softmax(logits / tau) over the vocab."""
-
-    def __init__(self, keys_B: np.ndarray, u: int, *, r: int, vocab_size: int, temperature: float):
-        self.keys, self.r, self.vocab, self.tau = keys_B, r, vocab_size, temperature
-        self.ids = np.zeros((len(keys_B), u, r), np.int64)
-
-    @torch.no_grad()
-    def __call__(self, t0: int, logits_BnV: torch.Tensor) -> None:
-        b, n, _ = logits_BnV.shape
-        u = torch.from_numpy(uniforms(self.keys, t0, n, self.r)).reshape(b * n, self.r)
-        x = logits_BnV.reshape(b * n, -1)[:, : self.vocab]
-        out = torch.empty(b * n, self.r, dtype=torch.int64)
-        for s in range(0, b * n, 32):  # float64 cdf of 32 rows at a time (64 MiB at 262k)
-            p = torch.softmax(x[s : s + 32].double() / self.tau, -1)
-            cdf = p.cumsum(-1)
-            pick = torch.searchsorted(cdf, (u[s : s + 32] * cdf[:, -1:]).contiguous(), right=True)
-            out[s : s + 32] = pick.clamp(max=self.vocab - 1).cpu()
-        self.ids[:, t0 : t0 + n] = out.reshape(b, n, self.r).numpy()
-
-
 class TeacherCacheHandler(ModelHandler):
     """RunInference's view of the teacher: `RowBatch` in, `ScoredBatch` out (one per element).
 
@@ -138,11 +92,16 @@ class TeacherCacheHandler(ModelHandler):
         self.samples, self.sample_seed = samples, sample_seed
 
     def load_model(self) -> torch.nn.Module:
+        """The frozen teacher, on this worker's device (`devices.worker_device`); a teacher at
+        a URL from this machine's verified copy (`tokenbridge.remote_models`)."""
         if self.threads:
             torch.set_num_threads(self.threads)
-        model = models.build_model(
-            self.teacher, dtype=models.torch_dtype(self.dtype), device=self.device
-        )
+        spec = self.teacher
+        if urls.is_url(spec.path):
+            local = remote_models.local_copy(spec.path)  # this machine's cache
+            spec = dataclasses.replace(spec, path=local)
+        device = devices.worker_device(self.device)
+        model = models.build_model(spec, dtype=models.torch_dtype(self.dtype), device=device)
         return models.freeze(model)
 
     def should_skip_batching(self) -> bool:
@@ -163,7 +122,7 @@ class TeacherCacheHandler(ModelHandler):
         for i, x in enumerate(batch.ids):
             ids[i, : len(x)] = x
         mask = (np.arange(u)[None, :] < lens[:, None]).astype(np.int64)
-        dev = torch.device(self.device)
+        dev = next(model.parameters()).device  # the worker's pick (`load_model`)
         inputs = {
             "input_ids": torch.from_numpy(ids).to(dev),
             "attention_mask": torch.from_numpy(mask).to(dev),

@@ -25,12 +25,15 @@ would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink
 the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
 (`pipelines.plumbing.storage`). ``--shards`` may be an ``s3://`` URL too: the launcher plans on a
 verified copy in ``--cache-dir`` (`tokenbridge.remote_cache`), and each worker reads the objects
-its tasks name, refusing one that differs from the marker's checksum.
+its tasks name, refusing one that differs from the marker's checksum. ``--teacher`` may be the
+``s3://`` URL of a marked model directory (`tokenbridge.remote_models`): the launcher checks its
+own verified copy, each worker fetches one into its machine's cache in ``load_model``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -44,50 +47,46 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.plumbing import beam_worker, progress, rolling, storage
+from pipelines.plumbing import beam_worker, jobs, rolling, storage
 from pipelines.plumbing import writers as W
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
     DEAD,
     MAIN,
-    MAX_DEAD_FRACTION,
     add_dead_fraction_arg,
     dead_fraction,
-    refuse_if_dead,
     split,
 )
 from pipelines.teacher_cache import handler as H
 from pipelines.teacher_cache import score_dofns as D
-from tokenbridge import paths, urls
+from tokenbridge import remote_models, urls
 from tokenbridge.formats import shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
 from tokenbridge.formats.teacher_cache import CacheMeta
 from tokenbridge.formats.teacher_cache_reader import REBUILD
 from tokenbridge.model_spec import ModelSpec, check_dtype, resolve_dtype
-from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache
+from tokenbridge.remote_cache import DEFAULT_DIR, RemoteCache, default_dir
 from tokenbridge.tokenizers import load_tokenizer
 
 log = logging.getLogger("tokenbridge.teacher_cache")
 
-ROLL_MB = 128  # cache files roll at this size
+ROLL_MB = jobs.ROLL_MB  # cache files roll at this size
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's S3 I/O)
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class JobConfig(jobs.JobConfig):
+    """The teacher-cache job's config (``out`` and the rest of the output side: `jobs.JobConfig`)."""
+
     shards: Path  # local: the directory, or the verified copy of `shards_url`
-    out: storage.Location  # a local directory (Path) or an object-store URL (str)
     meta: CacheMeta
     teacher: ModelSpec  # the teacher model (path, init, random-init recipe)
     teacher_dtype: str = "float32"  # its weights and compute, resolved (never auto)
     batch_tokens: int = 8192  # padded teacher tokens per forward (rows x longest row)
     max_rows: int = 64
     rows_per_task: int = 512
-    roll_bytes: int = ROLL_MB << 20
     device: str = "cpu"
     threads: int | None = None
-    overwrite: bool = False
-    max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
     shards_url: str | None = None  # --shards given as an object-store URL: workers read it
 
 
@@ -193,12 +192,7 @@ def _progress_line(totals: dict, *, total: int, elapsed: float) -> str:
 def default_out_dir(shards_name: str, teacher: str, k: int) -> Path:
     """outputs/teacher_cache/<shards>__<teacher>__k<k>: `shards_name` is the shard directory's
     name (the last part of its URL for shards in a store)."""
-    return (
-        paths.REPO_ROOT
-        / "outputs"
-        / "teacher_cache"
-        / (f"{shards_name}__{Path(teacher.rstrip('/')).name}__k{k}")
-    )
+    return jobs.default_out_dir("teacher_cache", [shards_name, urls.name(teacher), f"k{k}"])
 
 
 def _teacher_index(shard_set: shards.ShardSet, fingerprint: str, given: int | None) -> int:
@@ -243,11 +237,12 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument(
         "--cache-dir",
         default=None,
-        help=f"where --shards s3://... is copied for planning (default {DEFAULT_DIR})",
+        help=f"where this process copies --shards / --teacher s3://... (default {DEFAULT_DIR}; "
+        "workers use their machine's ~/.cache/tokenbridge)",
     )
     ap.add_argument("--cache-limit-gb", type=float, default=50.0,
                     help="size limit of --cache-dir (least recently used copies evicted)")  # fmt: skip
-    ap.add_argument("--teacher", required=True, help="teacher model directory (HF)")
+    ap.add_argument("--teacher", required=True, help="teacher model directory (HF) or its URL")
     ap.add_argument("--k", type=int, default=32, help="top-k stored per position")
     ap.add_argument("--temperature", type=float, default=1.0, help="as loss.temperature")
     ap.add_argument(
@@ -275,13 +270,19 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
     add_dead_fraction_arg(ap)
     args, beam_args = ap.parse_known_args(argv)
-    urls.check(args.teacher, where="--teacher", doing="loading a model from")
+    urls.check(args.teacher, where="--teacher", schemes=urls.OBJECT_STORES,
+               doing="loading a model from")  # fmt: skip
     shards_url = urls.check(args.shards, where="--shards", schemes=urls.OBJECT_STORES,
                             doing="reading shards from")  # fmt: skip
+    cache = RemoteCache(args.cache_dir or default_dir(),
+                        limit_bytes=int(args.cache_limit_gb * 1e9), local_rank=0)  # fmt: skip
+    # a teacher at a URL: checked here on this machine's verified copy (tokenizer, lm_head,
+    # weights' fingerprint); each worker fetches its own copy (the handler's load_model)
+    teacher_dir = (
+        str(remote_models.fetch(cache, args.teacher)) if urls.is_url(args.teacher) else args.teacher
+    )
     if urls.is_url(shards_url):
         # the launcher plans on a verified local copy; the workers read the objects themselves
-        cache = RemoteCache(args.cache_dir or DEFAULT_DIR,
-                            limit_bytes=int(args.cache_limit_gb * 1e9), local_rank=0)  # fmt: skip
         args.shards = cache.fetch_dir(shards_url)
     else:
         args.shards, shards_url = urls.local(shards_url), None
@@ -291,18 +292,19 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     teacher = H.teacher_config(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    local = dataclasses.replace(teacher, path=teacher_dir)
     # auto resolved by --device, as the trainer resolves it by its device: the cache records
     # the dtype the teacher ran in, which a run's teachers[i].dtype must resolve to
     dtype = resolve_dtype(
         check_dtype(args.teacher_dtype, "--teacher-dtype", auto=True), args.device
     )
     shard_set = shards.open_shards(args.shards)
-    tok = load_tokenizer(args.teacher)
-    if H.lm_head_rows(teacher) < tok.vocab_size:
+    tok = load_tokenizer(teacher_dir)
+    if H.lm_head_rows(local) < tok.vocab_size:
         raise ValueError(f"{args.teacher}: lm_head narrower than its tokenizer ({tok.vocab_size})")
     index = _teacher_index(shard_set, tok.fingerprint, args.teacher_index)
     check_samples(args.samples, student=shard_set.meta.student, teacher=tok.info())
-    weights = weights_fingerprint(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    weights = weights_fingerprint(teacher_dir, init=args.init, seed=args.seed, overrides=overrides)
     meta = CacheMeta(
         teacher={
             "name": teacher.name,
@@ -343,17 +345,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_dead_fraction=dead_fraction(args),
         shards_url=shards_url,
     )
-    return cfg, storage.beam_args(default_runner_args(beam_args))
-
-
-def default_runner_args(beam_args: list[str]) -> list[str]:
-    """FnApiRunner in this process unless the caller chose a runner or a worker count."""
-    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
-        return beam_args
-    out = ["--runner", "FnApiRunner", *beam_args]
-    if not any(a.startswith("--direct_num_workers") for a in beam_args):
-        out += ["--direct_num_workers", "1"]
-    return out
+    return cfg, storage.beam_args(jobs.default_runner_args(beam_args, workers=1))
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -378,21 +370,12 @@ def run(argv: list[str] | None = None) -> dict:
     launch_s = time.perf_counter() - t0
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, run_id=run_id, header=header)
-    prog = rolling.progress_dir(cfg.out, run_id)
 
     def line(totals: dict, *, elapsed: float) -> str:
         return _progress_line(totals, total=total, elapsed=elapsed)
 
-    try:
-        progress.run_with_progress(p, prog, total_bytes=total, label="teacher-cache", line=line)
-    finally:
-        if urls.is_url(cfg.out):
-            storage.rmtree(prog)  # a local directory (the run's own is removed by Finalize)
-    refuse_if_dead(storage.join(cfg.out, "stats.json"))
-    if not storage.exists(storage.join(cfg.out, "COMPLETED")):
-        raise RuntimeError(
-            f"the pipeline finished but {cfg.out} has no COMPLETED marker; {REBUILD}"
-        )
+    jobs.run_to_completion(p, cfg.out, run_id, hint=REBUILD, total_bytes=total,
+                           label="teacher-cache", line=line)  # fmt: skip
     stats = rolling.read_json(storage.join(cfg.out, "stats.json"))
     stats["launch_s"] = launch_s
     return stats
@@ -406,18 +389,18 @@ def _list_lengths(shard_set: shards.ShardSet, column: str):
 
 
 def summary_line(stats: dict, out: storage.Location) -> str:
+    """`jobs.summary_line` of a cache run: rows, teacher tokens, bytes and tokens per second."""
     c = stats["cache"]
-    return (
-        f"{out}: {stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "
+    what = (
+        f"{stats['rows']} rows, {stats['teacher_tokens']} teacher tokens, k={c['k']} "
         f"{c['logprob_dtype']}, {stats['bytes_per_token']:.1f} bytes/token, "
-        f"{stats['teacher_tokens_per_s']:.0f} teacher tokens/s; dead letters "
-        f"{stats['dead_letters']} {stats['drops_by_reason']} ({stats['wall_s']:.1f} s)"
+        f"{stats['teacher_tokens_per_s']:.0f} teacher tokens/s"
     )
+    return jobs.summary_line(stats, out, what=what)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    jobs.configure_logging()
     stats = run(argv)
     print(summary_line(stats, stats["out"]))
 

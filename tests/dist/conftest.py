@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.harness import WORLD, load_cases, run_cases
+from tests.dist.case_runner import load_cases, run_cases
+from tests.dist.harness import WORLD
 from trainer.parallel.spawn import spawn
 
 

@@ -4,7 +4,8 @@ Starting 4 torch processes costs ~7 s here, so the whole multi-process suite is 
 `trainer.parallel.spawn.spawn` of 4 gloo ranks that builds every TP x CP x DP layout once and
 runs every registered case in it. Each case records its mismatches instead of raising (so the
 ranks stay in step through the remaining collectives), and the pytest side turns each case into
-its own test item (see conftest.py).
+its own test item (see conftest.py). The registered cases are loaded and run by
+`tests.dist.case_runner`, so no case module's import leads back here.
 
 A case is `fn(ctx)`; ranks outside the case's layout skip it. Data is generated from a seed
 derived from the case name, identically on every rank, so every rank can compute the dense
@@ -13,20 +14,14 @@ single-process reference itself and compare its own shard.
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-import traceback
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from trainer.parallel.mesh import ParallelGroups
 from tokenbridge.dist_ops import to_cp_layout
-from trainer.parallel.spawn import build_parallel_groups
 
 WORLD = 4
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -111,34 +106,3 @@ def case(name: str, layout: Layout) -> Callable[[Callable[[Ctx], None]], Callabl
         return fn
 
     return deco
-
-
-def load_cases() -> dict[str, Case]:
-    """Import every case module (registration happens at import)."""
-    from tests.dist import cases_context, cases_library, cases_loss, cases_vocab  # noqa: F401
-
-    return REGISTRY
-
-
-def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
-    """Worker: build every layout's groups, run the named cases; name -> error text or None."""
-    cases = load_cases()
-    layouts = {lay: build_parallel_groups(tp=lay[0], cp=lay[1], dp=lay[2]) for lay in ALL_LAYOUTS}
-    results: dict[str, str | None] = {}
-    for name in names:
-        layout, fn = cases[name]
-        groups = layouts[layout]
-        if groups is None:  # this rank is outside the layout
-            results[name] = None
-            dist.barrier()
-            continue
-        ctx = Ctx(rank=rank, name=name, layout=layout, groups=groups)
-        if os.environ.get("TB_DIST_TRACE"):  # which case a hang is in
-            print(f"[rank {rank}] {time.perf_counter():.2f} {name}", file=sys.stderr, flush=True)
-        try:
-            fn(ctx)
-        except Exception:  # noqa: BLE001 - reported per case; ranks may then time out
-            ctx.errors.append(f"rank {rank} raised:\n{traceback.format_exc()}")
-        results[name] = "\n".join(ctx.errors) or None
-        dist.barrier()  # a slow rank never mixes its collectives with the next case's
-    return results

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.harness import load_cases
+from tests.dist.case_runner import load_cases
 
 # every case of the launch except the loss-library ones (test_loss_invariance.py checks those);
 # none is expected to fail: a case that finds a bug fails here, under its own name

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.harness import load_cases
+from tests.dist.case_runner import load_cases
 
 LOSS_CASES = sorted(n for n in load_cases() if n.startswith("loss_"))
 

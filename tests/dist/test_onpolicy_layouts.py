@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import run_trainer, shakespeare_docs, write_shards
+from bench.common import run_trainer, shakespeare_docs
+from tokenbridge.alignment.text_shards import write_text_shards
 
 COMMON = [
     "conf=onpolicy_debug",
@@ -37,8 +38,9 @@ COMMON = [
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
     tmp = tmp_path_factory.mktemp("onpolicy_dist")
-    return write_shards(tmp / "shards", shakespeare_docs(16, chars=600), student_dir=student_dir,
-                        teacher_dirs=[teacher_dir, student_dir], max_tokens=64)  # fmt: skip
+    return write_text_shards(tmp / "shards", shakespeare_docs(16, chars=600),
+                             student_dir=student_dir, teacher_dirs=[teacher_dir, student_dir],
+                             max_tokens=64)  # fmt: skip
 
 
 def _losses(shards: Path, run_dir: Path, nproc: int, *extra: str) -> tuple[list[float], dict]:

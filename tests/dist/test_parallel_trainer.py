@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import REPO, identity_projection, shakespeare_docs, write_shards
+from bench.common import shakespeare_docs
+from tests.e2e.helpers import REPO, identity_projection
+from tokenbridge.alignment.text_shards import write_text_shards
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +45,7 @@ def _launch(which: str, nproc: int, args: list[str]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, student_dir) -> Path:
     tmp = tmp_path_factory.mktemp("parallel_trainer")
-    shards = write_shards(
+    shards = write_text_shards(
         tmp / "shards",
         shakespeare_docs(12, chars=600),
         student_dir=student_dir,

@@ -112,7 +112,7 @@ def gone(pid: int) -> bool:
 
 def workers_left() -> list[psutil.Process]:
     """Our child processes, except multiprocessing's resource tracker (lives as long as we do)
-    and the session's servers (the object store of tests.objectstore: an earlier test in the
+    and the session's servers (the object store of bench.storage.seaweed: an earlier test in the
     same pytest run may have started it)."""
     kids = psutil.Process().children()
     keep = ("resource_tracker", "weed")

@@ -15,13 +15,15 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, identity_projection, shakespeare_docs, write_shards
+from bench.common import shakespeare_docs
+from tests.e2e.helpers import REPO, identity_projection
+from tokenbridge.alignment.text_shards import write_text_shards
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dist_trainer")
-    shards = write_shards(
+    shards = write_text_shards(
         tmp / "shards",
         shakespeare_docs(12, chars=600),
         student_dir=student_dir,

@@ -37,17 +37,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.e2e.helpers import (
-    PROJECTION,
-    REPO,
-    real_projection,
-    run_trainer,
-    shakespeare_docs,
-    write_shards,
-)
+from bench.common import PROJECTION, ensure_projection, run_trainer, shakespeare_docs
+from tests.e2e.helpers import REPO
 from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
 from tokenbridge import flops, models
+from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
@@ -75,13 +70,13 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
 def inputs(tmp_path_factory, teacher_dir, student_dir) -> dict:
     """Debug shards + the real projection (the `make projection` file, built once if missing)."""
     tmp = tmp_path_factory.mktemp("e2e")
-    real_projection(teacher_dir, student_dir)
+    ensure_projection(teacher_dir, student_dir)
     docs = shakespeare_docs(24, chars=700)
-    shards = write_shards(
+    shards = write_text_shards(
         tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[teacher_dir], max_tokens=64
     )
     # same student, but the teacher column made with the student's tokenizer: must be refused
-    wrong = write_shards(
+    wrong = write_text_shards(
         tmp / "wrong", docs[:2], student_dir=student_dir, teacher_dirs=[student_dir], max_tokens=64
     )
     return {"tmp": tmp, "shards": shards, "wrong": wrong}

@@ -40,7 +40,7 @@ def commands(tmp) -> dict[str, tuple[list[str], dict, int, str]]:
         "train_2_ranks": ([*launch, "conf=debug", "optim.lrr=1"], {}, 2, KEY_LINE),
         "projection": ([PY, "-m", "pipelines.projection", "--teacher", MISSING, "--student", s],
                        {}, 2, f"tokenbridge projection: TokenizerNotFoundError: {MISSING}: no such"),
-        "pair_report": ([PY, "-m", "tokenbridge.pair_report", t, MISSING], {}, 2,
+        "pair_report": ([PY, "-m", "tokenbridge.commands.pair_report", t, MISSING], {}, 2,
                         f"tokenbridge pair_report: TokenizerNotFoundError: {MISSING}: no such"),
         "eval": ([PY, "-m", "trainer.eval", "--model", MISSING, "--tasks", "copa"], {}, 2,
                  f"tokenbridge eval: FileNotFoundError: {MISSING} is not a HF model directory"),

@@ -1,8 +1,8 @@
-"""`make gpu-check`'s CPU dry run (`python -m bench.gpu_check --dry-run`), so the GPU script
+"""`make gpu-check`'s CPU dry run (`python -m bench.gpu.check --dry-run`), so the GPU script
 cannot rot while no GPU runs it: one process launch runs every part with the tiny shapes, and
 the JSON it writes must have every part, each ``ok`` with positive figures.
 
-Also: the carry folder for a GPU machine (`bench.gpu_pack`) holds the tokenizers, the
+Also: the carry folder for a GPU machine (`bench.gpu.pack`) holds the tokenizers, the
 text and the pure-Python packages, and no weights, within the device tool's limit; and the
 check's copies of the teacher-cache job's defaults still equal the job's.
 """
@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, real_projection
+from bench.common import ensure_projection
+from tests.e2e.helpers import REPO
 
 PARTS = ("cuda_tests", "demo_pair", "scale_1b_4b", "long_row", "sampler", "teacher_program")
 # a cuda-marked test of each file that holds them (the dry run lists what it would run)
@@ -30,10 +31,10 @@ CUDA_TESTS = (
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory, teacher_dir, student_dir) -> tuple[subprocess.CompletedProcess, dict]:
-    real_projection(teacher_dir, student_dir)  # once for the suite, outside the dry run
+    ensure_projection(teacher_dir, student_dir)  # once for the suite, outside the dry run
     out = tmp_path_factory.mktemp("gpu_check")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "bench.gpu.check", "--dry-run", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -65,37 +66,37 @@ def test_dry_run_runs_every_part_with_positive_figures(dry):
 
 
 def test_carry_folder_has_what_the_gpu_machine_lacks_and_no_weights(tmp_path):
-    from bench import gpu_pack
+    from bench.gpu import pack
 
-    sizes = gpu_pack.write_pack(tmp_path / "pack")
-    pack = tmp_path / "pack"
+    folder = tmp_path / "pack"
+    sizes = pack.write_pack(folder)
     for model in ("gemma-3-270m", "smollm2-135m"):
-        have = {f.name for f in (pack / "artifacts" / "models" / model).iterdir()}
+        have = {f.name for f in (folder / "artifacts" / "models" / model).iterdir()}
         assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= have, have
-        assert not any(n.endswith(gpu_pack.WEIGHTS) for n in have), have
-    plays = list((pack / "artifacts" / "corpus" / "shakespeare").glob("*.txt"))
-    assert len(plays) == gpu_pack.CORPUS_FILES
-    for name in gpu_pack.SITE_PACKAGES:
-        assert (pack / "site" / name / "__init__.py").is_file(), name
-    assert not list(pack.rglob("__pycache__"))
-    assert (pack / "COMMIT").read_text().strip()
+        assert not any(n.endswith(pack.WEIGHTS) for n in have), have
+    plays = list((folder / "artifacts" / "corpus" / "shakespeare").glob("*.txt"))
+    assert len(plays) == pack.CORPUS_FILES
+    for name in pack.SITE_PACKAGES:
+        assert (folder / "site" / name / "__init__.py").is_file(), name
+    assert not list(folder.rglob("__pycache__"))
+    assert (folder / "COMMIT").read_text().strip()
     # the device tool carries 64 MiB with the working tree (~3 MiB)
     assert sum(sizes.values()) < 48 * 2**20, sizes
 
 
 def test_the_checks_copies_of_the_cache_jobs_defaults():
-    from bench import gpu_check_cases as C
+    from bench.gpu import check_cases
     from pipelines.teacher_cache import handler, job
 
     fields = {f.name: f.default for f in dataclasses.fields(job.JobConfig)}
-    assert C.CACHE_ROWS_PER_HEAD == handler.ROWS_PER_HEAD
-    assert fields["batch_tokens"] == C.CACHE_BATCH_TOKENS
+    assert check_cases.CACHE_ROWS_PER_HEAD == handler.ROWS_PER_HEAD
+    assert fields["batch_tokens"] == check_cases.CACHE_BATCH_TOKENS
 
 
 def test_merge_takes_each_part_from_the_newest_run_that_ran_it(dry, tmp_path):
-    """`bench.gpu_check_merge`: a rerun of one part (``--only``) replaces that part only, its
+    """`bench.gpu.check_merge`: a rerun of one part (``--only``) replaces that part only, its
     row names the run; runs from other software are refused."""
-    from bench.gpu_check_merge import main as merge_main
+    from bench.gpu.check_merge import main as merge_main
 
     _, got = dry
     first = got["json"]

@@ -13,8 +13,10 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
+from bench.common import shakespeare_docs
+from tests.e2e.helpers import REPO
 from tests.e2e.nonfinite_cases import NAN_STEP
+from tokenbridge.alignment.text_shards import write_text_shards
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("nonfinite")
-    shards = write_shards(
+    shards = write_text_shards(
         tmp / "shards",
         shakespeare_docs(8, chars=600),
         student_dir=student_dir,

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import REPO, real_projection, run_trainer, shakespeare_docs, write_shards
+from bench.common import ensure_projection, run_trainer, shakespeare_docs
+from tests.e2e.helpers import REPO
+from tokenbridge.alignment.text_shards import write_text_shards
 
 CPU = ["logging.progress=false", "parallel.threads=1", "device=cpu", "eval.max_texts=4"]
 
@@ -33,10 +35,11 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
-    real_projection(teacher_dir, student_dir)
+    ensure_projection(teacher_dir, student_dir)
     tmp = tmp_path_factory.mktemp("onpolicy")
-    return write_shards(tmp / "shards", shakespeare_docs(24, chars=700), student_dir=student_dir,
-                        teacher_dirs=[teacher_dir, student_dir], max_tokens=64)  # fmt: skip
+    return write_text_shards(tmp / "shards", shakespeare_docs(24, chars=700),
+                             student_dir=student_dir, teacher_dirs=[teacher_dir, student_dir],
+                             max_tokens=64)  # fmt: skip
 
 
 # resume runs: teachers in-process and no evals (the full run covers workers and evals)
@@ -119,7 +122,7 @@ def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
 
 
 def test_an_off_policy_baseline_on_a_time_budget_reports_the_teachers_bpb(shards, tmp_path):
-    """`bench/onpolicy_compare.py`'s baselines: lmbda 0 (every step off-policy, the on-policy
+    """`bench/onpolicy/equal_budget.py`'s baselines: lmbda 0 (every step off-policy, the on-policy
     side only evaluates) ending on `time_budget_s`, then the after-evals as at `steps`."""
     run_dir = tmp_path / "baseline"
     _run(shards, run_dir, "onpolicy.lmbda=0", "steps=50", "time_budget_s=1e-9",

@@ -34,7 +34,9 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import PROJECTION, REPO, real_projection, shakespeare_docs, write_shards
+from bench.common import PROJECTION, ensure_projection, shakespeare_docs
+from tests.e2e.helpers import REPO
+from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import teacher_cache as CF
 
 pytestmark = pytest.mark.slow
@@ -48,15 +50,15 @@ def fp16_bound(kd: float, *, max_abs_logprob: float, k: int, tau: float = 1.0) -
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, teacher_dir, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("teacher_cache_e2e")
-    real_projection(teacher_dir, student_dir)
+    ensure_projection(teacher_dir, student_dir)
     docs = shakespeare_docs(14, chars=700)
-    same = write_shards(
+    same = write_text_shards(
         tmp / "same", docs[:10], student_dir=student_dir, teacher_dirs=[student_dir]
     )
-    other = write_shards(
+    other = write_text_shards(
         tmp / "other", docs[10:], student_dir=student_dir, teacher_dirs=[student_dir]
     )
-    gemma = write_shards(
+    gemma = write_text_shards(
         tmp / "gemma", docs[:6], student_dir=student_dir, teacher_dirs=[teacher_dir]
     )
     out = tmp / "report.json"

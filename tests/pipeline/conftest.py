@@ -1,10 +1,16 @@
-"""Fixtures for the Beam job tests: the real pair, loaded once through the job's own cache."""
+"""Fixtures for the Beam job tests: the real pair, loaded once through the job's own cache; a
+Dask cluster started from the command line; model directories uploaded to the test store."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 
 from pipelines.align import align_dofns as F
+from tests.daskcluster import DaskCluster
+from tokenbridge import remote_models, urls
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +24,35 @@ def pair_paths(teacher_dir, student_dir) -> tuple[str, str]:
 def pair_tokenizers(pair_paths):
     t, s = pair_paths
     return F.cached_tokenizer(t), F.cached_tokenizer(s)
+
+
+@pytest.fixture(scope="session")
+def dask_cluster(s3_server, tmp_path_factory):
+    """One Dask cluster started from the command line (`tests.daskcluster`) for the session:
+    the align and teacher-cache jobs both run on it. Its workers' environment points at the
+    test S3 server; they share no cache with this process."""
+    cluster = DaskCluster(tmp_path_factory.mktemp("dask"), env=s3_server.env()).start()
+    yield cluster
+    cluster.stop()
+
+
+def upload_model_dir(tmp_path, url: str, files: dict[str, Path]) -> str:
+    """A model / tokenizer directory of `files` (name -> source) built under `tmp_path`,
+    marked and uploaded to `url` (`tokenbridge.remote_models`), then deleted: the launch that
+    follows has nothing of it on disk. Its local name is the URL's last part."""
+    d = tmp_path / urls.name(url)
+    d.mkdir(parents=True)
+    for name, src in files.items():
+        shutil.copyfile(src, d / name)
+    remote_models.upload(d, url)
+    shutil.rmtree(d)
+    return url
+
+
+def local_paths(argv: list[str]) -> list[str]:
+    """The arguments of `argv` that name a path on this machine (a file, a glob, a directory)."""
+    return [
+        a
+        for a in argv
+        if not a.startswith("-") and not urls.is_url(a) and ("/" in a or Path(a).exists())
+    ]

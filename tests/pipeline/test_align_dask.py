@@ -1,11 +1,14 @@
-"""The align job on a real distributed engine: Beam's DaskRunner over a loopback LocalCluster
-(two worker processes), giving the same rows, stats and dead letters as the FnApiRunner (the
-rows' order and their split into rolled files depend on the runner's bundles).
+"""The align job on a real distributed engine: Beam's DaskRunner on a Dask cluster started as
+users start one (``dask scheduler`` + two ``dask worker`` processes, each in its own directory
+and HOME: `tests.daskcluster`), giving the same rows, stats and dead letters as the FnApiRunner
+(the rows' order and their split into rolled files depend on the runner's bundles).
 
-Both write to an S3 server as well (SeaweedFS on loopback, `tests.objectstore`): the
-FnApiRunner's objects are the bytes of its local run, file for file, and the Dask workers, which
-get no pipeline options from Beam, find the server through the AWS variables they inherit (the
-Dask run reads its input from the server too).
+Both write to an S3 server as well (SeaweedFS on loopback, `bench.storage.seaweed`): the
+FnApiRunner's objects are the bytes of its local run, file for file. The Dask workers share no
+disk with this process: their arguments hold only URLs (the input, the output, and the
+tokenizers, uploaded as marked directories whose local copies are deleted before the launch),
+each worker fetches the tokenizers into its own cache, and finds the server through the AWS
+variables of its environment (Beam hands Dask workers no pipeline options).
 
 The teacher here is the Phi-3 vocabulary (SentencePiece with byte fallback, like Gemma, but it
 loads in a second where Gemma's 262k vocabulary takes ~10-30 s in every fresh worker process)."""
@@ -14,9 +17,9 @@ from __future__ import annotations
 
 import json
 
-from dask.distributed import LocalCluster
-
 from pipelines.align import job as J
+from tests.pipeline.conftest import local_paths, upload_model_dir
+from tokenbridge import urls
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
 
@@ -25,7 +28,7 @@ SKIP_DASK = {*SKIP_KEYS, "data"}  # the Dask run reads the same files from s3://
 
 
 def test_dask_local_cluster_matches_fnapi_runner(
-    tmp_path, pair_paths, vocab_fixture, corpus_dir, s3_server, s3_bucket
+    tmp_path, pair_paths, vocab_fixture, corpus_dir, s3_server, s3_bucket, dask_cluster, monkeypatch
 ):
     t, s = str(vocab_fixture("phi-3")), pair_paths[1]
     data = tmp_path / "data"
@@ -49,21 +52,23 @@ def test_dask_local_cluster_matches_fnapi_runner(
     assert {k: v for k, v in s3_stats.items() if k not in SKIP_KEYS} == {
         k: v for k, v in fn_stats.items() if k not in SKIP_KEYS
     }
-    # the Dask workers read their input from the store too (Beam hands them no options)
+    # the Dask workers read everything from the store: the input, and the tokenizers, uploaded
+    # as marked directories named as the local ones (same tokenizer names in the shards)
     s3_data = s3_server.upload(data, s3_bucket, "data")
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
-    ) as cluster:
-        dask_stats = J.run(
-            [
-                *[f"{s3_data}/*" if a == f"{data}/*" else a for a in base],
-                "--out",
-                f"s3://{s3_bucket}/dask",
-                "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
-                f"--dask_client_address={cluster.scheduler_address}",
-                "--dask_npartitions=2",
-            ]
-        )
+    models = f"s3://{s3_bucket}/models"
+    teacher = upload_model_dir(tmp_path / "up", f"{models}/ggml-vocab-phi-3", {"phi-3.gguf": t})
+    student = upload_model_dir(tmp_path / "up", f"{models}/{urls.name(s)}", {
+        n: f"{s}/{n}" for n in ("tokenizer.json", "tokenizer_config.json")})  # fmt: skip
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "launcher"))  # this process's copies
+    remote = {f"{data}/*": f"{s3_data}/*", t: teacher, s: student}
+    argv = [*[remote.get(a, a) for a in base], "--out", f"s3://{s3_bucket}/dask",
+            "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
+            f"--dask_client_address={dask_cluster.address}", "--dask_npartitions=2"]  # fmt: skip
+    assert local_paths(argv) == []  # the workers are handed URLs only
+    dask_stats = J.run(argv)
+    for home in dask_cluster.worker_dirs():  # each worker fetched the tokenizers itself
+        copies = {p.name for p in (home / ".cache" / "tokenbridge").glob("*/*") if p.is_dir()}
+        assert {"ggml-vocab-phi-3", urls.name(s)} <= copies, (home, copies)
     assert fn_stats["documents"] == 2 + 40 and fn_stats["drops_by_reason"] == {
         "missing_field": 1,
         "undecodable_utf8": 1,

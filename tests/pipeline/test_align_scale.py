@@ -148,7 +148,7 @@ def test_no_groupbykey_over_row_data(tmp_path, pair_paths):
     t, s = pair_paths
     (tmp_path / "a.txt").write_text("text")
     (tmp_path / "b.txt").write_text("more text")  # two read tasks: Create spreads them
-    cfg = J.JobConfig([f"{tmp_path}/*.txt"], s, [t], tmp_path / "o", WINDOW, R.ReaderConfig())
+    cfg = J.JobConfig([f"{tmp_path}/*.txt"], s, [t], WINDOW, R.ReaderConfig(), out=tmp_path / "o")
     tasks, total, n = J.match_inputs(cfg.data)
     p = beam.Pipeline(runner="FnApiRunner")
     J.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n, run_id="x")

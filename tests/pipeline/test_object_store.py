@@ -1,9 +1,10 @@
-"""The jobs against a real S3 server (SeaweedFS on loopback, `tests.objectstore`): a projection
+"""The jobs against a real S3 server (SeaweedFS on loopback, `bench.storage.seaweed`): a projection
 uploaded whole, and the failures a user meets: refused credentials and a missing input (one
 line each, exit 2), and a server whose endpoint dies while the align job uploads (the job fails, no
 COMPLETED; once the server is back, a re-run starts over and completes). The align job's output
 compared with a local run, byte for byte, and on Dask: tests/pipeline/test_align_dask.py; the
-teacher cache on S3: tests/pipeline/test_teacher_cache_job.py."""
+teacher cache on S3: tests/pipeline/test_teacher_cache_job.py. Reads while the endpoint is down
+are retried with backoff until it is back (`tokenbridge.urls.retry_config`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 from apache_beam.utils import retry
 from safetensors import safe_open
 
+from bench.storage.seaweed import SeaweedS3
 from pipelines.align import job as J
+from pipelines.plumbing import storage
 from pipelines.projection.__main__ import main as projection_job
-from tests.objectstore import SeaweedS3
-from tokenbridge import cli
+from tokenbridge import cli, remote_cache
 from tokenbridge.formats import shard_schema as S
 
 
@@ -89,6 +91,7 @@ def test_server_killed_mid_upload_leaves_no_completed_and_a_rerun_starts_over(
         monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
         monkeypatch.setattr(retry.Clock, "sleep", lambda self, seconds: None)
         bucket = server.new_bucket()
+        server.client().put_object(Bucket=bucket, Key="probe", Body=b"ok")
         out = f"s3://{bucket}/shards"
         code: list[int] = []
         job = threading.Thread(
@@ -104,7 +107,17 @@ def test_server_killed_mid_upload_leaves_no_completed_and_a_rerun_starts_over(
         assert code == [cli.EXIT_RUN]
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith("tokenbridge align: ") and "internal error" not in line, line
-        server.start_gateway()
+        # reads while the endpoint is down wait for it (botocore's backoff), both clients
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "10")
+        back = threading.Timer(1.0, server.start_gateway)
+        back.start()
+        assert storage.read_bytes(f"s3://{bucket}/probe") == b"ok"  # Beam's S3 I/O
+        back.join()
+        server.kill_gateway()
+        back = threading.Timer(1.0, server.start_gateway)
+        back.start()
+        assert remote_cache.filesystem().cat_file(f"{bucket}/probe") == b"ok"  # s3fs (fetches)
+        back.join()
         keys = server.keys(bucket)
         assert f"shards/{S.COMPLETED_MARKER}" not in keys
         assert not [k for k in keys if k.startswith("shards/shard-")], keys

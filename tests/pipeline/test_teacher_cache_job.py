@@ -1,9 +1,10 @@
 """The teacher-cache job on Beam: the trainer's teacher program inside RunInference.
 
-On the FnApiRunner and on a Dask LocalCluster (two worker processes, writing to the test S3
-server: `tests.objectstore`) it writes the same cache (rows keyed by shard file and row; the
-files' split follows the runner's bundles), whose fp32
-values are the teacher program's outputs on each row alone; rows with ids outside the teacher's
+On the FnApiRunner and on a Dask cluster started from the command line (two worker processes
+sharing no disk with the launcher: the shards and the teacher's directory come from the test
+S3 server, `bench.storage.seaweed`, where the cache is written) it writes the same cache (rows
+keyed by shard file and row; the files' split follows the runner's bundles), whose fp32 values
+are the teacher program's outputs on each row alone; rows with ids outside the teacher's
 vocabulary go to the dead letters; a complete directory is not overwritten unless asked. The
 tiny random-init teacher keeps SmolLM2's real tokenizer (the shards' teacher column).
 """
@@ -16,13 +17,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from dask.distributed import LocalCluster
 
+from bench.common import shakespeare_docs
 from pipelines.teacher_cache import job as J
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
-from tests.e2e.helpers import shakespeare_docs, write_shards
+from tests.pipeline.conftest import local_paths, upload_model_dir
 from tokenbridge import cli
+from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
 from tokenbridge.teacher.outputs import TeacherOutputSpec
@@ -46,7 +48,7 @@ def teacher_args(student_dir) -> list[str]:
 def inputs(tmp_path_factory, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("teacher_cache")
     docs = shakespeare_docs(10, chars=700)
-    d = write_shards(tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[student_dir])
+    d = write_text_shards(tmp / "shards", docs, student_dir=student_dir, teacher_dirs=[student_dir])
     base = ["--shards", str(d), *teacher_args(student_dir), "--k", "8", "--threads", "1"]
     base += ["--logprob-dtype", "float32", "--samples", "4", "--rows-per-task", "12"]
     base += ["--batch-tokens", "256", "--cache-mb", "0.02"]
@@ -67,27 +69,30 @@ def _rows(d) -> pa.Table:
 
 
 def test_dask_local_cluster_reads_and_writes_the_same_cache_in_s3(
-    inputs, fn_cache, s3_server, s3_bucket, tmp_path
+    inputs, fn_cache, s3_server, s3_bucket, tmp_path, dask_cluster, student_dir
 ):
     """Entirely against the store: the shards read from s3:// (the launcher plans on a verified
-    copy, each worker reads its tasks' objects), the cache written there."""
+    copy, each worker reads its tasks' objects), the teacher's directory (config and tokenizer
+    of the random-init teacher) fetched by each worker into its own cache, the cache written
+    there; the workers' arguments hold only URLs."""
     fn_dir, fn_stats = fn_cache
     shards_url = s3_server.upload(inputs["shards"], s3_bucket, "shards")
-    base = [shards_url if a == str(inputs["shards"]) else a for a in inputs["base"]]
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
-    ) as cluster:
-        dask_stats = J.run([*base, "--out", f"s3://{s3_bucket}/cache",
-                            "--cache-dir", str(tmp_path / "copies"),
-                            "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
-                            f"--dask_client_address={cluster.scheduler_address}",
-                            "--dask_npartitions=2"])  # fmt: skip
+    teacher = upload_model_dir(tmp_path / "up", f"s3://{s3_bucket}/models/{student_dir.name}", {
+        n: student_dir / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json")})  # fmt: skip
+    remote = {str(inputs["shards"]): shards_url, str(student_dir): teacher}
+    argv = [*[remote.get(a, a) for a in inputs["base"]], "--out", f"s3://{s3_bucket}/cache",
+            "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
+            f"--dask_client_address={dask_cluster.address}", "--dask_npartitions=2"]  # fmt: skip
+    assert local_paths(argv) == []  # the workers are handed URLs only
+    dask_stats = J.run([*argv, "--cache-dir", str(tmp_path / "copies")])  # the launcher's
     ss = shards.open_shards(inputs["shards"])
     assert fn_stats["rows"] == ss.num_rows and fn_stats["dead_letters"] == 0
     assert fn_stats["files"] > 1  # rolled
-    strip = lambda st: {k: v for k, v in st.items() if k not in SKIP_STATS | {"shards_dir"}}  # noqa: E731
+    where = {"shards_dir", "teacher_path"}
+    strip = lambda st: {k: v for k, v in st.items() if k not in SKIP_STATS | where}  # noqa: E731
     assert strip(dask_stats) == strip(fn_stats)
-    assert dask_stats["shards_dir"] == shards_url  # the URL, not the launcher's copy
+    assert dask_stats["shards_dir"] == shards_url  # the URLs, not the launcher's copies
+    assert dask_stats.get("teacher_path", teacher) == teacher
     copy = s3_server.download(s3_bucket, "cache", inputs["tmp"] / "dask")
     assert (copy / "COMPLETED").is_file() and not list(copy.glob(".align-tmp-*"))
     assert _rows(copy).equals(_rows(fn_dir))

@@ -3,8 +3,6 @@ writes the file from the stored sections only, refusing a loaded machine unless 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from bench import provenance, run_all
@@ -39,22 +37,23 @@ def test_a_kept_section_says_when_the_code_changed_since():
 
 
 def test_a_section_is_stale_only_when_the_code_it_measures_changed():
-    import bench
-
     for name in run_all.discover():  # every MEASURES names paths that exist (else it raises)
-        paths = provenance.measured_paths(Path(bench.__path__[0]) / f"bench_{name}.py")
-        assert paths and all(isinstance(p, str) for p in paths), name
+        assert run_all.module_file(name).is_file(), name
+        paths = provenance.measured_paths(run_all.module_file(name))
+        assert paths and all((provenance.REPO / p).exists() for p in paths), (name, paths)
     # without MEASURES: the library, and of bench/ what the section imports or launches
-    onpolicy = provenance.measured_paths(Path(bench.__path__[0]) / "bench_onpolicy.py")
-    assert {"trainer", "bench/onpolicy_vs_trl.py", "bench/onpolicy_fsdp.py"} <= set(onpolicy)
-    assert "bench/bench_losses.py" not in onpolicy and "bench" not in onpolicy
-    # the last commit that touched bench_losses.py: stale for the whole tree once a later
+    onpolicy = provenance.measured_paths(run_all.module_file("onpolicy"))
+    assert {"trainer", "bench/onpolicy/vs_trl.py", "bench/onpolicy/fsdp_gather.py"} <= set(onpolicy)
+    assert "bench/training/losses.py" not in onpolicy and "bench" not in onpolicy
+    science = provenance.measured_paths(run_all.module_file("science"))
+    assert "bench/science/trl_gold_train.py" in science  # launched with ``-m``, not imported
+    # the last commit that touched the losses section: stale for the whole tree once a later
     # commit touched bench/, not for the file itself
-    sha = provenance._git("log", "-1", "--format=%h", "--", "bench/bench_losses.py")
+    sha = provenance._git("log", "-1", "--format=%h", "--", "bench/training/losses.py")
     later = provenance._git("log", "--oneline", f"{sha}..HEAD", "--", "bench") if sha else ""
     if later:
         text = f"## s\n\n{provenance.MARK}{sha}, then_"
-        assert provenance.stale_note(text, ("bench/bench_losses.py",)) is None
+        assert provenance.stale_note(text, ("bench/training/losses.py",)) is None
         assert "changed since" in provenance.stale_note(text)
 
 
@@ -67,7 +66,7 @@ def test_a_loaded_machine_is_refused_unless_allowed(monkeypatch, tmp_path):
 
 def test_collect_marks_sections_never_run(monkeypatch, tmp_path):
     monkeypatch.setattr(run_all, "RESULTS", tmp_path)
-    monkeypatch.setattr(run_all, "discover", lambda: ["alpha", "beta"])
+    monkeypatch.setattr(run_all, "SECTIONS", {"alpha": "alpha", "beta": "beta"})
     head = provenance.commit().split("+")[0]
     (tmp_path / "alpha.md").write_text(f"## Alpha\n\n{provenance.MARK}{head}, t_\n| 1 |\n")
     text = run_all.collect()
@@ -133,3 +132,32 @@ def test_commits_undone_leave_a_section_fresh(monkeypatch, tmp_path):
         note = provenance.stale_note(text, ("code.py",))
         assert (note is not None) == stale, (body, note)
     assert note is None  # two commits touched code.py since, and it is back as measured
+
+
+def test_a_file_moved_unchanged_leaves_a_section_fresh(monkeypatch, tmp_path):
+    """A section measured before its code moved (bench/'s folders): the move alone is no change,
+    so it names the new path and is not stale; a change to the moved file is."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                           cwd=tmp_path, capture_output=True, text=True, check=True)  # fmt: skip
+        return r.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "old.py").write_text("".join(f"line_{i} = {i}\n" for i in range(20)))
+    git("add", "-A")
+    git("commit", "-qm", "measured")
+    sha = git("rev-parse", "--short=10", "HEAD")
+    (tmp_path / "new").mkdir()
+    git("mv", "old.py", "new/moved.py")
+    git("commit", "-qm", "move")
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    text = f"## s\n\n{provenance.MARK}{sha}, then_"
+    assert provenance.stale_note(text, ("new/moved.py",)) is None
+    assert provenance.stale_note(text, ("new",)) is None
+    with (tmp_path / "new" / "moved.py").open("a") as f:
+        f.write("line_20 = 20\n")
+    git("commit", "-qam", "edit")
+    note = provenance.stale_note(text, ("new/moved.py",))
+    assert note is not None and "2 commits touch new/moved.py" in note

@@ -6,15 +6,16 @@ import json
 
 import pytest
 
-from tokenbridge.chat import example, rows, templates
+from tokenbridge.chat import rows, templates
 from tokenbridge.chat.align import ChatAlignment, align_conversations, prepare_side
+from tokenbridge.commands import chat_example
 from tokenbridge.tokenizers import load_tokenizer
 
 
 def test_rebuilds_byte_for_byte(tmp_path, corpus_dir):
-    written = example.write(tmp_path, corpus_dir / "shakespeare")
+    written = chat_example.write(tmp_path, corpus_dir / "shakespeare")
     for f in written:
-        shipped = example.DATA_DIR / f.name
+        shipped = chat_example.DATA_DIR / f.name
         assert f.read_bytes() == shipped.read_bytes(), f"{shipped} is stale: rerun the generator"
     assert sum(f.stat().st_size for f in written) < 200_000
 
@@ -22,15 +23,15 @@ def test_rebuilds_byte_for_byte(tmp_path, corpus_dir):
 @pytest.fixture(scope="module")
 def example_rows():
     out = {}
-    for name in (example.MESSAGES_FILE, example.PROMPT_COMPLETION_FILE):
-        data = [json.loads(x) for x in (example.DATA_DIR / name).read_text().splitlines()]
+    for name in (chat_example.MESSAGES_FILE, chat_example.PROMPT_COMPLETION_FILE):
+        data = [json.loads(x) for x in (chat_example.DATA_DIR / name).read_text().splitlines()]
         fmt = rows.detect_format(data[0], where=name)
         out[name] = [rows.parse_row(r, fmt=fmt) for r in data]
     return out
 
 
 def test_every_row_parses(example_rows):
-    convs = example_rows[example.MESSAGES_FILE]
+    convs = example_rows[chat_example.MESSAGES_FILE]
     assert all(isinstance(c, rows.Conversation) for c in convs)
     roles = {c.roles for c in convs}
     assert ("user", "assistant") in roles and (
@@ -41,7 +42,7 @@ def test_every_row_parses(example_rows):
         "assistant",
     ) in roles
     assert any(c.messages[0].content == "" for c in convs)  # empty system turns
-    pcs = example_rows[example.PROMPT_COMPLETION_FILE]
+    pcs = example_rows[chat_example.PROMPT_COMPLETION_FILE]
     assert all(isinstance(c, rows.Conversation) for c in pcs)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from tokenbridge import verify
+from tokenbridge.commands import verify
 from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.schema import CheckpointConfig
 

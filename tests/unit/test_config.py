@@ -8,7 +8,6 @@ inputs (no model is built anywhere in this file).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import time
@@ -273,7 +272,7 @@ def test_preflight_takes_the_same_tokenizer_rule_from_the_registry(
     gemma = load_tokenizer(teacher_dir).info()
     shards = write_synthetic(tmp_path / "pair", smol, [gemma])
     cfg = cfg_for(student_dir, shards, teacher=teacher_dir, mode="alm")
-    monkeypatch.setitem(MODES, "alm", dataclasses.replace(MODES["alm"], same_tokenizer=True))
+    monkeypatch.setattr(MODES["alm"], "same_tokenizer", True)
     with pytest.raises(ConfigError, match="alm needs the student's tokenizer"):
         preflight(cfg, world_size=1)
 

@@ -15,7 +15,6 @@ cross-field rule is written once (`trainer.config.rules`) and runs before any we
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import re
 import time
@@ -105,6 +104,10 @@ def _cases(student_dir) -> dict[str, tuple[dict, str]]:
         "onpolicy_fits_the_teachers": (
             {"teachers": [_teacher(student_dir, tp=2)], "onpolicy": onpolicy},
             r"config teachers\[0\]\.tp: on-policy scoring runs tp=1 teachers",
+        ),
+        "kd_topk_reads_the_teachers_support": (
+            {"teachers": [t], "loss": {"mode": "kd_topk", "options": {"support": "columns"}}},
+            r"config loss\.options\.support: kd_topk: the trainer takes only 'teacher'",
         ),
         "caches_serve_their_modes": (
             {"teachers": [_teacher(student_dir, cache="/c")], "loss": {"mode": "gold"}},
@@ -225,10 +228,10 @@ def test_one_pairing_rule_for_off_and_on_policy_modes_from_the_registry(
     on = {"enabled": True, "loss": "opd_pg"}
     cfg = _config(student_dir, {"teachers": [_teacher(teacher_dir)], "onpolicy": on})
     rules.check_tokenizers(cfg, s, [g])  # opd_pg takes any tokenizer
-    monkeypatch.setitem(MODES, "opd_pg", dataclasses.replace(MODES["opd_pg"], same_tokenizer=True))
+    monkeypatch.setattr(MODES["opd_pg"], "same_tokenizer", True)
     with pytest.raises(ConfigError, match=r"onpolicy\.teacher_losses\[0\]: opd_pg needs the stu"):
         rules.check_tokenizers(cfg, s, [g])
-    monkeypatch.setitem(MODES, "opd_pg", dataclasses.replace(MODES["opd_pg"], projection=True))
+    monkeypatch.setattr(MODES["opd_pg"], "projection", True)
     with pytest.raises(ConfigError, match=r"teachers\[0\]\.projection: on-policy opd_pg needs"):
         rules.check_tokenizers(cfg, s, [s])
 

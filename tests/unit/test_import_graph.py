@@ -1,4 +1,5 @@
-"""The import graph of the three floors (and `bench/`): no cycles, and the layering DESIGN.md states.
+"""The import graph of the three floors, `bench/` and `tests/`: no cycles, and the layering
+docs/design.md states.
 
 Read with `ast`, nothing is imported: every ``import`` and ``from ... import`` statement counts,
 at module level or inside a function (a lazy import only hides a cycle until the function runs),
@@ -15,12 +16,14 @@ from its ``__init__``). Two choices, and why:
   real edge (``x`` -> ``a.b.c`` runs ``a/__init__``, whose imports may lead back to ``x``, still
   half-initialised: an ImportError that depends on which module a process imports first).
 
-Layering (DESIGN.md, "Layout: three floors"), with no exception: `tokenbridge/` (the library)
-imports none of the others; `pipelines/` (Beam) and `trainer/` (torchrun) import the library and
-never each other; nothing in the product imports `bench/`; `apache_beam` is imported under
-`pipelines/` only, Hydra and omegaconf under `trainer/` (and `bench/`, which drives it) only.
-Module file names are unique across the floors (`__init__` and `__main__` aside, and `job`:
-each job folder's pipeline assembly), so a name in a traceback or a doc points at one file.
+Layering (docs/design.md), with no exception: `tokenbridge/` (the library) imports none of the
+others; `pipelines/` (Beam) and `trainer/` (torchrun) import the library and never each other;
+nothing in the product imports `bench/`; nothing but `tests/` imports `tests/` (the tests may
+import every floor and `bench/`, whose shared inputs they use); `apache_beam` is imported under
+`pipelines/` only, Hydra and omegaconf under `trainer/` (and `bench/`, which drives it) only,
+the tests aside. Module file names are unique across the floors and `bench/` (`__init__` and
+`__main__` aside, `job`: each job folder's pipeline assembly, and `section`: each bench folder's
+BENCHMARKS.md section), so a name in a traceback or a doc points at one file.
 """
 
 from __future__ import annotations
@@ -31,21 +34,24 @@ from pathlib import Path
 
 from tokenbridge import paths
 
-ROOTS = ("tokenbridge", "pipelines", "trainer", "bench")
+ROOTS = ("tokenbridge", "pipelines", "trainer", "bench", "tests")
 # floor -> the floors it may import (itself included)
 MAY_IMPORT = {
     "tokenbridge": {"tokenbridge"},
     "pipelines": {"tokenbridge", "pipelines"},
     "trainer": {"tokenbridge", "trainer"},
     "bench": {"tokenbridge", "pipelines", "trainer", "bench"},
+    "tests": {"tokenbridge", "pipelines", "trainer", "bench", "tests"},
 }
 # external package -> the floors that may import it
 ONLY_IN = {
-    "apache_beam": {"pipelines"},
-    "hydra": {"trainer", "bench"},
-    "omegaconf": {"trainer", "bench"},
+    "apache_beam": {"pipelines", "tests"},
+    "hydra": {"trainer", "bench", "tests"},
+    "omegaconf": {"trainer", "bench", "tests"},
 }
-SHARED_NAMES = {"__init__", "__main__", "job"}
+SHARED_NAMES = {"__init__", "__main__", "job", "section"}
+# the tests' file names follow pytest's rules (a conftest per folder), not the floors'
+UNIQUE_NAMES_IN = ("tokenbridge", "pipelines", "trainer", "bench")
 
 
 @dataclass
@@ -255,6 +261,8 @@ def shared_file_names(g: dict[str, Module]) -> dict[str, list[str]]:
     """file name -> the modules that share it (packages and SHARED_NAMES aside)."""
     by_name: dict[str, list[str]] = {}
     for n, m in g.items():
+        if n.split(".")[0] not in UNIQUE_NAMES_IN:
+            continue
         if not m.is_package and m.path.stem not in SHARED_NAMES:
             by_name.setdefault(m.path.stem, []).append(n)
     return {k: sorted(v) for k, v in by_name.items() if len(v) > 1}
@@ -385,7 +393,7 @@ def test_no_import_cycles():
 
 def test_each_floor_imports_only_the_floors_below():
     bad = floor_breaches(build_graph())
-    assert not bad, f"imports across the floors (DESIGN.md, Layout): {bad}"
+    assert not bad, f"imports across the floors (docs/design.md, Layout): {bad}"
 
 
 def test_beam_and_hydra_stay_on_their_floors():

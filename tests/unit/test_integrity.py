@@ -3,7 +3,7 @@
 Each damage is done to bytes on disk the way a full disk or a bad copy does it, to a directory
 written by the real writers (`ShardWriter`, `write_completed`); each must be refused with one
 line naming the file and the expected and found checksum (or the row and column of a bad value),
-by the reader and by ``python -m tokenbridge.verify`` (exit code 2), before a row reaches a model.
+by the reader and by ``python -m tokenbridge.commands.verify`` (exit code 2), before a row reaches a model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.unit.test_shards import STUDENT, TEACHERS, _row, _rows, _write_dir
-from tokenbridge import verify
+from tokenbridge.commands import verify
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards

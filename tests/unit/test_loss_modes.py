@@ -105,6 +105,8 @@ def test_options_fail_field_by_field():
     kd = MODES["kd_topk"]
     assert kd.parse_options({"k": 8}, temperature=2.0).temperature == 2.0
     assert kd.parse_options({"temperature": 0.5}, temperature=2.0).temperature == 0.5
+    # every support the loss computes; the trainer's own limit is its config's (test_config.py)
+    assert kd.parse_options({"support": "columns"}, temperature=1.0).support == "columns"
     cases = {
         "kk": ({"kk": 3}, "kd_topk takes only"),
         "k": ({"k": -1}, "kd_topk: expected >= 1, got -1"),

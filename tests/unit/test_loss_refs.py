@@ -2,7 +2,7 @@
 
 The references hold full [V] distributions in float64 and loop over positions and chunks in
 Python: slow, but each line is a formula of docs/losses.md. The fast modes are tested against
-them in the test_loss_<mode>.py files (and bench/bench_losses.py times them next to the fast
+them in the test_loss_<mode>.py files (and bench/training/losses.py times them next to the fast
 ones), with the checks those files share at the end of this one (value and gradient against the
 reference, bf16, a batch without chunks).
 

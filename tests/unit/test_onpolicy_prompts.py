@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.helpers import shakespeare_docs, write_shards
+from bench.common import shakespeare_docs
 from tokenbridge import paths
+from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.sections import DataConfig
@@ -68,7 +69,7 @@ def test_chat_prompts_resume_exactly_across_an_epoch(s_tok, student_dir):
 
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory, student_dir):
-    out = write_shards(tmp_path_factory.mktemp("prompts") / "shards",
+    out = write_text_shards(tmp_path_factory.mktemp("prompts") / "shards",
                        shakespeare_docs(6, chars=400), student_dir=student_dir,
                        teacher_dirs=[student_dir], max_tokens=48)  # fmt: skip
     return ShardReader(open_shards(out), max_student_tokens=48)

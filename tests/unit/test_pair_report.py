@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbridge import pair_report as pr
+from tokenbridge.commands import pair_report as pr
 from tokenbridge.tokenizers import load_tokenizer
 
 

@@ -150,7 +150,7 @@ def test_two_fetchers_of_one_entry_download_it_once(s3_server, s3_bucket, tmp_pa
 def test_verify_reads_a_marked_directory_in_the_store(s3_server, s3_bucket, tmp_path, capsys):
     """``make verify DIR=s3://...``: every listed object hashed once (OK, then DAMAGED naming the
     changed one after it is overwritten); no marker: named, exit 2."""
-    from tokenbridge.verify import main as verify
+    from tokenbridge.commands.verify import main as verify
 
     files = {"x.bin": b"x" * 100, "y.bin": b"y" * 50}  # not shards: no values to check
     url = upload_marked(s3_server, s3_bucket, "v", tmp_path / "src", files, kind="test")

@@ -1,7 +1,7 @@
 """The science table's statistics, its plan and its rendering, on synthetic results (no runs).
 
 The references are scipy's own tests and intervals (`scipy.stats.ttest_rel`, `t.interval`),
-computed independently of `bench.science_stats`'s formulas.
+computed independently of `bench.science.stats`'s formulas.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from bench import science, science_stats
-from bench.science_table import render
+from bench.science import experiment
+from bench.science import stats as science_stats  # scipy's is `stats` here
+from bench.science.table import render
 
 
 def test_paired_test_matches_scipy_ttest_rel():
@@ -62,7 +63,7 @@ def test_budget_steps():
 
 
 def _args(tmp_path: Path, **kw) -> argparse.Namespace:
-    base = dict(out=tmp_path, rows=list(science.ROWS), primary_seeds=[0, 1, 2, 3, 4],
+    base = dict(out=tmp_path, rows=list(experiment.ROWS), primary_seeds=[0, 1, 2, 3, 4],
                 seeds=[0, 1, 2], steps=40, lr_grid=[5e-5, 1e-4], lr_seeds=[0],
                 suite_rows=["ce", "xtoken"], budget_seeds=[0], set=[])  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
@@ -70,15 +71,15 @@ def _args(tmp_path: Path, **kw) -> argparse.Namespace:
 
 def test_plan_seeds_splits_and_phases(tmp_path):
     args = _args(tmp_path)
-    val = science.plan_lr(args)
+    val = experiment.plan_lr(args)
     assert {(j.row, j.lr) for j in val} == {
         (r, lr) for r in ("ce", "xtoken") for lr in (5e-5, 1e-4)
     }
     assert all("data.eval_on=val" in j.cmd and "data.val_fraction=0.1" in j.cmd for j in val)
-    table = science.plan_table(args, 5e-5)
-    seeds = {r: sorted(j.seed for j in table if j.row == r) for r in science.ROWS}
+    table = experiment.plan_table(args, 5e-5)
+    seeds = {r: sorted(j.seed for j in table if j.row == r) for r in experiment.ROWS}
     assert seeds["ce"] == seeds["xtoken"] == [0, 1, 2, 3, 4]
-    assert all(seeds[r] == [0, 1, 2] for r in science.ROWS if r not in science.PRIMARY)
+    assert all(seeds[r] == [0, 1, 2] for r in experiment.ROWS if r not in experiment.PRIMARY)
     # the table's runs train on the same chapters as the learning-rate runs, scored on test
     assert all("data.val_fraction=0.1" in j.cmd and "data.eval_on=val" not in j.cmd for j in table)
     assert {j.cores for j in table if j.row == "gold"} == {2}
@@ -86,10 +87,10 @@ def test_plan_seeds_splits_and_phases(tmp_path):
     runs = [{"row": r, "phase": "test", "budget_s": b, "seed": 0}
             for r, b in (("ce", 40.0), ("xtoken", 41.0), ("gold", 100.0),
                          ("alm", 96.0))]  # fmt: skip
-    extra = science.plan_budget(args, 5e-5, runs)
+    extra = experiment.plan_budget(args, 5e-5, runs)
     assert {(j.row, j.steps, j.seed) for j in extra} == {("ce", 100, 0)}
     assert all("steps=100" in j.cmd for j in extra)
-    extra = science.plan_budget(_args(tmp_path, budget_seeds=[0, 1, 2]), 5e-5, runs)
+    extra = experiment.plan_budget(_args(tmp_path, budget_seeds=[0, 1, 2]), 5e-5, runs)
     assert {(j.row, j.steps, j.seed) for j in extra} == {("ce", 100, s) for s in (0, 1, 2)}
 
 
@@ -111,10 +112,10 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
            for r, lr, v in (("ce", 5e-5, 1.2), ("xtoken", 5e-5, 1.1),
                             ("ce", 1e-4, 1.3), ("xtoken", 1e-4, 1.2))]  # fmt: skip
     payload = {"steps": 40, "lr": 5e-5, "lr_given": False, "lr_seeds": [0], "val_runs": val,
-               "primary": ["ce", "xtoken"], "rows": {k: science.ROWS[k].label
+               "primary": ["ce", "xtoken"], "rows": {k: experiment.ROWS[k].label
                for k in ("ce", "xtoken", "gold")}, "runs": runs, "baselines": {},
                "cache_cost": {"core_s": 360.0, "windows": 360}, "budget_seeds": [0, 1, 2],
-               "labels": {k: r.label for k, r in science.ROWS.items()}}  # fmt: skip
+               "labels": {k: r.label for k, r in experiment.ROWS.items()}}  # fmt: skip
     runs[0]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "load": [1.0, 1.9], "commit": "e375e37"}
     val[0]["machine"] = {"cpu": "AMD EPYC", "cores": 2, "load": [3.3, 3.8], "commit": "07b5fd5"}
     text = render(payload)
@@ -136,7 +137,7 @@ def test_render_states_the_test_the_choice_and_the_equal_budget_runs():
     assert "(CE 100 steps, 2 of 3 seeds)" in gold
     assert "goal" not in text.lower() and "met" not in text.split()
     assert "Not run yet" not in text
-    payload["rows"]["alm"] = science.ROWS["alm"].label  # planned, nothing finished
+    payload["rows"]["alm"] = experiment.ROWS["alm"].label  # planned, nothing finished
     assert "Not run yet (planned, no finished seed): alm." in render(payload)
 
 
@@ -144,5 +145,5 @@ def test_render_only_builds_nothing(tmp_path):
     """``--render-only`` with no finished inputs refuses; it must never rebuild the shared
     teacher cache the running rows read."""
     with pytest.raises(SystemExit, match="render-only: no"):
-        science.main(["--render-only", "--out", str(tmp_path / "none")])
+        experiment.main(["--render-only", "--out", str(tmp_path / "none")])
     assert not (tmp_path / "none" / "cache.log").exists()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.e2e.helpers import shakespeare_docs, write_shards
-from tokenbridge import streamed_shards
+from bench.common import shakespeare_docs
+from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shards
+from tokenbridge.formats import shards, streamed_shards
 from trainer.config.sections import DataConfig
 from trainer.shard_reader import ShardReader, ShardStream
 
@@ -23,7 +23,7 @@ FILES, KEEP = 5, 2
 def local_shards(tmp_path_factory, student_dir):
     docs = shakespeare_docs(10, chars=600)
     out = tmp_path_factory.mktemp("stream") / "shards"
-    return write_shards(out, docs, student_dir=student_dir, teacher_dirs=[student_dir],
+    return write_text_shards(out, docs, student_dir=student_dir, teacher_dirs=[student_dir],
                         num_files=FILES)  # fmt: skip
 
 

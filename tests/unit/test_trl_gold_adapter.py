@@ -1,4 +1,4 @@
-"""`bench.trl_gold` (TRL's GOLD hybrid ULD loss in our trainer) against TRL's own `ULDLoss`.
+"""`bench.science.trl_gold` (TRL's GOLD hybrid ULD loss in our trainer) against TRL's own `ULDLoss`.
 
 The reference is TRL's whole ``ULDLoss.__call__`` on dense logits, with labels and byte offsets
 built so that TRL's own byte-offset walk finds exactly our chunks as its alignment groups; the
@@ -32,7 +32,7 @@ N_SHARED = 12
 
 @pytest.fixture
 def trl_gold():
-    import bench.trl_gold as tg  # an ImportError here fails the test (trl is required)
+    import bench.science.trl_gold as tg  # an ImportError here fails the test (trl is required)
 
     tg.register()
     yield tg
@@ -188,7 +188,7 @@ def test_registered_only_when_imported_and_options_checked(trl_gold):
 
 
 def test_launcher_fills_the_tokenizers_and_whole_logits_from_the_config(trl_gold):
-    from bench.trl_gold_train import trl_argv
+    from bench.science.trl_gold_train import trl_argv
     from tokenbridge.cli import UsageError
     from trainer.main import load_config
 

@@ -11,7 +11,8 @@ import pytest
 from pipelines.align import job as align_job
 from pipelines.projection import __main__ as projection_job
 from pipelines.teacher_cache import job as cache_job
-from tokenbridge import cli, urls, verify
+from tokenbridge import cli, urls
+from tokenbridge.commands import verify
 from trainer.config.schema import ConfigError
 from trainer.main import load_config
 from trainer.report import __main__ as report_main
@@ -33,6 +34,12 @@ def test_schemes_joins_and_settings():
         "key": "k",
     }
     assert urls.check("s3://b/x", where="--out", schemes=("s3",)) == "s3://b/x"
+    # every S3 client retries with backoff (botocore's standard mode); the AWS variables rule
+    assert urls.retry_config({}) == {"mode": "standard", "max_attempts": 8}
+    assert urls.retry_config({"AWS_MAX_ATTEMPTS": "2"})["max_attempts"] == 2
+    assert urls.fsspec_options({}, retries={"max_attempts": 3})["config_kwargs"] == {
+        "retries": {"max_attempts": 3}
+    }
     assert urls.denied("An error occurred (403) when calling the HeadObject operation: Forbidden")
     assert urls.denied("S3ClientError: ... code 403") and urls.denied("InvalidAccessKeyId")
     assert not urls.denied("s3://b/shard-00403-of-00500.arrow: code 404")
@@ -68,7 +75,7 @@ def test_commands_refuse_urls_they_cannot_use_in_one_line(
     [
         ("run_dir=gs://bucket/run", "run_dir"),
         ("data.shards=gs://bucket/shards", "data.shards"),
-        ("model.path=s3://bucket/model", "model.path"),
+        ("model.path=gs://bucket/model", "model.path"),  # s3:// models: test_remote_models
         ("teachers.0.cache=hdfs://nn/cache", "teachers[0].cache"),
         ("checkpoint.resume=gs://bucket/run/checkpoints/step-00000002", "checkpoint.resume"),
     ],

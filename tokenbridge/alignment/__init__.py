@@ -9,6 +9,7 @@ long document into training windows that end at the same character on every side
 - `kernel`: the Numba kernel that aligns a whole batch in one call;
 - `dp`: the DP fallback the kernel hands untrusted regions to;
 - `windows`: window cutting at cut points common to every (student, teacher) pair.
+- `text_shards`: a complete shard directory from a few texts, aligned in process (no Beam).
 
 Modules inside this package import each other directly, never through this file.
 """

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tokenbridge import paths
+from tokenbridge import atomic, paths
 
 
 class AssetError(RuntimeError):
@@ -120,13 +120,7 @@ def put_in_place(tmp: Path, target: Path) -> bool:
         log(f"{target} already holds identical contents: kept")
         _remove(tmp)
         return False
-    if target.is_dir():
-        old = target.with_name(f".old-{target.name}-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, target)
+    atomic.replace(tmp, target)  # a directory target is swapped out, then deleted
     return True
 
 
@@ -248,7 +242,7 @@ def fetch(dist: Dist, *, download: Downloader = index_download) -> Path:
         # checked before anything opens it: a tampered file is never unpacked, let alone run
         hint = f"the download of {dist.spec} from {source} was refused"
         check_sha256(got, dist.sha256, name=str(dest), hint=hint)
-        os.replace(got, dest)  # only a checked file ever takes the final name
+        atomic.replace(got, dest)  # only a checked file ever takes the final name
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -1,20 +1,8 @@
 """Distributed loss ops: vocab-parallel (TP), context-parallel (CP) and the loss divisor.
 
 Plain local tensors plus explicit process groups; a group of `None` is world size 1, so the
-single-process path is the same code. Module map:
-
-- `collectives`: group helpers, differentiable all-reduces for the two objective conventions
-  (replicated over TP, summed over CP/DP), `global_count`.
-- `vocab_parallel`: logsumexp, log-softmax, softmax, gather at global ids, target log-probs
-  (temperature, top-k/top-p), global top-k - chunked autograd Functions.
-- `vocab_parallel_xent`: entropy and soft-target cross entropy.
-- `sampling`: top-k / top-p thresholds over a sharded vocabulary.
-- `context_parallel`: load-balanced CP layout, all-gather, next-token shift, segment sums.
-- `all_to_all`: vocab-parallel <-> sequence-parallel layouts.
-- `packed`: cu_seqlens streams, CP-aware next-token log-probs.
-- `dtensor`: unwrap a vocab-sharded DTensor into (local tensor, group).
-- `vocab_ops`: the few vocabulary reductions every loss and the teacher outputs go through,
-  local at tp = 1 and the vp_* ops above under TP.
+single-process path is the same code. The conventions and what each module is for:
+docs/parallelism.md, "The distributed loss ops".
 """
 
 from tokenbridge.dist_ops.all_to_all import seq_to_vocab_parallel, vocab_to_seq_parallel

@@ -1,19 +1,10 @@
 """All-to-all between the vocab-parallel and the sequence-parallel layouts of a TP group.
 
-Why: some losses want whole rows of the vocabulary (a sort over V, a sparse projection applied
-row by row) but the lm_head yields vocab shards. One all-to-all trades a [N, V / TP] vocab shard
-of every row for the full vocabulary of N / TP rows, moving each element once (an all-gather
-would move TP times more and hold the full [N, V] on every rank).
+For losses that want whole vocabulary rows: a vocab shard of every row becomes the whole
+vocabulary of N / TP rows, each element moved once. Afterwards the TP ranks hold different rows,
+so the objective is a SUM over TP too (docs/parallelism.md, "The distributed loss ops").
 
-- `vocab_to_seq_parallel(x_NV, group)`: in [N, V_local] (all rows, vocab slice r), out
-  [N / TP, V] (row block r = rows [r * N / TP, (r + 1) * N / TP), all columns in global order).
-- `seq_to_vocab_parallel(y_nV, group)`: the inverse.
-
-Backward of each is the other op applied to the gradient. Note the change of convention: after
-`vocab_to_seq_parallel` the TP ranks hold different rows, so the objective becomes a SUM over
-the TP ranks (as for CP): reduce the per-rank loss sums and counts over the TP group too (or
-map the rows back with `seq_to_vocab_parallel` before a replicated reduction).
-N must be divisible by TP (pad the rows). Legend: N rows, V vocab (local or global), P = TP.
+Legend: N rows, V vocab (local or global), P = TP.
 """
 
 from __future__ import annotations
@@ -43,6 +34,7 @@ def _seq_to_vocab(y_nV: torch.Tensor, group: Group) -> torch.Tensor:
     return recv.reshape(n_local * size, v // size)
 
 
+# the backward of each layout change is the other one applied to the gradient
 class _VocabToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NV, group):

@@ -1,22 +1,9 @@
 """Process groups and the autograd-aware collectives every distributed loss op is built from.
 
-Why two conventions: the three kinds of groups mean different things for the objective.
-
-- **TP (tensor parallel)**: every rank of a TP group holds the same rows (tokens) and a different
-  slice of the vocabulary. Every TP rank computes the same, *replicated* objective. A forward
-  all-reduce therefore has an **identity** backward (`reduce_from_tp`): each rank's gradient of
-  the replicated objective with respect to its own shard is already complete.
-- **CP (context parallel) and DP (data parallel)**: each rank holds different tokens; the
-  objective is the **sum over ranks** of each rank's local term ("local SUM / global count").
-  A forward all-reduce has an all-reduce backward (`all_reduce_sum`), an all-gather has a
-  reduce-scatter backward (see `context_parallel.cp_all_gather`).
-
-`global_count` is the divisor of `tokenbridge.losses.base.normalize`, the one loss
-normalisation (the invariant and why: there). The groups themselves are modelled once, by the
-trainer's `ParallelGroups`.
-
-A group of `None` (or torch.distributed not initialised) means world size 1: every helper is then
-a plain local op, so single-process code runs the very same path.
+Two conventions, because the groups mean different things for the objective: replicated over
+TP (an all-reduce with an identity backward), summed over CP and DP (an all-reduce with an
+all-reduce backward). `global_count` is the divisor of `tokenbridge.losses.base.normalize`.
+A group of `None` (or torch.distributed not initialised) is world size 1: plain local ops.
 """
 
 from __future__ import annotations

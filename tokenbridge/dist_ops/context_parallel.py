@@ -1,30 +1,10 @@
 """Context parallel (CP): the load-balanced sequence layout and the few collectives a loss needs.
 
-Layout: a sequence of T tokens (T divisible by 2 * CP) is cut into 2 * CP equal pieces; CP rank
-r holds pieces r and 2 * CP - 1 - r, concatenated in that order (T / CP tokens). Pairing an early
-and a late piece balances causal-attention work across ranks (the layout of Megatron / Transformer
-Engine). The sequence dim is `dim` (default 1, i.e. [B, T, ...]).
+A sequence of T tokens is cut into 2 * CP pieces and rank r holds pieces r and 2 * CP - 1 - r,
+which balances causal attention's work. Per-token inputs are selected locally (`to_cp_layout`),
+so the logits never leave their rank; only the shift across piece borders and per-segment sums
+communicate (docs/parallelism.md, "The distributed loss ops").
 
-Why these ops and not an all-gather of the logits: the loss only needs, per local token, small
-things (target id, mask, chunk id, teacher top-k) that the data loader has for the whole
-sequence. `to_cp_layout` selects this rank's tokens from such full-sequence tensors (no
-communication); the logits never leave their rank. Communication is left for what is truly
-non-local:
-
-- `cp_shift_next(x)`: y[t] = x[t + 1] in global positions (fill at T - 1). Piece borders need
-  the first element of the next piece, which may live on another rank: one all-gather of the
-  [2] piece-first elements. Backward: the mirror all-gather of the border gradients.
-- `cp_all_gather(x)`: the full sequence in natural order on every rank. Backward: reduce-scatter
-  (sum over ranks, keep the local tokens), because the objective is the sum of the ranks' terms.
-- `cp_segment_sum(values, seg_ids, n)`: per-segment sums (e.g. chunk-level chain log-probs of
-  alignment chunks that straddle a piece border) - local scatter_add into [n], then a
-  differentiable all-reduce of the small [n] tensor (backward: all-reduce; see `collectives`).
-  `cp_segment_owner` marks one owning rank per segment, so a per-segment loss term computed
-  from the replicated sums is counted once over the CP group (multiply by the owner mask).
-- `cp_local_rows` / `CPContext`: for losses indexed by full-sequence positions (aligned chunks):
-  which flat rows this rank holds, and where they sit in its local logits.
-
-Single process: `group=None` / cp_size 1 is the identity layout.
 Legend: T global sequence length, L = T / CP local tokens, S segments.
 """
 
@@ -147,6 +127,8 @@ class _ShiftNext(torch.autograd.Function):
         size, rank = group_size(group), group_rank(group)
         half = x_L.shape[0] // 2
         pieces = (rank, 2 * size - 1 - rank)
+        # a piece's last output is the next piece's first element, which may sit on another
+        # rank: one all-gather of every rank's two piece-first elements
         firsts = all_gather_stack(torch.stack([x_L[0], x_L[half]]), group)  # [CP, 2, ...]
         first_of = {r: firsts[r, 0] for r in range(size)}
         first_of.update({2 * size - 1 - r: firsts[r, 1] for r in range(size)})

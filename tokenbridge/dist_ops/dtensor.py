@@ -1,13 +1,8 @@
 """DTensor entry point: vocab-sharded DTensor logits -> (local tensor, TP process group).
 
-Why: with `parallelize_module` a column-parallel lm_head returns a DTensor sharded on the last
-(vocabulary) dim of a device mesh. The vocab-parallel ops take plain local tensors plus a group;
-`unwrap_vocab_sharded` converts one into the other without a copy, and the local tensor stays
-connected to the DTensor's autograd graph (`to_local` has a backward), so gradients flow back
-into the model.
-
-Accepted placements: `Shard(-1)` (or `Shard(ndim - 1)`) on exactly one mesh dim, `Replicate()` on
-the others. The shard must be even (V divisible by the mesh dim size), as the ops assume.
+A column-parallel lm_head returns a DTensor sharded on the vocabulary; the vocab-parallel ops
+take a plain local tensor plus a group. `to_local` has a backward, so gradients still reach the
+model. Accepted: `Shard(-1)` on exactly one mesh dim, `Replicate()` on the others, even shards.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Packed sequences (cu_seqlens): next-token log-probs per packed sequence, TP- and CP-aware.
 
-Layout: S sequences packed end to end into one stream ("THD"). `cu_seqlens` [S + 1] are the
-cumulative REAL lengths; `cu_seqlens_padded` [S + 1] the cumulative lengths after padding every
-sequence to a multiple of 2 * CP (defaults to `cu_seqlens`; padding tokens get no target). With
-CP, every sequence is split on its own into 2 * CP pieces and CP rank r holds pieces r and
-2 * CP - 1 - r of EACH sequence, in sequence order (Transformer Engine's THD + CP layout).
+S sequences packed end to end into one stream ("THD"), each padded to a multiple of 2 * CP and
+split on its own into 2 * CP pieces (Transformer Engine's THD + CP layout); a target is never
+taken from the following sequence, and each sequence's sum is counted on one CP rank.
 
-- `packed_cp_positions(cu_seqlens_padded, cp_size, cp_rank)` -> global stream positions [L] of
-  this rank's tokens (use it to select ids, masks, teacher outputs: no communication).
-- `packed_next_token_targets(ids, cu_seqlens, cu_seqlens_padded)` -> targets [T]: the next
-  token of the same sequence, `ignore` at each sequence's last real token and on padding
-  (never the first token of the following sequence).
-- `packed_logprobs(logits, ids, cu_seqlens, tp_group=, cp_group=)` -> `PackedLogProbs`: per local
-  token the log-prob of its target (0 where masked), the mask, per-sequence sums [S] on every CP
-  rank (a `cp_segment_sum`, differentiable) and the owner mask [S] that counts each sequence on
-  one CP rank only.
 Legend: T packed stream length (padded), L = T / CP local tokens, S sequences, V local vocab.
 """
 
@@ -111,7 +100,9 @@ def packed_logprobs(
     """Next-token log-probs of a packed stream from this rank's logits [L, V_local].
 
     ids_T is the whole padded stream (every rank has it; it is small). The logits are this
-    rank's CP tokens (`packed_cp_positions` order) and TP vocab shard.
+    rank's CP tokens (`packed_cp_positions` order) and TP vocab shard. ``cu_seqlens`` [S + 1]
+    are the cumulative REAL lengths, ``cu_seqlens_padded`` the cumulative lengths after padding
+    every sequence to a multiple of 2 * CP (default: ``cu_seqlens``); padding gets no target.
     """
     cu_pad = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
     pos_L = packed_cp_positions(cu_pad, group_size(cp_group), group_rank(cp_group))

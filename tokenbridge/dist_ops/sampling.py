@@ -1,24 +1,12 @@
 """Top-k / top-p (nucleus) truncation thresholds over a vocab-sharded logits chunk.
 
-Why: RL and on-policy distillation score sampled tokens under the distribution the sampler
-actually used (temperature, then top-k, then top-p, as vLLM applies them). With a sharded
-vocabulary no rank sees the whole row, so the truncation is expressed as one per-row threshold:
-a column is kept iff its (temperature-scaled) logit is >= the threshold. Thresholds are treated
-as constants by autograd (like the masks of the dense reference).
+On-policy scoring reads sampled tokens under the distribution the sampler used (temperature,
+top-k, top-p: vLLM's order) while no rank sees a whole row, so the truncation is one per-row
+threshold, a constant for autograd; top-p's is found by bisection on the fp32 logits'
+order-preserving int32 keys (docs/parallelism.md, "The distributed loss ops").
 
-- top-k: the k-th largest value of the row. Each rank takes its local top-min(k, V_local),
-  the candidates are all-gathered ([P, N, k]) and the k-th largest of them is the threshold.
-  Ties at the k-th value are all kept (as vLLM does).
-- top-p: keep column i iff the probability mass (under the top-k-truncated distribution) of
-  the columns with a strictly greater logit is < p. This is vLLM's rule (sorted cumulative mass,
-  the most likely token always kept) except that tied logits are kept or dropped together,
-  which makes it independent of the shard layout. Exact without sorting the whole vocabulary:
-  a bisection on the order-preserving int32 key of the fp32 logits (33 rounds, each one
-  all-reduce of [N] masses) finds the smallest key whose strict upper mass is < p.
-
-Layout in: z_NV fp32 local shard [N, V_local], already divided by the temperature. Out: [N]
-fp32 thresholds, identical on every TP rank (-inf = nothing truncated).
-Legend: N rows, V local vocab columns.
+Legend: N rows, V local vocab columns; in: fp32 [N, V_local] already divided by the
+temperature; out: [N] thresholds, identical on every TP rank (-inf = nothing truncated).
 """
 
 from __future__ import annotations
@@ -60,7 +48,8 @@ def truncates(shard: VocabShard, top_k: int | None, top_p: float | None) -> bool
 
 
 def topk_threshold(z_NV: torch.Tensor, shard: VocabShard, k: int) -> torch.Tensor:
-    """The k-th largest value of each row over the whole (sharded) vocabulary."""
+    """The k-th largest value of each row over the whole (sharded) vocabulary: each rank's local
+    top-min(k, V_local) all-gathered, then the k-th of those. Ties at it are all kept (as vLLM)."""
     kk = min(k, shard.v_local)
     cand_NK = z_NV.topk(kk, dim=-1).values
     cand_PNK = all_gather_stack(cand_NK, shard.group)
@@ -69,7 +58,13 @@ def topk_threshold(z_NV: torch.Tensor, shard: VocabShard, k: int) -> torch.Tenso
 
 
 def topp_threshold(z_NV: torch.Tensor, shard: VocabShard, p: float) -> torch.Tensor:
-    """Threshold of the nucleus of mass p (rule in the module docstring); z may hold -inf."""
+    """Threshold of the nucleus of mass p; z may hold -inf.
+
+    Column i is kept iff the mass (under the top-k-truncated distribution) of the columns with a
+    strictly greater logit is < p: vLLM's rule (the most likely token always kept), except that
+    tied logits are kept or dropped together, which makes it independent of the shard layout.
+    Bisection finds the smallest key whose strict upper mass is < p.
+    """
     group = shard.group
     m_N = global_max(z_NV, group)
     e_NV = torch.exp(z_NV - m_N[:, None])

@@ -1,14 +1,10 @@
 """The few reductions over the vocabulary dimension that every loss goes through.
 
-Each takes the (local) logits and an optional ``tp_group``. With ``tp_group=None`` they are plain
-torch. With a tensor-parallel group the last dim is the local shard of a vocabulary split evenly
-and contiguously across the group (rank r holds columns [r * V_local, (r + 1) * V_local)), and
-the work is delegated to the vp_* ops of `tokenbridge.dist_ops` (imported lazily: this package must
-import without torch.distributed set up). Keeping the list this short is what lets every mode run
-on a sharded vocabulary unchanged.
-
-Conventions: ids are GLOBAL column ids; an id < 0 is an empty slot (reads -inf, excludes nothing).
-Inputs are already scaled by 1/temperature and masked (`mask_padded`).
+Each takes the (local) logits and an optional ``tp_group``: plain torch without one, the vp_*
+ops of `tokenbridge.dist_ops` with one (imported lazily: this package must import without
+torch.distributed set up). Keeping the list this short is what lets every mode run on a sharded
+vocabulary unchanged. Ids are GLOBAL; an id < 0 is an empty slot (reads -inf, excludes nothing);
+inputs are already scaled by 1/temperature and masked (`mask_padded`).
 
 Legend: N rows, V (local) vocabulary columns, K ids per row.
 """
@@ -22,9 +18,9 @@ NEG_INF = float("-inf")
 
 
 def _vp():
-    import tokenbridge.dist_ops as vocab_parallel  # re-exports every vp_* op
+    from tokenbridge import dist_ops  # re-exports every vp_* op
 
-    return vocab_parallel
+    return dist_ops
 
 
 def vocab_offset(x: Tensor, tp_group=None) -> int:

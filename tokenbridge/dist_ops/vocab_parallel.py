@@ -1,40 +1,11 @@
 """Vocab-parallel log-softmax family over logits sharded on the last dim across a TP group.
 
-Layout in: `logits` [..., V_local] is this rank's contiguous vocabulary slice [rank * V_local,
-(rank + 1) * V_local) of V = TP * V_local (equal shards; every TP rank holds the same rows, e.g.
-the output of a column-parallel lm_head). Ids are GLOBAL vocabulary ids; ids outside [0, V)
-(padding, -100) are owned by no shard and read as 0. Per-row outputs are fp32 and identical on
-every TP rank; per-column outputs ([..., V_local]) stay sharded like the input.
+Logits [..., V_local] are this rank's contiguous slice of equal shards, ids are global (ids no
+shard owns read 0); per-row outputs are fp32 and identical on every TP rank, per-column outputs
+stay sharded. The objective is replicated over TP, so a backward writes only the local shard's
+gradient. Each Function walks the rows in chunks (`chunk_size`, None = ~8M elements a chunk)
+and recomputes a chunk's softmax in backward (docs/parallelism.md, "The distributed loss ops").
 
-Objective convention: replicated on the TP ranks (see `collectives`), so every backward writes
-only the gradient of the local shard; the only backward collective is log-softmax's sum of the
-incoming gradient over the vocabulary.
-
-Memory: the Functions walk the rows in chunks (`chunk_size` rows, None = ~8M elements per chunk);
-each chunk is upcast to fp32, reduced with a detached max all-reduce and one packed sum
-all-reduce, and dropped. Forward saves the logits (alive anyway) and per-row fp32 statistics
-(lse [N], thresholds [N]); backward recomputes the chunk's softmax. Extra peak memory is a few
-fp32 [chunk, V_local] buffers plus the gradient itself, instead of several fp32 [N, V_local].
-`chunk_size >= N` is the plain, unchunked op.
-
-Ops (all differentiable w.r.t. the logits; z = logits / temperature, p = softmax(z) over V):
-
-- `vp_logsumexp(logits, group)` -> [...]: lse = log sum_v exp z_v. Backward: dz = g * p.
-- `vp_log_softmax(logits, group)` -> [..., V_local]: z - lse. Backward: dz = g - p * sum_V g
-  (the sum over V is all-reduced per chunk).
-- `vp_softmax(logits, group)` -> [..., V_local]: exp(vp_log_softmax).
-- `vp_gather(x, ids, group)` -> values of any vocab-sharded tensor x [..., V_local] at global ids
-  [...] or [..., K]: the owning shard reads, the others give 0, then an all-reduce. Backward:
-  scatter_add of g into the owning shard only (identity backward of the all-reduce).
-- `vp_target_logprobs(logits, ids, group, temperature=, top_k=, top_p=)` -> log p at ids
-  ([...] or [..., K]), fused: never materialises the log-softmax. Sampling parameters truncate
-  the distribution first (vLLM order: temperature, top-k, top-p; see `sampling`); truncated
-  ids get -inf. Backward: dz = (scatter_add(g) - p * sum_k g_k) / temperature, with p the
-  truncated softmax and scatter only at kept ids.
-- `vp_topk(logits, k, group)` -> (values [..., k], global ids [..., k]): local top-k,
-  candidates all-gathered, global top-k. Values carry the gradient of `vp_gather`.
-
-Entropy and soft-target cross entropy live in `vocab_parallel_xent`.
 Legend: N rows (flattened leading dims), V local vocab columns, K ids per row.
 """
 
@@ -92,7 +63,7 @@ class _LogSumExp(torch.autograd.Function):
         grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             p_NV = _probs_(upcast(logits_NV[s:e], temperature, buf), lse_N[s:e])
-            grad_NV[s:e] = p_NV.mul_(g_N[s:e, None] / temperature)
+            grad_NV[s:e] = p_NV.mul_(g_N[s:e, None] / temperature)  # dz = g p
         return grad_NV, None, None, None
 
 
@@ -122,6 +93,7 @@ class _LogSoftmax(torch.autograd.Function):
         group, chunk_size, temperature = ctx.cfg
         grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
+            # dz = g - p sum_V g: that sum over the whole vocabulary is the one backward collective
             g = g_NV[s:e].to(torch.float32)
             (gsum_N,) = global_sums(group, g.sum(dim=-1))
             d_NV = _probs_(upcast(logits_NV[s:e], temperature, buf), lse_N[s:e])
@@ -146,6 +118,8 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, g_NK):
         local_NK, inside_NK = ctx.saved_tensors
         shape, dtype, device = ctx.x_meta
+        # into the owning shard only: the forward all-reduce's backward is the identity (the
+        # objective is replicated over TP)
         grad_NV = torch.zeros(shape, dtype=dtype, device=device)
         g_NK = torch.where(inside_NK, g_NK, torch.zeros_like(g_NK)).to(dtype)
         return grad_NV.scatter_add_(1, local_NK, g_NK), None, None
@@ -185,7 +159,8 @@ class _TargetLogProbs(torch.autograd.Function):
         grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             z_NV = upcast(logits_NV[s:e], temperature, buf)
-            # the one-hot part goes only to ids this shard owns (and truncation kept)
+            # dz = (scatter_add(g) - p sum_k g_k) / temperature, p the truncated softmax; the
+            # one-hot part goes only to ids this shard owns (and truncation kept)
             hit_NK = inside_NK[s:e]
             if truncate:
                 dropped_NV = z_NV < thr_N[s:e, None]
@@ -221,7 +196,8 @@ def vp_softmax(
 
 
 def vp_gather(x: torch.Tensor, ids: torch.Tensor, group: Group) -> torch.Tensor:
-    """Values of a vocab-sharded tensor x [..., V_local] at global ids [...] or [..., K]."""
+    """Values of a vocab-sharded tensor x [..., V_local] at global ids [...] or [..., K]: the
+    owning shard reads, the others give 0, then an all-reduce."""
     ids_NK, _ = ids_as_rows(ids, x.shape[:-1])
     return _Gather.apply(as_rows(x), ids_NK, group).reshape(ids.shape)
 
@@ -239,7 +215,8 @@ def vp_target_logprobs(
     """log softmax(logits / temperature) at global ids, optionally under top-k/top-p truncation.
 
     ids: [...] (one target per row, e.g. next tokens) or [..., K]; output has the ids' shape,
-    fp32. Ids owned by no shard (e.g. -100) give -lse; mask them in the loss.
+    fp32. Ids owned by no shard (e.g. -100) give -lse; mask them in the loss. Never
+    materialises the log-softmax; truncated ids get -inf (`sampling`).
     """
     check_temperature(temperature)
     validate_sampling(top_k, top_p)

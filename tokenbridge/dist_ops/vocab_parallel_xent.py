@@ -1,23 +1,9 @@
 """Entropy and soft-target cross entropy over a vocab-sharded vocabulary.
 
-Same layout, chunking and conventions as `vocab_parallel` (read its docstring first): logits
-[..., V_local] are this rank's contiguous vocabulary slice, outputs are per-row fp32 [...]
-identical on every TP rank, backward writes the local shard's gradient with no communication.
+Same layout, chunking and conventions as `vocab_parallel`. Soft CE is not KL: KL(t || p) =
+soft_ce - H(t), so log the true KL with `vp_entropy` of the teacher where that is what is read.
 z = logits / temperature, p = softmax(z) over the whole vocabulary, lse = logsumexp(z).
 
-- `vp_entropy(logits, group)` -> H = -sum_v p_v log p_v. Forward all-reduces, per chunk, the max
-  (detached) and then [sum e, sum e * (z - m)] with e = exp(z - m) in one collective:
-  H = log(sum e) - sum e (z - m) / sum e. Backward: dz = -g * p * (log p + H) / temperature.
-- `vp_soft_ce(logits, target_probs, group)` -> -sum_v t_v log p_v for a (teacher) distribution t
-  given as probabilities sharded like the logits ([..., V_local], need not sum to 1 exactly:
-  a sub-distribution works and its mass is used). Forward all-reduces [sum e, sum t z, sum t]:
-  CE = -sum t z + (sum t) lse. Backward (student only, the target gets no gradient):
-  dz = g * ((sum t) p - t) / temperature. Columns with t = 0 contribute 0 even where z = -inf
-  (-inf logits are clamped to the most negative float inside the chunk, so target mass on a
-  masked column gives a huge finite CE instead of inf).
-
-Soft CE is not KL: KL(t || p) = soft_ce - H(t); compute H(t) with `vp_entropy` on the teacher's
-logits (no gradient needed there) when the true KL is what gets logged.
 Legend: N rows, V local vocab columns.
 """
 
@@ -56,6 +42,7 @@ class _Entropy(torch.autograd.Function):
             m_N = global_max(w_NV, group)
             w_NV = finite_(w_NV.sub_(m_N[:, None]))  # z - m; masked columns stay finite
             e_NV = torch.exp(w_NV, out=buf_e[: e - s])
+            # H = log(sum e) - sum e (z - m) / sum e, both sums in one collective
             s_N, ew_N = global_sums(group, e_NV.sum(dim=-1), row_dot(e_NV, w_NV))
             lse_N[s:e] = m_N + torch.log(s_N)
             ent_N[s:e] = torch.log(s_N) - ew_N / s_N
@@ -71,6 +58,7 @@ class _Entropy(torch.autograd.Function):
         for s, e in spans:
             logp_NV = finite_(upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]))
             p_NV = torch.exp(logp_NV, out=buf_p[: e - s])
+            # dz = -g p (log p + H) / temperature
             d_NV = logp_NV.add_(ent_N[s:e, None]).mul_(p_NV)  # p (log p + H), 0 where p = 0
             grad_NV[s:e] = d_NV.mul_(-g_N[s:e, None] / temperature)
         return grad_NV, None, None, None
@@ -96,7 +84,7 @@ class _SoftCE(torch.autograd.Function):
             )
             lse_N[s:e] = m_N + torch.log(s_N)
             mass_N[s:e] = ts_N
-            ce_N[s:e] = ts_N * lse_N[s:e] - tz_N
+            ce_N[s:e] = ts_N * lse_N[s:e] - tz_N  # CE = (sum t) lse - sum t z
         ctx.save_for_backward(logits_NV, target_NV, lse_N, mass_N)
         ctx.cfg = (chunk_size, temperature)
         return ce_N
@@ -108,6 +96,7 @@ class _SoftCE(torch.autograd.Function):
         grad_NV, spans, (buf,) = backward_chunks(logits_NV, chunk_size)
         for s, e in spans:
             p_NV = upcast(logits_NV[s:e], temperature, buf).sub_(lse_N[s:e, None]).exp_()
+            # dz = g ((sum t) p - t) / temperature; the target gets no gradient
             d_NV = p_NV.mul_(mass_N[s:e, None]).sub_(target_NV[s:e])
             grad_NV[s:e] = d_NV.mul_(g_N[s:e, None] / temperature)
         return grad_NV, None, None, None, None
@@ -128,7 +117,11 @@ def vp_soft_ce(
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """-sum_v t_v log softmax(logits / temperature)_v with t sharded like the logits -> [...]."""
+    """-sum_v t_v log softmax(logits / temperature)_v with t sharded like the logits -> [...].
+
+    t need not sum to 1 exactly (a sub-distribution's mass is used). -inf logits are clamped to
+    the most negative float, so target mass on a masked column gives a huge finite CE, not inf.
+    """
     check_temperature(temperature)
     if target_probs.shape != logits.shape:
         raise ValueError(

@@ -1,14 +1,11 @@
 """Shared plumbing of the vocab-parallel ops: shard geometry, row chunks, global max and sums.
 
-Why a module of its own: `vocab_parallel`, `vocab_parallel_xent` and `sampling` all walk the rows
-of a vocab-sharded logits tensor in chunks, upcast each chunk to fp32, and reduce it across the
-TP group with the same two collectives (a detached max, then packed sums). Keeping that in one
-place keeps the chunk loop identical, so every TP rank issues the same collectives in the same
-order (the ops would deadlock otherwise).
+`vocab_parallel`, `vocab_parallel_xent` and `sampling` all walk the rows of a vocab-sharded
+tensor in chunks and reduce each over the TP group with the same two collectives; one chunk loop
+keeps every TP rank issuing the same collectives in the same order (else the ops deadlock).
+Shards must be equal (pad the lm_head to a multiple of the TP size) over the same rows.
 
-Layout: a rank of a TP group of size P holds vocabulary columns [rank * V_local, (rank + 1) *
-V_local) of the global V = P * V_local. Shards must be equal (pad the lm_head to a multiple of P),
-and every TP rank must hold the same rows. Legend: N rows, V local vocab columns, K ids per row.
+Legend: N rows, V local vocab columns, K ids per row.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import xxhash
 
+from tokenbridge import atomic
+
 HASH = "xxh3_64"  # what every writer records now
 HASHES = {
     "xxh3_64": xxhash.xxh3_64,
@@ -300,11 +302,4 @@ def write_json_atomic(path: str | os.PathLike, obj: dict) -> None:
     """A marker: temporary file, fsync, rename (a reader sees the old or the whole new one)."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write(p, json.dumps(obj, indent=2, sort_keys=True) + "\n", fsync=True, tmp=tmp)

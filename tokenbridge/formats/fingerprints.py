@@ -25,6 +25,8 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
+from tokenbridge import atomic
+
 DIGEST = 16  # bytes (32 hex digits), as the shard checksums
 
 
@@ -49,8 +51,7 @@ def _write_memo(memo: dict) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(memo, sort_keys=True))
-        os.replace(tmp, path)
+        atomic.write(path, json.dumps(memo, sort_keys=True), fsync=False, tmp=tmp)
 
 
 def file_hash(path: Path, *, memo: dict | None = None) -> str:

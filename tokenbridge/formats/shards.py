@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from tokenbridge import atomic
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 COMPLETED_VERSION = 3
 READABLE_COMPLETED_VERSIONS = (1, 2, 3)
-KIND = "shards"  # the marker's kind, for `tokenbridge.verify`
+KIND = "shards"  # the marker's kind, for `tokenbridge.commands.verify`
 
 
 class IncompleteShardsError(RuntimeError):
@@ -127,24 +127,6 @@ def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.R
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
-def _tmp_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file + fsync + rename."""
-    final = Path(path)
-    tmp = _tmp_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 class ShardWriter:
     """Writes one Arrow IPC file atomically: rows go to a hidden temporary file, renamed on
     `close()`; an exception inside ``with`` (or `abort()`) removes the temporary file. The bytes
@@ -159,7 +141,7 @@ class ShardWriter:
         self.schema = schema
         self.num_rows = 0
         self.checksum: dict | None = None
-        self._tmp = _tmp_path(self.path)
+        self._tmp = atomic.temp_path(self.path)
         self._file = integrity.HashingSink(self._tmp)  # closed in close()/abort()
         self._writer = pa.ipc.new_file(self._file, schema)
 
@@ -184,7 +166,7 @@ class ShardWriter:
         self._writer.close()
         self._file.close()  # flush + fsync
         self.checksum = self._file.entry()
-        os.replace(self._tmp, self.path)
+        atomic.replace(self._tmp, self.path)
         return self.path
 
     def abort(self) -> None:
@@ -206,9 +188,8 @@ class ShardWriter:
 def write_dead_letters(out_dir: str | os.PathLike, records: Iterable[dict]) -> int:
     """All dead-letter records as one JSON line each, sorted for a stable file; returns count."""
     lines = sorted(json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records)
-    atomic_write_bytes(
-        Path(out_dir) / S.DEAD_LETTER_FILE, "".join(x + "\n" for x in lines).encode("utf-8")
-    )
+    body = "".join(x + "\n" for x in lines)
+    atomic.write(Path(out_dir) / S.DEAD_LETTER_FILE, body, fsync=True)
     return len(lines)
 
 
@@ -230,7 +211,7 @@ def write_completed(
     added here. A listed shard without one is hashed here, from disk: only for callers that
     wrote it by other means (every writer in this repository passes its own).
     `kind` and `schema_version`: of the files listed (the teacher cache has its own of both;
-    `tokenbridge.verify` checks the values of ``kind="shards"`` files only).
+    `tokenbridge.commands.verify` checks the values of ``kind="shards"`` files only).
     """
     out = Path(out_dir)
     if files is None:
@@ -245,8 +226,8 @@ def write_completed(
     docs = completed_documents(
         stats, files=files, checksums=sums, kind=kind, schema_version=schema_version
     )
-    atomic_write_bytes(out / S.STATS_FILE, docs[S.STATS_FILE])
-    atomic_write_bytes(out / S.COMPLETED_MARKER, docs[S.COMPLETED_MARKER])
+    atomic.write(out / S.STATS_FILE, docs[S.STATS_FILE], fsync=True)
+    atomic.write(out / S.COMPLETED_MARKER, docs[S.COMPLETED_MARKER], fsync=True)
 
 
 def completed_documents(
@@ -348,7 +329,7 @@ class ShardSet:
         return json.loads((self.dir / S.STATS_FILE).read_text())
 
 
-_REBUILD = "re-copy it or re-run the align job (`python -m tokenbridge.verify DIR` checks them all)"
+_REBUILD = "re-copy it or re-run the align job (`python -m tokenbridge.commands.verify DIR` checks them all)"
 
 
 @contextlib.contextmanager
@@ -407,7 +388,7 @@ def open_shards(
         raise FileNotFoundError(f"{d}: no such shard directory")
     marker = _read_marker(d)
     listed, sums = marker["files"], marker.get("checksums", {})
-    from tokenbridge import streamed_shards
+    from tokenbridge.formats import streamed_shards
 
     if streamed_shards.is_streamed(d):  # the data files come later, one at a time
         return _open_streamed(d, marker, student=student, teachers=teachers, verify=verify)
@@ -437,9 +418,9 @@ def open_shards(
 
 
 def _open_streamed(d: Path, marker: dict, *, student, teachers, verify: str) -> ShardSet:
-    """A streamed entry (`tokenbridge.streamed_shards`): metadata and row counts from its
+    """A streamed entry (`tokenbridge.formats.streamed_shards`): metadata and row counts from its
     per-file indexes and marker; the files themselves are fetched by `ShardSet.stream`."""
-    from tokenbridge.streamed_shards import INDEX, StreamedFiles
+    from tokenbridge.formats.streamed_shards import INDEX, StreamedFiles
 
     names = sorted(marker["files"])
     meta = None

@@ -1,10 +1,8 @@
 """Distillation losses: pure functions returning (sum, count, metrics); formulas in docs/losses.md.
 
 Modes: `ce`, `kd_topk` (same tokenizer), `xtoken`, `gold`, `alm` (different tokenizers), their
-combination (`combine`) and several teachers (`combine_teachers`). Teachers hand the losses a
-`TeacherOutputs` built by `teacher_outputs_from_logits` with the spec of the mode
-(`<mode>_teacher_spec`); cross-tokenizer modes read the alignment of a batch as a `ChunkIndex`
-(`index_chunks(collate_aligned(rows, teacher=i))`).
+combination (`combine`) and several teachers (`combine_teachers`); each reads the small
+`TeacherOutputs` its `<mode>_teacher_spec` asks for, never the teacher's logits.
 """
 
 from tokenbridge.losses.alm import AlmConfig, alm, alm_teacher_spec, binary_divergence

@@ -1,22 +1,8 @@
 """`alm`: approximate likelihood matching (tokenkit) over aligned chunks.
 
-Per aligned chunk c, the chain log-likelihood of the chunk's text under each model:
-
-    l_t(c) = sum_{teacher tokens i in c} log p(x_i | x_<i),   l_s(c) likewise for the student.
-
-Both are log-probabilities of the same event (this exact text follows the common prefix, spelt
-with each model's own tokens), so they are compared as two Bernoulli variables, "the model
-produces chunk c here", with probabilities a = exp(l_t / tau) and b = exp(l_s / tau):
-
-    kl:          a log(a / b) + (1 - a) log((1 - a) / (1 - b))        = KL(Bern(a) || Bern(b))
-    reverse_kl:  the same with a and b swapped
-    ce:          -(a log b + (1 - a) log(1 - b))   (tokenkit's "binary_ce": kl + H(Bern(a)))
-
-tau is the binarisation temperature (tau > 1 lifts long chunks' tiny probabilities off 0). Like
-tokenkit, log-probs are shifted by -eps so that log(1 - b) stays finite when b rounds to 1.
-
-sum = sum over chunks; count = chunks with both chains complete (both sides non-empty and their
-first token predicted; a chunk starting at position 0 has no prediction for its first token).
+Each chunk's text has a chain log-likelihood under either model; the two are compared as
+Bernoulli variables ("this model produces this chunk here"), so no vocabulary projection is
+needed. Formulas and options: docs/losses.md, "`alm`".
 
 Legend: B batch, S student positions, V student width, G chunks, N = B * S.
 """
@@ -73,7 +59,9 @@ def _bern_kl(la: Tensor, lb: Tensor) -> Tensor:
 def binary_divergence(
     logp_t: Tensor, logp_s: Tensor, *, kind: str, temperature: float = 1.0, eps: float = 1e-6
 ) -> Tensor:
-    """Elementwise binarised divergence of chunk log-likelihoods (teacher, student); see above."""
+    """Elementwise binarised divergence of chunk log-likelihoods (teacher, student): ``kind``
+    kl, reverse_kl or ce (tokenkit's "binary_ce"), formulas in docs/losses.md, "`alm`"."""
+    # the -eps shift keeps log(1 - b) finite when b rounds to 1 (as tokenkit)
     la = logp_t / temperature - eps
     lb = logp_s / temperature - eps
     if kind == "kl":
@@ -100,7 +88,7 @@ def chunk_chains(
     """(student chain log-prob [C] differentiable, teacher chain log-prob [C]) of chunks_C.
 
     Under CP each rank scores the chunk tokens it holds; the chain sums are finished over the
-    CP group, so every rank gets all C chains (`context.chunk_sum`).
+    CP group, so every rank gets all C chains (`cp_chunks.chunk_sum`).
     """
     g = index.n_chunks
     wanted = torch.zeros(g + 1, dtype=torch.bool, device=chunks_C.device)
@@ -193,10 +181,10 @@ def alm(
     tp_group=None,
     cp: CPContext | None = None,
 ) -> LossOutput:
-    """Binarised chain-likelihood matching over aligned chunks (see the module docstring).
+    """Binarised chain-likelihood matching over aligned chunks (docs/losses.md, "`alm`").
 
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is counted
-    by the rank holding its start row; chains are finished over the CP group (`context`).
+    by the rank holding its start row; chains are finished over the CP group (`cp_chunks`).
     """
     logits, chunks, metrics = open_chunk_loss(
         "alm", student_logits_BSV, teacher, index, cp, fields=("target_logprob",)

@@ -1,14 +1,8 @@
-"""What every loss mode shares: the (sum, count) output and the divergences between categoricals.
+"""What every loss mode shares: the (sum, count) output, its one normalisation, the divergences.
 
-Every mode returns a SUM over its terms and the COUNT of terms (tokens or chunks); the caller
-turns them into the term's share of the loss with `normalize`, the one loss normalisation (its
-docstring states the invariant and why).
-
-The divergences take log-probabilities over the same K categories, so a zero-probability category
-(log-prob -inf) must contribute exactly 0 to the value AND to the gradient. `torch.where` alone is
-not enough: the gradient of the branch it discards is multiplied by 0, and 0 * inf = NaN. So every
-formula first replaces the -inf entries it will discard with a harmless 0 ("sanitise, then
-select").
+Modes return a SUM over their terms and the COUNT of terms; `normalize` divides once by the
+global count (its docstring says why). The divergences give a zero-probability category
+exactly 0 in value and gradient (docs/losses.md, "Divergences").
 
 Legend: N rows (positions or chunks), K categories.
 """
@@ -116,6 +110,8 @@ def _expected_log_ratio(loga: Tensor, logb: Tensor) -> Tensor:
     """sum_k a_k (log a_k - log b_k) over the last dim; a_k = 0 terms are exactly 0 (value + grad)."""
     if not loga.requires_grad and bool(torch.isfinite(loga).all()):
         return (loga.exp() * (loga - logb)).sum(-1)  # nothing to sanitise (the common case)
+    # sanitise, then select: torch.where alone would still send the discarded branch a zero
+    # gradient times inf (= NaN), so the -inf entries it drops are replaced by 0 first
     keep = loga > NEG_INF
     a = torch.where(keep, loga, 0.0)
     b = torch.where(keep, logb, 0.0)

@@ -13,7 +13,7 @@ from functools import partial
 
 from torch import Tensor
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.losses.base import LossOutput, as_count, compute_dtype, zero_sum_like
 from tokenbridge.losses.ops.fused import logprobs_at_rows
 from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows
@@ -22,12 +22,12 @@ from tokenbridge.losses.ops.rowwise import DEFAULT_CHUNK, map_rows, take_rows
 def _target_block(block_cV, local_r, targets_r, *, vocab_size, temperature, tp_group):
     """The vocab-parallel composition (with a tp_group); the single-device path is fused."""
     x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    x = vocab_ops.mask_padded(x, vocab_size, tp_group=tp_group)
     if temperature != 1.0:
         x = x / temperature
-    logz = vo.logsumexp(x, tp_group)
-    tgt = vo.gather(x, targets_r[:, None], tp_group)[:, 0]
-    top = vo.max_value(x.detach(), tp_group)
+    logz = vocab_ops.logsumexp(x, tp_group)
+    tgt = vocab_ops.gather(x, targets_r[:, None], tp_group)[:, 0]
+    top = vocab_ops.max_value(x.detach(), tp_group)
     return tgt - logz, (tgt.detach() >= top).to(tgt.dtype)
 
 

@@ -1,19 +1,8 @@
-"""Combining KD and CE into the training loss, with both terms always reported.
+"""Combining KD and CE into the training loss, with the raw KD and CE always reported.
 
-Each term comes normalised by `tokenbridge.losses.base.normalize` (local sum / global count):
-
-    kd = normalize(kd_out, kd_count_global)        ce = normalize(ce_out, ce_count_global)
-    fixed:    loss = lambda_kd * kd + lambda_ce * ce
-    dynamic:  loss = stopgrad(|CE| / |KD|) * kd + ce
-
-Summing ``loss`` over the microbatches of a step (backward on each) then gives exactly the loss
-and gradients of the whole global batch, however it is split.
-
-The dynamic scale needs |CE| and |KD| of the whole step. With one microbatch per step and the
-values all-reduced, ``scale=None`` computes it from the values passed in. With gradient
-accumulation the step's totals are not known before the first backward, so pass ``scale``
-explicitly, e.g. the ratio of the previous step's global means (`dynamic_scale`); computing it
-per microbatch would make the loss depend on the split.
+Fixed weights, or a dynamic scale stopgrad(|CE| / |KD|) on KD that must describe the whole step
+(pass ``scale`` under gradient accumulation), or the loss would depend on the microbatch split.
+Formulas: docs/losses.md, "Combination and several teachers".
 """
 
 from __future__ import annotations

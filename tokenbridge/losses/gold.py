@@ -1,30 +1,8 @@
 """`gold`: TRL GOLD's hybrid ULD loss over aligned chunks, with its flaws fixed.
 
-Per aligned chunk c (both sides non-empty, chains complete), each side's tokens are merged the
-way TRL's "bayesian" strategy does (with the position shift done right): the distribution at
-the position predicting the chunk's LAST token, scaled by the chain probability of the chunk's
-earlier tokens,
-
-    u_t(v) = exp(lt_pre(c)) * p(v | prefix, chunk tokens but the last)    (teacher, over V_t)
-    u_s(v) = exp(ls_pre(c)) * q(v | ...)                                   (student, over V_s)
-
-so for a 1:1 chunk u is just the next-token distribution. The vocabularies are split by the
-EXACT map (pairs (t_m, s_m) of byte-identical tokens, M of them):
-
-- matched part, over the M pairs: D(P || Q) with P_m = u_t(t_m), Q_m = u_s(s_m), plus (default
-  ``rest_bucket=True``) one rest bucket P_rest = 1 - sum_m P_m, Q_rest = 1 - sum_m Q_m, which
-  holds the unmatched tokens and the other-prefix mass 1 - exp(l_pre). That makes it a proper
-  divergence; ``rest_bucket=False`` is TRL's sub-simplex sum over the matched ids only.
-- unmatched part (ULD): the L1 distance between the sorted unmatched values of both sides,
-  zero-padded to equal length:  sum_i |sort(u_s[U_s])_i - sort(u_t[U_t])_i|. The teacher ships
-  its ``uld_width`` largest unmatched probabilities and its unmatched mass; the sum is exact when
-  uld_width >= |U_s| (the default), else the unshipped teacher mass is compared with zeros.
-
-term_c = w_matched * matched + w_unmatched * unmatched, with TRL's adaptive weights by default
-(w_matched = M / V_t, w_unmatched = 1 - w_matched). No tau^2 factor (as TRL). The chain prefixes
-use temperature 1 (``target_logprob``); the last-position distributions use ``temperature``.
-
-sum = sum over chunks; count = chunks. An exact map with no pair is an error, never a silent 0.
+Per chunk, a divergence over the exact map's byte-identical token pairs (plus a rest bucket, so
+it is a proper divergence) and the ULD distance of the sorted unmatched probabilities, both on
+distributions merged at the chunk's last row. Formulas: docs/losses.md, "`gold`".
 
 Legend: B batch, S student positions, V student width, G chunks, M exact pairs, U student
 unmatched columns, W teacher sorted-rest width.
@@ -41,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.losses.alm import student_chain_sums
 from tokenbridge.losses.base import (
     LossOutput,
@@ -215,13 +193,13 @@ def _gold_block(
     lpre = lpre_r.to(dtype)
     tm = cols_TM[tr_r].to(dtype) + lt_pre_of(tr_r).to(dtype)[:, None]
     x = take_rows(block_cV, local_r).to(dtype)
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    x = vocab_ops.mask_padded(x, vocab_size, tp_group=tp_group)
     if config.temperature != 1.0:
         x = x / config.temperature
-    logz = vo.logsumexp(x, tp_group)[:, None]
-    xm = vo.gather(x, tables.s_ids, tp_group) - logz + lpre[:, None]
+    logz = vocab_ops.logsumexp(x, tp_group)[:, None]
+    xm = vocab_ops.gather(x, tables.s_ids, tp_group) - logz + lpre[:, None]
     kl = divergence(tm, xm, kind=config.divergence, beta=config.beta)
-    qu = vo.gather(x, tables.s_unmatched, tp_group) - logz + lpre[:, None]
+    qu = vocab_ops.gather(x, tables.s_unmatched, tp_group) - logz + lpre[:, None]
     return _tail_terms(kl, qu, lpre, trest_r, tsorted_rW, tresid_r, config=config, weights=weights)
 
 
@@ -250,7 +228,7 @@ def gold(
     tp_group=None,
     cp: CPContext | None = None,
 ) -> LossOutput:
-    """Hybrid exact-map KL + sorted-probability L1 over aligned chunks (module docstring).
+    """Hybrid exact-map KL + sorted-probability L1 over aligned chunks (docs/losses.md, "`gold`").
 
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's term is computed
     and counted by the rank holding the row that predicts its last token (`context`).

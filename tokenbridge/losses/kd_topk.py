@@ -1,22 +1,8 @@
 """`kd_topk`: same-tokenizer distillation over the teacher's top-k ids plus a tail bucket.
 
-Per distilled position, with p the teacher and q the student at temperature tau (q over the
-student's valid columns only):
-
-    categories  = the K support ids  +  one tail bucket (everything else)
-    p_tail      = 1 - sum_k p_k      (shipped exactly by the teacher as ``tail_logprob``)
-    q_tail      = 1 - sum_k q_k      (computed exactly, as a logsumexp over the other columns)
-    term        = tau^2 * D(p || q)  over those K + 1 categories
-
-D is forward KL, reverse KL or the generalized JSD (beta). Both rows are proper distributions,
-so every term is a true divergence (>= 0, 0 iff the coarse-grained distributions agree); the
-transport is O(T K), not O(T V).
-
-``support="teacher"`` uses the teacher's top-k. ``support="columns"`` is the on-policy core: the
-support is per-position column ids the teacher was asked to score (the student's own top-k, from
-`student_topk_ids`), read from ``col_ids`` / ``col_logprobs`` / ``col_rest_logprob``.
-
-sum = sum of terms over positions where ``mask_BT`` is True; count = those positions.
+Both tails are exact, so every term is a proper divergence over k + 1 categories at O(T K)
+transport. ``support="columns"`` scores the student's own top-k instead (the on-policy core).
+Formulas: docs/losses.md, "`kd_topk`".
 
 Legend: B batch, T positions, V student lm_head width, K support size, G distilled positions.
 """
@@ -29,7 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.losses.base import (
     LossOutput,
     as_count,
@@ -84,22 +70,22 @@ def student_topk_ids(
     flat = student_logits_BTV.reshape(b * t, width)
     out = []
     for block in flat.split(chunk_size):
-        x = vo.mask_padded(block.float(), vocab_size, tp_group=tp_group)
-        out.append(vo.topk(x, k, tp_group)[1])
+        x = vocab_ops.mask_padded(block.float(), vocab_size, tp_group=tp_group)
+        out.append(vocab_ops.topk(x, k, tp_group)[1])
     return torch.cat(out).reshape(b, t, k).to(torch.int32)
 
 
 def _kd_block(block_cV, local_r, ids_rK, logp_rK1, *, config, vocab_size, tp_group):
     """The vocab-parallel composition (with a tp_group); the single-device path is fused."""
     x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    x = vocab_ops.mask_padded(x, vocab_size, tp_group=tp_group)
     if config.temperature != 1.0:
         x = x / config.temperature
-    logz = vo.logsumexp(x, tp_group)[:, None]
+    logz = vocab_ops.logsumexp(x, tp_group)[:, None]
     logq = torch.cat(
         [
-            vo.gather(x, ids_rK, tp_group) - logz,
-            vo.logsumexp_excluding(x, ids_rK, tp_group)[:, None] - logz,
+            vocab_ops.gather(x, ids_rK, tp_group) - logz,
+            vocab_ops.logsumexp_excluding(x, ids_rK, tp_group)[:, None] - logz,
         ],
         dim=-1,
     )
@@ -116,7 +102,7 @@ def kd_topk(
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
 ) -> LossOutput:
-    """Top-k + tail KD at the positions where ``mask_BT`` is True (see the module docstring)."""
+    """Top-k + tail KD at the positions where ``mask_BT`` is True (docs/losses.md, "`kd_topk`")."""
     b, t, width = student_logits_BTV.shape
     if config.support == "teacher":
         teacher.require(("topk_ids", "topk_logprobs", "tail_logprob"), mode="kd_topk")

@@ -1,19 +1,8 @@
 """Several teachers, each with its own tokenizer, alignment and projection: a weighted sum.
 
-Each teacher i yields its own `LossOutput` (from any mode, on its own `ChunkIndex`) and its own
-global count, so each is normalised on its own (`base.normalize`: a teacher with finer chunks
-does not weigh more), then mixed:
-
-    KD = sum_i w_i * kd_i,   kd_i = sum_i / count_i_global,   sum_i w_i = 1.
-
-Weights are static (normalised to sum to 1) or adaptive: w = softmax(-nll / tau) where nll_i is
-teacher i's negative log-likelihood of the batch text per common unit. Every teacher reads the
-same text, so its summed NLL over the window (`teacher_nll`, chunk tokens only, specials left
-out) is -log P_i(text); dividing all by one common unit count (student target tokens, or UTF-8
-bytes) makes them comparable, which per-own-token CE is not (a teacher with longer tokens has a
-larger per-token NLL on the same text). Like the dynamic KD scale, adaptive weights must come
-from the whole step to keep the loss independent of the microbatch split: use the previous
-step's global values (or the current step's when it is one microbatch).
+Each teacher's KD is normalised by its own global count, then mixed with static or adaptive
+weights (from each teacher's NLL of the same text per common unit). Formulas and why:
+docs/losses.md, "Combination and several teachers".
 
 Legend: K teachers.
 """

@@ -1,35 +1,9 @@
 """On-policy distillation losses: the student's own samples, scored by the teacher.
 
-Two gradient estimators of the divergence between the student's sequence distribution q and
-the teacher's p, on completions sampled from q (`trainer.onpolicy`):
-
-**Direct (GKD).** At every position that predicts a sampled token, a divergence between the two
-next-token distributions, differentiated through q. Same tokenizer: `opd_topk`, the divergence
-over the **student's** top-k ids (from the sampling policy) plus one tail bucket, both sides
-proper distributions over k + 1 categories (`kd_topk` with ``support="columns"``; the teacher
-returns its log-probs on those ids and the rest mass). Reverse KL by default, forward or
-generalized JSD(beta) on request. Without the tail bucket the truncated top-k reverse KL clamps
-to zero in most steps. Other tokenizers: the chunk modes (`xtoken`, `gold`, `alm`) over the
-completion chunks aligned on the fly.
-
-**Policy gradient.** `opd_pg`: the sampled reverse KL as a negative advantage. Per aligned
-chunk c of the completion (one token per chunk with the student's tokenizer), with ls(c) and
-lt(c) the student's and the teacher's chain log-probs of the chunk's text:
-
-    A_c      = stopgrad(lt(c) - ls(c))                  (the sample of -KL(q || p) at c)
-    gradient = -sum_c A_c * grad ls(c)                  (REINFORCE, no credit to later chunks)
-    value    = sum_c (ls(c) - lt(c))                    (the reported KD: the k1 estimate)
-
-E_{x ~ q}[(log q(x) - log p(x)) grad log q(x)] = grad KL(q || p) at a single position (the score
-function has mean zero), which the tests check exactly by enumerating a tiny vocabulary. Over a
-sequence the per-chunk advantage leaves out the later chunks' terms (discount 0, as Thinking
-Machines' and slime's on-policy distillation): lower variance, biased towards myopic updates.
-With different tokenizers the chunk is the unit both sides can score, so this needs no
-projection; it reads only the teacher's log-prob of each realised token.
-
-**Several teachers with the student's tokenizer** can be mixed in probability space before the
-loss (`mix_teacher_outputs`): all score the same student top-k ids, so the mixture of their
-k + 1-bucket distributions is exact, and so is the mixture's log-prob of a sampled token.
+`opd_topk` differentiates a divergence over the student's top-k + tail (`kd_topk` on columns);
+`opd_pg` is a policy gradient with the sampled reverse KL per chunk as a negative advantage
+(any tokenizers, no projection); `mix_teacher_outputs` mixes same-tokenizer teachers in
+probability space. Estimators and their bias: docs/onpolicy.md, "Losses".
 
 Legend: B rollouts, S student positions, V student lm_head width, G chunks, K support.
 """
@@ -91,7 +65,9 @@ def opd_topk(
     vocab_size: int,
     config: OPDTopKConfig,
 ) -> LossOutput:
-    """D(P || Q) over the student's top-k + tail at the masked positions (`kd_topk`)."""
+    """D(P || Q) over the student's top-k + tail at the masked positions (`kd_topk`). The tail
+    bucket is what keeps it a divergence: the truncated top-k reverse KL alone clamps to zero in
+    most steps."""
     return kd_topk(
         student_logits_BSV, teacher, mask_BS, vocab_size=vocab_size, config=config.kd_topk()
     )
@@ -99,7 +75,7 @@ def opd_topk(
 
 @dataclass(frozen=True)
 class OPDPGConfig:
-    """Sampled reverse KL as a negative advantage (see the module docstring)."""
+    """Sampled reverse KL as a negative advantage (docs/onpolicy.md, "Losses")."""
 
     advantage_clip: float = 0.0  # > 0: clip |A_c| (a guard against rare huge log-ratios)
 
@@ -126,6 +102,8 @@ def opd_pg(
     if chunks.numel() == 0:
         return empty_loss(logits, metrics)
     ls, lt = chunk_chains(logits, teacher, index, chunks_C=chunks, vocab_size=vocab_size)
+    # REINFORCE per chunk, no credit from later chunks: E_q[(log q - log p) grad log q] is
+    # grad KL(q || p) at a position (the score function has mean zero)
     log_ratio = (ls - lt).detach()  # the per-chunk sample of KL(q || p)
     advantage = -log_ratio
     if config.advantage_clip > 0:

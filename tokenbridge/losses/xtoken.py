@@ -1,28 +1,9 @@
 """`xtoken`: cross-tokenizer KD per aligned chunk, through the sparse teacher->student projection.
 
-At the start of every aligned chunk c both models predict the next piece of the SAME text (the
-chunk boundary is a token boundary on both sides, so both are conditioned on the same prefix).
-Both next-token distributions are coarse-grained into common buckets of "how the text goes on"
-(`xtoken_tables`: each bucket is named by a student token; teacher token t -> bucket of its
-first student token, student token s -> key(s), the bucket of its first teacher token), then:
-
-    P(b)   = sum_j p_j * sum_l w_{j,l} [t2s_{j,l} = b]      over the support S_c (teacher top-k)
-    P_rest = 1 - sum_b P(b) = p_tail + sum_j p_j (1 - sum_l w_{j,l})
-    Q(b)   = sum_{s: key(s) = b} q(s),   Q_rest = 1 - sum_{b in S_c} Q(b)  (exact, no 1 - x)
-    term_c = tau^2 * D(P || Q)   over S_c + {rest}   (D: forward / reverse KL, generalized JSD)
-
-A proper divergence on every chunk: what the teacher cannot express in student buckets goes to
-the rest bucket, matched against the student's own mass outside S_c. Without coarsening
-(``s_key=None``) buckets are single student tokens and Q is a plain gather.
-
-Multi-token chunks (1:N, N:1, N:M) contribute exactly one distribution term, at their start,
-like 1:1 chunks. The student positions INSIDE a multi-token chunk have no teacher distribution
-over the same prefix, so they get no distribution term. With ``chain_weight > 0`` each
-multi-token chunk adds ``chain_weight * D_bin(P_t(chunk) || P_s(chunk))``, the binarised KL of
-the chunk's chain likelihoods (as in `alm`), which reaches those inner positions.
-
-sum = sum over chunks of term_c (+ chain terms); count = chunks with a term. Chunks with an empty
-side or no predicting position (first token at position 0) are dropped and counted in metrics.
+At each chunk start both models predict the next piece of the same text; both distributions are
+pooled into common student-token buckets (`xtoken_tables`) plus a rest bucket and compared
+there; inner positions of multi-token chunks get only the optional chain term. Formulas:
+docs/losses.md, "`xtoken`".
 
 Legend: B batch, S student positions, V student width, G chunks, K teacher top-k,
 P projection slots per teacher token, L = K * P support slots, R teacher rows of the table.
@@ -37,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.losses.alm import binary_divergence, chunk_chains
 from tokenbridge.losses.base import (
     LossOutput,
@@ -142,14 +123,14 @@ def _bucket_logq(lp_at, ids_rL: Tensor, members: tuple[Tensor, Tensor]) -> Tenso
 def _xtoken_block(block_cV, local_r, ids_rL, logp_rL1, *, config, vocab_size, members, tp_group):
     """The vocab-parallel composition (with a tp_group); the single-device path is fused."""
     x = take_rows(block_cV, local_r).to(compute_dtype(block_cV))
-    x = vo.mask_padded(x, vocab_size, tp_group=tp_group)
+    x = vocab_ops.mask_padded(x, vocab_size, tp_group=tp_group)
     if config.temperature != 1.0:
         x = x / config.temperature
-    logz = vo.logsumexp(x, tp_group)
+    logz = vocab_ops.logsumexp(x, tp_group)
 
     def lp_at(drop):
-        lse = vo.logsumexp_excluding(x, drop, tp_group)
-        return vo.gather(x, drop, tp_group) - logz[:, None], lse - logz
+        lse = vocab_ops.logsumexp_excluding(x, drop, tp_group)
+        return vocab_ops.gather(x, drop, tp_group) - logz[:, None], lse - logz
 
     return divergence_terms(logp_rL1, _bucket_logq(lp_at, ids_rL, members), config)
 
@@ -166,7 +147,7 @@ def xtoken(
     tp_group=None,
     cp: CPContext | None = None,
 ) -> LossOutput:
-    """Cross-tokenizer KD over aligned chunks (see the module docstring).
+    """Cross-tokenizer KD over aligned chunks (docs/losses.md, "`xtoken`").
 
     Under CP (``cp``: logits in the CP layout, index over whole rows) a chunk's terms are
     computed and counted by the rank holding its start row (`context`).

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tokenbridge import cli, models, urls
+from tokenbridge import atomic, cli, models, urls
 from tokenbridge.formats import checksums as integrity
 from trainer.checkpoint import remote
 from trainer.checkpoint import state_split as checkpoint_state
@@ -78,7 +78,7 @@ from trainer.config.schema import CheckpointConfig, ModelConfig
 
 STEP_PREFIX = "step-"
 EXPORT_REQUEST = "EXPORT"  # touch <run_dir>/EXPORT: export the student after the next logged step
-MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (tokenbridge.verify reads it)
+MARKER = "COMPLETED"  # the same kind of marker as a shard directory's (tokenbridge.commands.verify reads it)
 MARKER_VERSION = 1
 DAMAGED = ".damaged"  # suffix of a checkpoint moved aside by a resume that found it damaged
 STATE_FORMAT, STATE_VERSION = "tokenbridge-checkpoint-state", 1  # rank<r>.json
@@ -316,9 +316,7 @@ class Checkpointer:
                 remote.publish(self.folder, final, marker, keep=self.cfg.keep)
         if self.rank == 0 and not in_store:
             integrity.write_json_atomic(tmp / MARKER, marker)  # last, before the publish
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            atomic.replace(tmp, final)
             _fsync_dir(self.folder)
             for _, old in list_checkpoints(self.folder)[: -self.cfg.keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -14,7 +14,8 @@ written once. They all run before any model weights load, in three groups, by wh
 
 The registry's flags are read, never restated: ``same_tokenizer`` (a mode over the student's own
 vocabulary), ``projection`` (a mode that reads the projection), ``onpolicy_only`` (a mode that
-reads the student's samples), ``no_cache`` (a mode an offline teacher cache cannot serve).
+reads the student's samples), ``no_cache`` (a mode an offline teacher cache cannot serve). What
+the library runs but the trainer cannot (kd_topk's ``support='columns'``) is refused here too.
 
 Constraints of a component on its own inputs stay with the component (the teacher program
 refuses per-position columns at tp > 1, `trainer.teacher.model_program`); file, tokenizer and
@@ -109,6 +110,22 @@ def onpolicy_fits_the_teachers(cfg: TrainConfig) -> None:
              f"(device={cfg.device}, parallel.tp={cfg.parallel.tp}): use model")  # fmt: skip
 
 
+def kd_topk_reads_the_teachers_support(cfg: TrainConfig) -> None:
+    """The trainer's teacher runs a microbatch ahead of the student, so kd_topk takes the
+    teacher's own top-k (``support='teacher'``); 'columns' scores ids the student picks."""
+    given = []
+    if cfg.loss.mode != "ce" and "kd_topk" in cfg.teacher_modes():
+        given.append(("loss.options", cfg.loss.mode_options("kd_topk")))
+    if cfg.onpolicy.enabled and "kd_topk" in cfg.onpolicy.modes(len(cfg.teachers)):
+        options = cfg.onpolicy.mode_options("kd_topk", cfg.loss.temperature)
+        given.append(("onpolicy.options.kd_topk", options))
+    for prefix, options in given:
+        if options.support != "teacher":
+            fail(f"{prefix}.support", "kd_topk: the trainer takes only 'teacher' (its teacher "
+                 "runs a microbatch ahead of the student; 'columns' needs the student's logits "
+                 "first)")  # fmt: skip
+
+
 def caches_serve_their_modes(cfg: TrainConfig) -> None:
     """A teacher cache holds top-k outputs; a mode that reads more cannot use one."""
     if not cfg.kd_enabled:
@@ -144,6 +161,7 @@ CONFIG_RULES = (
     loss_options_fit_every_mode,
     cp_splits_the_padding,
     onpolicy_fits_the_teachers,
+    kd_topk_reads_the_teachers_support,
     caches_serve_their_modes,
     stream_reads_a_store,
     warmup_within_steps,

@@ -12,7 +12,6 @@ and no model loaded, so a bad value fails in milliseconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -50,7 +49,8 @@ def check_location(where: str, value: str | None, *, schemes: tuple[str, ...] = 
 
 @dataclass
 class ModelConfig:
-    """A causal LM from a local HF directory (config.json + tokenizer, + weights if pretrained)."""
+    """A causal LM from a HF directory (config.json + tokenizer, + weights if pretrained), local
+    or at an object-store URL."""
 
     path: str = MISSING
     # "pretrained": load the weights; "random": build from the dir's config.json with
@@ -70,9 +70,10 @@ class ModelConfig:
             check_model_source(self, where)
         except ValueError as e:
             raise ConfigError(f"config {e}") from None
-        check_location(f"{where}.path", self.path, schemes=())  # models load from local dirs
+        # a URL: a marked directory, fetched verified by `trainer.remote_inputs.localize`
+        check_location(f"{where}.path", self.path)
         if not self.name:
-            self.name = Path(self.path).name
+            self.name = urls.name(self.path)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class DataConfig:
     eval_split: str = "window"
     # a validation set beside the test set (the next val_fraction of the same hash, never
     # trained on either), and which of the two the held-out BPB is computed on: a
-    # hyper-parameter is chosen on "val" and reported on "test" (bench/science.py)
+    # hyper-parameter is chosen on "val" and reported on "test" (bench/science/experiment.py)
     val_fraction: float = 0.0
     eval_on: str = "test"
     # checksums of the shard files against their COMPLETED marker (docs/integrity.md):
@@ -139,7 +140,7 @@ class DataConfig:
     cache_dir: str = ""
     cache_limit_gb: float = 50.0
     # s3:// shards read one file at a time, the next fetched in the background, at most
-    # stream_files of them on disk (`tokenbridge.streamed_shards`): for datasets larger than
+    # stream_files of them on disk (`tokenbridge.formats.streamed_shards`): for datasets larger than
     # the node's disk; else the whole directory is fetched before the run starts
     stream: bool = False
     stream_files: int = 3

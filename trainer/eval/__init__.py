@@ -1,13 +1,8 @@
 """Evaluation suite: held-out bits per byte and standard benchmarks, offline, side by side.
 
-``python -m trainer.eval --model a[,b] --tasks ... --limit N`` (see ``__main__``); the trainer
-calls ``evaluate_bpb`` for its inline eval and may call ``run_tasks`` on a small fixed subset.
-Data: ``python -m trainer.eval.datasets fetch`` (``datasets``); tasks and the stable subset
-(``tasks``); tokenization and log-likelihood scoring (``loglik``) over batched forward passes
-(``engine``); bits per byte (``bpb``); standard errors (``estimates``); generation
-(``generation``); the task loop (``runner``); tables (``results``).
-
-The public names load lazily, so ``python -m trainer.eval.datasets fetch`` imports no torch.
+``python -m trainer.eval`` runs it (``__main__``); the trainer calls ``evaluate_bpb`` for its
+inline eval and may call ``run_tasks`` on a small fixed subset. The public names load lazily, so
+``python -m trainer.eval.datasets fetch`` imports no torch. Design: docs/eval.md.
 """
 
 from __future__ import annotations

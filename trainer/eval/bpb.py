@@ -1,22 +1,9 @@
 """Held-out bits per byte: the metric that compares models with different tokenizers.
 
-bits per byte = (sum over every token of the text of -log p(token | preceding tokens)) /
-(ln 2 * number of UTF-8 bytes of the text). Every token of every text is scored exactly once,
-so the denominator is the text's own byte count whatever the tokenizer (nanochat's
-``evaluate_bpb`` idea). The first token is predicted from the tokenizer's BOS (or, when it adds
-none, its BOS/EOS token, as lm-eval does). A text longer than ``max_length`` tokens is cut into
-windows; each later window sees ``overlap`` tokens of the previous one as context (plus the one
-token its first target needs), scored once, through the same batched scorer as the benchmarks.
-
-The trainer's inline eval calls ``evaluate_bpb`` on a small fixed list of texts; it returns the
-raw sums too, so a data-parallel caller can all-reduce ``nats`` and ``bytes`` before dividing.
-
-Conversation shards (`trained_bpb`): the bytes are those of the **trained contents** only (the
-assistant replies, by default) and the nats those of the tokens that spell them (train code
-`TRAIN_CONTENT`), each predicted from the whole rendered conversation before it. Scaffolding,
-prompts and end-of-turn markers count in neither: a student that only learnt the template
-would not look better. A token that straddles a content's edge counts whole (its scaffolding
-byte is a newline at most).
+Every token of a text is scored exactly once (long texts in overlapping windows), so the
+denominator is the text's own UTF-8 byte count whatever the tokenizer; `trained_bpb` counts only
+the trained contents of conversation rows. The raw sums are returned too, for a data-parallel
+all-reduce before dividing (docs/eval.md, "Bits per byte").
 """
 
 from __future__ import annotations
@@ -140,7 +127,8 @@ def trained_bpb(
     batch_size: int = 2,
     device=None,
 ) -> dict:
-    """Bits per byte of the trained contents of conversation rows (module docstring).
+    """Bits per byte of the trained contents of conversation rows (docs/eval.md,
+    "Bits per byte"; docs/losses.md, "Conversations").
 
     ``rows``: (token ids, train codes, trained bytes) per row, one model's side of a shard row
     (`tokenbridge.formats.shard_schema`: ``student_ids`` / ``student_train`` / ``trained_bytes``, or a

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from trainer.eval.results import LOWER_IS_BETTER, table_cells, table_rows, write_atomic
-from trainer.report import html as H
+from trainer.report import html
 
 COLUMNS = 3
 PANEL_W_IN, PANEL_H_IN, DPI = 3.7, 2.5, 110  # three panels across a ~1220 px page
@@ -113,7 +113,7 @@ def render_chart(payload: dict) -> bytes:
 def results_table(payload: dict) -> str:
     """Every row of the Markdown table, as HTML (the same cells)."""
     head, rows = table_cells(payload)
-    return H.table(head, rows, left=2)
+    return html.table(head, rows, left=2)
 
 
 def write_eval_report(payload: dict, out: str | Path) -> tuple[Path, Path]:
@@ -125,7 +125,7 @@ def write_eval_report(payload: dict, out: str | Path) -> tuple[Path, Path]:
     names = list(payload["models"])
     limit = payload.get("options", {}).get("limit")
     body = (
-        H.figure(
+        html.figure(
             png,
             alt="primary metric per task",
             width=1200,
@@ -137,8 +137,8 @@ def write_eval_report(payload: dict, out: str | Path) -> tuple[Path, Path]:
         + '<p class="sub">* the task\'s primary metric; ± one standard error; Δ paired over the '
         + "same examples. "
         + (f"LIMIT={limit} examples per task." if limit else "Full sets.")
-        + f" Data: <code>{H.esc(out.name)}</code>.</p>"
+        + f" Data: <code>{html.esc(out.name)}</code>.</p>"
     )
     title = "tokenbridge eval: " + " vs ".join(names)
-    write_atomic(html_path, H.page(title, body, subtitle=payload.get("created", "")))
+    write_atomic(html_path, html.page(title, body, subtitle=payload.get("created", "")))
     return png_path, html_path

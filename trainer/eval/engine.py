@@ -1,23 +1,11 @@
 """The forward passes behind the scorer: batch planning and the two ways of running a batch.
 
-A batch holds items (a context and its continuations). Two plans, whichever computes fewer
-tokens:
+Per-context (one KV-cached forward of the unique contexts, continuations fed on top) or
+shared-prefix (a few-shot prefix run once), whichever computes fewer tokens; both keep each row's
+real tokens contiguous in the cache, as sliding-window layers need, and run in segments that
+bound activations and logits (docs/eval.md, "Benchmarks").
 
-- **per-context** (unique contexts, e.g. HellaSwag): the contexts left-padded into one forward
-  that fills a KV cache (logits only at the last position, which predicts every continuation's
-  first token); the cache rows repeated once per continuation; the continuations (right-padded)
-  fed on top, logits only where a token is scored (``logits_to_keep`` as a boolean mask).
-- **shared-prefix** (few-shot prompts: GSM8K, MATH, MMLU 5-shot share hundreds of tokens of
-  examples): the common token prefix run once, its cache repeated per continuation, then each
-  row = the rest of its context + the continuation, right-padded, scored from where the
-  continuation starts.
-
-Left padding in the first plan and the prefix in the second keep every row's real tokens
-contiguous in the cache, which is what a sliding-window layer (Gemma 3) needs to see the same
-keys as in an unpadded forward. Every pass runs in segments along the sequence so activations
-stay within ``max_tokens`` and the [N, V] logits within ``max_logits``, however long the text.
-
-Tensor legend: B items (contexts) in a batch, C continuation rows, T positions, V vocabulary,
+Legend: B items (contexts) in a batch, C continuation rows, T positions, V vocabulary,
 N kept (scored) positions, K cached positions.
 """
 

@@ -1,12 +1,8 @@
 """Estimates with standard errors, for one model and for the paired difference of two.
 
-Per-example values are kept with every result, so two models run on the same examples (the
-stable subset guarantees it) are compared *paired*: the standard error of a difference uses the
-per-example differences, which is far tighter than combining two independent errors.
-
-- accuracy-like metrics: the mean of 0/1 values, standard error sd/sqrt(n) (ddof 1, as lm-eval);
-- ratios of sums (bits per byte = sum bits / sum bytes): delta method, the residuals
-  r_i = num_i - R den_i give se(R) = sd(r) / (sqrt(n) mean(den)).
+Per-example values are kept with every result, so two models on the same examples are compared
+paired (far tighter than two independent errors); ratios of sums such as bits per byte use the
+delta method (docs/eval.md, "Benchmarks").
 """
 
 from __future__ import annotations

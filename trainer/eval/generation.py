@@ -1,13 +1,8 @@
 """Optional generation tasks: greedy decoding, answer extraction, sandboxed code execution.
 
-GSM8K and MATH are scored by exact match of the final answer ("So the answer is N." / "The
-final answer is $X$." or the last \\boxed{}), after a light normalisation (commas, dollar signs,
-\\left/\\right, dfrac -> frac, spaces); numbers compare numerically. HumanEval runs the prompt +
-completion + the problem's tests in a separate ``python -I -S`` process in a fresh temporary
-folder with an empty environment, a wall-clock timeout and rlimits on CPU time, address space,
-file size and core dumps; its process group is killed on timeout. That contains runaway or
-crashing code, not a malicious program (no network or filesystem namespace): run it only on
-models you trust, which is why generation is opt-in.
+HumanEval's code runs in a separate, limited process: that contains runaway or crashing code,
+not a malicious program, so generation is opt-in and meant for models you trust (docs/eval.md,
+"Benchmarks").
 
 Tensor legend: B prompts in a batch, T positions, V vocabulary.
 """

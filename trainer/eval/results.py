@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
+from tokenbridge import atomic
 from trainer.eval.estimates import METRICS, SHOWN, paired_diff
 
 LOWER_IS_BETTER = {"bpb", "bits_per_token"}
@@ -139,12 +139,7 @@ def timing_table(payload: dict) -> str:
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write beside, then rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if isinstance(data, bytes):
-        tmp.write_bytes(data)
-    else:
-        tmp.write_text(data, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write(path, data, fsync=False, tmp=path.with_name(path.name + ".tmp"))
 
 
 def write_results(payload: dict, out: Path) -> tuple[Path, Path]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tokenbridge import model_spec
-from trainer.eval import generation as gen
+from trainer.eval import generation
 from trainer.eval.bpb import score_texts
 from trainer.eval.estimates import summarize
 from trainer.eval.loglik import (
@@ -234,8 +234,8 @@ def _run_gen(model, job: _Job):
         ids = [*enc.prefix, *enc.encode(ctx)]
         truncated += len(ids) > keep
         prompts.append(ids[-keep:])
-    stop = gen.HUMANEVAL_STOP if task.kind == "code" else examples[0].extra.get("stop", [])
-    outputs = gen.greedy_generate(
+    stop = generation.HUMANEVAL_STOP if task.kind == "code" else examples[0].extra.get("stop", [])
+    outputs = generation.greedy_generate(
         model,
         enc,
         prompts,
@@ -248,13 +248,13 @@ def _run_gen(model, job: _Job):
     for ex, out in zip(examples, outputs):
         if task.kind == "code":
             test, entry = ex.extra["test"], ex.extra["entry_point"]
-            prog = gen.humaneval_program(ex.contexts[0], out, test=test, entry_point=entry)
-            ok = gen.run_sandboxed(prog, timeout=opts.exec_timeout)[0]
+            prog = generation.humaneval_program(ex.contexts[0], out, test=test, entry_point=entry)
+            ok = generation.run_sandboxed(prog, timeout=opts.exec_timeout)[0]
         elif task.subset_key == "gsm8k":
-            ok = gen.answers_match(gen.extract_gsm8k(out), ex.answer)
+            ok = generation.answers_match(generation.extract_gsm8k(out), ex.answer)
         else:  # MATH: reference = last \boxed{} of the gold solution
-            ref = gen.last_boxed(ex.extra["doc"].get("solution", "")) or ex.answer
-            ok = gen.answers_match(gen.extract_math(out), ref)
+            ref = generation.last_boxed(ex.extra["doc"].get("solution", "")) or ex.answer
+            ok = generation.answers_match(generation.extract_math(out), ref)
         samples["id"].append(ex.id)
         samples["em"].append(int(ok))
         samples["output"].append(out[:500])

@@ -1,24 +1,9 @@
 """The task registry: what each benchmark is, where its file lives, and how to read it as examples.
 
-Every task becomes a list of ``Example``s of one ``kind``:
-
-- ``mc``: multiple choice scored by the likelihood of each answer text (OLMES "rc" format).
-  Usually one shared context and n continuations; Winogrande uses *partial scoring* (the
-  option is substituted into the context and the shared rest of the sentence is scored), i.e.
-  n contexts and one continuation text.
-- ``lastword``: LAMBADA, the last word counts as right when every one of its tokens is greedy.
-- ``gold_bpb``: bits per byte of the reference answer given the prompt (GSM8K, MATH, HumanEval,
-  MBPP): a smooth signal where a 135M model's generation accuracy is near zero.
-- ``gen`` / ``code``: greedy generation scored by exact match (GSM8K, MATH) or by running the
-  problem's tests (HumanEval, pass@1); opt-in (the ``gen`` group), never in ``default``.
-- ``text``: held-out bits per byte of a text file (``text:PATH``), cut into chunks at blank lines.
-
-The files live under ``artifacts/eval/`` (``require`` names a missing one and the fix); the fetcher
-(``trainer.eval.datasets``) reads ``data_files()`` to know what to extract.
-
-A LIMIT picks a *stable* subset: examples sorted by a hash of (dataset, example id), first N, so
-the same examples come back every run, on every machine, whatever the file order, and a larger
-LIMIT contains a smaller one.
+Every task becomes a list of ``Example``s of one kind (``mc``, ``lastword``, ``gold_bpb``,
+``gen`` / ``code``, ``text``). A LIMIT picks a stable subset (sorted by a hash of dataset and
+example id), so the same examples come back everywhere and a larger LIMIT contains a smaller
+one (docs/eval.md, "Benchmarks").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
   the weight-major form ``W @ x.T`` is 2-4x faster, on the Intel Xeon ``F.linear`` is 2x
   faster; each process measures both once and keeps the faster). The static cache also removes
   the ``torch.cat`` that grows every layer's cache every step, and the loop drops HF's
-  per-layer module, mask and cache bookkeeping (`bench/bench_onpolicy.py`, part 1, puts the
+  per-layer module, mask and cache bookkeeping (`bench/onpolicy/section.py`, part 1, puts the
   step next to HF `generate` and the floor).
 
 The two agree to float rounding (a product's summation order differs); tested on tiny Llamas:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tokenbridge import atomic
 from trainer.parallel.mesh import ParallelGroups
 
 
@@ -53,8 +54,7 @@ def _worker(
     try:
         result = fn(rank, world_size, *args)
         path = Path(tmp) / f"rank{rank}.pkl"
-        path.with_suffix(".tmp").write_bytes(pickle.dumps(result))
-        path.with_suffix(".tmp").replace(path)
+        atomic.write(path, pickle.dumps(result), fsync=False, tmp=path.with_suffix(".tmp"))
     finally:
         dist.destroy_process_group()
 

@@ -1,12 +1,8 @@
 """The run report: plots of one or more run folders in one self-contained HTML page.
 
-``python -m trainer.report runs/<name> [runs/<other> ...] [--out DIR]`` (see ``__main__``); the
-trainer calls ``after_run`` on rank 0 when a run ends. Reading a run folder (``runs``), what to
-plot (``panels``), drawing with matplotlib (``plots``), the HTML page (``html``), putting it
-together (``build``).
-
-The public names load lazily, so importing this package (the trainer does, at start-up) costs
-nothing; matplotlib itself is imported only when a chart is drawn.
+``python -m trainer.report`` (``__main__``); the trainer calls ``after_run`` on rank 0 when a run
+ends. The public names load lazily, so importing this package (the trainer does, at start-up)
+costs nothing; matplotlib is imported only when a chart is drawn. Design: docs/eval.md.
 """
 
 from __future__ import annotations

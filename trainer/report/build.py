@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from trainer.eval.results import write_atomic
-from trainer.report import html as H
+from trainer.report import html
 from trainer.report.panels import Bars, Panel, build_panels, panel_json
 from trainer.report.runs import Run, load_runs
 
@@ -79,18 +79,18 @@ def runs_table(runs: list[Run], colors: list[str]) -> str:
         last = {k: run.train[k].last() if k in run.train else None for k in ("loss", "ce", "kd")}
         rows.append(
             [
-                ("raw", H.swatch(_color_hex(color)) + H.esc(run.name)),
-                H.fmt(steps),
-                H.fmt(run.summary.get("tokens")),
-                H.fmt(run.summary.get("train_seconds")),
+                ("raw", html.swatch(_color_hex(color)) + html.esc(run.name)),
+                html.fmt(steps),
+                html.fmt(run.summary.get("tokens")),
+                html.fmt(run.summary.get("train_seconds")),
                 *_bpb_cells(run),
-                H.fmt(last["loss"]),
-                H.fmt(last["ce"]),
-                H.fmt(last["kd"]),
+                html.fmt(last["loss"]),
+                html.fmt(last["ce"]),
+                html.fmt(last["kd"]),
                 str(run.path),
             ]
         )
-    return H.table(RUN_COLUMNS, rows)
+    return html.table(RUN_COLUMNS, rows)
 
 
 def _at(values, i: int):
@@ -121,20 +121,20 @@ def shards_table(runs: list[Run]) -> str:
                 [
                     run.name,
                     _at(names, i) or t.get("name", f"t{i}"),
-                    H.fmt(st.get("documents")),
-                    H.fmt(st.get("windows")),
-                    H.fmt(tokens.get("student")),
-                    H.fmt(_at(tokens.get("teachers"), i)),
-                    H.fmt(_at(st.get("chunks"), i)),
+                    html.fmt(st.get("documents")),
+                    html.fmt(st.get("windows")),
+                    html.fmt(tokens.get("student")),
+                    html.fmt(_at(tokens.get("teachers"), i)),
+                    html.fmt(_at(st.get("chunks"), i)),
                     _pct(_at(st.get("exact_chunk_fraction"), i)),
                     _pct(_at(st.get("fallback_rate"), i)),
-                    H.fmt(st.get("dead_letters")),
+                    html.fmt(st.get("dead_letters")),
                 ]
             )
     if not rows:
         return ""
     where = ", ".join(sorted({str(r.shards) for r in runs if r.shard_stats}))
-    return f'<h2>Aligned shards</h2><p class="sub">{H.esc(where)}</p>' + H.table(
+    return f'<h2>Aligned shards</h2><p class="sub">{html.esc(where)}</p>' + html.table(
         SHARD_COLUMNS, rows, left=2
     )
 
@@ -169,13 +169,13 @@ def device_table(runs: list[Run]) -> str:
                 dtype,
                 teachers or "—",
                 fused,
-                H.fmt(_median(run, "tokens_per_s_per_device")),
-                H.fmt(_median(run, "tflops_per_device")),
+                html.fmt(_median(run, "tokens_per_s_per_device")),
+                html.fmt(_median(run, "tflops_per_device")),
                 *mfu,
-                H.fmt(max(memory.values)) if memory is not None and len(memory) else "—",
+                html.fmt(max(memory.values)) if memory is not None and len(memory) else "—",
             ]
         )
-    return "<h2>Precision and throughput</h2>" + H.table(DEVICE_COLUMNS, rows, left=5)
+    return "<h2>Precision and throughput</h2>" + html.table(DEVICE_COLUMNS, rows, left=5)
 
 
 def render_page(runs: list[Run], charts: list[tuple[Panel | Bars, bytes, str]]) -> str:
@@ -183,7 +183,7 @@ def render_page(runs: list[Run], charts: list[tuple[Panel | Bars, bytes, str]]) 
     per row, the shards, what is missing."""
     colors = [f"C{i % 10}" for i in range(len(runs))]
     body = [runs_table(runs, colors), device_table(runs), "<h2>Training</h2>", '<div class="grid">']
-    body += [H.figure(png, alt=p.title, caption=p.caption) for p, png, _ in charts]
+    body += [html.figure(png, alt=p.title, caption=p.caption) for p, png, _ in charts]
     body.append("</div>")
     body.append(shards_table(runs))
     shown = {p.name for p, _, _ in charts}
@@ -191,7 +191,7 @@ def render_page(runs: list[Run], charts: list[tuple[Panel | Bars, bytes, str]]) 
     notes += [f"{r.name}: {n}" for r in runs for n in r.notes]
     if notes:
         body.append('<h2>Notes</h2><ul class="notes">')
-        body += [f"<li>{H.esc(n)}</li>" for n in notes]
+        body += [f"<li>{html.esc(n)}</li>" for n in notes]
         body.append("</ul>")
     body.append(
         f'<p class="sub">Each chart is also a PNG beside this page; the plotted numbers are in '
@@ -199,7 +199,7 @@ def render_page(runs: list[Run], charts: list[tuple[Panel | Bars, bytes, str]]) 
     )
     title = "tokenbridge run report: " + " vs ".join(r.name for r in runs)
     subtitle = " · ".join(str(r.path) for r in runs)
-    return H.page(title, "\n".join(body), subtitle=subtitle)
+    return html.page(title, "\n".join(body), subtitle=subtitle)
 
 
 def write_report(run_dirs: list[str | Path], *, out: str | Path | None = None) -> Path:

@@ -1,14 +1,9 @@
 """`python -m trainer.report.compare RUN_DIR [RUN_DIR ...]`: runs side by side, in one table.
 
-What `make demo` ends with: the student before training, each run's student after, the teacher,
-and how much of the student -> teacher gap each run closed, all on the same held-out text (the
-runs must share their eval set: the same shards, ``data.eval_fraction`` and ``eval_split``; a
-mismatch is refused, never averaged over). Bits per byte are tokenizer-independent, so the
-teacher's number sits on the same axis as the student's.
-
-    gap closed = (student before - run after) / (student before - teacher)
-
-(above 100%: the run beat the teacher; negative: it got worse). Reads each run's summary.json.
+The student before training, each run's student after, the teacher, and the share of the
+student -> teacher gap each run closed, on the same held-out bits per byte (the runs must share
+their eval set; a mismatch is refused): gap closed = (student before - run after) / (student
+before - teacher). Above 100%: the run beat the teacher. Reads each run's summary.json.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """A run folder as the report reads it: metrics.jsonl series, bpb.json, summary.json, shard stats.
 
-Every file is optional. A run killed at step 3 has a metrics.jsonl of three lines (the last one
-possibly cut mid-write) and nothing else; the report shows what is there and lists what is not
-(`Run.notes`). A resumed run appends to metrics.jsonl and re-logs the steps after its checkpoint:
-the last record of a step wins, since that is the one the finished run continued from.
-
-Where the shards are comes from summary.json (``shards``, written by the trainer at the end of a
-run); their ``stats.json`` gives the alignment's chunk kinds (1:1, 1:N, N:1, N:M).
+Every file is optional (a killed run's last line may be cut mid-write): the report shows what
+is there and lists what is not. A resumed run re-logs steps, and the last record of a step wins
+(docs/eval.md, "The run report").
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
-"""Context parallelism (CP) for the chunk modes (`xtoken`, `gold`, `alm`).
+"""Context parallelism (CP) for the chunk modes (`xtoken`, `gold`, `alm`), and their common start.
 
-Under CP a rank holds T / CP positions of every row of the student logits, in the load-balanced
-layout of `tokenbridge.dist_ops.context_parallel` (pieces r and 2 * CP - 1 - r), while the
-`ChunkIndex` is built from the whole rows: it is small, every CP rank builds the same one from
-the same shard columns, and the teacher outputs stay whole (they are per teacher position, a
-different sequence than the student's, and a few floats per position). An aligned chunk may
-straddle a piece border, so the modes need three things, all here:
-
-- `owned_rows(rows_G, cp)`: which full-sequence flat rows (b * T + t) this rank holds and where
-  they sit in its local [B * T / CP, V] logits. A chunk's distribution term is computed by the
-  one rank that holds the row it is evaluated at (the start row for xtoken and alm, the row
-  predicting the chunk's last token for gold), and that rank alone counts the chunk: counts
-  summed over DP x CP ranks equal the single-process count.
-- `chunk_sum(values, seg, n, cp)`: per-chunk sums of per-token values (chain log-probs) whose
-  tokens sit on several ranks: a local `index_add`, then a differentiable all-reduce of the
-  small [n] tensor. Its backward all-reduces the gradient, so the owner's term reaches the
-  tokens of every rank (`collectives.all_reduce_sum`).
-- `replicated(metrics, cp)`: metrics computed from the replicated index (dropped-chunk counts)
-  are reported by CP rank 0 only, so sums over ranks stay exact.
-
-`complete_chunks` and `open_chunk_loss` are the start every chunk mode shares (the checks, the
-flat logits, the chunks whose both sides are present and predicted, the dropped-chunk counts).
-
-Every rank of a CP group must run the same all-reduces, forward and backward: a rank that owns
-no chunk still keeps its loss connected to the sums (index them with an all-false mask, never
-skip them), or the other ranks' backward waits for it forever. With ``cp=None`` (or a CP group
-of one) everything is the identity and nothing is communicated: the single-process path.
+Under CP a rank holds T / CP positions of every row while the `ChunkIndex` and the teacher
+outputs stay whole, so a chunk may straddle a piece border: `owned_rows` says which rows a rank
+holds (a chunk's term and count belong to one rank), `chunk_sum` finishes chain sums over the
+group, `replicated` reports index-wide metrics once (docs/losses.md, "Parallelism").
 
 Legend: G chunks or rows asked for, g of them held here, N flat positions.
 """
@@ -62,7 +40,9 @@ def owned_rows(rows_G: Tensor, cp: CPContext | None) -> tuple[Tensor, Tensor]:
 
 
 def chunk_sum(values_N: Tensor, seg_N: Tensor, n: int, cp: CPContext | None) -> Tensor:
-    """[n] per-segment sums over the whole sequence (ids < 0 skipped); every CP rank gets them."""
+    """[n] per-segment sums over the whole sequence (ids < 0 skipped); every CP rank gets them.
+    Under CP a local `index_add`, then a differentiable all-reduce of the small [n] tensor whose
+    backward all-reduces the gradient, so the owner's term reaches every rank's tokens."""
     if cp_size(cp) == 1:
         return segment_sum(values_N, seg_N, n)
     return cp.segment_sum(values_N, seg_N, n)

@@ -1,27 +1,10 @@
 """Fused student-side reductions with analytic backwards (single device, ``tp_group=None``).
 
 Composed from `vocab_ops`, "log q at a few ids + the exact rest" is ~10 passes over an fp32
-[rows, V] block forward, as many again under recompute, and a long autograd chain. These
-Functions instead loop over row blocks themselves: forward reads each block twice (max, exp) and
-keeps per-row statistics only; backward rebuilds q = softmax(x) block by block and writes the
-gradient straight into ONE [N, V] buffer. Nothing of size V outlives a block, and there is no
-[N, V] concatenation of per-block gradients (which would double the peak).
-
-`logprobs_at_rows`: with x the masked, temperature-scaled row, S its ids, q = softmax(x),
-Q_rest = sum_{v not in S} q_v, and upstream gradients g_k (for log q_{S_k}) and g_r (log Q_rest):
-
-    d/dx_v = [v = S_k] g_k - q_v (sum_k g_k + g_r) + [v not in S] q_v g_r / Q_rest
-
-`matched_cross_rows` (gold's forward KL): logz, cross = sum_m P_m x_{s_m}, and x at other ids:
-
-    d/dx_v = g_logz q_v + g_cross sum_m P_m [v = s_m] + sum_u g_u [v = o_u]
-
-With a tensor-parallel group the modes compose the vocab-parallel ops instead.
-
-The logits may be a `head_logits.HeadLogits` (the lm_head's input and weight): each block then
-projects its rows forward and again in backward, and the backward writes into the hidden states'
-and the weight's gradients (``d hidden = g W``, ``d W = g^T hidden``) instead of an [N, V] one. Rows must be
-sorted and distinct; ids < 0 are empty slots (-inf, no gradient); ids distinct within a row.
+[rows, V] block and a long autograd chain; these Functions loop over row blocks themselves and
+write the gradient straight into ONE [N, V] buffer (or, for a `HeadLogits`, into the hidden
+states' and the weight's), so nothing of size V outlives a block. Under TP the modes compose the
+vocab-parallel ops instead (docs/losses.md, "Memory and speed").
 
 Legend: N logits rows, V columns, G selected rows, K ids per row, M matched, U other columns.
 """
@@ -160,6 +143,10 @@ class _LogProbsAtRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_rest, _g_top):
+        # x the tempered row, S its ids, q = softmax(x), Q_rest = sum_{v not in S} q_v, g_k and
+        # g_r the upstream gradients of log q_{S_k} and log Q_rest:
+        #   d/dx_v = [v = S_k] g_k - q_v (sum_k g_k + g_r) + [v not in S] q_v g_r / Q_rest
+        # rebuilt block by block from the raw logits into one buffer
         logits_NV, hidden_NH, weight_VH, rows_G, ids_GK, logz, rest = ctx.saved_tensors
         softcap, vocab_size, temperature, chunk = ctx.conf
         src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
@@ -195,7 +182,8 @@ def logprobs_at_rows(
     chunk_size: int = 256,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log q at ids [G, K], log Q_rest [G], max_v log q_v [G] (no grad)) at rows ``rows_G`` of
-    raw logits (columns >= vocab_size masked, divided by ``temperature`` here)."""
+    raw logits (columns >= vocab_size masked, divided by ``temperature`` here). Rows sorted and
+    distinct; ids distinct within a row, ids < 0 empty slots (-inf, no gradient)."""
     if isinstance(logits_NV, HeadLogits):
         chunk_size = logits_NV.chunk
     return _LogProbsAtRows.apply(
@@ -234,6 +222,8 @@ class _MatchedCrossRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logz, g_cross, g_other, _g_ent, _g_mass):
+        # logz, cross = sum_m P_m x_{s_m} and x at the other ids o_u:
+        #   d/dx_v = g_logz q_v + g_cross sum_m P_m [v = s_m] + sum_u g_u [v = o_u]
         logits_NV, hidden_NH, weight_VH, rows_G, s_ids_M, other_U, logz = ctx.saved_tensors
         softcap, logp_fn, vocab_size, temperature, chunk = ctx.conf
         src = _Source(logits_NV, hidden_NH, weight_VH, softcap)
@@ -265,7 +255,8 @@ def matched_cross_rows(
     """At rows ``rows_G`` of raw logits, the student side of `gold`'s forward KL: (logz [G],
     sum_m P_m x_{s_m} [G], x at ``other_ids`` [G, U], and, without gradient, the teacher's
     sum_m P_m log P_m [G] and sum_m P_m [G]). ``logp_fn(a, b)`` gives log P [b - a, M] for the
-    selected rows a..b (built per block, so [G, M] never exists at once); P = 0 terms are 0."""
+    selected rows a..b (built per block, so [G, M] never exists at once); P = 0 terms are 0.
+    Rows sorted and distinct."""
     if isinstance(logits_NV, HeadLogits):
         chunk_size = logits_NV.chunk
     return _MatchedCrossRows.apply(

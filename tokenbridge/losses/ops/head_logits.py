@@ -1,22 +1,9 @@
 """Logits that are never whole: the lm_head's input and weight, projected a block of rows at a time.
 
-At long sequence the student's logits dominate memory: [T, V] fp32 at T = 32k and V = 152k is
-19 GiB, plus as much again for their gradient (NeMo RL #2882, #3495). Every loss here reads the
-logits ROW BY ROW, through three entry points only: `rowwise.map_rows` (a per-row function over
-blocks of selected rows, recomputed in backward) and the two fused reductions of `fused`
-(``logprobs_at_rows``, ``matched_cross_rows``). So the loss can be handed a `HeadLogits` instead
-of a tensor: the final hidden states [N, H] and the lm_head weight [V, H]; each entry point
-projects only the rows it selects, one block at a time, and its backward writes the gradient into
-the hidden states [N, H] and the weight [V, H] (parameter-sized) instead of an [N, V] buffer. The
-peak is O(block x V), whatever N is; the values and gradients are those of the whole-logits path
-(tests/unit/test_head_logits.py).
-
-The price is compute: each reduction projects its rows once forward and once more in backward
-(the whole path projects once for all losses). Rows a loss does not select are never projected.
-
-Under TP the weight is this rank's vocabulary shard [V / tp, H] and the hidden states pass through
-`tokenbridge.dist_ops.collectives.copy_to_group` (its backward sums the partial gradients over
-tp); the losses then run their vocab-parallel paths on the [rows, V / tp] blocks as before.
+Every loss reads the logits row by row through `rowwise.map_rows` and `fused`'s two reductions,
+so a `HeadLogits` can stand in for the [N, V] tensor: each projects only the rows it selects and
+writes its gradient into the hidden states and the weight. Why and what it costs:
+docs/parallelism.md, "Logits never whole".
 
 Legend: N rows (positions), H hidden size, V vocabulary (this rank's shard), r selected rows.
 """

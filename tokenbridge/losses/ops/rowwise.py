@@ -1,20 +1,8 @@
 """Run a per-row computation over selected rows of a [N, V] logits tensor, block by block.
 
-This is what keeps every loss memory-lean. The logits are split ONCE into contiguous row blocks
-(`Tensor.split`: one autograd node, so backward assembles the [N, V] gradient in a single
-allocation; per-block slicing or `index_select` on the whole tensor would allocate a zero [N, V]
-gradient per block). Each block runs under non-reentrant activation checkpointing, so the fp32
-[rows, V] intermediates of a block (casts, log-softmax, masked copies) are freed right after its
-forward and recomputed during backward: peak memory is the logits, their gradient and ONE
-block's intermediates, whatever T is.
-
-``fn(block_cV, local_rows_r, *extras_r) -> tuple[Tensor, ...]`` gets the block, the indices of
-the selected rows inside the block (sorted, distinct) and the matching slices of the per-row
-``extras``; it returns per-row tensors (first dim r), which are concatenated in row order.
-
-The logits may also be a `head_logits.HeadLogits` (the lm_head's input and weight): then each
-block projects only its selected rows inside the checkpointed function, so the [N, V] logits and
-their gradient never exist; ``fn`` sees a block of exactly the selected rows.
+This keeps the composed loss path (under TP, and where no fused Function exists) memory-lean:
+each block runs under non-reentrant activation checkpointing, so the peak is the logits, their
+gradient and ONE block's fp32 intermediates, whatever T is (docs/losses.md, "Memory and speed").
 
 Legend: N rows of the logits, V vocabulary, G selected rows, c block rows, r selected in a block.
 """
@@ -49,8 +37,12 @@ def map_rows(
 ) -> tuple[Tensor, ...]:
     """Apply ``fn`` to the rows ``rows_G`` (sorted ascending, distinct) of ``logits_NV`` in blocks.
 
-    Returns the concatenation of ``fn``'s per-row outputs, in the order of ``rows_G``. The caller
-    handles G == 0 (there is nothing to concatenate).
+    ``fn(block_cV, local_rows_r, *extras_r) -> tuple[Tensor, ...]`` gets the block, the indices
+    of the selected rows inside it (sorted, distinct) and the matching slices of the per-row
+    ``extras``, and returns per-row tensors (first dim r). Returns the concatenation of ``fn``'s
+    outputs, in the order of ``rows_G``. The caller handles G == 0 (there is nothing to
+    concatenate). A `HeadLogits` is projected inside ``fn``'s checkpoint, block by block, so
+    the [N, V] logits and their gradient never exist; ``fn`` then sees exactly the selected rows.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -76,6 +68,8 @@ def map_rows(
     if isinstance(logits_NV, HeadLogits):
         return _map_head_rows(fn, logits_NV, rows_G, bounds, extras, recompute and wants_grad)
     parts: list[tuple[Tensor, ...]] = []
+    # split ONCE: one autograd node, so backward assembles the [N, V] gradient in one allocation
+    # (slicing or index_select per block would allocate a zero [N, V] gradient per block)
     for i, block in enumerate(logits_NV.split(chunk_size, dim=0)):
         lo, hi = bounds[i], bounds[i + 1]
         if lo == hi:

@@ -1,18 +1,9 @@
 """Batch alignment tensors and the segment operations that reduce tokens to aligned chunks.
 
-One (student, teacher) pair of a batch is an `AlignedBatch`: both sides' ids padded to [B, T],
-their lengths, the chunk index of every token (-1 = special or padding) and the number of chunks
-per row (shard columns ``student_ids``, ``teacher{i}_ids``, ``teacher{i}_student_chunk``,
-``teacher{i}_chunk``, ``teacher{i}_n_chunks``; see tokenbridge/formats/shard_schema.py). `index_chunks` turns it
-into a `ChunkIndex`: per chunk (numbered globally across the batch) the flat positions of its
-first and last token on each side, and per position the chunk of the token it PREDICTS.
-
-Position convention (docs/losses.md): the logits at position i predict token i + 1. So the
-distribution "at the start of chunk c" is the one at (first token of c) - 1, on either side; both
-sides are then conditioned on exactly the text before c, because chunk boundaries are token
-boundaries on both sides. A chunk whose first token sits at position 0 (no BOS) has no such
-distribution and is dropped (and counted). Every reduction from tokens to chunks is a segment op
-(`index_add`, `scatter_reduce`), never a one-hot [C, T] matmul.
+`collate_aligned` pads one teacher's shard columns into an `AlignedBatch`; `index_chunks` numbers
+its chunks over the batch (`ChunkIndex`: each chunk's first and last position per side, each
+position's predicted chunk). Tokens reach chunks by segment ops, never a one-hot [C, T] matmul;
+position conventions: docs/losses.md, "Positions and chunks".
 
 Legend: B batch rows, S student positions, T teacher positions, G chunks in the batch, L slots.
 """
@@ -26,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tokenbridge.formats import shard_schema as schema
+from tokenbridge.formats import shard_schema
 
 
 @dataclass(frozen=True)
@@ -41,7 +32,7 @@ class AlignedBatch:
     teacher_chunk: Tensor  # [B, T]
     n_chunks: Tensor  # [B]
     # conversation shards: per chunk its kind ([B, max n_chunks], -1 past a row's chunks):
-    # 0..3 text chunks, schema.CHUNK_OPEN / CHUNK_EOT turn-marker pairs; None = all text
+    # 0..3 text chunks, shard_schema.CHUNK_OPEN / CHUNK_EOT turn-marker pairs; None = all text
     chunk_kind: Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -88,15 +79,19 @@ def collate_aligned(
         return np.asarray(row[name], dtype=np.int64)
 
     s_ids = [col(r, "student_ids", i) for i, r in enumerate(rows)]
-    t_ids = [col(r, schema.teacher_ids_column(teacher), i) for i, r in enumerate(rows)]
-    s_chunk = [col(r, schema.teacher_student_chunk_column(teacher), i) for i, r in enumerate(rows)]
-    t_chunk = [col(r, schema.teacher_chunk_column(teacher), i) for i, r in enumerate(rows)]
+    t_ids = [col(r, shard_schema.teacher_ids_column(teacher), i) for i, r in enumerate(rows)]
+    s_chunk = [
+        col(r, shard_schema.teacher_student_chunk_column(teacher), i) for i, r in enumerate(rows)
+    ]
+    t_chunk = [col(r, shard_schema.teacher_chunk_column(teacher), i) for i, r in enumerate(rows)]
     for i in range(len(rows)):
         if len(s_chunk[i]) != len(s_ids[i]) or len(t_chunk[i]) != len(t_ids[i]):
             raise ValueError(
                 f"shard row {i}: chunk column length differs from its ids (teacher {teacher})"
             )
-    n_chunks = [int(col(r, schema.teacher_n_chunks_column(teacher), i)) for i, r in enumerate(rows)]
+    n_chunks = [
+        int(col(r, shard_schema.teacher_n_chunks_column(teacher), i)) for i, r in enumerate(rows)
+    ]
     return AlignedBatch(
         student_ids=pad(s_ids, student_pad_id),
         student_len=torch.tensor([len(x) for x in s_ids], dtype=torch.int64),

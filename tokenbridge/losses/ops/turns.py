@@ -1,35 +1,9 @@
 """Conversations in the losses: the train mask on chunks, and the end-of-turn term.
 
-A conversation shard marks which student tokens are trained (`tokenbridge.formats.shard_schema` train codes:
-by default the assistant contents and the student's own end-of-turn run). The data loader turns
-the flags into targets: position i keeps its target only if token i + 1 is trained (IGNORE
-otherwise), so ``ce`` and ``kd_topk``, which work per target position, follow the mask as they
-are. The chunk modes address chunks, so here a chunk is **trained** when every student token
-of it is a target (`trained_chunks`); chunks never straddle a trained and an untrained token
-(content chunks lie inside one content, marker chunks are one turn's run), so "every" and
-"any" agree on real shards. For raw text (every token past the first a target) every chunk
-with a predicted first token is trained: nothing changes.
-
-Chunk kinds split the trained chunks in two (`split_chunks`):
-
-- text chunks (kinds 0..3): the mode's own loss (xtoken, gold, alm), unchanged;
-- turn-marker chunks (`CHUNK_EOT`, and `CHUNK_OPEN` when the mode is ``all``): each model's own
-  control tokens, never comparable through a vocabulary projection (their bytes differ). They
-  get the **end-of-turn term** (`eot`): at an end-of-turn pair both models decide "stop here or
-  go on" at the same point of the same text. The student's probability of stopping is the chain
-  probability of its end-of-turn run (whitespace the template writes before the close token,
-  then the token; usually one token, ``<|im_end|>``), the teacher's that of its own run
-  (``<end_of_turn>``), each from the targets' log-probs at temperature 1:
-
-      p_s = exp(sum_{i in run_s} log q(x_i | x_<i)),   p_t = exp(sum_{j in run_t} log p(y_j | y_<j))
-      eot = KL(Bern(p_t) || Bern(p_s)) = p_t log(p_t / p_s) + (1 - p_t) log((1 - p_t) / (1 - p_s))
-
-  (computed as `alm.binary_divergence`, kind "kl", eps = 1e-6 so that log(1 - p) stays finite).
-  One term per pair; it adds to the teacher's KD sum and count like a chunk, and is logged on
-  its own (``<teacher>/eot_mean``: its share of that teacher's KD).
-
-The teacher only needs outputs at the positions the selected chunks read (`teacher_positions`):
-the rows predicting a token of a trained chunk. The trainer asks its teacher for those rows only.
+A chunk is trained when every student token of it is a target; trained text chunks get the
+mode's own loss, trained turn-marker chunks (each model's own control tokens, which no
+projection compares) the end-of-turn term `eot`, a binarised KL of the two "stop here"
+probabilities. Rules and formula: docs/losses.md, "Conversations".
 
 Legend: B rows, S student positions, U teacher positions, V student width, G chunks.
 """
@@ -93,7 +67,8 @@ class ChunkSplit:
 
 
 def split_chunks(index: ChunkIndex, targets_BS: Tensor) -> ChunkSplit:
-    """The text and turn-marker views of `index` under the batch's train mask (module doc)."""
+    """The text and turn-marker views of `index` under the batch's train mask: trained
+    text chunks and trained turn-marker pairs (`CHUNK_EOT`, and `CHUNK_OPEN` in train mode ``all``)."""
     trained = trained_chunks(index, targets_BS)
     if index.kind is None:
         return ChunkSplit(dataclasses.replace(index, select=trained), None)
@@ -114,7 +89,8 @@ def eot(
     tp_group=None,
     cp: CPContext | None = None,
 ) -> LossOutput:
-    """The end-of-turn term over the selected turn-marker chunks of `index` (module doc).
+    """The end-of-turn term over the selected turn-marker chunks of `index`
+    (docs/losses.md, "Conversations").
 
     sum = sum of KL(Bern(p_t) || Bern(p_s)) over the pairs; count = pairs. Under CP a pair's
     term belongs to the rank holding its start row, as in `alm`."""

@@ -1,20 +1,9 @@
 """The projection tables `xtoken` reads: teacher token -> student bucket, student token -> bucket.
 
-At a chunk start both models predict the next piece of the same text, but at different
-granularities. Let g(t) be the first student token of teacher token t's text (``t2s`` first
-slot) and f(s) the first teacher token of student token s's text (``s2t`` first slot).
-
-- The teacher is coarser ("202" vs "2","0","2"): its "202" means "the text starts with 202",
-  which the student starts with "2" = g("202"). Mapping t -> g(t) is right.
-- The teacher is finer (" p","ears" vs " pears"): its " p" means "starts with  p", which the
-  student may start with " p", " pears", " person"... Mapping " p" -> g(" p") = " p" alone
-  would push the student OFF its correct " pears". Those student tokens must be pooled.
-
-So both sides are coarse-grained into common BUCKETS, each named by a student token: student
-token s goes to key(s) = g(f(s)) (its own teacher-granularity first token, back in student
-space; a prefix of s), iterated to a fixed point so that keys are their own keys; teacher token
-t goes to key(g(t)). For 1:1 tokens every map is the identity. `xtoken` then compares the
-bucket distributions; with ``s_key=None`` (no coarsening) buckets are single student tokens.
+Where the teacher is finer (" p","ears" vs " pears"), mapping its " p" to the student's " p"
+alone would push the student off its correct " pears", so both sides are pooled into common
+buckets named by student tokens (key(s) = g(f(s)), iterated to a fixed point). Definitions:
+docs/losses.md, "`xtoken`".
 
 Legend: R teacher rows (lm_head width), P slots per row, Vs student rows.
 """
@@ -92,7 +81,8 @@ class XTokenTables:
     ) -> XTokenTables:
         """From a `tokenbridge.projection.Projection` (t2s_ids / t2s_weights, s2t_ids / s2t_weights).
 
-        ``coarsen`` (default) pools the student tokens into common buckets (module docstring).
+        ``coarsen`` (default) pools the student tokens into common buckets (key(s) = g(f(s)),
+        g the first ``t2s`` slot and f the first ``s2t`` slot; docs/losses.md, "`xtoken`").
         """
         key = None
         if coarsen:

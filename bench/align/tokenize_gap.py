@@ -1,0 +1,176 @@
+"""The align job against the fastest tokenizing of the same texts (issue 44 item 5).
+
+Short documents (~300 characters, consecutive KJV verses, 12 jsonl files; ``TOKENIZE_GAP_COPIES``
+passes of the KJV, default 16: ~70 MB). Each measurement is a fresh process, start-up included
+(interpreter, imports, tokenizer loading, Beam's worker processes): what a user waits for.
+
+- the job: ``python -m pipelines.align``'s `run` with the default runner (one worker process per
+  core), ``TOKENIZERS_PARALLELISM=false`` as the Makefile sets it;
+- tokenizing alone, one process that reads the same files (json) first: ONE `encode_batch`
+  per tokenizer over all texts (the `tokenizers` library's own call, offsets included, its
+  threads on), and our adapter's `Tokenizer.encode_batch` (ids, char and byte offsets as
+  arrays) in the job's batches (1 MB / 1,024 documents), threads on and off. The fastest of
+  them is the baseline.
+
+Runs alternate (job, tokenize, ...) ``TOKENIZE_GAP_REPEATS`` times (default 1); the least of
+each is kept. CPU seconds (user + system of the process tree) sit beside wall seconds: on a
+shared machine they move less. ``python -m bench.align.tokenize_gap`` prints the section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.provenance import cpu_model
+from tokenbridge import paths
+
+MEASURES = (
+    "pipelines/align",
+    "pipelines/plumbing",
+    "tokenbridge/alignment",
+    "tokenbridge/tokenizers",
+    "bench/align/tokenize_gap.py",
+)
+FILES = 12
+
+
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _measure(code: str, *, threads: bool) -> dict:
+    """`code` in a fresh interpreter -> its last stdout line (JSON), wall and CPU seconds."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true" if threads else "false"}
+    cpu0, t0 = _cpu_children(), time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], cwd=paths.REPO_ROOT, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"bench child failed:\n{done.stderr[-4000:]}")
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**res, "wall_s": wall, "cpu_s": _cpu_children() - cpu0}
+
+
+def _job_code(data: str, out: Path) -> str:
+    t, s = str(paths.teacher_dir()), str(paths.student_dir())
+    argv = ["--data", data, "--teacher", t, "--student", s, "--out", str(out), "--overwrite"]
+    return (
+        "import json; from pipelines.align import job as J\n"
+        f"st = J.run({argv!r})\n"
+        "print(json.dumps({'documents': st['documents'], 'windows': st['windows'],"
+        " 'tokens': st['tokens']['student'] + sum(st['tokens']['teachers'])}))"
+    )
+
+
+def _tokenize_code(data: str, *, whole: bool) -> str:
+    """Both tokenizers over every text of `data`: the library's one call each (`whole`), or
+    our adapter in the job's batches. Reading is timed apart from encoding."""
+    t, s = str(paths.teacher_dir()), str(paths.student_dir())
+    return f"""
+import glob, json, time
+from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
+from tokenbridge.tokenizers import load_tokenizer
+toks = [load_tokenizer({s!r}), load_tokenizer({t!r})]
+t0 = time.perf_counter()
+texts = [json.loads(x)["text"] for p in sorted(glob.glob({data!r})) for x in open(p)]
+read_s = time.perf_counter() - t0
+batches, cur, chars = [], [], 0
+for x in texts:
+    if cur and (chars + len(x) > BATCH_CHARS or len(cur) >= BATCH_DOCS):
+        batches.append(cur)
+        cur, chars = [], 0
+    cur.append(x)
+    chars += len(x)
+batches += [cur] if cur else []
+t0, n = time.perf_counter(), 0
+for tok in toks:
+    if {whole!r}:  # the tokenizers library's own call: offsets included, its threads
+        n += sum(len(e.ids) for e in tok._backend.tk.encode_batch(texts, add_special_tokens=False))
+        continue
+    for b in batches:
+        n += len(tok.encode_batch(b).ids)
+print(json.dumps({{"encode_s": time.perf_counter() - t0, "read_s": read_s, "tokens": n,
+                  "documents": len(texts)}}))
+"""
+
+
+def _corpus(tmp: Path, copies: int) -> tuple[str, int]:
+    """~300-character documents over `copies` passes of the KJV, in FILES jsonl files."""
+    src = paths.corpus_dir() / "kjv.jsonl"
+    verses = [json.loads(x)["text"] for x in src.read_text().splitlines()]
+    docs, cur = [], ""
+    for v in verses * copies:
+        cur = f"{cur} {v}" if cur else v
+        if len(cur) >= 260:
+            docs.append(cur)
+            cur = ""
+    d = tmp / "short"
+    d.mkdir()
+    per = -(-len(docs) // FILES)
+    for i in range(FILES):
+        part = docs[i * per : (i + 1) * per]
+        (d / f"part{i:02d}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in part))
+    size = sum(p.stat().st_size for p in d.iterdir())
+    return f"{d}/*.jsonl", size
+
+
+def main() -> str:
+    copies = int(os.environ.get("TOKENIZE_GAP_COPIES", "16"))
+    repeats = int(os.environ.get("TOKENIZE_GAP_REPEATS", "1"))
+    load0 = os.getloadavg()[0]
+    runs: dict[str, list[dict]] = {"job": [], "whole": [], "batches": [], "batches_1t": []}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        data, size = _corpus(tmp, copies)
+        for _ in range(repeats):
+            runs["job"].append(_measure(_job_code(data, tmp / "out"), threads=False))
+            runs["whole"].append(_measure(_tokenize_code(data, whole=True), threads=True))
+            runs["batches"].append(_measure(_tokenize_code(data, whole=False), threads=True))
+            runs["batches_1t"].append(_measure(_tokenize_code(data, whole=False), threads=False))
+    best = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}
+    job = best["job"]
+    base_key = min(("whole", "batches", "batches_1t"), key=lambda k: best[k]["wall_s"])
+    whole = best[base_key]
+    label = {
+        "job": "align job (default runner, TOKENIZERS_PARALLELISM=false)",
+        "whole": "tokenize: one `tokenizers` encode_batch per tokenizer, threads on",
+        "batches": "tokenize: our encode_batch in the job's batches, threads on",
+        "batches_1t": "tokenize: our encode_batch in the job's batches, threads off",
+    }
+    lines = [
+        f"## Align job vs the fastest tokenizing of the same texts (issue 44) — {job['documents']:,}"
+        f" short documents, {size / 1e6:.0f} MB in {FILES} files",
+        "",
+        f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; load average {load0:.1f} at "
+        f"the start, {os.getloadavg()[0]:.1f} at the end (a shared machine: wall times are noisy). "
+        f"Gemma-3-270M x SmolLM2-135M, 512-token windows. Start-up included on both sides; "
+        f"least of {repeats} alternated run(s).",
+        "",
+        "| run | process wall s | CPU s | encode s | tokens | wall / baseline |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for k, r in best.items():
+        enc = f"{r['encode_s']:.1f}" if "encode_s" in r else ""
+        lines.append(
+            f"| {label[k]} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {enc} | {r['tokens']:,} | "
+            f"{r['wall_s'] / whole['wall_s']:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Job / fastest tokenizing ({label[base_key]}), start-up included: "
+        f"**{job['wall_s'] / whole['wall_s']:.2f}x** wall, {job['cpu_s'] / whole['cpu_s']:.2f}x "
+        "CPU (goal <= 1.3x).",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(main())

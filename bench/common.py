@@ -1,0 +1,112 @@
+"""What several benchmark sections and the tests share: the demo pair's inputs and runs.
+
+The real teacher -> student projection (`ensure_projection`: made from the tokenizers alone, so
+it needs no weights: a GPU machine without them builds it in seconds), text of the shipped
+Shakespeare corpus (`shakespeare_docs`, `shakespeare_text`), a trainer run in its own processes
+(`run_trainer`), and the figures of its per-step records (`step_figures`: the first steps dropped
+as warm-up, medians of the rest). Shards from such text: `tokenbridge.alignment.text_shards`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenbridge import paths
+
+PROJECTION = (
+    paths.REPO_ROOT / "outputs" / "projection" / "gemma-3-270m__smollm2-135m__k8.safetensors"
+)
+
+
+def ensure_projection(
+    teacher_dir: str | os.PathLike | None = None, student_dir: str | os.PathLike | None = None
+) -> Path:
+    """`PROJECTION` (the `make projection` file of the pair, k=8; by default the shipped
+    teacher's and student's), built if missing or made for other tokenizers. The tokenizer files
+    are all it reads."""
+    from pipelines.projection.__main__ import main as projection_job
+    from tokenbridge import projection
+    from tokenbridge.tokenizers import load_tokenizer
+
+    t_dir, s_dir = teacher_dir or paths.teacher_dir(), student_dir or paths.student_dir()
+    try:
+        projection.load_projection(
+            PROJECTION, teacher=load_tokenizer(t_dir).info(), student=load_tokenizer(s_dir).info()
+        )
+    except (FileNotFoundError, ValueError):
+        projection_job(["--teacher", str(t_dir), "--student", str(s_dir), "--k", "8",
+                "--out", str(PROJECTION)])  # fmt: skip
+    return PROJECTION
+
+
+def shakespeare_docs(n_docs: int, *, chars: int = 1500, skip: int = 3000) -> list[tuple[str, str]]:
+    """(doc id, text) pairs: `chars`-long slices of the shipped plays (past their front matter)."""
+    files = sorted((paths.corpus_dir() / "shakespeare").glob("*.txt"))
+    docs = []
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        for j in range(skip, len(text) - chars, chars):
+            docs.append((f"{f.stem}/{j}", text[j : j + chars]))
+            if len(docs) == n_docs:
+                return docs
+    return docs
+
+
+def shakespeare_text(chars: int, *, skip: int = 3000) -> str:
+    """`chars` characters of the shipped plays, in file order, past each one's front matter."""
+    parts, n = [], 0
+    for f in sorted((paths.corpus_dir() / "shakespeare").glob("*.txt")):
+        text = f.read_text(encoding="utf-8")[skip:]
+        parts.append(text[: chars - n])
+        n += len(parts[-1])
+        if n >= chars:
+            return "".join(parts)
+    raise ValueError(f"{paths.corpus_dir() / 'shakespeare'}: fewer than {chars} characters")
+
+
+def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 300, env: dict | None = None):
+    """Run trainer/main.py (torchrun for nproc > 1) at the repo root; the CompletedProcess."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}"]  # fmt: skip
+    else:
+        cmd = [sys.executable]
+    cmd += [str(paths.REPO_ROOT / "trainer" / "main.py"), *args]
+    full_env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    return subprocess.run(
+        cmd, cwd=paths.REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+# what a step record may hold besides: model TFLOP/s per device and MFU of the student and of
+# the live teachers (trainer.throughput, where the run knows the model's FLOPs and the peak)
+OPTIONAL = ("tflops_per_device", "mfu", "teacher_tflops_per_device", "teacher_mfu")
+
+
+def step_figures(records: Sequence[dict], *, skip: int = 1) -> dict[str, float]:
+    """Medians over the trainer's step records after the first `skip` (warm-up: allocation,
+    kernels' first calls): seconds per step, the teacher worker's busy seconds, student tokens
+    per step and per second, and each of `OPTIONAL` every record has; the largest peak memory
+    (GiB) any step reported."""
+    kept = list(records[skip:]) or list(records)
+    out = {
+        "step_s": statistics.median(r["step_s"] for r in kept),
+        "teacher_s": statistics.median(r.get("teacher_s", 0.0) for r in kept),
+        "tokens": statistics.median(r["tokens"] for r in kept),
+        "tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in kept),
+        "memory_gib": max(r["memory_gib"] for r in records),
+    }
+    for key in OPTIONAL:
+        if all(key in r for r in kept):
+            out[key] = statistics.median(r[key] for r in kept)
+    return out

