@@ -1,4 +1,4 @@
-"""The training loop: the verbs forward, train_step, train, state_dict, load_state_dict.
+"""The training loop: the verbs train_step, train, evaluate, state_dict, load_state_dict.
 
 Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
 (TP plan, CP attention, activation checkpointing, compile, then FSDP2) -> optimizer and LR
@@ -8,11 +8,12 @@ and fingerprint check ran before, in `trainer.config.preflight`.
 
 One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
 the step and the token count): `train_step` runs it on the shard batches
-(`trainer.shard_source`), the on-policy side on its rollouts
-(`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). The loss
-invariant: `tokenbridge.losses.base.normalize`.
+(`trainer.shard_source`), the on-policy side (`trainer.onpolicy.side`) on its rollouts
+(`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). Each source is
+built here with what it needs, keyword by keyword, and holds no `Trainer`. The loss invariant:
+`tokenbridge.losses.base.normalize`.
 
-Layouts (`forward`): every rank of a dp group reads the same microbatch, whole; its student
+Layouts (`ShardSource.forward`): every rank of a dp group reads the same microbatch, whole; its student
 forward sees this CP rank's positions of every row (load-balanced layout, global position ids)
 and returns this TP rank's vocabulary shard of the logits, [B, T / cp, V / tp]. The losses take
 that local block with the TP group and a `CPContext`; the teachers ran the whole rows.
@@ -40,20 +41,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
-from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 from tokenbridge.formats import checksums as integrity
-from tokenbridge.losses.ops.head_logits import HeadLogits
 from trainer import optim, report
 from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.preflight import Prepared
 from trainer.config.schema import TrainConfig
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
-from trainer.microbatches import Microbatch, MicrobatchLoader, pad_id
-from trainer.onpolicy.rollout_source import OnPolicy
+from trainer.microbatches import MicrobatchLoader, pad_id
+from trainer.onpolicy.side import open_onpolicy
 from trainer.parallel import cpus, parallelize
-from trainer.parallel.cp_attention import model_inputs
-from trainer.parallel.head import head_logits
 from trainer.parallel.mesh import build_mesh
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
 from trainer.shard_reader import ShardReader, ShardStream
@@ -102,15 +99,7 @@ class Trainer:
         # data: this dp rank's share of the shards
         reader = ShardReader(prepared.shards, max_student_tokens=cfg.data.max_student_tokens)
         stream = ShardStream(
-            reader,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dp_size,
-            seed=cfg.data.seed,
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            eval_fraction=cfg.data.eval_fraction,
-            eval_split=cfg.data.eval_split,
-            val_fraction=cfg.data.val_fraction,
-            eval_on=cfg.data.eval_on,
+            reader, data=cfg.data, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size
         )
         self.loader = MicrobatchLoader(
             stream,
@@ -171,13 +160,34 @@ class Trainer:
         )
         self._closers += self.channels
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
-        self.throughput = Throughput.of(self)  # per-device tokens/s and MFU of the records
+        # per-device tokens/s and MFU of the records
+        self.throughput = Throughput.of(
+            world=self.world,
+            student=self.model.config,
+            terms=self.kd_terms,
+            teachers=cfg.teachers,
+            caches=prepared.caches,
+            device=self.device,
+            dtype=precision.param_dtype,
+            peak_tflops=cfg.logging.peak_tflops,
+        )
 
         # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
         # the student's rollouts, with their prompts, sampler and teacher channels
         self.checkpointer = ckpt.Checkpointer(
             ckpt.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
         )
+        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            enabled=self.is_main,
+            jsonl=cfg.logging.jsonl,
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+            total_steps=cfg.stop_after or cfg.steps,
+            fresh=self.resumed_from is None,
+        )
+        self._closers.append(self.metrics)
         self.stepper = TrainStep(
             model=self.model,
             optimizer=self.optimizer,
@@ -187,27 +197,39 @@ class Trainer:
             optim=cfg.optim,
             checkpoints=self.checkpointer.folder,
             device=self.device,
-            say=lambda line: self.metrics.write(line),
+            say=self.metrics.write,
         )
-        self.shards = ShardSource(self)
-        self.onpolicy = OnPolicy(self) if cfg.onpolicy.enabled else None
-        if self.onpolicy is not None:
+        self.shards = ShardSource(
+            model=self.model,
+            terms=self.kd_terms,
+            feed=self.feed,
+            loader=self.loader,
+            mesh=self.mesh,
+            data=cfg.data,
+            loss=cfg.loss,
+            parallel=cfg.parallel,
+            vocab_size=self.vocab_used,
+            throughput=self.throughput,
+            device=self.device,
+        )
+        self.onpolicy = None
+        if cfg.onpolicy.enabled:
+            self.onpolicy = open_onpolicy(
+                cfg,
+                prepared,
+                model=self.model,
+                mesh=self.mesh,
+                loader=self.loader,
+                stepper=self.stepper,
+                throughput=self.throughput,
+                cpus=self.cpus,
+                device=self.device,
+            )
             self._closers.append(self.onpolicy)
 
-        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
-        self.metrics = MetricsLogger(
-            self.run_dir,
-            enabled=self.is_main,
-            jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress,
-            total_steps=cfg.stop_after or cfg.steps,
-            start_step=self.step,
-            fresh=self.resumed_from is None,
-        )
-        self._closers.append(self.metrics)
+        self.metrics.start(self.step)
 
     # ---------------------------------------------------------------------------------------
     # state
@@ -261,23 +283,6 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------
     # the verbs
-
-    def forward(self, mb: Microbatch) -> torch.Tensor | HeadLogits:
-        """The student's logits on this rank, [B, L, V / tp]: its CP positions of every row
-        (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns
-        a DTensor sharded on the vocabulary; only its local shard leaves here (the unwrap
-        checks the placement), so full-vocabulary logits never exist on one rank. With
-        ``parallel.logits_chunk`` (the default) they are a `HeadLogits`: never whole at all,
-        projected block by block by every loss (`trainer.parallel.head`)."""
-        rows = mb.student_rows(cp_size=self.mesh.cp_size, cp_rank=self.mesh.cp_rank)
-        kw = model_inputs(rows, group=self.mesh.cp)
-        chunk = self.cfg.parallel.logits_chunk
-        if chunk:  # the lm_head's input and weight, projected block by block by every loss
-            with head_logits(self.model, chunk=chunk, tp_group=self.mesh.tp) as head:
-                self.model(**kw, use_cache=False)
-            return head.logits
-        logits_BLV, _ = unwrap_vocab_sharded(self.model(**kw, use_cache=False).logits)
-        return logits_BLV
 
     def train_step(self, *, log: bool = True) -> dict[str, float] | None:
         """One optimizer step over `data.grad_accum` shard microbatches on every dp rank

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,9 @@ import pyarrow.compute as pc
 
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import value_checks as values
+
+if TYPE_CHECKING:
+    from trainer.config.sections import DataConfig
 
 
 def held_out_set(
@@ -247,18 +251,20 @@ class ShardStream:
         self,
         reader: ShardReader,
         *,
+        data: DataConfig,
         dp_rank: int,
         dp_size: int,
-        seed: int,
-        shuffle_buffer: int,
-        eval_fraction: float,
-        eval_split: str = "window",
-        val_fraction: float = 0.0,
-        eval_on: str = "test",
+        seed: int | None = None,
     ):
+        """``data``: the held-out split and the shuffle buffer; ``seed``: the shuffle's
+        (default ``data.seed``)."""
         self.reader = reader
+        seed = data.seed if seed is None else seed
         train, self.eval_rows = reader.split(
-            eval_fraction, by=eval_split, val_fraction=val_fraction, eval_on=eval_on
+            data.eval_fraction,
+            by=data.eval_split,
+            val_fraction=data.val_fraction,
+            eval_on=data.eval_on,
         )
         self.rows = train[dp_rank::dp_size]
         if reader.stream:  # the files this rank reads: the only ones fetched ahead
@@ -269,7 +275,7 @@ class ShardStream:
                 f"{len(self.eval_rows)} for eval) cannot feed {dp_size} data-parallel ranks"
             )
         self.layout = {"dp_rank": dp_rank, "dp_size": dp_size, "seed": seed, "rows": len(train)}
-        self.buffer_size = shuffle_buffer
+        self.buffer_size = data.shuffle_buffer
         self.epoch = 0
         self.cursor = 0
         self.buffer: list[int] = []

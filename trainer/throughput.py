@@ -60,21 +60,26 @@ class Throughput:
     _seen: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, trainer) -> Throughput:
-        """A `trainer.loop.Trainer`'s: its student, its teachers not read from a cache, the
-        peak of its device at its student's compute dtype."""
-        caches = trainer.prep.caches or [None] * len(trainer.cfg.teachers)
+    def of(
+        cls,
+        *,
+        world: int,
+        student: Any,
+        terms: list,
+        teachers: list,
+        caches: list | None,
+        device: torch.device,
+        dtype: str,
+        peak_tflops: float | None,
+    ) -> Throughput:
+        """A run's: its ``student`` (HF config), the teachers (``teachers[i]``: model configs)
+        of its KD ``terms`` not read from a cache (``caches[i]``), the peak of its ``device``
+        at the student's compute ``dtype`` (``peak_tflops``: ``logging.peak_tflops``)."""
+        caches = caches or [None] * len(teachers)
         live = {
-            t.name: models.model_config(trainer.cfg.teachers[t.index])
-            for t in trainer.kd_terms
-            if caches[t.index] is None
+            t.name: models.model_config(teachers[t.index]) for t in terms if caches[t.index] is None
         }
-        peak = peak_for(
-            trainer.device,
-            dtype=trainer.prep.precision.param_dtype,
-            tflops=trainer.cfg.logging.peak_tflops,
-        )
-        return cls(trainer.world, trainer.model.config, live, peak)
+        return cls(world, student, live, peak_for(device, dtype=dtype, tflops=peak_tflops))
 
     def record(
         self,

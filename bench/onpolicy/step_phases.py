@@ -34,10 +34,10 @@ def step_breakdown() -> dict:
     from tokenbridge.teacher.forward import teacher_forward
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig
+    from trainer.loss_terms import used_inputs
     from trainer.onpolicy.realign import TeacherView
     from trainer.onpolicy.rollout_scoring import scoring_spec
-    from trainer.onpolicy.rollout_source import used_inputs
-    from trainer.onpolicy.rollouts import build_batch
+    from trainer.onpolicy.rollouts import build_batch, completion_rows
     from trainer.onpolicy.sampler import SamplingConfig, sample
 
     torch.set_num_threads(1)
@@ -67,7 +67,8 @@ def step_breakdown() -> dict:
                                              teachers=[view], want_cols=[False], pad_id=0))  # fmt: skip
     prep = record.prepare(b.aligned[0], b.targets_BT)
     # as the trainer's worker: the positions the loss and the eval read
-    inp = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0])
+    done = completion_rows(b.aligned[0], b.teacher_inputs[0]["input_ids"].shape[1])
+    inp = used_inputs(record, prep, b.teacher_inputs[0], completion=done)
 
     def score():
         with torch.no_grad():

@@ -135,7 +135,7 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
             return submit(inputs)
 
         channel.submit = counted
-    forward = trainer.forward
+    forward = trainer.shards.forward
 
     def probed(mb):
         state["wide"] = []
@@ -153,7 +153,7 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
         )
         return logits
 
-    trainer.forward = probed
+    trainer.shards.forward = probed  # the shard batches' student forward (`ShardSource`)
 
 
 def run(cfg, out: Path, *, probe: bool = False) -> None:

@@ -317,7 +317,7 @@ def test_kd_topk_and_two_teachers_equal_the_hand_reference(batch):
     weights = torch.tensor([0.25, 0.75], dtype=torch.float64)
     cfg = LossConfig(mode="alm", ce_weight=0.5, kd_weight=2.0)
     ce_v, a_v, k_v = (normalize(o, c) for o, c in zip((ce_fast, a_fast, k_fast), counts))
-    total = combine_terms(cfg, ce_v, [a_v, k_v], weights=weights, scale=None)
+    total = combine_terms(cfg.combine_config(), ce_v, [a_v, k_v], weights=weights, scale=None)
     text, turns = _hand_chunks(rows, lambda r: r["teachers"][0]["chunk_kind"])
     with torch.no_grad():
         a_dense = teacher_forward(batch["teachers"][0], t0["input_ids"], t0["attention_mask"],

@@ -17,6 +17,7 @@ from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats.shards import ShardWriter, open_shards, shard_name, write_completed
 from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
 from trainer.checkpoint import state_split as checkpoint_state
+from trainer.config.sections import DataConfig
 from trainer.microbatches import IGNORE, MicrobatchLoader, collate
 from trainer.shard_reader import ShardReader, ShardStream, is_held_out
 
@@ -67,9 +68,9 @@ def shards(tmp_path_factory):
 
 def stream(shard_set, *, rank=0, size=1, seed=0, buffer=8, frac=0.2) -> ShardStream:
     reader = ShardReader(shard_set, max_student_tokens=64)
-    return ShardStream(
-        reader, dp_rank=rank, dp_size=size, seed=seed, shuffle_buffer=buffer, eval_fraction=frac
-    )
+    data = DataConfig(shards=str(shard_set.dir), seed=seed, shuffle_buffer=buffer,
+                      eval_fraction=frac)  # fmt: skip
+    return ShardStream(reader, data=data, dp_rank=rank, dp_size=size)
 
 
 def test_ranks_partition_the_training_rows_and_never_see_held_out_ones(shards):
@@ -87,8 +88,9 @@ def test_document_split_holds_out_whole_documents(shards):
     """eval_split=document: every window of a held-out document is held out, none trained on."""
     shard_set, rows = shards
     reader = ShardReader(shard_set, max_student_tokens=64)
-    st = ShardStream(reader, dp_rank=0, dp_size=1, seed=0, shuffle_buffer=8, eval_fraction=0.3,
-                     eval_split="document")  # fmt: skip
+    data = DataConfig(shards=str(shard_set.dir), shuffle_buffer=8, eval_fraction=0.3,
+                      eval_split="document")  # fmt: skip
+    st = ShardStream(reader, data=data, dp_rank=0, dp_size=1)
     held_docs = {rows[i]["doc_id"] for i in st.eval_rows.tolist()}
     trained_docs = {rows[i]["doc_id"] for i in st.rows.tolist()}
     assert held_docs and not held_docs & trained_docs
@@ -110,8 +112,9 @@ def test_validation_set_is_apart_from_test_and_training(shards):
     reader = ShardReader(shard_set, max_student_tokens=64)
 
     def st(**kw):
-        return ShardStream(reader, dp_rank=0, dp_size=1, seed=0, shuffle_buffer=8,
-                           eval_fraction=0.3, eval_split="document", **kw)  # fmt: skip
+        data = DataConfig(shards=str(shard_set.dir), shuffle_buffer=8, eval_fraction=0.3,
+                          eval_split="document", **kw)  # fmt: skip
+        return ShardStream(reader, data=data, dp_rank=0, dp_size=1)
 
     plain, test, val = st(), st(val_fraction=0.3), st(val_fraction=0.3, eval_on="val")
     docs = lambda idx: {rows[i]["doc_id"] for i in idx.tolist()}  # noqa: E731

@@ -213,13 +213,13 @@ def test_on_step_is_polled_before_every_decode_step_and_changes_no_draw(model):
 
 
 def test_release_gives_torch_its_threads_back_once_the_work_beside_is_over():
-    """Lag 1's sampler (`rollout_source._Release`): lowered threads while the teachers score,
+    """Lag 1's sampler (`sampler.ThreadRelease`): lowered threads while the teachers score,
     every thread again from the first poll that finds them done, and never lowered again."""
-    from trainer.onpolicy.rollout_source import _Release
+    from trainer.onpolicy.sampler import ThreadRelease
     from trainer.parallel.cpus import torch_threads
 
     before, state = torch.get_num_threads(), {"done": False}
-    release = _Release(lambda: state["done"], threads=before + 1)
+    release = ThreadRelease(lambda: state["done"], threads=before + 1)
     with torch_threads(1):
         release()
         assert torch.get_num_threads() == 1 and release.held_s is None

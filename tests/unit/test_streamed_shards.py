@@ -13,6 +13,7 @@ from bench.common import shakespeare_docs
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shards, streamed_shards
+from trainer.config.sections import DataConfig
 from trainer.shard_reader import ShardReader, ShardStream
 
 FILES, KEEP = 5, 2
@@ -27,8 +28,9 @@ def local_shards(tmp_path_factory, student_dir):
 
 
 def _stream(reader: ShardReader) -> ShardStream:
-    return ShardStream(reader, dp_rank=0, dp_size=1, seed=3, shuffle_buffer=0,
-                       eval_fraction=0.2, eval_split="document")  # fmt: skip
+    data = DataConfig(shards="unused", seed=3, shuffle_buffer=0, eval_fraction=0.2,
+                      eval_split="document")  # fmt: skip
+    return ShardStream(reader, data=data, dp_rank=0, dp_size=1)
 
 
 def test_streamed_rows_equal_the_local_rows_with_a_window_of_files(

@@ -13,9 +13,10 @@ Read in this order (docs/onpolicy.md has the whole picture):
   student's top-k ids travel with the rows);
 - `teachers`: the run's on-policy terms, views and preflight checks;
 - `agreement`: the teachers' bits per byte of the student's own completions;
-- `rollout_source`: `OnPolicy`, the on-policy side of a run (sampling, scoring, policy lag, its
-  checkpointed state, GKD's lambda draw), and `RolloutSource`, a step's rollouts handed to the
-  one training step (`trainer.step`) as its microbatches.
+- `side`: `OnPolicy`, the on-policy side of a run (sampling, scoring, policy lag, its
+  checkpointed state, GKD's lambda draw), built by `open_onpolicy`;
+- `rollout_source`: `RolloutSource`, a step's rollouts handed to the one training step
+  (`trainer.step`) as its microbatches.
 
 The losses live with the others (`tokenbridge.losses.opd`: `opd_topk`, `opd_pg`, the
 probability-space mixture); the loss-mode registry holds their records.

@@ -14,7 +14,7 @@ on the rows beside it (still seeded and reproducible for the same batch). torch 
 quantized ops deprecated (for torchao); `int8_available` checks that the build has them.
 
 The copy is made from the current weights every ``onpolicy.sampler_refresh`` rollout phases
-(`trainer.onpolicy.rollout_source`; a `LlamaDecoder` given no copy makes its own); its
+(`trainer.onpolicy.side`; a `LlamaDecoder` given no copy makes its own); its
 distribution is not the trained model's, so the sampler records the
 log-probability of every token it drew and the step weights each position's loss by the
 likelihood ratio of the completion before it (`trainer.onpolicy.importance`).

@@ -25,7 +25,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from tokenbridge.chat.render import Rendering
 from tokenbridge.chat.templates import resolve_template
 from tokenbridge.tokenizers import Tokenizer
 from trainer.shard_reader import ShardReader, ShardStream, held_out_set
+
+if TYPE_CHECKING:
+    from trainer.config.sections import DataConfig
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,22 @@ class PromptSource(Protocol):
 class TextPrompts:
     """Prefixes of the training windows of this rank (see the module docstring)."""
 
-    def __init__(self, reader: ShardReader, *, prompt_tokens: int, **stream_args: Any):
-        """``stream_args``: the keyword arguments of `ShardStream` (rank, seed, shuffle buffer,
-        held-out split), which deals this rank its rows exactly as the trainer's windows."""
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        data: DataConfig,
+        prompt_tokens: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ):
+        """``data`` (shuffle buffer, held-out split), the rank and ``seed``: `ShardStream`'s,
+        which deals this rank its rows exactly as the trainer's windows."""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         self.reader, self.prompt_tokens = reader, prompt_tokens
-        self.stream = ShardStream(reader, **stream_args)
+        self.stream = ShardStream(reader, data=data, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
 
     def prompt(self, row: int, *, draw: int = 0) -> Prompt:
         r = self.reader.row(row)
@@ -132,17 +144,16 @@ class ChatPrompts:
         path: str | Path,
         tokenizer: Tokenizer,
         *,
+        data: DataConfig,
         model_dir: str | Path,
         template: str | None,
         dp_rank: int,
         dp_size: int,
         seed: int,
-        eval_fraction: float,
-        max_tokens: int,
-        val_fraction: float = 0.0,
-        eval_on: str = "test",
     ):
-        self.max_tokens = max_tokens  # a longer rendered prompt is skipped
+        """``data``: the held-out split (by conversation) and ``max_student_tokens``."""
+        eval_fraction, val_fraction = data.eval_fraction, data.val_fraction
+        self.max_tokens = data.max_student_tokens  # a longer rendered prompt is skipped
         self.side = prepare_side(tokenizer, resolve_template(model_dir, override=template))
         train: list[tuple[str, tuple[dict, ...], str]] = []
         held: list[tuple[str, tuple[dict, ...], str]] = []
@@ -167,7 +178,7 @@ class ChatPrompts:
                     which = held_out_set(
                         cid, 0, eval_fraction, by="document", val_fraction=val_fraction
                     )
-                    if which is None or which == eval_on:
+                    if which is None or which == data.eval_on:
                         (train if which is None else held).append(
                             (f"{cid}#{t}", msgs[:t], m.content)
                         )

@@ -7,7 +7,7 @@ slot with the rows (``col_ids`` [B, U, K], -1 = none). Every on-policy spec also
 teacher's log-prob of each realised token (``target_logprob``, `scoring_spec`): sampled-token
 reverse KL and the chain losses read it, and the held-out eval turns it into the teacher's bits
 per byte of the student's own text. Only the positions those read are scored (``used_mask``,
-`rollout_source.used_inputs`): the prompt is the teacher's context, not its output.
+`trainer.loss_terms.used_inputs`): the prompt is the teacher's context, not its output.
 
 `open_scorers` starts one channel per on-policy teacher on this rank (worker process, or
 in-process for debugging), with as many slots as a step has microbatches: outputs are copied out
@@ -68,3 +68,8 @@ def receive_copy(channel: TeacherChannel) -> tuple[TeacherOutputs, float]:
     with channel.receive() as got:
         outs = TeacherOutputs(**{k: v.clone() for k, v in got.outputs.items()})
         return outs, got.teacher_s
+
+
+def scored(channels: list[TeacherChannel]) -> bool:
+    """Have the teachers finished every microbatch submitted to them (never waits)?"""
+    return all(ch.done() for ch in channels)

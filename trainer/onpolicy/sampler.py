@@ -221,7 +221,7 @@ def sample(
     ``int8``: with ``config.weights == "int8"``, a copy made earlier (`decode.int8_weights`);
     None: one is made from the current weights.
     ``on_step``: called before every decode step (the caller may change torch's threads there:
-    `rollout_source.OnPolicy.generate`); it must not draw from the rollouts' generators.
+    `trainer.onpolicy.side.OnPolicy.generate`, `ThreadRelease`); it must not draw from the rollouts' generators.
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
@@ -319,3 +319,21 @@ def gathered(model: nn.Module, *, reshard_after_forward: bool) -> Iterator[None]
             # the root never reshards after forward (`parallelize.apply_fsdp`: a chunked
             # lm_head's loss reads its weight in backward)
             m.set_reshard_after_forward(reshard_after_forward and m is not model, recurse=False)
+
+
+class ThreadRelease:
+    """A sampler's ``on_step``: once ``release()`` is true, torch's ``threads`` again (those it
+    had before `torch_threads` lowered them: the work beside the sampler is over)."""
+
+    def __init__(self, release: Callable[[], bool], *, threads: int):
+        self.release, self.threads = release, threads
+        self.t0, self.held_s = time.perf_counter(), None
+
+    def __call__(self) -> None:
+        if self.held_s is None and self.release():
+            torch.set_num_threads(self.threads)
+            self.held_s = time.perf_counter() - self.t0
+
+    def held(self) -> float:
+        """Seconds the lowered thread count was held (all along if never released)."""
+        return time.perf_counter() - self.t0 if self.held_s is None else self.held_s

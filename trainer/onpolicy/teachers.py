@@ -1,6 +1,6 @@
 """The on-policy teachers of a run: their loss terms, how each reads a rollout, their channels.
 
-Built once per rank by the on-policy side (`trainer.onpolicy.rollout_source`), from the config
+Built once per rank by the on-policy side (`trainer.onpolicy.side`), from the config
 and what the preflight loaded:
 
 - one `trainer.loss_terms.KDTerm` per teacher with a non-zero weight, for its on-policy mode

@@ -14,7 +14,7 @@ an on-policy step took 9-24 s with lag 1 against 5.6 s with lag 0.
 `plan` gives them threads that add up to the cores where they compute at once: each worker
 ``cores // (workers + 1)``, the student the rest; everywhere else every process keeps all the
 cores. Off-policy, that is the student's whole run. On-policy with lag 1 the overlap is
-arranged to be the sampling (`trainer.onpolicy.rollout_source`: the teachers score this step's
+arranged to be the sampling (`trainer.onpolicy.side`: the teachers score this step's
 rollouts while the student samples the next step's, and the update runs alone on every core),
 because sampling gains least from a second thread (its decode steps read the weights: memory,
 not arithmetic, bounds them) and the update most. Measured there (demo models, one step):

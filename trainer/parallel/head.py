@@ -1,4 +1,9 @@
-"""The student's lm_head, made to hand its input and weight to the loss instead of whole logits.
+"""The student's logits for every loss: `student_logits`, and the lm_head that hands its input
+and weight to the loss instead of whole logits (`head_logits`).
+
+`student_logits(model, inputs, ...)` is the one forward of the student for a loss, on shard
+batches (`trainer.shard_source`: this rank's vocabulary shard under TP) and on rollouts
+(`trainer.onpolicy.rollout_source`: ``gather_vocab``, the whole vocabulary on every TP rank).
 
 `head_logits(model, ...)` is a context manager around one forward of a HF causal LM: inside it,
 the lm_head returns an empty [B, T, 0] tensor (so nothing of size T x V is computed) and records
@@ -28,11 +33,14 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from tokenbridge.dist_ops.collectives import copy_to_group
+from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
 from tokenbridge.losses.ops.head_logits import HeadLogits
+from trainer.parallel.parallelize import gathered_logits
 
 
 def final_softcap(config) -> float | None:
@@ -82,3 +90,24 @@ def head_logits(
         yield capture
     finally:
         del head.forward
+
+
+def student_logits(
+    model: nn.Module, inputs: dict, *, chunk: int, tp_group=None, gather_vocab: bool = False
+) -> torch.Tensor | HeadLogits:
+    """The student's logits on ``inputs`` (its forward's keyword arguments). ``chunk``
+    (``parallel.logits_chunk``): a `HeadLogits`, never whole at all, projected block by block
+    by every loss; 0: the lm_head's whole output. Under TP (a DTensor lm_head), this rank's
+    vocabulary shard [..., V / tp] (the unwrap checks the placement: full-vocabulary logits
+    never exist on one rank), or with ``gather_vocab`` the whole vocabulary on every TP rank
+    (the on-policy losses are not vocab-parallel; the gather's backward keeps each rank's shard
+    of the gradient)."""
+    if chunk:
+        with head_logits(model, chunk=chunk, tp_group=tp_group, gather_vocab=gather_vocab) as head:
+            model(**inputs, use_cache=False)
+        return head.logits
+    if gather_vocab:
+        with gathered_logits(model):
+            return model(**inputs, use_cache=False).logits
+    logits, _ = unwrap_vocab_sharded(model(**inputs, use_cache=False).logits)
+    return logits
