@@ -1,6 +1,6 @@
 """A node-local cache of inputs fetched from an object store, verified while they download.
 
-Used by the trainer (`trainer.remote_inputs.localize`: ``data.shards``, teacher caches and
+Used by the trainer (`trainer.data.remote_inputs.localize`: ``data.shards``, teacher caches and
 projections, and model directories through `tokenbridge.remote_models`;
 `trainer.checkpoint.remote`: a checkpoint to resume), by the Beam workers' tokenizers and
 teachers (`tokenbridge.remote_models`), by ``tokenbridge.commands.verify`` on

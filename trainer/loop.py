@@ -4,11 +4,11 @@ Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> d
 (TP plan, CP attention, activation checkpointing, compile, then FSDP2) -> optimizer and LR
 schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
 read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
-and fingerprint check ran before, in `trainer.config.preflight`.
+and fingerprint check ran before, in `trainer.preflight`.
 
 One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
 the step and the token count): `train_step` runs it on the shard batches
-(`trainer.shard_source`), the on-policy side (`trainer.onpolicy.side`) on its rollouts
+(`trainer.data.shard_source`), the on-policy side (`trainer.onpolicy.side`) on its rollouts
 (`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). Each source is
 built here with what it needs, keyword by keyword, and holds no `Trainer`. The loss invariant:
 `tokenbridge.losses.base.normalize`.
@@ -44,17 +44,17 @@ from tokenbridge.dist_ops.collectives import all_reduce_
 from tokenbridge.formats import checksums as integrity
 from trainer import optim, report
 from trainer.checkpoint import checkpointer as ckpt
-from trainer.config.preflight import Prepared
 from trainer.config.schema import TrainConfig
+from trainer.data.microbatches import MicrobatchLoader, pad_id
+from trainer.data.shard_reader import ShardReader, ShardStream
+from trainer.data.shard_source import ShardSource
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
-from trainer.microbatches import MicrobatchLoader, pad_id
 from trainer.onpolicy.side import open_onpolicy
 from trainer.parallel import cpus, parallelize
 from trainer.parallel.mesh import build_mesh
+from trainer.preflight import Prepared
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
-from trainer.shard_reader import ShardReader, ShardStream
-from trainer.shard_source import ShardSource
 from trainer.step import TrainStep
 from trainer.teacher.dispatch import Feed, open_teachers
 from trainer.throughput import Throughput

@@ -34,7 +34,7 @@ from tokenbridge.losses.modes import MODES, LossMode
 from tokenbridge.losses.multi_teacher import MultiTeacherConfig, combine_teachers, teacher_weights
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
 from trainer.config.schema import TrainConfig
-from trainer.microbatches import Microbatch
+from trainer.data.microbatches import Microbatch
 
 if TYPE_CHECKING:
     from tokenbridge.dist_ops import CPContext
@@ -151,7 +151,7 @@ def ce_term(
     cp: CPContext | None = None,
 ) -> LossOutput:
     """The student's CE on this rank's positions (``cp``) and vocabulary shard (``tp_group``)."""
-    # targets are IGNORE at untrained positions (conversations: `trainer.microbatches.train_targets`)
+    # targets are IGNORE at untrained positions (conversations: `trainer.data.microbatches.train_targets`)
     targets = mb.targets_BT if cp is None else cp.shard(mb.targets_BT)
     return ce(logits_BLV, targets, vocab_size=vocab_size, tp_group=tp_group)
 

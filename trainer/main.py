@@ -3,7 +3,7 @@
 Also ``python trainer/main.py conf=debug`` (one process: world size 1 of the same code path).
 Thin, as in torchtitan: compose and validate the config (`trainer.config.compose`; every value
 and every cross-field rule, `trainer.config.rules`), run the checks that need files but no
-model weights (`trainer.config.preflight`), build the `Trainer`, ``try: train() finally:
+model weights (`trainer.preflight`), build the `Trainer`, ``try: train() finally:
 close()``, destroy the process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml``
 (``experiment=<name>`` works too); every other argument is a Hydra override
 (``optim.lr=1e-4``, ``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist
@@ -107,7 +107,7 @@ def run(argv: list[str]) -> int:
 
         # before torch is imported: OpenMP reads it once, when torch loads (trainer.parallel.cpus)
         os.environ.update(openmp_env())
-        from trainer.config.preflight import preflight
+        from trainer.preflight import preflight
 
         prepared = preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except Exception as e:

@@ -1,7 +1,7 @@
 """One training step, for any source of microbatches: shard batches and on-policy rollouts.
 
 `TrainStep.run(source, log=...)` is the one place a run's optimizer, LR schedule, step count and
-token count change. Shard batches (`trainer.shard_source.ShardSource`) and rollouts
+token count change. Shard batches (`trainer.data.shard_source.ShardSource`) and rollouts
 (`trainer.onpolicy.rollout_source.RolloutSource`) are two sources of microbatches for this same
 step; GKD's lambda (`onpolicy.lmbda`) picks one per step. A source (`Source`) hands over its
 counts, each microbatch's raw loss terms (local sum and count) and how its terms combine; the

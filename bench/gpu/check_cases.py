@@ -286,7 +286,7 @@ def sampler_vs_generate(ctx: Context) -> dict:
     from bench.onpolicy.prompt_texts import prompts_from_lines
     from bench.onpolicy.section import read_weights
     from tokenbridge.tokenizers import load_tokenizer
-    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
     s, dev = ctx.sizes, ctx.device
     tok = load_tokenizer(paths.student_dir())

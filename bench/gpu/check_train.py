@@ -99,8 +99,8 @@ def trainer_steps(ctx: Context, args: list[str]) -> dict:
     (the teacher worker's included), and the student's parameter count."""
     from tokenbridge import models
     from trainer.config.compose import compose_config
-    from trainer.config.preflight import preflight
     from trainer.loop import Trainer
+    from trainer.preflight import preflight
 
     s = ctx.sizes
     reset_peak(ctx.device)

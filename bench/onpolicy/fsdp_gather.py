@@ -1,5 +1,5 @@
 """Part 2 of `bench.onpolicy.section`: FSDP2 generation with and without
-`trainer.onpolicy.sampler.gathered`, counting FSDP's parameter all-gathers (2 ranks).
+`trainer.onpolicy.sampling.sampler.gathered`, counting FSDP's parameter all-gathers (2 ranks).
 
     torchrun --nproc_per_node=2 bench/onpolicy/fsdp_gather.py OUT
 """
@@ -41,7 +41,7 @@ def main(out: str) -> None:
     from tokenbridge import models
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig
-    from trainer.onpolicy.sampler import SamplingConfig, gathered, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, gathered, sample
     from trainer.parallel import parallelize
     from trainer.parallel.mesh import build_mesh
 

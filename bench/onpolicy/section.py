@@ -19,8 +19,8 @@ from dataclasses import replace
 import torch
 
 from tokenbridge import paths
-from trainer.onpolicy.decode import int8_weights
-from trainer.onpolicy.int8 import int8_available
+from trainer.onpolicy.sampling.decode import int8_weights
+from trainer.onpolicy.sampling.int8 import int8_available
 
 B, PROMPT, NEW = 8, 16, 32
 SAMPLER_BATCHES = (2, 8)  # SmolLM2-135M: the issue's batch 2, and 8
@@ -65,7 +65,7 @@ def sampler_vs_generate(
     device) and prompts, exactly `new` tokens each, and the time to read the weights once:
     tokens/s, ms per token step (prefill included) and the floor (the GPU is synchronised
     before a clock is read)."""
-    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
     device = next(model.parameters()).device
     ids, mask = _left_pad(prompts, device)
@@ -136,9 +136,9 @@ def part_sampler() -> dict:
             prompts = prompts_from_kjv(tok, rows, PROMPT)
             res[f"{name}, batch {rows}"] = sampler_vs_generate(model, prompts, tok.vocab_size)
         del model
-    # the form of each product the lean step measured (`trainer.onpolicy.orient`), for the
+    # the form of each product the lean step measured (`trainer.onpolicy.sampling.orient`), for the
     # real model's shapes: (rows, N, K) -> weight-major faster
-    from trainer.onpolicy import orient
+    from trainer.onpolicy.sampling import orient
 
     res["forms"] = {f"{k[0]},{k[1]},{k[2]}": v for k, v in orient.choices().items()
                     if k[3] == torch.float32 and k[2] == 576}  # fmt: skip
@@ -241,7 +241,7 @@ def render_sampler(sampler: dict) -> list[str]:
         named = ", ".join(f"{k.split(',', 1)[1].replace(',', 'x')}: "
                           f"{'weight-major' if v else 'F.linear'}" for k, v in two)  # fmt: skip
         lines += ["", "The form of each product of SmolLM2-135M's lean decode step at 2 rows, "
-                  f"as this machine measured it (N x K; `trainer/onpolicy/orient.py`): {named}."]  # fmt: skip
+                  f"as this machine measured it (N x K; `trainer/onpolicy/sampling/orient.py`): {named}."]  # fmt: skip
     return lines
 
 

@@ -38,7 +38,7 @@ def step_breakdown() -> dict:
     from trainer.onpolicy.realign import TeacherView
     from trainer.onpolicy.rollout_scoring import scoring_spec
     from trainer.onpolicy.rollouts import build_batch, completion_rows
-    from trainer.onpolicy.sampler import SamplingConfig, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, sample
 
     torch.set_num_threads(1)
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(paths.teacher_dir())

@@ -52,7 +52,7 @@ def _rank_main(rank: int, world_size: int, case: dict) -> dict:
     from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
     from tokenbridge.losses import ce
     from trainer.config.schema import ModelConfig
-    from trainer.microbatches import collate
+    from trainer.data.microbatches import collate
     from trainer.parallel import parallelize
     from trainer.parallel.cp_attention import model_inputs
     from trainer.parallel.mesh import build_mesh

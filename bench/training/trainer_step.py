@@ -104,8 +104,8 @@ def breakdown(threads: int, tmp: Path) -> dict:
     )
     from tokenbridge.teacher.outputs import TeacherOutputs, Workspace, teacher_outputs_from_logits
     from trainer.config.schema import ModelConfig, TeacherConfig
-    from trainer.microbatches import collate
-    from trainer.shard_reader import ShardReader
+    from trainer.data.microbatches import collate
+    from trainer.data.shard_reader import ShardReader
     from trainer.teacher.model_program import TeacherModelProgram, teacher_forward
     from trainer.teacher.ring import SlotRing, TensorSpec, plan_layout
 

@@ -34,7 +34,7 @@ from tokenbridge import paths
 from trainer.parallel import parallelize
 from trainer import loop as train_module
 from trainer.config.schema import from_dictconfig
-from trainer.config.preflight import preflight
+from trainer.preflight import preflight
 from trainer.loop import Trainer
 
 TINY = {
@@ -224,7 +224,7 @@ def model_checks() -> dict:
     model in this process: max |difference| / max |reference| of the logits and of every
     parameter's gradient."""
     from trainer.parallel.cp_attention import model_inputs
-    from trainer.microbatches import Microbatch
+    from trainer.data.microbatches import Microbatch
     from trainer.parallel.mesh import build_mesh
     from tokenbridge.dist_ops import to_cp_layout
     from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded

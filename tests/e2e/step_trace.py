@@ -56,9 +56,9 @@ class StepTrace:
 
 
 def main(shards: str, projection: str, run_dir: str, out: str, *extra: str) -> None:
-    from trainer.config.preflight import preflight
     from trainer.loop import Trainer
     from trainer.main import load_config
+    from trainer.preflight import preflight
 
     cfg = load_config(["conf=debug", f"data.shards={shards}", f"teachers.0.projection={projection}",
                        f"run_dir={run_dir}", "logging.tensorboard=false", "eval.max_texts=0",

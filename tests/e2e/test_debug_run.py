@@ -48,10 +48,10 @@ from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
 from trainer.config.sections import DataConfig
+from trainer.data.shard_reader import ShardReader
 from trainer.eval.bpb import evaluate_bpb
 from trainer.eval.runner import load_model
 from trainer.report import write_report
-from trainer.shard_reader import ShardReader
 
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
 PEAK_TFLOPS = 2.0  # the full run's logging.peak_tflops

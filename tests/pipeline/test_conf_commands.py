@@ -30,8 +30,8 @@ import pytest
 from pipelines.align import job as J
 from pipelines.projection.__main__ import parse_args as projection_args
 from tokenbridge import paths
-from trainer.config.preflight import preflight
 from trainer.main import load_config
+from trainer.preflight import preflight
 
 REPO = paths.REPO_ROOT
 CONFS = sorted([*(REPO / "conf").glob("*.yaml"), *(REPO / "conf" / "experiment").glob("*.yaml")])

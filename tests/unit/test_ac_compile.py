@@ -27,7 +27,7 @@ from tokenbridge import models
 from tokenbridge.paths import REPO_ROOT
 from trainer.checkpoint import checkpointer as ckpt
 from trainer.config.sections import CheckpointConfig, ModelConfig
-from trainer.onpolicy.sampler import SamplingConfig, sample
+from trainer.onpolicy.sampling.sampler import SamplingConfig, sample
 from trainer.parallel import parallelize
 from trainer.parallel.mesh import build_mesh
 

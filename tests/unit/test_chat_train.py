@@ -6,7 +6,7 @@ template; teacher 0 Gemma 3 with the shipped ``gemma`` template; teacher 1 SmolL
 the same-tokenizer ``kd_topk``), written by the align job's pure steps. Models: tiny random
 Llamas with the real vocabulary sizes.
 
-The trainer's path: the loader's target mask (`trainer.microbatches.train_targets`), the registry's
+The trainer's path: the loader's target mask (`trainer.data.microbatches.train_targets`), the registry's
 ``prepare`` / ``count`` / ``loss`` and ``teacher_rows``, and the teacher computing outputs at
 those rows only (`teacher_forward(used_BU=...)`: NaN elsewhere, so a loss reading any other row
 would not be finite). The reference: from the shard columns alone, by hand — CE over the
@@ -38,10 +38,10 @@ from tokenbridge.losses.modes import MODES
 from tokenbridge.losses.xtoken import XTokenConfig, XTokenTables, xtoken
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.schema import LossConfig
+from trainer.data.microbatches import IGNORE, collate
+from trainer.data.shard_reader import ShardReader
 from trainer.eval import trained_bpb
 from trainer.loss_terms import ce_term, combine_terms
-from trainer.microbatches import IGNORE, collate
-from trainer.shard_reader import ShardReader
 from trainer.teacher.model_program import teacher_forward
 
 MODE_FUNCS = {"xtoken": xtoken, "gold": gold, "alm": alm}

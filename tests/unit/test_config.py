@@ -26,10 +26,10 @@ from tokenbridge.projection import TENSORS, ProjectionMismatchError
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
 from trainer.config.precision import Precision
-from trainer.config.preflight import preflight
 from trainer.config.schema import ConfigError, from_dictconfig
 from trainer.main import hydra_overrides, load_config, main
 from trainer.optim import lr_lambda
+from trainer.preflight import preflight
 
 
 def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
@@ -152,7 +152,7 @@ def test_bad_loss_options_exit_2_in_the_config_before_anything_loads(
 ):
     """`main` as the command line runs it: refused by config validation, naming the field, in
     well under 3 s; the preflight (the first step that reads a file) is never reached."""
-    monkeypatch.setattr("trainer.config.preflight.preflight", _refuse_preflight)
+    monkeypatch.setattr("trainer.preflight.preflight", _refuse_preflight)
     t0 = time.perf_counter()
     assert main(["conf=debug", override]) == 2
     assert time.perf_counter() - t0 < 3

@@ -18,8 +18,8 @@ from tokenbridge.formats.shards import ShardWriter, open_shards, shard_name, wri
 from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
 from trainer.checkpoint import state_split as checkpoint_state
 from trainer.config.sections import DataConfig
-from trainer.microbatches import IGNORE, MicrobatchLoader, collate
-from trainer.shard_reader import ShardReader, ShardStream, is_held_out
+from trainer.data.microbatches import IGNORE, MicrobatchLoader, collate
+from trainer.data.shard_reader import ShardReader, ShardStream, is_held_out
 
 INFO = S.TokenizerInfo("smollm2-135m", "f" * 64, 49152)
 

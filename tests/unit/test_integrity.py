@@ -20,7 +20,7 @@ from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.formats import shards
 from tokenbridge.formats import value_checks as values
-from trainer.shard_reader import ShardReader
+from trainer.data.shard_reader import ShardReader
 
 NAME = shards.shard_name(0, 2)
 

@@ -25,7 +25,7 @@ from trainer.onpolicy.agreement import completion_nats_bytes
 from trainer.onpolicy.realign import TeacherView
 from trainer.onpolicy.rollout_scoring import scoring_spec
 from trainer.onpolicy.rollouts import build_batch, completion_rows
-from trainer.onpolicy.sampler import SamplingConfig, sample
+from trainer.onpolicy.sampling.sampler import SamplingConfig, sample
 
 SMOL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip

@@ -17,8 +17,8 @@ from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.sections import DataConfig
+from trainer.data.shard_reader import ShardReader
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
-from trainer.shard_reader import ShardReader
 
 MESSAGES = paths.REPO_ROOT / "tokenbridge" / "chat" / "data" / "shakespeare_messages.jsonl"
 

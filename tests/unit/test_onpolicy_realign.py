@@ -19,7 +19,7 @@ from trainer.onpolicy.realign import (
     lenient_text,
 )
 from trainer.onpolicy.rollouts import build_batch
-from trainer.onpolicy.sampler import Rollouts
+from trainer.onpolicy.sampling.sampler import Rollouts
 
 TEXTS = [
     "In the beginning God created the heaven and the earth.",

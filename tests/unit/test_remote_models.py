@@ -15,8 +15,8 @@ from tokenbridge import cli, remote_models
 from tokenbridge.commands.verify import main as verify
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.tokenizers import load_tokenizer
+from trainer.data.remote_inputs import localize
 from trainer.main import load_config
-from trainer.remote_inputs import localize
 
 
 def _phi3_dir(tmp_path, vocab_fixture):

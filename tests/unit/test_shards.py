@@ -255,7 +255,7 @@ def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
 def test_schema_1_text_shards_still_read_and_unknown_versions_refused(tmp_path):
     """Shards written before conversations (schema 1: text columns only) open and read as text;
     a version this code does not know is refused, saying how to rebuild."""
-    from trainer.shard_reader import ShardReader
+    from trainer.data.shard_reader import ShardReader
 
     schema = S.shard_schema(STUDENT, TEACHERS)
     v1 = schema.with_metadata({**schema.metadata, S.META_SCHEMA_VERSION: b"1"})

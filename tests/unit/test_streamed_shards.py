@@ -14,7 +14,7 @@ from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums as integrity
 from tokenbridge.formats import shards, streamed_shards
 from trainer.config.sections import DataConfig
-from trainer.shard_reader import ShardReader, ShardStream
+from trainer.data.shard_reader import ShardReader, ShardStream
 
 FILES, KEEP = 5, 2
 

@@ -24,13 +24,13 @@ import torch
 from tokenbridge.losses.base import LossOutput, as_count
 from tokenbridge.losses.ce import ce
 from trainer.config.schema import LossConfig, OptimConfig
+from trainer.data.microbatches import Microbatch
+from trainer.data.shard_source import ShardSource
 from trainer.loop import Trainer
 from trainer.loss_terms import kd_weights
-from trainer.microbatches import Microbatch
 from trainer.onpolicy.rollout_source import RolloutSource
-from trainer.onpolicy.sampler import SamplingConfig
+from trainer.onpolicy.sampling.sampler import SamplingConfig
 from trainer.parallel.mesh import SINGLE
-from trainer.shard_source import ShardSource
 from trainer.step import TrainStep, count_mismatch
 from trainer.teacher.dispatch import Queued
 from trainer.throughput import Throughput

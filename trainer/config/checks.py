@@ -4,7 +4,7 @@ Every refusal of a config value says where (the field, as the user writes it in 
 command line) and what was expected: ``config loss.mode: expected one of [...], got 'kl'``. The
 config sections (`trainer.config.sections`, `trainer.config.loss_sections`), the cross-field
 rules (`trainer.config.rules`), the composition (`trainer.config.compose`) and the preflight
-(`trainer.config.preflight`) all raise `ConfigError` through these helpers; nothing outside
+(`trainer.preflight`) all raise `ConfigError` through these helpers; nothing outside
 `trainer/config/` raises it (tests/unit/test_config_rules.py checks that).
 
 A rule that belongs to the library (a model source, the combination of KD and CE, a loss mode's

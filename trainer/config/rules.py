@@ -19,7 +19,7 @@ the library runs but the trainer cannot (kd_topk's ``support='columns'``) is ref
 
 Constraints of a component on its own inputs stay with the component (the teacher program
 refuses per-position columns at tp > 1, `trainer.teacher.model_program`); file, tokenizer and
-fingerprint checks that read the file system are the preflight's (`trainer.config.preflight`).
+fingerprint checks that read the file system are the preflight's (`trainer.preflight`).
 """
 
 from __future__ import annotations

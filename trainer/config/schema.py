@@ -10,7 +10,7 @@ values in ``__post_init__`` and naming the field it refuses: the plain sections 
 (`trainer.config.rules`). This module is the one to import them from.
 
 Everything here is pure: nothing touches the file system or loads a model, so a bad config fails
-in milliseconds (file and fingerprint checks follow in `trainer.config.preflight`, still before
+in milliseconds (file and fingerprint checks follow in `trainer.preflight`, still before
 any model loads). Loss modes and their options are checked against the loss-mode registry
 (`tokenbridge.losses.modes.MODES`); the first such check imports the registry, and torch with it
 (about 2 s on these machines).

@@ -34,7 +34,7 @@ CPU_SPLITS = ("auto", "off")
 # activation checkpointing of the student's decoder blocks (`trainer.parallel.parallelize.apply_ac`)
 AC_MODES = ("none", "full", "every_n")
 EVAL_SPLITS = ("window", "document")
-# the object stores the trainer reads its inputs from (`trainer.remote_inputs`)
+# the object stores the trainer reads its inputs from (`trainer.data.remote_inputs`)
 REMOTE_SCHEMES = urls.OBJECT_STORES
 
 
@@ -70,7 +70,7 @@ class ModelConfig:
             check_model_source(self, where)
         except ValueError as e:
             raise ConfigError(f"config {e}") from None
-        # a URL: a marked directory, fetched verified by `trainer.remote_inputs.localize`
+        # a URL: a marked directory, fetched verified by `trainer.data.remote_inputs.localize`
         check_location(f"{where}.path", self.path)
         if not self.name:
             self.name = urls.name(self.path)
@@ -136,7 +136,7 @@ class DataConfig:
     verify: str = "first_open"
     # inputs at s3:// URLs (shards, teacher caches, projections) are fetched once per node into
     # this local directory (default ~/.cache/tokenbridge), at most cache_limit_gb of them:
-    # the least recently used are evicted first (`trainer.remote_inputs`)
+    # the least recently used are evicted first (`trainer.data.remote_inputs`)
     cache_dir: str = ""
     cache_limit_gb: float = 50.0
     # s3:// shards read one file at a time, the next fetched in the background, at most

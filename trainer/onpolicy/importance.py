@@ -1,7 +1,7 @@
 """Likelihood-ratio weights for rollouts drawn from another distribution than the trained one.
 
 With ``onpolicy.sampler_weights: int8`` the student samples from an int8 copy of itself
-(`trainer.onpolicy.int8`): a distribution q close to, not equal to, the policy p the step trains
+(`trainer.onpolicy.sampling.int8`): a distribution q close to, not equal to, the policy p the step trains
 (same temperature and top-p). The on-policy objective is an expectation over p's completions,
 
     J = E_{y ~ p} [ sum_t L_t(y_<t) ],
@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from tokenbridge.losses.ops.head_logits import HeadLogits, project
-from trainer.onpolicy.sampler import SamplingConfig, drawn_logprobs
+from trainer.onpolicy.sampling.sampler import SamplingConfig, drawn_logprobs
 
 # the step record's means over target positions (`prefix_weights`)
 RATIO_STATS = ("ratio/weight_mean", "ratio/clipped_frac", "ratio/abs_log_ratio_mean")

@@ -7,7 +7,7 @@ interface (`PromptSource`: ``next_prompts``, ``held_out``, ``state_dict``):
 - `TextPrompts` (raw-text shards from `make align`): the first ``prompt_tokens`` student ids of
   a window are the prompt ("continue this text"); the rest of the window is the dataset's own
   continuation (``reference``). Rows are split exactly like the trainer's windows
-  (`trainer.shard_reader.ShardStream`: the held-out windows by a hash of doc id and window, the rest
+  (`trainer.data.shard_reader.ShardStream`: the held-out windows by a hash of doc id and window, the rest
   dealt to the data-parallel ranks and shuffled with a seeded, checkpointed buffer), so the
   held-out prompts are the prefixes of the held-out windows the BPB eval reads.
 - `ChatPrompts` (``messages`` rows, as the chat align job reads them): every assistant turn
@@ -35,7 +35,7 @@ from tokenbridge.chat.encode import encode_renderings
 from tokenbridge.chat.render import Rendering
 from tokenbridge.chat.templates import resolve_template
 from tokenbridge.tokenizers import Tokenizer
-from trainer.shard_reader import ShardReader, ShardStream, held_out_set
+from trainer.data.shard_reader import ShardReader, ShardStream, held_out_set
 
 if TYPE_CHECKING:
     from trainer.config.sections import DataConfig

@@ -21,10 +21,10 @@ import torch
 
 from tokenbridge.losses.multi_teacher import combine_teachers
 from tokenbridge.losses.opd import mix_teacher_outputs
+from trainer.data.microbatches import MicrobatchLoader
 from trainer.loss_terms import KDTerm
-from trainer.microbatches import MicrobatchLoader
 from trainer.onpolicy.importance import RATIO_STATS, policy_logprobs, prefix_weights, scale_grad
-from trainer.onpolicy.sampler import Rollouts, SamplingConfig
+from trainer.onpolicy.sampling.sampler import Rollouts, SamplingConfig
 from trainer.parallel.head import student_logits
 from trainer.run_log import StepNumbers, peak_memory_gib
 from trainer.step import Source, Terms

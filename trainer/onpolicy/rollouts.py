@@ -28,9 +28,9 @@ import torch
 
 from tokenbridge.losses.ops.segments import AlignedBatch
 from tokenbridge.tokenizers import Tokenizer
-from trainer.microbatches import IGNORE
+from trainer.data.microbatches import IGNORE
 from trainer.onpolicy.realign import TeacherView, align_rollout
-from trainer.onpolicy.sampler import Rollouts
+from trainer.onpolicy.sampling.sampler import Rollouts
 
 
 @dataclass

@@ -7,7 +7,7 @@ and checkpoints). This module holds what is the on-policy side's own:
 
 1. **Generate**: ``prompts_per_step`` prompts of this rank (`trainer.onpolicy.prompts`), each
    sampled ``n_samples`` times by the student with its current weights
-   (`trainer.onpolicy.sampler`), its FSDP2 parameters gathered once for the whole phase;
+   (`trainer.onpolicy.sampling.sampler`), its FSDP2 parameters gathered once for the whole phase;
 2. **Align**: the rollouts cut into microbatches (`trainer.onpolicy.rollouts`): the sampled ids
    for teachers with the student's tokenizer, on-the-fly alignment for the others;
 3. **Score**: every microbatch submitted to every teacher's channel (`trainer.onpolicy.rollout_scoring`);
@@ -44,16 +44,22 @@ import torch
 from tokenbridge.teacher.outputs import TeacherOutputs
 from tokenbridge.tokenizers import Tokenizer
 from trainer.config.schema import DataConfig, OnPolicyConfig, ParallelConfig, TrainConfig
+from trainer.data.microbatches import MicrobatchLoader
 from trainer.loss_terms import kd_weights, used_inputs
-from trainer.microbatches import MicrobatchLoader
-from trainer.onpolicy import orient
 from trainer.onpolicy.agreement import completion_bpb
-from trainer.onpolicy.decode import int8_weights
 from trainer.onpolicy.prompts import ChatPrompts, PromptSource, TextPrompts
 from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy, scored
 from trainer.onpolicy.rollout_source import RolloutSource
 from trainer.onpolicy.rollouts import RolloutBatch, build_batch, completion_rows
-from trainer.onpolicy.sampler import Rollouts, SamplingConfig, ThreadRelease, gathered, sample
+from trainer.onpolicy.sampling import orient
+from trainer.onpolicy.sampling.decode import int8_weights
+from trainer.onpolicy.sampling.sampler import (
+    Rollouts,
+    SamplingConfig,
+    ThreadRelease,
+    gathered,
+    sample,
+)
 from trainer.onpolicy.teachers import OnPolicyTeachers, build_teachers, teacher_max_len
 from trainer.parallel.cpus import CpuPlan, torch_threads
 from trainer.parallel.mesh import ParallelGroups
@@ -61,7 +67,7 @@ from trainer.step import TrainStep
 from trainer.throughput import Throughput
 
 if TYPE_CHECKING:
-    from trainer.config.preflight import Prepared
+    from trainer.preflight import Prepared
 
 
 def _round_up(n: int, multiple: int) -> int:

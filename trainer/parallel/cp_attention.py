@@ -44,7 +44,7 @@ from tokenbridge.dist_ops.collectives import Group
 from tokenbridge.dist_ops.context_parallel import cp_all_gather, cp_piece_bounds, cp_positions
 
 if TYPE_CHECKING:
-    from trainer.microbatches import StudentRows
+    from trainer.data.microbatches import StudentRows
 
 CP_ATTENTION = "tokenbridge_cp"
 

@@ -2,7 +2,7 @@
 and weight to the loss instead of whole logits (`head_logits`).
 
 `student_logits(model, inputs, ...)` is the one forward of the student for a loss, on shard
-batches (`trainer.shard_source`: this rank's vocabulary shard under TP) and on rollouts
+batches (`trainer.data.shard_source`: this rank's vocabulary shard under TP) and on rollouts
 (`trainer.onpolicy.rollout_source`: ``gather_vocab``, the whole vocabulary on every TP rank).
 
 `head_logits(model, ...)` is a context manager around one forward of a HF causal LM: inside it,

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from tokenbridge.dist_ops.collectives import group_rank, group_size
 from trainer.config.schema import TrainConfig
+from trainer.data.microbatches import Microbatch
 from trainer.loss_terms import KDTerm
-from trainer.microbatches import Microbatch
 from trainer.teacher.cached_teacher import CachedTeacher
 from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel, starting_together
 from trainer.teacher.model_program import TeacherModelProgram

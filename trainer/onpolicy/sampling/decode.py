@@ -10,13 +10,13 @@ stopped leave the batch) and ``step`` (feed one token per live row, get its next
   parameters are still FSDP-sharded (outside `sampler.gathered`).
 - `LlamaDecoder`: Llama-family students (SmolLM2, Mistral, Qwen2: `LEAN_TYPES`) with whole
   parameters, through their own weights or (``weights="int8"``) an int8 copy of every
-  projection made at construction (`trainer.onpolicy.int8`). The
+  projection made at construction (`trainer.onpolicy.sampling.int8`). The
   prefill is the HF forward (its cache copied once into a preallocated one); each decode step
   is a lean loop over the model's own weights, same math in the same dtype (no copy of the
   weights, so nothing to refresh after an optimizer step). Why: a decode step reads every
   weight once (538 MB of fp32 for SmolLM2-135M), and the floor is that read; HF's step spends
   most of its time in skinny products ``x @ W.T`` at a few rows, whose speed depends on the
-  BLAS library, the CPU and the form of the product (`trainer.onpolicy.orient`: on the AMD EPYC
+  BLAS library, the CPU and the form of the product (`trainer.onpolicy.sampling.orient`: on the AMD EPYC
   the weight-major form ``W @ x.T`` is 2-4x faster, on the Intel Xeon ``F.linear`` is 2x
   faster; each process measures both once and keeps the faster). The static cache also removes
   the ``torch.cat`` that grows every layer's cache every step, and the loop drops HF's
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from trainer.onpolicy import orient
-from trainer.onpolicy.int8 import Int8Weights, int8_available
+from trainer.onpolicy.sampling import orient
+from trainer.onpolicy.sampling.int8 import Int8Weights, int8_available
 
 # model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
 # the same decoder layer as Llama's (pre-norm RMSNorm, RoPE from the model's rotary module,
@@ -148,7 +148,7 @@ def projection_groups(
 
 
 def int8_weights(model: nn.Module, *, vocab_size: int, threads: int | None = None) -> Int8Weights:
-    """An int8 copy of the model's decode products (`trainer.onpolicy.int8`), for `LlamaDecoder`."""
+    """An int8 copy of the model's decode products (`trainer.onpolicy.sampling.int8`), for `LlamaDecoder`."""
     return Int8Weights(projection_groups(model, vocab_size=vocab_size), threads=threads)
 
 
@@ -315,7 +315,7 @@ def make_decoder(
     int8: Int8Weights | None = None,
 ):
     """The decoder for this model: the lean path when it applies (and ``lean``, and not under
-    TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.int8`) needs the lean path
+    TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.sampling.int8`) needs the lean path
     and fbgemm, and says why not in one line; ``int8``: a copy made earlier (else one is made
     here)."""
     lean_ok = lean and not tp and lean_applies(model, max_len=max_len)

@@ -1,6 +1,6 @@
 """Aligned shard rows -> padded microbatches, per data-parallel rank.
 
-The rows come from `trainer.shard_reader` (the held-out split, memory-mapped random access,
+The rows come from `trainer.data.shard_reader` (the held-out split, memory-mapped random access,
 the endless shuffled stream of one data-parallel rank); this module pads them into
 microbatches and keeps the stream's position for checkpoints.
 
@@ -27,7 +27,7 @@ import torch
 from tokenbridge.dist_ops.context_parallel import cp_positions, to_cp_layout
 from tokenbridge.formats import shard_schema as S
 from tokenbridge.losses.ops.segments import AlignedBatch
-from trainer.shard_reader import ShardStream
+from trainer.data.shard_reader import ShardStream
 
 IGNORE = -1  # target id of positions that are not trained on (as tokenbridge.losses expects)
 

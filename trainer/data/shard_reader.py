@@ -12,7 +12,7 @@ microbatches, which the collectives of FSDP need).
 
 The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
 small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
-the uninterrupted run would have read. `trainer.microbatches` pads the rows into microbatches.
+the uninterrupted run would have read. `trainer.data.microbatches` pads the rows into microbatches.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from tokenbridge.dist_ops import CPContext
 from tokenbridge.losses.ops.head_logits import HeadLogits
 from tokenbridge.teacher.outputs import TeacherOutputs
 from trainer.config.schema import DataConfig, LossConfig, ParallelConfig
+from trainer.data.microbatches import IGNORE, Microbatch, MicrobatchLoader
 from trainer.loss_terms import KDTerm, ce_term, combine_terms, kd_weights
-from trainer.microbatches import IGNORE, Microbatch, MicrobatchLoader
 from trainer.parallel.cp_attention import model_inputs
 from trainer.parallel.head import student_logits
 from trainer.parallel.mesh import ParallelGroups

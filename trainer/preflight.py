@@ -35,9 +35,9 @@ from trainer.checkpoint.checkpointer import find_resume, folder_of, list_checkpo
 from trainer.config import rules
 from trainer.config.precision import Precision, resolve_precision
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
+from trainer.data.remote_inputs import DEFAULT_DIR, localize
+from trainer.data.shard_reader import ShardReader
 from trainer.parallel import parallelize
-from trainer.remote_inputs import DEFAULT_DIR, localize
-from trainer.shard_reader import ShardReader
 from trainer.teacher.cached_teacher import open_teacher_cache
 
 

@@ -2,7 +2,7 @@
 int8``).
 
 Why: a decode step at a few live rows reads every weight once and does little arithmetic with
-it, so its time is the weights' bytes over the memory bandwidth (`trainer.onpolicy.decode`).
+it, so its time is the weights' bytes over the memory bandwidth (`trainer.onpolicy.sampling.decode`).
 fbgemm's dynamic-quantized linear (int8 weights, each row with its own scale; the activations
 quantized per call) reads a quarter of fp32's bytes and reaches the bandwidth where fp32 skinny
 products do not. Measured on the 2-core AMD EPYC (Zen 4), one thread, two rows, another job on

@@ -9,7 +9,7 @@ else that drew from it. Here:
 - the prompts are left-padded into one batch, prefilled once (only the last position's logits
   are computed: ``logits_to_keep=1``), and with ``n_samples > 1`` the prefilled cache is
   repeated per sample instead of prefilling each copy;
-- each step feeds one token per live row (`trainer.onpolicy.decode`: a lean loop over a
+- each step feeds one token per live row (`trainer.onpolicy.sampling.decode`: a lean loop over a
   Llama-family model's own weights with a preallocated KV cache, ~2x the time it takes to read
   the weights once; any other model through its HF forward and ``DynamicCache``); rows that
   stop (a stop id: EOS, end-of-turn) leave the batch, so the cost follows the live rows, not
@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from trainer.onpolicy.decode import make_decoder
-from trainer.onpolicy.int8 import Int8Weights
+from trainer.onpolicy.sampling.decode import make_decoder
+from trainer.onpolicy.sampling.int8 import Int8Weights
 
 
 @dataclass(frozen=True)
