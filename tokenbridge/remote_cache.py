@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from tokenbridge import atomic, urls
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 
 FETCHED = ".fetched"  # an entry's commit point: written after every file is in place
 WAIT_S = 3600.0  # how long a rank waits for its node's fetch
@@ -70,7 +70,7 @@ def filesystem():
 def errors(url: str, doing: str):
     """The store's failures as one line naming `url` (`urls.store_errors`); a damaged file's
     own error as it is."""
-    return urls.store_errors(url, doing=doing, keep=(integrity.IntegrityError,))
+    return urls.store_errors(url, doing=doing, keep=(checksums.IntegrityError,))
 
 
 def entry_name(url: str) -> str:
@@ -199,8 +199,8 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
     when `expected` (a marker entry), equal to it (else `DamagedFileError`, nothing kept)."""
     fs = filesystem()
     part = dest.with_name(f".{dest.name}.part")
-    sink = integrity.HashingSink(
-        part, algo=integrity.entry_algo(expected) if expected else integrity.HASH
+    sink = checksums.HashingSink(
+        part, algo=checksums.entry_algo(expected) if expected else checksums.HASH
     )
     try:
         with errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=8 << 20) as src:
@@ -211,19 +211,19 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
         sink.close()
     if expected is not None:
         found = sink.entry()
-        if found != integrity.entry(int(expected["bytes"]), expected[sink.algo], sink.algo):
+        if found != checksums.entry(int(expected["bytes"]), expected[sink.algo], sink.algo):
             part.unlink(missing_ok=True)
-            raise integrity.DamagedFileError(
-                url, expected=integrity.describe(expected), found=integrity.describe(found),
+            raise checksums.DamagedFileError(
+                url, expected=checksums.describe(expected), found=checksums.describe(found),
                 hint="the object differs from its completion marker: re-run the job that wrote it",
             )  # fmt: skip
     atomic.replace(part, dest)
     if expected is not None:  # hashed on its way: the reader that maps it need not hash it again
-        integrity.mark_verified(dest, expected)
+        checksums.mark_verified(dest, expected)
 
 
 def _commit(entry: Path, url: str) -> None:
-    integrity.write_json_atomic(entry / FETCHED, {"url": url, "fetched": time.time()})
+    checksums.write_json_atomic(entry / FETCHED, {"url": url, "fetched": time.time()})
 
 
 def _size(entry: Path) -> int:

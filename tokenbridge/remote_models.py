@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from tokenbridge.remote_cache import (
     MarkerNotFoundError,
     RemoteCache,
@@ -46,11 +46,11 @@ def mark(directory: str | os.PathLike) -> dict:
     marker = {
         "kind": KIND,
         "version": VERSION,
-        "hash": integrity.HASH,
+        "hash": checksums.HASH,
         "marked": time.time(),
-        "checksums": {p.name: integrity.hash_file(p) for p in files},
+        "checksums": {p.name: checksums.hash_file(p) for p in files},
     }
-    integrity.write_json_atomic(d / MARKER, marker)
+    checksums.write_json_atomic(d / MARKER, marker)
     return marker
 
 

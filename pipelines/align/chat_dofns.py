@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 import apache_beam as beam
 import numpy as np
 
-from pipelines.align import chat_records as records
-from pipelines.align import job_stats
+from pipelines.align import chat_records, job_stats
 from pipelines.align.align_dofns import (
     ALIGN_ERROR,
     BATCH_CHARS,
@@ -41,7 +40,7 @@ from tokenbridge.chat import fit, rows
 from tokenbridge.chat.align import align_conversations, prepare_side
 from tokenbridge.chat.rows import Conversation, DeadLetter, Message
 from tokenbridge.chat.templates import ChatTemplate
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 
 BATCH_ROWS = 512  # conversations per alignment batch
 MAX_ROUNDS = 8  # keep_suffix: renders of one batch's long conversations before giving up
@@ -153,13 +152,13 @@ class AlignChatDoFn(beam.DoFn):
             prepare_side(t, tmpl, name=f"teacher{i} ({t.name})")
             for i, (t, tmpl) in enumerate(zip(t_toks, self.chat.teacher_templates))
         ]
-        meta = records.chat_meta(
+        meta = chat_records.chat_meta(
             self.student,
             self.teachers,
             train_on=self.chat.train_on,
             long_conversations=self.chat.long_conversations,
         )
-        self.schema = S.shard_schema(s_tok.info(), [t.info() for t in t_toks], chat=meta)
+        self.schema = shard_schema.shard_schema(s_tok.info(), [t.info() for t in t_toks], chat=meta)
         self.layout = job_stats.StatsLayout(len(t_toks))
         w = self.window
         self.limits = np.array(
@@ -246,7 +245,7 @@ class AlignChatDoFn(beam.DoFn):
                     yield dead(letter.record(file=file, row=r.row, doc_id=r.doc_id))
             if keep.any():
                 with self._timer("to_arrow"):
-                    rec = records.record_batch(
+                    rec = chat_records.record_batch(
                         cb,
                         [c for c, _, _ in live],
                         doc_ids=[r.doc_id for _, r, _ in live],
@@ -256,7 +255,7 @@ class AlignChatDoFn(beam.DoFn):
                     if not keep.all():  # (take loads pyarrow.compute: ~0.6 s once per process)
                         rec = rec.take(np.flatnonzero(keep))
                 vec = self.layout.zeros()
-                records.add_stats(self.layout, vec, cb, keep, rec)
+                chat_records.add_stats(self.layout, vec, cb, keep, rec)
                 truncated = sum(1 for b in np.flatnonzero(keep) if live[b][2] is not None)
                 self.layout.add(vec, "truncated_conversations", truncated)
                 if truncated:

@@ -22,9 +22,7 @@ from pipelines.align.align_dofns import Windows, cached_tokenizer
 from pipelines.plumbing import rolling, storage
 from pipelines.plumbing.tagged import MAX_DEAD_FRACTION, StageTimer, count, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import checksums, shard_schema, shards
 
 
 class WriteShardsDoFn(RollingPartsDoFn):
@@ -70,7 +68,7 @@ class FinalizeDoFn(beam.DoFn):
         if index:
             first = next(iter(index))
             with storage.open_read(storage.join(out, first)) as src:
-                meta = S.read_meta(pa.ipc.open_file(src).schema, where=first)
+                meta = shard_schema.read_meta(pa.ipc.open_file(src).schema, where=first)
             student, teachers = meta.student, meta.teachers
         else:
             student = cached_tokenizer(self.student_path).info()
@@ -86,7 +84,7 @@ class FinalizeDoFn(beam.DoFn):
         infos = self._infos(out, index)
         files = {name: int(info["rows"]) for name, info in index.items()}
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
-        header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
+        header = {"schema_version": shard_schema.SCHEMA_VERSION, **infos, **self.header}
         lost = dict(summary["lost"])  # not the letters of long documents that gave windows
         stats = job_stats.final_stats(
             header, summary["stats"], dict(summary["dead"]), files, lost=sum(lost.values())
@@ -97,9 +95,9 @@ class FinalizeDoFn(beam.DoFn):
         if why is not None:
             rolling.write_refused(out, stats, why)
         else:
-            checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
-            checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
-            rolling.write_completed(out, stats, files=files, checksums=checksums)
+            file_sums = {name: checksums.manifest_entry(info) for name, info in index.items()}
+            file_sums[shard_schema.DEAD_LETTER_FILE] = checksums.manifest_entry(dead_info)
+            rolling.write_completed(out, stats, files=files, checksums=file_sums)
         rolling.remove_tmp(tmp)
         yield stats
 

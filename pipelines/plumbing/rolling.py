@@ -40,8 +40,7 @@ import pyarrow as pa
 from pipelines.plumbing import storage
 from pipelines.plumbing.storage import Location
 from tokenbridge import urls
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 from tokenbridge.formats.checksums import HashingSink
 
 TMP_PREFIX = ".align-tmp-"
@@ -87,7 +86,7 @@ class RollingParts:
 
     @property
     def name(self) -> str:
-        suffix = S.SHARD_SUFFIX if self.fmt == "arrow" else ".jsonl"
+        suffix = shard_schema.SHARD_SUFFIX if self.fmt == "arrow" else ".jsonl"
         return f"{self.kind}-{self.writer_id}-{self.seq:05d}{suffix}"
 
     def write(self, data) -> str:
@@ -216,7 +215,7 @@ def join_dead_letters(out: Location, tmp: Location, dead_parts: dict[str, int]) 
             raise RuntimeError(
                 f"{storage.join(tmp, name)}: dead-letter part does not hold its {n} records"
             )
-    dest = storage.join(out, S.DEAD_LETTER_FILE)
+    dest = storage.join(out, shard_schema.DEAD_LETTER_FILE)
     return concat_parts(tmp, list(dead_parts), dest, sort_below=DEAD_SORT_BELOW)
 
 
@@ -225,7 +224,13 @@ def remove_tmp(tmp: Location) -> None:
 
 
 # what an earlier run may have left in an output directory (relative names; `storage.matching`)
-STALE = (f"*{S.SHARD_SUFFIX}", ".*.tmp-*", S.STATS_FILE, S.DEAD_LETTER_FILE, f"{TMP_PREFIX}*")
+STALE = (
+    f"*{shard_schema.SHARD_SUFFIX}",
+    ".*.tmp-*",
+    shard_schema.STATS_FILE,
+    shard_schema.DEAD_LETTER_FILE,
+    f"{TMP_PREFIX}*",
+)
 
 
 def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
@@ -233,10 +238,10 @@ def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
 
     The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
     leaves a directory that looks complete."""
-    marker = storage.join(out, S.COMPLETED_MARKER)
+    marker = storage.join(out, shard_schema.COMPLETED_MARKER)
     if storage.exists(marker) and not overwrite:
         raise FileExistsError(
-            f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
+            f"{out} already holds a complete run (it has {shard_schema.COMPLETED_MARKER}); "
             "pass --overwrite to replace it or choose another --out"
         )
     if not urls.is_url(out):
@@ -253,7 +258,7 @@ def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
 def write_refused(out: Location, stats: dict, why: str) -> None:
     """stats.json of a run refused for its dead letters, and no COMPLETED: readers refuse the
     directory, the launcher reads why (`tagged.refuse_if_dead`), a re-run starts over."""
-    _write_json(storage.join(out, S.STATS_FILE), {**stats, REFUSED: why})
+    _write_json(storage.join(out, shard_schema.STATS_FILE), {**stats, REFUSED: why})
 
 
 def write_completed(out: Location, stats: dict, **marker) -> None:
@@ -268,7 +273,7 @@ def write_completed(out: Location, stats: dict, **marker) -> None:
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing files {missing}")
     docs = shards.completed_documents(stats, **marker)
-    for name in (S.STATS_FILE, S.COMPLETED_MARKER):  # the marker last
+    for name in (shard_schema.STATS_FILE, shard_schema.COMPLETED_MARKER):  # the marker last
         storage.write_bytes(storage.join(out, name), docs[name])
 
 
