@@ -1,26 +1,11 @@
 """A node-local cache of inputs fetched from an object store, verified while they download.
 
-Used by the trainer (`trainer.data.remote_inputs.localize`: ``data.shards``, teacher caches and
-projections, and model directories through `tokenbridge.remote_models`;
-`trainer.checkpoint.remote`: a checkpoint to resume), by the Beam workers' tokenizers and
-teachers (`tokenbridge.remote_models`), by ``tokenbridge.commands.verify`` on
-an ``s3://`` directory and by the teacher-cache job's launcher (``--shards s3://``).
-
-- a directory with a completion marker (shards, a teacher cache) is fetched marker first: no
-  marker is the same refusal as for a local directory (the job did not finish); then every file
-  the marker lists, each hashed while it downloads and refused by name when it differs from
-  the marker (size or xxh3_64), under a temporary name renamed into place; the marker last,
-  then ``.fetched``, the entry's commit point;
-- a single file (a projection: it has no marker; its loader checks its fingerprints) the same
-  way, unverified.
-
-One process per entry fetches: under torchrun the node's ``LOCAL_RANK`` 0 (the others wait for
-``.fetched``, so each file crosses the network once per node); any other process takes the
-entry's lock file first, so two jobs (or two Beam workers) on one machine never download the
-same entry at once. An entry already fetched is reused (and its ``.fetched`` touched). The
-cache holds at most `limit_bytes`: before a fetch, whole entries are evicted oldest first (by
-their last use) until the new one fits, never one this process uses; an input larger than the
-limit is refused in one line.
+Shared by the trainer's inputs and checkpoints, the Beam workers' tokenizers and teachers
+(`tokenbridge.remote_models`), ``verify`` on an ``s3://`` directory and the teacher-cache
+launcher. A marked directory is fetched marker first, each file hashed on its way in and
+refused by name when it differs, ``.fetched`` last (the entry's commit point); one process per
+entry fetches (local rank 0, else the holder of the entry's lock), and whole entries are evicted
+by last use to stay under `limit_bytes`. The protocol: docs/pipelines.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""The DoFns that read and align (`pipelines.align.job` assembles them; `write_dofns` writes).
+"""The align job's text path: DoFns that read documents in batches, tokenize, align, cut windows.
 
-They live in the package, not next to the pipeline or in tests, because Beam's multi-process
-workers and Dask workers unpickle them by module path. Each one is a thin shell around pure
-functions (`readers`, `tokenizer`, `alignment`, `window_batch`, `pieces`): tokenizers are loaded
-once per worker process in `setup()` (shared between DoFns through a per-process cache), every
-drop and fallback bumps a `Metrics` counter and sends a dead letter to the ``DEAD`` stream, and
-the time spent per stage goes into `Metrics` distributions (microseconds) for the benchmark.
-
-Elements are columnar batches, never one per document or window: `DocBatch` (up to
-`BATCH_CHARS` of text from one file) and `Windows` (an Arrow RecordBatch of shard rows plus a
-statistics vector, `job_stats`). A document longer than the piece size goes through
-`tokenbridge.alignment.long_documents`, one piece at a time.
-
-Two limits of Beam 2.77's DaskRunner shape the code, so one pipeline runs on every runner:
-it drops what a DoFn emits from ``finish_bundle`` (so every record is emitted from
-``process``), and it mixes the tagged outputs of a multi-output ParDo into one stream (so DoFns
-with several outputs emit ``(tag, value)`` pairs that the job splits with `select`).
+Each is a thin shell over pure functions (`readers`, `tokenbridge.alignment`): tokenizers are
+loaded once per worker process (`cached_tokenizer`), elements are columnar batches (`DocBatch`,
+`Windows`), every drop is a counted dead letter, and stage times go to `Metrics` distributions.
+Records leave from ``process`` as ``(tag, value)`` pairs, for the DaskRunner (docs/pipelines.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The DoFns of the align job's conversation path (`pipelines.align.job` assembles them).
+"""The align job's conversation path: DoFns that read conversation rows and make shard rows.
 
-The text path reads documents and cuts windows (`align_dofns`); a conversation job reads rows
-(`pipelines.align.chat_read`) and turns each batch of them into shard rows with the pure core of
-`tokenbridge.chat`: `rows.parse_row` -> `align.align_conversations` (every side renders with its
-own template, contents aligned, turn markers paired, train flags) -> `fit` (the window limits)
--> `records.record_batch` (Arrow columns). The elements and outputs are the text path's: a
-`Windows` (an Arrow batch plus a statistics vector) goes to the same rolling shard writer, and
-every refused row is a dead letter with file, row, field and reason, counted by reason.
-
-Like `align_dofns`, these live in the package (Beam's and Dask's workers unpickle them by module
-path), load tokenizers once per process (`cached_tokenizer`), and emit ``(tag, value)`` pairs.
+Each batch goes through the pure core of `tokenbridge.chat` (parse, render and align every
+side, fit to the window limits, Arrow columns) and leaves as the text path's `Windows`, for the
+same rolling shard writer; every refused row is a dead letter with file, row, field and reason.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Conversation rows out of ``.jsonl`` and ``.parquet`` files, for the align job's chat path.
 
-The text readers (`pipelines.align.readers`) pull one string field out of each record; a conversation
-is a whole record (``messages``, or ``prompt`` + ``completion``), so these readers yield the
-record itself (`Row`) and leave parsing to `tokenbridge.chat.rows.parse_row`, which gives every
-bad row its own reason. What is bad before parsing (bytes that are not UTF-8, a line that is not
-JSON) is a dead letter here, with file, row and line, as in the text readers.
-
-The row format is detected per file from its first record (`rows.detect_format`) unless the job
-names it (a byte range of a large file reads the file's first record for it, so a bad record
-that happens to open a range is that record's dead letter, not the range's). A file whose
-records are plain ``text`` (or a ``.txt`` file) in a conversation job is one dead letter for the
-whole file (`ROW_FORMAT_MISMATCH`): one job writes one shard schema, so text goes through its
-own run. `peek_format` looks at the first record of a file, so the job can decide before it
-starts whether it is a text or a conversation job.
+A conversation is a whole record (``messages``, or ``prompt`` + ``completion``), so these
+readers yield the record (`Row`) and leave parsing to `tokenbridge.chat.rows.parse_row`; only
+what is bad before parsing (bytes that are not UTF-8, a line that is not JSON) is a dead letter
+here. A file of plain text records in a conversation job is one dead letter
+(`ROW_FORMAT_MISMATCH`): one job writes one shard schema.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Aligned conversations -> shard rows (Arrow), column by column, and their statistics.
 
-One row per conversation. The flat per-token arrays of a `ChatBatch` already carry row splits,
-so every list column is one Arrow ``ListArray`` over them (no per-row or per-token Python); a
-subset of rows (the ones that fit the windows) is one ``take``. The columns are the text
-shards' (``text`` is the student's rendering, ``char_start`` / ``char_end`` span it) plus the
-conversation columns of `tokenbridge.formats.shard_schema`: messages, trained bytes (as the
-student's rendering shows the contents: without the edge whitespace its template leaves out),
-train codes per side and chunk kinds per teacher. ``chat_meta`` is what the file metadata and stats.json record of the
-sides: each template (name, source, sha256), turn markers, the train mode.
+One row per conversation. Every list column is one Arrow ``ListArray`` over the flat per-token
+arrays of a `ChatBatch` and their row splits, and the rows that fit are one ``take``: no Python
+per row or per token. The columns are the text shards' (``text`` is the student's rendering)
+plus the conversation columns of `tokenbridge.formats.shard_schema`; `chat_meta` is what the
+file metadata and stats.json record of the sides (templates, turn markers, the train mode).
 """
 
 from __future__ import annotations

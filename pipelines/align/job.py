@@ -1,39 +1,8 @@
 """The align job: raw text or conversations -> aligned Arrow shards for the trainer (``make align``).
 
-    python -m pipelines.align.job --data 'corpus/*.txt' --teacher T [--teacher T2 ...] \\
-        --student S [--out DIR] [--max-student-tokens 512] [--max-teacher-tokens 512] \\
-        [--text-field text] [--txt-mode file|blocks] [--shard-mb 128] [--piece-chars N] \\
-        [--overwrite] [Beam pipeline options, e.g. --direct_num_workers 1]
-
-Conversations (rows of ``messages`` or ``prompt`` + ``completion``, jsonl or parquet) are
-detected from the first record of the first file (``--row-format`` names it instead) and take
-the conversation path (`pipelines.align.chat_dofns`): every side renders each conversation with its
-own chat template (``--chat-template`` for the student, ``--teacher-chat-template`` once per
-teacher, for models without one: a shipped name or a .jinja file; ``own`` = the model's), one
-conversation per row, ``--train-on`` assistant | last_assistant | all, and
-``--long-conversations`` too_long | keep_suffix for conversations over the token limits.
-
-The pipeline reads as its own table of contents::
-
-    ReadDocs --> AlignWindows --> WriteShards -------+--> Finalize: parts renamed into place,
-        |              |                             |    stats.json, COMPLETED last
-        +--------------+--> WriteDeadLetters --------+
-
-Memory stays flat as the corpus grows: elements are batches of documents (`DocBatch`) and of
-window rows (Arrow RecordBatches), a document longer than ``--piece-chars`` is cut in pieces
-(`tokenbridge.alignment.long_documents`), rows stream into rolling part files (`pipelines.plumbing.rolling`), and the only
-grouping is the final one over small per-batch records. Every stage sends bad input to dead
-letters (``dead_letter.jsonl``) and counters. ``COMPLETED`` appears only after every shard is in
-place; a killed run leaves no marker and no file a reader would take for a shard.
-
-The default runner is Beam's ``FnApiRunner`` with one worker process per core (the plain
-DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
-runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
-then be a filesystem that every worker and this process share, or an ``s3://`` URL:
-`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`; the tokenizers may be
-``s3://`` URLs of marked directories, which each worker fetches itself in ``setup``:
-`tokenbridge.remote_models`). Progress goes to stderr
-every ~10 s (`pipelines.plumbing.progress`).
+This module lists the input, assembles the pipeline (ReadDocs -> AlignWindows -> WriteShards /
+WriteDeadLetters -> Finalize, COMPLETED last) and runs it. Options and runners: the README's
+"The align job" and "Distil on conversations"; the stages: docs/pipelines.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The DoFns that write the align job's output: rolling parts, one summary, the finalize step.
+"""The align job's writers: rolling shard parts, and the finalize step that publishes them.
 
-`WriteShardsDoFn` and `WriteDeadLettersDoFn` stream what they receive to rolling part files
-(`pipelines.plumbing.rolling`) and emit one small record per batch written; nothing holds row data.
-`SummaryCombineFn` folds the records (part names, row counts, statistics vectors, drops by
-reason) into one element; `FinalizeDoFn`, whose input exists only once every record of the run
-is committed, moves the parts into place, writes stats.json and then COMPLETED.
-
-Records are tuples: ``("part", name, rows, first key, stats)`` per shard batch,
-``("stats", vector)`` for statistics without rows, ``("dead", part, reason)`` per dead letter.
+`WriteShardsDoFn` streams `Windows` to rolling part files and emits one small record per batch;
+`FinalizeDoFn` gets the one summary of all records, moves the parts into place, writes
+stats.json and then COMPLETED (docs/pipelines.md, "Rolling writers and finalize").
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Rolling part files and the finalize step: streaming writes that a crash can never half-publish.
 
-How a writer that never groups its rows stays atomic (the align job's shards and dead letters;
-the teacher cache can use the same classes):
-
-1. Each worker writes what it gets to *part* files in the run's temporary directory
-   (``<out>/.align-tmp-<run>/``), a new part when the current one reaches ``roll_bytes``.
-   Every byte goes through the hash as it is written (`tokenbridge.formats.checksums.HashingSink`, the
-   one place a checksum is computed), so no file is read back to checksum it.
-2. Closing a part (on rolling, and at the end of the bundle) writes its footer, fsyncs it, and
-   then writes its manifest ``<part>.done`` (rows, bytes, checksum). A part without a manifest
-   was cut short by a crash.
-3. For every batch it writes, the writer emits a small record (part name, rows, first row's
-   key). Beam commits a bundle's records only if the bundle succeeds, so a part that a failed
-   (and retried) bundle wrote is referenced by no record.
-4. `finalize_parts`, the only grouping (over those records), checks each referenced part
-   against its manifest, renames the parts into place in key order as
-   ``shard-XXXXX-of-YYYYY.arrow``, and returns the index that goes into COMPLETED, which the
-   caller writes last. Unreferenced parts are deleted with the temporary directory.
-
-A reader only ever opens files that COMPLETED lists, and COMPLETED is written after every
-rename, so a killed run leaves nothing that a reader takes for a shard.
-
-The output may be a local directory or an object-store URL (`pipelines.plumbing.storage`): on an
-object store a part appears only once its upload completes, "rename" is copy then delete, and
-COMPLETED, written last with every file's checksum, is still the only commit point.
+Each writer streams to part files in the run's temporary directory, hashed as they are written
+and each closed with a manifest (``<part>.done``); `finalize_parts`, the only grouping, checks
+the parts that committed records name, renames them into place in key order and returns the
+index for COMPLETED, which the caller writes last. Local directory or object store alike
+(`pipelines.plumbing.storage`); the protocol step by step: docs/pipelines.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """The teacher-cache job: aligned shards -> the teacher's outputs per position (``make teacher-cache``).
 
-    python -m pipelines.teacher_cache --shards DIR --teacher MODEL_DIR [--k 32] \\
-        [--temperature 1.0] [--logprob-dtype float16|bfloat16|float32] [--no-target] \\
-        [--samples R] [--teacher-index I] [--teacher-dtype auto] [--out DIR] [--overwrite] \\
-        [--init random --seed N --override key=value ...] [--batch-tokens 8192] \\
-        [Beam pipeline options]
-
-The pipeline, as its own table of contents::
-
-    Tasks (row ranges) --> ReadRows (token-bounded RowBatches) --> Score (RunInference, the
-    trainer's teacher program) --> WriteCache (rolling Arrow parts) --+--> Finalize: parts in
-    place, stats.json, COMPLETED last
-          bad rows, failed rows --> WriteDeadLetters --------------------+
-
-The format, keys and fingerprints are described in `tokenbridge.formats.teacher_cache`; the trainer
-reads a cache with ``teachers[i].cache`` (`tokenbridge.formats.teacher_cache_reader`). Memory stays flat:
-elements are row batches, rows stream into rolling part files, and the only grouping is the
-final one over small per-batch records. A complete output directory is refused unless
-``--overwrite``.
-
-Runner: Beam's ``FnApiRunner`` in this process by default (``--direct_num_workers 1``: the
-teacher's forward already uses every core through torch's threads, and each worker process
-would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink, Spark) through
-the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
-(`pipelines.plumbing.storage`). ``--shards`` may be an ``s3://`` URL too: the launcher plans on a
-verified copy in ``--cache-dir`` (`tokenbridge.remote_cache`), and each worker reads the objects
-its tasks name, refusing one that differs from the marker's checksum. ``--teacher`` may be the
-``s3://`` URL of a marked model directory (`tokenbridge.remote_models`): the launcher checks its
-own verified copy, each worker fetches one into its machine's cache in ``load_model``.
+This module plans row tasks, checks the teacher and the shards before anything is written,
+assembles the pipeline (ReadRows -> Score in RunInference -> WriteCache / WriteDeadLetters ->
+Finalize, COMPLETED last) and runs it. Options and runners: the README's "The teacher cache";
+the stages: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -345,6 +321,8 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_dead_fraction=dead_fraction(args),
         shards_url=shards_url,
     )
+    # in this process by default: torch's threads already use every core, and each worker
+    # process would hold its own copy of the weights
     return cfg, storage.beam_args(jobs.default_runner_args(beam_args, workers=1))
 
 

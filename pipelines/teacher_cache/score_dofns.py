@@ -1,20 +1,9 @@
-"""The teacher-cache job's DoFns: read shard rows in token-bounded batches, write cache parts,
-finalize. (The teacher itself runs in RunInference, `pipelines.teacher_cache.handler`.)
+"""The teacher-cache job's DoFns around the teacher: read shard rows in token-bounded batches,
+write cache parts, finalize (the teacher itself runs in RunInference: `handler`).
 
-- `ReadRowBatchesDoFn`: a `RowTask` (rows [start, end) of one shard file) -> `RowBatch`es whose
-  padded size (rows x longest row) stays under a token budget; rows are sorted by length within
-  the task first, so batches pad little. Rows with ids outside the teacher's vocabulary go to
-  the dead letters (the model would index past its embedding).
-- `split_scored`: rows that failed in the teacher -> dead letters, the rest go on.
-- `WriteCacheDoFn`: `ScoredBatch` -> one Arrow record batch in this bundle's rolling part
-  (`pipelines.plumbing.rolling`: checksummed while written) -> one record ("part", name, rows, key,
-  statistics vector).
-- `FinalizeCacheDoFn`: parts renamed ``cache-XXXXX-of-YYYYY.arrow`` in key order, dead letters
-  joined, stats.json, then COMPLETED (`tokenbridge.formats.shards.write_completed`, marker v3).
-
-As in the align job, everything is emitted from ``process`` and
-several outputs travel as ``(tag, value)`` pairs: the DaskRunner drops ``finish_bundle``'s
-outputs and mixes tagged outputs.
+Rows are sorted by length within a task before batching, so batches pad little; rows with ids
+outside the teacher's vocabulary are dead letters (the model would index past its embedding).
+As in the align job, everything leaves from ``process``, several outputs as ``(tag, value)``.
 """
 
 from __future__ import annotations
