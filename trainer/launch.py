@@ -1,21 +1,11 @@
 """``python -m trainer.launch [torchrun options] trainer/main.py conf=<name> [overrides]``
 
-torchrun, with its failure report cut to what the ranks already said. Plain ``torchrun`` works
-the same, but when a rank fails its launcher process ends with a traceback of its own and a
-``ChildFailedError`` box (one section per rank, the peers it stopped included), plus a warning
-for each rank it stops; that comes from torchrun's own ``main`` (an uncaught exception), so
-nothing inside a rank can turn it off, and ``LOGLEVEL=ERROR`` only drops the warnings. This
-launcher calls the same ``torch.distributed.run.run`` and catches that exception instead:
-
-- a rank already printed its line (`tokenbridge.cli` notes it in torchrun's error file): nothing
-  more is printed;
-- no rank did (a rank killed by a signal, say the out-of-memory killer; rank 0 stopped before it
-  could report an error every rank met; only peers that lost their link): one line, for the
-  failure that explains most;
-
-and the exit code is the failing rank's (2 bad config or inputs, 1 a failed run, 130
-interrupted) instead of torchrun's 1 for everything. ``TOKENBRIDGE_DEBUG=1`` restores
-torchrun's own logging and report (with the same exit code).
+torchrun, with its failure report cut to what the ranks already said. Plain torchrun's launcher
+ends a failed run with a traceback and a ``ChildFailedError`` box of its own, which nothing
+inside a rank can turn off; this calls the same ``torch.distributed.run.run`` and catches that
+exception: nothing more when a rank printed its line, else one line for the failure that
+explains most, and the failing rank's exit code (README, "When something fails").
+``TOKENBRIDGE_DEBUG=1`` restores torchrun's own logging and report.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The per-teacher distillation terms and their combination with the student's CE.
 
-`tokenbridge.losses` holds the math (pure functions) and the loss-mode registry
-(`tokenbridge.losses.modes.MODES`); `trainer.teacher` runs the teachers and carries their outputs.
-This module joins the two for the loop:
-
-- `KDTerm`: one teacher's term: its loss mode (a registry record) and options, its projection
-  tables, the teacher-output spec that mode needs (never more), and the calls the loop makes
-  per microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so
-  the step's global count is all-reduced before the first backward), ``teacher_inputs`` (the
-  teacher's ids, attention mask and the positions its outputs are read at: `used_inputs`, for
-  shard rows and rollouts alike) and ``loss``;
-- `combine_terms`: CE and every teacher's KD, each already normalised by the step
-  (`tokenbridge.losses.base.normalize`), combined as ``loss.combine`` says.
-
-Parallel layouts: the terms are computed on this rank's positions (CP layout, ``cp``) and
-vocabulary shard (``tp_group``).
+`tokenbridge.losses` holds the math and the loss-mode registry; `trainer.teacher` runs the
+teachers. This module joins the two for the step: a `KDTerm` per teacher, and the one place
+that says which teacher positions a term reads (`used_inputs`, for shard rows and rollouts
+alike). Terms are computed on this rank's positions (CP) and vocabulary shard (TP).
 
 Legend: B rows, T student positions, L of them on this CP rank, V student vocabulary (lm_head
 width; its local shard under TP).
@@ -42,7 +31,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class KDTerm:
-    """One teacher's distillation term (see the module docstring)."""
+    """One teacher's distillation term: its loss mode and options, projection tables and the
+    teacher-output spec that mode needs (never more), and the calls the step makes per
+    microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so the
+    step's global count is all-reduced before the first backward), ``teacher_inputs`` and
+    ``loss``."""
 
     index: int
     name: str

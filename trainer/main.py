@@ -1,21 +1,10 @@
 """Entry point: ``torchrun --nproc_per_node=N trainer/main.py conf=<experiment> [overrides]``.
 
-Also ``python trainer/main.py conf=debug`` (one process: world size 1 of the same code path).
-Thin, as in torchtitan: compose and validate the config (`trainer.config.compose`; every value
-and every cross-field rule, `trainer.config.rules`), run the checks that need files but no
-model weights (`trainer.preflight`), build the `Trainer`, ``try: train() finally:
-close()``, destroy the process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml``
-(``experiment=<name>`` works too); every other argument is a Hydra override
-(``optim.lr=1e-4``, ``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist
-in `trainer.config.schema`: ``+``/``++`` add no keys (they are accepted and checked the same), except under the open
-``loss.options`` and ``model.overrides`` (``+loss.options.beta=0.3``).
-
-A failure ends with one line on stderr and an exit code (`tokenbridge.cli`, the trainer's
-own `RULES` below): 2 invalid config or inputs (a config key, a missing or damaged file, shards
-made with other tokenizers), 1 the run failed (a teacher worker died, a non-finite loss), 130
-interrupted; ``TOKENBRIDGE_DEBUG=1`` adds the traceback. Under torchrun an error every rank
-meets alike is reported by rank 0, any other by the rank it happened on; ``python -m
-trainer.launch`` (torchrun's arguments) also replaces torchrun's own failure report.
+Also ``python trainer/main.py conf=debug`` (one process). ``conf=<name>`` selects
+``conf/experiment/<name>.yaml``; every other argument is a Hydra override, whose key must exist
+in the schema. Thin, as in torchtitan: compose and validate the config, run the preflight, build
+the `Trainer`, train, close. A failure ends with one line and an exit code (`RULES` below;
+README, "When something fails").
 """
 
 from __future__ import annotations

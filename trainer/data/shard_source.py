@@ -1,16 +1,9 @@
 """Shard batches as a source of microbatches for the one training step (`trainer.step`).
 
 The off-policy side of a run: ``data.grad_accum`` microbatches of the aligned shards per step,
-drawn through the teacher feed (`trainer.teacher.dispatch.Feed`: the teachers run ahead, and a
-microbatch's ring slots are held until its backward is done). Each gives the student's CE and
-every teacher's KD term on this rank's positions (CP layout) and vocabulary shard (TP),
-combined as ``loss.combine`` says: fixed weights, or the dynamic scale |CE| / |KD| of the
-previous applied step (the current step's totals are not known before its first backward).
-
-Counts under CP: each rank counts the positions and chunk terms it computes, so their sum over
-dp and cp is the global count; TP ranks count alike and are never summed. The live teachers'
-tokens of a logging step are summed alike (`step_sums`: each of a dp group's cp ranks counts
-1 / cp of its rows') for the per-device throughput (`trainer.throughput`).
+drawn through the teacher feed (the teachers run ahead; a microbatch's ring slots are held until
+its backward is done), each giving the student's CE and every teacher's KD term on this rank's
+positions (CP) and vocabulary shard (TP).
 
 Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
 (lm_head width; V / tp of it on this rank).
@@ -107,6 +100,8 @@ class ShardSource(Source):
 
     def start(self) -> tuple[torch.Tensor, list[list[int]]]:
         self.queued = self.feed.peek(len(self))  # loaded and prepared, not yet received
+        # each rank counts the positions and chunk terms it computes (its CP share), so the sum
+        # over dp and cp is the global count; TP ranks count alike and are never summed
         self.teacher_s = 0.0
         cps = [self.cp_context(q.mb) for q in self.queued]
         pre = [
@@ -168,7 +163,9 @@ class ShardSource(Source):
     def after(self, nums: StepNumbers, *, applied: bool) -> None:
         if applied and self.terms and self.loss.combine == "dynamic":
             kd = weighted_kd(self.weight_list, nums.losses[1:-1])
-            self.scale = abs(nums.losses[0]) / max(abs(kd), 1e-8)  # next step's |CE|/|KD|
+            # the next step's |CE| / |KD|: a step's own totals are not known before its first
+            # backward, so the dynamic scale is the previous applied step's
+            self.scale = abs(nums.losses[0]) / max(abs(kd), 1e-8)
 
     def _live(self) -> list[KDTerm]:
         """The KD terms whose teacher runs (not read from a cache): their FLOPs count."""

@@ -1,22 +1,9 @@
 """Where on-policy prompts come from: raw-text shards, or conversations rendered per template.
 
 A prompt is what the student continues: its own token ids (the truth the sampled ids extend),
-where it came from, and what a teacher needs to render it in its own form. Two sources with one
-interface (`PromptSource`: ``next_prompts``, ``held_out``, ``state_dict``):
-
-- `TextPrompts` (raw-text shards from `make align`): the first ``prompt_tokens`` student ids of
-  a window are the prompt ("continue this text"); the rest of the window is the dataset's own
-  continuation (``reference``). Rows are split exactly like the trainer's windows
-  (`trainer.data.shard_reader.ShardStream`: the held-out windows by a hash of doc id and window, the rest
-  dealt to the data-parallel ranks and shuffled with a seeded, checkpointed buffer), so the
-  held-out prompts are the prefixes of the held-out windows the BPB eval reads.
-- `ChatPrompts` (``messages`` rows, as the chat align job reads them): every assistant turn
-  gives a prompt, the conversation before it, rendered with the student's chat template and its
-  generation prompt (`tokenbridge.chat`), its control tokens split out as ids; the turn's own
-  content is the reference. Each teacher renders the same messages with its own template
-  (`trainer.onpolicy.rollouts`). Held-out conversations by a hash of their id.
-
-Both are resumable: their whole position is a small dict saved per rank in checkpoints.
+where it came from, and what a teacher needs to render it in its own form. Both sources sit
+behind one interface (`PromptSource`) and are resumable: their whole position is a small dict
+saved per rank in checkpoints (docs/onpolicy.md, "A step", 1).
 """
 
 from __future__ import annotations
@@ -65,7 +52,12 @@ class PromptSource(Protocol):
 
 
 class TextPrompts:
-    """Prefixes of the training windows of this rank (see the module docstring)."""
+    """Prefixes of the training windows of this rank (raw-text shards from `make align`).
+
+    The first ``prompt_tokens`` student ids of a window are the prompt ("continue this text");
+    the rest of the window is the dataset's own continuation (``reference``). Rows are split
+    exactly like the trainer's windows (`ShardStream`), so the held-out prompts are the
+    prefixes of the held-out windows the BPB eval reads."""
 
     def __init__(
         self,
@@ -137,7 +129,12 @@ def render_prompt(side: ChatSide, messages: list[dict]) -> Rendering | None:
 
 
 class ChatPrompts:
-    """One prompt per assistant turn of ``messages`` rows (see the module docstring)."""
+    """One prompt per assistant turn of ``messages`` rows (as the chat align job reads them).
+
+    The prompt is the conversation before the turn, rendered with the student's chat template
+    and its generation prompt, its control tokens split out as ids; the turn's own content is
+    the reference. Each teacher renders the same messages with its own template
+    (`trainer.onpolicy.rollouts`). Held-out conversations by a hash of their id."""
 
     def __init__(
         self,

@@ -1,12 +1,8 @@
 """Rollouts as a source of microbatches for the one training step (`trainer.step`).
 
-An on-policy step's rollouts (`trainer.onpolicy.side.OnPolicy.step`: sampled, aligned, scored)
-handed to the one step as its microbatches: their counts, the student's forward on whole rows
-(whole logits under TP: `trainer.parallel.head.student_logits` with ``gather_vocab``), each
-teacher's term, their weighted sum (or one term on the probability-space mixture of
-same-tokenizer teachers). No CE: the student's likelihood of its own samples is not a target.
-With int8 sampling each position's gradient is weighted by its likelihood ratio
-(`trainer.onpolicy.importance`).
+An on-policy step's rollouts (sampled, aligned, scored) give the step their counts, the
+student's forward on whole rows and each teacher's term, summed or taken on the mixture of
+same-tokenizer teachers. No CE: the student's likelihood of its own samples is not a target.
 
 Legend: B rollouts in a microbatch, T student positions, V student lm_head width.
 """
@@ -31,12 +27,11 @@ from trainer.step import Source, Terms
 
 
 class RolloutSource(Source):
-    """One on-policy step's rollouts as the one step's microbatches (`trainer.step.Source`; see
-    the module docstring). ``batches``: `OnPolicy.batches` of ``r``; ``outs``: the teachers'
-    outputs per microbatch; ``terms``: the teachers' KD terms, ``weights`` theirs (one, on
-    their ``mixture``); ``sampling``: what the rollouts were drawn with, ``ratio_clip`` the
-    cap on an int8 sample's ratio weight; ``loader``: the shard side's (the epoch the record
-    shows)."""
+    """One on-policy step's rollouts as the one step's microbatches (`trainer.step.Source`).
+    ``batches``: `OnPolicy.batches` of ``r``; ``outs``: the teachers' outputs per microbatch;
+    ``terms``: the teachers' KD terms, ``weights`` theirs (one, on their ``mixture``);
+    ``sampling``: what the rollouts were drawn with, ``ratio_clip`` the cap on an int8
+    sample's ratio weight; ``loader``: the shard side's (the epoch the record shows)."""
 
     def __init__(
         self,

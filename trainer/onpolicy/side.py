@@ -2,30 +2,10 @@
 
 An on-policy step (`OnPolicy.step`) is the one training step (`trainer.step.TrainStep`) run on
 the student's own rollouts instead of shard batches; the loop takes one with probability
-``onpolicy.lmbda`` (GKD's lambda; the draw comes from a seeded RNG that every rank holds alike
-and checkpoints). This module holds what is the on-policy side's own:
-
-1. **Generate**: ``prompts_per_step`` prompts of this rank (`trainer.onpolicy.prompts`), each
-   sampled ``n_samples`` times by the student with its current weights
-   (`trainer.onpolicy.sampling.sampler`), its FSDP2 parameters gathered once for the whole phase;
-2. **Align**: the rollouts cut into microbatches (`trainer.onpolicy.rollouts`): the sampled ids
-   for teachers with the student's tokenizer, on-the-fly alignment for the others;
-3. **Score**: every microbatch submitted to every teacher's channel (`trainer.onpolicy.rollout_scoring`);
-4. **Learn**: the rollouts' microbatches handed to the one step as a `RolloutSource`
-   (`trainer.onpolicy.rollout_source`). ``loss.kd_weight`` and ``ce_weight`` weigh the
-   off-policy steps only: an on-policy step's loss is its distillation term.
-
-Policy lag (``onpolicy.lag``): 0 is exact on-policy, every rollout is learnt by the weights that
-sampled it. 1 overlaps the teacher with the student: the rollouts of the next on-policy step are
-sampled *before* the student learns on this step's, while the teachers score this step's, and
-submitted after the update; each update learns on rollouts sampled by the weights one update
-older. The overlap is the sampling rather than the update because on CPU the two processes
-then share the cores (`trainer.parallel.cpus`), and sampling gains least from more threads;
-the sampler polls the teachers before each decode step (`TeacherChannel.done`, never waiting)
-and takes every core back as soon as they have finished, so the overlap lasts as long as the
-scoring and no longer (``time/overlap_s``). The
-pending rollouts are part of the checkpoint, so a resumed run learns on exactly what the
-uninterrupted one would.
+``onpolicy.lmbda`` (GKD's lambda, drawn alike on every rank and checkpointed). With
+``onpolicy.lag: 1`` the next step's rollouts are sampled while the teachers score this step's;
+the pending rollouts are checkpointed, so a resumed run learns on exactly what the
+uninterrupted one would (docs/onpolicy.md, "A step" and "Policy lag and mixing").
 """
 
 from __future__ import annotations
@@ -348,8 +328,8 @@ class OnPolicy:
     # the step
 
     def step(self, *, log: bool, last: bool) -> dict[str, float] | None:
-        """One on-policy optimizer step (see the module docstring); its record on a logging
-        step. ``last``: no later on-policy step will run in this process (lag 1 samples none)."""
+        """One on-policy optimizer step (generate, align, score, learn: docs/onpolicy.md); its
+        record on a logging step. ``last``: no later on-policy step will run in this process (lag 1 samples none)."""
         t0, copy0 = time.perf_counter(), self.int8_copy_s
         times = Counter()
         if self.pending is not None:  # lag 1: sampled and submitted during the last step

@@ -1,31 +1,10 @@
 """The student's own sampler: batched, KV-cached, seeded, over a HF causal LM's forward.
 
-Why not ``model.generate``: its per-step machinery (input preparation, logits processors that
-sort the whole vocabulary for top-p, stopping criteria) costs more than the forward of a small
-model on CPU, finished rows keep being computed until the longest one ends, and its sampling
-draws from the global RNG, which a resumed run cannot replay without also replaying everything
-else that drew from it. Here:
-
-- the prompts are left-padded into one batch, prefilled once (only the last position's logits
-  are computed: ``logits_to_keep=1``), and with ``n_samples > 1`` the prefilled cache is
-  repeated per sample instead of prefilling each copy;
-- each step feeds one token per live row (`trainer.onpolicy.sampling.decode`: a lean loop over a
-  Llama-family model's own weights with a preallocated KV cache, ~2x the time it takes to read
-  the weights once; any other model through its HF forward and ``DynamicCache``); rows that
-  stop (a stop id: EOS, end-of-turn) leave the batch, so the cost follows the live rows, not
-  the longest one;
-- a token is drawn by inverse CDF (one uniform per row), and top-p never sorts the vocabulary:
-  a draw outside the nucleus is redrawn (exact; see `choose`);
-- every rollout draws from its own ``torch.Generator``, seeded by the caller from what the
-  rollout is (run seed, prompt, epoch, sample index), never from the global RNG: the same
-  prompt gets the same completion whatever batch, data-parallel rank or process it lands in,
-  and a resumed run samples exactly what the uninterrupted one would with nothing to restore;
-- under tensor parallelism (``tp_group``) vocab-sharded logits are gathered and each step's
-  tokens are broadcast from the group's first rank, so every rank of a TP group holds the same
-  tokens whatever the floating-point order of its reductions.
-
-`gathered` keeps an FSDP2 model's parameters unsharded for a whole rollout phase: without it
-every decoder layer is all-gathered again for every generated token.
+Not ``model.generate``: its per-step machinery costs more than a small model's forward on CPU,
+finished rows keep being computed, and it draws from the global RNG, which a resumed run cannot
+replay. Here rows that stop leave the batch, and every rollout draws from its own generator
+seeded by what the rollout is, so the same prompt gets the same completion in any batch, rank or
+resumed run with no sampler state to save (docs/onpolicy.md, "A step", 2).
 
 Legend: B live rows, P prompt positions, V lm_head width, K recorded top-k, N new tokens.
 """
@@ -210,7 +189,11 @@ def sample(
     int8: Int8Weights | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> Rollouts:
-    """Sample ``config.n_samples`` completions of every prompt (see the module docstring).
+    """Sample ``config.n_samples`` completions of every prompt: left-padded into one batch and
+    prefilled once (with ``n_samples > 1`` the prefilled cache is repeated per sample), then
+    one token per live row per step until it stops. Under tensor parallelism (``tp_group``)
+    each step's tokens are broadcast from the group's first rank, so every rank of a TP group
+    holds the same tokens whatever the floating-point order of its reductions.
 
     ``seeds``: one per rollout (prompt-major: prompt i's samples are rollouts
     i * n_samples ...), each rollout's own generator; None only when greedy.
