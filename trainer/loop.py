@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
@@ -54,7 +53,9 @@ from trainer.onpolicy.rollout_source import OnPolicy
 from trainer.parallel import cpus, parallelize
 from trainer.parallel.cp_attention import model_inputs
 from trainer.parallel.head import head_logits
+from trainer.parallel.materialize import load_record
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.sharded_build import build_student
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
 from trainer.shard_reader import ShardReader, ShardStream
 from trainer.shard_source import ShardSource
@@ -125,31 +126,20 @@ class Trainer:
         mult = cfg.data.pad_to_multiple
         teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
-        # student: TP plan, CP attention, activation checkpointing, compile, then FSDP2
-        self.model = models.build_model(cfg.model, device=self.device)
+        # student: built on the meta device, TP plan, CP attention, activation checkpointing,
+        # compile, FSDP2, then this rank's shards materialized and filled
+        # (`trainer.parallel.sharded_build`; left unfilled when a checkpoint is loaded below)
+        precision = prepared.precision  # resolved for this device (trainer.config.precision)
+        self.model, self.replicated_grads = build_student(
+            cfg.model,
+            mesh=self.mesh,
+            parallel=cfg.parallel,
+            precision=precision,
+            device=self.device,
+            fill=prepared.resume is None,
+        )
         self.vocab_V = models.vocab_width(self.model)
         self.vocab_used = prepared.student_tok.vocab_size
-        self.model.train()
-        tp = self.mesh.tp_size
-        plan = parallelize.tp_plan(self.model.config.model_type) if tp > 1 else {}
-        self.replicated_grads = parallelize.apply_tp(self.model, self.mesh.tp_mesh, plan)
-        parallelize.apply_cp(self.model, self.mesh.cp_size)
-        parallelize.apply_ac(
-            self.model, cfg.parallel.activation_checkpointing, every=cfg.parallel.ac_every
-        )
-        if cfg.parallel.compile:
-            parallelize.apply_compile(self.model)
-        precision = prepared.precision  # resolved for this device (trainer.config.precision)
-        mp = MixedPrecisionPolicy(
-            param_dtype=models.torch_dtype(precision.param_dtype),
-            reduce_dtype=models.torch_dtype(precision.reduce_dtype),
-        )
-        parallelize.apply_fsdp(
-            self.model,
-            self.mesh.fsdp_mesh,
-            mp_policy=mp,
-            reshard_after_forward=cfg.parallel.reshard_after_forward,
-        )
         self.optimizer = optim.build_optimizer(
             self.model, cfg.optim, fused=precision.fused_optimizer
         )
@@ -208,6 +198,7 @@ class Trainer:
             fresh=self.resumed_from is None,
         )
         self._closers.append(self.metrics)
+        self.metrics.log(self.step, load_record(self.device), kind="load")
 
     # ---------------------------------------------------------------------------------------
     # state
@@ -253,8 +244,25 @@ class Trainer:
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
-        self.checkpointer.load(path, state)
-        self.load_state_dict(state)
+        if ckpt.saved_world(path) == self.world:
+            self.checkpointer.load(path, state)
+            self.load_state_dict(state)
+            return
+        # saved by another number of processes: DCP reshards the student and the optimizer;
+        # the common values come from rank 0's file, the data position is carried over where
+        # that is exact (`ShardStream.reshard`); RNG states and the on-policy position restart
+        del state[f"rank{self.rank}"]
+        self.checkpointer.load(path, state, from_rank=0)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stepper.load_state_dict(state)
+        self.feed.reset()
+        note = self.loader.reshard(ckpt.saved_positions(path))
+        if self.is_main:
+            print(
+                f"resumed {path.name}, saved by {ckpt.saved_world(path)} processes, on "
+                f"{self.world}: student and optimizer resharded" + (f"; {note}" if note else ""),
+                flush=True,
+            )
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.step, self.state_dict())
@@ -364,7 +372,11 @@ class Trainer:
         cfg = self.cfg
         end = cfg.stop_after or cfg.steps
         do_eval = bool(self.eval_texts)
-        bpb = read_bpb(self.run_dir, fresh=self.resumed_from is None)
+        # rank 0's: every rank takes the same eval decisions, whether or not the nodes share
+        # the run directory
+        box = [read_bpb(self.run_dir, fresh=self.resumed_from is None) if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        bpb = box[0]
         if do_eval and "student_before" not in bpb and self.step == 0:
             bpb["student_before"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_before"]}, kind="eval")

@@ -155,3 +155,39 @@ def test_model_level_cp_and_tp_match_the_whole_model(runs):
         assert len(diffs) > 10, name
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < REL, (name, worst, diffs[worst])
+
+
+def test_models_built_on_meta_hold_build_models_weights_in_every_layout(runs):
+    """The student under FSDP (dp 2), TP (tp 2) and both (dp 2 x tp 2, FSDP over a TP-sharded
+    dim), and a teacher under TP, built on the meta device and filled shard by shard, gathered:
+    `build_model`'s weights bit for bit, SmolLM2- and Gemma 3-shaped."""
+    got = {}
+    for which in ("two", "four"):
+        got.update(json.loads((runs / f"weights_{which}.json").read_text()))
+    want = {
+        f"{m}_{who}_{lay}"
+        for m in ("smollm2", "gemma3")
+        for who in ("student", "teacher")
+        for lay in ("dp2", "tp2", "dp2_tp2")
+    }
+    assert set(got) == want
+    assert [k for k, ok in got.items() if not ok] == []
+
+
+def test_resume_on_2_then_1_then_2_processes_repeats_the_uninterrupted_losses(runs):
+    """`resize` ran step 1 on 2 processes, step 2 on 1, step 3 on 2, each resuming the one
+    before's checkpoint: DCP resharded the student and AdamW, and the data position (rows in
+    order) carried over exactly, so every step equals the uninterrupted 1-process run."""
+    ref = {r["step"]: r for r in _records(runs / "ref3", "train")}
+    got = {r["step"]: r for r in _records(runs / "resize", "train")}
+    assert sorted(got) == sorted(ref) == [1, 2, 3]
+    for step, r in got.items():
+        assert r["tokens"] == ref[step]["tokens"], step
+        for k in KEYS:
+            assert r[k] == pytest.approx(ref[step][k], rel=REL), (step, k)
+    summary = json.loads((runs / "resize" / "summary.json").read_text())
+    assert summary["steps_this_run"] == 1 and summary["resumed_from"].endswith("step-00000002")
+    # each part logged the host memory its ranks peaked at while loading
+    loads = _records(runs / "resize", "load")
+    assert [r["step"] for r in loads] == [0, 1, 2]
+    assert all(0 < r["load/host_peak_gib"] < 64 for r in loads)
