@@ -1,7 +1,8 @@
 """The training loop: the verbs forward, train_step, train, state_dict, load_state_dict.
 
-Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
-(TP plan, CP attention, activation checkpointing, compile, then FSDP2) -> optimizer and LR
+Build order (`Trainer.__init__`): process group and (dp_replicate, dp_shard, cp, tp) mesh ->
+data -> student (built on the meta device: TP plan, CP attention, activation checkpointing,
+compile, then FSDP2, then its shards filled) -> optimizer and LR
 schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
 read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
 and fingerprint check ran before, in `trainer.config.preflight`.
@@ -88,7 +89,9 @@ class Trainer:
         if self.cpus.student is not None:
             torch.set_num_threads(self.cpus.student)
         dp, cp, tp = cfg.parallel.mesh_shape(self.world)
-        self.mesh = build_mesh(self.device, dp=dp, cp=cp, tp=tp)
+        self.mesh = build_mesh(
+            self.device, dp=dp, cp=cp, tp=tp, replicate=cfg.parallel.dp_replicate
+        )
         self.run_dir = Path(cfg.run_dir)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)

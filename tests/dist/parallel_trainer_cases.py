@@ -206,7 +206,11 @@ def runs(which: str) -> dict[str, dict]:
         }
     if which == "four":
         # step 1, a checkpoint, then step 2 by a fresh Trainer that resumed from it
-        return {"cp2_tp2": {"layout": {"cp": 2, "tp": 2}, "probe": True, "resume": True}}
+        # HSDP: weights sharded over 2 ranks, replicated twice (4 dp ranks, one row each)
+        return {
+            "cp2_tp2": {"layout": {"cp": 2, "tp": 2}, "probe": True, "resume": True},
+            "hsdp2x2": {"layout": {"dp_replicate": 2, "dp_shard": 2, "mb": 1, "ga": 1}},
+        }
     raise ValueError(f"unknown set {which!r}")
 
 
@@ -312,11 +316,15 @@ def weights_checks(layouts: dict[str, dict]) -> dict[str, bool]:
         want = models.build_model(ModelConfig(path=path, init="random", seed=5, overrides=over))
         want = want.state_dict()
         for label, lay in layouts.items():
-            mesh = build_mesh(torch.device("cpu"), dp=lay["dp"], tp=lay["tp"])
+            rep = lay.get("rep", 1)
+            mesh = build_mesh(torch.device("cpu"), dp=lay["dp"], tp=lay["tp"], replicate=rep)
             cfg = ModelConfig(path=path, init="random", seed=5, overrides=over)
             model, _ = build_student(cfg, mesh=mesh, parallel=ParallelConfig(tp=lay["tp"]),
                                      precision=fp32, device=torch.device("cpu"))  # fmt: skip
             got = full_model_state_dict(model)
+            if rep > 1:  # HSDP: every weight replicated over dim 0, sharded over dim 1
+                placements = {str(p.placements) for p in model.parameters()}
+                out[f"{name}_hsdp_placements"] = placements == {"(Replicate(), Shard(dim=0))"}
             out[f"{name}_student_{label}"] = dist.get_rank() != 0 or all(
                 torch.equal(got[k], want[k]) for k in want
             )
@@ -369,7 +377,7 @@ def main(which: str, shards: str, projection: str, out_dir: str) -> None:
         layouts = (
             {"dp2": {"dp": 2, "tp": 1}, "tp2": {"dp": 1, "tp": 2}}
             if which == "two"
-            else {"dp2_tp2": {"dp": 2, "tp": 2}}
+            else {"dp2_tp2": {"dp": 2, "tp": 2}, "hsdp2x2": {"dp": 2, "tp": 1, "rep": 2}}
         )
         checks = weights_checks(layouts)
         gathered = [None] * dist.get_world_size()

@@ -2,7 +2,8 @@
 
 Three launches (tests/dist/parallel_trainer_cases.py): the reference in one process, then
 tp=2, cp=2, dp=2 and dp=2 with a tp=2 teacher on 2 gloo ranks, then cp=2 x tp=2 on 4 ranks
-(stopped after step 1, resumed by a fresh Trainer, exported). Every run distils from four tiny
+(stopped after step 1, resumed by a fresh Trainer, exported) and HSDP (dp_replicate=2 x
+dp_shard=2: FSDP2's 2-D mesh, 4 data-parallel ranks). Every run distils from four tiny
 same-tokenizer teachers, one per loss mode, at the same global batch; each test below reads
 one property off the runs' folders.
 """
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "dist" / "parallel_trainer_cases.py"
 MODES = ("kd_topk", "xtoken", "gold", "alm")
 KEYS = ("loss", "ce", "kd", *(f"kd/{m}" for m in MODES), "grad_norm")
-LAYOUTS = ("tp2", "cp2", "dp2", "dp2_teacher_tp2", "cp2_tp2")
+LAYOUTS = ("tp2", "cp2", "dp2", "dp2_teacher_tp2", "cp2_tp2", "hsdp2x2")
 REL = 1e-5
 
 
@@ -158,9 +159,10 @@ def test_model_level_cp_and_tp_match_the_whole_model(runs):
 
 
 def test_models_built_on_meta_hold_build_models_weights_in_every_layout(runs):
-    """The student under FSDP (dp 2), TP (tp 2) and both (dp 2 x tp 2, FSDP over a TP-sharded
-    dim), and a teacher under TP, built on the meta device and filled shard by shard, gathered:
-    `build_model`'s weights bit for bit, SmolLM2- and Gemma 3-shaped."""
+    """The student under FSDP (dp 2), TP (tp 2), both (dp 2 x tp 2, FSDP over a TP-sharded dim)
+    and HSDP (2 replicas of 2 shards: placements (Replicate, Shard(0))), and a teacher under
+    TP, built on the meta device and filled shard by shard, gathered: `build_model`'s weights
+    bit for bit, SmolLM2- and Gemma 3-shaped."""
     got = {}
     for which in ("two", "four"):
         got.update(json.loads((runs / f"weights_{which}.json").read_text()))
@@ -168,8 +170,9 @@ def test_models_built_on_meta_hold_build_models_weights_in_every_layout(runs):
         f"{m}_{who}_{lay}"
         for m in ("smollm2", "gemma3")
         for who in ("student", "teacher")
-        for lay in ("dp2", "tp2", "dp2_tp2")
+        for lay in ("dp2", "tp2", "dp2_tp2", "hsdp2x2")
     }
+    want |= {f"{m}_hsdp_placements" for m in ("smollm2", "gemma3")}
     assert set(got) == want
     assert [k for k, ok in got.items() if not ok] == []
 
