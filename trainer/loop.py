@@ -45,6 +45,7 @@ from tokenbridge.formats import checksums as integrity
 from tokenbridge.losses.ops.head_logits import HeadLogits
 from trainer import optim, report
 from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint.shared_dir import check_shared
 from trainer.config.preflight import Prepared
 from trainer.config.schema import TrainConfig
 from trainer.eval import evaluate_bpb, trained_bpb
@@ -81,7 +82,11 @@ class Trainer:
         self.cfg = cfg
         self.prep = prepared
         self.device = parallelize.pick_device(cfg.device)
-        self.rank, self.world = parallelize.init_distributed(self.device)
+        self.rank, self.world = parallelize.init_distributed(
+            self.device, timeout_s=cfg.parallel.collective_timeout_s
+        )
+        # several nodes: a local checkpoint dir must be one they all share (refused otherwise)
+        check_shared(ckpt.folder_of(cfg.run_dir, cfg.checkpoint))
         # the student's and its teacher workers' threads (`trainer.parallel.cpus`)
         self.cpus = cpus.plan_for(
             cfg, device=self.device, live_teachers=_live_teachers(cfg, prepared)

@@ -14,8 +14,10 @@ A failure ends with one line on stderr and an exit code (`tokenbridge.cli`, the 
 own `RULES` below): 2 invalid config or inputs (a config key, a missing or damaged file, shards
 made with other tokenizers), 1 the run failed (a teacher worker died, a non-finite loss), 130
 interrupted; ``TOKENBRIDGE_DEBUG=1`` adds the traceback. Under torchrun an error every rank
-meets alike is reported by rank 0, any other by the rank it happened on; ``python -m
-trainer.launch`` (torchrun's arguments) also replaces torchrun's own failure report.
+meets alike is reported by rank 0, any other by the rank it happened on, and a peer that
+vanished without a word (killed, its node lost) is named by the ranks it left
+(`trainer.parallel.liveness`); ``python -m trainer.launch`` (torchrun's arguments) also
+replaces torchrun's own failure report.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ RULES = (
         ("torch.OutOfMemoryError",),
         hint="lower data.micro_batch_size (raise data.grad_accum to keep the batch)",
     ),
+    # a peer killed outright or its node lost: this rank names it (trainer.parallel.liveness)
+    cli.Rule(
+        ("trainer.parallel.liveness.LostRankError",),
+        hint="restart every node: the run resumes from its last checkpoint",
+    ),
     cli.Rule((RuntimeError,), quiet=True, match=_peer_lost),
     cli.Rule(("torch.distributed.DistError",)),
 )
@@ -121,11 +128,21 @@ def run(argv: list[str]) -> int:
     # A damaged shard or an out-of-range value met during the run (tokenbridge.formats.checksums's
     # errors, ValueErrors) ends it like any input error: one line naming the file, exit 2
     # (`tokenbridge.cli`), by the rank that read it; nothing was trained on that row.
+    from trainer.parallel import liveness
+
     trainer = None
     try:
         trainer = Trainer(cfg, prepared)
         trainer.train()
+    except Exception as e:
+        # a collective that failed because a peer is gone without a word (kill -9, a node
+        # lost): name it, since no one else will (`trainer.parallel.liveness`)
+        lost = liveness.explain(e)
+        if lost is not e:
+            raise lost from e
+        raise
     finally:
+        liveness.end()  # first: a peer that sees this rank go must not call it lost
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():

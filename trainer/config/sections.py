@@ -226,6 +226,10 @@ class ParallelConfig:
     teacher_placement: str = "worker"
     channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
     teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
+    # how long a collective waits for a peer rank before the process group gives up: a node
+    # that vanished without closing its connections is noticed then (a killed process at
+    # once); the surviving ranks then name the one that is gone (trainer/parallel/liveness.py)
+    collective_timeout_s: float = 600.0
     threads: int = 0  # torch intra-op threads of the student and each teacher worker; 0 = auto
     # CPU runs with teacher workers, parallel.threads 0: where the workers compute while the
     # student does (off-policy KD: a microbatch ahead; on-policy lag 1: while it samples), auto
@@ -256,6 +260,7 @@ class ParallelConfig:
         check_choice("parallel.teacher_placement", self.teacher_placement, TEACHER_PLACEMENTS)
         check_at_least("parallel.channel_slots", self.channel_slots, 1)
         check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
+        check_positive("parallel.collective_timeout_s", self.collective_timeout_s)
         check_at_least("parallel.threads", self.threads, 0)
         check_choice("parallel.cpu_split", self.cpu_split, CPU_SPLITS)
         check_at_least("parallel.logits_chunk", self.logits_chunk, 0)
