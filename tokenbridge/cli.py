@@ -20,7 +20,8 @@ with the debug switch.
 
 Several ranks (torchrun): an error every rank raises alike (the config, inputs checked before
 the run, a non-finite all-reduced loss; ``Rule(everywhere=True)`` or ``same_on_every_rank``) is
-reported by rank 0; the others leave it to `trainer.launch` (which says it if rank 0 was stopped
+reported by rank 0, and on several nodes by the first rank of each other node too (its log is
+another machine's); the others leave it to `trainer.launch` (which says it if rank 0 was stopped
 first) or, under plain torchrun, wait a moment (torchrun stops them once rank 0 has exited) and
 report it themselves only if still alive (so rank 0 did not fail). Any other error
 is reported by the rank it happened on, and a rank that fails only because a peer died
@@ -188,7 +189,7 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
     if rule.quiet and not debug:
         _tell_launcher(line, e, "quiet", rule.code)
         return rule.code
-    if everywhere and rank != 0 and world > 1 and not debug:
+    if everywhere and rank != 0 and world > 1 and not debug and not _first_of_another_node(rank):
         # Rank 0 says it. Under trainer.launch this rank leaves it to the launcher (said there
         # if rank 0 was stopped before it could) and ends now; Ctrl-C reaches every rank.
         if _tell_launcher(line, e, "held", rule.code) or isinstance(e, KeyboardInterrupt):
@@ -203,6 +204,13 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
         _say(line)
         _tell_launcher(line, e, "printed", rule.code)
     return rule.code
+
+
+def _first_of_another_node(rank: int) -> bool:
+    """Is this rank the first one (local rank 0) of a node that rank 0 is not on? Rank 0's line
+    goes to its own node's log; each other node says an error every rank met in its own."""
+    node = os.environ.get("GROUP_RANK", "0")
+    return rank != 0 and node not in ("", "0") and os.environ.get("LOCAL_RANK", "") == "0"
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ peer itself), so the line stays its and the others stay quiet, as on one node.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -71,6 +72,8 @@ class _Heartbeat:
 
     def end(self) -> None:
         self.stopped.set()
+        # joined, not left to die with the interpreter inside a store call (C++ aborts then)
+        self.thread.join(timeout=10 * INTERVAL_S)
         try:
             with self.lock:
                 self.store.set(self._key("end", self.rank), "1")
@@ -112,6 +115,8 @@ def start(*, rank: int, world: int) -> None:
         _heart = _Heartbeat(rank=rank, world=world, host=host, port=int(port))
     except Exception:  # no store to beat in: failures are said as before
         _heart = None
+        return
+    atexit.register(end)  # a process that exits (not killed) ends on its own
 
 
 def end() -> None:
