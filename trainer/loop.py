@@ -57,7 +57,7 @@ from trainer.parallel.cp_attention import model_inputs
 from trainer.parallel.head import head_logits
 from trainer.parallel.materialize import load_record
 from trainer.parallel.mesh import build_mesh
-from trainer.parallel.sharded_build import build_student
+from trainer.parallel.sharded_build import build_student, build_teacher
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
 from trainer.shard_reader import ShardReader, ShardStream
 from trainer.shard_source import ShardSource
@@ -330,22 +330,27 @@ class Trainer:
         return float(res["bpb"])
 
     def teacher_bpb(self) -> dict[str, float]:
-        """The teachers' held-out BPB (once per run, for reference), computed on rank 0 with an
-        unsharded copy of each teacher and broadcast. Not for a teacher read from a cache: its
-        weights are never loaded."""
+        """The teachers' held-out BPB (once per run, for reference), broadcast from rank 0. A
+        teacher at tp = 1 is built whole, on rank 0 alone; one at tp > 1 (larger than a device)
+        on every rank, sharded over TP groups as its workers hold it and loaded by shards
+        (`build_teacher`), each group scoring the same texts. Not for a teacher read from a
+        cache: its weights are never loaded."""
         result: dict[str, float] = {}
-        if self.is_main:
-            for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
-                if t_cfg.cache:
-                    continue
-                dtype = models.torch_dtype(self.prep.precision.teacher_dtypes[i])
-                model = models.freeze(models.build_model(t_cfg, dtype=dtype, device=self.device))
+        for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
+            if t_cfg.cache or (t_cfg.tp == 1 and not self.is_main):
+                continue
+            tp_mesh = None
+            if t_cfg.tp > 1:  # collective: every rank builds its TP group's shards
+                tp_mesh = build_mesh(self.device, dp=self.world // t_cfg.tp, tp=t_cfg.tp).tp_mesh
+            dtype = self.prep.precision.teacher_dtypes[i]
+            model = build_teacher(t_cfg, dtype=dtype, device=self.device, tp_mesh=tp_mesh)
+            with parallelize.gathered_logits(model):
                 if self.eval_rows:  # its own tokens and train codes, the same trained bytes
                     rows = [
                         (r["teachers"][i]["ids"], r["teachers"][i]["train"], r["trained_bytes"])
                         for r in self.eval_rows
                     ]
-                    result[t_cfg.name] = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
+                    bpb = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
                 else:
                     res = evaluate_bpb(
                         model,
@@ -354,8 +359,9 @@ class Trainer:
                         batch_size=self.cfg.eval.batch_size,
                         device=self.device,
                     )
-                    result[t_cfg.name] = float(res["bpb"])
-                del model
+                    bpb = float(res["bpb"])
+            result[t_cfg.name] = bpb
+            del model
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # run as a script (torchrun): import this checkout's packages, not an installed copy's
@@ -62,6 +64,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
     student = str(paths.student_dir())
     teacher_tp = layout.pop("teacher_tp", 1)
     steps = layout.pop("steps", STEPS)
+    teacher_bpb = layout.pop("teacher_bpb", False)
     grad_accum = layout.pop("ga", 2)
     teachers = [
         {
@@ -96,7 +99,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
         "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 1.0},
         "parallel": {"teacher_placement": "inprocess", **layout},
         "checkpoint": {"resume": "auto", "save_at_end": False, "export_at_end": False},
-        "eval": {"max_texts": 2, "teacher": False},
+        "eval": {"max_texts": 2, "teacher": teacher_bpb},
         "logging": {"jsonl": True, "tensorboard": False, "progress": False},
         **top,
     }
@@ -191,7 +194,7 @@ def runs(which: str) -> dict[str, dict]:
         # default); ref_whole: the same run with the whole [B, T, V] logits
         # ref3: the uninterrupted reference of `resize` (3 steps)
         return {
-            "ref": {},
+            "ref": {"layout": {"teacher_bpb": True}},
             "ref_whole": {"layout": {"logits_chunk": 0}},
             "ref3": {"layout": {"steps": 3}},
         }
@@ -202,7 +205,10 @@ def runs(which: str) -> dict[str, dict]:
             "dp2": {"layout": {"dp_shard": 2, "mb": 1}},
             # the reverse of tp2: the student whole, every teacher at tp=2 (top-k, columns,
             # sorted rest and target log-probs from vocab-sharded teacher logits)
-            "dp2_teacher_tp2": {"layout": {"dp_shard": 2, "mb": 1, "teacher_tp": 2}},
+            # (and their reference BPB, every teacher built sharded over its TP group)
+            "dp2_teacher_tp2": {
+                "layout": {"dp_shard": 2, "mb": 1, "teacher_tp": 2, "teacher_bpb": True}
+            },
         }
     if which == "four":
         # step 1, a checkpoint, then step 2 by a fresh Trainer that resumed from it
@@ -334,6 +340,23 @@ def weights_checks(layouts: dict[str, dict]) -> dict[str, bool]:
             full = {k: v.full_tensor() if isinstance(v, DTensor) else v
                     for k, v in teacher.state_dict().items()}  # fmt: skip
             out[f"{name}_teacher_{label}"] = all(torch.equal(full[k], want[k]) for k in want)
+        # pretrained: the same weights written as a HF directory, read back by slices under TP
+        saved = Path(tempfile.gettempdir()) / f"tb-weights-{os.getppid()}-{name}"
+        if dist.get_rank() == 0:
+            models.export_hf(want, cfg=ModelConfig(path=path, init="random", overrides=over),
+                             out_dir=saved)  # fmt: skip
+        dist.barrier()
+        for label, lay in layouts.items():
+            mesh = build_mesh(torch.device("cpu"), dp=lay["dp"] * lay.get("rep", 1), tp=lay["tp"])
+            teacher = build_teacher(TeacherConfig(path=str(saved)), dtype="float32",
+                                    device=torch.device("cpu"), tp_mesh=mesh.tp_mesh)  # fmt: skip
+            full = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                    for k, v in teacher.state_dict().items()}  # fmt: skip
+            ok = all(torch.equal(full[k], want[k]) for k in want)
+            out[f"{name}_pretrained_teacher_{label}"] = ok
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(saved)
     return out
 
 
