@@ -6,6 +6,8 @@ which prints a failure the user can act on as ``tokenbridge <command>[ [rank R/N
 Ctrl-C (README, "When something fails"). Which exception is which is a list of `Rule`s, the
 command's own before `BASE_RULES` (this module must not import the trainer); one no rule knows
 is a bug, and its traceback is always printed.
+Under torchrun an error every rank meets alike is said once: by rank 0, and on several nodes
+by the first rank of each other node too (its log is another machine's).
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
     if rule.quiet and not debug:
         _tell_launcher(line, e, "quiet", rule.code)
         return rule.code
-    if everywhere and rank != 0 and world > 1 and not debug:
+    if everywhere and rank != 0 and world > 1 and not debug and not _first_of_another_node(rank):
         # Rank 0 says it. Under trainer.launch this rank leaves it to the launcher (said there
         # if rank 0 was stopped before it could) and ends now; Ctrl-C reaches every rank.
         if _tell_launcher(line, e, "held", rule.code) or isinstance(e, KeyboardInterrupt):
@@ -186,6 +188,13 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
         _say(line)
         _tell_launcher(line, e, "printed", rule.code)
     return rule.code
+
+
+def _first_of_another_node(rank: int) -> bool:
+    """Is this rank the first one (local rank 0) of a node that rank 0 is not on? Rank 0's line
+    goes to its own node's log; each other node says an error every rank met in its own."""
+    node = os.environ.get("GROUP_RANK", "0")
+    return rank != 0 and node not in ("", "0") and os.environ.get("LOCAL_RANK", "") == "0"
 
 
 @contextlib.contextmanager

@@ -75,6 +75,7 @@ def _code(failure, note: dict | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     debug = cli.debug_enabled()
@@ -98,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks were stopped
         return 128 + int(e.sigval)
+    except RendezvousError as e:
+        # several nodes: the agent that hosts the rendezvous store ended first (its ranks
+        # failed or finished) while this one still asked the store about its peers
+        if debug:
+            raise
+        print(
+            f"tokenbridge train: {type(e).__name__}: the rendezvous store stopped answering "
+            "(the node that hosts it, the one --rdzv_endpoint names, ended first); this "
+            "node's ranks said above why they stopped, if they failed",
+            file=sys.stderr,
+            flush=True,
+        )
+        return cli.EXIT_RUN
     return 0
 
 

@@ -1,7 +1,8 @@
 """The training loop: the verbs train_step, train, evaluate, state_dict, load_state_dict.
 
-Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
-(TP plan, CP attention, activation checkpointing, compile, then FSDP2) -> optimizer and LR
+Build order (`Trainer.__init__`): process group and (dp_replicate, dp_shard, cp, tp) mesh ->
+data -> student (built on the meta device: TP plan, CP attention, activation checkpointing,
+compile, then FSDP2, then its shards filled) -> optimizer and LR
 schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
 read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
 and fingerprint check ran before, in `trainer.preflight`.
@@ -37,13 +38,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
 from tokenbridge.formats import checksums as integrity
 from trainer import optim, report
 from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint.shared_dir import check_shared
 from trainer.config.schema import TrainConfig
 from trainer.data.microbatches import MicrobatchLoader, pad_id
 from trainer.data.shard_reader import ShardReader, ShardStream
@@ -52,7 +53,9 @@ from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
 from trainer.onpolicy.side import open_onpolicy
 from trainer.parallel import cpus, parallelize
+from trainer.parallel.materialize import load_record
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.sharded_build import build_student, build_teacher
 from trainer.preflight import Prepared
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
 from trainer.step import TrainStep
@@ -76,7 +79,11 @@ class Trainer:
         self.cfg = cfg
         self.prep = prepared
         self.device = parallelize.pick_device(cfg.device)
-        self.rank, self.world = parallelize.init_distributed(self.device)
+        self.rank, self.world = parallelize.init_distributed(
+            self.device, timeout_s=cfg.parallel.collective_timeout_s
+        )
+        # several nodes: a local checkpoint dir must be one they all share (refused otherwise)
+        check_shared(ckpt.folder_of(cfg.run_dir, cfg.checkpoint))
         # the student's and its teacher workers' threads (`trainer.parallel.cpus`)
         self.cpus = cpus.plan_for(
             cfg, device=self.device, live_teachers=_live_teachers(cfg, prepared)
@@ -84,7 +91,9 @@ class Trainer:
         if self.cpus.student is not None:
             torch.set_num_threads(self.cpus.student)
         dp, cp, tp = cfg.parallel.mesh_shape(self.world)
-        self.mesh = build_mesh(self.device, dp=dp, cp=cp, tp=tp)
+        self.mesh = build_mesh(
+            self.device, dp=dp, cp=cp, tp=tp, replicate=cfg.parallel.dp_replicate
+        )
         self.run_dir = Path(cfg.run_dir)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
@@ -114,31 +123,20 @@ class Trainer:
         mult = cfg.data.pad_to_multiple
         teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
-        # student: TP plan, CP attention, activation checkpointing, compile, then FSDP2
-        self.model = models.build_model(cfg.model, device=self.device)
+        # student: built on the meta device, TP plan, CP attention, activation checkpointing,
+        # compile, FSDP2, then this rank's shards materialized and filled
+        # (`trainer.parallel.sharded_build`; left unfilled when a checkpoint is loaded below)
+        precision = prepared.precision  # resolved for this device (trainer.config.precision)
+        self.model, self.replicated_grads = build_student(
+            cfg.model,
+            mesh=self.mesh,
+            parallel=cfg.parallel,
+            precision=precision,
+            device=self.device,
+            fill=prepared.resume is None,
+        )
         self.vocab_V = models.vocab_width(self.model)
         self.vocab_used = prepared.student_tok.vocab_size
-        self.model.train()
-        tp = self.mesh.tp_size
-        plan = parallelize.tp_plan(self.model.config.model_type) if tp > 1 else {}
-        self.replicated_grads = parallelize.apply_tp(self.model, self.mesh.tp_mesh, plan)
-        parallelize.apply_cp(self.model, self.mesh.cp_size)
-        parallelize.apply_ac(
-            self.model, cfg.parallel.activation_checkpointing, every=cfg.parallel.ac_every
-        )
-        if cfg.parallel.compile:
-            parallelize.apply_compile(self.model)
-        precision = prepared.precision  # resolved for this device (trainer.config.precision)
-        mp = MixedPrecisionPolicy(
-            param_dtype=models.torch_dtype(precision.param_dtype),
-            reduce_dtype=models.torch_dtype(precision.reduce_dtype),
-        )
-        parallelize.apply_fsdp(
-            self.model,
-            self.mesh.fsdp_mesh,
-            mp_policy=mp,
-            reshard_after_forward=cfg.parallel.reshard_after_forward,
-        )
         self.optimizer = optim.build_optimizer(
             self.model, cfg.optim, fused=precision.fused_optimizer
         )
@@ -230,6 +228,7 @@ class Trainer:
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
         self.metrics.start(self.step)
+        self.metrics.log(self.step, load_record(self.device), kind="load")
 
     # ---------------------------------------------------------------------------------------
     # state
@@ -275,8 +274,25 @@ class Trainer:
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
-        self.checkpointer.load(path, state)
-        self.load_state_dict(state)
+        if ckpt.saved_world(path) == self.world:
+            self.checkpointer.load(path, state)
+            self.load_state_dict(state)
+            return
+        # saved by another number of processes: DCP reshards the student and the optimizer;
+        # the common values come from rank 0's file, the data position is carried over where
+        # that is exact (`ShardStream.reshard`); RNG states and the on-policy position restart
+        del state[f"rank{self.rank}"]
+        self.checkpointer.load(path, state, from_rank=0)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stepper.load_state_dict(state)
+        self.feed.reset()
+        note = self.loader.reshard(ckpt.saved_positions(path))
+        if self.is_main:
+            print(
+                f"resumed {path.name}, saved by {ckpt.saved_world(path)} processes, on "
+                f"{self.world}: student and optimizer resharded" + (f"; {note}" if note else ""),
+                flush=True,
+            )
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.step, self.state_dict())
@@ -319,22 +335,27 @@ class Trainer:
         return float(res["bpb"])
 
     def teacher_bpb(self) -> dict[str, float]:
-        """The teachers' held-out BPB (once per run, for reference), computed on rank 0 with an
-        unsharded copy of each teacher and broadcast. Not for a teacher read from a cache: its
-        weights are never loaded."""
+        """The teachers' held-out BPB (once per run, for reference), broadcast from rank 0. A
+        teacher at tp = 1 is built whole, on rank 0 alone; one at tp > 1 (larger than a device)
+        on every rank, sharded over TP groups as its workers hold it and loaded by shards
+        (`build_teacher`), each group scoring the same texts. Not for a teacher read from a
+        cache: its weights are never loaded."""
         result: dict[str, float] = {}
-        if self.is_main:
-            for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
-                if t_cfg.cache:
-                    continue
-                dtype = models.torch_dtype(self.prep.precision.teacher_dtypes[i])
-                model = models.freeze(models.build_model(t_cfg, dtype=dtype, device=self.device))
+        for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
+            if t_cfg.cache or (t_cfg.tp == 1 and not self.is_main):
+                continue
+            tp_mesh = None
+            if t_cfg.tp > 1:  # collective: every rank builds its TP group's shards
+                tp_mesh = build_mesh(self.device, dp=self.world // t_cfg.tp, tp=t_cfg.tp).tp_mesh
+            dtype = self.prep.precision.teacher_dtypes[i]
+            model = build_teacher(t_cfg, dtype=dtype, device=self.device, tp_mesh=tp_mesh)
+            with parallelize.gathered_logits(model):
                 if self.eval_rows:  # its own tokens and train codes, the same trained bytes
                     rows = [
                         (r["teachers"][i]["ids"], r["teachers"][i]["train"], r["trained_bytes"])
                         for r in self.eval_rows
                     ]
-                    result[t_cfg.name] = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
+                    bpb = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
                 else:
                     res = evaluate_bpb(
                         model,
@@ -343,8 +364,9 @@ class Trainer:
                         batch_size=self.cfg.eval.batch_size,
                         device=self.device,
                     )
-                    result[t_cfg.name] = float(res["bpb"])
-                del model
+                    bpb = float(res["bpb"])
+            result[t_cfg.name] = bpb
+            del model
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -369,7 +391,11 @@ class Trainer:
         cfg = self.cfg
         end = cfg.stop_after or cfg.steps
         do_eval = bool(self.eval_texts)
-        bpb = read_bpb(self.run_dir, fresh=self.resumed_from is None)
+        # rank 0's: every rank takes the same eval decisions, whether or not the nodes share
+        # the run directory
+        box = [read_bpb(self.run_dir, fresh=self.resumed_from is None) if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        bpb = box[0]
         if do_eval and "student_before" not in bpb and self.step == 0:
             bpb["student_before"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_before"]}, kind="eval")

@@ -4,7 +4,8 @@ Also ``python trainer/main.py conf=debug`` (one process). ``conf=<name>`` select
 ``conf/experiment/<name>.yaml``; every other argument is a Hydra override, whose key must exist
 in the schema. Thin, as in torchtitan: compose and validate the config, run the preflight, build
 the `Trainer`, train, close. A failure ends with one line and an exit code (`RULES` below;
-README, "When something fails").
+README, "When something fails"); a peer that vanished without a word is named by the
+ranks it left (`trainer.parallel.liveness`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ RULES = (
         ("torch.OutOfMemoryError",),
         hint="lower data.micro_batch_size (raise data.grad_accum to keep the batch)",
     ),
+    # a peer killed outright or its node lost: this rank names it (trainer.parallel.liveness)
+    cli.Rule(
+        ("trainer.parallel.liveness.LostRankError",),
+        hint="restart every node: the run resumes from its last checkpoint",
+    ),
     cli.Rule((RuntimeError,), quiet=True, match=_peer_lost),
     cli.Rule(("torch.distributed.DistError",)),
 )
@@ -110,11 +116,21 @@ def run(argv: list[str]) -> int:
     # A damaged shard or an out-of-range value met during the run (tokenbridge.formats.checksums's
     # errors, ValueErrors) ends it like any input error: one line naming the file, exit 2
     # (`tokenbridge.cli`), by the rank that read it; nothing was trained on that row.
+    from trainer.parallel import liveness
+
     trainer = None
     try:
         trainer = Trainer(cfg, prepared)
         trainer.train()
+    except Exception as e:
+        # a collective that failed because a peer is gone without a word (kill -9, a node
+        # lost): name it, since no one else will (`trainer.parallel.liveness`)
+        lost = liveness.explain(e)
+        if lost is not e:
+            raise lost from e
+        raise
     finally:
+        liveness.end()  # first: a peer that sees this rank go must not call it lost
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():

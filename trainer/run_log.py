@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -249,9 +250,11 @@ def read_bpb(run_dir: Path, *, fresh: bool) -> dict:
 
 
 def write_bpb(run_dir: Path, state: dict, *, enabled: bool) -> None:
-    if enabled:
+    if enabled:  # whole or not at all: a reader never sees it half written
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "bpb.json").write_text(json.dumps(state, indent=2))
+        tmp = run_dir / f".bpb.json.{os.getpid()}"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, run_dir / "bpb.json")
 
 
 def format_summary(summary: dict[str, Any]) -> str:

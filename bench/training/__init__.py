@@ -1,3 +1,3 @@
 """The trainer's step and its parts: losses, logits, memory, vocab-parallel ops, TP and CP, the
-teacher's logit channel, checksums, `make demo` end to end and the evals.
+teacher's logit channel, checksums, the sharded load, `make demo` end to end and the evals.
 """

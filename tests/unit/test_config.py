@@ -178,6 +178,19 @@ def test_mesh_shape_must_match_the_world():
         cfg.parallel.mesh_shape(2)
 
 
+def test_mesh_shape_with_replicated_shards():
+    """HSDP: dp_replicate groups of dp_shard x cp x tp ranks; dp_shard=-1 takes the rest."""
+    assert load_config([]).parallel.dp_replicate == 1  # today's configs: plain FSDP
+    cfg = load_config(["parallel.dp_replicate=2"])
+    assert cfg.parallel.mesh_shape(4) == (2, 1, 1)
+    cfg = load_config(["parallel.dp_replicate=2", "parallel.tp=2"])
+    assert cfg.parallel.mesh_shape(8) == (2, 1, 2)
+    with pytest.raises(ConfigError, match="dp_replicate=2 x dp_shard=-1 x cp=1 x tp=2 must equal"):
+        cfg.parallel.mesh_shape(6)
+    with pytest.raises(ConfigError, match="parallel.dp_replicate"):
+        load_config(["parallel.dp_replicate=0"])
+
+
 # --- preflight: real tokenizers, synthetic shards ---------------------------------------------
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

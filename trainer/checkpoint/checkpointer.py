@@ -6,7 +6,12 @@ A checkpoint is one ``torch.distributed.checkpoint`` directory per saved step,
 - ``app`` (the sharded student and AdamW state: DCP reshards on load), ``scheduler`` and
   ``step``: the same on every rank;
 - ``rank<r>``: what is private to a rank: its data position (shard stream), its RNG states and
-  its on-policy position. A resumed run must use the same world size.
+  its on-policy position.
+
+A run may resume on another world size (`saved_world` differs): DCP reshards the student and
+optimizer onto the new layout, the values common to every rank are read from ``rank0``'s file,
+and the private ones are not restored; the trainer carries the data position over where that
+is exact (`saved_positions`, `trainer.data.shard_reader.ShardStream.reshard`).
 
 Nothing in it is a pickle, and nothing is unpickled to resume (`trainer.checkpoint.state_split`,
 `trainer.checkpoint.dcp_io`): the tensors are DCP's tensor records (read with torch's weights-only
@@ -260,6 +265,27 @@ def _state_doc(path: Path) -> dict[str, Any]:
     return doc["state"]
 
 
+def saved_world(path: Path) -> int:
+    """How many processes wrote checkpoint `path` (its marker's ``world_size``, or its
+    ``rank<r>.json`` files for one written before markers)."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        world = integrity.read_marker(path, MARKER).get("world_size")
+        if isinstance(world, int) and world >= 1:
+            return world
+    return len(list(path.glob("rank*.json")))
+
+
+def saved_positions(path: Path) -> list[dict[str, Any]]:
+    """Every saved rank's data position (plain values, no tensor), rank by rank."""
+    path = Path(path)
+    out = []
+    for r in range(saved_world(path)):
+        mine = _state_doc(path / f"rank{r}.json").get(f"rank{r}", {})
+        out.append(checkpoint_state.join(mine.get("data"), {}))
+    return out
+
+
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
     """`state` with each DCP `Stateful` (the student and optimizer) replaced by its state dict."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
@@ -323,15 +349,18 @@ class Checkpointer:
         dist.barrier()
         return final
 
-    def load(self, path: Path, state: dict[str, Any]) -> None:
+    def load(self, path: Path, state: dict[str, Any], *, from_rank: int | None = None) -> None:
         """Fill `state` (same structure as saved; Stateful values are loaded in place), every
         rank alike (collective). Refused in one line, on every rank: a file that is a pickle or
         a tensor record that names code (`UnsafeCheckpointError`), and a checkpoint without a
         marker (not verified) that cannot be read (`DamagedCheckpointError`), instead of
-        torch's traceback from inside its reader."""
+        torch's traceback from inside its reader. `from_rank`: read the plain values from that
+        rank's file instead of this rank's (a resume on another world size: `state` then holds
+        no rank's private values)."""
         path = Path(path)
         live = _plain(state)
-        index, saved, tensors = _on_every_rank(lambda: self._read(path, live))
+        rank = self.rank if from_rank is None else from_rank
+        index, saved, tensors = _on_every_rank(lambda: self._read(path, live, rank))
         try:
             dcp.load(tensors, storage_reader=SafeReader(path, index), planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
@@ -343,11 +372,11 @@ class Checkpointer:
             else:
                 state[k] = loaded[k]
 
-    def _read(self, path: Path, live: dict[str, Any]) -> tuple:
-        """DCP's index, this rank's state document and the tensors DCP is to fill, checked
+    def _read(self, path: Path, live: dict[str, Any], rank: int) -> tuple:
+        """DCP's index, rank `rank`'s state document and the tensors DCP is to fill, checked
         before anything is loaded (`_on_every_rank`: a failure stops every rank alike)."""
         index = read_index(path)
-        f = path / f"rank{self.rank}.json"
+        f = path / f"rank{rank}.json"
         if not f.is_file():
             n = len(list(path.glob("rank*.json")))
             raise ValueError(

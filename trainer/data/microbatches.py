@@ -246,6 +246,10 @@ class MicrobatchLoader:
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["position"])
 
+    def reshard(self, saved: list[dict]) -> str | None:
+        """Continue from every dp rank's position of another layout (`ShardStream.reshard`)."""
+        return self.stream.reshard(saved)
+
 
 def pad_id(tokenizer) -> int:
     """The id padding positions carry (masked everywhere; only needs to be a valid row)."""

@@ -307,6 +307,40 @@ class ShardStream:
             "rng": self.rng.getstate(),
         }
 
+    def reshard(self, saved: list[dict]) -> str | None:
+        """Continue from the positions every dp rank of another layout saved (a resume on
+        another world size). Exact when the rows were read in order (no shuffle buffer) and
+        every saved rank stood at the same epoch and cursor: they had read the first
+        ``dp_size x cursor`` rows of the epoch between them, and this layout reads on from
+        there. Otherwise this stream starts the epoch after theirs; the one-line note says
+        so (None when exact)."""
+        saved = list({p["layout"]["dp_rank"]: p for p in saved}.values())  # tp, cp ranks alike
+        same = {k: v for k, v in self.layout.items() if k in ("seed", "rows")}
+        olds = [p["layout"] for p in saved]
+        if any({k: o[k] for k in same} != same for o in olds):
+            raise ValueError(
+                f"data position saved for {olds[0]} cannot resume {self.layout} (other shards "
+                "or seed)"
+            )
+        epochs = {int(p["epoch"]) for p in saved}
+        read = sum(int(p["cursor"]) for p in saved)
+        exact = (
+            self.buffer_size == 0
+            and not any(p["buffer"] for p in saved)
+            and len(epochs) == 1
+            and len({int(p["cursor"]) for p in saved}) == 1
+            and read % self.layout["dp_size"] == 0
+        )
+        if exact:
+            self.epoch, self.cursor = epochs.pop(), read // self.layout["dp_size"]
+            return None
+        self.epoch, self.cursor, self.buffer = max(epochs) + 1, 0, []
+        return (
+            f"data: the position of {len(saved)} data-parallel ranks cannot be carried over "
+            f"exactly to {self.layout['dp_size']} (shuffled, or uneven); starting epoch "
+            f"{self.epoch}"
+        )
+
     def load_state_dict(self, state: dict) -> None:
         if state["layout"] != self.layout:
             raise ValueError(

@@ -35,7 +35,9 @@ the lm_head and the losses stay eager. The first step pays the compile time (the
 `apply_compile`).
 
 One code path for 1 and N processes: a plain ``python trainer/main.py`` becomes world size 1
-with an in-memory store. gloo on CPU, NCCL on GPU.
+with an in-memory store. gloo on CPU, NCCL on GPU. Under torchrun each rank also keeps a
+heartbeat in the rendezvous store (`trainer.parallel.liveness`), so that a collective that
+fails because a peer was killed names that peer.
 
 Gradient scale: the step normalises every term itself (`tokenbridge.losses.base.normalize`),
 so FSDP must sum gradients over the data- and context-parallel ranks instead of averaging them
@@ -66,7 +68,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.config.sections import AC_MODES
-from trainer.parallel import cp_attention
+from trainer.parallel import cp_attention, liveness
 
 # what `checkpoint_wrapper` inserts into a wrapped block's parameter names (torch's own constant
 # is private); `plain_name` takes it out again
@@ -130,6 +132,8 @@ def init_distributed(device: torch.device, *, timeout_s: float = 600.0) -> tuple
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
+        # a heartbeat in the rendezvous store: a failed collective can name a lost peer
+        liveness.start(rank=dist.get_rank(), world=dist.get_world_size())
     else:  # plain `python trainer/main.py`: world size 1 of the same code path
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout

@@ -41,15 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenbridge import models
 from tokenbridge.teacher.forward import teacher_forward
 from tokenbridge.teacher.outputs import (
     TeacherOutputSpec,
     teacher_output_fields,
 )
 from trainer.config.schema import TeacherConfig
-from trainer.parallel import parallelize
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.sharded_build import build_teacher
 from trainer.teacher.ring import TensorSpec
 from trainer.teacher.worker import TeacherContext
 
@@ -118,22 +117,19 @@ class TeacherModelProgram:
         return {k: TensorSpec(shape, dtype) for k, (shape, dtype) in fields.items()}
 
     def setup(self, ctx: TeacherContext) -> None:
-        model = models.freeze(
-            models.build_model(
-                self.model_cfg, dtype=models.torch_dtype(self.dtype), device=ctx.device
-            )
-        )
+        # built on the meta device, TP-sharded there, then each rank reads only its shards
+        # (`trainer.parallel.sharded_build.build_teacher`)
         tp = self.model_cfg.tp
+        tp_mesh = None
         if tp > 1:
             if not dist.is_initialized():
                 raise RuntimeError(f"teacher {self.model_cfg.name}: tp={tp} needs a process group")
             world = dist.get_world_size()
             groups = build_mesh(ctx.device, dp=world // tp, tp=tp)
-            parallelize.apply_tp(
-                model, groups.tp_mesh, parallelize.tp_plan(model.config.model_type)
-            )
-            self._tp_group = groups.tp
-        self._model = model
+            tp_mesh, self._tp_group = groups.tp_mesh, groups.tp
+        self._model = build_teacher(
+            self.model_cfg, dtype=self.dtype, device=ctx.device, tp_mesh=tp_mesh
+        )
 
     def __getstate__(self) -> dict:
         # only the recipe travels to the worker; the model is built there
