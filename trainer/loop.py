@@ -1,31 +1,10 @@
 """The training loop: the verbs train_step, train, evaluate, state_dict, load_state_dict.
 
-Build order (`Trainer.__init__`): process group and (dp_replicate, dp_shard, cp, tp) mesh ->
-data -> student (built on the meta device: TP plan, CP attention, activation checkpointing,
-compile, then FSDP2, then its shards filled) -> optimizer and LR
-schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
-read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
-and fingerprint check ran before, in `trainer.preflight`.
-
-One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
-the step and the token count): `train_step` runs it on the shard batches
-(`trainer.data.shard_source`), the on-policy side (`trainer.onpolicy.side`) on its rollouts
-(`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). Each source is
-built here with what it needs, keyword by keyword, and holds no `Trainer`. The loss invariant:
-`tokenbridge.losses.base.normalize`.
-
-Layouts (`ShardSource.forward`): every rank of a dp group reads the same microbatch, whole; its student
-forward sees this CP rank's positions of every row (load-balanced layout, global position ids)
-and returns this TP rank's vocabulary shard of the logits, [B, T / cp, V / tp]. The losses take
-that local block with the TP group and a `CPContext`; the teachers ran the whole rows.
-
-The teacher runs ahead: microbatches are drawn from the data stream into a small queue and
-submitted to the teacher channels as soon as a slot is free, so the teacher's forward on the
-next microbatch overlaps the student's step on this one. A checkpoint records the data position
-before the first queued-but-unused microbatch.
-
-Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
-(lm_head width; V / tp of it on this rank).
+`Trainer` builds a run on this rank, once preflight has checked every file: the mesh, the data,
+the student (built on the meta device, parallelized, filled), the optimizer, the teachers, the
+one step and its sources of microbatches, then the resume. Each source gets what it needs by
+keyword and holds no `Trainer`; `train` picks one per step (GKD's lambda) and
+`trainer.step.TrainStep` runs it (docs/design.md, "One training step"; docs/training.md).
 """
 
 from __future__ import annotations
@@ -157,6 +136,8 @@ class Trainer:
             dtypes=precision.teacher_dtypes,
         )
         self._closers += self.channels
+        # the teachers run ahead: the feed queues microbatches and submits each as soon as a slot
+        # is free, so a teacher's next forward overlaps the student's step on this one
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
         # per-device tokens/s and MFU of the records
         self.throughput = Throughput.of(

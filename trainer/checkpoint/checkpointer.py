@@ -1,45 +1,10 @@
 """DCP checkpoints with exact resume, and the student's export as a plain HF directory.
 
-A checkpoint is one ``torch.distributed.checkpoint`` directory per saved step,
-``<run_dir>/checkpoints/step-00000N``, holding:
-
-- ``app`` (the sharded student and AdamW state: DCP reshards on load), ``scheduler`` and
-  ``step``: the same on every rank;
-- ``rank<r>``: what is private to a rank: its data position (shard stream), its RNG states and
-  its on-policy position.
-
-A run may resume on another world size (`saved_world` differs): DCP reshards the student and
-optimizer onto the new layout, the values common to every rank are read from ``rank0``'s file,
-and the private ones are not restored; the trainer carries the data position over where that
-is exact (`saved_positions`, `trainer.data.shard_reader.ShardStream.reshard`).
-
-Nothing in it is a pickle, and nothing is unpickled to resume (`trainer.checkpoint.state_split`,
-`trainer.checkpoint.dcp_io`): the tensors are DCP's tensor records (read with torch's weights-only
-unpickler), every other value is JSON (``rank<r>.json``, one per rank, its tensors referenced
-by key), and DCP's index ``.metadata`` is JSON too. A file that is a pickle, or a record that
-names anything but tensors, is refused by name (`UnsafeCheckpointError`), never read.
-
-Saving is atomic: every rank writes into ``step-N.tmp``; after DCP's own final barrier rank 0
-writes ``COMPLETED`` (every file's size and xxh3_64 checksum, gathered from the ranks) and then
-renames the directory to ``step-N``, so a directory without ``.tmp`` is always whole, and only
-the newest ``keep`` are kept. The checksums are computed while the files are written (DCP's
-writer opens every file through a replaceable ``fs.create_stream``), so no file is read back.
-
-Resuming (`find_resume`, run by preflight before any model loads) verifies the checkpoint's
-files against its marker, then that its index and state files are JSON. ``checkpoint.resume=
-auto``: the newest checkpoint that verifies; a damaged newer one is renamed ``step-N.damaged``
-(never deleted, and no longer counted) and the run says so in one line; with
-``checkpoint.strict=true`` a damaged newest one is refused instead. A checkpoint named by path
-is verified and refused when damaged. A checkpoint without ``COMPLETED`` is resumed from
-unverified (refused in one line if it cannot be read); one written before checkpoints were
-JSON and tensors (its ``.metadata`` a pickle) is refused, whatever its marker says.
-
-``checkpoint.dir`` (default ``<run_dir>/checkpoints``) may be an ``s3://`` URL: the same files
-and marker, written through DCP's fsspec writer, with ``COMPLETED`` as the commit point in
-place of the rename, and resumed from a verified local copy (`trainer.checkpoint.remote`).
-
-The export (`export_student`) is the whole student gathered to rank 0 and written by
-`tokenbridge.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
+A checkpoint holds nothing that runs code when resumed (tensors through DCP, every other value
+JSON: `state_split`, `dcp_io`), is published whole or not at all (written as ``step-N.tmp``,
+``COMPLETED`` with every file's checksum written last, then renamed), and is verified before a
+run resumes from it (`find_resume`, in preflight: a damaged newest one is moved aside, or
+refused). Layout and rules: docs/integrity.md, "Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The rows of a shard directory for one data-parallel rank: the held-out split, random
 access to each row (memory-mapped), and the endless, shuffled, resumable stream of row indices.
 
-The shards (`tokenbridge.formats.shards`) are memory-mapped, never loaded whole; streamed
-shards (``data.stream``, `tokenbridge.formats.streamed_shards`) are mapped a file at a time as the
-rows reach them. Every row has a global index (files in order, rows in order). A row is held
-out for evaluation when a hash of its (doc id, window) falls under ``eval_fraction`` (and for
-validation under the next ``val_fraction``); of the rest, data-parallel rank r reads the rows
-whose index is r modulo the dp size, in order, through a bounded shuffle buffer drawn with a
-seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
-microbatches, which the collectives of FSDP need).
-
-The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
-small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
-the uninterrupted run would have read. `trainer.data.microbatches` pads the rows into microbatches.
+Rows are numbered globally (files in order, rows in order). Of the rows not held out, dp rank r
+reads those whose index is r modulo the dp size, through a seeded bounded shuffle buffer, epoch
+after epoch: an endless stream, so every rank yields the microbatches FSDP's collectives need.
+The stream's whole position is a small dict saved per dp rank, so a resumed run reads exactly
+the rows the uninterrupted run would have read.
 """
 
 from __future__ import annotations
@@ -82,7 +75,8 @@ class StreamedTables:
 
 
 class ShardReader:
-    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped.
+    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped, never
+    loaded whole (streamed shards, ``data.stream``: a file at a time, as the rows reach it).
 
     Each file is verified against its checksum when mapped (`ShardSet.read_table`, per
     ``data.verify``), and each record batch's values are checked (`tokenbridge.formats.value_checks`) the first
