@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from trainer import optim, report
-from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint import checkpointer
 from trainer.checkpoint.shared_dir import check_shared
 from trainer.config.schema import TrainConfig
 from trainer.data.microbatches import MicrobatchLoader, pad_id
@@ -62,7 +62,7 @@ class Trainer:
             self.device, timeout_s=cfg.parallel.collective_timeout_s
         )
         # several nodes: a local checkpoint dir must be one they all share (refused otherwise)
-        check_shared(ckpt.folder_of(cfg.run_dir, cfg.checkpoint))
+        check_shared(checkpointer.folder_of(cfg.run_dir, cfg.checkpoint))
         # the student's and its teacher workers' threads (`trainer.parallel.cpus`)
         self.cpus = cpus.plan_for(
             cfg, device=self.device, live_teachers=_live_teachers(cfg, prepared)
@@ -153,8 +153,8 @@ class Trainer:
 
         # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
         # the student's rollouts, with their prompts, sampler and teacher channels
-        self.checkpointer = ckpt.Checkpointer(
-            ckpt.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
+        self.checkpointer = checkpointer.Checkpointer(
+            checkpointer.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
         )
         self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         self.metrics = MetricsLogger(
@@ -232,11 +232,11 @@ class Trainer:
         """Everything a resumed run needs: the Stateful model+optim and, per rank, plain values
         and tensors (`trainer.checkpoint.checkpointer`: stored as tensors and JSON, nothing pickled)."""
         position = self.feed.position()
-        mine = {"data": position["position"], "rng": ckpt.rng_state()}
+        mine = {"data": position["position"], "rng": checkpointer.rng_state()}
         if self.onpolicy is not None:
             mine["onpolicy"] = self.onpolicy.state_dict()
         return {
-            "app": ckpt.ModelOptimState(self.model, self.optimizer),
+            "app": checkpointer.ModelOptimState(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             **self.stepper.state_dict(),  # step, tokens_seen
             f"rank{self.rank}": mine,
@@ -249,13 +249,13 @@ class Trainer:
         mine = state[f"rank{self.rank}"]
         self.feed.reset()
         self.loader.load_state_dict({"position": mine["data"]})
-        ckpt.set_rng_state(mine["rng"])
+        checkpointer.set_rng_state(mine["rng"])
         if self.onpolicy is not None:
             self.onpolicy.load_state_dict(mine["onpolicy"])
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
-        if ckpt.saved_world(path) == self.world:
+        if checkpointer.saved_world(path) == self.world:
             self.checkpointer.load(path, state)
             self.load_state_dict(state)
             return
@@ -267,10 +267,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stepper.load_state_dict(state)
         self.feed.reset()
-        note = self.loader.reshard(ckpt.saved_positions(path))
+        note = self.loader.reshard(checkpointer.saved_positions(path))
         if self.is_main:
             print(
-                f"resumed {path.name}, saved by {ckpt.saved_world(path)} processes, on "
+                f"resumed {path.name}, saved by {checkpointer.saved_world(path)} processes, on "
                 f"{self.world}: student and optimizer resharded" + (f"; {note}" if note else ""),
                 flush=True,
             )
@@ -355,7 +355,7 @@ class Trainer:
     def _export(self, name: str = "export") -> Path:
         extra = {"step": self.step, "run": self.cfg.name}
         out = self.run_dir / name
-        return ckpt.export_student(
+        return checkpointer.export_student(
             self.model, self.cfg.model, out, extra=extra, is_main=self.is_main
         )
 
@@ -410,7 +410,7 @@ class Trainer:
                 self.metrics.log(self.step, {"bpb": self.evaluate()}, kind="eval")
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 last_ckpt = self.save_checkpoint()
-            if m is not None and ckpt.export_requested(
+            if m is not None and checkpointer.export_requested(
                 self.run_dir, device=self.device, is_main=self.is_main
             ):
                 self.metrics.write(f"exported: {self._export(f'export-step-{self.step}')}")
@@ -456,7 +456,7 @@ class Trainer:
             # trainer.throughput: medians over the logged steps)
             "precision": self.prep.precision.summary([t.name for t in cfg.teachers]),
             "throughput": self.throughput.summary(),
-            "integrity": integrity.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
+            "integrity": checksums.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tokenbridge import atomic, cli, models, urls
-from tokenbridge.formats import checksums as integrity
-from trainer.checkpoint import remote
-from trainer.checkpoint import state_split as checkpoint_state
+from tokenbridge.formats import checksums
+from trainer.checkpoint import remote, state_split
 from trainer.checkpoint.dcp_io import (
     DamagedCheckpointError,
     SafePlanner,
@@ -132,10 +131,10 @@ def verify_checkpoint(path: Path) -> str | None:
     if not (path / MARKER).is_file():
         return None
     try:
-        sums = integrity.read_marker(path, MARKER)["checksums"]
+        sums = checksums.read_marker(path, MARKER)["checksums"]
         for name in sorted(sums):
-            integrity.verify_file(path / name, sums[name])
-    except (integrity.IntegrityError, OSError, KeyError, TypeError) as e:
+            checksums.verify_file(path / name, sums[name])
+    except (checksums.IntegrityError, OSError, KeyError, TypeError) as e:
         return str(e)  # OSError: a file gone, e.g. moved aside by rank 0 while another read it
     return None
 
@@ -235,7 +234,7 @@ def saved_world(path: Path) -> int:
     ``rank<r>.json`` files for one written before markers)."""
     path = Path(path)
     if (path / MARKER).is_file():
-        world = integrity.read_marker(path, MARKER).get("world_size")
+        world = checksums.read_marker(path, MARKER).get("world_size")
         if isinstance(world, int) and world >= 1:
             return world
     return len(list(path.glob("rank*.json")))
@@ -247,7 +246,7 @@ def saved_positions(path: Path) -> list[dict[str, Any]]:
     out = []
     for r in range(saved_world(path)):
         mine = _state_doc(path / f"rank{r}.json").get(f"rank{r}", {})
-        out.append(checkpoint_state.join(mine.get("data"), {}))
+        out.append(state_split.join(mine.get("data"), {}))
     return out
 
 
@@ -285,7 +284,7 @@ class Checkpointer:
             if not in_store:
                 tmp.mkdir(parents=True)
         dist.barrier()
-        doc, tensors = checkpoint_state.split(_plain(state))
+        doc, tensors = state_split.split(_plain(state))
         writer = remote.Writer(final) if in_store else Writer(tmp)
         state_file = {"format": STATE_FORMAT, "version": STATE_VERSION, "rank": self.rank}
         rank_file = writer.fs.concat_path(tmp, f"rank{self.rank}.json")
@@ -300,13 +299,13 @@ class Checkpointer:
                 "version": MARKER_VERSION,
                 "step": step,
                 "world_size": dist.get_world_size(),
-                "hash": integrity.HASH,
+                "hash": checksums.HASH,
                 "checksums": dict(sorted(sums.items())),
             }
             if in_store:
                 remote.publish(self.folder, final, marker, keep=self.cfg.keep)
         if self.rank == 0 and not in_store:
-            integrity.write_json_atomic(tmp / MARKER, marker)  # last, before the publish
+            checksums.write_json_atomic(tmp / MARKER, marker)  # last, before the publish
             atomic.replace(tmp, final)
             _fsync_dir(self.folder)
             for _, old in list_checkpoints(self.folder)[: -self.cfg.keep]:
@@ -330,7 +329,7 @@ class Checkpointer:
             dcp.load(tensors, storage_reader=SafeReader(path, index), planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise self._unreadable(path, e) from e
-        loaded = checkpoint_state.join(saved, tensors)
+        loaded = state_split.join(saved, tensors)
         for k, v in state.items():
             if isinstance(v, Stateful):
                 v.load_state_dict(loaded[k])
@@ -352,8 +351,8 @@ class Checkpointer:
         if missing := sorted(set(live) - set(saved)):
             raise ValueError(f"{f}: holds no {missing} (saved by another setup)")
         try:
-            tensors = checkpoint_state.destinations(saved, checkpoint_state.split(live)[1])
-            checkpoint_state.join(saved, tensors)  # every reference and tag is whole
+            tensors = state_split.destinations(saved, state_split.split(live)[1])
+            state_split.join(saved, tensors)  # every reference and tag is whole
         except (KeyError, TypeError, ValueError) as e:
             raise DamagedCheckpointError(f"{f}: not a tokenbridge checkpoint state ({e!r})") from e
         return index, saved, tensors
@@ -380,7 +379,7 @@ def _on_every_rank(read):
     rank alone would leave the others waiting in DCP's collectives)."""
     try:
         out, err = read(), None
-    except (integrity.IntegrityError, ValueError, OSError) as e:
+    except (checksums.IntegrityError, ValueError, OSError) as e:
         out, err = None, e
     errors: list[BaseException | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, err)

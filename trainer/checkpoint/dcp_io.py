@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 
 INDEX = ".metadata"  # DCP's name, kept: a step directory with it is a whole checkpoint
 INDEX_FORMAT, INDEX_VERSION = "tokenbridge-dcp-index", 1
@@ -52,12 +52,12 @@ PLANTED = (
 )
 
 
-class DamagedCheckpointError(integrity.IntegrityError):
+class DamagedCheckpointError(checksums.IntegrityError):
     """The checkpoint to resume from fails its checksums (strict mode, or named by path), or
     cannot be read."""
 
 
-class UnsafeCheckpointError(integrity.IntegrityError):
+class UnsafeCheckpointError(checksums.IntegrityError):
     """A checkpoint file that is a pickle, or names code to run: refused, never unpickled."""
 
 
@@ -85,9 +85,9 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             self.entries[Path(path).name] = sink.entry()
 
-    def open_sink(self, path) -> integrity.HashingSink:
+    def open_sink(self, path) -> checksums.HashingSink:
         """A new file at `path`, hashed as it is written (an object store's: `checkpoint.remote`)."""
-        return integrity.HashingSink(path)
+        return checksums.HashingSink(path)
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # the index is written as .metadata.tmp, then renamed

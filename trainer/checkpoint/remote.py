@@ -16,7 +16,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as Fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from tokenbridge.remote_cache import RemoteCache, filesystem
 from trainer.checkpoint.dcp_io import DamagedCheckpointError, HashingFileSystem
 from trainer.checkpoint.dcp_io import Writer as LocalWriter
@@ -33,8 +33,8 @@ class HashingFsspecFileSystem(HashingFileSystem):
         self.remote = FsspecFileSystem()
         self.remote.fs = fs
 
-    def open_sink(self, path) -> integrity.HashingSink:
-        return integrity.HashingSink(path, stream=self.remote.fs.open(str(path), "wb"))
+    def open_sink(self, path) -> checksums.HashingSink:
+        return checksums.HashingSink(path, stream=self.remote.fs.open(str(path), "wb"))
 
     def rename(self, path, new_path) -> None:  # copy then delete on an object store
         self.remote.rename(str(path), str(new_path))
@@ -123,13 +123,13 @@ def find_resume(folder: str, cfg, *, cache_dir: str | os.PathLike, limit_bytes: 
     if urls.is_url(cfg.resume):
         try:
             return cache.fetch_dir(cfg.resume, marker=MARKER), []
-        except integrity.IntegrityError as e:
+        except checksums.IntegrityError as e:
             raise DamagedCheckpointError(f"checkpoint.resume={cfg.resume}: {e}") from None
     notes: list[str] = []
     for _, url in reversed(list_steps(folder)):
         try:
             local = cache.fetch_dir(url, marker=MARKER)
-        except integrity.IntegrityError as e:
+        except checksums.IntegrityError as e:
             if cfg.strict:
                 raise DamagedCheckpointError(
                     f"checkpoint {url} is damaged ({e}); checkpoint.strict=true refuses to fall "

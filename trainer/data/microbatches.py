@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tokenbridge.dist_ops.context_parallel import cp_positions, to_cp_layout
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.losses.ops.segments import AlignedBatch
 from trainer.data.shard_reader import ShardStream
 
@@ -162,7 +162,7 @@ def collate(
     # conversation rows: train only on the flagged tokens; text shards (schema version 1) have
     # no train codes and train on every target
     if "train" in rows[0]:
-        train = _pad_rows([r["train"] for r in rows], T, S.TRAIN_NONE)
+        train = _pad_rows([r["train"] for r in rows], T, shard_schema.TRAIN_NONE)
         targets = train_targets(targets, train)
     mb = Microbatch(
         ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [], train_BT=train

@@ -18,8 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import value_checks as values
+from tokenbridge.formats import shard_schema, value_checks
 
 if TYPE_CHECKING:
     from trainer.config.sections import DataConfig
@@ -108,7 +107,7 @@ class ShardReader:
         if (f, b) not in self.checked:
             first = int(starts[b])
             batch = t.slice(first, int(starts[b + 1]) - first).to_batches()[0]
-            values.check_batch(
+            value_checks.check_batch(
                 batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
             )
             self.checked.add((f, b))
@@ -130,7 +129,9 @@ class ShardReader:
                 f"data.max_student_tokens={self.max_student_tokens}; re-run the align job with "
                 "shorter windows (--max-student-tokens) or raise the limit"
             )
-        return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
+        return student, [
+            longest(shard_schema.teacher_ids_column(k)) for k in range(self.num_teachers)
+        ]
 
     def _window_limits(self) -> tuple[int, list[int]]:
         """Streamed shards: the align job's window limits (stats.json) bound every row, since
@@ -209,10 +210,10 @@ class ShardReader:
         for k in range(self.num_teachers):
             out["teachers"].append(
                 {
-                    "ids": self._list(t, S.teacher_ids_column(k), i),
-                    "chunk": self._list(t, S.teacher_chunk_column(k), i),
-                    "student_chunk": self._list(t, S.teacher_student_chunk_column(k), i),
-                    "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
+                    "ids": self._list(t, shard_schema.teacher_ids_column(k), i),
+                    "chunk": self._list(t, shard_schema.teacher_chunk_column(k), i),
+                    "student_chunk": self._list(t, shard_schema.teacher_student_chunk_column(k), i),
+                    "n_chunks": t.column(shard_schema.teacher_n_chunks_column(k))[i].as_py(),
                 }
             )
         if self.is_chat:
@@ -227,11 +228,11 @@ class ShardReader:
     def _chat_columns(self, out: dict, t: pa.Table, i: int) -> None:
         """A conversation row's train codes and trained bytes, and each teacher's train codes
         and chunk kinds (in `out`, next to the ids they belong to)."""
-        out["train"] = self._list(t, S.STUDENT_TRAIN_COLUMN, i)
-        out["trained_bytes"] = int(t.column(S.TRAINED_BYTES_COLUMN)[i].as_py())
+        out["train"] = self._list(t, shard_schema.STUDENT_TRAIN_COLUMN, i)
+        out["trained_bytes"] = int(t.column(shard_schema.TRAINED_BYTES_COLUMN)[i].as_py())
         for k, teacher in enumerate(out["teachers"]):
-            teacher["train"] = self._list(t, S.teacher_train_column(k), i)
-            teacher["chunk_kind"] = self._list(t, S.teacher_chunk_kind_column(k), i)
+            teacher["train"] = self._list(t, shard_schema.teacher_train_column(k), i)
+            teacher["chunk_kind"] = self._list(t, shard_schema.teacher_chunk_kind_column(k), i)
 
     def text(self, row: int) -> str:
         f, i = self.locate(row)
