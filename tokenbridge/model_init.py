@@ -1,27 +1,11 @@
 """A model's random init, recorded while it is built on the meta device and replayed shard by shard.
 
-`tokenbridge.models.build_model` draws a random-init model with ``from_config`` under a forked RNG
-seeded by the model's seed: the module constructors' default inits, then transformers'
-``_init_weights``, in an order that interleaves modules and parameters (the base model's
-``post_init`` runs before the lm_head is even built). A sharded build must give every rank its
-part of those very numbers without holding the whole model.
-
-`record_build` builds the model once with every parameter on the meta device (buffers stay real:
-rotary frequencies are computed as usual) under a dispatch mode that records each operation that
-writes a parameter (`InitLog`): which parameter, which view of it, the op and its arguments.
-Meta tensors draw nothing, so the RNG is untouched. `InitLog.replay` then runs the record again
-in order, under the same forked, seeded RNG, on real tensors: a draw the model later overwrites
-(the constructors' inits) still draws, into a scratch buffer, so the stream stays the same; a
-parameter's last whole write and what follows it are computed and each rank keeps only its box
-(`ShardTarget`). On the CPU a contiguous ``normal_`` / ``uniform_`` is drawn a block of rows at a
-time: torch's CPU kernels draw element by element (``normal_`` transforms blocks of 16 and
-redraws the last 16 of an uneven tail), so blocks of a multiple of 16 elements, the last at
-least 16, give the same numbers as one whole draw (a test checks it), and no rank ever holds a
-whole large weight. On a GPU each draw covers its whole tensor (its RNG's offsets depend on the
-tensor's size), one tensor at a time, on the device.
-
-The result equals ``build_model``'s weights bit for bit, for any sharding (tested on CPU for
-SmolLM2- and Gemma 3-shaped models, one and two ranks, FSDP and TP).
+`tokenbridge.models.build_model` draws a random init under a forked RNG seeded by the model's
+seed, the constructors' default inits interleaved with transformers' ``_init_weights`` (the base
+model's ``post_init`` runs before the lm_head is even built). A sharded build must give each rank
+its part of those very numbers without holding the whole model: `record_build` records every op
+that writes a parameter, and `InitLog.replay` runs them again in order, under the same RNG, each
+rank keeping only its box (docs/parallelism.md, "Built on the meta device, loaded by shards").
 """
 
 from __future__ import annotations
@@ -41,7 +25,11 @@ aten = torch.ops.aten
 
 # whole writes that read nothing of the tensor they write (besides the random draws)
 _OVERWRITES = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default}
-# draws known to give the same numbers in row blocks on the CPU (module doc)
+# draws known to give the same numbers in row blocks on the CPU: torch's CPU kernels draw element
+# by element (normal_ transforms blocks of 16 and redraws the last 16 of an uneven tail), so
+# blocks of a multiple of 16 elements, the last at least 16, give one whole draw's numbers (a test
+# checks it) and no rank ever holds a whole large weight. On a GPU a draw covers its whole tensor,
+# on the device: its RNG's offsets depend on the tensor's size.
 _BLOCK_DRAWS = {aten.normal_.default, aten.uniform_.default}
 # ops a block of rows may run on its own after its draw (elementwise, scalar arguments)
 _ELEMENTWISE = {
@@ -98,7 +86,9 @@ class InitLog:
     names: dict[str, int] = field(default_factory=dict)
 
     def replay(self, targets: dict[str, ShardTarget]) -> None:
-        """Fill every target (by parameter name) with its box of the recorded init."""
+        """Fill every target (by parameter name) with its box of the recorded init: only a
+        parameter's last whole write and what follows it are computed; every earlier draw still
+        draws, into scratch (`_Replay._draw_away`), so the RNG stream stays the same."""
         keyed = {}
         for name, t in targets.items():
             if name not in self.names:
@@ -323,8 +313,10 @@ def _meta_parameters(log: InitLog, keys: dict[int, int]):
 
 
 def record_build(build, *, seed: int, device: torch.device) -> tuple[nn.Module, InitLog]:
-    """``build()`` (a model constructor) with its parameters on the meta device, and the log of
-    its init, to be replayed on `device` from `seed` (module doc)."""
+    """``build()`` (a model constructor) with its parameters on the meta device (buffers stay
+    real: rotary frequencies are computed as usual), and the log of its init, to be replayed on
+    `device` from `seed`: which parameter each op wrote, which view of it, the op and its
+    arguments. Meta tensors draw nothing, so the RNG is untouched here."""
     log = InitLog(seed=seed, device=torch.device(device))
     keys: dict[int, int] = {}
     with _meta_parameters(log, keys), _Recorder(log, keys):

@@ -1,19 +1,11 @@
 """Causal LMs from local HF directories: load (pretrained or tiny random-init), inspect, export.
 
-The model code is plain transformers; nothing here knows about parallelism (`trainer.parallel.parallelize`
-applies TP and FSDP to what this module builds). A ``random`` model keeps its directory's
-config.json with small dimensions patched in (`ModelSpec.overrides`), so test models run in
-milliseconds yet use the REAL tokenizer of that directory, its vocabulary size included.
-
-The student's vocabulary is the width of its lm_head (padded heads are wider than the
-tokenizer), never the tokenizer's size.
-
-Weights move strictly both ways: an export whose state dict has a key the config's model lacks,
-or lacks one it needs, is refused naming the keys (`exact_state_dict`), and so is a directory
-whose weights do not cover its config (`load_pretrained`): transformers would otherwise drop the
-one and initialise the other at random, with a warning. Tied weights (SmolLM2 and Gemma 3 tie
-lm_head to the embeddings) are one tensor under two names: either name may be given, or both
-when they are equal.
+The model code is plain transformers; nothing here knows about parallelism
+(`trainer.parallel.parallelize` applies it to what this module builds). A ``random`` model keeps
+its directory's config.json with small dimensions patched in (`ModelSpec.overrides`), so test
+models run in milliseconds yet use that directory's real tokenizer. Weights move strictly both
+ways: a key missing, unexpected or of another shape is refused by name, where transformers would
+initialise it at random or drop it, with a warning.
 """
 
 from __future__ import annotations
@@ -244,7 +236,8 @@ def build_meta(
 
 
 def vocab_width(model: nn.Module) -> int:
-    """Columns of the model's logits: the lm_head width (>= the tokenizer's vocab_size)."""
+    """Columns of the model's logits: the lm_head width (>= the tokenizer's vocab_size: padded
+    heads are wider). It is the student's vocabulary, never the tokenizer's size."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (not a causal LM?)")

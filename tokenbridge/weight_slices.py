@@ -1,17 +1,9 @@
 """Pretrained weights read by slices: each process reads only the part of each tensor it holds.
 
-A sharded model (FSDP2, TP) holds on each rank a box of every weight: a range of rows, of
-columns, or both (`ShardTarget`: the local tensor and the global index ranges it holds). Where
-``from_pretrained`` reads a whole checkpoint into every process, `SafetensorsWeights` opens the
-HF directory's ``*.safetensors`` files (one, or several named by ``model.safetensors.index.json``)
-and copies, tensor by tensor, only each box (safetensors' ``get_slice``), converted to the
-model's dtype. Each file is opened for one tensor at a time: the pages of the memory map a read
-touched count towards the process's resident memory while the file stays mapped.
-
-The same strictness as `tokenbridge.models.load_pretrained`: a key the model needs that no file
-holds, a key no parameter takes, or a shape that differs is an error naming the keys, checked
-before anything is read. Tied weights (one parameter under two names) are read once, from
-whichever of their names the files hold.
+Where ``from_pretrained`` reads a whole checkpoint into every process, `SafetensorsWeights`
+copies from a HF directory's ``*.safetensors`` files only each process's box of each weight
+(`ShardTarget`), with the strictness of `tokenbridge.models.load_pretrained`: the keys are
+checked before anything is read (docs/parallelism.md, "Built on the meta device").
 """
 
 from __future__ import annotations
@@ -89,7 +81,9 @@ def _ignored(key: str, patterns: Iterable[str]) -> bool:
 
 
 class SafetensorsWeights:
-    """The weights of HF directory `path` (``*.safetensors``), read by slices (module doc)."""
+    """The weights of HF directory `path`: its ``*.safetensors`` files (one, or several named by
+    ``model.safetensors.index.json``), read by slices. Tied weights (one parameter under two
+    names) are read once, from whichever of their names the files hold."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -157,9 +151,12 @@ class SafetensorsWeights:
 
     @torch.no_grad()
     def fill(self, targets: dict[str, ShardTarget], source: dict[str, str]) -> None:
-        """Copy each target's box of its key (`plan`'s `source`) into its local tensor."""
+        """Copy each target's box of its key (`plan`'s `source`, safetensors' ``get_slice``)
+        into its local tensor, converted to its dtype."""
         for canon, t in targets.items():
             key = source[canon]
+            # a file opened for one tensor at a time: the pages of the memory map a read touched
+            # count towards the process's resident memory while the file stays mapped
             with safe_open(self.file_of[key], framework="pt") as h:
                 part = h.get_slice(key)[t.box] if t.box else h.get_tensor(key)
             t.out.copy_(part.to(dtype=t.out.dtype).reshape(t.out.shape))

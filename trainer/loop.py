@@ -1,31 +1,10 @@
 """The training loop: the verbs train_step, train, evaluate, state_dict, load_state_dict.
 
-Build order (`Trainer.__init__`): process group and (dp_replicate, dp_shard, cp, tp) mesh ->
-data -> student (built on the meta device: TP plan, CP attention, activation checkpointing,
-compile, then FSDP2, then its shards filled) -> optimizer and LR
-schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
-read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
-and fingerprint check ran before, in `trainer.preflight`.
-
-One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
-the step and the token count): `train_step` runs it on the shard batches
-(`trainer.data.shard_source`), the on-policy side (`trainer.onpolicy.side`) on its rollouts
-(`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). Each source is
-built here with what it needs, keyword by keyword, and holds no `Trainer`. The loss invariant:
-`tokenbridge.losses.base.normalize`.
-
-Layouts (`ShardSource.forward`): every rank of a dp group reads the same microbatch, whole; its student
-forward sees this CP rank's positions of every row (load-balanced layout, global position ids)
-and returns this TP rank's vocabulary shard of the logits, [B, T / cp, V / tp]. The losses take
-that local block with the TP group and a `CPContext`; the teachers ran the whole rows.
-
-The teacher runs ahead: microbatches are drawn from the data stream into a small queue and
-submitted to the teacher channels as soon as a slot is free, so the teacher's forward on the
-next microbatch overlaps the student's step on this one. A checkpoint records the data position
-before the first queued-but-unused microbatch.
-
-Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
-(lm_head width; V / tp of it on this rank).
+`Trainer` builds a run on this rank, once preflight has checked every file: the mesh, the data,
+the student (built on the meta device, parallelized, filled), the optimizer, the teachers, the
+one step and its sources of microbatches, then the resume. Each source gets what it needs by
+keyword and holds no `Trainer`; `train` picks one per step (GKD's lambda) and
+`trainer.step.TrainStep` runs it (docs/design.md, "One training step"; docs/training.md).
 """
 
 from __future__ import annotations
@@ -41,9 +20,9 @@ import torch.distributed as dist
 
 from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from trainer import optim, report
-from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint import checkpointer
 from trainer.checkpoint.shared_dir import check_shared
 from trainer.config.schema import TrainConfig
 from trainer.data.microbatches import MicrobatchLoader, pad_id
@@ -83,7 +62,7 @@ class Trainer:
             self.device, timeout_s=cfg.parallel.collective_timeout_s
         )
         # several nodes: a local checkpoint dir must be one they all share (refused otherwise)
-        check_shared(ckpt.folder_of(cfg.run_dir, cfg.checkpoint))
+        check_shared(checkpointer.folder_of(cfg.run_dir, cfg.checkpoint))
         # the student's and its teacher workers' threads (`trainer.parallel.cpus`)
         self.cpus = cpus.plan_for(
             cfg, device=self.device, live_teachers=_live_teachers(cfg, prepared)
@@ -157,6 +136,8 @@ class Trainer:
             dtypes=precision.teacher_dtypes,
         )
         self._closers += self.channels
+        # the teachers run ahead: the feed queues microbatches and submits each as soon as a slot
+        # is free, so a teacher's next forward overlaps the student's step on this one
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
         # per-device tokens/s and MFU of the records
         self.throughput = Throughput.of(
@@ -172,8 +153,8 @@ class Trainer:
 
         # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
         # the student's rollouts, with their prompts, sampler and teacher channels
-        self.checkpointer = ckpt.Checkpointer(
-            ckpt.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
+        self.checkpointer = checkpointer.Checkpointer(
+            checkpointer.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
         )
         self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         self.metrics = MetricsLogger(
@@ -251,11 +232,11 @@ class Trainer:
         """Everything a resumed run needs: the Stateful model+optim and, per rank, plain values
         and tensors (`trainer.checkpoint.checkpointer`: stored as tensors and JSON, nothing pickled)."""
         position = self.feed.position()
-        mine = {"data": position["position"], "rng": ckpt.rng_state()}
+        mine = {"data": position["position"], "rng": checkpointer.rng_state()}
         if self.onpolicy is not None:
             mine["onpolicy"] = self.onpolicy.state_dict()
         return {
-            "app": ckpt.ModelOptimState(self.model, self.optimizer),
+            "app": checkpointer.ModelOptimState(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             **self.stepper.state_dict(),  # step, tokens_seen
             f"rank{self.rank}": mine,
@@ -268,13 +249,13 @@ class Trainer:
         mine = state[f"rank{self.rank}"]
         self.feed.reset()
         self.loader.load_state_dict({"position": mine["data"]})
-        ckpt.set_rng_state(mine["rng"])
+        checkpointer.set_rng_state(mine["rng"])
         if self.onpolicy is not None:
             self.onpolicy.load_state_dict(mine["onpolicy"])
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
-        if ckpt.saved_world(path) == self.world:
+        if checkpointer.saved_world(path) == self.world:
             self.checkpointer.load(path, state)
             self.load_state_dict(state)
             return
@@ -286,10 +267,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stepper.load_state_dict(state)
         self.feed.reset()
-        note = self.loader.reshard(ckpt.saved_positions(path))
+        note = self.loader.reshard(checkpointer.saved_positions(path))
         if self.is_main:
             print(
-                f"resumed {path.name}, saved by {ckpt.saved_world(path)} processes, on "
+                f"resumed {path.name}, saved by {checkpointer.saved_world(path)} processes, on "
                 f"{self.world}: student and optimizer resharded" + (f"; {note}" if note else ""),
                 flush=True,
             )
@@ -374,7 +355,7 @@ class Trainer:
     def _export(self, name: str = "export") -> Path:
         extra = {"step": self.step, "run": self.cfg.name}
         out = self.run_dir / name
-        return ckpt.export_student(
+        return checkpointer.export_student(
             self.model, self.cfg.model, out, extra=extra, is_main=self.is_main
         )
 
@@ -429,7 +410,7 @@ class Trainer:
                 self.metrics.log(self.step, {"bpb": self.evaluate()}, kind="eval")
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 last_ckpt = self.save_checkpoint()
-            if m is not None and ckpt.export_requested(
+            if m is not None and checkpointer.export_requested(
                 self.run_dir, device=self.device, is_main=self.is_main
             ):
                 self.metrics.write(f"exported: {self._export(f'export-step-{self.step}')}")
@@ -475,7 +456,7 @@ class Trainer:
             # trainer.throughput: medians over the logged steps)
             "precision": self.prep.precision.summary([t.name for t in cfg.teachers]),
             "throughput": self.throughput.summary(),
-            "integrity": integrity.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
+            "integrity": checksums.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,8 @@
 """The plain sections of the trainer's config: models, data, optimizer, layout, checkpoints, eval,
-logging. One dataclass per YAML section; ``__post_init__`` checks what the section alone
-decides and names the field it refuses (``config data.micro_batch_size: expected >= 1, got 0``).
-
-A rule that relates two sections (a CP size and the padding, the warmup and the number of
-steps, a teacher's cache and its loss mode) is not here but in `trainer.config.rules`, which
-`TrainConfig` runs once every section is built. The loss and on-policy sections, which look
-modes up in the loss-mode registry, are `trainer.config.loss_sections`. Pure: no file is read
-and no model loaded, so a bad value fails in milliseconds.
+logging. One dataclass per YAML section; ``__post_init__`` checks what the section alone decides
+and names the field it refuses (``config data.micro_batch_size: expected >= 1, got 0``). A rule
+that relates two sections is in `trainer.config.rules`, and the loss and on-policy sections in
+`trainer.config.loss_sections`. Pure: no file is read, so a bad value fails in milliseconds.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The rows of a shard directory for one data-parallel rank: the held-out split, random
 access to each row (memory-mapped), and the endless, shuffled, resumable stream of row indices.
 
-The shards (`tokenbridge.formats.shards`) are memory-mapped, never loaded whole; streamed
-shards (``data.stream``, `tokenbridge.formats.streamed_shards`) are mapped a file at a time as the
-rows reach them. Every row has a global index (files in order, rows in order). A row is held
-out for evaluation when a hash of its (doc id, window) falls under ``eval_fraction`` (and for
-validation under the next ``val_fraction``); of the rest, data-parallel rank r reads the rows
-whose index is r modulo the dp size, in order, through a bounded shuffle buffer drawn with a
-seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
-microbatches, which the collectives of FSDP need).
-
-The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
-small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
-the uninterrupted run would have read. `trainer.data.microbatches` pads the rows into microbatches.
+Rows are numbered globally (files in order, rows in order). Of the rows not held out, dp rank r
+reads those whose index is r modulo the dp size, through a seeded bounded shuffle buffer, epoch
+after epoch: an endless stream, so every rank yields the microbatches FSDP's collectives need.
+The stream's whole position is a small dict saved per dp rank, so a resumed run reads exactly
+the rows the uninterrupted run would have read.
 """
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import value_checks as values
+from tokenbridge.formats import shard_schema, value_checks
 
 if TYPE_CHECKING:
     from trainer.config.sections import DataConfig
@@ -82,7 +74,8 @@ class StreamedTables:
 
 
 class ShardReader:
-    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped.
+    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped, never
+    loaded whole (streamed shards, ``data.stream``: a file at a time, as the rows reach it).
 
     Each file is verified against its checksum when mapped (`ShardSet.read_table`, per
     ``data.verify``), and each record batch's values are checked (`tokenbridge.formats.value_checks`) the first
@@ -114,7 +107,7 @@ class ShardReader:
         if (f, b) not in self.checked:
             first = int(starts[b])
             batch = t.slice(first, int(starts[b + 1]) - first).to_batches()[0]
-            values.check_batch(
+            value_checks.check_batch(
                 batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
             )
             self.checked.add((f, b))
@@ -136,7 +129,9 @@ class ShardReader:
                 f"data.max_student_tokens={self.max_student_tokens}; re-run the align job with "
                 "shorter windows (--max-student-tokens) or raise the limit"
             )
-        return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
+        return student, [
+            longest(shard_schema.teacher_ids_column(k)) for k in range(self.num_teachers)
+        ]
 
     def _window_limits(self) -> tuple[int, list[int]]:
         """Streamed shards: the align job's window limits (stats.json) bound every row, since
@@ -215,10 +210,10 @@ class ShardReader:
         for k in range(self.num_teachers):
             out["teachers"].append(
                 {
-                    "ids": self._list(t, S.teacher_ids_column(k), i),
-                    "chunk": self._list(t, S.teacher_chunk_column(k), i),
-                    "student_chunk": self._list(t, S.teacher_student_chunk_column(k), i),
-                    "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
+                    "ids": self._list(t, shard_schema.teacher_ids_column(k), i),
+                    "chunk": self._list(t, shard_schema.teacher_chunk_column(k), i),
+                    "student_chunk": self._list(t, shard_schema.teacher_student_chunk_column(k), i),
+                    "n_chunks": t.column(shard_schema.teacher_n_chunks_column(k))[i].as_py(),
                 }
             )
         if self.is_chat:
@@ -233,11 +228,11 @@ class ShardReader:
     def _chat_columns(self, out: dict, t: pa.Table, i: int) -> None:
         """A conversation row's train codes and trained bytes, and each teacher's train codes
         and chunk kinds (in `out`, next to the ids they belong to)."""
-        out["train"] = self._list(t, S.STUDENT_TRAIN_COLUMN, i)
-        out["trained_bytes"] = int(t.column(S.TRAINED_BYTES_COLUMN)[i].as_py())
+        out["train"] = self._list(t, shard_schema.STUDENT_TRAIN_COLUMN, i)
+        out["trained_bytes"] = int(t.column(shard_schema.TRAINED_BYTES_COLUMN)[i].as_py())
         for k, teacher in enumerate(out["teachers"]):
-            teacher["train"] = self._list(t, S.teacher_train_column(k), i)
-            teacher["chunk_kind"] = self._list(t, S.teacher_chunk_kind_column(k), i)
+            teacher["train"] = self._list(t, shard_schema.teacher_train_column(k), i)
+            teacher["chunk_kind"] = self._list(t, shard_schema.teacher_chunk_kind_column(k), i)
 
     def text(self, row: int) -> str:
         f, i = self.locate(row)

@@ -1,15 +1,10 @@
 """Which rank of a run is gone when a collective fails: a heartbeat in the rendezvous store.
 
-A rank killed outright (``kill -9``, a node lost) says nothing, and its peers only meet a closed
-connection (gloo: "Connection closed by peer"; NCCL: "remote process exited") or, when a node
-vanishes without closing its sockets, the process group's timeout
-(``parallel.collective_timeout_s``). Neither names the rank. So under torchrun every rank keeps a
-heartbeat in the rendezvous store (`start`): it notes there who it is (node, host, pid), bumps a
-counter every `INTERVAL_S` from a daemon thread on a connection of its own, and notes when it
-ends on its own (`end`: a clean end, or an error it reports itself). A rank whose collective
-failed (`explain`) waits a few beats and names each rank whose counter stopped with no end
-noted: `LostRankError`, one line. A peer that ended on its own reported its cause (or lost a
-peer itself), so the line stays its and the others stay quiet, as on one node.
+A rank killed outright (``kill -9``, a node lost) says nothing, and its peers meet only a closed
+connection or the process group's timeout, neither naming it. So under torchrun each rank keeps
+a heartbeat in the store (`start`) and notes when it ends on its own (`end`); a rank whose
+collective failed (`explain`) names each rank whose beat stopped with no end noted
+(`LostRankError`; docs/parallelism.md, "Several nodes").
 """
 
 from __future__ import annotations
@@ -106,7 +101,9 @@ _heart: _Heartbeat | None = None
 
 
 def start(*, rank: int, world: int) -> None:
-    """Begin this rank's heartbeat (under torchrun, in a world of several ranks; else nothing)."""
+    """Begin this rank's heartbeat (under torchrun, in a world of several ranks; else nothing):
+    who it is (node, host, pid) noted in the store, then a counter bumped every `INTERVAL_S` by
+    a daemon thread on a store connection of its own."""
     global _heart
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if world < 2 or not host or not port or _heart is not None:

@@ -1,18 +1,10 @@
 """A model built on the meta device and parallelized there, made real one shard per rank.
 
-`tokenbridge.models.build_meta` gives a model whose parameters are meta tensors and the weights
-to fill them with; the parallel plans (TP, CP, AC, compile, FSDP2) are applied to it as to a real
-one, turning parameters into DTensors that know their mesh and placements. `materialize` then
-allocates each rank's local tensors only (``to_empty``) and fills them: `local_box` reads from a
-DTensor's placements which rows and columns of the global weight this rank holds, and the weights
-(the recorded random init, or safetensors read by slices) fill exactly that box. Host memory per
-rank stays near the model's size over the number of ranks that shard it, never the whole model.
-
-``to_empty`` gives each module its own new parameter, so weights tied by sharing one parameter
-(the lm_head and the embeddings) are tied again afterwards, to the parameter FSDP registered
-(the first module that holds it); buffers (rotary frequencies), computed for real at the build,
-are put back. `host_peak_gib` reads the process's peak resident memory (``VmHWM``), which the
-trainer logs as ``load/host_peak_gib``.
+`materialize` allocates each rank's local tensors only (``to_empty``) and fills exactly the box
+of the global weights each one holds (`local_box`, read from a DTensor's placements), from the
+recorded random init or safetensors read by slices: host memory per rank stays near the model's
+size over the number of ranks that shard it (docs/parallelism.md, "Built on the meta device,
+loaded by shards").
 """
 
 from __future__ import annotations
@@ -99,8 +91,11 @@ def materialize(model: nn.Module, weights: MetaWeights | None, *, device: torch.
     ]
     ties = _ties(model)
     model.to_empty(device=device)
+    # ``to_empty`` gives each module its own new parameter: weights tied by sharing one (the
+    # lm_head and the embeddings) are tied again, to the one FSDP registered (its first module)
     for module, name, owner, owner_name in ties:
         module._parameters[name] = owner._parameters[owner_name]
+    # buffers (rotary frequencies) were computed for real at the build: put back
     for module, name, b in buffers:
         if b.is_meta:
             raise ValueError(f"buffer {name} of {type(module).__name__} was built on meta")

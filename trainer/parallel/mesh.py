@@ -1,26 +1,10 @@
 """The one model of a rank's process groups: `ParallelGroups`, built from a device mesh or by hand.
 
-What each dimension means for the objective (see `collectives`):
-
-- `tp` (tensor parallel): ranks holding the same tokens and a slice of the weights and of the
-  vocabulary; the objective is replicated on them, so nothing is ever summed over tp.
-- `cp` (context parallel): ranks holding different positions of the same sequences (the
-  load-balanced layout of `context_parallel`).
-- `dp` (data parallel): ranks holding different sequences.
-
-`dp_cp` is the group of every rank that holds other tokens than this one (dp x cp), over which
-counts, losses and gradients are summed (FSDP shards the weights over it too): the loss
-invariant of `tokenbridge.losses.base.normalize`.
-
-The trainer builds its groups with `build_mesh` from one (dp_replicate, dp_shard, cp, tp)
-`DeviceMesh` (TP fastest: the ranks of a TP group are adjacent, as in torchtitan and Megatron);
-the sub-meshes the torch APIs want (`parallelize_module`, `fully_shard`) come from the same
-object. Data parallelism is dp_replicate x dp_shard ranks (`dp`): FSDP2 shards the weights over
-dp_shard (x cp) and, with dp_replicate > 1, replicates those shards over dp_replicate groups
-(HSDP: its reduce-scatter stays within a group, one all-reduce crosses them). The loss
-tests build `ParallelGroups` by hand from `launch.build_parallel_groups` (no mesh). A group of
-`None` is a dimension of size 1: single-process code takes the very same path, and the losses
-take their single-device fast path.
+The trainer's come from one (dp_replicate, dp_shard, cp, tp) `DeviceMesh`, TP fastest
+(`build_mesh`), which also gives the sub-meshes the torch APIs want; tests build them by hand
+(`trainer.parallel.spawn.build_parallel_groups`). A group of `None` is a dimension of size 1, so
+one process takes the very same path. What each dimension means for the objective, and which
+groups sum: docs/parallelism.md, "The mesh".
 """
 
 from __future__ import annotations
@@ -43,13 +27,19 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The process groups (and, in the trainer, the device mesh) of one rank; see the module doc.
+    """The process groups (and, in the trainer, the device mesh) of one rank.
+
+    `tp`: ranks holding the same tokens and a slice of the weights and of the vocabulary (the
+    objective is replicated on them: nothing is summed over tp). `cp`: ranks holding other
+    positions of the same sequences. `dp`: ranks holding other sequences.
 
     `mesh`: the (dp_replicate, dp_shard, cp, tp) `DeviceMesh` when built by `build_mesh`.
     `fsdp_mesh`: the mesh FSDP shards over (dp_shard, flattened with cp when cp > 1), 2-D
     (dp_replicate, that) when the shards are replicated (HSDP).
     `dp`: every data-parallel rank (dp_replicate x dp_shard).
-    `dp_cp`: one group over dp x cp (None: reduce over `dp` then `cp`, or size 1).
+    `dp_cp`: one group over dp x cp, the ranks holding other tokens than this one, over which
+    counts, losses and gradients are summed (the loss invariant of
+    `tokenbridge.losses.base.normalize`); None: reduce over `dp` then `cp`, or size 1.
     `batch`: the ranks holding the same microbatch, cp x tp of one dp group (None: size 1); their
     teachers split its rows (`trainer.teacher.dispatch.SharedBatchTeacher`).
     """
