@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipelines.teacher_cache import job as J
+from pipelines.teacher_cache import job
 from tests.dist.test_trainer_cases import TINY
 from tokenbridge import paths
 from trainer.config.schema import from_dictconfig
@@ -90,7 +90,7 @@ def build_cache(shards: str, out: Path, t: dict, *extra: str) -> Path:
     args = ["--shards", shards, "--teacher", t["path"], "--init", "random", "--seed", "2"]
     for k, v in t["overrides"].items():
         args += ["--override", f"{k}={v}"]
-    J.run([*args, "--out", str(out), "--k", "8", *extra])
+    job.run([*args, "--out", str(out), "--k", "8", *extra])
     return out
 
 

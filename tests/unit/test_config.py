@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from tests.unit.test_data import synthetic_rows
 from tokenbridge.cli import UsageError
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.formats.shards import FingerprintMismatchError, IncompleteShardsError
 from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import TENSORS, ProjectionMismatchError
@@ -201,7 +201,7 @@ def write_synthetic(out, student, teachers, *, completed=True):
     from tokenbridge.formats.shards import ShardWriter, shard_name, write_completed
 
     out.mkdir(parents=True)
-    schema = S.shard_schema(student, teachers)
+    schema = shard_schema.shard_schema(student, teachers)
     rows = synthetic_rows(6)
     with ShardWriter(out / shard_name(0, 1), schema) as w:
         w.write_rows(rows)
@@ -242,7 +242,7 @@ def test_preflight_refuses_shards_without_marker_or_other_tokenizers(tmp_path, s
     partial = write_synthetic(tmp_path / "partial", smol, [smol], completed=False)
     with pytest.raises(IncompleteShardsError, match="COMPLETED"):
         preflight(cfg_for(student_dir, partial), world_size=1)
-    other = S.TokenizerInfo("other", "0" * 64, 1000)
+    other = shard_schema.TokenizerInfo("other", "0" * 64, 1000)
     foreign = write_synthetic(tmp_path / "foreign", smol, [other])
     with pytest.raises(FingerprintMismatchError, match="teacher 0 tokenizer fingerprint 0000"):
         preflight(cfg_for(student_dir, foreign), world_size=1)
