@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import REPO, shakespeare_docs, write_shards
-from tests.objectstore import free_ports
+from bench.common import shakespeare_docs
+from bench.storage.seaweed import free_ports
+from tests.e2e.helpers import REPO
+from tokenbridge.alignment.text_shards import write_text_shards
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +96,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[i
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory, student_dir, s3_server) -> dict:
     tmp = tmp_path_factory.mktemp("multinode")
-    shards = write_shards(tmp / "shards", shakespeare_docs(24, chars=700),
+    shards = write_text_shards(tmp / "shards", shakespeare_docs(24, chars=700),
                           student_dir=student_dir, teacher_dirs=[student_dir], max_tokens=64)  # fmt: skip
     bucket = s3_server.new_bucket()
     url = s3_server.upload(shards, bucket, "shards")
