@@ -1,19 +1,12 @@
-"""Benchmark section "sharded_load": the host memory each rank peaks at while the student loads,
-built on the meta device and filled shard by shard (the trainer's path) against building the
-whole model on every rank and then sharding it (the path before, `models.build_model` then
-FSDP2).
+"""Benchmark section "sharded_load": each rank's peak host memory while the student loads,
+built on the meta device and filled shard by shard (the trainer's path), against building the
+whole model on every rank and then sharding it (`models.build_model` then FSDP2).
 
-Two ranks on one node (FSDP2 over both, gloo, fp32, CPU), each case in fresh processes that
-first import what the trainer imports (`trainer.loop`): a ~0.5B-parameter random-init student
-(SmolLM2's vocabulary and shape family, widened and deepened: `HALF_B`) and the pretrained
-SmolLM2-135M (artifacts/models/smollm2-135m). A rank reports its peak resident memory
-(``VmHWM``, what the trainer logs as ``load/host_peak_gib``) once the student is built and
-sharded, before any step, and its resident memory before the build (the interpreter, torch,
-transformers and the trainer's modules: the same in both paths); the figures are the largest
-over the two ranks. The ratio of the two paths' peaks is the goal's figure (<= 0.6); the ratio
-of what each path added to the process is the part the load itself controls.
-
-``python -m bench.training.sharded_load`` prints the section.
+Two ranks (FSDP2, gloo, fp32, CPU), fresh processes per case, on a ~0.5B random-init student
+(`HALF_B`) and the pretrained SmolLM2-135M. A rank reports ``VmHWM`` (the trainer's
+``load/host_peak_gib``) once sharded, and its resident memory before the build; the largest
+over the ranks is kept. Goal: the peaks' ratio <= 0.6. ``python -m bench.training.sharded_load``
+prints the section.
 """
 
 from __future__ import annotations
