@@ -23,7 +23,7 @@ def run_child(module: str, *args, env: dict[str, str] | None = None) -> dict:
     single-threaded, `env` added to the environment); its printed dict. Raises with the child's
     stderr if it fails."""
     call = ", ".join(map(repr, args))
-    code = f"import json, {module} as b; print(json.dumps(b._child({call})))"
+    code = f"import json, {module}; print(json.dumps({module}._child({call})))"
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

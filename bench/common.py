@@ -1,10 +1,5 @@
-"""What several benchmark sections and the tests share: the demo pair's inputs and runs.
-
-The real teacher -> student projection (`ensure_projection`: made from the tokenizers alone, so
-it needs no weights: a GPU machine without them builds it in seconds), text of the shipped
-Shakespeare corpus (`shakespeare_docs`, `shakespeare_text`), a trainer run in its own processes
-(`run_trainer`), and the figures of its per-step records (`step_figures`: the first steps dropped
-as warm-up, medians of the rest). Shards from such text: `tokenbridge.alignment.text_shards`.
+"""What several benchmark sections and the tests share: the demo pair's projection (made from the
+tokenizers alone), the shipped corpus's text, trainer runs and their per-step figures.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Where and when a benchmark section was measured, stated in the section itself.
+"""Where and when a benchmark section was measured, stated in the section itself, and whether the
+code it measured has changed since.
 
-Every section `make bench` writes opens with one provenance line: the commit it ran on (with
-``+dirty`` when tracked files had uncommitted changes), the UTC time, the CPU model and core
-count (or the GPU), and the load average at its start and end. A section that other work slowed
-says so in bold (`loaded`: more load than cores at its start, or twice the cores at its end,
-where its own processes count too): its times are not comparable with an idle machine's.
-`run_all` refuses to start a section on a loaded machine unless told to (``--allow-load``).
-
-A section that cannot be measured here (CUDA on a CPU machine) keeps its last file; when the code
-it measured has changed since its commit, `stale_note` says so under it.
+A section opens with its commit, time, machine and load average, in bold when other work slowed
+it. A section this machine cannot measure (CUDA) is kept with a note once its code has changed;
+a move, or an edit of docstrings or comments alone, is no change (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -186,14 +181,14 @@ def _bench_imports(module: Path, seen: set[str] | None = None) -> set[str]:
     return seen
 
 
-def _renames(sha: str) -> dict[str, tuple[str, bool]]:
-    """Files moved since `sha`: new path -> (its path at `sha`, moved unchanged). Found over the
-    whole tree, so a move between folders is one rename, not a delete and an add."""
+def _renames(sha: str) -> dict[str, str]:
+    """Files moved since `sha`: new path -> its path at `sha`. Found over the whole tree, so a
+    move between folders is one rename, not a delete and an add."""
     out = {}
     for line in _git("diff", "--name-status", "-M", sha, "HEAD").splitlines():
         status, *names = line.split("\t")
         if status.startswith("R") and len(names) == 2:
-            out[names[1]] = (names[0], status == "R100")
+            out[names[1]] = names[0]
     return out
 
 
@@ -201,10 +196,60 @@ def _under(path: str, paths: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in paths)
 
 
+def _code(source: bytes) -> str | None:
+    """A Python file's code without its docstrings (comments and layout never reach the AST),
+    as a comparable string; None if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        first = node.body[0].value if node.body and isinstance(node.body[0], ast.Expr) else None
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            node.body = node.body[1:]  # the docstring
+    return ast.dump(tree)
+
+
+_CODE: dict[str, str | None] = {}  # blob id -> `_code` of it, read once per process
+
+
+def _same_code(pairs: list[tuple[str, str]]) -> list[bool]:
+    """For each (old blob, new blob) of a Python file: is the code the same, docstrings and
+    comments aside? The blobs not yet read come from one ``git cat-file --batch``."""
+    todo = sorted({b for pair in pairs for b in pair} - _CODE.keys())
+    if todo:
+        r = subprocess.run(["git", "cat-file", "--batch"], cwd=REPO, capture_output=True,
+                           input="".join(f"{b}\n" for b in todo).encode())  # fmt: skip
+        out, at = r.stdout, 0
+        for blob in todo:
+            end = out.index(b"\n", at)
+            head = out[at:end].split()  # "<id> blob <size>", or "<id> missing"
+            size = int(head[2]) if len(head) == 3 else 0
+            _CODE[blob] = _code(out[end + 1 : end + 1 + size]) if len(head) == 3 else None
+            at = end + 1 + size + (1 if len(head) == 3 else 0)
+    return [_CODE[a] is not None and _CODE[a] == _CODE[b] for a, b in pairs]
+
+
+def _changed(sha: str, paths: tuple[str, ...]) -> list[str]:
+    """The files under `paths` whose code differs between `sha` and HEAD: a file moved
+    unchanged, or whose docstrings or comments alone changed (Python files), is not listed."""
+    entries = []  # (old blob, new blob, path now)
+    for line in _git("diff", "--raw", "--no-abbrev", "-M", sha, "HEAD", "--", *paths).splitlines():
+        meta, *names = line.split("\t")
+        _, _, old, new, _ = meta.split()
+        entries.append((old, new, names[-1]))
+    py = [(o, n) for o, n, f in entries  # both sides present (an all-zero id: added, deleted)
+          if f.endswith(".py") and o != n and o.strip("0") and n.strip("0")]  # fmt: skip
+    same = dict(zip(py, _same_code(py)))
+    return [f for o, n, f in entries if o != n and not same.get((o, n), False)]
+
+
 def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:
     """Under a kept section: whether the code it measures (`paths`) changed since the commit
-    it names. A file moved since (bench/'s folders) is followed to its path at that commit, and
-    a move alone changes nothing."""
+    it names. A file moved since (bench/'s folders) is followed to its path at that commit; a
+    move alone, or an edit of docstrings or comments alone, changes no figure."""
     sha = section_commit(text)
     if sha is None and "Not run" in text:
         return None  # no figures to be stale
@@ -215,11 +260,9 @@ def stale_note(text: str, paths: tuple[str, ...] = CODE_PATHS) -> str | None:
     if not _git("log", "--oneline", f"{sha}..HEAD", "--", *paths):
         return None
     moved = {new: old for new, old in _renames(sha).items() if _under(new, paths)}
-    then = (*paths, *(old for old, _ in moved.values()))  # the same files, as named at `sha`
-    diff = _git("diff", "--name-only", "-M", sha, "HEAD", "--", *then).splitlines()
-    # a file moved unchanged is listed under its new name: not a change
-    if not [f for f in diff if f not in moved or not moved[f][1]]:
-        return None  # commits touched it and were undone (or only moved it): the same code
+    then = (*paths, *moved.values())  # the same files, as named at `sha`
+    if not _changed(sha, then):
+        return None  # commits were undone, or moved files or edited their prose: the same code
     n = len(_git("log", "--oneline", f"{sha}..HEAD", "--", *then).splitlines())
     what = "1 commit touches" if n == 1 else f"{n} commits touch"
     return f"_The code has changed since {sha} ({what} {', '.join(paths)})._"

@@ -1,16 +1,9 @@
-"""`make bench`: run every benchmark section and write BENCHMARKS.md.
+"""`make bench`: run the benchmark sections and write BENCHMARKS.md, its only writer.
 
-`SECTIONS` names each section's module; its ``main() -> str`` returns a Markdown section. The
-machines here are noisy, so every section quotes ratios against a baseline measured in the same
-run, plus peak memory, and opens with its provenance (`bench.provenance`: commit, time, CPU and
-cores, load average at its start and end, "measured under load" when the load exceeded the core
-count). A section refuses to start on a loaded machine unless ``--allow-load`` is given.
-
-``python -m bench.run_all NAME ...`` runs only the named ones and keeps the other sections of
-BENCHMARKS.md from their last run (files under bench/results/, each with its own provenance);
-``--collect`` only rebuilds the file. A section this machine cannot measure (CUDA) is kept from
-its last run, with a note when the code has changed since its commit. BENCHMARKS.md is only ever
-written here: no section is written by hand.
+`SECTIONS` names each section's module, whose ``main() -> str`` returns its Markdown. Each
+section is stored under bench/results/ with its provenance line, so
+``python -m bench.run_all NAME ...`` measures some and keeps the others (``--collect``: none).
+docs/bench.md: how the sections measure, and when a kept one is called stale.
 """
 
 from __future__ import annotations
@@ -48,6 +41,7 @@ SECTIONS = {
     "parallel": "training.parallel",
     "projection": "align.projection_build",
     "science": "science.section",
+    "sharded_load": "training.sharded_load",
     "teacher_cache": "teacher.cache",
     "trainer": "training.trainer_step",
 }

@@ -1,10 +1,8 @@
-"""Files and directories that appear whole or not at all: write beside, then rename.
+"""Files and directories that appear whole or not at all: write a hidden sibling, then rename.
 
-Every writer of the project (markers, shards, projections, exports, caches, reports) writes a
-hidden sibling on the same file system and renames it into place, so a reader sees the old
-file or the whole new one, and a failed write leaves no sibling behind. Whether the bytes are
-fsynced before the rename is the caller's choice: what a crash must not lose once a job said
-it wrote it (markers, shards) is; caches and reports are not.
+A reader sees the old file or the whole new one, and a failed write leaves no sibling behind.
+Whether the bytes are fsynced before the rename is the caller's choice: yes for what a crash
+must not lose once a job said it wrote it (markers, shards), no for caches and reports.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """How every tokenbridge command ends when it fails: one line, an exit code, no traceback.
 
-Each command line tool (`pipelines.align.job`, `tokenbridge.projection`, `tokenbridge.commands.pair_report`,
-`tokenbridge.assets`, `pipelines.teacher_cache`, `tokenbridge.commands.verify`, `tokenbridge.commands.chat_example`,
-``trainer/main.py``, `trainer.eval`, `trainer.eval.datasets`, `trainer.report`) runs its ``main``
-through ``run`` (tests/unit/test_cli.py checks that every ``__main__`` does), which turns a
-failure the user can act on into a single line on stderr::
-
-    tokenbridge <command>[ [rank R/N]]: <ErrorType>: <what failed, where>[; <what to do>]
-
-and an exit code: 2 when the inputs are wrong (config, arguments, missing or damaged files,
-tokenizers that do not match), 1 when the run failed (a teacher worker died, a non-finite loss,
-out of memory), 130 on Ctrl-C. The traceback is printed only with ``TOKENBRIDGE_DEBUG=1``. An
-exception no rule knows is a bug: its traceback is always printed, followed by the line.
-
-Which exceptions are which is a list of ``Rule``s: the command's own first (the trainer adds its
-channel and config errors; this module must not import the trainer), then ``BASE_RULES``. A
-message's first line is the one printed; what follows it (a worker's traceback) is detail, shown
-with the debug switch.
-
-Several ranks (torchrun): an error every rank raises alike (the config, inputs checked before
-the run, a non-finite all-reduced loss; ``Rule(everywhere=True)`` or ``same_on_every_rank``) is
-reported by rank 0; the others leave it to `trainer.launch` (which says it if rank 0 was stopped
-first) or, under plain torchrun, wait a moment (torchrun stops them once rank 0 has exited) and
-report it themselves only if still alive (so rank 0 did not fail). Any other error
-is reported by the rank it happened on, and a rank that fails only because a peer died
-(``Rule(quiet=True)``: "Connection closed by peer") exits 1 without a word; Ctrl-C, which
-reaches every rank, is said by rank 0. Each rank started by `trainer.launch` also leaves its
-line in torchrun's error file, which the launcher reads to say nothing twice.
+Every command runs its ``main`` through `run` (tests/unit/test_cli.py checks each ``__main__``),
+which prints a failure the user can act on as ``tokenbridge <command>[ [rank R/N]]: <ErrorType>:
+<what failed, where>[; <what to do>]`` and exits 2 for wrong inputs, 1 for a failed run, 130 on
+Ctrl-C (README, "When something fails"). Which exception is which is a list of `Rule`s, the
+command's own before `BASE_RULES` (this module must not import the trainer); one no rule knows
+is a bug, and its traceback is always printed.
+Under torchrun an error every rank meets alike is said once: by rank 0, and on several nodes
+by the first rank of each other node too (its log is another machine's).
 """
 
 from __future__ import annotations
@@ -133,6 +114,8 @@ def same_on_every_rank(e: BaseException) -> BaseException:
 
 
 def first_line(e: BaseException) -> str:
+    """The line a failure prints: what follows it (a worker's traceback) is detail, shown with
+    ``TOKENBRIDGE_DEBUG=1``."""
     text = str(e).strip()
     line = text.splitlines()[0].strip() if text else ""
     return line if len(line) <= MAX_LINE else line[:MAX_LINE] + " ..."
@@ -159,7 +142,9 @@ def run(
     world_size: int = 1,
 ) -> int:
     """``main(argv)``; its failure -> one line on stderr and the exit code (see the module
-    docstring). Returns ``main``'s int result, or 0 (a main that returns something else)."""
+    docstring), said once over several ranks: an error every rank meets alike by rank 0, any
+    other by the rank it happened on, none by a rank that only lost a peer (`Rule`). Returns
+    ``main``'s int result, or 0 (a main that returns something else)."""
     try:
         result = main(argv)
     except (Exception, KeyboardInterrupt) as e:  # SystemExit (argparse, --help) passes through
@@ -188,7 +173,7 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
     if rule.quiet and not debug:
         _tell_launcher(line, e, "quiet", rule.code)
         return rule.code
-    if everywhere and rank != 0 and world > 1 and not debug:
+    if everywhere and rank != 0 and world > 1 and not debug and not _first_of_another_node(rank):
         # Rank 0 says it. Under trainer.launch this rank leaves it to the launcher (said there
         # if rank 0 was stopped before it could) and ends now; Ctrl-C reaches every rank.
         if _tell_launcher(line, e, "held", rule.code) or isinstance(e, KeyboardInterrupt):
@@ -203,6 +188,13 @@ def _fail(e: BaseException, prog: str, rules: Sequence[Rule], rank: int, world: 
         _say(line)
         _tell_launcher(line, e, "printed", rule.code)
     return rule.code
+
+
+def _first_of_another_node(rank: int) -> bool:
+    """Is this rank the first one (local rank 0) of a node that rank 0 is not on? Rank 0's line
+    goes to its own node's log; each other node says an error every rank met in its own."""
+    node = os.environ.get("GROUP_RANK", "0")
+    return rank != 0 and node not in ("", "0") and os.environ.get("LOCAL_RANK", "") == "0"
 
 
 @contextlib.contextmanager

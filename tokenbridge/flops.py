@@ -1,30 +1,9 @@
 """Model FLOPs per token from a HF config, device peaks, and model FLOPs utilisation (MFU).
 
-MFU (PaLM, Chowdhery et al. 2022, appendix B) is the FLOPs the model needs per second over the
-device's peak: it counts what the model requires, not what an implementation happens to run
-(activation recomputation, padding, repeated rows are not counted), so it compares layouts and
-code paths fairly. Per token of a sequence of ``seq`` positions, with N the weights of the
-matmuls, L layers and ``H·Q`` the attention width (heads x head dim, the hidden size for most
-models):
-
-    training (forward + backward):  6 N + 12 L H Q seq
-    forward only (a frozen teacher): 2 N +  4 L H Q seq
-
-The first term is two FLOPs per weight per token for the forward's matmuls (times three with the
-backward); the second is the attention's scores and weighted sum (QK^T and AV, 2 x 2 H Q seq per
-layer forward), counted over the whole sequence as PaLM and Megatron do, not halved for the
-causal mask. A sliding-window layer (Gemma 2/3's ``layer_types``, Mistral's ``sliding_window``)
-attends ``min(seq, window)``.
-
-N here is every matmul weight the model applies to a token: the attention projections (q, k, v
-with grouped-query widths, o), the MLP (gate, up, down) and the lm_head (V x hidden, counted
-whether or not it is tied to the input embedding, since the matmul runs either way). The input
-embedding (a lookup), norms and biases (elementwise) are left out. Supported: the decoder-only
-families with a gated MLP listed in `GATED_MLP`; any other config gives None (no FLOPs, so no
-MFU), never a guess.
-
-Peaks (`PEAK_TFLOPS`): dense bfloat16 / float16 tensor-core TFLOP/s from NVIDIA's datasheets (the
-halved "with sparsity" figure). A float32 run, a CPU or a device not in the table gets no peak.
+MFU (PaLM, Chowdhery et al. 2022, appendix B) counts the FLOPs the model requires, not what an
+implementation runs (recomputation, padding, repeated rows), so it compares layouts and code
+paths fairly. Only the gated-MLP decoders of `GATED_MLP` have a formula, and only the devices of
+`PEAK_TFLOPS` a peak; anything else gets None (no MFU), never a guess.
 """
 
 from __future__ import annotations
@@ -37,7 +16,8 @@ GATED_MLP = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2"}
 )
 
-# dense bf16 / fp16 tensor-core peak, TFLOP/s, by the words of torch.cuda.get_device_name():
+# dense bf16 / fp16 tensor-core peak, TFLOP/s, from NVIDIA's datasheets (the halved "with
+# sparsity" figure; a float32 run gets no peak), by the words of torch.cuda.get_device_name():
 # the first entry whose words all occur in the name wins (the PCIe / NVL parts before the SXM)
 PEAK_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("H100", "PCIe"), 756.0),
@@ -58,8 +38,12 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 
 
 def matmul_params(config: Any) -> int | None:
-    """N: the weights of every matmul a token goes through (see the module docstring), from a
-    HF config (a `PretrainedConfig` or its dict); None for an unsupported model type."""
+    """N: the weights of every matmul a token goes through, from a HF config (a
+    `PretrainedConfig` or its dict); None for an unsupported model type.
+
+    The attention projections (q, k, v at grouped-query widths, o), the MLP (gate, up, down) and
+    the lm_head (V x hidden, tied to the input embedding or not: the matmul runs either way).
+    The input embedding (a lookup), norms and biases (elementwise) are left out."""
     if _get(config, "model_type") not in GATED_MLP:
         return None
     hidden = int(_get(config, "hidden_size"))
@@ -96,7 +80,12 @@ def attention_width(config: Any) -> int:
 def flops_per_token(config: Any, *, seq: int, training: bool = True) -> float | None:
     """Model FLOPs per token at sequence length `seq`: ``6 N + 12 L H Q seq`` for a training
     step (forward and backward), ``2 N + 4 L H Q seq`` for a forward (a teacher's); None for a
-    model type without a formula here."""
+    model type without a formula here.
+
+    Two FLOPs per weight per token for the forward's matmuls (three times that with the
+    backward), plus the attention's scores and weighted sum (QK^T and AV: 2 x 2 H Q seq per layer
+    forward), counted over the whole sequence as PaLM and Megatron do, not halved for the causal
+    mask; a sliding-window layer reads ``min(seq, window)`` (`attention_context`)."""
     n = matmul_params(config)
     if n is None:
         return None

@@ -1,12 +1,10 @@
-"""What names a model: a local HF directory, how it is initialised, the random-init recipe, and
+"""What names a model: a local HF directory, how it is initialised (the random-init recipe), and
 the dtype its weights and compute use.
 
-``"auto"`` names the dtype by device (`resolve_dtype`: bfloat16 on CUDA, float32 elsewhere); it is
-resolved in this one function wherever the device is known (the trainer's preflight, the
-teacher-cache job, the eval), so no file or fingerprint ever records "auto".
-
-Kept apart from `tokenbridge.models` (which imports torch and transformers) so that a config
-check that needs only these rules runs in milliseconds.
+``"auto"`` is resolved by device in this one function (`resolve_dtype`: bfloat16 on CUDA,
+float32 elsewhere) wherever the device is known (preflight, the teacher-cache job, the eval), so
+no file or fingerprint records "auto". Kept apart from `tokenbridge.models` (torch,
+transformers) so that a config check that needs only these rules runs in milliseconds.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Causal LMs from local HF directories: load (pretrained or tiny random-init), inspect, export.
 
-The model code is plain transformers; nothing here knows about parallelism (`trainer.parallel.parallelize`
-applies TP and FSDP to what this module builds). A ``random`` model keeps its directory's
-config.json with small dimensions patched in (`ModelSpec.overrides`), so test models run in
-milliseconds yet use the REAL tokenizer of that directory, its vocabulary size included.
-
-The student's vocabulary is the width of its lm_head (padded heads are wider than the
-tokenizer), never the tokenizer's size.
-
-Weights move strictly both ways: an export whose state dict has a key the config's model lacks,
-or lacks one it needs, is refused naming the keys (`exact_state_dict`), and so is a directory
-whose weights do not cover its config (`load_pretrained`): transformers would otherwise drop the
-one and initialise the other at random, with a warning. Tied weights (SmolLM2 and Gemma 3 tie
-lm_head to the embeddings) are one tensor under two names: either name may be given, or both
-when they are equal.
+The model code is plain transformers; nothing here knows about parallelism
+(`trainer.parallel.parallelize` applies it to what this module builds). A ``random`` model keeps
+its directory's config.json with small dimensions patched in (`ModelSpec.overrides`), so test
+models run in milliseconds yet use that directory's real tokenizer. Weights move strictly both
+ways: a key missing, unexpected or of another shape is refused by name, where transformers would
+initialise it at random or drop it, with a warning.
 """
 
 from __future__ import annotations
@@ -29,7 +21,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from tokenbridge import atomic
+from tokenbridge.model_init import record_build
 from tokenbridge.model_spec import ModelSource, ModelSpec  # noqa: F401  (models.ModelSpec)
+from tokenbridge.weight_slices import (  # noqa: F401  (models.WeightKeysError)
+    SafetensorsWeights,
+    ShardTarget,
+    WeightKeysError,
+    key_names,
+)
 
 # files of a HF directory that make up its tokenizer (copied into exports as they are)
 TOKENIZER_FILES = (
@@ -51,14 +50,8 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-class WeightKeysError(ValueError):
-    """A state dict or weights file that does not match its model's keys (named in the message)."""
-
-
 def _names(keys, *, most: int = 8) -> str:
-    keys = sorted(keys)
-    more = f" (and {len(keys) - most} more)" if len(keys) > most else ""
-    return f"{keys[:most]}{more}"
+    return key_names(keys, most=most)
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
@@ -161,8 +154,90 @@ def build_model(
     return model.to(device)
 
 
+class MetaWeights:
+    """The weights of a model built on the meta device (`build_meta`): `fill` copies each
+    process's box of them (`ShardTarget`, by parameter name, any name of a tied one) from the
+    recorded random init or the pretrained files."""
+
+    def __init__(self, model: nn.Module, *, log=None, files: SafetensorsWeights | None = None):
+        self.log, self.files = log, files
+        self.alias: dict[str, str] = {}
+        groups: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        persistent = set(model.state_dict()) if files is not None else set()
+        for name, b in model.named_buffers(remove_duplicate=False):
+            if name in persistent:  # saved with the weights: read from the files too
+                groups.setdefault(id(b), []).append(name)
+        self.names = {names[0]: names for names in groups.values()}
+        self.alias = {a: canon for canon, names in self.names.items() for a in names}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self.persistent_buffers = [n for n in self.names if n not in params]
+        if files is not None:
+            shapes = {
+                canon: tuple(model.get_parameter_or_buffer(canon).shape) for canon in self.names
+            }
+            self.source = files.plan(
+                self.names,
+                shapes,
+                ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
+                ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or (),
+            )
+
+    def fill(self, targets: dict[str, ShardTarget]) -> None:
+        """Every target filled; a name the model does not have is a KeyError."""
+        canon = {}
+        for name, t in targets.items():
+            if name not in self.alias:
+                raise KeyError(f"{name}: not a weight of this model")
+            canon[self.alias[name]] = t
+        if self.files is not None:
+            self.files.fill(canon, self.source)
+        else:
+            self.log.replay(canon)
+
+
+def build_meta(
+    cfg: ModelSource, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, MetaWeights]:
+    """The causal LM of `cfg` with its parameters on the meta device, and its weights.
+
+    Nothing of the size of the model is allocated: the parallel plans are applied to the meta
+    model, then each process materializes its shards (``to_empty``) and fills them from the
+    returned `MetaWeights` (`trainer.parallel.materialize`). Buffers (rotary frequencies) are
+    real, computed where `build_model` computes them, and kept. Pretrained weights are read by
+    slices (`tokenbridge.weight_slices`), their keys checked here, before anything is read; a
+    random init is recorded here and replayed per shard (`tokenbridge.model_init`): the same
+    numbers as `build_model`, bit for bit.
+    """
+    dev = torch.device(device)
+    if cfg.init == "pretrained":
+        path = Path(cfg.path)
+        if not any(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"{path}: no weights (*.safetensors) for a sharded load")
+        hf_cfg = AutoConfig.from_pretrained(path)
+        files = SafetensorsWeights(path)
+        model, _ = record_build(
+            lambda: AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype), seed=0, device="cpu"
+        )
+        model.eval()  # as from_pretrained returns it
+        weights = MetaWeights(model, files=files)
+    else:
+        hf_cfg = model_config(cfg)
+        gpu = dev.type == "cuda"  # drawn on the GPU, as build_model does
+        with torch.device(dev if gpu else "cpu"):
+            model, log = record_build(
+                lambda: AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype),
+                seed=cfg.seed,
+                device=dev if gpu else torch.device("cpu"),
+            )
+        weights = MetaWeights(model, log=log)
+    return model, weights
+
+
 def vocab_width(model: nn.Module) -> int:
-    """Columns of the model's logits: the lm_head width (>= the tokenizer's vocab_size)."""
+    """Columns of the model's logits: the lm_head width (>= the tokenizer's vocab_size: padded
+    heads are wider). It is the student's vocabulary, never the tokenizer's size."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (not a causal LM?)")

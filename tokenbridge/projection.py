@@ -1,30 +1,10 @@
 """Sparse vocabulary projections between a teacher and a student tokenizer: builder and file.
 
-The job that builds one from two model directories is ``make projection``
-(`pipelines.projection`); a loop of your own calls `build_projection` / `load_projection`.
-
-For every token of one vocabulary, the tokens of the other it stands for, as a sparse top-k row
-(ids + weights, -1 = empty slot), in both directions, plus the **exact map**: tokens whose byte
-strings are identical. Nothing dense of shape V_s x V_t is ever built: each direction is one
-batched re-tokenization plus numpy over flat (row, position, id) arrays.
-
-How a row is made (method ``retokenize-geometric-v1``), for a source token with bytes ``b``:
-
-- ``b`` identical to a target token's bytes -> one-hot on that token (the exact map). Where
-  several target tokens share those bytes (Gemma's ``<0x20>`` byte-fallback piece and ``▁``),
-  the one the target tokenizer itself emits for them wins.
-- otherwise ``b`` is re-tokenized by the target tokenizer: valid UTF-8 as text; bytes that are
-  not UTF-8 on their own (byte-level BPE fragments of a character) go byte by byte to the
-  target's single-byte tokens (byte-level or ``<0xNN>`` byte-fallback pieces) where it has them,
-  else the row stays empty and is counted. The j-th token of the re-tokenization gets weight
-  2^-j, repeated ids add up, the k heaviest stay, and the row is renormalised to sum to 1.
-  The first token gets the most mass because it is what the target model would predict *next*
-  where the source model predicts this token; the rest keep the continuation visible.
-- special tokens (bos/eos/pad/unk) map one-hot to the other side's token of the same role,
-  never by text; other special tokens (chat markers) and tokens without bytes stay empty.
-
-Rows are as many as the lm_head of each model (``config.json`` ``vocab_size``) when a model
-directory is given; rows past the tokenizer's vocabulary (padded heads) are empty.
+For every token of one vocabulary, the tokens of the other it stands for (a sparse top-k row, by
+re-tokenizing its bytes, the first token weighted most), in both directions, plus the exact map
+of byte-identical tokens; nothing of shape V_s x V_t is built (method: docs/alignment.md, "The
+projection"). ``make projection`` (`pipelines.projection`) builds one from two model
+directories; a loop of your own calls `build_projection` / `load_projection`.
 """
 
 from __future__ import annotations
@@ -294,7 +274,7 @@ def build_projection(
     teacher_rows: int | None = None,
     student_rows: int | None = None,
 ) -> Projection:
-    """Both directions and the exact maps (see the module docstring for the method)."""
+    """Both directions and the exact maps (the method: docs/alignment.md, "The projection")."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     t_rows, s_rows = (

@@ -1,26 +1,11 @@
 """A node-local cache of inputs fetched from an object store, verified while they download.
 
-Used by the trainer (`trainer.remote_inputs.localize`: ``data.shards``, teacher caches and
-projections, and model directories through `tokenbridge.remote_models`;
-`trainer.checkpoint.remote`: a checkpoint to resume), by the Beam workers' tokenizers and
-teachers (`tokenbridge.remote_models`), by ``tokenbridge.commands.verify`` on
-an ``s3://`` directory and by the teacher-cache job's launcher (``--shards s3://``).
-
-- a directory with a completion marker (shards, a teacher cache) is fetched marker first: no
-  marker is the same refusal as for a local directory (the job did not finish); then every file
-  the marker lists, each hashed while it downloads and refused by name when it differs from
-  the marker (size or xxh3_64), under a temporary name renamed into place; the marker last,
-  then ``.fetched``, the entry's commit point;
-- a single file (a projection: it has no marker; its loader checks its fingerprints) the same
-  way, unverified.
-
-One process per entry fetches: under torchrun the node's ``LOCAL_RANK`` 0 (the others wait for
-``.fetched``, so each file crosses the network once per node); any other process takes the
-entry's lock file first, so two jobs (or two Beam workers) on one machine never download the
-same entry at once. An entry already fetched is reused (and its ``.fetched`` touched). The
-cache holds at most `limit_bytes`: before a fetch, whole entries are evicted oldest first (by
-their last use) until the new one fits, never one this process uses; an input larger than the
-limit is refused in one line.
+Shared by the trainer's inputs and checkpoints, the Beam workers' tokenizers and teachers
+(`tokenbridge.remote_models`), ``verify`` on an ``s3://`` directory and the teacher-cache
+launcher. A marked directory is fetched marker first, each file hashed on its way in and
+refused by name when it differs, ``.fetched`` last (the entry's commit point); one process per
+entry fetches (local rank 0, else the holder of the entry's lock), and whole entries are evicted
+by last use to stay under `limit_bytes`. The protocol: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ import time
 from pathlib import Path
 
 from tokenbridge import atomic, urls
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 
 FETCHED = ".fetched"  # an entry's commit point: written after every file is in place
 WAIT_S = 3600.0  # how long a rank waits for its node's fetch
@@ -70,7 +55,7 @@ def filesystem():
 def errors(url: str, doing: str):
     """The store's failures as one line naming `url` (`urls.store_errors`); a damaged file's
     own error as it is."""
-    return urls.store_errors(url, doing=doing, keep=(integrity.IntegrityError,))
+    return urls.store_errors(url, doing=doing, keep=(checksums.IntegrityError,))
 
 
 def entry_name(url: str) -> str:
@@ -199,8 +184,8 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
     when `expected` (a marker entry), equal to it (else `DamagedFileError`, nothing kept)."""
     fs = filesystem()
     part = dest.with_name(f".{dest.name}.part")
-    sink = integrity.HashingSink(
-        part, algo=integrity.entry_algo(expected) if expected else integrity.HASH
+    sink = checksums.HashingSink(
+        part, algo=checksums.entry_algo(expected) if expected else checksums.HASH
     )
     try:
         with errors(url, "a read"), fs.open(urls.store_key(url), "rb", block_size=8 << 20) as src:
@@ -211,19 +196,19 @@ def download(url: str, dest: Path, *, expected: dict | None) -> None:
         sink.close()
     if expected is not None:
         found = sink.entry()
-        if found != integrity.entry(int(expected["bytes"]), expected[sink.algo], sink.algo):
+        if found != checksums.entry(int(expected["bytes"]), expected[sink.algo], sink.algo):
             part.unlink(missing_ok=True)
-            raise integrity.DamagedFileError(
-                url, expected=integrity.describe(expected), found=integrity.describe(found),
+            raise checksums.DamagedFileError(
+                url, expected=checksums.describe(expected), found=checksums.describe(found),
                 hint="the object differs from its completion marker: re-run the job that wrote it",
             )  # fmt: skip
     atomic.replace(part, dest)
     if expected is not None:  # hashed on its way: the reader that maps it need not hash it again
-        integrity.mark_verified(dest, expected)
+        checksums.mark_verified(dest, expected)
 
 
 def _commit(entry: Path, url: str) -> None:
-    integrity.write_json_atomic(entry / FETCHED, {"url": url, "fetched": time.time()})
+    checksums.write_json_atomic(entry / FETCHED, {"url": url, "fetched": time.time()})
 
 
 def _size(entry: Path) -> int:

@@ -1,13 +1,10 @@
 """Model and tokenizer directories in an object store: marked, uploaded, fetched verified.
 
-A Beam worker or a training node shares no disk with whoever launched it, so a tokenizer or
-model named by URL (``s3://bucket/models/smollm2-135m``) is fetched by each machine once into
-its node-local cache (`tokenbridge.remote_cache`) and read from there. What makes the copy
-trustworthy is the directory's ``COMPLETED`` marker (kind ``model``), written by `mark` (``python
--m tokenbridge.commands.verify --mark DIR [--upload URL]``): every file's size and xxh3_64. The fetch
-hashes each file on its way in and refuses one that differs, by name; a directory without a
-marker is refused in one line, never read unverified. The copy keeps the directory's name, so
-a tokenizer loaded from it has the name (and the fingerprint) it has locally.
+A Beam worker or training node shares no disk with its launcher, so a directory named by URL is
+fetched by each machine once into its cache (`tokenbridge.remote_cache`) and checked against
+the directory's ``COMPLETED`` marker (kind ``model``, written by `mark`); a directory without
+one is refused, never read unverified. The copy keeps the directory's name, so a tokenizer
+loaded from it has its local name and fingerprint.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import time
 from pathlib import Path
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from tokenbridge.remote_cache import (
     MarkerNotFoundError,
     RemoteCache,
@@ -46,11 +43,11 @@ def mark(directory: str | os.PathLike) -> dict:
     marker = {
         "kind": KIND,
         "version": VERSION,
-        "hash": integrity.HASH,
+        "hash": checksums.HASH,
         "marked": time.time(),
-        "checksums": {p.name: integrity.hash_file(p) for p in files},
+        "checksums": {p.name: checksums.hash_file(p) for p in files},
     }
-    integrity.write_json_atomic(d / MARKER, marker)
+    checksums.write_json_atomic(d / MARKER, marker)
     return marker
 
 

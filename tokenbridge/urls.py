@@ -1,18 +1,12 @@
-"""Paths that are object-store URLs: how to tell them apart, which ones a command can use, and
-where their connection settings come from.
+"""Paths that are object-store URLs: how to tell them apart, which a command can use, and where
+their connection settings come from.
 
-Every place a user names a path takes a local path or a URL (``s3://bucket/prefix``). A URL
-must never fall through to ``pathlib``: ``Path("s3://b/x")`` is the local relative path
-``s3:/b/x``, and a writer would silently create that directory. So each command states, per
-argument, the schemes it reads or writes (`check`), and any other ``scheme://`` is refused in
-one line (`UnsupportedURLError`, a ValueError: exit 2) before anything is written.
-
-The connection settings are the standard AWS environment variables, read by boto3, pyarrow
-and s3fs alike, so one command runs against AWS, MinIO, SeaweedFS or R2 by environment alone:
-``AWS_ENDPOINT_URL`` (any S3-compatible server), ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION`` (or ``AWS_DEFAULT_REGION``).
-`s3_settings` gathers them for the clients that do not read all of them on their own (boto3
-ignores ``AWS_REGION``; Beam takes pipeline options). Pure apart from reading the environment.
+A URL must never fall through to ``pathlib`` (``Path("s3://b/x")`` is the local path
+``s3:/b/x``, which a writer would create), so each command states per argument the schemes it
+takes (`check`), and any other ``scheme://`` is refused in one line (`UnsupportedURLError`, exit
+2). The settings are the standard AWS variables, which boto3, pyarrow and s3fs read alike;
+`s3_settings` gathers them for the clients that do not read them all. Pure apart from the
+environment.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """``python -m trainer.launch [torchrun options] trainer/main.py conf=<name> [overrides]``
 
-torchrun, with its failure report cut to what the ranks already said. Plain ``torchrun`` works
-the same, but when a rank fails its launcher process ends with a traceback of its own and a
-``ChildFailedError`` box (one section per rank, the peers it stopped included), plus a warning
-for each rank it stops; that comes from torchrun's own ``main`` (an uncaught exception), so
-nothing inside a rank can turn it off, and ``LOGLEVEL=ERROR`` only drops the warnings. This
-launcher calls the same ``torch.distributed.run.run`` and catches that exception instead:
-
-- a rank already printed its line (`tokenbridge.cli` notes it in torchrun's error file): nothing
-  more is printed;
-- no rank did (a rank killed by a signal, say the out-of-memory killer; rank 0 stopped before it
-  could report an error every rank met; only peers that lost their link): one line, for the
-  failure that explains most;
-
-and the exit code is the failing rank's (2 bad config or inputs, 1 a failed run, 130
-interrupted) instead of torchrun's 1 for everything. ``TOKENBRIDGE_DEBUG=1`` restores
-torchrun's own logging and report (with the same exit code).
+torchrun, with its failure report cut to what the ranks already said. Plain torchrun's launcher
+ends a failed run with a traceback and a ``ChildFailedError`` box of its own, which nothing
+inside a rank can turn off; this calls the same ``torch.distributed.run.run`` and catches that
+exception: nothing more when a rank printed its line, else one line for the failure that
+explains most, and the failing rank's exit code (README, "When something fails").
+``TOKENBRIDGE_DEBUG=1`` restores torchrun's own logging and report.
 """
 
 from __future__ import annotations
@@ -85,6 +75,7 @@ def _code(failure, note: dict | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     debug = cli.debug_enabled()
@@ -108,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except SignalException as e:  # Ctrl-C / SIGTERM to the launcher: the ranks were stopped
         return 128 + int(e.sigval)
+    except RendezvousError as e:
+        # several nodes: the agent that hosts the rendezvous store ended first (its ranks
+        # failed or finished) while this one still asked the store about its peers
+        if debug:
+            raise
+        print(
+            f"tokenbridge train: {type(e).__name__}: the rendezvous store stopped answering "
+            "(the node that hosts it, the one --rdzv_endpoint names, ended first); this "
+            "node's ranks said above why they stopped, if they failed",
+            file=sys.stderr,
+            flush=True,
+        )
+        return cli.EXIT_RUN
     return 0
 
 

@@ -1,29 +1,10 @@
-"""The training loop: the verbs forward, train_step, train, state_dict, load_state_dict.
+"""The training loop: the verbs train_step, train, evaluate, state_dict, load_state_dict.
 
-Build order (`Trainer.__init__`): process group and (dp_shard, cp, tp) mesh -> data -> student
-(TP plan, CP attention, activation checkpointing, compile, then FSDP2) -> optimizer and LR
-schedule -> teacher channels (a worker process per rank, or in-process, or an offline cache
-read in place of the teacher) -> the step and its sources of microbatches -> resume. Every file
-and fingerprint check ran before, in `trainer.config.preflight`.
-
-One step for every kind of step (`trainer.step.TrainStep`, which alone changes the optimizer,
-the step and the token count): `train_step` runs it on the shard batches
-(`trainer.shard_source`), the on-policy side on its rollouts
-(`trainer.onpolicy.rollout_source`); `train` picks one per step (GKD's lambda). The loss
-invariant: `tokenbridge.losses.base.normalize`.
-
-Layouts (`forward`): every rank of a dp group reads the same microbatch, whole; its student
-forward sees this CP rank's positions of every row (load-balanced layout, global position ids)
-and returns this TP rank's vocabulary shard of the logits, [B, T / cp, V / tp]. The losses take
-that local block with the TP group and a `CPContext`; the teachers ran the whole rows.
-
-The teacher runs ahead: microbatches are drawn from the data stream into a small queue and
-submitted to the teacher channels as soon as a slot is free, so the teacher's forward on the
-next microbatch overlaps the student's step on this one. A checkpoint records the data position
-before the first queued-but-unused microbatch.
-
-Legend: B rows, T student positions, L = T / cp of them on this rank, V student vocabulary
-(lm_head width; V / tp of it on this rank).
+`Trainer` builds a run on this rank, once preflight has checked every file: the mesh, the data,
+the student (built on the meta device, parallelized, filled), the optimizer, the teachers, the
+one step and its sources of microbatches, then the resume. Each source gets what it needs by
+keyword and holds no `Trainer`; `train` picks one per step (GKD's lambda) and
+`trainer.step.TrainStep` runs it (docs/design.md, "One training step"; docs/training.md).
 """
 
 from __future__ import annotations
@@ -36,28 +17,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tokenbridge import models
 from tokenbridge.dist_ops.collectives import all_reduce_
-from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.losses.ops.head_logits import HeadLogits
+from tokenbridge.formats import checksums
 from trainer import optim, report
-from trainer.checkpoint import checkpointer as ckpt
-from trainer.config.preflight import Prepared
+from trainer.checkpoint import checkpointer
+from trainer.checkpoint.shared_dir import check_shared
 from trainer.config.schema import TrainConfig
+from trainer.data.microbatches import MicrobatchLoader, pad_id
+from trainer.data.shard_reader import ShardReader, ShardStream
+from trainer.data.shard_source import ShardSource
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
-from trainer.microbatches import Microbatch, MicrobatchLoader, pad_id
-from trainer.onpolicy.rollout_source import OnPolicy
+from trainer.onpolicy.side import open_onpolicy
 from trainer.parallel import cpus, parallelize
-from trainer.parallel.cp_attention import model_inputs
-from trainer.parallel.head import head_logits
+from trainer.parallel.materialize import load_record
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.sharded_build import build_student, build_teacher
+from trainer.preflight import Prepared
 from trainer.run_log import MetricsLogger, format_summary, read_bpb, write_bpb
-from trainer.shard_reader import ShardReader, ShardStream
-from trainer.shard_source import ShardSource
 from trainer.step import TrainStep
 from trainer.teacher.dispatch import Feed, open_teachers
 from trainer.throughput import Throughput
@@ -79,7 +58,11 @@ class Trainer:
         self.cfg = cfg
         self.prep = prepared
         self.device = parallelize.pick_device(cfg.device)
-        self.rank, self.world = parallelize.init_distributed(self.device)
+        self.rank, self.world = parallelize.init_distributed(
+            self.device, timeout_s=cfg.parallel.collective_timeout_s
+        )
+        # several nodes: a local checkpoint dir must be one they all share (refused otherwise)
+        check_shared(checkpointer.folder_of(cfg.run_dir, cfg.checkpoint))
         # the student's and its teacher workers' threads (`trainer.parallel.cpus`)
         self.cpus = cpus.plan_for(
             cfg, device=self.device, live_teachers=_live_teachers(cfg, prepared)
@@ -87,7 +70,9 @@ class Trainer:
         if self.cpus.student is not None:
             torch.set_num_threads(self.cpus.student)
         dp, cp, tp = cfg.parallel.mesh_shape(self.world)
-        self.mesh = build_mesh(self.device, dp=dp, cp=cp, tp=tp)
+        self.mesh = build_mesh(
+            self.device, dp=dp, cp=cp, tp=tp, replicate=cfg.parallel.dp_replicate
+        )
         self.run_dir = Path(cfg.run_dir)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
@@ -102,15 +87,7 @@ class Trainer:
         # data: this dp rank's share of the shards
         reader = ShardReader(prepared.shards, max_student_tokens=cfg.data.max_student_tokens)
         stream = ShardStream(
-            reader,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dp_size,
-            seed=cfg.data.seed,
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            eval_fraction=cfg.data.eval_fraction,
-            eval_split=cfg.data.eval_split,
-            val_fraction=cfg.data.val_fraction,
-            eval_on=cfg.data.eval_on,
+            reader, data=cfg.data, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size
         )
         self.loader = MicrobatchLoader(
             stream,
@@ -125,31 +102,20 @@ class Trainer:
         mult = cfg.data.pad_to_multiple
         teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
 
-        # student: TP plan, CP attention, activation checkpointing, compile, then FSDP2
-        self.model = models.build_model(cfg.model, device=self.device)
+        # student: built on the meta device, TP plan, CP attention, activation checkpointing,
+        # compile, FSDP2, then this rank's shards materialized and filled
+        # (`trainer.parallel.sharded_build`; left unfilled when a checkpoint is loaded below)
+        precision = prepared.precision  # resolved for this device (trainer.config.precision)
+        self.model, self.replicated_grads = build_student(
+            cfg.model,
+            mesh=self.mesh,
+            parallel=cfg.parallel,
+            precision=precision,
+            device=self.device,
+            fill=prepared.resume is None,
+        )
         self.vocab_V = models.vocab_width(self.model)
         self.vocab_used = prepared.student_tok.vocab_size
-        self.model.train()
-        tp = self.mesh.tp_size
-        plan = parallelize.tp_plan(self.model.config.model_type) if tp > 1 else {}
-        self.replicated_grads = parallelize.apply_tp(self.model, self.mesh.tp_mesh, plan)
-        parallelize.apply_cp(self.model, self.mesh.cp_size)
-        parallelize.apply_ac(
-            self.model, cfg.parallel.activation_checkpointing, every=cfg.parallel.ac_every
-        )
-        if cfg.parallel.compile:
-            parallelize.apply_compile(self.model)
-        precision = prepared.precision  # resolved for this device (trainer.config.precision)
-        mp = MixedPrecisionPolicy(
-            param_dtype=models.torch_dtype(precision.param_dtype),
-            reduce_dtype=models.torch_dtype(precision.reduce_dtype),
-        )
-        parallelize.apply_fsdp(
-            self.model,
-            self.mesh.fsdp_mesh,
-            mp_policy=mp,
-            reshard_after_forward=cfg.parallel.reshard_after_forward,
-        )
         self.optimizer = optim.build_optimizer(
             self.model, cfg.optim, fused=precision.fused_optimizer
         )
@@ -170,14 +136,37 @@ class Trainer:
             dtypes=precision.teacher_dtypes,
         )
         self._closers += self.channels
+        # the teachers run ahead: the feed queues microbatches and submits each as soon as a slot
+        # is free, so a teacher's next forward overlaps the student's step on this one
         self.feed = Feed(self.loader, self.kd_terms, self.channels, device=self.device)
-        self.throughput = Throughput.of(self)  # per-device tokens/s and MFU of the records
+        # per-device tokens/s and MFU of the records
+        self.throughput = Throughput.of(
+            world=self.world,
+            student=self.model.config,
+            terms=self.kd_terms,
+            teachers=cfg.teachers,
+            caches=prepared.caches,
+            device=self.device,
+            dtype=precision.param_dtype,
+            peak_tflops=cfg.logging.peak_tflops,
+        )
 
         # the one step, and its two sources of microbatches: the shards, and (trainer.onpolicy)
         # the student's rollouts, with their prompts, sampler and teacher channels
-        self.checkpointer = ckpt.Checkpointer(
-            ckpt.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
+        self.checkpointer = checkpointer.Checkpointer(
+            checkpointer.folder_of(cfg.run_dir, cfg.checkpoint), cfg.checkpoint, rank=self.rank
         )
+        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            enabled=self.is_main,
+            jsonl=cfg.logging.jsonl,
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+            total_steps=cfg.stop_after or cfg.steps,
+            fresh=self.resumed_from is None,
+        )
+        self._closers.append(self.metrics)
         self.stepper = TrainStep(
             model=self.model,
             optimizer=self.optimizer,
@@ -187,27 +176,40 @@ class Trainer:
             optim=cfg.optim,
             checkpoints=self.checkpointer.folder,
             device=self.device,
-            say=lambda line: self.metrics.write(line),
+            say=self.metrics.write,
         )
-        self.shards = ShardSource(self)
-        self.onpolicy = OnPolicy(self) if cfg.onpolicy.enabled else None
-        if self.onpolicy is not None:
+        self.shards = ShardSource(
+            model=self.model,
+            terms=self.kd_terms,
+            feed=self.feed,
+            loader=self.loader,
+            mesh=self.mesh,
+            data=cfg.data,
+            loss=cfg.loss,
+            parallel=cfg.parallel,
+            vocab_size=self.vocab_used,
+            throughput=self.throughput,
+            device=self.device,
+        )
+        self.onpolicy = None
+        if cfg.onpolicy.enabled:
+            self.onpolicy = open_onpolicy(
+                cfg,
+                prepared,
+                model=self.model,
+                mesh=self.mesh,
+                loader=self.loader,
+                stepper=self.stepper,
+                throughput=self.throughput,
+                cpus=self.cpus,
+                device=self.device,
+            )
             self._closers.append(self.onpolicy)
 
-        self.resumed_from = prepared.resume  # verified by preflight (checkpoint.find_resume)
         if self.resumed_from is not None:
             self.load_state_dict_from(self.resumed_from)
-        self.metrics = MetricsLogger(
-            self.run_dir,
-            enabled=self.is_main,
-            jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress,
-            total_steps=cfg.stop_after or cfg.steps,
-            start_step=self.step,
-            fresh=self.resumed_from is None,
-        )
-        self._closers.append(self.metrics)
+        self.metrics.start(self.step)
+        self.metrics.log(self.step, load_record(self.device), kind="load")
 
     # ---------------------------------------------------------------------------------------
     # state
@@ -230,11 +232,11 @@ class Trainer:
         """Everything a resumed run needs: the Stateful model+optim and, per rank, plain values
         and tensors (`trainer.checkpoint.checkpointer`: stored as tensors and JSON, nothing pickled)."""
         position = self.feed.position()
-        mine = {"data": position["position"], "rng": ckpt.rng_state()}
+        mine = {"data": position["position"], "rng": checkpointer.rng_state()}
         if self.onpolicy is not None:
             mine["onpolicy"] = self.onpolicy.state_dict()
         return {
-            "app": ckpt.ModelOptimState(self.model, self.optimizer),
+            "app": checkpointer.ModelOptimState(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             **self.stepper.state_dict(),  # step, tokens_seen
             f"rank{self.rank}": mine,
@@ -247,37 +249,37 @@ class Trainer:
         mine = state[f"rank{self.rank}"]
         self.feed.reset()
         self.loader.load_state_dict({"position": mine["data"]})
-        ckpt.set_rng_state(mine["rng"])
+        checkpointer.set_rng_state(mine["rng"])
         if self.onpolicy is not None:
             self.onpolicy.load_state_dict(mine["onpolicy"])
 
     def load_state_dict_from(self, path: Path) -> None:
         state = self.state_dict()
-        self.checkpointer.load(path, state)
-        self.load_state_dict(state)
+        if checkpointer.saved_world(path) == self.world:
+            self.checkpointer.load(path, state)
+            self.load_state_dict(state)
+            return
+        # saved by another number of processes: DCP reshards the student and the optimizer;
+        # the common values come from rank 0's file, the data position is carried over where
+        # that is exact (`ShardStream.reshard`); RNG states and the on-policy position restart
+        del state[f"rank{self.rank}"]
+        self.checkpointer.load(path, state, from_rank=0)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stepper.load_state_dict(state)
+        self.feed.reset()
+        note = self.loader.reshard(checkpointer.saved_positions(path))
+        if self.is_main:
+            print(
+                f"resumed {path.name}, saved by {checkpointer.saved_world(path)} processes, on "
+                f"{self.world}: student and optimizer resharded" + (f"; {note}" if note else ""),
+                flush=True,
+            )
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.step, self.state_dict())
 
     # ---------------------------------------------------------------------------------------
     # the verbs
-
-    def forward(self, mb: Microbatch) -> torch.Tensor | HeadLogits:
-        """The student's logits on this rank, [B, L, V / tp]: its CP positions of every row
-        (global position ids) and its TP shard of the vocabulary. Under TP the lm_head returns
-        a DTensor sharded on the vocabulary; only its local shard leaves here (the unwrap
-        checks the placement), so full-vocabulary logits never exist on one rank. With
-        ``parallel.logits_chunk`` (the default) they are a `HeadLogits`: never whole at all,
-        projected block by block by every loss (`trainer.parallel.head`)."""
-        rows = mb.student_rows(cp_size=self.mesh.cp_size, cp_rank=self.mesh.cp_rank)
-        kw = model_inputs(rows, group=self.mesh.cp)
-        chunk = self.cfg.parallel.logits_chunk
-        if chunk:  # the lm_head's input and weight, projected block by block by every loss
-            with head_logits(self.model, chunk=chunk, tp_group=self.mesh.tp) as head:
-                self.model(**kw, use_cache=False)
-            return head.logits
-        logits_BLV, _ = unwrap_vocab_sharded(self.model(**kw, use_cache=False).logits)
-        return logits_BLV
 
     def train_step(self, *, log: bool = True) -> dict[str, float] | None:
         """One optimizer step over `data.grad_accum` shard microbatches on every dp rank
@@ -314,22 +316,27 @@ class Trainer:
         return float(res["bpb"])
 
     def teacher_bpb(self) -> dict[str, float]:
-        """The teachers' held-out BPB (once per run, for reference), computed on rank 0 with an
-        unsharded copy of each teacher and broadcast. Not for a teacher read from a cache: its
-        weights are never loaded."""
+        """The teachers' held-out BPB (once per run, for reference), broadcast from rank 0. A
+        teacher at tp = 1 is built whole, on rank 0 alone; one at tp > 1 (larger than a device)
+        on every rank, sharded over TP groups as its workers hold it and loaded by shards
+        (`build_teacher`), each group scoring the same texts. Not for a teacher read from a
+        cache: its weights are never loaded."""
         result: dict[str, float] = {}
-        if self.is_main:
-            for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
-                if t_cfg.cache:
-                    continue
-                dtype = models.torch_dtype(self.prep.precision.teacher_dtypes[i])
-                model = models.freeze(models.build_model(t_cfg, dtype=dtype, device=self.device))
+        for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
+            if t_cfg.cache or (t_cfg.tp == 1 and not self.is_main):
+                continue
+            tp_mesh = None
+            if t_cfg.tp > 1:  # collective: every rank builds its TP group's shards
+                tp_mesh = build_mesh(self.device, dp=self.world // t_cfg.tp, tp=t_cfg.tp).tp_mesh
+            dtype = self.prep.precision.teacher_dtypes[i]
+            model = build_teacher(t_cfg, dtype=dtype, device=self.device, tp_mesh=tp_mesh)
+            with parallelize.gathered_logits(model):
                 if self.eval_rows:  # its own tokens and train codes, the same trained bytes
                     rows = [
                         (r["teachers"][i]["ids"], r["teachers"][i]["train"], r["trained_bytes"])
                         for r in self.eval_rows
                     ]
-                    result[t_cfg.name] = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
+                    bpb = self._trained_bpb(model, rows, vocab_size=tok.vocab_size)
                 else:
                     res = evaluate_bpb(
                         model,
@@ -338,8 +345,9 @@ class Trainer:
                         batch_size=self.cfg.eval.batch_size,
                         device=self.device,
                     )
-                    result[t_cfg.name] = float(res["bpb"])
-                del model
+                    bpb = float(res["bpb"])
+            result[t_cfg.name] = bpb
+            del model
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -347,7 +355,7 @@ class Trainer:
     def _export(self, name: str = "export") -> Path:
         extra = {"step": self.step, "run": self.cfg.name}
         out = self.run_dir / name
-        return ckpt.export_student(
+        return checkpointer.export_student(
             self.model, self.cfg.model, out, extra=extra, is_main=self.is_main
         )
 
@@ -364,7 +372,11 @@ class Trainer:
         cfg = self.cfg
         end = cfg.stop_after or cfg.steps
         do_eval = bool(self.eval_texts)
-        bpb = read_bpb(self.run_dir, fresh=self.resumed_from is None)
+        # rank 0's: every rank takes the same eval decisions, whether or not the nodes share
+        # the run directory
+        box = [read_bpb(self.run_dir, fresh=self.resumed_from is None) if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        bpb = box[0]
         if do_eval and "student_before" not in bpb and self.step == 0:
             bpb["student_before"] = self.evaluate()
             self.metrics.log(self.step, {"bpb": bpb["student_before"]}, kind="eval")
@@ -398,7 +410,7 @@ class Trainer:
                 self.metrics.log(self.step, {"bpb": self.evaluate()}, kind="eval")
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 last_ckpt = self.save_checkpoint()
-            if m is not None and ckpt.export_requested(
+            if m is not None and checkpointer.export_requested(
                 self.run_dir, device=self.device, is_main=self.is_main
             ):
                 self.metrics.write(f"exported: {self._export(f'export-step-{self.step}')}")
@@ -444,7 +456,7 @@ class Trainer:
             # trainer.throughput: medians over the logged steps)
             "precision": self.prep.precision.summary([t.name for t in cfg.teachers]),
             "throughput": self.throughput.summary(),
-            "integrity": integrity.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
+            "integrity": checksums.COST.to_json(),  # this rank's checksum cost (docs/integrity.md)
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

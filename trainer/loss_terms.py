@@ -1,19 +1,9 @@
 """The per-teacher distillation terms and their combination with the student's CE.
 
-`tokenbridge.losses` holds the math (pure functions) and the loss-mode registry
-(`tokenbridge.losses.modes.MODES`); `trainer.teacher` runs the teachers and carries their outputs.
-This module joins the two for the loop:
-
-- `KDTerm`: one teacher's term: its loss mode (a registry record) and options, its projection
-  tables, the teacher-output spec that mode needs (never more), and the calls the loop makes
-  per microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so
-  the step's global count is all-reduced before the first backward), ``teacher_inputs`` (the
-  teacher's ids, attention mask and the positions its outputs are read at) and ``loss``;
-- `combine_terms`: CE and every teacher's KD, each already normalised by the step
-  (`tokenbridge.losses.base.normalize`), combined as ``loss.combine`` says.
-
-Parallel layouts: the terms are computed on this rank's positions (CP layout, ``cp``) and
-vocabulary shard (``tp_group``).
+`tokenbridge.losses` holds the math and the loss-mode registry; `trainer.teacher` runs the
+teachers. This module joins the two for the step: a `KDTerm` per teacher, and the one place
+that says which teacher positions a term reads (`used_inputs`, for shard rows and rollouts
+alike). Terms are computed on this rank's positions (CP) and vocabulary shard (TP).
 
 Legend: B rows, T student positions, L of them on this CP rank, V student vocabulary (lm_head
 width; its local shard under TP).
@@ -28,12 +18,12 @@ import torch
 
 from tokenbridge.losses.base import LossOutput
 from tokenbridge.losses.ce import ce
-from tokenbridge.losses.combine import combine
+from tokenbridge.losses.combine import CombineConfig, combine
 from tokenbridge.losses.modes import MODES, LossMode
 from tokenbridge.losses.multi_teacher import MultiTeacherConfig, combine_teachers, teacher_weights
 from tokenbridge.teacher.outputs import TeacherOutputs, TeacherOutputSpec
-from trainer.config.schema import LossConfig, TrainConfig
-from trainer.microbatches import Microbatch
+from trainer.config.schema import TrainConfig
+from trainer.data.microbatches import Microbatch
 
 if TYPE_CHECKING:
     from tokenbridge.dist_ops import CPContext
@@ -41,7 +31,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class KDTerm:
-    """One teacher's distillation term (see the module docstring)."""
+    """One teacher's distillation term: its loss mode and options, projection tables and the
+    teacher-output spec that mode needs (never more), and the calls the step makes per
+    microbatch: ``prepare`` (from the batch alone), ``count`` (known before any forward, so the
+    step's global count is all-reduced before the first backward), ``teacher_inputs`` and
+    ``loss``."""
 
     index: int
     name: str
@@ -71,14 +65,8 @@ class KDTerm:
         return self.record.count(prep, cp)
 
     def teacher_inputs(self, mb: Microbatch, prep: Any) -> dict[str, torch.Tensor]:
-        """What the teacher reads for this term: its ids and attention mask [B, U], and
-        ``used_mask`` [B, U]: the positions whose outputs the loss reads (the teacher computes
-        outputs there only; on conversations, the trained chunks' rows)."""
-        inputs = mb.teacher_inputs(self.index)
-        width = inputs["input_ids"].shape[1]
-        rows = self.record.teacher_rows
-        used = rows(prep, width) if rows is not None else inputs["attention_mask"] > 0
-        return {**inputs, "used_mask": used.to(torch.bool)}
+        """What the teacher reads for this term on a shard microbatch (`used_inputs`)."""
+        return used_inputs(self.record, prep, mb.teacher_inputs(self.index))
 
     def loss(
         self,
@@ -101,6 +89,26 @@ class KDTerm:
             tp_group=tp_group,
             cp=cp,
         )
+
+
+def used_inputs(
+    record: Any, prep: Any, inputs: dict, *, completion: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """A teacher's ``inputs`` (its ids and attention mask [B, U]) with ``used_mask`` [B, U]:
+    the positions whose outputs the loss of mode ``record`` (a `MODES` entry) reads, given its
+    ``prep``; the teacher computes outputs there only (`teacher_forward`). On shard rows, the
+    rows the mode names where it names them (on conversations, the trained chunks'), else every
+    real position. On rollouts (``completion``: the positions that predict a completion token,
+    `trainer.onpolicy.rollouts.completion_rows`), those and the rows the mode names, real
+    positions only: the prompt is never a target and carries no chunk."""
+    width = inputs["input_ids"].shape[1]
+    rows = record.teacher_rows
+    if completion is None:
+        used = rows(prep, width) if rows is not None else inputs["attention_mask"] > 0
+    else:
+        used = completion if rows is None else completion | rows(prep, width).bool()
+        used = used & (inputs["attention_mask"] > 0)
+    return {**inputs, "used_mask": used.to(torch.bool)}
 
 
 def build_kd_terms(cfg: TrainConfig, prepared, *, device: torch.device) -> list[KDTerm]:
@@ -136,13 +144,13 @@ def ce_term(
     cp: CPContext | None = None,
 ) -> LossOutput:
     """The student's CE on this rank's positions (``cp``) and vocabulary shard (``tp_group``)."""
-    # targets are IGNORE at untrained positions (conversations: `trainer.microbatches.train_targets`)
+    # targets are IGNORE at untrained positions (conversations: `trainer.data.microbatches.train_targets`)
     targets = mb.targets_BT if cp is None else cp.shard(mb.targets_BT)
     return ce(logits_BLV, targets, vocab_size=vocab_size, tp_group=tp_group)
 
 
 def combine_terms(
-    loss_cfg: LossConfig,
+    config: CombineConfig,
     ce: torch.Tensor,
     kd: list[torch.Tensor],
     *,
@@ -151,11 +159,12 @@ def combine_terms(
 ) -> torch.Tensor:
     """The loss to backward from the normalised CE and KD terms (each its local sum over its
     global count): CE alone without KD terms, else the teachers' ``weights``-ed KD sum combined
-    with CE (`tokenbridge.losses.combine`; ``scale``: the dynamic mode's |CE| / |KD|)."""
+    with CE (`tokenbridge.losses.combine`; ``config``: ``LossConfig.combine_config()``, built
+    once per run; ``scale``: the dynamic mode's |CE| / |KD|)."""
     if not kd:
-        return loss_cfg.ce_weight * ce
+        return config.ce_weight * ce
     kd_v, _ = combine_teachers(kd, weights.to(ce.device))
-    total, _ = combine(kd_v, ce, config=loss_cfg.combine_config(), scale=scale)
+    total, _ = combine(kd_v, ce, config=config, scale=scale)
     return total
 
 

@@ -1,21 +1,11 @@
 """Entry point: ``torchrun --nproc_per_node=N trainer/main.py conf=<experiment> [overrides]``.
 
-Also ``python trainer/main.py conf=debug`` (one process: world size 1 of the same code path).
-Thin, as in torchtitan: compose and validate the config (`trainer.config.compose`; every value
-and every cross-field rule, `trainer.config.rules`), run the checks that need files but no
-model weights (`trainer.config.preflight`), build the `Trainer`, ``try: train() finally:
-close()``, destroy the process group. ``conf=<name>`` selects ``conf/experiment/<name>.yaml``
-(``experiment=<name>`` works too); every other argument is a Hydra override
-(``optim.lr=1e-4``, ``teachers.0.weight=0.5``, ``loss.options.k=16``...). Every key must exist
-in `trainer.config.schema`: ``+``/``++`` add no keys (they are accepted and checked the same), except under the open
-``loss.options`` and ``model.overrides`` (``+loss.options.beta=0.3``).
-
-A failure ends with one line on stderr and an exit code (`tokenbridge.cli`, the trainer's
-own `RULES` below): 2 invalid config or inputs (a config key, a missing or damaged file, shards
-made with other tokenizers), 1 the run failed (a teacher worker died, a non-finite loss), 130
-interrupted; ``TOKENBRIDGE_DEBUG=1`` adds the traceback. Under torchrun an error every rank
-meets alike is reported by rank 0, any other by the rank it happened on; ``python -m
-trainer.launch`` (torchrun's arguments) also replaces torchrun's own failure report.
+Also ``python trainer/main.py conf=debug`` (one process). ``conf=<name>`` selects
+``conf/experiment/<name>.yaml``; every other argument is a Hydra override, whose key must exist
+in the schema. Thin, as in torchtitan: compose and validate the config, run the preflight, build
+the `Trainer`, train, close. A failure ends with one line and an exit code (`RULES` below;
+README, "When something fails"); a peer that vanished without a word is named by the
+ranks it left (`trainer.parallel.liveness`).
 """
 
 from __future__ import annotations
@@ -73,6 +63,11 @@ RULES = (
         ("torch.OutOfMemoryError",),
         hint="lower data.micro_batch_size (raise data.grad_accum to keep the batch)",
     ),
+    # a peer killed outright or its node lost: this rank names it (trainer.parallel.liveness)
+    cli.Rule(
+        ("trainer.parallel.liveness.LostRankError",),
+        hint="restart every node: the run resumes from its last checkpoint",
+    ),
     cli.Rule((RuntimeError,), quiet=True, match=_peer_lost),
     cli.Rule(("torch.distributed.DistError",)),
 )
@@ -107,7 +102,7 @@ def run(argv: list[str]) -> int:
 
         # before torch is imported: OpenMP reads it once, when torch loads (trainer.parallel.cpus)
         os.environ.update(openmp_env())
-        from trainer.config.preflight import preflight
+        from trainer.preflight import preflight
 
         prepared = preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except Exception as e:
@@ -121,11 +116,21 @@ def run(argv: list[str]) -> int:
     # A damaged shard or an out-of-range value met during the run (tokenbridge.formats.checksums's
     # errors, ValueErrors) ends it like any input error: one line naming the file, exit 2
     # (`tokenbridge.cli`), by the rank that read it; nothing was trained on that row.
+    from trainer.parallel import liveness
+
     trainer = None
     try:
         trainer = Trainer(cfg, prepared)
         trainer.train()
+    except Exception as e:
+        # a collective that failed because a peer is gone without a word (kill -9, a node
+        # lost): name it, since no one else will (`trainer.parallel.liveness`)
+        lost = liveness.explain(e)
+        if lost is not e:
+            raise lost from e
+        raise
     finally:
+        liveness.end()  # first: a peer that sees this rank go must not call it lost
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():

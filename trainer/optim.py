@@ -1,13 +1,9 @@
 """The student's optimizer and LR schedule, from the `optim` config section.
 
-AdamW with weight decay on matrices only (norm weights and biases are not decayed), its fused
-kernel where the run's precision says so (``optim.fused``, resolved by
-`trainer.config.precision`: on CUDA by default), and a multiplier schedule: linear warmup, then
-cosine down to ``min_lr_ratio``. The schedule spans ``steps`` (never ``stop_after``), so a run
-stopped early and resumed follows the same curve.
-Clipping lives in `trainer.parallel.parallelize` (the norm is reduced over the device mesh).
-The parameters it updates are FSDP2's float32 shards whatever ``parallel.param_dtype`` is, so
-its moments are float32 too.
+AdamW with weight decay on matrices only, over FSDP2's float32 shards whatever
+``parallel.param_dtype`` is; a linear warmup, then cosine down to ``min_lr_ratio``. The schedule
+spans ``steps`` (never ``stop_after``), so a run stopped early and resumed follows the same
+curve. Clipping lives in `trainer.parallel.parallelize` (the norm is reduced over the mesh).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -159,7 +160,8 @@ def _fmt(v: float) -> str:
 
 
 class MetricsLogger:
-    """JSONL + TensorBoard + tqdm for rank 0 of a run."""
+    """JSONL + TensorBoard + tqdm for rank 0 of a run; the progress bar starts at `start`
+    (the step a resumed run resumes from is known once its checkpoint is loaded)."""
 
     def __init__(
         self,
@@ -170,7 +172,6 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: bool = True,
         total_steps: int = 0,
-        start_step: int = 0,
         fresh: bool = True,
     ):
         self.enabled = enabled
@@ -180,6 +181,7 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._progress, self._total_steps = enabled and progress, total_steps
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,11 +193,14 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.tb_dir))
-        if progress:
+
+    def start(self, step: int) -> None:
+        """The progress bar, from optimizer step `step` (0, or the resumed one)."""
+        if self._progress and self._bar is None:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr
+                total=self._total_steps, initial=step, desc="train", unit="step", file=sys.stderr
             )
 
     def log(self, step: int, metrics: dict[str, float], *, kind: str = "train") -> None:
@@ -245,9 +250,11 @@ def read_bpb(run_dir: Path, *, fresh: bool) -> dict:
 
 
 def write_bpb(run_dir: Path, state: dict, *, enabled: bool) -> None:
-    if enabled:
+    if enabled:  # whole or not at all: a reader never sees it half written
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "bpb.json").write_text(json.dumps(state, indent=2))
+        tmp = run_dir / f".bpb.json.{os.getpid()}"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, run_dir / "bpb.json")
 
 
 def format_summary(summary: dict[str, Any]) -> str:

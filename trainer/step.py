@@ -1,28 +1,10 @@
 """One training step, for any source of microbatches: shard batches and on-policy rollouts.
 
-`TrainStep.run(source, log=...)` is the one place a run's optimizer, LR schedule, step count and
-token count change. Shard batches (`trainer.shard_source.ShardSource`) and rollouts
-(`trainer.onpolicy.rollout_source.RolloutSource`) are two sources of microbatches for this same
-step; GKD's lambda (`onpolicy.lmbda`) picks one per step. A source (`Source`) hands over its
-counts, each microbatch's raw loss terms (local sum and count) and how its terms combine; the
-step does the rest, in this order:
-
-1. **Counts first.** The source's counts ``[ce, kd_0.., tokens]`` of this rank, taken from the
-   batch before any forward, summed over the data- and context-parallel ranks on the device:
-   every term's global count, known before the first backward.
-2. **Forward + backward per microbatch** (`forward_backward_step`), the gradients
-   reduce-scattered after the last one only: every term normalised by its global count
-   (`tokenbridge.losses.base.normalize`, the loss invariant), combined by the source, backward;
-   the shares, each KD term's distance from its pre-count and the losses' metric sums are
-   added up as device tensors, with no host sync.
-3. **Clipping**: the TP-replicated gradients summed, the global norm, clipped.
-4. **One read.** Shares, metric sums (logging steps), the source's own sums, counts and the
-   norm are all-reduced together and read to the host in one transfer (`run_log.read_step`):
-   the guard needs the losses and the norm before the optimizer step.
-5. **Checks and the update**: the pre-count check (`count_mismatch`, one message for every
-   source), the non-finite guard (stop, or skip with ``optim.skip_nonfinite``), the optimizer
-   and LR scheduler, the step and token counters.
-6. On a logging step, the source's record of the step (`Source.record`).
+`TrainStep.run(source)` is the one place a run's optimizer, LR schedule, step count and token
+count change. A source hands over its counts, each microbatch's raw loss terms (local sum and
+count) and how its terms combine; the step takes the global counts before the first backward,
+normalises every term by them, clips, reads everything the guard and the log need in one
+transfer, then applies the update or refuses it (docs/training.md, "A step").
 """
 
 from __future__ import annotations
@@ -39,7 +21,7 @@ import torch.distributed as dist
 
 from tokenbridge.dist_ops.collectives import group_size
 from tokenbridge.losses.base import LossOutput, normalize
-from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint import checkpointer
 from trainer.config.schema import OptimConfig
 from trainer.parallel import parallelize
 from trainer.parallel.mesh import ParallelGroups
@@ -62,7 +44,8 @@ class Terms:
 
 
 class Source:
-    """A source of one step's microbatches for `TrainStep.run` (see the module docstring).
+    """A source of one step's microbatches for `TrainStep.run`: its counts, each microbatch's
+    raw terms, how they combine, and its record of a logging step.
 
     A subclass sets ``kd_names`` and ``kd_modes`` (its KD terms, which the guard and the count
     check name) and implements `start`, `__len__`, `microbatch`, `combine`, `rows` and `record`.
@@ -175,6 +158,8 @@ class TrainStep:
         extra = source.step_sums() if log else {}
         shares = self._with_sums(shares, [sums.get(k) for k in names], extra)
         self.mesh.sum_over_tokens_(shares)
+        # the step's one read to the host: the guard needs the losses and the norm before the
+        # optimizer step, and the norm is computed for clipping anyway
         nums = read_step(shares, counts, grad_norm, n_terms=n_kd, names=names, extra=list(extra))
         self._check_counts(nums, source)
         lr = self.scheduler.get_last_lr()[0]
@@ -253,7 +238,7 @@ class TrainStep:
         every rank decides alike. True when applied. ``terms``: the KD terms' names."""
         found = nonfinite_terms(nums.losses, terms=terms, grad_norm=nums.grad_norm)
         if found and not self.optim.skip_nonfinite:
-            last = ckpt.list_checkpoints(self.checkpoints)
+            last = checkpointer.list_checkpoints(self.checkpoints)
             last_good = last[-1][1] if last else None
             raise NonFiniteError(nonfinite_message(self.step + 1, found, last_checkpoint=last_good))
         if found:

@@ -1,28 +1,9 @@
 """Per-device throughput and model FLOPs utilisation (MFU) of the logged steps.
 
-`Throughput.record` adds to a logging step's record (`trainer.run_log`):
-
-- ``tokens_per_s_per_device``: the step's student tokens (over every rank) / the number of
-  devices (the world size) / the step's wall time. Under data parallelism each device reads its
-  own rows; under cp and tp a dp group's tokens are shared by its cp x tp devices, each doing
-  1 / (cp tp) of their FLOPs; so this is each device's share, the rate MFU needs (torchtitan
-  divides by the non-data-parallel size alike). ``tokens_per_s`` stays the global rate.
-- ``tflops_per_device``: the student's model TFLOP/s per device, that rate times
-  `tokenbridge.flops.flops_per_token` of the student at the step's sequence length (training:
-  ``6 N + 12 L H Q seq``);
-- ``mfu``: that over the device's peak (`peak_for`); left out where no peak is known;
-- ``teacher_tflops_per_device``, ``teacher_mfu``: the live teachers' forwards (``2 N + 4 L H Q
-  seq`` per teacher token, over every rank's rows) in the same wall time, on the same devices
-  (a teacher worker runs on its rank's device). A teacher read from a cache runs nothing and
-  counts nothing. 2 N holds the lm_head at every teacher token, as the model's forward does;
-  `teacher_forward` applies it only where the loss reads outputs, so for a teacher whose
-  lm_head is most of N (Gemma 3) and a loss that reads few positions this counts more than the
-  worker computes.
-
-Model FLOPs count what the model needs (`tokenbridge.flops`), so a model type without a
-formula there gets throughput but no FLOPs, and a device without a known peak gets FLOPs but no
-MFU. The sequence length of the attention term is the mean padded length of the logging rank's
-microbatches of the step. The run summary gets the medians over the logged steps (`summary`).
+Each device's share of the step's tokens (under cp and tp a dp group's tokens are shared by its
+devices), the student's and the live teachers' model FLOPs at that rate, and MFU against the
+device's known peak. A model type without a FLOPs formula gets throughput only, a device without
+a known peak no MFU, never a guess (docs/training.md, "Precision and throughput").
 """
 
 from __future__ import annotations
@@ -48,7 +29,7 @@ def peak_for(device: torch.device, *, dtype: str, tflops: float | None = None) -
 
 @dataclass
 class Throughput:
-    """What a run's step records need to say how fast each device works (see the module doc).
+    """What a run's step records need to say how fast each device works.
 
     ``student``: its HF config (None: no FLOPs); ``teachers``: the live teachers' HF configs by
     KD term name; ``peak``: FLOP/s of one device (None: no MFU)."""
@@ -60,21 +41,26 @@ class Throughput:
     _seen: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, trainer) -> Throughput:
-        """A `trainer.loop.Trainer`'s: its student, its teachers not read from a cache, the
-        peak of its device at its student's compute dtype."""
-        caches = trainer.prep.caches or [None] * len(trainer.cfg.teachers)
+    def of(
+        cls,
+        *,
+        world: int,
+        student: Any,
+        terms: list,
+        teachers: list,
+        caches: list | None,
+        device: torch.device,
+        dtype: str,
+        peak_tflops: float | None,
+    ) -> Throughput:
+        """A run's: its ``student`` (HF config), the teachers (``teachers[i]``: model configs)
+        of its KD ``terms`` not read from a cache (``caches[i]``), the peak of its ``device``
+        at the student's compute ``dtype`` (``peak_tflops``: ``logging.peak_tflops``)."""
+        caches = caches or [None] * len(teachers)
         live = {
-            t.name: models.model_config(trainer.cfg.teachers[t.index])
-            for t in trainer.kd_terms
-            if caches[t.index] is None
+            t.name: models.model_config(teachers[t.index]) for t in terms if caches[t.index] is None
         }
-        peak = peak_for(
-            trainer.device,
-            dtype=trainer.prep.precision.param_dtype,
-            tflops=trainer.cfg.logging.peak_tflops,
-        )
-        return cls(trainer.world, trainer.model.config, live, peak)
+        return cls(world, student, live, peak_for(device, dtype=dtype, tflops=peak_tflops))
 
     def record(
         self,
@@ -89,6 +75,9 @@ class Throughput:
         seconds at mean padded length `seq` (None: no FLOPs, e.g. a step whose time also went
         to sampling, whose FLOPs are not counted); `teacher_tokens` / `teacher_seq`: the same
         per live teacher."""
+        # each device's share: under cp and tp a dp group's tokens are shared by its cp x tp
+        # devices, each doing 1 / (cp tp) of their FLOPs (torchtitan divides by the
+        # non-data-parallel size alike); the rate MFU needs
         per_device = tokens / self.world / step_s
         m = {"tokens_per_s_per_device": per_device}
         fpt = None if seq is None else flops.flops_per_token(self.student, seq=round(seq))
@@ -108,7 +97,13 @@ class Throughput:
         return m
 
     def _teacher_flops(self, tokens: dict[str, float], seq: dict[str, float]) -> float | None:
-        """The live teachers' forward FLOPs of the step (None when none has a formula)."""
+        """The live teachers' forward FLOPs of the step (None when none has a formula).
+
+        A teacher worker runs on its rank's device, so these count on the same devices. 2 N
+        holds the lm_head at every teacher token, as the model's forward does; `teacher_forward`
+        applies it only where the loss reads outputs, so for a teacher whose lm_head is most of
+        N (Gemma 3) and a loss that reads few positions this counts more than the worker
+        computes."""
         total, counted = 0.0, False
         for name, config in self.teachers.items():
             if name not in tokens or name not in seq:

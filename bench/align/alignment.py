@@ -1,19 +1,8 @@
 """Alignment throughput: our Numba two-pointer kernel vs TRL 1.16 GOLD's byte-offset aligner.
 
-Same tokenizations for both (tokenization is excluded from every timing): a few MB of the shipped
-Shakespeare corpus, cut into documents of about 2,000 characters, tokenized once with SmolLM2
-(student) and a byte-level teacher TRL accepts (the llama-bpe vocab), plus Gemma-3 (SentencePiece,
-which TRL refuses) for our aligner only. Throughput counts student + teacher tokens per second.
-
-TRL baseline: `trl.experimental.gold.gold_trainer.ULDLoss._align_by_byte_offsets` (a bench-only
-dependency, `pip install --no-deps trl==1.16.0` plus the modules its import needs) called once per
-document on Python lists of [start, end] byte offsets, as GOLD does. Measured with the garbage
-collector on and off, with the lists built before timing (the most favourable case for TRL) and
-with the per-document `.tolist()` GOLD runs in its loss loop. Ratios are against the fastest TRL
-figure. Every variant runs in its own subprocess so its peak RSS (VmHWM minus the resident
-set just before the timed calls, inputs and compiled kernels already loaded) is its own; the
-kernel's peak mark (VmHWM) is reset first via /proc/self/clear_refs so earlier peaks (loading
-tokenizers) do not count.
+Both align the same tokenizations (tokenization untimed), each variant in its own subprocess so
+its peak is its own; TRL also runs in its most favourable case (offset lists built before
+timing, GC off). Method and baseline: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -156,6 +145,7 @@ def _child(variant: str, npz: Path) -> dict:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.gold.gold_trainer import ULDLoss
 
+        # called as GOLD calls it: once per document, on Python lists of [start, end] offsets
         trl_align = ULDLoss._align_by_byte_offsets
         prebuilt = kind.startswith("trl_lists")
         if prebuilt:
@@ -177,6 +167,7 @@ def _child(variant: str, npz: Path) -> dict:
 
         if kind.endswith("nogc"):
             gc.disable()
+    # the peak counts from here: inputs and compiled kernels are loaded, tokenizers' peaks reset
     base = _status_mb("VmRSS")
     if not _reset_peak():
         raise RuntimeError("cannot reset the peak RSS mark (/proc/self/clear_refs)")

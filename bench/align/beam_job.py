@@ -1,10 +1,8 @@
-"""The align job on a few MB of the shipped corpus (KJV, one document per verse), Gemma-3 x SmolLM2.
+"""The align job (Beam) on the KJV, one document per verse, Gemma-3 x SmolLM2: documents/s and
+where the time goes.
 
-Figures: documents/s of the whole Beam job (FnApiRunner, in-process; and 2 worker processes), and
-where the time goes: tokenization vs alignment vs window cutting vs writing. Stage times are
-measured twice in the same run: inside the job (Beam distributions filled by the DoFns) and by
-calling the same functions on the same batches outside Beam. Goal (issue 3): alignment +
-writing <= 15% of tokenization. Each job runs in its own subprocess for its peak RSS.
+Stage times come twice from one run: the job's own Beam distributions, and the same functions
+called on the same batches outside Beam (`_outside_beam`), so what Beam adds shows.
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ def _outside_beam(data: Path, t, s, window) -> dict:
     from pipelines.align import readers
     from pipelines.align.align_dofns import BATCH_CHARS, BATCH_DOCS
     from pipelines.plumbing import rolling
-    from tokenbridge.alignment import align_batch_flat, vocab_bytes
-    from tokenbridge.alignment import window_batch as WB
-    from tokenbridge.formats import shard_schema as S
+    from tokenbridge.alignment import align_batch_flat, vocab_bytes, window_batch
+    from tokenbridge.formats import shard_schema
 
     docs = [d for d in readers.read_file(str(data), data.name, readers.ReaderConfig())]
     docs = [d for d in docs if isinstance(d, readers.Doc)]
@@ -55,7 +52,7 @@ def _outside_beam(data: Path, t, s, window) -> dict:
         chars += len(d.text)
     batches += [cur] if cur else []
     vb_s, vb_t = vocab_bytes(s), vocab_bytes(t)
-    schema = S.shard_schema(s.info(), [t.info()])
+    schema = shard_schema.shard_schema(s.info(), [t.info()])
     secs = dict.fromkeys(("tokenize", "align", "windows", "to_arrow", "write"), 0.0)
     with tempfile.TemporaryDirectory() as tmp:
         parts = rolling.RollingParts(tmp, kind="shard", fmt="arrow", roll_bytes=128 << 20)
@@ -68,21 +65,21 @@ def _outside_beam(data: Path, t, s, window) -> dict:
             t1 = time.perf_counter()
             al = align_batch_flat(se, te, student_bytes=vb_s, teacher_bytes=vb_t)
             t2 = time.perf_counter()
-            text = WB.BatchText.from_texts(texts)
-            student = WB.Side(se.ids, se.row_splits, s.bos_id, s.eos_id)
-            teachers = [(WB.Side(te.ids, te.row_splits, t.bos_id, t.eos_id), al)]
-            cut = WB.cut_batch(
+            text = window_batch.BatchText.from_texts(texts)
+            student = window_batch.Side(se.ids, se.row_splits, s.bos_id, s.eos_id)
+            teachers = [(window_batch.Side(te.ids, te.row_splits, t.bos_id, t.eos_id), al)]
+            cut = window_batch.cut_batch(
                 text,
                 student,
                 teachers,
                 max_student_tokens=window.max_student_tokens,
                 max_teacher_tokens=window.max_teacher_tokens,
                 stride_chars=window.stride_chars,
-                plan=WB.RowPlan.whole(text, al.row_error == 0),
+                plan=window_batch.RowPlan.whole(text, al.row_error == 0),
             )
             t3 = time.perf_counter()
             zeros = np.zeros(len(texts), np.int64)
-            rows = WB.to_record_batch(
+            rows = window_batch.to_record_batch(
                 cut,
                 text,
                 student,
@@ -109,14 +106,13 @@ def _outside_beam(data: Path, t, s, window) -> dict:
 def _child(workers: int) -> dict:
     import resource
 
-    from pipelines.align import align_dofns as F
-    from pipelines.align import job as J
+    from pipelines.align import align_dofns, job
     from tokenbridge.alignment import WindowConfig
 
     data = paths.corpus_dir() / DATA
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())
     t0 = time.perf_counter()
-    t, s = F.cached_tokenizer(t_dir), F.cached_tokenizer(s_dir)
+    t, s = align_dofns.cached_tokenizer(t_dir), align_dofns.cached_tokenizer(s_dir)
     load_s = time.perf_counter() - t0
     out = paths.REPO_ROOT / "outputs" / "bench" / f"align_{workers}w"
     argv = ["--data", str(data), "--teacher", t_dir, "--student", s_dir, "--out", str(out)]
@@ -124,7 +120,7 @@ def _child(workers: int) -> dict:
     if workers > 1:
         argv += ["--direct_running_mode", "multi_processing"]
     t0 = time.perf_counter()
-    stats = J.run(argv)
+    stats = job.run(argv)
     job_s = time.perf_counter() - t0
     res = {
         "workers": workers,

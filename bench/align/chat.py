@@ -1,19 +1,8 @@
 """The align job on conversations vs the same contents as raw text, in one run (issue 12).
 
-Data: the shipped example conversations (`tokenbridge.commands.chat_example`: ``messages`` and
-prompt/completion rows), copied COPIES times (each copy's first user turn numbered, so no two
-rows are equal), plus one bad row per BAD_EVERY (cycling through four refusal reasons, in the
-file's row format, so the dead-letter path is timed too). Baseline: a text job over the same
-contents, one ``text`` document per conversation (its messages' contents joined by newlines). Both on the shipped pair
-(Gemma-3-270M teacher with the shipped ``gemma`` template, SmolLM2-135M student with its own),
-windows of 512 tokens, one in-process worker; each job in its own subprocess with the
-tokenizers loaded first (not timed). The jobs alternate, REPEATS times each; the table shows
-every run and the ratio uses the fastest of each kind (the machine is shared).
-
-Figures: job seconds, conversations (documents) per second, the ratio conversation / text
-(goal <= 1.3x), dead letters by reason; and where a conversation batch's time goes, outside
-Beam: rendering (both templates), the whole `align_conversations` (render, tokenize, align,
-pair markers, flags), against tokenizing the contents alone.
+The conversations are the shipped examples, copied, with bad rows mixed in so the dead-letter
+path is timed too; the baseline is a text job over the same contents, one document per
+conversation.
 """
 
 from __future__ import annotations
@@ -42,7 +31,7 @@ MEASURES = (
 
 COPIES = 8
 REPEATS = 3
-BAD_EVERY = 100
+BAD_EVERY = 100  # one bad row per this many, in the file's row format, cycling through BAD
 BAD = {  # per row format: unknown role, empty reply, nothing to train, a tool turn Gemma refuses
     "messages": [
         {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},
@@ -85,6 +74,7 @@ def make_data(root) -> dict:
         for k in range(COPIES):
             for r in rows:
                 r = json.loads(json.dumps(r))
+                # each copy's first user turn numbered: no two rows are equal
                 first = r["messages"] if "messages" in r else r["prompt"]
                 if isinstance(first, str):
                     r["prompt"] = f"[{k}] {first}"
@@ -111,14 +101,16 @@ def make_data(root) -> dict:
 
 def _outside(root: str, t_dir: str, s_dir: str) -> dict:
     """Seconds of the conversation path's pure steps on the messages file, outside Beam."""
-    from pipelines.align import align_dofns as F
+    from pipelines.align import align_dofns
     from pipelines.align.chat_read import Row, read_rows
     from tokenbridge.chat import rows
     from tokenbridge.chat.align import align_conversations, prepare_side
     from tokenbridge.chat.templates import resolve_template
 
-    student = prepare_side(F.cached_tokenizer(s_dir), resolve_template(s_dir))
-    teacher = prepare_side(F.cached_tokenizer(t_dir), resolve_template(t_dir, override="gemma"))
+    student = prepare_side(align_dofns.cached_tokenizer(s_dir), resolve_template(s_dir))
+    teacher = prepare_side(
+        align_dofns.cached_tokenizer(t_dir), resolve_template(t_dir, override="gemma")
+    )
     path = f"{root}/chat/shakespeare_messages.jsonl"
     convs = [rows.parse_row(r.value, fmt=r.fmt) for r in read_rows(path, "m", row_format=None)
              if isinstance(r, Row)]  # fmt: skip
@@ -140,11 +132,10 @@ def _outside(root: str, t_dir: str, s_dir: str) -> dict:
 
 
 def _child(kind: str, root: str) -> dict:
-    from pipelines.align import align_dofns as F
-    from pipelines.align import job as J
+    from pipelines.align import align_dofns, job
 
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())
-    F.cached_tokenizer(t_dir), F.cached_tokenizer(s_dir)
+    align_dofns.cached_tokenizer(t_dir), align_dofns.cached_tokenizer(s_dir)
     out = f"{root}/out_{kind}"
     argv = ["--data", f"{root}/{kind}/*.jsonl", "--teacher", t_dir, "--student", s_dir]
     argv += ["--out", out, "--overwrite", "--direct_num_workers", "1"]
@@ -158,7 +149,7 @@ def _child(kind: str, root: str) -> dict:
         return r.ru_utime + r.ru_stime
 
     t0, c0 = time.perf_counter(), cpu()
-    stats = J.run(argv)
+    stats = job.run(argv)
     return {
         "job_s": time.perf_counter() - t0,
         "cpu_s": cpu() - c0,

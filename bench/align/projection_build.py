@@ -1,9 +1,8 @@
 """Projection build (Gemma-3 262k x SmolLM2 49k): time and peak memory vs a naive per-token loop.
 
-Each measurement runs in its own subprocess so its peak RSS (``ru_maxrss``) is its own. The
-baseline is what one writes first: for every token, a dict lookup for the exact map and one
-``encode`` call for the re-tokenization; it is timed on a sample and extrapolated to the full
-vocabularies. Goal (issue 3): <= 60 s and <= 2 GB for the whole build.
+The baseline is what one writes first, a dict lookup and one ``encode`` call per token, timed on
+a sample and extrapolated to the whole vocabularies; each run is its own process, so its
+``ru_maxrss`` is its own.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ SAMPLE = 4000  # tokens per direction for the naive baseline
 def _child(mode: str) -> dict:
     import resource
 
-    from tokenbridge import projection as P
+    from tokenbridge import projection
     from tokenbridge.tokenizers import load_tokenizer
 
     t_dir, s_dir = paths.teacher_dir(), paths.student_dir()
@@ -41,15 +40,21 @@ def _child(mode: str) -> dict:
     out: dict = {"load_s": load_s}
     if mode == "ours":
         t1 = time.perf_counter()
-        p = P.build_projection(
-            t, s, k=8, teacher_rows=P.model_rows(t_dir), student_rows=P.model_rows(s_dir)
+        p = projection.build_projection(
+            t,
+            s,
+            k=8,
+            teacher_rows=projection.model_rows(t_dir),
+            student_rows=projection.model_rows(s_dir),
         )
         out["build_s"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        P.save_projection(p, paths.REPO_ROOT / "outputs" / "bench" / "projection.safetensors")
+        projection.save_projection(
+            p, paths.REPO_ROOT / "outputs" / "bench" / "projection.safetensors"
+        )
         out["save_s"] = time.perf_counter() - t2
         out["exact_pairs"] = int(len(p.exact_pairs()[0]))
-        out["bytes"] = int(sum(getattr(p, n).nbytes for n in P.TENSORS))
+        out["bytes"] = int(sum(getattr(p, n).nbytes for n in projection.TENSORS))
     else:
         import numpy as np
 

@@ -1,20 +1,9 @@
 """The align job at corpus scale (issues 19, 29): KJV copied 1, 4 and 16 times, one ~40 MB
-document, and ~200k short documents (~340 characters, ~69 MB).
+document, and ~200k short documents.
 
-Per input: the job's wall time with the default runner (one worker process per core) and with
-one worker, tokens/s, the peak RSS of the whole process tree (launcher + Beam workers, sampled
-every 0.1 s with psutil), and, in the same run, the time of tokenizing the same texts with both
-tokenizers alone (`Tokenizer.encode_batch`, offsets included, batches as the job makes them, one
-process). CPU s: user + system seconds of each measured process tree, both including their
-start-up (imports, tokenizer loading: once per worker in the job). Each measurement runs in a
-fresh subprocess. Targets: peak RSS flat in corpus size
-(16 copies <= 1.3x of 1 copy and <= 1.5 GB; the 40 MB document <= 2 GB); job <= 1.5x tokenizing
-alone at 16 copies; time per token flat from 4 to 16 copies (within 15%); on the short
-documents, the job's process <= 1.3x the tokenizing process, start-up included (interpreter,
-imports, tokenizer loading, worker processes: what a user waits for).
-
-``ALIGN_SCALE_COPIES=1,4`` (default 1,4,16), ``ALIGN_SCALE_DOC_MB=40`` and
-``ALIGN_SCALE_SHORT_COPIES=4`` (default 16; 0: none) make it smaller.
+Each against tokenizing the same texts alone, in the same run: peak memory and time per token
+should stay flat as the corpus grows, whatever the documents' shape. Every measurement is a
+fresh interpreter with its whole process tree sampled (`_measure`); targets: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -95,8 +84,8 @@ def _job_code(data: str, out: Path, workers: int) -> str:
     argv = ["--data", data, "--teacher", t, "--student", s, "--out", str(out), "--overwrite"]
     argv += ["--direct_num_workers", str(workers)]  # threads or processes: the job's default
     return (
-        "import json; from pipelines.align import job as J\n"
-        f"st = J.run({argv!r})\n"
+        "import json; from pipelines.align import job\n"
+        f"st = job.run({argv!r})\n"
         "print(json.dumps({'job_s': st['wall_s'], 'documents': st['documents'],"
         " 'windows': st['windows'], 'tokens': st['tokens']['student'] + "
         "sum(st['tokens']['teachers']), 'dead_letters': st['dead_letters'],"
@@ -178,6 +167,7 @@ def _short_docs(tmp: Path, copies: int) -> tuple[str, str]:
 
 
 def main() -> str:
+    # smaller runs: these three below (the short documents' copies: 0 for none)
     copies = [int(x) for x in os.environ.get("ALIGN_SCALE_COPIES", "1,4,16").split(",")]
     doc_mb = int(os.environ.get("ALIGN_SCALE_DOC_MB", "40"))
     short_copies = int(os.environ.get("ALIGN_SCALE_SHORT_COPIES", "16"))

@@ -1,10 +1,8 @@
 """The logit channel's GPU path (CUDA IPC) vs pickling CUDA tensors through a pipe.
 
-The measurement is `bench.training.logit_channel` with ``device="cuda"`` (same producer/consumer
-processes, payload on the GPU). It needs a CUDA device, which CI and the usual 2-core machine do
-not have: there this section returns the figures cached in ``bench/results/channel_cuda.md`` by
-the last run on a GPU machine (marked as cached; `run_all` then leaves the cached file as it
-is), so ``make bench`` neither fails nor drops them. Run it on a GPU with ``python -m bench.run_all channel_cuda``.
+`bench.training.logit_channel` with the payload on the GPU. Without CUDA this returns the last
+GPU run's section, marked cached, so ``make bench`` on a CPU machine keeps it
+(``python -m bench.run_all channel_cuda`` on a GPU measures it again).
 """
 
 from __future__ import annotations

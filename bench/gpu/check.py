@@ -1,26 +1,9 @@
-"""`make gpu-check`: one command, under 9 minutes on one H100 or H200, that exercises and times
-what only a GPU runs, with no weights and no network (docs/gpu.md).
+"""`make gpu-check`: exercise and time what only a GPU runs, in under 9 minutes on one GPU.
 
-``python -m bench.gpu.check [--dry-run] [--out DIR] [--only PART ...]`` runs six parts, each
-timed and held to its own budget (`parts`); a part that fails or runs out of time is recorded
-as such and the others still run:
-
-1. ``cuda_tests``: ``pytest -m cuda`` over the files holding such tests;
-2. ``demo_pair``: the demo pair, random-init, teacher in its worker over CUDA IPC, bf16, 2k-token
-   rows: student tokens/s, the teacher's share, the step over the CE-only step, peak memory;
-3. ``scale_1b_4b``: a ~1.2B student from a ~3.9B teacher at 4k tokens with activation
-   checkpointing: tokens/s, MFU, peak memory;
-4. ``long_row``: peak memory of one 32k-token row, chunked logits vs whole logits;
-5. ``sampler``: our on-policy sampler vs HF ``generate``, same model and batch;
-6. ``teacher_program``: the teacher-cache job's forward vs a bare HF forward, teacher tokens/s.
-
-It writes ``gpu_check.json`` and ``gpu_check.md`` (a `bench/run_all.py` section: device, driver,
-torch, CUDA, commit, date) under ``--out`` (default ``bench/results/``), the JSON again after each
-part, so a run cut short still leaves what it measured. ``--dry-run`` runs every part on the CPU
-with the tiny test shapes and lengths (the channel is shared memory there, as the trainer's is on
-CPU; part 1 lists the tests it would run) in about 30 s on 2 idle cores: ``tests/e2e/
-test_gpu_check_dry.py`` runs it, so the script cannot rot. Exit code 1 if a part failed or ran
-out of time.
+Six parts (`parts`), each held to its own budget: a part that fails or runs out of time is
+recorded and the others still run, and the JSON is rewritten after each part, so a run cut short
+keeps what it measured. ``--dry-run`` runs every part on the CPU at tiny shapes (a test runs it,
+so the script cannot rot). docs/gpu.md: the parts, their figures, carrying it to a bare machine.
 """
 
 from __future__ import annotations

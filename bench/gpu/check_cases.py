@@ -1,13 +1,8 @@
-"""`make gpu-check`'s shared ground and three of its parts: the CUDA-marked tests, our sampler
-against HF `generate`, and the teacher program against a bare HF forward.
+"""`make gpu-check`'s shared ground (sizes, context, clocks, memory, time limits) and three of its
+parts: the CUDA-marked tests, our sampler vs HF `generate`, the teacher program vs a bare forward.
 
-Shared ground, for these parts and the trainer's (`bench.gpu.check_train`): the sizes of a GPU
-run and of the CPU dry run (`Sizes`), the run's context (`Context`), and the timing, memory
-and time-limit helpers. Models are random-init from the shipped config.json files (no weights
-travel): the demo pair's shapes from ``conf/model/smollm2.yaml`` / ``conf/teachers/gemma3.yaml``, the dry run's
-tiny ones from ``smollm2_tiny.yaml`` / ``gemma3_tiny.yaml``, each with its real tokenizer.
-
-Legend: B rows, U teacher positions.
+Models are random-init from the shipped config.json files (no weights travel), each with its
+real tokenizer. Legend: B rows, U teacher positions.
 """
 
 from __future__ import annotations
@@ -291,7 +286,7 @@ def sampler_vs_generate(ctx: Context) -> dict:
     from bench.onpolicy.prompt_texts import prompts_from_lines
     from bench.onpolicy.section import read_weights
     from tokenbridge.tokenizers import load_tokenizer
-    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
     s, dev = ctx.sizes, ctx.device
     tok = load_tokenizer(paths.student_dir())

@@ -1,10 +1,7 @@
-"""Merge the JSON of several `bench.gpu.check` runs into one result (and its Markdown section).
+"""Merge several `bench.gpu.check` runs into one result: each part from the newest run that ran it.
 
-A GPU is lent for minutes: a first run finds what breaks, and a rerun of the parts that failed
-(``--only``) measures them once fixed. This takes each part from the newest run that ran it
-(timeouts and failures included: the newest attempt is the one reported), names that run in
-the part's row, and lists every run with its commit and date. It refuses runs from different
-devices or software, whose figures would not compare.
+A GPU is lent for minutes: a first run finds what breaks, a rerun of the failed parts
+(``--only``) measures them once fixed. Runs on other devices or software are refused.
 
     python -m bench.gpu.check_merge run1/gpu_check.json run2/gpu_check.json --out bench/results
 """

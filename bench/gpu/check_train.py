@@ -1,21 +1,8 @@
 """`make gpu-check`'s trainer parts: the demo pair, the 1B/4B shape, and one long row.
 
-Each part builds the real `trainer.loop.Trainer` in this process from a composed config (the
-`trainer/main.py` path minus the command line: `compose_config`, `preflight`, `Trainer`) and
-calls its `train_step` a few times, reading the step records the run would log (`step_s`, the
-teacher worker's busy `teacher_s`, tokens, the allocator's peak). Models are random-init from
-the shipped configs; the shards are the align job's rows of the shipped corpus at the part's
-length (`bench.common`), through the real projection of the two tokenizers.
-
-2. the demo pair (Gemma-3-270M-shaped teacher in its worker over CUDA IPC, SmolLM2-135M-shaped
-   student, bf16, 2k-token rows), and its CE-only twin in the same process: the distillation
-   step over the plain student step;
-3. a ~1.2B Llama student (SmolLM2's vocabulary) from a ~3.9B Gemma-3-shaped teacher at 4k-token
-   rows with activation checkpointing: tokens/s, MFU (the run's own, `trainer.throughput`),
-   peak memory;
-4. CE on one 32k-token row with the ~1.2B student: peak memory with the lm_head applied in
-   chunks (``parallel.logits_chunk``) and with whole logits, if those fit; the step's peak and
-   the forward + backward's alone (the optimizer's states set the step's peak at this size).
+Each builds the real `Trainer` in this process (`trainer/main.py`'s path minus the command line)
+and reads the step records a run would log, so the figures are the trainer's own; the shards are
+the shipped corpus through the real projection of the two tokenizers.
 """
 
 from __future__ import annotations
@@ -112,8 +99,8 @@ def trainer_steps(ctx: Context, args: list[str]) -> dict:
     (the teacher worker's included), and the student's parameter count."""
     from tokenbridge import models
     from trainer.config.compose import compose_config
-    from trainer.config.preflight import preflight
     from trainer.loop import Trainer
+    from trainer.preflight import preflight
 
     s = ctx.sizes
     reset_peak(ctx.device)

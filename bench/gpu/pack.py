@@ -1,23 +1,8 @@
-"""What a GPU machine needs for `make gpu-check` beyond the working tree: one folder to carry.
+"""``.gpucheck/``: what a bare GPU machine needs for `make gpu-check` beyond the working tree.
 
-A GPU machine lent for a short check gets a copy of the working tree and little else: its own
-Python with PyTorch and transformers, no network, none of the git-ignored `artifacts/` (2.3
-GiB, mostly weights) and no `.venv`. The check needs no weights (its models are random-init
-from the shipped config.json files) but does need the real tokenizers, some text, and the
-pure-Python packages the trainer uses that a stock PyTorch image lacks. ``python -m
-bench.gpu.pack`` (``make gpu-check-pack``) puts them in the git-ignored ``.gpucheck/``:
-
-- ``artifacts/models/<teacher and student>/``: every file but the weights (config.json,
-  tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja);
-- ``artifacts/corpus/shakespeare/``: the first `CORPUS_FILES` plays (the CUDA tests read the
-  first; the check's shards and prompts take ~300k characters);
-- ``site/``: Hydra, OmegaConf and the ANTLR runtime, copied from this environment without
-  bytecode (pure Python: they import on the GPU machine's Python as they are);
-- ``COMMIT``: this checkout's commit, which the check reports (the copy there has no ``.git``).
-
-`use_pack`, called first thing by `bench.gpu.check`, points the process (and the processes it
-starts) at the folder, for whatever the checkout lacks: the artifacts when ``artifacts/`` has no
-models and ``TOKENBRIDGE_ARTIFACTS`` is unset, the packages when Hydra is not importable.
+Such a machine has its own Python with PyTorch and transformers, no network, no `.venv` and no
+`artifacts/`; the check needs no weights, but does need the tokenizers, some text and a few
+pure-Python packages. docs/gpu.md lists the folder and how to carry it.
 """
 
 from __future__ import annotations
@@ -33,7 +18,9 @@ from tokenbridge import paths
 
 PACK = paths.REPO_ROOT / ".gpucheck"
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-CORPUS_FILES = 3
+CORPUS_FILES = 3  # plays: the CUDA tests read the first; the shards and prompts ~300k characters
+# what the trainer imports that a stock PyTorch image lacks: pure Python, so copied without
+# bytecode they import on the GPU machine's Python as they are
 SITE_PACKAGES = ("hydra", "omegaconf", "antlr4")
 
 
@@ -83,7 +70,9 @@ def write_pack(out: Path = PACK) -> dict[str, int]:
 
 
 def use_pack(pack: Path = PACK) -> list[str]:
-    """Use the pack for what this checkout lacks (see the module doc); returns what was used."""
+    """Use the pack for what this checkout lacks, for this process and those it starts: its
+    artifacts where ``artifacts/`` has no models and ``TOKENBRIDGE_ARTIFACTS`` is unset, its
+    packages where Hydra is not importable. Returns what was used."""
     used: list[str] = []
     if not pack.is_dir():
         return used

@@ -1,10 +1,4 @@
-"""`make bench`'s section of the GPU check (`bench.gpu.check`, `make gpu-check`).
-
-On a machine with CUDA this runs the whole check (about 9 minutes) and returns its section; on
-any other it returns the section the last GPU run left in ``bench/results/gpu_check.md``, marked
-as cached, so `bench/run_all.py` keeps that file as it is (as `channel_cuda` does). Until a GPU
-run writes it, that file says the check has not run.
-"""
+"""`make bench`'s section of the GPU check: run it where there is CUDA, else keep its last GPU run."""
 
 from __future__ import annotations
 

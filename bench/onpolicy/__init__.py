@@ -1,3 +1,1 @@
-"""On-policy distillation: the section (`section`: sampler, FSDP2 gathering, the step's
-phases, TRL's GOLDTrainer next to ours) and its parts, and the equal-budget comparison of
-``make demo-onpolicy-compare`` (`equal_budget`)."""
+"""On-policy distillation: the `make bench` section and its parts, and `make demo-onpolicy-compare`."""

@@ -1,21 +1,8 @@
 """On-policy distillation next to off-policy KD and CE-only with the same wall-clock budget.
 
-``make demo-onpolicy-compare`` (after the inputs of ``make demo-onpolicy``): three runs of
-`conf=onpolicy_demo` on CPU, then one Markdown table (``runs/onpolicy_compare/compare.md``):
-
-1. **on-policy**: the demo as it is (SmolLM2-135M samples KJV continuations, Gemma-3-270M scores
-   them through on-the-fly alignment, xtoken over completion chunks); its training seconds are
-   the budget;
-2. **off-policy KD**: the same student, teacher, shards and optimizer, every step off-policy
-   (``onpolicy.lmbda=0``) with ``loss=xtoken`` on the aligned KJV windows, until the budget;
-3. **CE only**: ``loss=ce``, likewise.
-
-``onpolicy.lmbda=0`` keeps the on-policy side for evaluation only, so every run reports the same
-numbers: held-out bits per byte of the student before/after, and the teacher's bits per byte of
-the student's own completions of the held-out prompts (how much the teacher agrees with what
-the student says; sampled with the same fixed seeds). The baselines' ``steps`` is a ceiling
-(``--max-steps``) that sets their LR schedule; ``time_budget_s`` ends them, so their cosine
-schedule is cut, not finished (stated in the table).
+``make demo-onpolicy-compare``: the on-policy demo, then the same config off-policy with
+xtoken and with CE only, each stopped once it has trained as long as the first; one Markdown
+table. docs/onpolicy.md ("Evaluation") says what the runs report.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""FSDP2 generation with and without `trainer.onpolicy.sampler.gathered` (a 2-rank torchrun
-script of bench/onpolicy/section.py):
+"""Part 2 of `bench.onpolicy.section`: FSDP2 generation with and without
+`trainer.onpolicy.sampling.sampler.gathered`, counting FSDP's parameter all-gathers (2 ranks).
 
     torchrun --nproc_per_node=2 bench/onpolicy/fsdp_gather.py OUT
-
-The real SmolLM2-135M, FSDP2-wrapped as the trainer wraps it (one unit per decoder layer + the
-root), samples 4 rows x 16 tokens on each rank; FSDP's parameter all-gathers are counted by
-wrapping its ``foreach_all_gather``. Rank 0 writes the counts and the median seconds of 2.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
 from tokenbridge import paths
 
 ROWS, NEW = 4, 16
-_GATHERS = [0]
+_GATHERS = [0]  # FSDP2's parameter all-gathers all go through foreach_all_gather: counted there
 _original = fsdp_group.foreach_all_gather
 
 
@@ -45,7 +41,7 @@ def main(out: str) -> None:
     from tokenbridge import models
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig
-    from trainer.onpolicy.sampler import SamplingConfig, gathered, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, gathered, sample
     from trainer.parallel import parallelize
     from trainer.parallel.mesh import build_mesh
 
@@ -54,6 +50,7 @@ def main(out: str) -> None:
     parallelize.init_distributed(device)
     mesh = build_mesh(device, dp=2)
     model = models.build_model(ModelConfig(str(paths.student_dir())))
+    # as the trainer wraps it: one unit per decoder layer, and the root
     parallelize.apply_fsdp(model, mesh.fsdp_mesh, mp_policy=MixedPrecisionPolicy())
     tok = load_tokenizer(paths.student_dir())
     prompts = prompts_from_kjv(tok, ROWS, 16)

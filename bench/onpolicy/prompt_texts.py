@@ -1,5 +1,4 @@
-"""Prompts for the on-policy benchmarks: student-tokenized KJV verses (`section`, `step_phases`
-and `fsdp_gather` share them), or the starts of any lines of text (`bench.gpu.check_cases`)."""
+"""Prompts for the on-policy benchmarks: student-tokenized KJV verses, or the starts of any lines."""
 
 from __future__ import annotations
 

@@ -1,28 +1,9 @@
 """On-policy distillation on CPU: our sampler vs HF `generate`, FSDP2 gathering for generation,
-the on-policy step broken into its phases, and TRL's GOLD trainer on-policy step next to ours.
+the on-policy step's phases, and TRL's GOLD trainer next to ours.
 
-Part 1, sampler: the same model, batch, prompts and lengths, ``trainer.onpolicy.sampler.sample``
-(its lean decode path, `trainer.onpolicy.decode.LlamaDecoder`, and its HF-forward path)
-against ``model.generate(do_sample=True, top_p, top_k=0)`` (all exactly N new tokens), next to
-the memory floor of a decode step: the time to read every weight once (a sum over each
-parameter), all four alternating in one process, median of 3 after a warm-up, one torch thread:
-the real SmolLM2-135M at batch 2 and 8, and a tiny random model with its tokenizer (where
-per-step overhead, not the weights, dominates). ``python -m bench.onpolicy.section sampler`` runs
-this part alone (about 2 minutes on 2 cores) and prints its table.
-
-Part 2, FSDP2: a 2-rank gloo torchrun (`bench/onpolicy/fsdp_gather.py`) samples with the
-FSDP2-wrapped student, with and without `sampler.gathered` (parameters gathered once per rollout
-phase): all-gathers counted and time per rollout.
-
-Part 3, the on-policy step with the demo models (SmolLM2-135M student samples, Gemma-3-270M
-scores through on-the-fly alignment): generate / align / teacher score / student forward +
-backward + AdamW, each timed alone in one process; the overhead of scoring + alignment over
-generation + student step.
-
-Part 4, TRL 1.16's GOLDTrainer (its own code: ``lmbda=1``, HF ``generate``, ULD loss, its
-ByteLevel gate lifted for Gemma) next to our trainer (``conf=onpolicy_demo``, xtoken, lag 0 and
-1), the real pair, the same chat prompts, batch 2, 64 and 128 new tokens, 2 threads each: step
-time and the peak RSS of each process tree (`bench/onpolicy/vs_trl.py`).
+Each part's result is stored as it ends, so a later part that fails loses nothing
+(``ONPOLICY_RESUME=1`` reuses those of the same clean commit);
+``python -m bench.onpolicy.section sampler`` runs part 1 alone and prints its table.
 """
 
 from __future__ import annotations
@@ -38,12 +19,13 @@ from dataclasses import replace
 import torch
 
 from tokenbridge import paths
-from trainer.onpolicy.decode import int8_weights
-from trainer.onpolicy.int8 import int8_available
+from trainer.onpolicy.sampling.decode import int8_weights
+from trainer.onpolicy.sampling.int8 import int8_available
 
 B, PROMPT, NEW = 8, 16, 32
 SAMPLER_BATCHES = (2, 8)  # SmolLM2-135M: the issue's batch 2, and 8
 REPS = 3
+# a tiny random model, where the step's overhead, not reading the weights, dominates
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
@@ -83,7 +65,7 @@ def sampler_vs_generate(
     device) and prompts, exactly `new` tokens each, and the time to read the weights once:
     tokens/s, ms per token step (prefill included) and the floor (the GPU is synchronised
     before a clock is read)."""
-    from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
     device = next(model.parameters()).device
     ids, mask = _left_pad(prompts, device)
@@ -154,9 +136,9 @@ def part_sampler() -> dict:
             prompts = prompts_from_kjv(tok, rows, PROMPT)
             res[f"{name}, batch {rows}"] = sampler_vs_generate(model, prompts, tok.vocab_size)
         del model
-    # the form of each product the lean step measured (`trainer.onpolicy.orient`), for the
+    # the form of each product the lean step measured (`trainer.onpolicy.sampling.orient`), for the
     # real model's shapes: (rows, N, K) -> weight-major faster
-    from trainer.onpolicy import orient
+    from trainer.onpolicy.sampling import orient
 
     res["forms"] = {f"{k[0]},{k[1]},{k[2]}": v for k, v in orient.choices().items()
                     if k[3] == torch.float32 and k[2] == 576}  # fmt: skip
@@ -259,7 +241,7 @@ def render_sampler(sampler: dict) -> list[str]:
         named = ", ".join(f"{k.split(',', 1)[1].replace(',', 'x')}: "
                           f"{'weight-major' if v else 'F.linear'}" for k, v in two)  # fmt: skip
         lines += ["", "The form of each product of SmolLM2-135M's lean decode step at 2 rows, "
-                  f"as this machine measured it (N x K; `trainer/onpolicy/orient.py`): {named}."]  # fmt: skip
+                  f"as this machine measured it (N x K; `trainer/onpolicy/sampling/orient.py`): {named}."]  # fmt: skip
     return lines
 
 

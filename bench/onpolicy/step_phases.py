@@ -1,10 +1,5 @@
-"""The on-policy step's phases with the demo models, and the Markdown of parts 3 and 4 of
-`bench/onpolicy/section.py`.
-
-SmolLM2-135M samples 4 completions of 48 tokens for 16-token KJV prompts; Gemma-3-270M scores
-them after on-the-fly alignment with xtoken's outputs (top-32 + the realised token); the
-student's forward, the xtoken loss over completion chunks, backward and AdamW. Each phase is
-timed alone (median of 2 after a warm-up) in one process with one torch thread.
+"""Part 3 of `bench.onpolicy.section`: the on-policy step with the demo models, each phase
+(generate, align, teacher score, student step) timed alone, and its Markdown.
 """
 
 from __future__ import annotations
@@ -39,11 +34,11 @@ def step_breakdown() -> dict:
     from tokenbridge.teacher.forward import teacher_forward
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig
+    from trainer.loss_terms import used_inputs
     from trainer.onpolicy.realign import TeacherView
     from trainer.onpolicy.rollout_scoring import scoring_spec
-    from trainer.onpolicy.rollout_source import used_inputs
-    from trainer.onpolicy.rollouts import build_batch
-    from trainer.onpolicy.sampler import SamplingConfig, sample
+    from trainer.onpolicy.rollouts import build_batch, completion_rows
+    from trainer.onpolicy.sampling.sampler import SamplingConfig, sample
 
     torch.set_num_threads(1)
     s_tok, t_tok = load_tokenizer(paths.student_dir()), load_tokenizer(paths.teacher_dir())
@@ -72,7 +67,8 @@ def step_breakdown() -> dict:
                                              teachers=[view], want_cols=[False], pad_id=0))  # fmt: skip
     prep = record.prepare(b.aligned[0], b.targets_BT)
     # as the trainer's worker: the positions the loss and the eval read
-    inp = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0])
+    done = completion_rows(b.aligned[0], b.teacher_inputs[0]["input_ids"].shape[1])
+    inp = used_inputs(record, prep, b.teacher_inputs[0], completion=done)
 
     def score():
         with torch.no_grad():

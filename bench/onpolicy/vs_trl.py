@@ -1,27 +1,9 @@
-"""Issue 29's table: TRL's GOLDTrainer on-policy step next to ours, as a user would compare them.
+"""Part 4 of `bench.onpolicy.section` (issue 29): TRL's GOLDTrainer on-policy step next to ours, as
+a user would compare them.
 
-The same student (SmolLM2-135M) and teacher (Gemma-3-270M), the same chat prompts (the first
-user turn of conversations made from KJV verses, contents cut to 400 characters), batch 2,
-temperature 1, top-p 1, AdamW, on the same 2 cores (TRL at 2 torch threads; ours with the
-trainer's own thread plan, ``parallel.threads=0``: 2 threads, and at lag 1 one for the sampler
-and one for the teacher worker while both compute, `trainer.parallel.cpus`), at 64 and 128 new
-tokens, one after the other in this run, each in its own process tree:
-
-- TRL 1.16's ``GOLDTrainer`` (its own code: ``lmbda=1``, every step on-policy with HF
-  ``generate``; ``use_uld_loss=True``, its cross-tokenizer loss), with the one change our TRL
-  adapter makes (`bench.science.trl_gold`): its ByteLevel gate lifted (``is_byte_level_tokenizer``),
-  since Gemma's pieces are not ByteLevel; their byte offsets then come from the fast
-  tokenizer's character offsets, which are exact;
-- ours: ``trainer/main.py conf=onpolicy_demo`` with chat prompts from the same file,
-  ``onpolicy.loss=xtoken``, lag 0 and lag 1 (the teacher in its worker), and lag 0 with the
-  teacher in the trainer's process (``parallel.teacher_placement=inprocess``: one torch runtime,
-  TRL's layout), and lag 0 and 1 sampling from the int8 copy (``onpolicy.sampler_weights=int8``,
-  ratio-weighted).
-
-Figures: the median of the steps between the first and the last (`steady`: the first warms up,
-and with lag 1 samples two rollouts; after the last, lag 1 samples none) (TRL: its callback's
-step time; ours: the run's ``step_s``), and the peak memory of the whole process tree (ours: trainer + teacher worker),
-as PSS and as a sum of RSS (`bench.child.run_measured`).
+The same pair, chat prompts, batch and cores; TRL runs its own code with one change, its
+ByteLevel gate lifted for Gemma. Each run is its own process tree, its peak read as PSS and as
+a sum of RSS (`bench.child.run_measured`).
 
     python -m bench.onpolicy.vs_trl [--new 64,128] [--steps 5]     # prints JSON
 """
@@ -68,7 +50,9 @@ def trl_child(conversations: str, new: int, steps: int, out: str) -> None:
     from trl.experimental.gold import GOLDConfig, GOLDTrainer
 
     torch.set_num_threads(THREADS)
-    trl_utils.is_byte_level_tokenizer = lambda backend: True  # the gate, lifted (module doc)
+    # the gate, lifted: Gemma's pieces are not ByteLevel; their byte offsets then come from
+    # the fast tokenizer's character offsets, which are exact
+    trl_utils.is_byte_level_tokenizer = lambda backend: True
     times: list[float] = []
 
     class Timer(TrainerCallback):
@@ -137,7 +121,8 @@ def ours(
 
 
 def steady(step_s: list[float]) -> float:
-    """The median step between the first and the last (module docstring)."""
+    """The median step between the first and the last: the first warms up (and at lag 1 samples
+    two rollouts); after the last, lag 1 samples none."""
     if len(step_s) < 3:
         raise ValueError(f"{len(step_s)} steps: the steady median needs 3 or more")
     return statistics.median(step_s[1:-1])

@@ -1,26 +1,9 @@
 """The science table: every loss mode vs CE-only vs TRL's GOLD loss, with its statistics.
 
-``make science`` (or ``python -m bench.science.experiment``) reproduces BENCHMARKS.md's table
-from nothing. Every row trains the same student (SmolLM2-135M) from the same teacher (Gemma-3-270M) on the
-same shards (the KJV New Testament letters, one document per chapter) for the same steps with
-the same optimizer; only the loss changes. Three phases, each resumable (a finished run's
-summary.json and eval JSON are read back, so the runner can be stopped and called again):
-
-1. **learning rate**: the primary pair (CE-only and xtoken forward) at each ``--lr-grid`` rate,
-   scored on *validation* chapters (``data.val_fraction``: never trained on, not the test
-   chapters); one rate is chosen for every row (`stats.choose_lr`).
-2. **the table**: the primary pair at ``--primary-seeds`` (5), every other row at ``--seeds``
-   (3), scored on the held-out *test* chapters (in-domain), a Shakespeare play no row trains on
-   (out-of-domain, the eval suite's ``text:`` task) and, on the first seed of ``--suite-rows``,
-   the eval suite's bits-per-byte rows.
-3. **equal budget**: CE-only run for the steps each row's core-seconds buy it
-   (`stats.budget_steps`, on a 25-step grid), on ``--budget-seeds`` (default
-   ``--seeds``; fewer make the column cheaper: each CE run there costs as much as a KD run).
-
-Rows that read the teacher from the offline cache (``make teacher-cache``) and CE-only run two
-at a time on one thread each (one core each); rows with a live teacher run alone, the teacher
-in its worker on the second core (two cores). Results: ``<out>/results.json``; the table:
-``<out>/science.md`` (`bench.science.table` renders it, `bench.science.stats` computes it).
+``make science`` reproduces BENCHMARKS.md's table from nothing: every row trains the same
+student from the same teacher on the same shards, steps and optimizer; only the loss changes.
+Three phases (learning rate on validation chapters, the table, equal budget), each resumable:
+a finished run is read back, not run again. docs/science.md: the rows and the protocol.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""`make bench BENCH=science`: the science table as a BENCHMARKS.md section.
-
-Runs ``bench.science.experiment`` with its defaults (resumable: finished runs under
-runs/science are read back, not re-run) and wraps its table with what was run. Several hours of CPU on 2 cores from
-nothing; docs/science.md explains the rows, the statistics and the choices. Every sentence of
-the section is computed from the run's results.json (`bench.science.table`).
+"""`make bench BENCH=science`: the science table (`bench.science.experiment`, resumable) as a
+BENCHMARKS.md section, every sentence computed from the runs' results.
 """
 
 from __future__ import annotations

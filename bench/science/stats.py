@@ -1,21 +1,8 @@
-"""The statistics of the science table, as pure functions (tests/unit/test_science_stats.py).
+"""The statistics of the science table, as pure functions.
 
-The table's claims rest on few seeds, so every figure carries its uncertainty and the one test
-of significance is decided before running:
-
-- **The primary comparison** (named in docs/science.md before any run): xtoken forward vs
-  CE-only on the held-out test chapters, 5 seeds each. Runs with the same seed share the
-  initial student, the data order and the held-out windows, so the comparison is *paired*:
-  the differences d_s = xtoken_s - ce_s get a one-sample t-test (two-sided, df = n - 1).
-- **Every other row** is an estimate: its mean with a 95% t-interval, and its paired difference
-  from CE-only (on the seeds both have) with a 95% t-interval. No verdict is drawn from them:
-  picking the best of several rows after the fact is how a 2-seed "win" is made.
-- **The learning rate** is chosen once, for the primary pair, on validation chapters that are
-  neither trained on nor part of the test chapters: the rate with the lowest mean validation
-  bits per byte of the two rows.
-- **Equal budget**: a KD step costs more than a CE step (a live teacher on a second core, or a
-  teacher cache built once beforehand). A row's budget is its core-seconds of training plus its
-  share of the cache build; CE-only is also run for the number of steps that budget buys it.
+The table rests on few seeds, so every figure carries its uncertainty, and its one test of
+significance (xtoken forward vs CE-only, paired by seed) was named before any run; every other
+row is an estimate with an interval. docs/science.md states the protocol.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Renders the science table (``bench/science/experiment.py``'s results.json) as Markdown.
+"""Renders the science table (`bench.science.experiment`'s results.json) as Markdown.
 
-Kept apart from the runner so the numbers can be re-rendered without a run (``make science``
-with ``--render-only``). Every sentence here is computed from the payload: the primary test,
-the learning-rate choice, the intervals, the equal-budget comparison and the cache-vs-live
-check. The statistics themselves are `bench.science.stats`.
+Apart from the runner so the numbers can be rendered again without a run (``--render-only``);
+every sentence is computed from the payload.
 """
 
 from __future__ import annotations

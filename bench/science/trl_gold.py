@@ -1,61 +1,11 @@
 """`trl_gold`: TRL 1.16's GOLD hybrid ULD loss, computed by TRL's own code inside our trainer.
 
 Bench only (the product never imports trl or bench): importing this module registers the loss
-mode ``trl_gold`` in `tokenbridge.losses.modes.MODES`, so ``loss.mode=trl_gold`` validates only in
-a process that imported it (`bench.science.trl_gold_train` does, then runs the trainer). It
-exists for the science table (issue 16): TRL's loss as TRL computes it, next to our `gold` ("TRL GOLD's
-hybrid ULD loss with its flaws fixed"), on the same shards, teacher, student, steps.
+mode, as `bench.science.trl_gold_train` does before it runs the trainer. The science table puts
+TRL's loss, as TRL computes it, next to our `gold`; docs/science.md says how TRL is called and
+which of its quirks are kept.
 
-How TRL is called. Per batch row, exactly what `ULDLoss._compute_distillation_loss` does with
-``use_extended_uld=True``, except that its alignment groups are our shard's aligned chunks (the
-complete chunks `gold` uses: both sides present, first token predicted) instead of its own
-byte-offset walk (`_align_by_byte_offsets`, which closes a group where both sides reach the same
-byte boundary: the same thing our aligner computes):
-
-    probs = F.softmax(logits[row, start - shift : end - shift] / T, -1)       (TRL's own line)
-    aligned = uld._merge_probabilities_with_alignment_groups(probs, groups, token_ids)  (TRL)
-    row_loss = uld._compute_hybrid_uld_loss(aligned_student, aligned_teacher)           (TRL)
-
-``uld`` is TRL's `ULDLoss`, built from every `GOLDConfig` default read from TRL's dataclass
-(merge "observed", beta 0.5, temperatures 1, adaptive weights, distillation weight 1) with
-``use_uld_loss=True``, ``uld_use_hybrid_loss=True`` and ``uld_crossentropy_weight=0`` (our loop
-adds the CE itself), and the real HF tokenizers, whose ``get_vocab()`` TRL matches.
-
-TRL's quirks, kept (our `gold` fixes each):
-
-1. matched vocabulary = equal ``get_vocab()`` STRINGS (`_initialize_vocabulary_mapping`), not
-   equal bytes: Gemma-3 x SmolLM2 gives 14,837 pairs, against 46,253 byte-identical teacher
-   tokens in our exact map (the word-initial tokens never match: Gemma spells the space '▁',
-   SmolLM2 'Ġ'), and 138 of TRL's pairs have different bytes (SmolLM2's byte-level 'é' is the
-   byte 0xE9, Gemma's 'é' is b'\xc3\xa9'); its adaptive matched weight is then 14,837 /
-   262,144 = 0.057 instead of 0.176;
-2. merge "observed" (TRL's default) reads the logits at the chunk's tokens without a shift: the
-   base is the distribution at the chunk's FIRST token, which predicts the token after it, and
-   each later token contributes p(token_i | tokens up to and including token_i) (a row's own
-   input token); ``merge=bayesian`` is TRL's shifted variant, offered for comparison;
-3. matched part: generalized JSD (beta 0.5) on the sub-simplex of matched probabilities (logs
-   clamped at 1e-8), no rest bucket, so it is not a divergence between distributions;
-4. unmatched part: L1 between the sorted unmatched probabilities (as ours), no tau^2 factor;
-5. normalisation: per row, both parts divided by the row's number of groups; the rows' losses
-   averaged over the batch, a row without a group counting as 0. Our loop's contract is a SUM
-   and a COUNT divided once by the global count, so this mode returns sum = the rows' losses and
-   count = rows: the loop's mean over the global batch is TRL's mean over its samples.
-
-Two differences forced by our trainer, both irrelevant to Gemma-3 x SmolLM2: lm_head columns past
-a tokenizer's size are left out on both sides (TRL would keep them: both models have none), and
-conversations' turn-marker chunks get no term (TRL has no end-of-turn term; text chunks only).
-
-Teacher side: the worker ships the teacher's whole distribution at the rows the loss reads
-(column set = every teacher id, ``col_logprobs`` [B, U, V_t] fp32: 1 MiB per position for
-Gemma's 262,144 ids, ~270 MB per 256-token microbatch in the ring). TRL's softmax of the teacher
-logits divided by its temperature equals the softmax of those log-probs divided by it (a row
-constant does not change a softmax), so the teacher runs at temperature 1. No cache.
-
-Cost is TRL's too: per 256-token microbatch of the real pair (~200 chunks, one thread) its
-hybrid loss sorts the teacher's ~247,000 unmatched probabilities per chunk (~5 s) and its
-backward goes through one in-place row write per chunk (~11 s): ~3x gold's step time on CPU.
-
-Legend: B rows, S student positions, U teacher positions, V student width, V_t teacher ids.
+Legend: B rows, S student positions, V student width.
 """
 
 from __future__ import annotations
@@ -174,8 +124,12 @@ def trl_gold(
     uld: ULDLoss,
     vocab_size: int,
 ) -> LossOutput:
-    """TRL's hybrid ULD loss per row over the aligned chunks (module docstring): sum over rows,
-    count = rows (TRL averages its rows)."""
+    """TRL's hybrid ULD loss per row over the aligned chunks (docs/science.md): sum over rows,
+    count = rows (TRL averages its rows).
+
+    TRL's cost too: per 256-token microbatch of the real pair (~200 chunks, one thread) its
+    hybrid loss sorts the teacher's ~247,000 unmatched probabilities per chunk (~5 s) and its
+    backward goes through one in-place row write per chunk (~11 s): ~3x gold's step on CPU."""
     _, chunks, metrics = open_chunk_loss(
         NAME, student_logits_BSV, teacher, index, None, fields=("col_logprobs",)
     )
@@ -239,6 +193,9 @@ class TrlGoldMode(LossMode):
 
     def teacher_spec(self, options: TrlGoldConfig, tables, *, teacher_vocab_size: int):
         uld_for(options)  # load the tokenizers and TRL's mapping now: a bad path fails at startup
+        # the whole distribution at the rows the loss reads, fp32: 1 MiB per position for Gemma's
+        # 262,144 ids, ~270 MB per 256-token microbatch in the ring; at temperature 1, since
+        # TRL's softmax of logits / T equals the softmax of these log-probs / T
         return TeacherOutputSpec(teacher_vocab_size, columns=teacher_vocab_size)
 
     def columns(self, tables: TrlTables) -> Tensor:

@@ -1,25 +1,10 @@
-"""``python -m bench.science.trl_gold_train <trainer/main.py arguments>``: the trainer with
-``trl_gold``.
+"""``python -m bench.science.trl_gold_train <trainer/main.py arguments>``: the trainer with the
+bench-only ``trl_gold`` loss mode registered (the science table's TRL GOLD row, issue 16).
 
-The science table's row "TRL's GOLD hybrid ULD loss run inside our trainer" (issue 16):
+    python -m bench.science.trl_gold_train conf=demo loss=ce loss.mode=trl_gold loss.kd_weight=1.0
 
-    python -m bench.science.trl_gold_train conf=demo loss=ce loss.mode=trl_gold \
-        loss.kd_weight=1.0 ...
-
-takes exactly the arguments of ``trainer/main.py`` (the same shards, teacher, student, steps,
-optimizer; ``loss=ce`` picks a loss group without options, as the demo's xtoken ``k`` would be
-refused, and ``loss.kd_weight=1.0`` restores the weight every KD group sets), imports
-`bench.science.trl_gold` (which registers the bench-only loss mode; the product never imports
-trl), and runs the trainer's own ``run`` in this process, with its error reporting (`tokenbridge.cli`).
-
-TRL matches vocabularies by their ``get_vocab()`` strings, so the mode needs both HF tokenizers:
-when ``loss.options.teacher_tokenizer`` / ``student_tokenizer`` are not given they are filled
-from the composed config (``teachers[0].path``, ``model.path``), and so recorded in the run's
-config. One teacher only (the options are the mode's, not a teacher's).
-
-The teacher worker process needs nothing of this: it computes the outputs of the spec it is
-handed (the whole distribution, `bench.science.trl_gold`), so the import is in `main`, not at
-the top, and a spawned worker that re-imports this module as its main does not import trl.
+``loss=ce`` picks a loss group without options (the demo's xtoken ``k`` would be refused);
+``loss.kd_weight=1.0`` restores the weight every KD group sets.
 """
 
 from __future__ import annotations
@@ -61,6 +46,8 @@ def trl_argv(argv: list[str]) -> list[str]:
 
 
 def run(argv: list[str]) -> int:
+    # here, not at the top: a spawned teacher worker that re-imports this module as its main
+    # needs none of it (it computes the outputs of the spec it is handed) and imports no trl
     import bench.science.trl_gold  # noqa: F401  (registers loss.mode=trl_gold)
 
     return trainer_main.run(trl_argv(argv))

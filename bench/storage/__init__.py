@@ -1,2 +1,3 @@
-"""Object storage: the align job and the trainer on ``s3://`` against local files
-(`object_store`), on a loopback SeaweedFS server (`seaweed`, which the tests use too)."""
+"""Object storage: the align job and the trainer on ``s3://`` against local files, and the
+loopback SeaweedFS server the tests use too.
+"""

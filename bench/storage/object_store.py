@@ -1,21 +1,8 @@
-"""Object storage (issue 26): the align job writing to ``s3://`` against a local directory, and
-the trainer reading its shards from ``s3://`` against local ones, on a SeaweedFS server on
-loopback (`bench.storage.seaweed`, the tests' server too).
+"""Object storage (issue 26): the align job writing to ``s3://`` and the trainer reading its
+shards from ``s3://``, each against local files in the same run, on a SeaweedFS server on
+loopback (`bench.storage.seaweed`).
 
-Figures, each against its local baseline measured in the same run (alternating, each job in a
-fresh process for its own peak RSS):
-
-- align job (FnApiRunner, in-process, KJV verses, the shipped pair): wall time and peak RSS,
-  local directory vs ``s3://`` (parts uploaded as they roll, copied to their final names);
-- trainer (``conf=debug``, 2 ranks on this node): median steady-state step time (steps after
-  the first two), shards local vs ``s3://`` (goal <= 1.05x: the run reads a verified local
-  copy), the fetch's share of the start, and the bytes fetched for the node against the shard
-  directory's size (goal: each file once, 1.00x, however many ranks); and the same run with
-  ``data.stream=true`` (4 shard files, at most 3 on disk: each fetched as the reader reaches
-  it, the next in the background): its steady-state step against the local one.
-
-Loopback is no network: the upload and fetch times here are a floor, not what a real store
-costs; the ratios say what the code adds.
+Loopback is no network: the ratios say what the code adds, not what a real store costs.
 """
 
 from __future__ import annotations
@@ -36,15 +23,17 @@ STEPS = 12
 def _align_child(out: str) -> dict:
     import resource
 
-    from pipelines.align import align_dofns as F
-    from pipelines.align import job as J
+    from pipelines.align import align_dofns, job
 
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())
-    F.cached_tokenizer(t_dir), F.cached_tokenizer(s_dir)  # loaded outside the timing
+    (
+        align_dofns.cached_tokenizer(t_dir),
+        align_dofns.cached_tokenizer(s_dir),
+    )  # loaded outside the timing
     argv = ["--data", str(paths.corpus_dir() / DATA), "--teacher", t_dir, "--student", s_dir,
             "--out", out, "--overwrite", "--direct_num_workers", "1"]  # fmt: skip
     t0 = time.perf_counter()
-    stats = J.run(argv)
+    stats = job.run(argv)
     return {
         "job_s": time.perf_counter() - t0,
         "shards": stats["shards"],

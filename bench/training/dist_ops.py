@@ -1,22 +1,9 @@
-"""Vocab-parallel ops, chunked vs unchunked: time and peak memory at V = 262,144, T = 4,096, TP = 2.
+"""Vocab-parallel ops (`tokenbridge.dist_ops`), chunked vs unchunked: time and peak memory at
+Gemma-3's vocabulary, TP = 2 on gloo.
 
-Two gloo processes on CPU, each holding its bf16 vocab shard [T, V / 2] of Gemma-3-sized logits
-(1 GiB) - the layout a column-parallel lm_head produces. Each op runs forward + backward (the
-replicated objective sum(out * w)), as a loss would:
-
-- `vp_target_logprobs` (log-prob of the next token: CE, RL log-probs),
-- `vp_entropy`, `vp_soft_ce` (full-vocabulary KD against a bf16 teacher distribution shard).
-
-"unchunked" is the same autograd Function with one chunk holding every row (the plain
-formulation: fp32 [T, V / 2] temporaries of the whole sequence, but already in place wherever
-possible); "chunked" is the default (~8M elements per chunk: 64 rows here). Peak memory is the peak resident set during the call
-minus the resident set just before it (Linux `clear_refs` resets the high-water mark between
-runs), the maximum over both ranks; it includes the bf16 gradient of the logits (1 GiB at full
-T), which both variants must allocate. Time is wall-clock of forward + backward, max over ranks.
-
-The unchunked variant at T = 4,096 needs about 16 GiB over the two ranks (inputs included); on a
-machine with less free memory it runs at the largest T in {2,048, 1,024, 512} that fits (the section says which),
-and the chunked variant is measured at that T too, so every ratio compares equal work.
+"Unchunked" is the same autograd Function with one chunk holding every row, so the comparison is
+of the chunking alone; it runs at the longest sequence this machine's free memory allows, and
+the chunked op at that length too, so every ratio compares equal work.
 """
 
 from __future__ import annotations
@@ -105,6 +92,7 @@ def _rank_main(rank: int, world_size: int, plain_rows: int) -> dict:
             if (op, variant, rows) in out:
                 continue
             tgt = None if target is None else target[:rows]
+            # unchunked: one chunk of every row; None: the default (~8M elements: 64 rows here)
             chunk = rows if variant == "unchunked" else None
             out[(op, variant, rows)] = _measure(op, logits[:rows], tgt, chunk, group)
     return out
@@ -116,6 +104,7 @@ def _plain_rows() -> int:
         return int(forced)
     avail = _mem_available_gib()
     v_local = V // TP
+    # unchunked at T = 4,096 needs about 16 GiB over the two ranks, inputs included
     for rows in (4096, 2048, 1024, 512):
         # per rank: bf16 logits + bf16 teacher probs at T, then for the unchunked call the bf16
         # gradient and two fp32 [rows, V / TP] buffers (entropy / soft CE backward)

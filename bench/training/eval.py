@@ -1,13 +1,5 @@
-"""Benchmark section "eval": the real teacher and student on every task, the "before" column.
-
-Runs the real entry point (``python -m trainer.eval``) in a subprocess on Gemma-3-270M and
-SmolLM2-135M-Instruct with a LIMIT suited to a 2-core CPU, and quotes its table (paired
-differences with standard errors), the seconds per task and the process's peak RSS. Then it times
-the batched KV-reusing scorer against the obvious baseline measured in the same run: one full
-forward (all logits) per (context, answer) pair, as a naive loglikelihood loop does, on the same
-examples, and checks that both give the same log-probabilities.
-
-``TOKENBRIDGE_EVAL_LIMIT`` overrides the LIMIT (default 20).
+"""The eval suite's "before" column: the real teacher and student on every task, and the batched
+KV-reusing scorer against a naive one-forward-per-answer loop, both in the same run.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ MEASURES = (
 )
 
 
-LIMIT = int(os.environ.get("TOKENBRIDGE_EVAL_LIMIT", "20"))
+LIMIT = int(os.environ.get("TOKENBRIDGE_EVAL_LIMIT", "20"))  # examples per task: a 2-core CPU
 # One torch thread: on a 2-core machine that other jobs keep busy, 2 OpenMP threads ran a matmul
 # 3x slower than 1 (each barrier waits for the descheduled thread); CPU seconds = the work.
 THREADS = int(os.environ.get("TOKENBRIDGE_EVAL_THREADS", "1"))

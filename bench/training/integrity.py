@@ -1,19 +1,8 @@
 """Checksums (issue 20): what they cost at write and at verify, and what they add to real jobs.
 
-Figures, all from one run on this machine (ratios mean something; absolute GB/s move with the
-load of the shared cores):
-
-1. the candidate hashes over one in-memory buffer (1 MiB updates): blake2b (hashlib), xxh64,
-   xxh3_64, xxh3_128 (xxhash) -> GB/s, and why xxh3_64 was chosen;
-2. writing a 512 MiB file through `integrity.HashingSink` vs a plain file (both fsynced), and
-   verifying it (`integrity.hash_file`, page cache warm) vs a plain read -> GB/s;
-3. ``make align`` on KJV (one process, FnApiRunner): the seconds its writers spent hashing
-   (measured inside the job) and verifying its output afterwards, as a share of the job;
-   and the value checks of every record batch it wrote (`tokenbridge.formats.value_checks`) -> GB/s of shard;
-4. a training run of the debug config (one process, 20 steps, 2 checkpoints): the seconds spent
-   verifying the shards, checking the values of the rows read, and hashing the checkpoints (the
-   run's summary.json), plus verifying the newest checkpoint as a resume does, as a share of
-   the run.
+The candidate hashes, a large file written through `HashingSink` and verified, `make align` on
+the KJV and a debug training run, all in one run: read the shares, since absolute GB/s move with
+the load of the shared cores.
 """
 
 from __future__ import annotations
@@ -75,7 +64,7 @@ def hashes() -> dict[str, float]:
 
 
 def files(tmp: Path) -> dict[str, float]:
-    from tokenbridge.formats import checksums as integrity
+    from tokenbridge.formats import checksums
 
     block = os.urandom(8 << 20)
     n = (FILE_MB << 20) // len(block)
@@ -88,7 +77,7 @@ def files(tmp: Path) -> dict[str, float]:
             os.fsync(f.fileno())
 
     def hashed():
-        sink = integrity.HashingSink(tmp / "hashed")
+        sink = checksums.HashingSink(tmp / "hashed")
         for _ in range(n):
             sink.write(block)
         sink.close()
@@ -101,34 +90,34 @@ def files(tmp: Path) -> dict[str, float]:
 
     size = n * len(block)
     out = {"write plain": size / _best(plain), "write + hash (HashingSink)": size / _best(hashed)}
-    integrity.COST.write_seconds = 0.0
+    checksums.COST.write_seconds = 0.0
     t0 = time.perf_counter()
     hashed()
-    out["hash share"] = integrity.COST.write_seconds / (time.perf_counter() - t0) * 1e9
+    out["hash share"] = checksums.COST.write_seconds / (time.perf_counter() - t0) * 1e9
     out["read plain (page cache)"] = size / _best(read)
     out["verify (hash_file, page cache)"] = size / _best(
-        lambda: integrity.hash_file(tmp / "hashed")
+        lambda: checksums.hash_file(tmp / "hashed")
     )
     return {k: v / 1e9 for k, v in out.items()}
 
 
 def _align_child(out: str) -> dict:
-    from pipelines.align import align_dofns as F
-    from pipelines.align import job as J
-    from tokenbridge.formats import checksums as integrity
-    from tokenbridge.formats import shards
-    from tokenbridge.formats import value_checks as values
+    from pipelines.align import align_dofns, job
+    from tokenbridge.formats import checksums, shards, value_checks
 
     t_dir, s_dir = str(paths.teacher_dir()), str(paths.student_dir())
-    F.cached_tokenizer(t_dir), F.cached_tokenizer(s_dir)  # load once, outside the timing
+    (
+        align_dofns.cached_tokenizer(t_dir),
+        align_dofns.cached_tokenizer(s_dir),
+    )  # load once, outside the timing
     argv = ["--data", str(paths.corpus_dir() / "kjv.jsonl"), "--teacher", t_dir, "--student",
             s_dir, "--out", out, "--overwrite", "--direct_num_workers", "1"]  # fmt: skip
     t0 = time.perf_counter()
-    J.run(argv)
+    job.run(argv)
     job_s = time.perf_counter() - t0
-    write_s = integrity.COST.write_seconds
+    write_s = checksums.COST.write_seconds
     t0 = time.perf_counter()
-    reports = integrity.verify_dir(out)
+    reports = checksums.verify_dir(out)
     verify_s = time.perf_counter() - t0
     assert all(r.ok for r in reports), [r.error for r in reports if not r.ok]
     size = sum(r.bytes or 0 for r in reports)
@@ -137,7 +126,7 @@ def _align_child(out: str) -> dict:
     batches = list(ss.iter_batches())
     t0 = time.perf_counter()
     for b in batches:
-        values.check_batch(b, ss.meta, where=out)
+        value_checks.check_batch(b, ss.meta, where=out)
     check_s = time.perf_counter() - t0
     return {"job_s": job_s, "bytes": size, "files": len(reports), "verify_s": verify_s,
             "hash_at_write_s": write_s, "check_s": check_s, "check_rows": ss.num_rows,
@@ -161,7 +150,7 @@ def align(tmp: Path) -> dict:
 def train(tmp: Path) -> dict:
     from bench.common import ensure_projection, run_trainer, shakespeare_docs
     from tokenbridge.alignment.text_shards import write_text_shards
-    from tokenbridge.formats import checksums as integrity
+    from tokenbridge.formats import checksums
 
     projection = ensure_projection()
     shards = write_text_shards(tmp / "debug-shards", shakespeare_docs(24, chars=700),
@@ -179,7 +168,7 @@ def train(tmp: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     newest = sorted((run / "checkpoints").glob("step-*"))[-1]
     t0 = time.perf_counter()
-    assert all(r.ok for r in integrity.verify_dir(newest))
+    assert all(r.ok for r in checksums.verify_dir(newest))
     resume_s = time.perf_counter() - t0
     ckpt_bytes = sum(p.stat().st_size for p in newest.iterdir())
     shard_bytes = sum(p.stat().st_size for p in shards.iterdir())

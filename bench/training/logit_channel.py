@@ -1,26 +1,8 @@
 """Transfer of teacher outputs: the logit channel vs pickling the same tensors through a pipe.
 
-A producer process holds a float32 payload of a given size (the stand-in for one microbatch of
-teacher outputs); the consumer asks for it and ends with a tensor it can use, touching every
-page once (a read pass the loss would make anyway). Both ways use the same process layout:
-
-- baseline: ``conn.send_bytes(pickle.dumps(outputs))`` -> ``pickle.loads(conn.recv_bytes())``,
-  what a ``multiprocessing`` queue of plain tensors does;
-- channel: ``TeacherChannel.submit`` -> the worker copies its outputs into a shared-memory slot
-  -> ``receive`` hands the consumer a zero-copy view; only (seq, slot, shapes) cross the pipe.
-
-Each method runs in its own consumer process (``python -m bench.training.logit_channel --method
-M``) so peak RSS (``ru_maxrss``, sizes ascending) belongs to that method alone; the producer's peak is
-``RUSAGE_CHILDREN`` after it is reaped. Figures: median seconds per microbatch, the ratio
-pipe / channel, and peak-RSS growth of consumer and producer.
-
-``--device cuda`` (``python -m bench.training.logit_channel --device cuda``, or the ``channel_cuda``
-section, `bench/gpu/channel_cuda.py`) measures the GPU path with the same processes: the
-payload lives on the GPU; the baseline pickles the CUDA tensor (device -> host, pipe, host ->
-device on unpickling); the channel's ring is one CUDA allocation shared by IPC handle at start,
-the worker copies device to device and the student's stream waits on an interprocess event. The
-consumer reads every element (``sum``, which also synchronises), and its CUDA allocator peak is
-reported next to RSS.
+Both in the same process layout, a producer holding the payload and a consumer that reads it;
+each method runs in its own consumer process (``--method``), so its peak RSS is its own.
+``--device cuda`` measures the GPU path, CUDA IPC (the ``channel_cuda`` section).
 """
 
 from __future__ import annotations
@@ -36,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.multiprocessing
 
 from trainer.teacher.channel import ChannelConfig, TeacherChannel
 from trainer.teacher.ring import TensorSpec
@@ -91,9 +74,7 @@ def _pipe_producer(conn, nbytes: int, device: str) -> None:
 
 
 def _time_pipe(nbytes: int, device: str) -> list[float]:
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_pipe_producer, args=(child, nbytes, device), daemon=True)
     proc.start()

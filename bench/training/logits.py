@@ -1,18 +1,9 @@
 """Logits never whole: peak memory and step time of the student's step at long sequence.
 
-One row of 4k, 8k and 16k tokens through the demo student's shape (SmolLM2-135M: hidden 576,
-vocabulary 49152, random init, fp32) with activation checkpointing on every block, CE on every
-position, forward + backward: the whole [T, V] logits (``parallel.logits_chunk=0``, the path
-before chunking) against the lm_head's input projected 256 positions at a time
-(`trainer.parallel.head`). Each measurement runs in its own interpreter (`bench.child`) so peaks
-do not mix; peak RSS is read from the kernel's high-water mark, reset after the model is built,
-so "step peak" is what the step adds over the model's own weights.
-
-The logits' memory does not depend on the depth, and with activation checkpointing the blocks
-add only their inputs (T x 576 floats each), so the student keeps 2 of its 30 blocks here: a
-16k-token step then takes about a minute on 2 cores instead of ten. The step-time ratio is
-therefore a bound on the chunking's cost: with 30 blocks the lm_head is a smaller share, so
-one 4k-token step also runs at the real depth of 30 blocks.
+Why 2 of its 30 blocks: the logits' memory does not depend on the depth, and with activation
+checkpointing a block adds only its input, so 2 blocks keep a 16k-token step near a minute on
+2 cores instead of ten. The time ratio is then a bound on the chunking's cost (at 30 blocks the
+lm_head is a smaller share), and one 4k-token step runs at the real depth as well.
 """
 
 from __future__ import annotations

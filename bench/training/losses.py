@@ -1,21 +1,8 @@
-"""Benchmark: `xtoken` and `gold` forward+backward next to TRL 1.16's ULDLoss and a naive dense path.
+"""`xtoken` and `gold` forward + backward next to TRL 1.16's ULDLoss and a naive dense path.
 
-Shapes of the shipped pair: V_s = 49,152 (SmolLM2), V_t = 262,144 (Gemma 3), one sequence of T
-student tokens, teacher ~0.9 T tokens, CPU, fp32. The alignment is synthetic but realistic
-(78% 1:1 chunks, the rest 1:2, 2:1, 2:2); the exact map has 46,000 pairs (the by-bytes count of
-Gemma x SmolLM2); xtoken reads the teacher's top-32 through first-token bucket rows.
-
-Cases (each in a fresh subprocess, so its peak RSS is its own; the peak is the VmHWM growth
-over the inputs, reset with /proc/self/clear_refs after the inputs are built):
-
-- ``xtoken`` / ``gold``: our loss, student side only (the student process's cost), given the
-  `TeacherOutputs` the teacher worker ships; the teacher's extraction time is its own column.
-- ``naive_*``: the same math written the obvious way, whole-sequence [T, V] tensors for both
-  models, no row blocks, no recompute (checked to agree with the fast path in the same run).
-- ``trl_plain`` / ``trl_hybrid``: TRL's ULDLoss (extended ULD, "bayesian" merge; hybrid with the
-  same 46,000 exact pairs). Capped at T = 256: it took 115 s and +6.3 GiB at T = 1,024 here.
-
-Run: ``python -m bench.run_all losses`` (or ``python -m bench.training.losses`` to print).
+The shipped pair's vocabularies on a synthetic alignment, each case in a fresh process so its
+peak is its own; times are also given over a plain CE on the same logits in the same process,
+which keeps runs on a loaded machine comparable (docs/losses.md, "Benchmark").
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ MEASURES = (
 
 
 V_S, V_T = 49_152, 262_144
-EXACT_PAIRS = 46_000
+EXACT_PAIRS = 46_000  # about the by-bytes count of Gemma x SmolLM2
 K_TOP = 32
 GOAL_S, GOAL_MIB = 2.0, 1536
 CASES = (
@@ -74,6 +61,7 @@ def make_inputs(T: int, seed: int = 0):
     from tokenbridge.losses import collate_aligned, index_chunks
 
     g = torch.Generator().manual_seed(seed)
+    # synthetic but realistic chunks: 78% 1:1, the rest 1:2, 2:1 and 2:2
     kinds = torch.multinomial(
         torch.tensor([0.78, 0.08, 0.10, 0.04]), T, replacement=True, generator=g
     )

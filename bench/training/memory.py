@@ -1,30 +1,10 @@
-"""Benchmark section "memory": the student's peak memory and step time with and without
-activation checkpointing (``parallel.activation_checkpointing``), on CPU, at 4k and 16k tokens.
+"""Student memory: peak and step time with and without activation checkpointing, at 4k and 16k
+tokens on CPU.
 
-The demo student's shape (SmolLM2-135M: width 576, 49,152-wide vocabulary; random init, fp32),
-one row, one forward and backward of the student's CE as the trainer computes it
-(`tokenbridge.losses.ce.ce` on the lm_head's input projected `logits_chunk` rows at a time,
-`trainer.parallel.head`; or on whole logits, `logits_chunk=0`, when asked for). Each run is its
-own interpreter (`bench.child.run_child`), so its peak is its own: the RSS high-water mark of the
-step, reset once the model is built, under an address-space cap of `LIMIT_GIB` (a run that does
-not fit says so instead of taking the machine down).
-
-Why 1 and 2 blocks, not 30: a 30-block step at 16k tokens takes well over ten minutes on these
-2-core machines. Through the backward each block frees what it saved (all its activations
-without AC, only its input with it) as its weights' gradients appear, so what the step holds
-moves along a line from the start of the backward (every block's saved tensors) to its end (every
-gradient), and its peak is at one end. Both ends are lines in the number of blocks; the runs with
-1 and 2 blocks give them at the real length (the high-water mark for the start, the RSS after the
-step for the end), read at 30 (`DEPTH`); a real 30-block run at `CHECK` tokens checks the result.
-Two things keep the runs honest and short: glibc's mmap threshold is fixed (`MALLOC`), so a freed
-tensor leaves RSS at once and the peak is what the step holds, not the heap's history (without
-it repeated runs differed by 0.5 GiB); and the CE scores the last `SCORED` positions only: the
-chunked CE projects only the rows it scores and holds O(chunk x V) whatever their number (its
-gradient goes to the [T, 576] hidden states either way), and scoring all 16k rows would triple
-the run time.
-
-The variants are rows of `VARIANTS`, each a dict of the knobs `_child` takes; another axis is one
-more key there and in `student_ce`.
+Why 1 and 2 blocks, not 30: a 30-block step at 16k tokens takes well over ten minutes here. A
+step holds the most at one end of its backward (every block's saved tensors, or every gradient),
+and both ends are lines in the number of blocks: the runs at 1 and 2 blocks give the lines, read
+at 30 (`DEPTH`), and one real 30-block run at `CHECK` tokens checks them (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -55,15 +35,22 @@ CHECK = 512  # tokens at which 30 blocks are run too, to check the line in the n
 DEPTHS = (1, 2)
 DEPTH = 30  # SmolLM2-135M's blocks
 CHUNK = 256  # the trainer's default parallel.logits_chunk
+# the CE scores the last SCORED positions only: the chunked CE projects only the rows it scores
+# and holds O(chunk x V) whatever their number (its gradient reaches the [T, 576] hidden states
+# either way); scoring all 16k rows would triple the run time
 SCORED = CHUNK
 # TOKENBRIDGE_BENCH_MEMORY_WHOLE=1 adds the whole-logits pair (`logits_chunk=0`; logits.py
 # compares the two logits paths themselves)
 CHUNKS = (CHUNK, 0) if os.environ.get("TOKENBRIDGE_BENCH_MEMORY_WHOLE") == "1" else (CHUNK,)
+# each a dict of the knobs `_child` takes: another axis is one more key here and in `student_ce`
 VARIANTS: tuple[dict, ...] = tuple(
     {"ac": ac, "logits_chunk": chunk} for chunk in CHUNKS for ac in ("none", "full")
 )
-LIMIT_GIB = 20.0
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # any tensor over 128 KiB: its own mmap
+LIMIT_GIB = 20.0  # address-space cap: a run that does not fit says so, not takes the machine down
+# glibc's mmap threshold fixed, so any tensor over 128 KiB is its own mmap and a freed one leaves
+# RSS at once: the peak is what the step holds, not the heap's history (without it, repeated
+# runs differed by 0.5 GiB)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 # one torch thread: on a 2-core machine that other jobs keep busy, two OpenMP threads ran the
 # same step up to 3x slower (eval.py); step times are then CPU-seconds of the work
 THREADS = 1

@@ -1,21 +1,8 @@
-"""The student step under TP and CP on CPU: peak memory per rank and step time, gloo.
-
-Part 1, tensor parallel: the demo student (SmolLM2-135M, pretrained) on 1 x 2,048 tokens,
-tp = 1 (one process) vs tp = 3 (three ranks): the lm_head column-parallel (logits [B, T, V / 3]
-per rank), embeddings vocab-parallel, attention and MLP split. Why 3: the model has 9 attention
-heads and 3 K/V heads, which tp = 2 cannot split (the preflight refuses it); 3 ranks share 2
-cores here, so that row's time is oversubscribed and only its memory is a clean figure. Part 2, context parallel: a
-narrow, deep random config (SmolLM2's 49,152-token vocabulary) at 8,192 tokens, cp = 1 vs
-cp = 2: each rank holds 4,096 positions of the sequence, K and V all-gathered per layer.
+"""The student step under TP and CP on CPU (gloo): peak memory per rank and step time.
 
 A step is what the trainer does for one microbatch and its update, through the trainer's own
-verbs (`apply_tp`, `apply_cp`, `apply_fsdp`, `cp_attention.model_inputs`, the vocab-parallel
-CE): forward, CE / global count, backward, AdamW. Each case runs in fresh processes (one torch
-thread each: tp = 3 and cp = 2 use both cores, tp = 1 and cp = 1 one): a warm-up step, then
-measured steps. Peak = the resident-set high-water mark during a measured step minus the
-resident set just before it (Linux ``clear_refs`` resets the mark): activations, logits and
-their gradient, parameter gradients, FSDP buffers; max over ranks. The weights and AdamW state
-are resident before the step and not counted.
+verbs (`apply_tp`, `apply_cp`, `apply_fsdp`, the vocab-parallel CE), each case in fresh
+processes against its one-process baseline.
 """
 
 from __future__ import annotations
@@ -65,7 +52,7 @@ def _rank_main(rank: int, world_size: int, case: dict) -> dict:
     from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
     from tokenbridge.losses import ce
     from trainer.config.schema import ModelConfig
-    from trainer.microbatches import collate
+    from trainer.data.microbatches import collate
     from trainer.parallel import parallelize
     from trainer.parallel.cp_attention import model_inputs
     from trainer.parallel.mesh import build_mesh

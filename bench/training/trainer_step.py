@@ -1,15 +1,9 @@
-"""Trainer step on CPU with the demo models (Gemma-3-270M -> SmolLM2-135M, xtoken), 1 x 512 tokens.
+"""The trainer step on CPU with the demo models (Gemma-3-270M -> SmolLM2-135M, xtoken).
 
-Part 1, one process, sequential, so every part is timed alone: teacher forward (+ the top-k
-outputs the loss needs), transfer of those outputs into a shared-memory slot (vs pickling the
-same tensors through a pipe to another process), student forward, losses (CE + xtoken), backward,
-AdamW. The distillation overhead is the distillation step over its baseline, the teacher forward
-plus a CE-only student step: what distillation adds beyond running a teacher (goal <= 15%).
-Those three are timed alternated, repeat by repeat (`_alternated`), the other parts alone.
-
-Part 2, the real thing: ``trainer/main.py conf=demo`` in a subprocess (FSDP world 1, teacher in
-its worker process one microbatch ahead, student and worker one thread each), median step time
-against the same baseline measured in part 1 with one thread.
+Part 1 times each part of the step alone, in one process; the distillation overhead is the step
+over its baseline, a teacher forward plus a CE-only student step (the three timed in turn,
+repeat by repeat: `_alternated`). Part 2 runs the real ``trainer/main.py conf=demo`` against
+the same baseline.
 """
 
 from __future__ import annotations
@@ -110,8 +104,8 @@ def breakdown(threads: int, tmp: Path) -> dict:
     )
     from tokenbridge.teacher.outputs import TeacherOutputs, Workspace, teacher_outputs_from_logits
     from trainer.config.schema import ModelConfig, TeacherConfig
-    from trainer.microbatches import collate
-    from trainer.shard_reader import ShardReader
+    from trainer.data.microbatches import collate
+    from trainer.data.shard_reader import ShardReader
     from trainer.teacher.model_program import TeacherModelProgram, teacher_forward
     from trainer.teacher.ring import SlotRing, TensorSpec, plan_layout
 

@@ -1,21 +1,9 @@
-"""The DoFns that read and align (`pipelines.align.job` assembles them; `write_dofns` writes).
+"""The align job's text path: DoFns that read documents in batches, tokenize, align, cut windows.
 
-They live in the package, not next to the pipeline or in tests, because Beam's multi-process
-workers and Dask workers unpickle them by module path. Each one is a thin shell around pure
-functions (`readers`, `tokenizer`, `alignment`, `window_batch`, `pieces`): tokenizers are loaded
-once per worker process in `setup()` (shared between DoFns through a per-process cache), every
-drop and fallback bumps a `Metrics` counter and sends a dead letter to the ``DEAD`` stream, and
-the time spent per stage goes into `Metrics` distributions (microseconds) for the benchmark.
-
-Elements are columnar batches, never one per document or window: `DocBatch` (up to
-`BATCH_CHARS` of text from one file) and `Windows` (an Arrow RecordBatch of shard rows plus a
-statistics vector, `job_stats`). A document longer than the piece size goes through
-`tokenbridge.alignment.long_documents`, one piece at a time.
-
-Two limits of Beam 2.77's DaskRunner shape the code, so one pipeline runs on every runner:
-it drops what a DoFn emits from ``finish_bundle`` (so every record is emitted from
-``process``), and it mixes the tagged outputs of a multi-output ParDo into one stream (so DoFns
-with several outputs emit ``(tag, value)`` pairs that the job splits with `select`).
+Each is a thin shell over pure functions (`readers`, `tokenbridge.alignment`): tokenizers are
+loaded once per worker process (`cached_tokenizer`), elements are columnar batches (`DocBatch`,
+`Windows`), every drop is a counted dead letter, and stage times go to `Metrics` distributions.
+Records leave from ``process`` as ``(tag, value)`` pairs, for the DaskRunner (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -33,12 +21,10 @@ from pipelines.align import job_stats, readers
 from pipelines.plumbing import progress
 from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
 from tokenbridge import remote_models
-from tokenbridge.alignment import WindowConfig
-from tokenbridge.alignment import window_batch as WB
-from tokenbridge.alignment import window_kernel as K
+from tokenbridge.alignment import WindowConfig, window_batch, window_kernel
 from tokenbridge.alignment.chunks import AlignmentError, align_batch_flat, vocab_bytes
 from tokenbridge.alignment.long_documents import PieceConfig, PieceWalk
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.tokenizers import Tokenizer, load_tokenizer
 
 # dead-letter reasons added by the job (the readers define theirs)
@@ -163,7 +149,9 @@ class AlignWindowsDoFn(beam.DoFn):
         self.teachers = [cached_tokenizer(p) for p in self.teacher_paths]
         self.student_bytes = vocab_bytes(self.student)  # byte tables for the DP fallback
         self.teacher_bytes = [vocab_bytes(t) for t in self.teachers]
-        self.schema = S.shard_schema(self.student.info(), [t.info() for t in self.teachers])
+        self.schema = shard_schema.shard_schema(
+            self.student.info(), [t.info() for t in self.teachers]
+        )
         self.layout = job_stats.StatsLayout(len(self.teachers))
         w = self.window
         self.specials = [
@@ -176,9 +164,11 @@ class AlignWindowsDoFn(beam.DoFn):
         self.timing = False
         s_enc, t_encs = self._encode([_WARMUP])
         als = self._align(s_enc, t_encs)
-        text = WB.BatchText.from_texts([_WARMUP])
+        text = window_batch.BatchText.from_texts([_WARMUP])
         student, teachers = self._sides(s_enc, t_encs, als)
-        cut = self._cut(text, student, teachers, WB.RowPlan.whole(text, np.ones(1, np.bool_)))
+        cut = self._cut(
+            text, student, teachers, window_batch.RowPlan.whole(text, np.ones(1, np.bool_))
+        )
         zeros = np.zeros(1, np.int64)
         self._rows(cut, text, student, teachers, doc_ids=["w"], char_base=zeros, window_base=zeros)
         self.timing = True
@@ -204,15 +194,16 @@ class AlignWindowsDoFn(beam.DoFn):
 
     def _sides(self, s_enc, t_encs, als):
         (sb, se), *ts = self.specials
-        student = WB.Side(s_enc.ids, s_enc.row_splits, sb, se)
+        student = window_batch.Side(s_enc.ids, s_enc.row_splits, sb, se)
         teachers = [
-            (WB.Side(e.ids, e.row_splits, b, x), al) for e, (b, x), al in zip(t_encs, ts, als)
+            (window_batch.Side(e.ids, e.row_splits, b, x), al)
+            for e, (b, x), al in zip(t_encs, ts, als)
         ]
         return student, teachers
 
     def _cut(self, text, student, teachers, plan):
         with self._timer("windows"):
-            return WB.cut_batch(
+            return window_batch.cut_batch(
                 text,
                 student,
                 teachers,
@@ -224,7 +215,7 @@ class AlignWindowsDoFn(beam.DoFn):
 
     def _rows(self, cut, text, student, teachers, *, doc_ids, char_base, window_base):
         with self._timer("to_arrow"):
-            return WB.to_record_batch(
+            return window_batch.to_record_batch(
                 cut,
                 text,
                 student,
@@ -240,7 +231,10 @@ class AlignWindowsDoFn(beam.DoFn):
         lay = self.layout
         lay.add(vec, "windows", batch.num_rows)
         n_s = len(batch.column("student_ids").values)
-        n_t = [len(batch.column(S.teacher_ids_column(i)).values) for i in range(len(self.teachers))]
+        n_t = [
+            len(batch.column(shard_schema.teacher_ids_column(i)).values)
+            for i in range(len(self.teachers))
+        ]
         lay.add(vec, "student_tokens", n_s)
         lay.add(vec, "teacher_tokens", n_t)
         return n_s + sum(n_t)
@@ -295,9 +289,9 @@ class AlignWindowsDoFn(beam.DoFn):
                         )
                     )
                 row_ok[b] = False
-        text = WB.BatchText.from_texts(texts)
+        text = window_batch.BatchText.from_texts(texts)
         student, teachers = self._sides(s_enc, t_encs, als)
-        cut = self._cut(text, student, teachers, WB.RowPlan.whole(text, row_ok))
+        cut = self._cut(text, student, teachers, window_batch.RowPlan.whole(text, row_ok))
         n_win = np.diff(cut.win_splits)
         for b in np.flatnonzero(row_ok & (n_win == 0)):
             yield dead(self._no_windows(cut, b, file=batch.file, doc_id=ids[b]))
@@ -325,9 +319,9 @@ class AlignWindowsDoFn(beam.DoFn):
     def _no_windows(self, cut, b: int, *, file: str, doc_id: str, partial: bool = False) -> dict:
         kw = {"doc_id": doc_id, "partial": partial}
         status = int(cut.status[b])
-        if status == K.UNCUTTABLE:
+        if status == window_kernel.UNCUTTABLE:
             return readers.dead_letter(file, UNCUTTABLE, self._uncut_detail(cut, b), **kw)
-        if status == K.BAD_CHUNKS:
+        if status == window_kernel.BAD_CHUNKS:
             detail = "alignment chunk ends go backwards; cannot cut windows"
             return readers.dead_letter(file, ALIGN_ERROR, detail, **kw)
         return readers.dead_letter(file, NO_TOKENS, "no tokens on any side", **kw)
@@ -365,13 +359,13 @@ class AlignWindowsDoFn(beam.DoFn):
                 yield dead(readers.dead_letter(batch.file, ALIGN_ERROR, bad[0] + where, **ends))
                 break
             fallback |= np.array([al.fallback_regions[0] > 0 for al in als])
-            ptext_bytes = WB.BatchText.from_texts([ptext])
+            ptext_bytes = window_batch.BatchText.from_texts([ptext])
             final = (
                 len(ptext_bytes.data)
                 if piece.last
                 else len(text[piece.start : piece.final_to].encode())
             )
-            plan = WB.RowPlan(
+            plan = window_batch.RowPlan(
                 np.array([len(text[piece.start : piece.cut_from].encode())], np.int64),
                 np.array([final], np.int64),
                 np.array([piece.last]),
@@ -380,7 +374,7 @@ class AlignWindowsDoFn(beam.DoFn):
             )
             student, teachers = self._sides(s_enc, t_encs, als)
             cut = self._cut(ptext_bytes, student, teachers, plan)
-            if cut.status[0] == K.BAD_CHUNKS:
+            if cut.status[0] == window_kernel.BAD_CHUNKS:
                 yield dead(self._no_windows(cut, 0, file=batch.file, **ends))
                 break
             vec = lay.zeros()

@@ -1,15 +1,8 @@
-"""The DoFns of the align job's conversation path (`pipelines.align.job` assembles them).
+"""The align job's conversation path: DoFns that read conversation rows and make shard rows.
 
-The text path reads documents and cuts windows (`align_dofns`); a conversation job reads rows
-(`pipelines.align.chat_read`) and turns each batch of them into shard rows with the pure core of
-`tokenbridge.chat`: `rows.parse_row` -> `align.align_conversations` (every side renders with its
-own template, contents aligned, turn markers paired, train flags) -> `fit` (the window limits)
--> `records.record_batch` (Arrow columns). The elements and outputs are the text path's: a
-`Windows` (an Arrow batch plus a statistics vector) goes to the same rolling shard writer, and
-every refused row is a dead letter with file, row, field and reason, counted by reason.
-
-Like `align_dofns`, these live in the package (Beam's and Dask's workers unpickle them by module
-path), load tokenizers once per process (`cached_tokenizer`), and emit ``(tag, value)`` pairs.
+Each batch goes through the pure core of `tokenbridge.chat` (parse, render and align every
+side, fit to the window limits, Arrow columns) and leaves as the text path's `Windows`, for the
+same rolling shard writer; every refused row is a dead letter with file, row, field and reason.
 """
 
 from __future__ import annotations
@@ -20,8 +13,7 @@ from dataclasses import dataclass, field
 import apache_beam as beam
 import numpy as np
 
-from pipelines.align import chat_records as records
-from pipelines.align import job_stats
+from pipelines.align import chat_records, job_stats
 from pipelines.align.align_dofns import (
     ALIGN_ERROR,
     BATCH_CHARS,
@@ -41,7 +33,7 @@ from tokenbridge.chat import fit, rows
 from tokenbridge.chat.align import align_conversations, prepare_side
 from tokenbridge.chat.rows import Conversation, DeadLetter, Message
 from tokenbridge.chat.templates import ChatTemplate
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 
 BATCH_ROWS = 512  # conversations per alignment batch
 MAX_ROUNDS = 8  # keep_suffix: renders of one batch's long conversations before giving up
@@ -153,13 +145,13 @@ class AlignChatDoFn(beam.DoFn):
             prepare_side(t, tmpl, name=f"teacher{i} ({t.name})")
             for i, (t, tmpl) in enumerate(zip(t_toks, self.chat.teacher_templates))
         ]
-        meta = records.chat_meta(
+        meta = chat_records.chat_meta(
             self.student,
             self.teachers,
             train_on=self.chat.train_on,
             long_conversations=self.chat.long_conversations,
         )
-        self.schema = S.shard_schema(s_tok.info(), [t.info() for t in t_toks], chat=meta)
+        self.schema = shard_schema.shard_schema(s_tok.info(), [t.info() for t in t_toks], chat=meta)
         self.layout = job_stats.StatsLayout(len(t_toks))
         w = self.window
         self.limits = np.array(
@@ -246,7 +238,7 @@ class AlignChatDoFn(beam.DoFn):
                     yield dead(letter.record(file=file, row=r.row, doc_id=r.doc_id))
             if keep.any():
                 with self._timer("to_arrow"):
-                    rec = records.record_batch(
+                    rec = chat_records.record_batch(
                         cb,
                         [c for c, _, _ in live],
                         doc_ids=[r.doc_id for _, r, _ in live],
@@ -256,7 +248,7 @@ class AlignChatDoFn(beam.DoFn):
                     if not keep.all():  # (take loads pyarrow.compute: ~0.6 s once per process)
                         rec = rec.take(np.flatnonzero(keep))
                 vec = self.layout.zeros()
-                records.add_stats(self.layout, vec, cb, keep, rec)
+                chat_records.add_stats(self.layout, vec, cb, keep, rec)
                 truncated = sum(1 for b in np.flatnonzero(keep) if live[b][2] is not None)
                 self.layout.add(vec, "truncated_conversations", truncated)
                 if truncated:

@@ -1,18 +1,10 @@
 """Conversation rows out of ``.jsonl`` and ``.parquet`` files, for the align job's chat path.
 
-The text readers (`pipelines.align.readers`) pull one string field out of each record; a conversation
-is a whole record (``messages``, or ``prompt`` + ``completion``), so these readers yield the
-record itself (`Row`) and leave parsing to `tokenbridge.chat.rows.parse_row`, which gives every
-bad row its own reason. What is bad before parsing (bytes that are not UTF-8, a line that is not
-JSON) is a dead letter here, with file, row and line, as in the text readers.
-
-The row format is detected per file from its first record (`rows.detect_format`) unless the job
-names it (a byte range of a large file reads the file's first record for it, so a bad record
-that happens to open a range is that record's dead letter, not the range's). A file whose
-records are plain ``text`` (or a ``.txt`` file) in a conversation job is one dead letter for the
-whole file (`ROW_FORMAT_MISMATCH`): one job writes one shard schema, so text goes through its
-own run. `peek_format` looks at the first record of a file, so the job can decide before it
-starts whether it is a text or a conversation job.
+A conversation is a whole record (``messages``, or ``prompt`` + ``completion``), so these
+readers yield the record (`Row`) and leave parsing to `tokenbridge.chat.rows.parse_row`; only
+what is bad before parsing (bytes that are not UTF-8, a line that is not JSON) is a dead letter
+here. A file of plain text records in a conversation job is one dead letter
+(`ROW_FORMAT_MISMATCH`): one job writes one shard schema.
 """
 
 from __future__ import annotations
@@ -21,11 +13,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pipelines.align import readers as R
+from pipelines.align import readers
 from tokenbridge.chat import rows
 
 ROW_FORMAT_MISMATCH = "row_format_mismatch"
-CHAT_SUFFIXES = R.JSONL_SUFFIXES + R.PARQUET_SUFFIXES
+CHAT_SUFFIXES = readers.JSONL_SUFFIXES + readers.PARQUET_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -39,7 +31,7 @@ class Row:
 
 
 def _mismatch(path: str, doc_id: str, found: str, *, row: int | None = None) -> dict:
-    return R.dead_letter(
+    return readers.dead_letter(
         path,
         ROW_FORMAT_MISMATCH,
         f"this is a conversation job ({rows.MESSAGES} or {rows.PROMPT_COMPLETION} rows) but the "
@@ -65,15 +57,15 @@ def read_jsonl_rows(
     doc_id: str,
     *,
     row_format: str | None,
-    split: R.Split | None = None,
-    pos: R.Position | None = None,
+    split: readers.Split | None = None,
+    pos: readers.Position | None = None,
 ) -> Iterator[Row | dict]:
     """Records of a jsonl file (or of one byte range of it) as `Row`s, bad lines as dead
     letters. `row_format` None: detected from the first record read."""
     fmt = row_format
     if fmt is None and split is not None and split.start:
         fmt = peek_format(path)  # a later byte range: the format of the file's first record
-    for record in R.jsonl_records(path, doc_id, split=split, pos=pos):
+    for record in readers.jsonl_records(path, doc_id, split=split, pos=pos):
         if isinstance(record, dict):
             yield record  # a dead letter
             continue
@@ -94,7 +86,7 @@ def read_parquet_rows(path: str, doc_id: str, *, row_format: str | None) -> Iter
     """Records of a parquet file as `Row`s (a ``messages`` column of structs reads as dicts)."""
     import pyarrow.parquet as pq
 
-    with R._open(path, binary_seekable=True) as f:
+    with readers._open(path, binary_seekable=True) as f:
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
         fmt = _file_format({n: None for n in names}, fixed=row_format, where=path)
@@ -105,8 +97,8 @@ def read_parquet_rows(path: str, doc_id: str, *, row_format: str | None) -> Iter
         wanted += [c for c in ("tools",) if c in names]
         missing = [c for c in wanted if c not in names]
         if missing:
-            yield R.dead_letter(
-                path, R.MISSING_FIELD, f"no column {missing[0]!r} (found {names[:10]})"
+            yield readers.dead_letter(
+                path, readers.MISSING_FIELD, f"no column {missing[0]!r} (found {names[:10]})"
             )
             return
         row = 0
@@ -121,12 +113,12 @@ def read_rows(
     doc_id: str,
     *,
     row_format: str | None,
-    split: R.Split | None = None,
-    pos: R.Position | None = None,
+    split: readers.Split | None = None,
+    pos: readers.Position | None = None,
 ) -> Iterator[Row | dict]:
     """Every conversation record (and dead letter) of one file or byte range. Never raises on
     bad input: a failure while reading ends the file with a dead letter."""
-    fmt = R.file_format(path)
+    fmt = readers.file_format(path)
     if fmt == "jsonl":
         gen = read_jsonl_rows(path, doc_id, row_format=row_format, split=split, pos=pos)
     elif fmt == "parquet":
@@ -137,22 +129,24 @@ def read_rows(
     try:
         yield from gen
     except Exception as e:  # noqa: BLE001 - any failure to read a file is that file's dead letter
-        yield R.dead_letter(path, R.UNREADABLE_FILE, f"{type(e).__name__}: {e}", doc_id=doc_id)
+        yield readers.dead_letter(
+            path, readers.UNREADABLE_FILE, f"{type(e).__name__}: {e}", doc_id=doc_id
+        )
 
 
 def peek_format(path: str) -> str | None:
     """The row format of a file's first record (jsonl, parquet), or None (txt, empty, unreadable:
     the text job decides what to do with it)."""
-    fmt = R.file_format(path)
+    fmt = readers.file_format(path)
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            with R._open(path, binary_seekable=True) as f:
+            with readers._open(path, binary_seekable=True) as f:
                 names = pq.ParquetFile(f).schema_arrow.names
             return rows.detect_format({n: None for n in names})
         if fmt == "jsonl":
-            with R._open(path) as f:
+            with readers._open(path) as f:
                 for raw in iter(f.readline, b""):
                     if raw.strip():
                         return rows.detect_format(json.loads(raw))

@@ -1,13 +1,10 @@
 """Aligned conversations -> shard rows (Arrow), column by column, and their statistics.
 
-One row per conversation. The flat per-token arrays of a `ChatBatch` already carry row splits,
-so every list column is one Arrow ``ListArray`` over them (no per-row or per-token Python); a
-subset of rows (the ones that fit the windows) is one ``take``. The columns are the text
-shards' (``text`` is the student's rendering, ``char_start`` / ``char_end`` span it) plus the
-conversation columns of `tokenbridge.formats.shard_schema`: messages, trained bytes (as the
-student's rendering shows the contents: without the edge whitespace its template leaves out),
-train codes per side and chunk kinds per teacher. ``chat_meta`` is what the file metadata and stats.json record of the
-sides: each template (name, source, sha256), turn markers, the train mode.
+One row per conversation. Every list column is one Arrow ``ListArray`` over the flat per-token
+arrays of a `ChatBatch` and their row splits, and the rows that fit are one ``take``: no Python
+per row or per token. The columns are the text shards' (``text`` is the student's rendering)
+plus the conversation columns of `tokenbridge.formats.shard_schema`; `chat_meta` is what the
+file metadata and stats.json record of the sides (templates, turn markers, the train mode).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from pipelines.align import job_stats
 from tokenbridge.chat import rows
 from tokenbridge.chat.edges import REWRITES, rewrite_kinds
 from tokenbridge.chat.train_flags import picked_messages, side_flags, train_codes
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 
 
 def chat_meta(student, teachers, *, train_on: str, long_conversations: str) -> dict:
@@ -75,23 +72,31 @@ def record_batch(
         "char_end": pa.array(text_len),
         "text": pa.array(s.texts, pa.string()),
         "student_ids": _lists(s.token_splits, s.ids, pa.int32()),
-        S.MESSAGES_COLUMN: pa.array(
+        shard_schema.MESSAGES_COLUMN: pa.array(
             [json.dumps([m.as_dict() for m in c.messages], ensure_ascii=False) for c in convs],
             pa.string(),
         ),
-        S.TRAINED_BYTES_COLUMN: pa.array(trained_bytes.astype(np.int64)),
-        S.STUDENT_TRAIN_COLUMN: _lists(s.token_splits, train_codes(batch.train, s.kind), pa.int8()),
+        shard_schema.TRAINED_BYTES_COLUMN: pa.array(trained_bytes.astype(np.int64)),
+        shard_schema.STUDENT_TRAIN_COLUMN: _lists(
+            s.token_splits, train_codes(batch.train, s.kind), pa.int8()
+        ),
     }
     for i, (t, p) in enumerate(zip(batch.teachers, batch.pairs)):
         t_codes = train_codes(side_flags(t, chosen, train_on=train_on), t.kind)
-        cols[S.teacher_ids_column(i)] = _lists(t.token_splits, t.ids, pa.int32())
-        cols[S.teacher_chunk_column(i)] = _lists(t.token_splits, p.teacher_chunk, pa.int32())
-        cols[S.teacher_student_chunk_column(i)] = _lists(
+        cols[shard_schema.teacher_ids_column(i)] = _lists(t.token_splits, t.ids, pa.int32())
+        cols[shard_schema.teacher_chunk_column(i)] = _lists(
+            t.token_splits, p.teacher_chunk, pa.int32()
+        )
+        cols[shard_schema.teacher_student_chunk_column(i)] = _lists(
             s.token_splits, p.student_chunk, pa.int32()
         )
-        cols[S.teacher_n_chunks_column(i)] = pa.array(np.diff(p.chunk_splits).astype(np.int32))
-        cols[S.teacher_train_column(i)] = _lists(t.token_splits, t_codes, pa.int8())
-        cols[S.teacher_chunk_kind_column(i)] = _lists(p.chunk_splits, p.chunk_kind, pa.int8())
+        cols[shard_schema.teacher_n_chunks_column(i)] = pa.array(
+            np.diff(p.chunk_splits).astype(np.int32)
+        )
+        cols[shard_schema.teacher_train_column(i)] = _lists(t.token_splits, t_codes, pa.int8())
+        cols[shard_schema.teacher_chunk_kind_column(i)] = _lists(
+            p.chunk_splits, p.chunk_kind, pa.int8()
+        )
     missing = [f.name for f in schema if f.name not in cols]
     if missing:
         raise ValueError(f"no values for shard column(s) {missing}")
@@ -110,9 +115,9 @@ def add_stats(
     layout.add(
         vec, "teacher_tokens", [int(np.diff(t.token_splits)[keep].sum()) for t in batch.teachers]
     )
-    codes = rec.column(S.STUDENT_TRAIN_COLUMN).values.to_numpy(zero_copy_only=False)
+    codes = rec.column(shard_schema.STUDENT_TRAIN_COLUMN).values.to_numpy(zero_copy_only=False)
     layout.add(vec, "trained_tokens", int(np.count_nonzero(codes)))
-    trained = rec.column(S.TRAINED_BYTES_COLUMN).to_numpy(zero_copy_only=False)
+    trained = rec.column(shard_schema.TRAINED_BYTES_COLUMN).to_numpy(zero_copy_only=False)
     layout.add(vec, "trained_bytes", int(trained.sum()))
     kinds = []
     for side in (batch.student, *batch.teachers):
@@ -128,8 +133,8 @@ def add_stats(
         per_teacher = {
             "fallback_documents": np.count_nonzero(keep & (p.fallback_regions > 0)),
             "loose_tokens": p.loose[keep].sum(),
-            "eot_pairs": np.count_nonzero(mine & (p.chunk_kind == S.CHUNK_EOT)),
-            "open_pairs": np.count_nonzero(mine & (p.chunk_kind == S.CHUNK_OPEN)),
+            "eot_pairs": np.count_nonzero(mine & (p.chunk_kind == shard_schema.CHUNK_EOT)),
+            "open_pairs": np.count_nonzero(mine & (p.chunk_kind == shard_schema.CHUNK_OPEN)),
         }
         for name, value in per_teacher.items():
             vec[layout.slices[name].start + i] += int(value)

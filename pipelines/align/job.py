@@ -1,39 +1,8 @@
 """The align job: raw text or conversations -> aligned Arrow shards for the trainer (``make align``).
 
-    python -m pipelines.align.job --data 'corpus/*.txt' --teacher T [--teacher T2 ...] \\
-        --student S [--out DIR] [--max-student-tokens 512] [--max-teacher-tokens 512] \\
-        [--text-field text] [--txt-mode file|blocks] [--shard-mb 128] [--piece-chars N] \\
-        [--overwrite] [Beam pipeline options, e.g. --direct_num_workers 1]
-
-Conversations (rows of ``messages`` or ``prompt`` + ``completion``, jsonl or parquet) are
-detected from the first record of the first file (``--row-format`` names it instead) and take
-the conversation path (`pipelines.align.chat_dofns`): every side renders each conversation with its
-own chat template (``--chat-template`` for the student, ``--teacher-chat-template`` once per
-teacher, for models without one: a shipped name or a .jinja file; ``own`` = the model's), one
-conversation per row, ``--train-on`` assistant | last_assistant | all, and
-``--long-conversations`` too_long | keep_suffix for conversations over the token limits.
-
-The pipeline reads as its own table of contents::
-
-    ReadDocs --> AlignWindows --> WriteShards -------+--> Finalize: parts renamed into place,
-        |              |                             |    stats.json, COMPLETED last
-        +--------------+--> WriteDeadLetters --------+
-
-Memory stays flat as the corpus grows: elements are batches of documents (`DocBatch`) and of
-window rows (Arrow RecordBatches), a document longer than ``--piece-chars`` is cut in pieces
-(`tokenbridge.alignment.long_documents`), rows stream into rolling part files (`pipelines.plumbing.rolling`), and the only
-grouping is the final one over small per-batch records. Every stage sends bad input to dead
-letters (``dead_letter.jsonl``) and counters. ``COMPLETED`` appears only after every shard is in
-place; a killed run leaves no marker and no file a reader would take for a shard.
-
-The default runner is Beam's ``FnApiRunner`` with one worker process per core (the plain
-DirectRunner tries to download Prism); ``--direct_num_workers 1`` runs in-process, and any other
-runner (Dask, Dataflow, Flink, Spark) is chosen with the usual ``--runner`` options (``OUT`` must
-then be a filesystem that every worker and this process share, or an ``s3://`` URL:
-`pipelines.plumbing.storage`, the AWS variables of `tokenbridge.urls`; the tokenizers may be
-``s3://`` URLs of marked directories, which each worker fetches itself in ``setup``:
-`tokenbridge.remote_models`). Progress goes to stderr
-every ~10 s (`pipelines.plumbing.progress`).
+This module lists the input, assembles the pipeline (ReadDocs -> AlignWindows -> WriteShards /
+WriteDeadLetters -> Finalize, COMPLETED last) and runs it. Options and runners: the README's
+"The align job" and "Distil on conversations"; the stages: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -52,13 +21,9 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.align import align_dofns as F
-from pipelines.align import chat_dofns as C
-from pipelines.align import readers
-from pipelines.align import write_dofns as W
+from pipelines.align import align_dofns, chat_dofns, readers, write_dofns
 from pipelines.align.chat_read import peek_format
-from pipelines.plumbing import beam_worker, jobs, rolling, storage
-from pipelines.plumbing import writers as PW
+from pipelines.plumbing import beam_worker, jobs, rolling, storage, writers
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
     DEAD,
@@ -74,8 +39,7 @@ from tokenbridge.alignment.long_documents import PieceConfig
 from tokenbridge.chat import fit
 from tokenbridge.chat import rows as chat_rows
 from tokenbridge.chat.templates import resolve_template
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
 log = logging.getLogger("tokenbridge.align")
 
@@ -103,7 +67,7 @@ def default_out_dir(data: list[str], student: str, teachers: list[str]) -> Path:
 
 def match_inputs(
     patterns: list[str], *, split_bytes: int | None = None
-) -> tuple[list[F.InputSplit], int, int]:
+) -> tuple[list[align_dofns.InputSplit], int, int]:
     """Glob patterns -> (read tasks, total bytes, files). A large uncompressed local jsonl file
     becomes byte-range tasks of `split_bytes` (default: about 1/64 of the input, 256 KB-64 MB). A
     pattern matching nothing is an error (a typo in DATA must not produce an empty, complete
@@ -131,7 +95,7 @@ def match_inputs(
         )
         for sp in splits:
             end = size if sp.end is None else sp.end
-            tasks.append(F.InputSplit(path, ids[path], sp, end - sp.start))
+            tasks.append(align_dofns.InputSplit(path, ids[path], sp, end - sp.start))
     return tasks, total, len(found)
 
 
@@ -139,13 +103,15 @@ class ReadDocs(beam.PTransform):
     """Read tasks -> `DocBatch` elements (conversation jobs: `RowBatch`) (``batches``) and
     ``dead_letter`` records."""
 
-    def __init__(self, tasks: list[F.InputSplit], *, cfg: JobConfig, progress_dir: str | None):
+    def __init__(
+        self, tasks: list[align_dofns.InputSplit], *, cfg: JobConfig, progress_dir: str | None
+    ):
         super().__init__()
         self.tasks = tasks
         if cfg.chat is None:
-            self.fn = F.ReadSplitDoFn(cfg.reader, progress_dir=progress_dir)
+            self.fn = align_dofns.ReadSplitDoFn(cfg.reader, progress_dir=progress_dir)
         else:  # conversation rows (`RowBatch` elements)
-            self.fn = C.ReadChatDoFn(cfg.chat.row_format, progress_dir=progress_dir)
+            self.fn = chat_dofns.ReadChatDoFn(cfg.chat.row_format, progress_dir=progress_dir)
 
     def expand(self, pbegin):
         # Create spreads the tasks (file names and byte ranges, not rows) over the workers
@@ -162,7 +128,7 @@ class AlignWindows(beam.PTransform):
     def __init__(self, cfg: JobConfig, *, progress_dir: str | None):
         super().__init__()
         if cfg.chat is not None:  # one row per conversation, no window cutting
-            self.fn = C.AlignChatDoFn(
+            self.fn = chat_dofns.AlignChatDoFn(
                 cfg.student,
                 cfg.teachers,
                 chat=cfg.chat,
@@ -170,7 +136,7 @@ class AlignWindows(beam.PTransform):
                 progress_dir=progress_dir,
             )
             return
-        self.fn = F.AlignWindowsDoFn(
+        self.fn = align_dofns.AlignWindowsDoFn(
             cfg.student,
             cfg.teachers,
             window=cfg.window,
@@ -188,7 +154,7 @@ class WriteShards(beam.PTransform):
 
     def __init__(self, tmp_dir: str, *, roll_bytes: int):
         super().__init__()
-        self.fn = W.WriteShardsDoFn(tmp_dir, roll_bytes=roll_bytes)
+        self.fn = write_dofns.WriteShardsDoFn(tmp_dir, roll_bytes=roll_bytes)
 
     def expand(self, windows):
         return windows | "Write" >> beam.ParDo(self.fn)
@@ -199,7 +165,7 @@ class WriteDeadLetters(beam.PTransform):
 
     def __init__(self, tmp_dir: str, *, roll_bytes: int):
         super().__init__()
-        self.fn = PW.WriteDeadLettersDoFn(tmp_dir, roll_bytes=roll_bytes)
+        self.fn = writers.WriteDeadLettersDoFn(tmp_dir, roll_bytes=roll_bytes)
 
     def expand(self, dead):
         return dead | "Write" >> beam.ParDo(self.fn)
@@ -209,7 +175,7 @@ class Finalize(beam.PTransform):
     """Records of everything written -> one summary (a global combine, so it exists only once
     all its inputs are complete) -> parts in place, stats.json, COMPLETED -> the stats."""
 
-    def __init__(self, fn: W.FinalizeDoFn):
+    def __init__(self, fn: write_dofns.FinalizeDoFn):
         super().__init__()
         self.fn = fn
 
@@ -220,7 +186,7 @@ class Finalize(beam.PTransform):
         summary = (
             (*records, seed)
             | "Merge" >> beam.Flatten()
-            | "Sum" >> beam.CombineGlobally(PW.SummaryCombineFn()).without_defaults()
+            | "Sum" >> beam.CombineGlobally(writers.SummaryCombineFn()).without_defaults()
         )
         return summary | "Publish" >> beam.ParDo(self.fn)
 
@@ -235,7 +201,7 @@ class JobConfig(jobs.JobConfig):
     window: WindowConfig
     reader: readers.ReaderConfig
     pieces: PieceConfig = PieceConfig()
-    chat: C.ChatConfig | None = None  # a conversation job
+    chat: chat_dofns.ChatConfig | None = None  # a conversation job
 
 
 def build_pipeline(
@@ -246,14 +212,14 @@ def build_pipeline(
     out = str(cfg.out)
     tmp = str(rolling.run_dir(cfg.out, run_id))
     prog = rolling.progress_dir(cfg.out, run_id)
-    header = W.header_for(cfg, input_files=input_files, input_bytes=total_bytes)
+    header = write_dofns.header_for(cfg, input_files=input_files, input_bytes=total_bytes)
     read = p | "ReadDocs" >> ReadDocs(tasks, cfg=cfg, progress_dir=prog)
     aligned = read["batches"] | "AlignWindows" >> AlignWindows(cfg, progress_dir=prog)
     written = aligned["windows"] | "WriteShards" >> WriteShards(tmp, roll_bytes=cfg.roll_bytes)
     dead = (read[DEAD], aligned[DEAD]) | "AllDeadLetters" >> beam.Flatten()
     dropped = dead | "WriteDeadLetters" >> WriteDeadLetters(tmp, roll_bytes=cfg.roll_bytes)
     # the last transform built: runners that compute only the final node (Dask) compute it all
-    fn = W.FinalizeDoFn(
+    fn = write_dofns.FinalizeDoFn(
         out,
         tmp,
         header=header,
@@ -388,7 +354,7 @@ def job_row_format(data: list[str]) -> str:
     return chat_rows.TEXT
 
 
-def chat_config(args) -> C.ChatConfig | None:
+def chat_config(args) -> chat_dofns.ChatConfig | None:
     """The conversation part of the job, or None for a text job. Templates are resolved here,
     before any worker starts: a model without one and no template named is an error now."""
     fmt = args.row_format if args.row_format != "auto" else job_row_format(args.data)
@@ -417,7 +383,7 @@ def chat_config(args) -> C.ChatConfig | None:
             flag = "--chat-template" if who == "student" else "--teacher-chat-template"
             raise ValueError(f"{who}: {e} ({flag})") from None
 
-    return C.ChatConfig(
+    return chat_dofns.ChatConfig(
         student_template=template(args.student, args.chat_template, "student"),
         teacher_templates=tuple(
             template(t, o, f"teacher {i}") for i, (t, o) in enumerate(zip(args.teacher, overrides))
@@ -449,7 +415,7 @@ def run(argv: list[str] | None = None) -> dict:
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
     result = jobs.run_to_completion(p, cfg.out, run_id, total_bytes=total_bytes)
     if urls.is_url(cfg.out):
-        stats = rolling.read_json(storage.join(cfg.out, S.STATS_FILE))
+        stats = rolling.read_json(storage.join(cfg.out, shard_schema.STATS_FILE))
     else:
         stats = shards.open_shards(cfg.out).stats()
     stats["wall_s"] = time.perf_counter() - t0

@@ -1,16 +1,9 @@
 """Documents out of text files: ``.txt`` (one per file or per blank-line block), ``.jsonl`` (a
 named field) and ``.parquet`` (a named column), optionally compressed (``.gz``, ``.bz2``, ...).
 
-Readers are plain generators over one file, so the Beam job, tests and benchmarks share them.
-A large uncompressed ``.jsonl`` file is read in byte ranges (`plan_splits`: cut at line starts,
-each range knowing the row number it starts at), so several workers share one file and the
-documents keep the ids a whole-file read gives them. `Position` counts the bytes consumed, for
-progress reports.
-They never raise on bad input: a file that cannot be opened, bytes that are not UTF-8, an empty
-document, a JSON line that does not parse or lacks the field, a value that is not text — each
-becomes a *dead letter*, a small dict naming the file, the record (``row``, 0-based; ``line``,
-1-based, for text formats), the field and the reason, so the job can count it, write it to
-``dead_letter.jsonl`` and go on.
+Plain generators over one file (a large ``.jsonl``: over a byte range, `plan_splits`), shared by
+the job, the tests and the benchmarks. They never raise on bad input: each bad file, record or
+value becomes a dead letter (`dead_letter`: file, row, line, field, reason) and reading goes on.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The DoFns that write the align job's output: rolling parts, one summary, the finalize step.
+"""The align job's writers: rolling shard parts, and the finalize step that publishes them.
 
-`WriteShardsDoFn` and `WriteDeadLettersDoFn` stream what they receive to rolling part files
-(`pipelines.plumbing.rolling`) and emit one small record per batch written; nothing holds row data.
-`SummaryCombineFn` folds the records (part names, row counts, statistics vectors, drops by
-reason) into one element; `FinalizeDoFn`, whose input exists only once every record of the run
-is committed, moves the parts into place, writes stats.json and then COMPLETED.
-
-Records are tuples: ``("part", name, rows, first key, stats)`` per shard batch,
-``("stats", vector)`` for statistics without rows, ``("dead", part, reason)`` per dead letter.
+`WriteShardsDoFn` streams `Windows` to rolling part files and emits one small record per batch;
+`FinalizeDoFn` gets the one summary of all records, moves the parts into place, writes
+stats.json and then COMPLETED (docs/pipelines.md, "Rolling writers and finalize").
 """
 
 from __future__ import annotations
@@ -22,9 +17,7 @@ from pipelines.align.align_dofns import Windows, cached_tokenizer
 from pipelines.plumbing import rolling, storage
 from pipelines.plumbing.tagged import MAX_DEAD_FRACTION, StageTimer, count, dead_verdict
 from pipelines.plumbing.writers import RollingPartsDoFn
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import checksums, shard_schema, shards
 
 
 class WriteShardsDoFn(RollingPartsDoFn):
@@ -70,7 +63,7 @@ class FinalizeDoFn(beam.DoFn):
         if index:
             first = next(iter(index))
             with storage.open_read(storage.join(out, first)) as src:
-                meta = S.read_meta(pa.ipc.open_file(src).schema, where=first)
+                meta = shard_schema.read_meta(pa.ipc.open_file(src).schema, where=first)
             student, teachers = meta.student, meta.teachers
         else:
             student = cached_tokenizer(self.student_path).info()
@@ -86,7 +79,7 @@ class FinalizeDoFn(beam.DoFn):
         infos = self._infos(out, index)
         files = {name: int(info["rows"]) for name, info in index.items()}
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
-        header = {"schema_version": S.SCHEMA_VERSION, **infos, **self.header}
+        header = {"schema_version": shard_schema.SCHEMA_VERSION, **infos, **self.header}
         lost = dict(summary["lost"])  # not the letters of long documents that gave windows
         stats = job_stats.final_stats(
             header, summary["stats"], dict(summary["dead"]), files, lost=sum(lost.values())
@@ -97,9 +90,9 @@ class FinalizeDoFn(beam.DoFn):
         if why is not None:
             rolling.write_refused(out, stats, why)
         else:
-            checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
-            checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
-            rolling.write_completed(out, stats, files=files, checksums=checksums)
+            file_sums = {name: checksums.manifest_entry(info) for name, info in index.items()}
+            file_sums[shard_schema.DEAD_LETTER_FILE] = checksums.manifest_entry(dead_info)
+            rolling.write_completed(out, stats, files=files, checksums=file_sums)
         rolling.remove_tmp(tmp)
         yield stats
 

@@ -1,22 +1,11 @@
 """Beam's local worker processes, started without their start-up chatter.
 
-With ``--direct_running_mode multi_processing`` (the align job's default on a machine with more
-than one core), Beam's FnApiRunner starts each worker as ``python -m
-apache_beam.runners.worker.sdk_worker_main``, a command line fixed inside the runner. Each
-worker then printed, before any of our code ran in it, Beam's ``apitools not found`` warning
-(its GCP clients, which we do not use), a dozen INFO lines ("Logging handler created.",
-"Control channel established.", ...) and a warning about a ``semi_persistent_directory`` that
-only matters to pipelines registering their own schema types (ours register none), which the
-runner then repeated as a ``Worker: severity: WARN ...`` line. ``make demo`` showed thirty such
-lines between its own.
-
-`QuietFnApiRunner` is the FnApiRunner, with that one command line swapped for ``python -m
-pipelines.plumbing.beam_worker`` (the same worker: `main` calls Beam's ``sdk_worker_main.main``). Here
-the package's filter (`pipelines`) is installed before Beam is imported, and the worker's
-stderr carries only what it says before its log service connects to the runner (a worker that
-cannot start); from then on its records go to the runner, which prints what the job's logging
-lets through (warnings and errors: the jobs set ``apache_beam`` to WARNING). Every other
-warning, from Beam or from our DoFns, still prints, once.
+Beam's FnApiRunner starts each local worker from a fixed command line (``python -m
+apache_beam.runners.worker.sdk_worker_main``), which printed a dozen INFO lines and warnings
+about features we do not use. `QuietFnApiRunner` swaps it for ``python -m
+pipelines.plumbing.beam_worker``: the same worker (`main` calls Beam's), with the package's log
+filter installed before Beam is imported, and stderr kept for what a worker says before its log
+service reaches the runner.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def default_out_dir(job: str, names: list[str], *, suffix: str = "") -> Path:
 
 def configure_logging() -> None:
     """The jobs' log format; Beam's own records from warnings up. `force`: importing Beam
-    already configured the root logger (see pipelines/__init__.py)."""
+    already configured the root logger (docs/pipelines.md, "One pipeline on every runner")."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
 

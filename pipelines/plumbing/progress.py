@@ -1,15 +1,12 @@
-"""Progress of a running align job, on every runner: workers write counts, the launcher prints.
+"""Progress of a running job, on every runner: workers write counts, the launcher prints them.
 
-Beam runners report metrics when a stage ends, which for this job is the end of the run; Dask
-reports none. So each worker process adds what it has done (input bytes, documents, tokens) to
-a small JSON file of its own under the run's temporary directory (`ProgressSink`, at most
-every `FLUSH_S`), and the launching process sums those files every `interval` seconds and
-prints one line on stderr (`ProgressReporter`; a tqdm bar instead when stderr is a terminal):
+Runners report metrics only when a stage ends (here, the end of the run; Dask never), so each
+worker process adds its counts to a small JSON file of its own (`ProgressSink`) and the launcher
+sums the files and prints one line on stderr (`ProgressReporter`):
 
     align: 23.4/110.0 MB (21%), 98,012 documents, 1.21M tokens/s, ETA 1m10s
 
-The directory must be visible to the launcher and the workers, as the output directory
-already is. Best effort: a file that cannot be written or read is skipped.
+Best effort: a file that cannot be written or read is skipped.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Rolling part files and the finalize step: streaming writes that a crash can never half-publish.
 
-How a writer that never groups its rows stays atomic (the align job's shards and dead letters;
-the teacher cache can use the same classes):
-
-1. Each worker writes what it gets to *part* files in the run's temporary directory
-   (``<out>/.align-tmp-<run>/``), a new part when the current one reaches ``roll_bytes``.
-   Every byte goes through the hash as it is written (`tokenbridge.formats.checksums.HashingSink`, the
-   one place a checksum is computed), so no file is read back to checksum it.
-2. Closing a part (on rolling, and at the end of the bundle) writes its footer, fsyncs it, and
-   then writes its manifest ``<part>.done`` (rows, bytes, checksum). A part without a manifest
-   was cut short by a crash.
-3. For every batch it writes, the writer emits a small record (part name, rows, first row's
-   key). Beam commits a bundle's records only if the bundle succeeds, so a part that a failed
-   (and retried) bundle wrote is referenced by no record.
-4. `finalize_parts`, the only grouping (over those records), checks each referenced part
-   against its manifest, renames the parts into place in key order as
-   ``shard-XXXXX-of-YYYYY.arrow``, and returns the index that goes into COMPLETED, which the
-   caller writes last. Unreferenced parts are deleted with the temporary directory.
-
-A reader only ever opens files that COMPLETED lists, and COMPLETED is written after every
-rename, so a killed run leaves nothing that a reader takes for a shard.
-
-The output may be a local directory or an object-store URL (`pipelines.plumbing.storage`): on an
-object store a part appears only once its upload completes, "rename" is copy then delete, and
-COMPLETED, written last with every file's checksum, is still the only commit point.
+Each writer streams to part files in the run's temporary directory, hashed as they are written
+and each closed with a manifest (``<part>.done``); `finalize_parts`, the only grouping, checks
+the parts that committed records name, renames them into place in key order and returns the
+index for COMPLETED, which the caller writes last. Local directory or object store alike
+(`pipelines.plumbing.storage`); the protocol step by step: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -40,8 +21,7 @@ import pyarrow as pa
 from pipelines.plumbing import storage
 from pipelines.plumbing.storage import Location
 from tokenbridge import urls
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 from tokenbridge.formats.checksums import HashingSink
 
 TMP_PREFIX = ".align-tmp-"
@@ -87,7 +67,7 @@ class RollingParts:
 
     @property
     def name(self) -> str:
-        suffix = S.SHARD_SUFFIX if self.fmt == "arrow" else ".jsonl"
+        suffix = shard_schema.SHARD_SUFFIX if self.fmt == "arrow" else ".jsonl"
         return f"{self.kind}-{self.writer_id}-{self.seq:05d}{suffix}"
 
     def write(self, data) -> str:
@@ -216,7 +196,7 @@ def join_dead_letters(out: Location, tmp: Location, dead_parts: dict[str, int]) 
             raise RuntimeError(
                 f"{storage.join(tmp, name)}: dead-letter part does not hold its {n} records"
             )
-    dest = storage.join(out, S.DEAD_LETTER_FILE)
+    dest = storage.join(out, shard_schema.DEAD_LETTER_FILE)
     return concat_parts(tmp, list(dead_parts), dest, sort_below=DEAD_SORT_BELOW)
 
 
@@ -225,7 +205,13 @@ def remove_tmp(tmp: Location) -> None:
 
 
 # what an earlier run may have left in an output directory (relative names; `storage.matching`)
-STALE = (f"*{S.SHARD_SUFFIX}", ".*.tmp-*", S.STATS_FILE, S.DEAD_LETTER_FILE, f"{TMP_PREFIX}*")
+STALE = (
+    f"*{shard_schema.SHARD_SUFFIX}",
+    ".*.tmp-*",
+    shard_schema.STATS_FILE,
+    shard_schema.DEAD_LETTER_FILE,
+    f"{TMP_PREFIX}*",
+)
 
 
 def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
@@ -233,10 +219,10 @@ def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
 
     The COMPLETED marker is removed first, so a crash during cleanup or during the new run never
     leaves a directory that looks complete."""
-    marker = storage.join(out, S.COMPLETED_MARKER)
+    marker = storage.join(out, shard_schema.COMPLETED_MARKER)
     if storage.exists(marker) and not overwrite:
         raise FileExistsError(
-            f"{out} already holds a complete run (it has {S.COMPLETED_MARKER}); "
+            f"{out} already holds a complete run (it has {shard_schema.COMPLETED_MARKER}); "
             "pass --overwrite to replace it or choose another --out"
         )
     if not urls.is_url(out):
@@ -253,7 +239,7 @@ def prepare_out_dir(out: Location, *, overwrite: bool) -> None:
 def write_refused(out: Location, stats: dict, why: str) -> None:
     """stats.json of a run refused for its dead letters, and no COMPLETED: readers refuse the
     directory, the launcher reads why (`tagged.refuse_if_dead`), a re-run starts over."""
-    _write_json(storage.join(out, S.STATS_FILE), {**stats, REFUSED: why})
+    _write_json(storage.join(out, shard_schema.STATS_FILE), {**stats, REFUSED: why})
 
 
 def write_completed(out: Location, stats: dict, **marker) -> None:
@@ -268,7 +254,7 @@ def write_completed(out: Location, stats: dict, **marker) -> None:
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing files {missing}")
     docs = shards.completed_documents(stats, **marker)
-    for name in (S.STATS_FILE, S.COMPLETED_MARKER):  # the marker last
+    for name in (shard_schema.STATS_FILE, shard_schema.COMPLETED_MARKER):  # the marker last
         storage.write_bytes(storage.join(out, name), docs[name])
 
 

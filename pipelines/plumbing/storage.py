@@ -1,21 +1,9 @@
 """Where the jobs write: a local directory or an object store, one set of verbs for both.
 
-A local path goes to the local file system as before (temporary name, fsync, rename: a reader
-sees a file whole or not at all). A URL (``s3://bucket/prefix``) goes through Beam's S3 I/O
-(`apache_beam.io.aws.s3io`, what Beam's `FileSystems` use for ``s3://``), on every runner.
-Object stores have no rename and no partial objects: an object appears whole when its upload
-completes (a writer that dies mid-upload leaves nothing), so `write_bytes` writes the final
-name directly, and `rename` is copy then delete.
-
-Connection settings: the standard AWS variables (`tokenbridge.urls`). `beam_args` adds
-``--s3_endpoint_url`` / ``--s3_region_name`` from ``AWS_ENDPOINT_URL`` / ``AWS_REGION`` unless
-given (boto3 reads no region variable, and Beam's S3 client takes pipeline options);
-credentials stay with boto3's own chain (the variables, a profile, an instance role), so no
-secret is written into the pipeline's options. A worker that was handed no pipeline options
-(Dask's) uses the ones of its own environment (`_s3`).
-
-Errors of the object store become one line naming the URL: refused credentials are
-`urls.StorageAccessError` (exit 2), a missing object `FileNotFoundError`.
+A local path: temporary name, fsync, rename. A URL (``s3://bucket/prefix``): Beam's S3 I/O on
+every runner; an object appears whole when its upload completes, so `write_bytes` writes the
+final name directly and `rename` is copy then delete. Connection settings come from the AWS
+variables (`tokenbridge.urls`); errors of the store become one line naming the URL.
 """
 
 from __future__ import annotations

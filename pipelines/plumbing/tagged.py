@@ -1,14 +1,10 @@
 """Tagged outputs, dead letters and counters: how every job's DoFns report what they did.
 
-A DoFn emits ``(tag, value)`` pairs from ``process`` (``MAIN`` for its results, ``DEAD`` for
-dead-letter records) and `split` turns them into one PCollection per tag; ParDo's own
-``with_outputs`` is not used because the DaskRunner mixes tagged outputs together. Every drop
-is counted by reason (``dead_letter.<reason>``) and stage times go to ``stage_us.<stage>``
-distributions, all in the ``tokenbridge`` metrics namespace.
-
-A job is not complete when most of its input died: `dead_verdict` is what the finalize steps ask
-before they write COMPLETED (``--max-dead-fraction``, default `MAX_DEAD_FRACTION`; a job in which
-every row died always fails), and `refuse_if_dead` what the launchers raise afterwards.
+DoFns emit ``(tag, value)`` pairs (``MAIN``, ``DEAD``) that `split` turns into one PCollection
+per tag, since the DaskRunner mixes ParDo's tagged outputs. Drops are counted by reason
+(``dead_letter.<reason>``), stage times go to ``stage_us.<stage>``, both in the ``tokenbridge``
+namespace. `dead_verdict` is what a finalize step asks before it writes COMPLETED
+(``--max-dead-fraction``), `refuse_if_dead` what the launchers raise afterwards.
 """
 
 from __future__ import annotations

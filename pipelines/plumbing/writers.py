@@ -1,16 +1,9 @@
 """The writers every job shares: rolling part files per bundle, the dead letters, and the one
 summary element the finalize step reads.
 
-`RollingPartsDoFn` opens a `rolling.RollingParts` per bundle and closes it at the bundle's end
-(a worker torn down mid-bundle leaves parts no manifest names, so they are never published);
-the records of the parts leave from ``process``, because Dask drops what ``finish_bundle``
-yields. `SummaryCombineFn` folds part records, statistics vectors and dead-letter counts into
-the single element the job's finalize step gets.
-
-A dead letter either stands for an input lost (a row, a document: it gave no output) or, with
-``"partial": true``, for part of one that still gave output (a long document's skipped span):
-both are counted by reason (``dead``, stats.json's ``drops_by_reason``), the lost ones also
-apart (``lost``), which is what a job's ``--max-dead-fraction`` compares with its output.
+A dead letter stands for an input lost (no output) or, with ``"partial": true``, for part of
+one that still gave output; both are counted by reason, the lost ones also apart (``lost``),
+which is what ``--max-dead-fraction`` compares with a job's output.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
     python -m pipelines.projection --teacher T --student S [--k 8] [--out FILE]
 
-(``make projection``). The builder and the file format are the library's
-(`tokenbridge.projection`); this command loads both tokenizers, reads each lm_head's width from
-its config.json, builds, writes atomically, and reads the file back as the trainer will (a bad
-build is refused here, not at training time). It runs no pipeline: one batched re-tokenization
-per direction takes seconds. ``--out s3://bucket/x.safetensors``: the file is built and checked
-locally, then uploaded (`pipelines.plumbing.storage`; the object appears whole or not at all).
+The builder and the file format are the library's (`tokenbridge.projection`). The file is read
+back here as the trainer will read it, so a bad build is refused now, not at training time. No
+pipeline: one batched re-tokenization per direction is quick. An ``s3://`` ``--out`` is built
+and checked locally, then uploaded (`pipelines.plumbing.storage`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Which GPU a teacher-cache worker loads its model on: one model per GPU, never all on GPU 0.
 
-Every runner starts several worker processes on a multi-GPU node (the FnApiRunner's
-``--direct_num_workers``, a Dask worker per GPU, Dataflow's or Flink's SDK workers), and each
-loads its own copy of the teacher. With ``--device cuda`` (no index) each picks its GPU from
-what it knows about itself (`choose_device`, a pure function): a process started with one
-GPU visible (``CUDA_VISIBLE_DEVICES=3``, the usual way to pin a Dask worker) takes it; else
-the number in its worker id (Beam's ``WORKER_ID``, ``worker_3``; a Dask worker named
-``gpu-3``) picks among the visible GPUs, round robin. ``--device cuda:N`` is kept as given.
-Not run on GPUs here.
+With ``--device cuda`` (no index) each worker process picks from what it knows about itself
+(`choose_device`, pure): the one GPU it sees (``CUDA_VISIBLE_DEVICES=3``, how a Dask worker is
+pinned), else the number in its worker id (Beam's ``WORKER_ID``, a Dask worker named ``gpu-3``),
+round robin over the visible GPUs. ``cuda:N`` is kept as given. Not run on GPUs here.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""The teacher inside Beam's RunInference: a model handler running the one teacher forward.
+"""The teacher inside Beam's RunInference: a model handler running the trainer's teacher forward.
 
-`TeacherCacheHandler.load_model` builds the frozen teacher with `tokenbridge.models` (the same
-build a trainer's teacher worker does: same weights, same dtype) and `run_inference` calls
-`tokenbridge.teacher.forward.teacher_forward`, the trainer's own teacher forward (same lm_head
-chunking, same `teacher_outputs_from_logits`), so cached outputs are the live teacher's outputs.
-RunInference loads the model once per worker process (its `shared.Shared` handle) and calls
-`run_inference` per element.
-
-Elements arrive already batched: a `RowBatch` is rows of one shard file cut by the reader to a
-token budget (batch size x longest row). Why not RunInference's own batching: its
-`BatchElements` emits the last partial batch of a bundle from ``finish_bundle``, which Beam
-2.77's DaskRunner drops (it collects a bundle's outputs before calling it), so on Dask rows
-would go missing. The handler therefore skips batching (`should_skip_batching`) and every
-output leaves from ``process``.
-
-A batch that fails is retried row by row; a row that still fails comes back with its error,
-for the dead letters.
+`load_model` builds the frozen teacher as a trainer's teacher worker does (same weights, same
+dtype) and `run_inference` calls `tokenbridge.teacher.forward.teacher_forward`, so cached
+outputs are the live teacher's. Elements arrive batched by the reader (`RowBatch`), so
+RunInference's own batching is off; a batch that fails is retried row by row, and a row that
+still fails comes back with its error, for the dead letters.
 
 Legend: B rows, U teacher positions (the batch's longest row), K top-k, R samples, V vocab.
 """
@@ -105,7 +94,9 @@ class TeacherCacheHandler(ModelHandler):
         return models.freeze(model)
 
     def should_skip_batching(self) -> bool:
-        return True  # elements are batches already (see the module docstring)
+        # elements are batches already; and RunInference's `BatchElements` emits a bundle's
+        # last batch from ``finish_bundle``, which the DaskRunner drops
+        return True
 
     def get_num_bytes(self, batch: RowBatch) -> int:
         return int(batch.lengths.sum()) * 8  # the ids, without pickling the batch to count

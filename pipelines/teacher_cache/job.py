@@ -1,33 +1,9 @@
 """The teacher-cache job: aligned shards -> the teacher's outputs per position (``make teacher-cache``).
 
-    python -m pipelines.teacher_cache --shards DIR --teacher MODEL_DIR [--k 32] \\
-        [--temperature 1.0] [--logprob-dtype float16|bfloat16|float32] [--no-target] \\
-        [--samples R] [--teacher-index I] [--teacher-dtype auto] [--out DIR] [--overwrite] \\
-        [--init random --seed N --override key=value ...] [--batch-tokens 8192] \\
-        [Beam pipeline options]
-
-The pipeline, as its own table of contents::
-
-    Tasks (row ranges) --> ReadRows (token-bounded RowBatches) --> Score (RunInference, the
-    trainer's teacher program) --> WriteCache (rolling Arrow parts) --+--> Finalize: parts in
-    place, stats.json, COMPLETED last
-          bad rows, failed rows --> WriteDeadLetters --------------------+
-
-The format, keys and fingerprints are described in `tokenbridge.formats.teacher_cache`; the trainer
-reads a cache with ``teachers[i].cache`` (`tokenbridge.formats.teacher_cache_reader`). Memory stays flat:
-elements are row batches, rows stream into rolling part files, and the only grouping is the
-final one over small per-batch records. A complete output directory is refused unless
-``--overwrite``.
-
-Runner: Beam's ``FnApiRunner`` in this process by default (``--direct_num_workers 1``: the
-teacher's forward already uses every core through torch's threads, and each worker process
-would hold its own copy of the weights); any other runner (Dask, Dataflow, Flink, Spark) through
-the usual ``--runner`` options, with OUT on a filesystem every worker shares or an ``s3://`` URL
-(`pipelines.plumbing.storage`). ``--shards`` may be an ``s3://`` URL too: the launcher plans on a
-verified copy in ``--cache-dir`` (`tokenbridge.remote_cache`), and each worker reads the objects
-its tasks name, refusing one that differs from the marker's checksum. ``--teacher`` may be the
-``s3://`` URL of a marked model directory (`tokenbridge.remote_models`): the launcher checks its
-own verified copy, each worker fetches one into its machine's cache in ``load_model``.
+This module plans row tasks, checks the teacher and the shards before anything is written,
+assembles the pipeline (ReadRows -> Score in RunInference -> WriteCache / WriteDeadLetters ->
+Finalize, COMPLETED last) and runs it. Options and runners: the README's "The teacher cache";
+the stages: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -47,8 +23,7 @@ import numpy as np
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.plumbing import beam_worker, jobs, rolling, storage
-from pipelines.plumbing import writers as W
+from pipelines.plumbing import beam_worker, jobs, rolling, storage, writers
 from pipelines.plumbing.rolling import prepare_out_dir
 from pipelines.plumbing.tagged import (
     DEAD,
@@ -57,8 +32,7 @@ from pipelines.plumbing.tagged import (
     dead_fraction,
     split,
 )
-from pipelines.teacher_cache import handler as H
-from pipelines.teacher_cache import score_dofns as D
+from pipelines.teacher_cache import handler, score_dofns
 from tokenbridge import remote_models, urls
 from tokenbridge.formats import shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
@@ -92,13 +66,13 @@ class JobConfig(jobs.JobConfig):
 
 def plan_tasks(
     shard_set: shards.ShardSet, rows_per_task: int, *, url: str | None = None
-) -> list[D.RowTask]:
+) -> list[score_dofns.RowTask]:
     """Row ranges of every shard file, `rows_per_task` rows each (the unit a worker reads).
     With `url` (the shards in an object store) a task names the object and its checksum: a
     worker on another machine reads it from there, and refuses it if it changed."""
     sums = shard_set.checksums if url else {}
     return [
-        D.RowTask(
+        score_dofns.RowTask(
             urls.join(url, path.name) if url else str(path),
             a,
             min(a + rows_per_task, n),
@@ -112,10 +86,10 @@ def plan_tasks(
 class ReadRows(beam.PTransform):
     """Row tasks -> token-bounded `RowBatch`es (MAIN) and bad rows (DEAD)."""
 
-    def __init__(self, tasks: list[D.RowTask], cfg: JobConfig):
+    def __init__(self, tasks: list[score_dofns.RowTask], cfg: JobConfig):
         super().__init__()
         self.tasks = tasks
-        self.fn = D.ReadRowBatchesDoFn(
+        self.fn = score_dofns.ReadRowBatchesDoFn(
             teacher_index=int(cfg.meta.shards["teacher_index"]),
             vocab_size=int(cfg.meta.teacher["vocab_size"]),
             budget=cfg.batch_tokens,
@@ -131,13 +105,13 @@ class ReadRows(beam.PTransform):
 class Score(beam.PTransform):
     """`RowBatch` -> the teacher (RunInference) -> `ScoredBatch` (MAIN), failed rows (DEAD)."""
 
-    def __init__(self, handler: H.TeacherCacheHandler):
+    def __init__(self, model_handler: handler.TeacherCacheHandler):
         super().__init__()
-        self.handler = handler
+        self.handler = model_handler
 
     def expand(self, batches):
         scored = batches | "RunInference" >> RunInference(self.handler)
-        return split(scored | "Check" >> beam.FlatMap(D.split_scored), [MAIN, DEAD])
+        return split(scored | "Check" >> beam.FlatMap(score_dofns.split_scored), [MAIN, DEAD])
 
 
 def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, header: dict) -> dict:
@@ -145,10 +119,10 @@ def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, head
     tmp = str(rolling.run_dir(cfg.out, run_id))
     prog = rolling.progress_dir(cfg.out, run_id)
     meta = cfg.meta
-    spec = H.teacher_spec(
+    spec = handler.teacher_spec(
         int(meta.teacher["vocab_size"]), k=meta.k, temperature=meta.temperature, target=meta.target
     )
-    handler = H.TeacherCacheHandler(
+    model_handler = handler.TeacherCacheHandler(
         cfg.teacher,
         spec,
         dtype=cfg.teacher_dtype,
@@ -158,21 +132,21 @@ def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, head
         sample_seed=meta.sample_seed,
     )
     read = p | "ReadRows" >> ReadRows(tasks, cfg)
-    scored = read[MAIN] | "Score" >> Score(handler)
+    scored = read[MAIN] | "Score" >> Score(model_handler)
     written = scored[MAIN] | "WriteCache" >> beam.ParDo(
-        D.WriteCacheDoFn(tmp, meta=meta, roll_bytes=cfg.roll_bytes, progress_dir=prog)
+        score_dofns.WriteCacheDoFn(tmp, meta=meta, roll_bytes=cfg.roll_bytes, progress_dir=prog)
     )
     dead = (read[DEAD], scored[DEAD]) | "AllDeadLetters" >> beam.Flatten()
     dropped = dead | "WriteDeadLetters" >> beam.ParDo(
-        W.WriteDeadLettersDoFn(tmp, roll_bytes=cfg.roll_bytes)
+        writers.WriteDeadLettersDoFn(tmp, roll_bytes=cfg.roll_bytes)
     )
     seed = p | "Seed" >> beam.Create([("stats", None)])
     summary = (
         (written, dropped, seed)
         | "Merge" >> beam.Flatten()
-        | "Sum" >> beam.CombineGlobally(W.SummaryCombineFn()).without_defaults()
+        | "Sum" >> beam.CombineGlobally(writers.SummaryCombineFn()).without_defaults()
     )
-    fn = D.FinalizeCacheDoFn(
+    fn = score_dofns.FinalizeCacheDoFn(
         str(cfg.out), tmp, meta=meta, header=header, max_dead_fraction=cfg.max_dead_fraction
     )
     final = summary | "Finalize" >> beam.ParDo(fn)
@@ -291,7 +265,9 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     for item in args.override:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
-    teacher = H.teacher_config(args.teacher, init=args.init, seed=args.seed, overrides=overrides)
+    teacher = handler.teacher_config(
+        args.teacher, init=args.init, seed=args.seed, overrides=overrides
+    )
     local = dataclasses.replace(teacher, path=teacher_dir)
     # auto resolved by --device, as the trainer resolves it by its device: the cache records
     # the dtype the teacher ran in, which a run's teachers[i].dtype must resolve to
@@ -300,7 +276,7 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     )
     shard_set = shards.open_shards(args.shards)
     tok = load_tokenizer(teacher_dir)
-    if H.lm_head_rows(local) < tok.vocab_size:
+    if handler.lm_head_rows(local) < tok.vocab_size:
         raise ValueError(f"{args.teacher}: lm_head narrower than its tokenizer ({tok.vocab_size})")
     index = _teacher_index(shard_set, tok.fingerprint, args.teacher_index)
     check_samples(args.samples, student=shard_set.meta.student, teacher=tok.info())
@@ -345,6 +321,8 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_dead_fraction=dead_fraction(args),
         shards_url=shards_url,
     )
+    # in this process by default: torch's threads already use every core, and each worker
+    # process would hold its own copy of the weights
     return cfg, storage.beam_args(jobs.default_runner_args(beam_args, workers=1))
 
 

@@ -1,20 +1,9 @@
-"""The teacher-cache job's DoFns: read shard rows in token-bounded batches, write cache parts,
-finalize. (The teacher itself runs in RunInference, `pipelines.teacher_cache.handler`.)
+"""The teacher-cache job's DoFns around the teacher: read shard rows in token-bounded batches,
+write cache parts, finalize (the teacher itself runs in RunInference: `handler`).
 
-- `ReadRowBatchesDoFn`: a `RowTask` (rows [start, end) of one shard file) -> `RowBatch`es whose
-  padded size (rows x longest row) stays under a token budget; rows are sorted by length within
-  the task first, so batches pad little. Rows with ids outside the teacher's vocabulary go to
-  the dead letters (the model would index past its embedding).
-- `split_scored`: rows that failed in the teacher -> dead letters, the rest go on.
-- `WriteCacheDoFn`: `ScoredBatch` -> one Arrow record batch in this bundle's rolling part
-  (`pipelines.plumbing.rolling`: checksummed while written) -> one record ("part", name, rows, key,
-  statistics vector).
-- `FinalizeCacheDoFn`: parts renamed ``cache-XXXXX-of-YYYYY.arrow`` in key order, dead letters
-  joined, stats.json, then COMPLETED (`tokenbridge.formats.shards.write_completed`, marker v3).
-
-As in the align job, everything is emitted from ``process`` and
-several outputs travel as ``(tag, value)`` pairs: the DaskRunner drops ``finish_bundle``'s
-outputs and mixes tagged outputs.
+Rows are sorted by length within a task before batching, so batches pad little; rows with ids
+outside the teacher's vocabulary are dead letters (the model would index past its embedding).
+As in the align job, everything leaves from ``process``, several outputs as ``(tag, value)``.
 """
 
 from __future__ import annotations
@@ -33,9 +22,7 @@ from pipelines.plumbing.tagged import MAIN, MAX_DEAD_FRACTION, StageTimer, count
 from pipelines.plumbing.writers import RollingPartsDoFn
 from pipelines.teacher_cache.handler import RowBatch, ScoredBatch
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import teacher_cache as CF
+from tokenbridge.formats import checksums, shard_schema, teacher_cache
 
 # the statistics vector of one written batch, summed by `SummaryCombineFn`
 STATS = ("rows", "positions", "padded_positions", "batches", "inference_us")
@@ -73,7 +60,7 @@ class ReadRowBatchesDoFn(beam.DoFn):
     """`RowTask` -> (MAIN, `RowBatch`) per token-bounded batch, (DEAD, record) per bad row."""
 
     def __init__(self, *, teacher_index: int, vocab_size: int, budget: int, max_rows: int):
-        self.column = S.teacher_ids_column(teacher_index)
+        self.column = shard_schema.teacher_ids_column(teacher_index)
         self.vocab_size, self.budget, self.max_rows = vocab_size, budget, max_rows
 
     def setup(self):
@@ -85,7 +72,7 @@ class ReadRowBatchesDoFn(beam.DoFn):
         if self._object is None or self._object[0] != task.path:
             data = storage.read_bytes(task.path)
             if task.expected is not None:
-                integrity.check_bytes(data, task.expected, where=task.path)
+                checksums.check_bytes(data, task.expected, where=task.path)
             self._object = (task.path, pa.ipc.open_file(pa.py_buffer(data)).read_all())
         return self._object[1]
 
@@ -146,11 +133,13 @@ def _lists(values: list[np.ndarray], arrow_type: pa.DataType) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=arrow_type))
 
 
-def to_record_batch(scored: ScoredBatch, meta: CF.CacheMeta, schema: pa.Schema) -> pa.RecordBatch:
+def to_record_batch(
+    scored: ScoredBatch, meta: teacher_cache.CacheMeta, schema: pa.Schema
+) -> pa.RecordBatch:
     """The cache rows of one scored batch (see `tokenbridge.formats.teacher_cache`)."""
     b, lens, o = scored.batch, scored.batch.lengths, scored.outputs
     n = len(b)
-    lp_type = CF.LOGPROB_DTYPES[meta.logprob_dtype][0]
+    lp_type = teacher_cache.LOGPROB_DTYPES[meta.logprob_dtype][0]
     cols: dict[str, pa.Array] = {
         "shard_file": pa.array([b.shard_file] * n, pa.string()),
         "row": pa.array(b.rows.astype(np.int32)),
@@ -160,8 +149,8 @@ def to_record_batch(scored: ScoredBatch, meta: CF.CacheMeta, schema: pa.Schema) 
         u = int(u)
         lp = o["topk_logprobs"][i, :u] if u else np.zeros((0, meta.k), np.float32)
         raw = o["topk_ids"][i, :u] if u else np.zeros((0, meta.k), np.int64)
-        ids.append(CF.pack_ids(np.where(raw >= 0, raw, 0), meta.id_bits))
-        lps.append(CF.encode_logprobs(lp, meta.logprob_dtype))
+        ids.append(teacher_cache.pack_ids(np.where(raw >= 0, raw, 0), meta.id_bits))
+        lps.append(teacher_cache.encode_logprobs(lp, meta.logprob_dtype))
         tails.append(o["tail_logprob"][i, :u].astype(np.float32) if u else np.zeros(0, np.float32))
         if meta.target:
             t = o["target_logprob"][i, :u] if u else np.zeros(0)
@@ -173,7 +162,7 @@ def to_record_batch(scored: ScoredBatch, meta: CF.CacheMeta, schema: pa.Schema) 
             starts = np.flatnonzero(first.ravel())
             ends = np.append(starts[1:], drawn.size)
             s_n.append(first.sum(1).astype(np.uint8))
-            s_ids.append(CF.pack_ids(drawn.ravel()[starts], meta.id_bits))
+            s_ids.append(teacher_cache.pack_ids(drawn.ravel()[starts], meta.id_bits))
             s_counts.append((ends - starts).astype(np.uint8))
     cols["topk_ids"] = pa.array(ids, pa.binary())
     cols["topk_logprobs"] = _lists(lps, lp_type)
@@ -192,7 +181,9 @@ class WriteCacheDoFn(RollingPartsDoFn):
 
     KIND, FMT = "cache", "arrow"
 
-    def __init__(self, tmp_dir: str, *, meta: CF.CacheMeta, roll_bytes: int, progress_dir=None):
+    def __init__(
+        self, tmp_dir: str, *, meta: teacher_cache.CacheMeta, roll_bytes: int, progress_dir=None
+    ):
         super().__init__(tmp_dir, roll_bytes=roll_bytes)
         self.meta, self.progress_dir = meta, progress_dir
 
@@ -223,7 +214,7 @@ class FinalizeCacheDoFn(beam.DoFn):
         out_dir: str,
         tmp_dir: str,
         *,
-        meta: CF.CacheMeta,
+        meta: teacher_cache.CacheMeta,
         header: dict,
         max_dead_fraction: float = MAX_DEAD_FRACTION,
     ):
@@ -232,7 +223,9 @@ class FinalizeCacheDoFn(beam.DoFn):
 
     def process(self, summary):
         out, tmp = storage.location(self.out_dir), storage.location(self.tmp_dir)
-        index = rolling.finalize_parts(out, tmp, summary["parts"], name_for=CF.cache_name)
+        index = rolling.finalize_parts(
+            out, tmp, summary["parts"], name_for=teacher_cache.cache_name
+        )
         dead_info = rolling.join_dead_letters(out, tmp, dict(summary["dead_parts"]))
         files = {name: int(info["rows"]) for name, info in index.items()}
         stats = cache_stats(self.header, self.meta, summary["stats"], index, dict(summary["dead"]))
@@ -243,21 +236,23 @@ class FinalizeCacheDoFn(beam.DoFn):
         if why is not None:
             rolling.write_refused(out, stats, why)
         else:
-            checksums = {name: integrity.manifest_entry(info) for name, info in index.items()}
-            checksums[S.DEAD_LETTER_FILE] = integrity.manifest_entry(dead_info)
+            file_sums = {name: checksums.manifest_entry(info) for name, info in index.items()}
+            file_sums[shard_schema.DEAD_LETTER_FILE] = checksums.manifest_entry(dead_info)
             rolling.write_completed(
                 out,
                 stats,
                 files=files,
-                checksums=checksums,
-                kind=CF.KIND,
-                schema_version=CF.CACHE_SCHEMA_VERSION,
+                checksums=file_sums,
+                kind=teacher_cache.KIND,
+                schema_version=teacher_cache.CACHE_SCHEMA_VERSION,
             )
         rolling.remove_tmp(tmp)
         yield stats
 
 
-def cache_stats(header: dict, meta: CF.CacheMeta, vec, index: dict, dropped: dict) -> dict:
+def cache_stats(
+    header: dict, meta: teacher_cache.CacheMeta, vec, index: dict, dropped: dict
+) -> dict:
     """stats.json: what the cache promises (``cache``: `CacheMeta`), sizes and throughput."""
     v = dict(zip(STATS, map(int, vec if vec is not None else np.zeros(len(STATS), np.int64))))
     size = sum(int(info["bytes"]) for info in index.values())
@@ -265,7 +260,7 @@ def cache_stats(header: dict, meta: CF.CacheMeta, vec, index: dict, dropped: dic
     infer_s = v["inference_us"] / 1e6
     return {
         **header,
-        "kind": CF.KIND,
+        "kind": teacher_cache.KIND,
         "cache": meta.to_json(),
         "rows": v["rows"],
         "teacher_tokens": v["positions"],

@@ -13,13 +13,21 @@ forward, the logits' local shape and DTensor placement, the decoder activations'
 module output as wide as the whole vocabulary and the row counts its teachers were given
 (``probes/rank<r>.json``). The ``two`` set also compares cp = 2 and tp = 2 forwards and
 gradients of tiny tied Llama and sliding-window Gemma 3 models with the whole model
-(``model_checks.json``).
+(``model_checks.json``), and the ``two`` and ``four`` sets gather the student and a teacher
+built on the meta device and filled shard by shard under FSDP, TP and both
+(``weights_<set>.json``: equal to `build_model`'s weights or not). ``resize`` runs 3 steps on
+2, then 1, then 2 processes (the 1-process part is this script again, ``one``, started by rank 0
+of the ``two`` launch), each resuming the checkpoint of the part before.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # run as a script (torchrun): import this checkout's packages, not an installed copy's
@@ -34,7 +42,7 @@ from tokenbridge import paths
 from trainer.parallel import parallelize
 from trainer import loop as train_module
 from trainer.config.schema import from_dictconfig
-from trainer.config.preflight import preflight
+from trainer.preflight import preflight
 from trainer.loop import Trainer
 
 TINY = {
@@ -55,6 +63,9 @@ STEPS = 2
 def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top) -> object:
     student = str(paths.student_dir())
     teacher_tp = layout.pop("teacher_tp", 1)
+    steps = layout.pop("steps", STEPS)
+    teacher_bpb = layout.pop("teacher_bpb", False)
+    grad_accum = layout.pop("ga", 2)
     teachers = [
         {
             "path": student,
@@ -71,7 +82,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
     d = {
         "name": Path(run_dir).name,
         "run_dir": run_dir,
-        "steps": STEPS,
+        "steps": steps,
         "seed": 0,
         "device": "cpu",
         "model": {"path": student, "init": "random", "seed": 1, "overrides": TINY},
@@ -80,7 +91,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
         "data": {
             "shards": shards,
             "micro_batch_size": layout.pop("mb", 2),
-            "grad_accum": 2,
+            "grad_accum": grad_accum,
             "shuffle_buffer": 0,  # file order: every layout sees the same global batch
             "max_student_tokens": 64,
             "eval_fraction": 0.1,
@@ -88,7 +99,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
         "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 1.0},
         "parallel": {"teacher_placement": "inprocess", **layout},
         "checkpoint": {"resume": "auto", "save_at_end": False, "export_at_end": False},
-        "eval": {"max_texts": 2, "teacher": False},
+        "eval": {"max_texts": 2, "teacher": teacher_bpb},
         "logging": {"jsonl": True, "tensorboard": False, "progress": False},
         **top,
     }
@@ -135,7 +146,7 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
             return submit(inputs)
 
         channel.submit = counted
-    forward = trainer.forward
+    forward = trainer.shards.forward
 
     def probed(mb):
         state["wide"] = []
@@ -153,7 +164,7 @@ def attach_probes(trainer: Trainer, record: list[dict]) -> None:
         )
         return logits
 
-    trainer.forward = probed
+    trainer.shards.forward = probed  # the shard batches' student forward (`ShardSource`)
 
 
 def run(cfg, out: Path, *, probe: bool = False) -> None:
@@ -181,7 +192,12 @@ def runs(which: str) -> dict[str, dict]:
     if which == "ref":
         # ref: the student's logits projected block by block (parallel.logits_chunk, the
         # default); ref_whole: the same run with the whole [B, T, V] logits
-        return {"ref": {}, "ref_whole": {"layout": {"logits_chunk": 0}}}
+        # ref3: the uninterrupted reference of `resize` (3 steps)
+        return {
+            "ref": {"layout": {"teacher_bpb": True}},
+            "ref_whole": {"layout": {"logits_chunk": 0}},
+            "ref3": {"layout": {"steps": 3}},
+        }
     if which == "two":
         return {
             "tp2": {"layout": {"tp": 2}, "probe": True},  # teachers at tp=1
@@ -189,11 +205,18 @@ def runs(which: str) -> dict[str, dict]:
             "dp2": {"layout": {"dp_shard": 2, "mb": 1}},
             # the reverse of tp2: the student whole, every teacher at tp=2 (top-k, columns,
             # sorted rest and target log-probs from vocab-sharded teacher logits)
-            "dp2_teacher_tp2": {"layout": {"dp_shard": 2, "mb": 1, "teacher_tp": 2}},
+            # (and their reference BPB, every teacher built sharded over its TP group)
+            "dp2_teacher_tp2": {
+                "layout": {"dp_shard": 2, "mb": 1, "teacher_tp": 2, "teacher_bpb": True}
+            },
         }
     if which == "four":
         # step 1, a checkpoint, then step 2 by a fresh Trainer that resumed from it
-        return {"cp2_tp2": {"layout": {"cp": 2, "tp": 2}, "probe": True, "resume": True}}
+        # HSDP: weights sharded over 2 ranks, replicated twice (4 dp ranks, one row each)
+        return {
+            "cp2_tp2": {"layout": {"cp": 2, "tp": 2}, "probe": True, "resume": True},
+            "hsdp2x2": {"layout": {"dp_replicate": 2, "dp_shard": 2, "mb": 1, "ga": 1}},
+        }
     raise ValueError(f"unknown set {which!r}")
 
 
@@ -224,7 +247,7 @@ def model_checks() -> dict:
     model in this process: max |difference| / max |reference| of the logits and of every
     parameter's gradient."""
     from trainer.parallel.cp_attention import model_inputs
-    from trainer.microbatches import Microbatch
+    from trainer.data.microbatches import Microbatch
     from trainer.parallel.mesh import build_mesh
     from tokenbridge.dist_ops import to_cp_layout
     from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
@@ -276,17 +299,115 @@ def model_checks() -> dict:
     return out
 
 
+def weights_checks(layouts: dict[str, dict]) -> dict[str, bool]:
+    """Per layout name ({"dp": , "tp": }): the student (FSDP over dp, TP over tp) and a teacher
+    (TP over tp) built on the meta device and filled shard by shard, gathered, equal to
+    `build_model`'s weights bit for bit: SmolLM2- and Gemma 3-shaped random inits."""
+    from tokenbridge import models
+    from trainer.checkpoint.checkpointer import full_model_state_dict
+    from trainer.config.precision import Precision
+    from trainer.config.sections import ModelConfig, ParallelConfig, TeacherConfig
+    from trainer.parallel.mesh import build_mesh
+    from trainer.parallel.sharded_build import build_student, build_teacher
+
+    gemma = {**TINY, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 32}
+    sources = {
+        "smollm2": (str(paths.student_dir()), TINY),
+        "gemma3": (str(paths.teacher_dir()), gemma),
+    }
+    fp32 = Precision(device="cpu", param_dtype="float32", reduce_dtype="float32",
+                     teacher_dtypes=(), fused_optimizer=True)  # fmt: skip
+    out = {}
+    for name, (path, over) in sources.items():
+        want = models.build_model(ModelConfig(path=path, init="random", seed=5, overrides=over))
+        want = want.state_dict()
+        for label, lay in layouts.items():
+            rep = lay.get("rep", 1)
+            mesh = build_mesh(torch.device("cpu"), dp=lay["dp"], tp=lay["tp"], replicate=rep)
+            cfg = ModelConfig(path=path, init="random", seed=5, overrides=over)
+            model, _ = build_student(cfg, mesh=mesh, parallel=ParallelConfig(tp=lay["tp"]),
+                                     precision=fp32, device=torch.device("cpu"))  # fmt: skip
+            got = full_model_state_dict(model)
+            if rep > 1:  # HSDP: every weight replicated over dim 0, sharded over dim 1
+                placements = {str(p.placements) for p in model.parameters()}
+                out[f"{name}_hsdp_placements"] = placements == {"(Replicate(), Shard(dim=0))"}
+            out[f"{name}_student_{label}"] = dist.get_rank() != 0 or all(
+                torch.equal(got[k], want[k]) for k in want
+            )
+            teacher = build_teacher(TeacherConfig(path=path, init="random", seed=5, overrides=over),
+                                    dtype="float32", device=torch.device("cpu"),
+                                    tp_mesh=mesh.tp_mesh)  # fmt: skip
+            full = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                    for k, v in teacher.state_dict().items()}  # fmt: skip
+            out[f"{name}_teacher_{label}"] = all(torch.equal(full[k], want[k]) for k in want)
+        # pretrained: the same weights written as a HF directory, read back by slices under TP
+        saved = Path(tempfile.gettempdir()) / f"tb-weights-{os.getppid()}-{name}"
+        if dist.get_rank() == 0:
+            models.export_hf(want, cfg=ModelConfig(path=path, init="random", overrides=over),
+                             out_dir=saved)  # fmt: skip
+        dist.barrier()
+        for label, lay in layouts.items():
+            mesh = build_mesh(torch.device("cpu"), dp=lay["dp"] * lay.get("rep", 1), tp=lay["tp"])
+            teacher = build_teacher(TeacherConfig(path=str(saved)), dtype="float32",
+                                    device=torch.device("cpu"), tp_mesh=mesh.tp_mesh)  # fmt: skip
+            full = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                    for k, v in teacher.state_dict().items()}  # fmt: skip
+            ok = all(torch.equal(full[k], want[k]) for k in want)
+            out[f"{name}_pretrained_teacher_{label}"] = ok
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(saved)
+    return out
+
+
+def resize(shards: str, projection: str, out: Path, *, part: str) -> None:
+    """`resize`: part ``a`` (2 processes) runs step 1, ``b`` (1) step 2, ``c`` (2) step 3; each
+    resumes the checkpoint the part before saved, on another world size."""
+    run_dir = str(out / "resize")
+    ck = {"resume": "auto", "save_at_end": True, "export_at_end": part == "c"}
+    layout = {"steps": 3, **({"mb": 2} if part == "b" else {"dp_shard": 2, "mb": 1})}
+    cfg = make_cfg(shards, projection, run_dir, layout=layout, checkpoint=ck)
+    cfg.stop_after = {"a": 1, "b": 2, "c": None}[part]
+    run(cfg, out)
+
+
+def _one_process(*args: str) -> None:
+    """This script as one process of its own (not a member of the launch's process group)."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and "TORCHELASTIC" not in k}
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"{args[0]}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
 def main(which: str, shards: str, projection: str, out_dir: str) -> None:
     out = Path(out_dir)
     torch.set_num_threads(1)
     # the HTML run report (matplotlib, ~10 s a run here) is tested elsewhere
     train_module.report.after_run = lambda run_dir: None
     parallelize.init_distributed(torch.device("cpu"))
+    if which == "one":
+        resize(shards, projection, out, part="b")
+        dist.destroy_process_group()
+        return
     if which == "two":
         checks = model_checks()
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "model_checks.json").write_text(json.dumps(checks, indent=1))
+    if which in ("two", "four"):
+        layouts = (
+            {"dp2": {"dp": 2, "tp": 1}, "tp2": {"dp": 1, "tp": 2}}
+            if which == "two"
+            else {"dp2_tp2": {"dp": 2, "tp": 2}, "hsdp2x2": {"dp": 2, "tp": 1, "rep": 2}}
+        )
+        checks = weights_checks(layouts)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, checks)
+        if dist.get_rank() == 0:
+            merged = {k: all(g[k] for g in gathered) for k in checks}
+            (out / f"weights_{which}.json").write_text(json.dumps(merged, indent=1))
     for name, spec in runs(which).items():
         run_dir = str(out / name)
         layout = dict(spec.get("layout", {}))
@@ -306,6 +427,12 @@ def main(which: str, shards: str, projection: str, out_dir: str) -> None:
         else:
             cfg = make_cfg(shards, projection, run_dir, layout=layout)
             run(cfg, out, probe=probe)
+    if which == "two":  # 2 processes, then 1 (started by rank 0), then 2 again
+        resize(shards, projection, out, part="a")
+        if dist.get_rank() == 0:
+            _one_process("one", shards, projection, out_dir)
+        dist.barrier()
+        resize(shards, projection, out, part="c")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tokenbridge import paths
 from trainer.parallel import parallelize
 from trainer.config.schema import from_dictconfig
-from trainer.config.preflight import preflight
+from trainer.preflight import preflight
 from trainer.loop import Trainer
 
 TINY = {

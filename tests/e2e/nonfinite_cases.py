@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from tests.dist.test_trainer_cases import TINY, params_checksum
 from tokenbridge import paths
-from trainer.config.preflight import preflight
 from trainer.config.schema import from_dictconfig
 from trainer.loop import Trainer
+from trainer.preflight import preflight
 from trainer.run_log import NonFiniteError
 
 NAN_STEP = 3

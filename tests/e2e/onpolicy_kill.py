@@ -20,9 +20,9 @@ if __name__ == "__main__":
 
 import torch.distributed as dist
 
-from trainer.config.preflight import preflight
 from trainer.loop import Trainer
 from trainer.main import load_config
+from trainer.preflight import preflight
 
 
 def main(shards: str, run_dir: str) -> dict:

@@ -32,13 +32,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipelines.teacher_cache import job as J
+from pipelines.teacher_cache import job
 from tests.dist.test_trainer_cases import TINY
 from tokenbridge import paths
-from trainer.config.preflight import preflight
 from trainer.config.schema import from_dictconfig
+from trainer.data.shard_source import shm_usage
 from trainer.loop import Trainer
-from trainer.shard_source import shm_usage
+from trainer.preflight import preflight
 
 GEMMA_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -90,7 +90,7 @@ def build_cache(shards: str, out: Path, t: dict, *extra: str) -> Path:
     args = ["--shards", shards, "--teacher", t["path"], "--init", "random", "--seed", "2"]
     for k, v in t["overrides"].items():
         args += ["--override", f"{k}={v}"]
-    J.run([*args, "--out", str(out), "--k", "8", *extra])
+    job.run([*args, "--out", str(out), "--k", "8", *extra])
     return out
 
 

@@ -12,7 +12,9 @@ torchrun or Python's resource tracker), a run with mismatched shards (refused be
 built, in one line), and the integrity cases of issue 20: a copy of the full run whose newest
 checkpoint is truncated (refused with checkpoint.strict=true; else resumed from the older one,
 same losses) and a copy of the shards with 32 bytes changed (refused in one line, exit 2); and
-of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, never run).
+of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, never run); and of
+issue 39: one step traced call by call in one process (`tests.e2e.step_trace`), entering each
+trainer/ file once.
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
 from trainer.config.sections import DataConfig
+from trainer.data.shard_reader import ShardReader
 from trainer.eval.bpb import evaluate_bpb
 from trainer.eval.runner import load_model
 from trainer.report import write_report
-from trainer.shard_reader import ShardReader
 
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
 PEAK_TFLOPS = 2.0  # the full run's logging.peak_tflops
@@ -301,6 +303,23 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_one_debug_step_enters_each_trainer_file_once(inputs):
+    """One logging step of conf=debug traced call by call (`tests.e2e.step_trace`): on every
+    call stack the trainer/ files form contiguous runs, so a reader following the step from the
+    loop to the losses enters each file once (no source reaches back into the `Trainer`)."""
+    out = inputs["tmp"] / "step_trace.json"
+    cmd = [sys.executable, "-m", "tests.e2e.step_trace", str(inputs["shards"]), str(PROJECTION),
+           str(inputs["tmp"] / "step_trace"), str(out), *CPU]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    found = json.loads(out.read_text())
+    assert found["broken"] == [], "\n".join(found["broken"])
+    # the trace saw the step: the loop, the step, the source, the feed, the forward, the losses
+    step = {"loop.py", "step.py", "shard_source.py", "teacher/dispatch.py", "parallel/head.py",
+            "loss_terms.py"}  # fmt: skip
+    assert step <= set(found["entered"]), found["entered"]
 
 
 def test_killed_teacher_worker_fails_the_run_cleanly(inputs):

@@ -30,33 +30,32 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.align import job as J
+from pipelines.align import job as align_job
 from pipelines.align.chat_dofns import AlignChatDoFn, ChatConfig, RowBatch
 from pipelines.align.chat_read import Row
 from tests.e2e.helpers import example_rows
 from tokenbridge.alignment import WindowConfig
-from tokenbridge.chat import rows as R
+from tokenbridge.chat import rows
 from tokenbridge.chat.templates import ChatTemplate, resolve_template, shipped_template
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
 LIMIT = 512  # tokens, both sides
 
 BAD_ROWS = [  # (line in a.jsonl, reason, field); a.jsonl starts with 8 good rows
     ('{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
-     R.UNKNOWN_ROLE, "messages[0].role"),
+     rows.UNKNOWN_ROLE, "messages[0].role"),
     ('{"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]}',
-     R.NON_STRING_CONTENT, "messages[0].content"),
+     rows.NON_STRING_CONTENT, "messages[0].content"),
     ('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}',
-     R.EMPTY_ASSISTANT, "messages[1].content"),
-    ('{"messages": [{"role": "user", "content": "Hi"}]}', R.NOTHING_TO_TRAIN, "messages"),
+     rows.EMPTY_ASSISTANT, "messages[1].content"),
+    ('{"messages": [{"role": "user", "content": "Hi"}]}', rows.NOTHING_TO_TRAIN, "messages"),
     ('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
-     ' "tool_calls": [{"name": "f"}]}]}', R.TOOL_CALLS, "messages[1].tool_calls"),
+     ' "tool_calls": [{"name": "f"}]}]}', rows.TOOL_CALLS, "messages[1].tool_calls"),
     ('{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "y"}]}',
-     R.UNDECODABLE, "messages[0].content"),
+     rows.UNDECODABLE, "messages[0].content"),
     # Gemma's template raises on a tool turn
     ('{"messages": [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "12 C"},'
-     ' {"role": "assistant", "content": "Mild."}]}', R.TEMPLATE_ERROR, "messages"),
+     ' {"role": "assistant", "content": "Mild."}]}', rows.TEMPLATE_ERROR, "messages"),
     ("{not json", "bad_json", None),
 ]  # fmt: skip
 
@@ -99,7 +98,7 @@ def job(tmp_path_factory, pair_paths, pair_tokenizers):
     argv = ["--data", f"{data}/*", "--teacher", t, "--teacher-chat-template", "gemma"]
     argv += ["--student", s, "--out", str(out), "--long-conversations", "keep_suffix"]
     argv += ["--max-student-tokens", str(LIMIT), "--max-teacher-tokens", str(LIMIT)]
-    stats = J.run([*argv, "--direct_num_workers", "1"])
+    stats = align_job.run([*argv, "--direct_num_workers", "1"])
     expect = {f"a.jsonl:{i}": r["messages"] for i, r in enumerate(good)}
     for i, r in enumerate(listed):
         expect[f"b.parquet:{i}"] = r["prompt"] + r["completion"]
@@ -134,8 +133,8 @@ def test_rows_round_trip_and_chunks_hold_only_contents(job, pair_tokenizers):
     t_tok, s_tok = pair_tokenizers
     sb, tb = _bytes(s_tok), _bytes(t_tok)
     shard_set = shards.open_shards(job["out"], student=s_tok.info(), teachers=[t_tok.info()])
-    assert shard_set.meta.schema_version == S.SCHEMA_VERSION == 2
-    assert shard_set.meta.chat["train_on"] == R.TRAIN_ASSISTANT
+    assert shard_set.meta.schema_version == shard_schema.SCHEMA_VERSION == 2
+    assert shard_set.meta.chat["train_on"] == rows.TRAIN_ASSISTANT
     table = shard_set.table()
     got = {d.rsplit("/", 1)[-1]: i for i, d in enumerate(table.column("doc_id").to_pylist())}
     long_id = f"a.jsonl:{job['n_good']}"
@@ -162,12 +161,12 @@ def test_rows_round_trip_and_chunks_hold_only_contents(job, pair_tokenizers):
         for c, kind in enumerate(kinds):
             s_part = b"".join(sb[ids[j]] for j in np.flatnonzero(s_chunk == c))
             t_part = b"".join(tb[t_ids[j]] for j in np.flatnonzero(t_chunk == c))
-            if kind < S.CHUNK_OPEN:  # a text chunk: the same bytes on both sides
+            if kind < shard_schema.CHUNK_OPEN:  # a text chunk: the same bytes on both sides
                 assert s_part == t_part and s_part, (doc, c)
                 spelled += s_part
             else:  # a marker pair: each side's own control tokens
-                want = {S.CHUNK_OPEN: (b"<|im_start|>", b"<start_of_turn>"),
-                        S.CHUNK_EOT: (b"<|im_end|>", b"<end_of_turn>")}[kind]  # fmt: skip
+                want = {shard_schema.CHUNK_OPEN: (b"<|im_start|>", b"<start_of_turn>"),
+                        shard_schema.CHUNK_EOT: (b"<|im_end|>", b"<end_of_turn>")}[kind]  # fmt: skip
                 assert (s_part, t_part) == want, (doc, c)
         assert spelled == "".join(m["content"] for m in msgs).encode(), doc
         # SmolLM2 injects its default system text when there is none: scaffolding, untrained
@@ -177,7 +176,7 @@ def test_rows_round_trip_and_chunks_hold_only_contents(job, pair_tokenizers):
 def test_stats_name_templates_and_count_dead_letters(job, pair_paths):
     t, s = pair_paths
     stats = job["stats"]
-    on_disk = json.loads((job["out"] / S.STATS_FILE).read_text())
+    on_disk = json.loads((job["out"] / shard_schema.STATS_FILE).read_text())
     chat = on_disk["chat"]
     gemma = shipped_template("gemma")
     assert chat["templates"]["teachers"] == [
@@ -201,12 +200,14 @@ def test_stats_name_templates_and_count_dead_letters(job, pair_paths):
     assert on_disk["chat_meta"]["teachers"][0]["markers"]["close"] == ["<end_of_turn>"]
     # dead letters: file, row, field, reason of each; counted by reason
     want = [("a.jsonl", 8 + k, field, reason) for k, (_, reason, field) in enumerate(BAD_ROWS)]
-    want.append(("a.jsonl", job["n_good"] + 1, "messages", R.TOO_LONG))
-    lines = [json.loads(x) for x in (job["out"] / S.DEAD_LETTER_FILE).read_text().splitlines()]
+    want.append(("a.jsonl", job["n_good"] + 1, "messages", rows.TOO_LONG))
+    lines = [
+        json.loads(x) for x in (job["out"] / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
+    ]
     got = [(d["file"].rsplit("/", 1)[-1], d["row"], d["field"], d["reason"]) for d in lines]
     assert sorted(got, key=str) == sorted(want, key=str)
     assert all(d["detail"] for d in lines)
-    too_long = next(d for d in lines if d["reason"] == R.TOO_LONG)
+    too_long = next(d for d in lines if d["reason"] == rows.TOO_LONG)
     assert f"limits {LIMIT}" in too_long["detail"] and "keep_suffix" in too_long["detail"]
     by_reason: dict[str, int] = {}
     for *_, reason in want:
@@ -236,7 +237,7 @@ def test_template_refusals_and_too_long_on_the_dofn(student_dir):
         [("user", "Who?"), ("assistant", " ".join(["Bernardo."] * 40))],  # > 64 tokens
     ]
     batch = RowBatch("f.jsonl", [
-        Row(f"f.jsonl:{i}", i, {"messages": [{"role": r, "content": c} for r, c in m]}, R.MESSAGES)
+        Row(f"f.jsonl:{i}", i, {"messages": [{"role": r, "content": c} for r, c in m]}, rows.MESSAGES)
         for i, m in enumerate(convs)
     ])  # fmt: skip
     out = list(fn.process(batch))
@@ -247,9 +248,9 @@ def test_template_refusals_and_too_long_on_the_dofn(student_dir):
     ]
     dead = sorted((d["row"], d["reason"], d["field"]) for tag, d in out if tag != "main")
     assert dead == [
-        (1, R.TEMPLATE_DROPPED, "messages[0].content"),
-        (3, R.TEMPLATE_REWROTE, "messages"),
-        (4, R.TOO_LONG, "messages"),
+        (1, rows.TEMPLATE_DROPPED, "messages[0].content"),
+        (3, rows.TEMPLATE_REWROTE, "messages"),
+        (4, rows.TOO_LONG, "messages"),
     ]
     details = {d["row"]: d["detail"] for tag, d in out if tag != "main"}
     assert details[1].startswith("teacher0") and "message 0 (system)" in details[1]
@@ -258,5 +259,7 @@ def test_template_refusals_and_too_long_on_the_dofn(student_dir):
     # "Bernardo.\n" (its end); the student's template keeps every content whole
     rewrites = sum(fn.layout.get(w.stats, "content_rewrites") for w in written).reshape(2, 4)
     assert rewrites.tolist() == [[4, 0, 0, 0], [2, 0, 1, 1]]  # none, lstrip, rstrip, trim
-    trained = [b for w in written for b in w.batch.column(S.TRAINED_BYTES_COLUMN).to_pylist()]
+    trained = [
+        b for w in written for b in w.batch.column(shard_schema.TRAINED_BYTES_COLUMN).to_pylist()
+    ]
     assert trained == [len("Bernardo."), len("Bernardo.\n")]  # as the student sees them

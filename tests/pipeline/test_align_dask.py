@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 
-from pipelines.align import job as J
+from pipelines.align import job
 from tests.pipeline.conftest import local_paths, upload_model_dir
 from tokenbridge import urls
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
 SKIP_KEYS = {"wall_s", "metrics", "shards"}  # files roll per bundle: runners differ
 SKIP_DASK = {*SKIP_KEYS, "data"}  # the Dask run reads the same files from s3://
@@ -42,12 +41,15 @@ def test_dask_local_cluster_matches_fnapi_runner(
     base = ["--data", f"{data}/*", "--teacher", t, "--student", s, "--shard-mb", "0.01"]
     base += ["--max-student-tokens", "64", "--max-teacher-tokens", "64"]
 
-    fn_stats = J.run([*base, "--out", str(tmp_path / "fn"), "--direct_num_workers", "1"])
-    s3_stats = J.run([*base, "--out", f"s3://{s3_bucket}/fn", "--direct_num_workers", "1"])
-    marker = json.loads((tmp_path / "fn" / S.COMPLETED_MARKER).read_text())
+    fn_stats = job.run([*base, "--out", str(tmp_path / "fn"), "--direct_num_workers", "1"])
+    s3_stats = job.run([*base, "--out", f"s3://{s3_bucket}/fn", "--direct_num_workers", "1"])
+    marker = json.loads((tmp_path / "fn" / shard_schema.COMPLETED_MARKER).read_text())
     s3_copy = s3_server.download(s3_bucket, "fn", tmp_path / "fn_s3")
     assert sorted(p.name for p in s3_copy.iterdir()) == sorted([*marker["checksums"], "COMPLETED"])
-    for name in [*marker["checksums"], S.COMPLETED_MARKER]:  # the same bytes, file for file
+    for name in [
+        *marker["checksums"],
+        shard_schema.COMPLETED_MARKER,
+    ]:  # the same bytes, file for file
         assert (s3_copy / name).read_bytes() == (tmp_path / "fn" / name).read_bytes(), name
     assert {k: v for k, v in s3_stats.items() if k not in SKIP_KEYS} == {
         k: v for k, v in fn_stats.items() if k not in SKIP_KEYS
@@ -65,7 +67,7 @@ def test_dask_local_cluster_matches_fnapi_runner(
             "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
             f"--dask_client_address={dask_cluster.address}", "--dask_npartitions=2"]  # fmt: skip
     assert local_paths(argv) == []  # the workers are handed URLs only
-    dask_stats = J.run(argv)
+    dask_stats = job.run(argv)
     for home in dask_cluster.worker_dirs():  # each worker fetched the tokenizers itself
         copies = {p.name for p in (home / ".cache" / "tokenbridge").glob("*/*") if p.is_dir()}
         assert {"ggml-vocab-phi-3", urls.name(s)} <= copies, (home, copies)
@@ -82,6 +84,7 @@ def test_dask_local_cluster_matches_fnapi_runner(
     order = [("doc_id", "ascending"), ("window", "ascending")]
     assert dask_set.table().sort_by(order).equals(fn_set.table().sort_by(order))  # same rows
     dead = [
-        json.loads(x) for x in (tmp_path / "dask" / S.DEAD_LETTER_FILE).read_text().splitlines()
+        json.loads(x)
+        for x in (tmp_path / "dask" / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
     ]
     assert sorted(d["reason"] for d in dead) == ["missing_field", "undecodable_utf8"]

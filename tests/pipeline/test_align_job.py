@@ -17,12 +17,10 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipelines.align import job as J
-from pipelines.align import readers as R
+from pipelines.align import job, readers
 from pipelines.plumbing import rolling
 from tokenbridge.alignment import WindowConfig, WindowError, align, cut_windows, vocab_bytes
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
 UNICODE_DOC = (
     "Café naïve — “quoted” text, 日本語のテキスト and an emoji 🙂.\n\n"
@@ -42,30 +40,30 @@ def _as_lists(row: dict) -> dict:
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
 
 
-def _config(pair_paths, data, out, window, **kw) -> J.JobConfig:
+def _config(pair_paths, data, out, window, **kw) -> job.JobConfig:
     t, s = pair_paths
-    return J.JobConfig(
+    return job.JobConfig(
         data=data,
         student=s,
         teachers=[t],
         out=out,
         window=window,
-        reader=R.ReaderConfig(**kw),
+        reader=readers.ReaderConfig(**kw),
         roll_bytes=8 << 10,  # several shard files even for this little text
     )
 
 
 def _run_test_pipeline(cfg, pair_tokenizers, check):
-    tasks, total, n_files = J.match_inputs(cfg.data)
+    tasks, total, n_files = job.match_inputs(cfg.data)
     rolling.prepare_out_dir(cfg.out, overwrite=False)
     p = BeamTestPipeline(runner="FnApiRunner")
-    outs = J.build_pipeline(
+    outs = job.build_pipeline(
         p, cfg, tasks=tasks, total_bytes=total, input_files=n_files, run_id="test"
     )
     check(outs)
     result = p.run()
     result.wait_until_finish()
-    return J.job_metrics(result)
+    return job.job_metrics(result)
 
 
 def test_rows_are_exactly_the_per_document_windows(
@@ -151,14 +149,14 @@ def test_malformed_inputs_go_to_dead_letters_and_counters(tmp_path, pair_paths, 
     cfg = _config(pair_paths, [f"{bad}/*"], tmp_path / "out", window)
     cfg = dataclasses.replace(cfg, max_dead_fraction=1.0)  # 8 of 10 die here, on purpose
     expected = [
-        ("bad_utf8.txt", R.UNDECODABLE, None),
-        ("empty.txt", R.EMPTY_DOCUMENT, None),
+        ("bad_utf8.txt", readers.UNDECODABLE, None),
+        ("empty.txt", readers.EMPTY_DOCUMENT, None),
         ("long.txt", "uncuttable_document", None),
-        ("broken.jsonl.gz", R.UNREADABLE_FILE, None),
-        ("records.jsonl", R.MISSING_FIELD, 1),
-        ("records.jsonl", R.BAD_JSON, 2),
-        ("records.jsonl", R.BAD_FIELD_TYPE, 3),
-        ("notes.csv", R.UNKNOWN_FORMAT, None),
+        ("broken.jsonl.gz", readers.UNREADABLE_FILE, None),
+        ("records.jsonl", readers.MISSING_FIELD, 1),
+        ("records.jsonl", readers.BAD_JSON, 2),
+        ("records.jsonl", readers.BAD_FIELD_TYPE, 3),
+        ("notes.csv", readers.UNKNOWN_FORMAT, None),
     ]
 
     def check(outs):
@@ -182,7 +180,9 @@ def test_malformed_inputs_go_to_dead_letters_and_counters(tmp_path, pair_paths, 
     stats = ss.stats()
     assert stats["drops_by_reason"] == by_reason and stats["dead_letters"] == len(expected)
     assert stats["documents_lost"] == len(expected)  # each letter here is a whole input lost
-    lines = [json.loads(x) for x in (cfg.out / S.DEAD_LETTER_FILE).read_text().splitlines()]
+    lines = [
+        json.loads(x) for x in (cfg.out / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
+    ]
     got = [(d["file"].rsplit("/", 1)[-1], d["reason"], d["row"]) for d in lines]
     assert sorted(got, key=str) == sorted(expected, key=str)
     long_dl = next(d for d in lines if d["reason"] == "uncuttable_document")
@@ -204,31 +204,33 @@ def test_cli_run_refuses_a_complete_dir_and_overwrites_deterministically(
     out = tmp_path / "out"
     argv = ["--data", f"{data}/*.jsonl.gz", "--teacher", t, "--student", s, "--out", str(out)]
     argv += ["--text-field", "body", "--max-student-tokens", "16", "--max-teacher-tokens", "16"]
-    stats = J.run(argv)
+    stats = job.run(argv)
     assert stats["documents"] == 6 and stats["dead_letters"] == 0
     first = shards.open_shards(out).table()
-    assert set(shards.open_shards(out).checksums) == {*stats_files(out), S.STATS_FILE}
+    assert set(shards.open_shards(out).checksums) == {*stats_files(out), shard_schema.STATS_FILE}
     teacher_tok, student_tok = pair_tokenizers
     with pytest.raises(shards.FingerprintMismatchError):  # shards of this pair, not another
         shards.open_shards(out, student=teacher_tok.info(), teachers=[teacher_tok.info()])
     with pytest.raises(FileExistsError, match="--overwrite"):
-        J.run(argv)
+        job.run(argv)
     # debris of a crashed run: a stale shard, a temporary file and directory; the marker goes
     (out / "shard-00007-of-00009.arrow").write_bytes(b"stale")
     (out / ".shard-00000-of-00001.arrow.tmp-0123").write_bytes(b"tmp")
     (out / ".align-tmp-0123").mkdir()
     (out / ".align-tmp-0123" / "shard-x-00000.arrow").write_bytes(b"part")
-    stats2 = J.run([*argv, "--overwrite"])
+    stats2 = job.run([*argv, "--overwrite"])
     again = shards.open_shards(out).table()
     assert again.equals(first)
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [S.COMPLETED_MARKER, S.STATS_FILE, S.DEAD_LETTER_FILE]
+        [shard_schema.COMPLETED_MARKER, shard_schema.STATS_FILE, shard_schema.DEAD_LETTER_FILE]
         + [shards.shard_name(i, stats2["shards"]) for i in range(stats2["shards"])]
     )
 
 
 def stats_files(out) -> list[str]:
-    return [p.name for p in out.iterdir() if p.name.endswith(".arrow")] + [S.DEAD_LETTER_FILE]
+    return [p.name for p in out.iterdir() if p.name.endswith(".arrow")] + [
+        shard_schema.DEAD_LETTER_FILE
+    ]
 
 
 def test_prepare_out_dir_and_input_matching(tmp_path, monkeypatch):
@@ -236,45 +238,45 @@ def test_prepare_out_dir_and_input_matching(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)  # they would add --s3_* options to beam_args
     out = tmp_path / "o"
     out.mkdir()
-    (out / S.COMPLETED_MARKER).write_text("{}")
+    (out / shard_schema.COMPLETED_MARKER).write_text("{}")
     with pytest.raises(FileExistsError):
         rolling.prepare_out_dir(out, overwrite=False)
     rolling.prepare_out_dir(out, overwrite=True)
-    assert not (out / S.COMPLETED_MARKER).exists()
+    assert not (out / shard_schema.COMPLETED_MARKER).exists()
     with pytest.raises(FileNotFoundError, match="matches no file"):
-        J.match_inputs([f"{tmp_path}/nothing/*.txt"])
-    cfg, beam_args = J.parse_args(["--data", "x", "--teacher", "t", "--student", "s"])
-    assert beam_args[:2] == ["--runner", J.DEFAULT_RUNNER]
+        job.match_inputs([f"{tmp_path}/nothing/*.txt"])
+    cfg, beam_args = job.parse_args(["--data", "x", "--teacher", "t", "--student", "s"])
+    assert beam_args[:2] == ["--runner", job.DEFAULT_RUNNER]
     # one worker per core by default: threads of this process for a text job on a few cores
     # (the work releases the GIL), processes beyond and for conversations; in-process on one
-    assert J.default_runner_args([], cores=2) == [
+    assert job.default_runner_args([], cores=2) == [
         "--runner",
-        J.DEFAULT_RUNNER,
+        job.DEFAULT_RUNNER,
         "--direct_num_workers",
         "2",
         "--direct_running_mode",
         "multi_threading",
     ]
-    assert J.default_runner_args([], cores=2, chat=True)[-1] == "multi_processing"
-    assert J.default_runner_args([], cores=J.THREAD_WORKERS_UP_TO)[-1] == "multi_threading"
-    assert J.default_runner_args([], cores=J.THREAD_WORKERS_UP_TO + 1)[-1] == "multi_processing"
-    assert J.default_runner_args([], cores=1) == [
+    assert job.default_runner_args([], cores=2, chat=True)[-1] == "multi_processing"
+    assert job.default_runner_args([], cores=job.THREAD_WORKERS_UP_TO)[-1] == "multi_threading"
+    assert job.default_runner_args([], cores=job.THREAD_WORKERS_UP_TO + 1)[-1] == "multi_processing"
+    assert job.default_runner_args([], cores=1) == [
         "--runner",
-        J.DEFAULT_RUNNER,
+        job.DEFAULT_RUNNER,
         "--direct_num_workers",
         "1",
     ]
     one = ["--direct_num_workers", "1"]
-    assert J.default_runner_args(one, cores=2) == ["--runner", J.DEFAULT_RUNNER, *one]
-    many = [f"--direct_num_workers={J.THREAD_WORKERS_UP_TO + 1}"]  # processes past a few
-    assert J.default_runner_args(many, cores=2)[-2:] == [
+    assert job.default_runner_args(one, cores=2) == ["--runner", job.DEFAULT_RUNNER, *one]
+    many = [f"--direct_num_workers={job.THREAD_WORKERS_UP_TO + 1}"]  # processes past a few
+    assert job.default_runner_args(many, cores=2)[-2:] == [
         "--direct_running_mode",
         "multi_processing",
     ]
     threads = [*many, "--direct_running_mode", "multi_threading"]
-    assert J.default_runner_args(threads, cores=2) == ["--runner", J.DEFAULT_RUNNER, *threads]
+    assert job.default_runner_args(threads, cores=2) == ["--runner", job.DEFAULT_RUNNER, *threads]
     assert cfg.out.parent.name == "align" and cfg.out.parent.parent.name == "outputs"
-    _, beam_args = J.parse_args(["--data", "x", "--teacher", "t", "--student", "s", "--runner=X"])
+    _, beam_args = job.parse_args(["--data", "x", "--teacher", "t", "--student", "s", "--runner=X"])
     assert beam_args == ["--runner=X"]
 
 
@@ -300,7 +302,7 @@ def test_a_job_over_mostly_bad_rows_fails_with_no_completed(tmp_path, pair_paths
         "--direct_num_workers",
         "1",
     ]
-    code = cli.run(J.main, [*argv, "--max-dead-fraction", "1"], prog="align")
+    code = cli.run(job.main, [*argv, "--max-dead-fraction", "1"], prog="align")
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenbridge align")]
     assert code == 2 and len(err) == 1, err  # one line (the job's own log lines aside)
     assert (
@@ -308,19 +310,21 @@ def test_a_job_over_mostly_bad_rows_fails_with_no_completed(tmp_path, pair_paths
         and "3 of 3 documents" in err[0]
     )
     assert "every one" in err[0] and "missing_field 3" in err[0]
-    assert not (out / S.COMPLETED_MARKER).exists()
-    assert "missing_field 3" in json.loads((out / S.STATS_FILE).read_text())["refused"]
-    assert len((out / S.DEAD_LETTER_FILE).read_text().splitlines()) == 3  # kept to look at
+    assert not (out / shard_schema.COMPLETED_MARKER).exists()
+    assert "missing_field 3" in json.loads((out / shard_schema.STATS_FILE).read_text())["refused"]
+    assert (
+        len((out / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()) == 3
+    )  # kept to look at
     with pytest.raises(shards.IncompleteShardsError):
         shards.open_shards(out)
     (data / "good.jsonl").write_text(json.dumps({"text": "A good document."}) + "\n")
     with pytest.raises(TooManyDeadLetters, match=r"3 of 4 documents .*75% > .* 0.5"):
-        J.run(argv)  # the default limit
-    stats = J.run([*argv, "--max-dead-fraction", "0.8"])
+        job.run(argv)  # the default limit
+    stats = job.run([*argv, "--max-dead-fraction", "0.8"])
     assert stats["documents"] == 1 and stats["dead_letters"] == stats["documents_lost"] == 3
-    assert (out / S.COMPLETED_MARKER).is_file() and "refused" not in stats
+    assert (out / shard_schema.COMPLETED_MARKER).is_file() and "refused" not in stats
     with pytest.raises(ValueError, match=r"--max-dead-fraction 1.5: expected a share in \[0, 1\]"):
-        J.run([*argv, "--overwrite", "--max-dead-fraction", "1.5"])
+        job.run([*argv, "--overwrite", "--max-dead-fraction", "1.5"])
 
 
 def test_a_long_document_that_kept_windows_is_not_a_lost_one(tmp_path, pair_paths, pair_tokenizers):
@@ -337,9 +341,11 @@ def test_a_long_document_that_kept_windows_is_not_a_lost_one(tmp_path, pair_path
     argv = ["--data", str(tmp_path / "long.txt"), "--teacher", t, "--student", s]
     argv += ["--out", str(out), "--max-student-tokens", "8", "--max-teacher-tokens", "8"]
     argv += ["--piece-chars", "400", "--piece-overlap", "50", "--direct_num_workers", "1"]
-    stats = J.run(argv)
+    stats = job.run(argv)
     assert stats["documents"] == stats["long_documents"] == 1 and stats["windows"] > 0
     assert stats["documents_lost"] == 0 and stats["dead_letters"] >= 3 > stats["documents"]
-    letters = [json.loads(x) for x in (out / S.DEAD_LETTER_FILE).read_text().splitlines()]
+    letters = [
+        json.loads(x) for x in (out / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
+    ]
     assert {(d["reason"], d["partial"]) for d in letters} == {("uncuttable_document", True)}
-    assert (out / S.COMPLETED_MARKER).is_file()
+    assert (out / shard_schema.COMPLETED_MARKER).is_file()

@@ -18,11 +18,8 @@ from apache_beam.pipeline import PipelineVisitor
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 
 from pipelines.align import align_dofns as F
-from pipelines.align import job as J
-from pipelines.align import readers as R
-from pipelines.align import write_dofns as W
-from pipelines.plumbing import rolling
-from pipelines.plumbing import writers as PW
+from pipelines.align import job, readers, write_dofns
+from pipelines.plumbing import rolling, writers
 from tokenbridge import paths
 from tokenbridge.alignment import WindowConfig, align, cut_windows, vocab_bytes
 from tokenbridge.alignment.long_documents import PieceConfig
@@ -68,21 +65,21 @@ def _reference(docs: dict[str, str], t, s) -> list[dict]:
 def test_same_windows_as_the_per_document_job(tmp_path, pair_paths, pair_tokenizers, corpus_dir):
     docs = _corpus(tmp_path / "data", corpus_dir)
     t_path, s_path = pair_paths
-    cfg = J.JobConfig(
+    cfg = job.JobConfig(
         data=[f"{tmp_path}/data/*"],
         student=s_path,
         teachers=[t_path],
         out=tmp_path / "out",
         window=WINDOW,
-        reader=R.ReaderConfig(),
+        reader=readers.ReaderConfig(),
         pieces=PieceConfig(piece_chars=4096, overlap_chars=256),
         roll_bytes=64 << 10,  # tiny: many shard files
     )
-    tasks, total, n_files = J.match_inputs(cfg.data, split_bytes=20_000)
+    tasks, total, n_files = job.match_inputs(cfg.data, split_bytes=20_000)
     assert sum(t.path.endswith("verses.jsonl") for t in tasks) > 3  # byte ranges of one file
     rolling.prepare_out_dir(cfg.out, overwrite=False)
     p = BeamTestPipeline(runner="FnApiRunner")
-    J.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n_files, run_id="t")
+    job.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n_files, run_id="t")
     p.run().wait_until_finish()
 
     ss = shards.open_shards(cfg.out)
@@ -148,18 +145,24 @@ def test_no_groupbykey_over_row_data(tmp_path, pair_paths):
     t, s = pair_paths
     (tmp_path / "a.txt").write_text("text")
     (tmp_path / "b.txt").write_text("more text")  # two read tasks: Create spreads them
-    cfg = J.JobConfig([f"{tmp_path}/*.txt"], s, [t], WINDOW, R.ReaderConfig(), out=tmp_path / "o")
-    tasks, total, n = J.match_inputs(cfg.data)
+    cfg = job.JobConfig(
+        [f"{tmp_path}/*.txt"], s, [t], WINDOW, readers.ReaderConfig(), out=tmp_path / "o"
+    )
+    tasks, total, n = job.match_inputs(cfg.data)
     p = beam.Pipeline(runner="FnApiRunner")
-    J.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n, run_id="x")
+    job.build_pipeline(p, cfg, tasks=tasks, total_bytes=total, input_files=n, run_id="x")
     found = _groupings(p)
     assert len(found) == 2  # Create's spread of the read tasks, and the final summary
-    allowed = {"Impulse", W.WriteShardsDoFn.__name__, PW.WriteDeadLettersDoFn.__name__}
+    allowed = {
+        "Impulse",
+        write_dofns.WriteShardsDoFn.__name__,
+        writers.WriteDeadLettersDoFn.__name__,
+    }
     for label, sources in found.items():
         assert sources <= allowed, (label, sources)
     # the check sees a grouping over rows where there is one
     p2 = beam.Pipeline(runner="FnApiRunner")
-    outs = J.build_pipeline(p2, cfg, tasks=tasks, total_bytes=total, input_files=n, run_id="y")
+    outs = job.build_pipeline(p2, cfg, tasks=tasks, total_bytes=total, input_files=n, run_id="y")
     _ = outs["dead_letters"] | beam.Map(lambda r: (r["file"], r)) | "BadGroup" >> beam.GroupByKey()
     assert any(F.ReadSplitDoFn.__name__ in v for v in _groupings(p2).values())
 
@@ -184,7 +187,7 @@ def test_killed_run_publishes_nothing_and_a_rerun_completes(
     out = tmp_path / "out"
     argv = _cli(f"{data}/*.jsonl", out, teacher, student, "--shard-mb", "0.05")
     argv += ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
-    code = f"from pipelines.align import job as J; J.main({argv!r})"
+    code = f"from pipelines.align import job; job.main({argv!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=paths.REPO_ROOT,
@@ -211,7 +214,7 @@ def test_killed_run_publishes_nothing_and_a_rerun_completes(
     assert list(out.glob("shard-*")) == []  # parts stay hidden until the finalize step
     with pytest.raises(shards.IncompleteShardsError):
         shards.open_shards(out)
-    stats = J.run(argv)  # no --overwrite needed: the killed run never completed
+    stats = job.run(argv)  # no --overwrite needed: the killed run never completed
     ss = shards.open_shards(out)
     assert stats["documents"] == 30_000 and stats["dead_letters"] == 0
     assert ss.num_rows == stats["windows"] > 30_000

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.align import job as J
+from pipelines.align import job as align_job
 from pipelines.projection.__main__ import parse_args as projection_args
 from tokenbridge import paths
-from trainer.config.preflight import preflight
 from trainer.main import load_config
+from trainer.preflight import preflight
 
 REPO = paths.REPO_ROOT
 CONFS = sorted([*(REPO / "conf").glob("*.yaml"), *(REPO / "conf" / "experiment").glob("*.yaml")])
@@ -128,7 +128,7 @@ def test_every_config_documents_commands_that_make_what_it_accepts(documented, m
             assert f"conf={conf.stem}" in selects, f"{where}: no command trains conf={conf.stem}"
         else:
             assert any(not [a for a in args if "=" in a] for args in trains), where
-        jobs = [J.parse_args(args)[0] for kind, args in progs if kind == "align"]
+        jobs = [align_job.parse_args(args)[0] for kind, args in progs if kind == "align"]
         made = {_at(projection_args(args).out) for kind, args in progs if kind == "projection"}
         caches = {_cache_out(args) for kind, args in progs if kind == "cache"}
         for args in trains:
@@ -156,7 +156,7 @@ def test_onpolicy_debug_header_command_scaled_down_passes_preflight(documented, 
     (tmp_path / "one.txt").write_text(doc[20_000:22_000], encoding="utf-8")  # ~500 tokens
     argv = _with(args, data=str(tmp_path / "one.txt"), out=str(tmp_path / "shards"))
     assert "--max-student-tokens" in argv  # the header's own windows, kept
-    stats = J.run([*argv, "--direct_num_workers", "1"])
+    stats = align_job.run([*argv, "--direct_num_workers", "1"])
     assert stats["documents"] == 1 and stats["windows"] > 1
     cfg = load_config([f"conf={conf.stem}", f"data.shards={tmp_path / 'shards'}",
                        f"run_dir={tmp_path / 'run'}"])  # fmt: skip

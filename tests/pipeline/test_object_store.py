@@ -17,11 +17,11 @@ from apache_beam.utils import retry
 from safetensors import safe_open
 
 from bench.storage.seaweed import SeaweedS3
-from pipelines.align import job as J
+from pipelines.align import job as align_job
 from pipelines.plumbing import storage
 from pipelines.projection.__main__ import main as projection_job
 from tokenbridge import cli, remote_cache
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_refused_credentials_and_missing_input_are_one_line(
 ):
     out = f"s3://{s3_bucket}/shards"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    assert cli.run(J.main, [*align_args, "--out", out], prog="align") == cli.EXIT_USAGE
+    assert cli.run(align_job.main, [*align_args, "--out", out], prog="align") == cli.EXIT_USAGE
     line = one_line(capsys)
     assert f"StorageAccessError: {out}/COMPLETED: the object store refused" in line, line
     assert "AWS_SECRET_ACCESS_KEY" in line
@@ -66,14 +66,14 @@ def test_refused_credentials_and_missing_input_are_one_line(
     missing = f"s3://{s3_bucket}/corpus/*.txt"
     argv = [*align_args, "--out", out]
     argv[argv.index("--data") + 1] = missing
-    assert cli.run(J.main, argv, prog="align") == cli.EXIT_USAGE
+    assert cli.run(align_job.main, argv, prog="align") == cli.EXIT_USAGE
     assert f"FileNotFoundError: --data '{missing}' matches no file" in one_line(capsys)
     assert s3_server.keys(s3_bucket) == []  # nothing written by either
     # an input that is there is read through Beam's FileSystems (the AWS variables mapped)
     local = align_args[align_args.index("--data") + 1].rstrip("*")
     s3_server.upload(Path(local) / "play0.txt", s3_bucket, "corpus/play0.txt")
     argv[argv.index("--out") + 1] = str(tmp_path / "from_s3")
-    stats = J.run(argv)
+    stats = align_job.run(argv)
     assert stats["input_files"] == 1 and stats["windows"] > 0 and stats["dead_letters"] == 0
 
 
@@ -95,7 +95,9 @@ def test_server_killed_mid_upload_leaves_no_completed_and_a_rerun_starts_over(
         out = f"s3://{bucket}/shards"
         code: list[int] = []
         job = threading.Thread(
-            target=lambda: code.append(cli.run(J.main, [*align_args, "--out", out], prog="align"))
+            target=lambda: code.append(
+                cli.run(align_job.main, [*align_args, "--out", out], prog="align")
+            )
         )
         job.start()
         deadline = time.monotonic() + 120
@@ -119,12 +121,12 @@ def test_server_killed_mid_upload_leaves_no_completed_and_a_rerun_starts_over(
         assert remote_cache.filesystem().cat_file(f"{bucket}/probe") == b"ok"  # s3fs (fetches)
         back.join()
         keys = server.keys(bucket)
-        assert f"shards/{S.COMPLETED_MARKER}" not in keys
+        assert f"shards/{shard_schema.COMPLETED_MARKER}" not in keys
         assert not [k for k in keys if k.startswith("shards/shard-")], keys
         assert any(k.startswith("shards/.align-tmp-") for k in keys)  # the dead run's debris
-        stats = J.run([*align_args, "--out", out])  # starts over: no --overwrite needed
+        stats = align_job.run([*align_args, "--out", out])  # starts over: no --overwrite needed
         keys = server.keys(bucket)
-        assert f"shards/{S.COMPLETED_MARKER}" in keys and stats["windows"] > 0
+        assert f"shards/{shard_schema.COMPLETED_MARKER}" in keys and stats["windows"] > 0
         assert not [k for k in keys if k.startswith("shards/.align-tmp-")], keys
         assert len([k for k in keys if k.startswith("shards/shard-")]) == stats["shards"]
     finally:

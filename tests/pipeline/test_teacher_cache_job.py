@@ -19,14 +19,13 @@ import pytest
 import torch
 
 from bench.common import shakespeare_docs
-from pipelines.teacher_cache import job as J
+from pipelines.teacher_cache import job
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
 from tests.pipeline.conftest import local_paths, upload_model_dir
 from tokenbridge import cli
 from tokenbridge.alignment.text_shards import write_text_shards
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 from tokenbridge.teacher.outputs import TeacherOutputSpec
 from trainer.config.schema import TeacherConfig
 from trainer.teacher.model_program import TeacherModelProgram
@@ -58,7 +57,7 @@ def inputs(tmp_path_factory, student_dir) -> dict:
 @pytest.fixture(scope="module")
 def fn_cache(inputs) -> tuple:
     out = inputs["tmp"] / "fn"
-    stats = J.run([*inputs["base"], "--out", str(out), "--direct_num_workers", "1"])
+    stats = job.run([*inputs["base"], "--out", str(out), "--direct_num_workers", "1"])
     return out, stats
 
 
@@ -84,7 +83,7 @@ def test_dask_local_cluster_reads_and_writes_the_same_cache_in_s3(
             "--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
             f"--dask_client_address={dask_cluster.address}", "--dask_npartitions=2"]  # fmt: skip
     assert local_paths(argv) == []  # the workers are handed URLs only
-    dask_stats = J.run([*argv, "--cache-dir", str(tmp_path / "copies")])  # the launcher's
+    dask_stats = job.run([*argv, "--cache-dir", str(tmp_path / "copies")])  # the launcher's
     ss = shards.open_shards(inputs["shards"])
     assert fn_stats["rows"] == ss.num_rows and fn_stats["dead_letters"] == 0
     assert fn_stats["files"] > 1  # rolled
@@ -102,9 +101,9 @@ def test_auto_teacher_dtype_is_recorded_as_the_dtype_its_device_ran(inputs):
     """--teacher-dtype auto (the default) is resolved by --device, as a run's teachers[i].dtype
     is by its device: the cache records the dtype used, never auto (nothing is run here)."""
     for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16"), ("cuda:1", "bfloat16")):
-        cfg, _ = J.configure([*inputs["base"], "--device", device])
+        cfg, _ = job.configure([*inputs["base"], "--device", device])
         assert cfg.meta.teacher["dtype"] == cfg.teacher_dtype == dtype, device
-    cfg, _ = J.configure([*inputs["base"], "--device", "cuda", "--teacher-dtype", "float32"])
+    cfg, _ = job.configure([*inputs["base"], "--device", "cuda", "--teacher-dtype", "float32"])
     assert cfg.meta.teacher["dtype"] == "float32"  # a named dtype is kept
 
 
@@ -121,7 +120,7 @@ def test_cached_values_are_the_teacher_programs_outputs(inputs, fn_cache, studen
     table = _rows(fn_dir)
     ss = shards.open_shards(inputs["shards"])
     ids = {p.name: [np.asarray(x) for b in ss.iter_batches(files=[p])
-                    for x in b.column(S.teacher_ids_column(0)).to_pylist()] for p in ss.files}  # fmt: skip
+                    for x in b.column(shard_schema.teacher_ids_column(0)).to_pylist()] for p in ss.files}  # fmt: skip
     for i in range(0, table.num_rows, 5):  # every 5th row alone through the program
         name, r = table.column("shard_file")[i].as_py(), table.column("row")[i].as_py()
         x = torch.from_numpy(ids[name][r]).long()[None]
@@ -153,11 +152,11 @@ def _with_bad_ids(inputs, name: str, bad_rows: list[int]) -> list[str]:
     ss = shards.open_shards(inputs["shards"])
     rows = ss.table().slice(0, 3).to_pylist()
     for i in bad_rows:
-        rows[i][S.teacher_ids_column(0)] = [5, 60_000, 7]
-        rows[i][S.teacher_chunk_column(0)] = [0, 1, 2]
+        rows[i][shard_schema.teacher_ids_column(0)] = [5, 60_000, 7]
+        rows[i][shard_schema.teacher_chunk_column(0)] = [0, 1, 2]
     d = inputs["tmp"] / name
     d.mkdir()
-    schema = S.shard_schema(ss.meta.student, ss.meta.teachers)
+    schema = shard_schema.shard_schema(ss.meta.student, ss.meta.teachers)
     with shards.ShardWriter(d / shards.shard_name(0, 1), schema) as w:
         w.write_rows([{k: (np.asarray(v, np.int32) if isinstance(v, list) else v)
                        for k, v in r.items()} for r in rows])  # fmt: skip
@@ -171,17 +170,17 @@ def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(
 ):
     fn_dir, _ = fn_cache
     with pytest.raises(FileExistsError, match="--overwrite"):
-        J.run([*inputs["base"], "--out", str(fn_dir)])
-    stats = J.run([*_with_bad_ids(inputs, "bad", [1]), "--out", str(inputs["tmp"] / "badcache")])
+        job.run([*inputs["base"], "--out", str(fn_dir)])
+    stats = job.run([*_with_bad_ids(inputs, "bad", [1]), "--out", str(inputs["tmp"] / "badcache")])
     assert stats["rows"] == 2 and stats["drops_by_reason"] == {"id_out_of_range": 1}
-    dead = (inputs["tmp"] / "badcache" / S.DEAD_LETTER_FILE).read_text().splitlines()
+    dead = (inputs["tmp"] / "badcache" / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
     assert json.loads(dead[0])["row"] == 1 and "60000" in json.loads(dead[0])["detail"]
     # every row bad: the command exits 2 with one line naming the reason, stats.json says why,
     # no COMPLETED (even with the limit at 1), the cache files stay to look at
     out = inputs["tmp"] / "worsecache"
     argv = [*_with_bad_ids(inputs, "worse", [0, 1, 2]), "--out", str(out)]
     capsys.readouterr()
-    assert cli.run(J.main, [*argv, "--max-dead-fraction", "1"], prog="teacher_cache") == 2
+    assert cli.run(job.main, [*argv, "--max-dead-fraction", "1"], prog="teacher_cache") == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenbridge")]
     assert len(err) == 1 and err[0].startswith(
         f"tokenbridge teacher_cache: TooManyDeadLetters: {out}: 3 of 3 rows went to the dead "
@@ -189,7 +188,7 @@ def test_bad_rows_go_to_dead_letters_and_a_complete_cache_is_kept(
     ), err
     refused = json.loads((out / "stats.json").read_text())["refused"]
     assert not (out / "COMPLETED").exists() and "id_out_of_range 3" in refused
-    assert len((out / S.DEAD_LETTER_FILE).read_text().splitlines()) == 3
+    assert len((out / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()) == 3
 
 
 def test_sampled_ids_follow_the_teacher_and_not_the_batching():
@@ -210,11 +209,11 @@ def test_a_worker_refuses_a_shard_object_that_changed(inputs, s3_server, s3_buck
     """A task names its object and the marker's checksum: an object rewritten after the
     launcher planned is refused by name, not scored."""
     from pipelines.teacher_cache.score_dofns import ReadRowBatchesDoFn
-    from tokenbridge.formats import checksums as integrity
+    from tokenbridge.formats import checksums
 
     ss = shards.open_shards(inputs["shards"])
     url = s3_server.upload(inputs["shards"], s3_bucket, "changed")
-    tasks = J.plan_tasks(ss, 12, url=url)
+    tasks = job.plan_tasks(ss, 12, url=url)
     assert tasks[0].path == f"{url}/{ss.files[0].name}" and tasks[0].expected is not None
     fn = ReadRowBatchesDoFn(teacher_index=0, vocab_size=10**6, budget=256, max_rows=8)
     fn.setup()
@@ -222,5 +221,5 @@ def test_a_worker_refuses_a_shard_object_that_changed(inputs, s3_server, s3_buck
     key = f"changed/{ss.files[0].name}"
     s3_server.client().put_object(Bucket=s3_bucket, Key=key, Body=b"not the shard")
     fn.setup()  # a fresh worker: nothing read yet
-    with pytest.raises(integrity.DamagedFileError, match=rf"^{tasks[0].path}: damaged"):
+    with pytest.raises(checksums.DamagedFileError, match=rf"^{tasks[0].path}: damaged"):
         list(fn.process(tasks[0]))

@@ -25,9 +25,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tokenbridge import models
 from tokenbridge.paths import REPO_ROOT
-from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint import checkpointer
 from trainer.config.sections import CheckpointConfig, ModelConfig
-from trainer.onpolicy.sampler import SamplingConfig, sample
+from trainer.onpolicy.sampling.sampler import SamplingConfig, sample
 from trainer.parallel import parallelize
 from trainer.parallel.mesh import build_mesh
 
@@ -115,7 +115,7 @@ def sharded(model, *, ac: str = "none", compile_backend: str | None = None):
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in ckpt.full_model_state_dict(model).items()}
+    return {k: v.detach().clone() for k, v in checkpointer.full_model_state_dict(model).items()}
 
 
 def test_ac_checkpoint_loads_without_ac_and_exports_hf_names(group, references, tmp_path):
@@ -126,20 +126,22 @@ def test_ac_checkpoint_loads_without_ac_and_exports_hf_names(group, references, 
     opt.step()  # weights off their init, Adam moments filled: every key has something to say
     plain = sharded(copy.deepcopy(fresh))  # no AC, and its weights still at their init
     hf_names = set(plain.state_dict())
-    state = ckpt.ModelOptimState(model, opt).state_dict()
+    state = checkpointer.ModelOptimState(model, opt).state_dict()
     assert set(state["model"]) == hf_names
     assert set(state["optim"]["state"]) <= hf_names and len(state["optim"]["state"]) > 0
     weights = full_weights(model)
     assert set(weights) == hf_names
 
-    saver = ckpt.Checkpointer(tmp_path / "checkpoints", CheckpointConfig(), rank=0)
-    path = saver.save(1, {"app": ckpt.ModelOptimState(model, opt), "step": 1})
+    saver = checkpointer.Checkpointer(tmp_path / "checkpoints", CheckpointConfig(), rank=0)
+    path = saver.save(1, {"app": checkpointer.ModelOptimState(model, opt), "step": 1})
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    saver.load(path, {"app": ckpt.ModelOptimState(plain, plain_opt), "step": 0})
+    saver.load(path, {"app": checkpointer.ModelOptimState(plain, plain_opt), "step": 0})
     loaded = full_weights(plain)
     assert all(torch.equal(loaded[k], weights[k]) for k in hf_names)
 
-    out = ckpt.export_student(model, cfg, tmp_path / "export", extra={"step": 1}, is_main=True)
+    out = checkpointer.export_student(
+        model, cfg, tmp_path / "export", extra={"step": 1}, is_main=True
+    )
     exported = models.load_pretrained(out).state_dict()
     assert sorted(exported) == sorted(weights)
     assert all(torch.equal(exported[k], weights[k]) for k in weights)

@@ -30,7 +30,7 @@ def test_a_kept_section_says_when_the_code_changed_since():
     assert provenance.stale_note(f"## s\n\n{provenance.MARK}{head}, now_") is None
     # an older commit that touched the code (a shallow clone may hold none)
     older = provenance._git("log", "--format=%h", "-n", "1", "--skip=1", "HEAD", "--", "bench")
-    if older:
+    if older and provenance._changed(older, provenance.CODE_PATHS):  # not docstrings alone
         note = provenance.stale_note(f"## s\n\n{provenance.MARK}{older}, then_")
         assert note is not None and "changed since" in note
     assert "not in this checkout" in provenance.stale_note(f"{provenance.MARK}0123456789, x_")
@@ -51,7 +51,7 @@ def test_a_section_is_stale_only_when_the_code_it_measures_changed():
     # commit touched bench/, not for the file itself
     sha = provenance._git("log", "-1", "--format=%h", "--", "bench/training/losses.py")
     later = provenance._git("log", "--oneline", f"{sha}..HEAD", "--", "bench") if sha else ""
-    if later:
+    if later and provenance._changed(sha, provenance.CODE_PATHS):  # code, not docstrings alone
         text = f"## s\n\n{provenance.MARK}{sha}, then_"
         assert provenance.stale_note(text, ("bench/training/losses.py",)) is None
         assert "changed since" in provenance.stale_note(text)
@@ -161,3 +161,44 @@ def test_a_file_moved_unchanged_leaves_a_section_fresh(monkeypatch, tmp_path):
     git("commit", "-qam", "edit")
     note = provenance.stale_note(text, ("new/moved.py",))
     assert note is not None and "2 commits touch new/moved.py" in note
+
+
+def test_docstrings_and_comments_alone_leave_a_section_fresh(monkeypatch, tmp_path):
+    """Edits of a Python file's docstrings, comments or layout change no figure, even in a file
+    moved since; a change to its code, or to a file that is not Python, makes the section stale."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                           cwd=tmp_path, capture_output=True, text=True, check=True)  # fmt: skip
+        return r.stdout.strip()
+
+    code = 'def f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n'
+    rest = "".join(f"line_{i} = {i}\n" for i in range(20))  # enough for git to see b.py moved
+    (tmp_path / "a.py").write_text('"""A module."""\n\n' + code)
+    (tmp_path / "b.py").write_text(code + rest)
+    (tmp_path / "conf.yaml").write_text("k: 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "measured")
+    sha = git("rev-parse", "--short=10", "HEAD")
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    text = f"## s\n\n{provenance.MARK}{sha}, then_"
+    prose = 'def f(x):\n    """Double."""\n\n    # why: a comment\n    return 2 * x\n'
+    (tmp_path / "a.py").write_text('"""The module, said again\nat length."""\n' + prose)
+    (tmp_path / "sub").mkdir()
+    git("mv", "b.py", "sub/b.py")
+    (tmp_path / "sub" / "b.py").write_text(prose + rest)
+    git("add", "-A")
+    git("commit", "-qm", "prose")
+    assert provenance.stale_note(text, ("a.py", "sub")) is None
+    assert provenance.stale_note(text) is None  # the default paths name none of these files
+    for path, body in (("a.py", prose.replace("2 * x", "x + x")), ("conf.yaml", "k: 2\n")):
+        before = (tmp_path / path).read_text()
+        (tmp_path / path).write_text(body)
+        git("commit", "-qam", f"edit {path}")
+        note = provenance.stale_note(text, (path,))
+        assert note is not None and "changed since" in note, path
+        (tmp_path / path).write_text(before)
+        git("commit", "-qam", f"undo {path}")
+    assert provenance.stale_note(text, ("a.py", "sub", "conf.yaml")) is None

@@ -8,7 +8,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.align import readers as R
+from pipelines.align import readers
 from pipelines.align.chat_read import ROW_FORMAT_MISMATCH, Row, peek_format, read_rows
 from tokenbridge.chat import rows
 
@@ -44,8 +44,8 @@ def test_jsonl_rows_numbers_and_bad_lines(tmp_path):
     ]
     assert good[0].value == MSG
     assert [(d["row"], d["line"], d["reason"]) for d in dead] == [
-        (2, 3, R.BAD_JSON),
-        (5, 6, R.UNDECODABLE),
+        (2, 3, readers.BAD_JSON),
+        (5, 6, readers.UNDECODABLE),
     ]
     assert all(d["file"] == str(path) for d in dead)
     parsed = rows.parse_row(good[2].value, fmt=good[2].fmt)
@@ -56,7 +56,7 @@ def test_a_later_byte_range_takes_the_files_format(tmp_path):
     """A range whose first record is bad (no conversation keys) is not taken for a text file."""
     path = tmp_path / "big.jsonl"
     offsets = _lines(path, [json.dumps(PC).encode(), b'{"other": 1}', json.dumps(PC).encode()])
-    split = R.Split(offsets[1], None, first_row=1)
+    split = readers.Split(offsets[1], None, first_row=1)
     good, dead = _split(list(read_rows(str(path), "big.jsonl", row_format=None, split=split)))
     assert dead == [] and [(r.row, r.fmt) for r in good] == [(1, rows.PROMPT_COMPLETION),
                                                              (2, rows.PROMPT_COMPLETION)]  # fmt: skip
@@ -92,5 +92,5 @@ def test_parquet_messages_and_prompt_completion(tmp_path):
     assert conv.roles == ("user", "assistant")
     # the job names messages, the file has prompt/completion columns: which column is missing
     items = list(read_rows(str(pc), "pc.parquet", row_format=rows.MESSAGES))
-    assert len(items) == 1 and items[0]["reason"] == R.MISSING_FIELD
+    assert len(items) == 1 and items[0]["reason"] == readers.MISSING_FIELD
     assert "'messages'" in items[0]["detail"]

@@ -6,7 +6,7 @@ template; teacher 0 Gemma 3 with the shipped ``gemma`` template; teacher 1 SmolL
 the same-tokenizer ``kd_topk``), written by the align job's pure steps. Models: tiny random
 Llamas with the real vocabulary sizes.
 
-The trainer's path: the loader's target mask (`trainer.microbatches.train_targets`), the registry's
+The trainer's path: the loader's target mask (`trainer.data.microbatches.train_targets`), the registry's
 ``prepare`` / ``count`` / ``loss`` and ``teacher_rows``, and the teacher computing outputs at
 those rows only (`teacher_forward(used_BU=...)`: NaN elsewhere, so a loss reading any other row
 would not be finite). The reference: from the shard columns alone, by hand — CE over the
@@ -28,7 +28,7 @@ import torch
 from tests.e2e.helpers import example_rows, write_chat_shards
 from tests.tiny import tiny_llama
 from tests.unit.test_loss_refs import NEG, masked_logp, random_t2s, ref_bin
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.losses import AlignedBatch, index_chunks, normalize
 from tokenbridge.losses.alm import AlmConfig, alm
@@ -38,10 +38,10 @@ from tokenbridge.losses.modes import MODES
 from tokenbridge.losses.xtoken import XTokenConfig, XTokenTables, xtoken
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.schema import LossConfig
+from trainer.data.microbatches import IGNORE, collate
+from trainer.data.shard_reader import ShardReader
 from trainer.eval import trained_bpb
 from trainer.loss_terms import ce_term, combine_terms
-from trainer.microbatches import IGNORE, collate
-from trainer.shard_reader import ShardReader
 from trainer.teacher.model_program import teacher_forward
 
 MODE_FUNCS = {"xtoken": xtoken, "gold": gold, "alm": alm}
@@ -118,8 +118,12 @@ def test_shard_codes_mark_the_trained_contents(batch):
         if batch["train_on"] == "all":
             assert (codes > 0).all()
         else:  # the assistant contents (1) and their end-of-turn runs (2), nothing else
-            assert set(np.unique(codes)) == {S.TRAIN_NONE, S.TRAIN_CONTENT, S.TRAIN_END_OF_TURN}
-            assert codes[0] == S.TRAIN_NONE
+            assert set(np.unique(codes)) == {
+                shard_schema.TRAIN_NONE,
+                shard_schema.TRAIN_CONTENT,
+                shard_schema.TRAIN_END_OF_TURN,
+            }
+            assert codes[0] == shard_schema.TRAIN_NONE
         # the teachers' codes mark their own tokens of the same contents
         assert r["teachers"][0]["train"].max() == codes.max()
         assert np.array_equal(r["teachers"][1]["train"], codes)  # same tokenizer and template
@@ -139,11 +143,13 @@ def test_masked_ce_equals_the_hand_reference(batch):
 def test_trained_bpb_counts_the_trained_contents_only(batch):
     rows, vs = batch["rows"], batch["vs"]
     for r in rows:
-        content = np.flatnonzero(r["train"] == S.TRAIN_CONTENT)
+        content = np.flatnonzero(r["train"] == shard_schema.TRAIN_CONTENT)
         assert content[0] > 0  # every content token is predicted (the rendering opens with markup)
         # the shard's trained bytes are the bytes of exactly these tokens (no loose tokens)
         assert r["trained_bytes"] == int(batch["token_lengths"][r["student_ids"][content]].sum())
-    nats, n = _nll_by_hand(batch["s_logits"], rows, vs, trained=lambda c: c == S.TRAIN_CONTENT)
+    nats, n = _nll_by_hand(
+        batch["s_logits"], rows, vs, trained=lambda c: c == shard_schema.TRAIN_CONTENT
+    )
     nats = float(nats)
     nbytes = sum(r["trained_bytes"] for r in rows)
     got = trained_bpb(batch["student"], [(r["student_ids"], r["train"], r["trained_bytes"])
@@ -196,8 +202,8 @@ def _hand_chunks(rows, kinds_of):
             pos = np.flatnonzero(sc == c)
             if pos.size and pos[0] > 0 and (codes[pos] > 0).all():
                 ok.add(c)
-        text.append({c for c in ok if kinds_of(r)[c] < S.CHUNK_OPEN})
-        turns.append({c for c in ok if kinds_of(r)[c] >= S.CHUNK_OPEN})
+        text.append({c for c in ok if kinds_of(r)[c] < shard_schema.CHUNK_OPEN})
+        turns.append({c for c in ok if kinds_of(r)[c] >= shard_schema.CHUNK_OPEN})
     return text, turns
 
 
@@ -317,7 +323,7 @@ def test_kd_topk_and_two_teachers_equal_the_hand_reference(batch):
     weights = torch.tensor([0.25, 0.75], dtype=torch.float64)
     cfg = LossConfig(mode="alm", ce_weight=0.5, kd_weight=2.0)
     ce_v, a_v, k_v = (normalize(o, c) for o, c in zip((ce_fast, a_fast, k_fast), counts))
-    total = combine_terms(cfg, ce_v, [a_v, k_v], weights=weights, scale=None)
+    total = combine_terms(cfg.combine_config(), ce_v, [a_v, k_v], weights=weights, scale=None)
     text, turns = _hand_chunks(rows, lambda r: r["teachers"][0]["chunk_kind"])
     with torch.no_grad():
         a_dense = teacher_forward(batch["teachers"][0], t0["input_ids"], t0["attention_mask"],

@@ -28,7 +28,7 @@ import xxhash
 
 from tests.unit.test_checkpoint_integrity import _state
 from tokenbridge import cli
-from trainer.checkpoint import checkpointer as ckpt
+from trainer.checkpoint import checkpointer
 from trainer.checkpoint import dcp_io as checkpoint_dcp
 from trainer.checkpoint import state_split as checkpoint_state
 from trainer.config.schema import CheckpointConfig
@@ -48,31 +48,34 @@ class Payload:
 @pytest.fixture
 def saved(group, tmp_path):  # noqa: F811 - the fixture imported above
     folder = tmp_path / "checkpoints"
-    saver = ckpt.Checkpointer(folder, CheckpointConfig(keep=3), rank=0)
+    saver = checkpointer.Checkpointer(folder, CheckpointConfig(keep=3), rank=0)
     state = _state(4)
-    state["rank0"] = {"rng": ckpt.rng_state(), "pending": {"topk": [np.arange(6, dtype=np.int32)]}}
+    state["rank0"] = {
+        "rng": checkpointer.rng_state(),
+        "pending": {"topk": [np.arange(6, dtype=np.int32)]},
+    }
     return saver.save(4, state)
 
 
 def rewrite_marker(d):
     """Rewrite the checksum marker to match the files as they are now (what someone who plants
     a file can do: xxh3 detects damage, not tampering)."""
-    marker = json.loads((d / ckpt.MARKER).read_text())
+    marker = json.loads((d / checkpointer.MARKER).read_text())
     for name in marker["checksums"]:
         data = (d / name).read_bytes()
         marker["checksums"][name] = {
             "bytes": len(data),
             "xxh3_64": xxhash.xxh3_64(data).hexdigest(),
         }
-    (d / ckpt.MARKER).write_text(json.dumps(marker))
+    (d / checkpointer.MARKER).write_text(json.dumps(marker))
 
 
 def _resume_and_load(d):
     """What the trainer does: preflight's `find_resume` (auto), then `Checkpointer.load`."""
-    r = ckpt.find_resume(d.parent, CheckpointConfig(), rank=0)
+    r = checkpointer.find_resume(d.parent, CheckpointConfig(), rank=0)
     state = _state(0)
-    state["rank0"] = {"rng": ckpt.rng_state()}
-    ckpt.Checkpointer(d.parent, CheckpointConfig(), rank=0).load(r.path, state)
+    state["rank0"] = {"rng": checkpointer.rng_state()}
+    checkpointer.Checkpointer(d.parent, CheckpointConfig(), rank=0).load(r.path, state)
     return state
 
 
@@ -86,7 +89,7 @@ def _one_line_exit_2(d, capsys) -> str:
 
 def test_a_checkpoint_holds_tensors_and_json_only(saved):
     names = {p.name for p in saved.iterdir()}
-    assert names == {".metadata", "rank0.json", "__0_0.distcp", ckpt.MARKER}
+    assert names == {".metadata", "rank0.json", "__0_0.distcp", checkpointer.MARKER}
     index = json.loads((saved / ".metadata").read_text())
     assert index["format"] == "tokenbridge-dcp-index" and index["tensors"]
     state = json.loads((saved / "rank0.json").read_text())["state"]
@@ -101,19 +104,19 @@ def test_a_checkpoint_holds_tensors_and_json_only(saved):
 def test_resume_restores_every_value_exactly(group, tmp_path):  # noqa: F811
     """Model, optimizer, plain values, bytes, numpy arrays and every RNG come back as saved."""
     state = _state(4)
-    state["rank0"] = {"rng": ckpt.rng_state(), "topk": [np.arange(6, dtype=np.int32)]}
+    state["rank0"] = {"rng": checkpointer.rng_state(), "topk": [np.arange(6, dtype=np.int32)]}
     want = (random.random(), float(np.random.rand()), torch.rand(3))  # the draws that follow
-    saver = ckpt.Checkpointer(tmp_path, CheckpointConfig(), rank=0)
+    saver = checkpointer.Checkpointer(tmp_path, CheckpointConfig(), rank=0)
     d = saver.save(4, state)
     got = _state(0)
-    got["rank0"] = {"rng": ckpt.rng_state()}
+    got["rank0"] = {"rng": checkpointer.rng_state()}
     saver.load(d, got)
     assert got["step"] == 4 and got["blob"] == state["blob"]
     for k, v in _state(4)["app"].model.state_dict().items():
         assert torch.equal(got["app"].model.state_dict()[k], v)
     (topk,) = got["rank0"]["topk"]
     assert topk.dtype == np.int32 and topk.tolist() == list(range(6))
-    ckpt.set_rng_state(got["rank0"]["rng"])
+    checkpointer.set_rng_state(got["rank0"]["rng"])
     again = (random.random(), float(np.random.rand()), torch.rand(3))
     assert again[:2] == want[:2] and torch.equal(again[2], want[2])
 
@@ -171,7 +174,7 @@ def test_a_planted_pickle_is_refused_by_name_and_never_runs(
     else:
         f.write_bytes(payload)
     rewrite_marker(saved)  # the checksums pass: only the safe reader stands in the way
-    assert ckpt.verify_checkpoint(saved) is None
+    assert checkpointer.verify_checkpoint(saved) is None
 
     line = _one_line_exit_2(saved, capsys)
     assert line.startswith(f"tokenbridge train: UnsafeCheckpointError: {f}"), line
@@ -180,9 +183,9 @@ def test_a_planted_pickle_is_refused_by_name_and_never_runs(
         assert "restore the checkpoint from a copy you trust" in line
     else:
         assert "is a pickle, not JSON: unpickling can run code, so it is not read" in line
-    with pytest.raises(ckpt.UnsafeCheckpointError):  # named by path: the same
+    with pytest.raises(checkpointer.UnsafeCheckpointError):  # named by path: the same
         state = _state(0)
-        ckpt.Checkpointer(saved.parent, CheckpointConfig(), rank=0).load(saved, state)
+        checkpointer.Checkpointer(saved.parent, CheckpointConfig(), rank=0).load(saved, state)
     assert not ran.exists()  # the payload never ran
     # control: the same bytes, unpickled as stock DCP would, do run it
     if where == "record: torch.save archive":
@@ -198,10 +201,14 @@ def test_what_our_writer_never_writes_is_refused(saved):
     index["storage"][0]["file"] = "../../elsewhere.distcp"
     (saved / ".metadata").write_text(json.dumps(index))
     rewrite_marker(saved)
-    with pytest.raises(ckpt.DamagedCheckpointError, match="not a tokenbridge checkpoint index"):
+    with pytest.raises(
+        checkpointer.DamagedCheckpointError, match="not a tokenbridge checkpoint index"
+    ):
         _resume_and_load(saved)
     item = SimpleNamespace(dest_index=SimpleNamespace(fqn="rank0.blob"))
-    with pytest.raises(ckpt.UnsafeCheckpointError, match="is a pickled object, not a tensor"):
+    with pytest.raises(
+        checkpointer.UnsafeCheckpointError, match="is a pickled object, not a tensor"
+    ):
         checkpoint_dcp.SafePlanner().load_bytes(item, io.BytesIO(pickle.dumps(1)))
 
 
@@ -222,7 +229,7 @@ def test_a_pickle_era_checkpoint_is_refused_and_says_how_to_go_on(
     assert not ran.exists()
     if marker:
         sums = {p.name: {} for p in d.iterdir()}
-        (d / ckpt.MARKER).write_text(json.dumps({"kind": "checkpoint", "checksums": sums}))
+        (d / checkpointer.MARKER).write_text(json.dumps({"kind": "checkpoint", "checksums": sums}))
         rewrite_marker(d)
     line = _one_line_exit_2(d, capsys)
     assert line.startswith(
@@ -230,8 +237,8 @@ def test_a_pickle_era_checkpoint_is_refused_and_says_how_to_go_on(
     )
     assert "start from step 0" in line and "model.path=<run_dir>/export" in line
     for cfg in (CheckpointConfig(strict=True), CheckpointConfig(resume=str(d))):
-        with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata is a pickle"):
-            ckpt.find_resume(d.parent, cfg, rank=0)
+        with pytest.raises(checkpointer.UnsafeCheckpointError, match=r"\.metadata is a pickle"):
+            checkpointer.find_resume(d.parent, cfg, rank=0)
     assert d.is_dir() and not ran.exists()  # not moved aside, and nothing ran
     state = _state(0)
     state["rank0"] = {"rng": None}

@@ -19,17 +19,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from tests.unit.test_data import synthetic_rows
 from tokenbridge.cli import UsageError
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.formats.shards import FingerprintMismatchError, IncompleteShardsError
 from tokenbridge.losses.modes import MODES
 from tokenbridge.projection import TENSORS, ProjectionMismatchError
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
 from trainer.config.precision import Precision
-from trainer.config.preflight import preflight
 from trainer.config.schema import ConfigError, from_dictconfig
 from trainer.main import hydra_overrides, load_config, main
 from trainer.optim import lr_lambda
+from trainer.preflight import preflight
 
 
 def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
@@ -152,7 +152,7 @@ def test_bad_loss_options_exit_2_in_the_config_before_anything_loads(
 ):
     """`main` as the command line runs it: refused by config validation, naming the field, in
     well under 3 s; the preflight (the first step that reads a file) is never reached."""
-    monkeypatch.setattr("trainer.config.preflight.preflight", _refuse_preflight)
+    monkeypatch.setattr("trainer.preflight.preflight", _refuse_preflight)
     t0 = time.perf_counter()
     assert main(["conf=debug", override]) == 2
     assert time.perf_counter() - t0 < 3
@@ -178,6 +178,19 @@ def test_mesh_shape_must_match_the_world():
         cfg.parallel.mesh_shape(2)
 
 
+def test_mesh_shape_with_replicated_shards():
+    """HSDP: dp_replicate groups of dp_shard x cp x tp ranks; dp_shard=-1 takes the rest."""
+    assert load_config([]).parallel.dp_replicate == 1  # today's configs: plain FSDP
+    cfg = load_config(["parallel.dp_replicate=2"])
+    assert cfg.parallel.mesh_shape(4) == (2, 1, 1)
+    cfg = load_config(["parallel.dp_replicate=2", "parallel.tp=2"])
+    assert cfg.parallel.mesh_shape(8) == (2, 1, 2)
+    with pytest.raises(ConfigError, match="dp_replicate=2 x dp_shard=-1 x cp=1 x tp=2 must equal"):
+        cfg.parallel.mesh_shape(6)
+    with pytest.raises(ConfigError, match="parallel.dp_replicate"):
+        load_config(["parallel.dp_replicate=0"])
+
+
 # --- preflight: real tokenizers, synthetic shards ---------------------------------------------
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -188,7 +201,7 @@ def write_synthetic(out, student, teachers, *, completed=True):
     from tokenbridge.formats.shards import ShardWriter, shard_name, write_completed
 
     out.mkdir(parents=True)
-    schema = S.shard_schema(student, teachers)
+    schema = shard_schema.shard_schema(student, teachers)
     rows = synthetic_rows(6)
     with ShardWriter(out / shard_name(0, 1), schema) as w:
         w.write_rows(rows)
@@ -229,7 +242,7 @@ def test_preflight_refuses_shards_without_marker_or_other_tokenizers(tmp_path, s
     partial = write_synthetic(tmp_path / "partial", smol, [smol], completed=False)
     with pytest.raises(IncompleteShardsError, match="COMPLETED"):
         preflight(cfg_for(student_dir, partial), world_size=1)
-    other = S.TokenizerInfo("other", "0" * 64, 1000)
+    other = shard_schema.TokenizerInfo("other", "0" * 64, 1000)
     foreign = write_synthetic(tmp_path / "foreign", smol, [other])
     with pytest.raises(FingerprintMismatchError, match="teacher 0 tokenizer fingerprint 0000"):
         preflight(cfg_for(student_dir, foreign), world_size=1)

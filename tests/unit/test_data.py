@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.formats.shards import ShardWriter, open_shards, shard_name, write_completed
 from tokenbridge.losses.ops.segments import collate_aligned, shift_targets
 from trainer.checkpoint import state_split as checkpoint_state
-from trainer.microbatches import IGNORE, MicrobatchLoader, collate
-from trainer.shard_reader import ShardReader, ShardStream, is_held_out
+from trainer.config.sections import DataConfig
+from trainer.data.microbatches import IGNORE, MicrobatchLoader, collate
+from trainer.data.shard_reader import ShardReader, ShardStream, is_held_out
 
-INFO = S.TokenizerInfo("smollm2-135m", "f" * 64, 49152)
+INFO = shard_schema.TokenizerInfo("smollm2-135m", "f" * 64, 49152)
 
 
 def synthetic_rows(n: int, *, seed: int = 0, max_len: int = 20) -> list[dict]:
@@ -42,10 +43,10 @@ def synthetic_rows(n: int, *, seed: int = 0, max_len: int = 20) -> list[dict]:
                 "char_end": m,
                 "text": f"text {i}",
                 "student_ids": ids,
-                S.teacher_ids_column(0): rng.integers(3, 1000, u).astype(np.int32),
-                S.teacher_chunk_column(0): t_chunk,
-                S.teacher_student_chunk_column(0): chunk,
-                S.teacher_n_chunks_column(0): m - 1,
+                shard_schema.teacher_ids_column(0): rng.integers(3, 1000, u).astype(np.int32),
+                shard_schema.teacher_chunk_column(0): t_chunk,
+                shard_schema.teacher_student_chunk_column(0): chunk,
+                shard_schema.teacher_n_chunks_column(0): m - 1,
             }
         )
     return rows
@@ -55,7 +56,7 @@ def synthetic_rows(n: int, *, seed: int = 0, max_len: int = 20) -> list[dict]:
 def shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
     rows = synthetic_rows(60)
-    schema = S.shard_schema(INFO, [INFO])
+    schema = shard_schema.shard_schema(INFO, [INFO])
     files = {}
     for k, part in enumerate((rows[:25], rows[25:])):
         with ShardWriter(out / shard_name(k, 2), schema) as w:
@@ -67,9 +68,9 @@ def shards(tmp_path_factory):
 
 def stream(shard_set, *, rank=0, size=1, seed=0, buffer=8, frac=0.2) -> ShardStream:
     reader = ShardReader(shard_set, max_student_tokens=64)
-    return ShardStream(
-        reader, dp_rank=rank, dp_size=size, seed=seed, shuffle_buffer=buffer, eval_fraction=frac
-    )
+    data = DataConfig(shards=str(shard_set.dir), seed=seed, shuffle_buffer=buffer,
+                      eval_fraction=frac)  # fmt: skip
+    return ShardStream(reader, data=data, dp_rank=rank, dp_size=size)
 
 
 def test_ranks_partition_the_training_rows_and_never_see_held_out_ones(shards):
@@ -87,8 +88,9 @@ def test_document_split_holds_out_whole_documents(shards):
     """eval_split=document: every window of a held-out document is held out, none trained on."""
     shard_set, rows = shards
     reader = ShardReader(shard_set, max_student_tokens=64)
-    st = ShardStream(reader, dp_rank=0, dp_size=1, seed=0, shuffle_buffer=8, eval_fraction=0.3,
-                     eval_split="document")  # fmt: skip
+    data = DataConfig(shards=str(shard_set.dir), shuffle_buffer=8, eval_fraction=0.3,
+                      eval_split="document")  # fmt: skip
+    st = ShardStream(reader, data=data, dp_rank=0, dp_size=1)
     held_docs = {rows[i]["doc_id"] for i in st.eval_rows.tolist()}
     trained_docs = {rows[i]["doc_id"] for i in st.rows.tolist()}
     assert held_docs and not held_docs & trained_docs
@@ -110,8 +112,9 @@ def test_validation_set_is_apart_from_test_and_training(shards):
     reader = ShardReader(shard_set, max_student_tokens=64)
 
     def st(**kw):
-        return ShardStream(reader, dp_rank=0, dp_size=1, seed=0, shuffle_buffer=8,
-                           eval_fraction=0.3, eval_split="document", **kw)  # fmt: skip
+        data = DataConfig(shards=str(shard_set.dir), shuffle_buffer=8, eval_fraction=0.3,
+                          eval_split="document", **kw)  # fmt: skip
+        return ShardStream(reader, data=data, dp_rank=0, dp_size=1)
 
     plain, test, val = st(), st(val_fraction=0.3), st(val_fraction=0.3, eval_on="val")
     docs = lambda idx: {rows[i]["doc_id"] for i in idx.tolist()}  # noqa: E731
@@ -127,7 +130,7 @@ def test_eval_rows_follow_the_text_not_the_shard_row_order(shards, tmp_path):
     shard_set, rows = shards
     out = tmp_path / "reordered"
     out.mkdir()
-    with ShardWriter(out / shard_name(0, 1), S.shard_schema(INFO, [INFO])) as w:
+    with ShardWriter(out / shard_name(0, 1), shard_schema.shard_schema(INFO, [INFO])) as w:
         w.write_rows(rows[::-1])
     meta = {"student": INFO.to_json(), "teachers": [INFO.to_json()]}
     write_completed(out, meta, files={shard_name(0, 1): len(rows)})
@@ -231,7 +234,7 @@ def test_rows_over_the_limit_are_refused_with_the_directory(shards):
     with pytest.raises(ValueError, match=r"shard-0000\d-of-00002.arrow row \d+"):
         reader.row(i)
     ok = ShardReader(shard_set, max_student_tokens=longest).max_lengths()
-    assert ok == (longest, [max(len(r[S.teacher_ids_column(0)]) for r in rows)])
+    assert ok == (longest, [max(len(r[shard_schema.teacher_ids_column(0)]) for r in rows)])
 
 
 def test_too_few_rows_for_the_ranks_is_an_error(shards):

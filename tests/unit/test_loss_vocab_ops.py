@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.losses.base import divergence, log1mexp
 from tokenbridge.losses.ops.rowwise import map_rows, take_rows
 
@@ -21,21 +21,21 @@ def _x(seed=0, n=7, v=11):
 
 def test_mask_padded_only_masks_columns_beyond_vocab():
     x = _x()
-    m = vo.mask_padded(x, 8)
+    m = vocab_ops.mask_padded(x, 8)
     assert torch.isinf(m[:, 8:]).all()
     assert torch.equal(m[:, :8][torch.isfinite(x[:, :8])], x[:, :8][torch.isfinite(x[:, :8])])
-    assert vo.mask_padded(x, 11) is x  # nothing to mask: no copy
+    assert vocab_ops.mask_padded(x, 11) is x  # nothing to mask: no copy
 
 
 def test_gather_shared_and_per_row_ids_with_empty_slots():
     x = _x()
     shared = torch.tensor([0, 5, -1, 10])
-    got = vo.gather(x, shared)
+    got = vocab_ops.gather(x, shared)
     assert torch.equal(got[:, [0, 1, 3]], x[:, [0, 5, 10]])
     assert torch.isinf(got[:, 2]).all()
     per_row = torch.randint(0, 11, (7, 3))
     per_row[0, 1] = -1
-    got = vo.gather(x, per_row)
+    got = vocab_ops.gather(x, per_row)
     assert got[0, 1] == NEG
     assert got[1, 2] == x[1, per_row[1, 2]]
 
@@ -53,12 +53,12 @@ def test_logsumexp_excluding_matches_dense(shared):
     ref = torch.stack(
         [torch.logsumexp(x[r, [c for c in range(11) if c not in drop[r]]], 0) for r in range(7)]
     )
-    torch.testing.assert_close(vo.logsumexp_excluding(x, ids), ref)
+    torch.testing.assert_close(vocab_ops.logsumexp_excluding(x, ids), ref)
 
 
 def test_tail_is_exact_where_one_minus_sum_underflows():
     x = torch.tensor([[40.0, 0.0, 0.0, 0.0]])  # top-1 holds all but ~1e-17 of the mass
-    tail = vo.logsumexp_excluding(x, torch.tensor([[0]])) - vo.logsumexp(x)
+    tail = vocab_ops.logsumexp_excluding(x, torch.tensor([[0]])) - vocab_ops.logsumexp(x)
     assert abs(float(tail) - (-40.0 + torch.log(torch.tensor(3.0)))) < 1e-4
     # the naive 1 - p_top rounds to exactly 0 in fp32
     assert float(1 - torch.softmax(x, -1)[0, 0]) == 0.0
@@ -66,16 +66,16 @@ def test_tail_is_exact_where_one_minus_sum_underflows():
 
 def test_topk_entropy_soft_ce_match_dense():
     x = _x(2)
-    v, i = vo.topk(x, 3)
+    v, i = vocab_ops.topk(x, 3)
     ref_v, ref_i = torch.sort(x, descending=True)
     assert torch.equal(v, ref_v[:, :3]) and torch.equal(i, ref_i[:, :3])
     p = torch.softmax(x, -1)
     ref_h = -(p * torch.log_softmax(x, -1)).nan_to_num(0.0).sum(-1)
-    torch.testing.assert_close(vo.entropy(x), ref_h)
+    torch.testing.assert_close(vocab_ops.entropy(x), ref_h)
     t = torch.softmax(torch.randn(7, 11, dtype=torch.float64), -1)
     t[2, 3] = 0.0  # zero target where x is -inf: must stay finite
     ref_ce = -(t * torch.log_softmax(x, -1)).nan_to_num(0.0).sum(-1)
-    got = vo.soft_ce(x, t)
+    got = vocab_ops.soft_ce(x, t)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref_ce)
 

@@ -1,4 +1,4 @@
-"""The sampler's lean decode path (`trainer.onpolicy.decode.LlamaDecoder`) against the HF
+"""The sampler's lean decode path (`trainer.onpolicy.sampling.decode.LlamaDecoder`) against the HF
 forward it replaces: near-equal logits in float32 through prefill, steps, repeats and rows
 leaving; the same tokens in float64 (greedy and sampled, stops, n samples, recorded top-k,
 biases, another RoPE type, activation-checkpointed blocks); the weight-major products equal
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.tiny import tiny_llama
-from trainer.onpolicy import orient
-from trainer.onpolicy.decode import HFDecoder, LlamaDecoder, make_decoder
-from trainer.onpolicy.sampler import SamplingConfig, _left_pad, sample
+from trainer.onpolicy.sampling import orient
+from trainer.onpolicy.sampling.decode import HFDecoder, LlamaDecoder, make_decoder
+from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
 V = 96
 PROMPTS = [[1, 5, 9, 11, 40, 41, 2], [1, 7], [1, 30, 31, 32, 33]]  # different lengths

@@ -1,5 +1,5 @@
 """Sampling from an int8 copy of the student (``onpolicy.sampler_weights: int8``) and the
-likelihood-ratio weights that make the step's loss the on-policy one (`trainer.onpolicy.int8`,
+likelihood-ratio weights that make the step's loss the on-policy one (`trainer.onpolicy.sampling.int8`,
 `trainer.onpolicy.importance`): the int8 products and decode steps close to fp32's; the sampler
 records the log-probability of each drawn token under the distribution it drew from (replayed
 token by token, top-p included, against a sorting reference); the prefix weights turn an
@@ -19,10 +19,10 @@ from tests.tiny import tiny_llama
 from tokenbridge.losses.ops.head_logits import HeadLogits, project
 from trainer.config.checks import ConfigError
 from trainer.config.loss_sections import OnPolicyConfig
-from trainer.onpolicy.decode import LlamaDecoder, make_decoder
 from trainer.onpolicy.importance import policy_logprobs, prefix_weights, scale_grad
-from trainer.onpolicy.int8 import Int8Linear, int8_available
-from trainer.onpolicy.sampler import SamplingConfig, _left_pad, drawn_logprobs, sample
+from trainer.onpolicy.sampling.decode import LlamaDecoder, make_decoder
+from trainer.onpolicy.sampling.int8 import Int8Linear, int8_available
+from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, drawn_logprobs, sample
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="no fbgemm in this torch build")
 V = 96
@@ -82,7 +82,7 @@ def test_drawn_logprobs_match_a_sorting_reference():
 
 
 def test_the_nucleus_mass_beyond_the_top_k_falls_back_to_a_sort():
-    from trainer.onpolicy.sampler import _nucleus_mass
+    from trainer.onpolicy.sampling.sampler import _nucleus_mass
 
     torch.manual_seed(4)
     peaked = torch.softmax(torch.randn(3, 500) * 4, -1)  # the top 8 hold 0.5
@@ -97,7 +97,7 @@ def test_the_nucleus_mass_beyond_the_top_k_falls_back_to_a_sort():
 
 @torch.no_grad()
 def test_a_copy_made_once_serves_later_rollouts_alike():
-    from trainer.onpolicy.decode import int8_weights
+    from trainer.onpolicy.sampling.decode import int8_weights
 
     model = tiny_llama(V, seed=6)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=5, weights="int8")

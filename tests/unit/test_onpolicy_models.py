@@ -20,12 +20,12 @@ from tokenbridge.losses.ops.cp_chunks import complete_chunks
 from tokenbridge.teacher.forward import teacher_forward
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.schema import ModelConfig
+from trainer.loss_terms import used_inputs
 from trainer.onpolicy.agreement import completion_nats_bytes
 from trainer.onpolicy.realign import TeacherView
 from trainer.onpolicy.rollout_scoring import scoring_spec
-from trainer.onpolicy.rollout_source import used_inputs
-from trainer.onpolicy.rollouts import build_batch
-from trainer.onpolicy.sampler import SamplingConfig, sample
+from trainer.onpolicy.rollouts import build_batch, completion_rows
+from trainer.onpolicy.sampling.sampler import SamplingConfig, sample
 
 SMOL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -57,6 +57,13 @@ def setup(student_dir, teacher_dir):
             "gemma": gemma, "batch": batch}  # fmt: skip
 
 
+def _used(record, prep, b, j):
+    """Teacher j's inputs with the positions a run's worker computes (`used_inputs`)."""
+    inputs = b.teacher_inputs[j]
+    done = completion_rows(b.aligned[j], inputs["input_ids"].shape[1])
+    return used_inputs(record, prep, inputs, completion=done)
+
+
 def _outputs(model, inputs, spec):
     """The teacher's outputs as a run's worker computes them: at the ``used_mask`` positions
     only (`used_inputs`; NaN elsewhere, so a loss reading any other position fails here)."""
@@ -80,7 +87,7 @@ def _run(setup, mode, options, j, teacher, *, scale: float = 1.0):
     t_vocab = teacher.config.vocab_size
     spec = scoring_spec(record.teacher_spec(options, None, teacher_vocab_size=t_vocab))
     prep = record.prepare(b.aligned[j], b.targets_BT)
-    inputs = used_inputs(record, prep, b.aligned[j], b.teacher_inputs[j])
+    inputs = _used(record, prep, b, j)
     used, real = inputs["used_mask"], inputs["attention_mask"] > 0
     assert bool((used <= real).all()) and int(used.sum()) < int(real.sum())  # the prompt skipped
     outs = _outputs(teacher, inputs, spec)
@@ -181,7 +188,7 @@ def test_mixture_of_two_teachers_equals_dense(setup):
     record, opts, w = MODES["opd_topk"], OPDTopKConfig(k=K), [0.25, 0.75]
     spec = scoring_spec(record.teacher_spec(opts, None, teacher_vocab_size=s_tok.vocab_size))
     prep = record.prepare(b.aligned[0], b.targets_BT)
-    inputs = used_inputs(record, prep, b.aligned[0], b.teacher_inputs[0])
+    inputs = _used(record, prep, b, 0)
     mixed = mix_teacher_outputs([_outputs(setup[n], inputs, spec) for n in ("same", "same2")], w)
     with torch.no_grad():
         z = setup["student"](input_ids=b.input_ids_BT, attention_mask=b.attention_mask_BT).logits

@@ -16,8 +16,9 @@ from tokenbridge import paths
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.sections import DataConfig
+from trainer.data.shard_reader import ShardReader
 from trainer.onpolicy.prompts import ChatPrompts, TextPrompts
-from trainer.shard_reader import ShardReader
 
 MESSAGES = paths.REPO_ROOT / "tokenbridge" / "chat" / "data" / "shakespeare_messages.jsonl"
 
@@ -28,8 +29,9 @@ def s_tok(student_dir):
 
 
 def _chat(s_tok, student_dir, *, rank=0, size=1, fraction=0.1) -> ChatPrompts:
-    return ChatPrompts(MESSAGES, s_tok, model_dir=student_dir, template=None, dp_rank=rank,
-                       dp_size=size, seed=7, eval_fraction=fraction, max_tokens=512)  # fmt: skip
+    data = DataConfig(shards="unused", eval_fraction=fraction, max_student_tokens=512)
+    return ChatPrompts(MESSAGES, s_tok, data=data, model_dir=student_dir, template=None,
+                       dp_rank=rank, dp_size=size, seed=7)  # fmt: skip
 
 
 def test_chat_prompts_are_the_history_and_the_generation_prompt(s_tok, student_dir):
@@ -73,10 +75,9 @@ def reader(tmp_path_factory, student_dir):
     return ShardReader(open_shards(out), max_student_tokens=48)
 
 
-def _text(reader, **kw) -> TextPrompts:
-    args = {"dp_rank": 0, "dp_size": 1, "seed": 3, "shuffle_buffer": 4, "eval_fraction": 0.2,
-            "prompt_tokens": 8, **kw}  # fmt: skip
-    return TextPrompts(reader, **args)
+def _text(reader) -> TextPrompts:
+    data = DataConfig(shards="unused", shuffle_buffer=4, eval_fraction=0.2)
+    return TextPrompts(reader, data=data, prompt_tokens=8, dp_rank=0, dp_size=1, seed=3)
 
 
 def test_text_prompts_are_window_prefixes_and_resume(reader):

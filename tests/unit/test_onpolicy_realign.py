@@ -19,7 +19,7 @@ from trainer.onpolicy.realign import (
     lenient_text,
 )
 from trainer.onpolicy.rollouts import build_batch
-from trainer.onpolicy.sampler import Rollouts
+from trainer.onpolicy.sampling.sampler import Rollouts
 
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
@@ -160,12 +160,14 @@ def test_chat_prompt_rollouts_batch_for_a_teacher_template(toks, student_dir):
     completion gets chunks; a rollout that stopped on the student's end-of-turn pairs it with
     Gemma's."""
     from tokenbridge import paths
+    from trainer.config.sections import DataConfig
     from trainer.onpolicy.prompts import ChatPrompts
 
     s_tok, t_tok = toks
     data = paths.REPO_ROOT / "tokenbridge" / "chat" / "data" / "shakespeare_messages.jsonl"
-    src = ChatPrompts(data, s_tok, model_dir=student_dir, template=None, dp_rank=0, dp_size=1,
-                      seed=1, eval_fraction=0.0, max_tokens=512)  # fmt: skip
+    split = DataConfig(shards="unused", eval_fraction=0.0, max_student_tokens=512)
+    src = ChatPrompts(data, s_tok, data=split, model_dir=student_dir, template=None, dp_rank=0,
+                      dp_size=1, seed=1)  # fmt: skip
     p = src.next_prompts(1)[0]
     eot = int(src.side.markers.close_ids[0])
     said = s_tok.encode("Marry, my lord.").ids.tolist()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.tiny import tiny_llama
-from trainer.onpolicy.sampler import SamplingConfig, _left_pad, choose, gathered, sample
+from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, choose, gathered, sample
 
 V = 96
 PROMPTS = [[1, 5, 9, 11, 40, 41, 2], [1, 7], [1, 30, 31, 32, 33]]  # different lengths
@@ -183,7 +183,7 @@ def test_fsdp_samples_on_the_lean_path_inside_gathered_and_on_hf_outside(one_ran
     Both sample what the unwrapped model samples (float64: draws far from float rounding)."""
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.onpolicy.decode import HFDecoder, LlamaDecoder, make_decoder
+    from trainer.onpolicy.sampling.decode import HFDecoder, LlamaDecoder, make_decoder
 
     plain, wrapped = tiny_llama(V, seed=3).double(), tiny_llama(V, seed=3).double()
     for layer in wrapped.model.layers:
@@ -213,13 +213,13 @@ def test_on_step_is_polled_before_every_decode_step_and_changes_no_draw(model):
 
 
 def test_release_gives_torch_its_threads_back_once_the_work_beside_is_over():
-    """Lag 1's sampler (`rollout_source._Release`): lowered threads while the teachers score,
+    """Lag 1's sampler (`sampler.ThreadRelease`): lowered threads while the teachers score,
     every thread again from the first poll that finds them done, and never lowered again."""
-    from trainer.onpolicy.rollout_source import _Release
+    from trainer.onpolicy.sampling.sampler import ThreadRelease
     from trainer.parallel.cpus import torch_threads
 
     before, state = torch.get_num_threads(), {"done": False}
-    release = _Release(lambda: state["done"], threads=before + 1)
+    release = ThreadRelease(lambda: state["done"], threads=before + 1)
     with torch_threads(1):
         release()
         assert torch.get_num_threads() == 1 and release.held_s is None

@@ -16,11 +16,11 @@ import torch
 
 from tests.unit.test_config import cfg_for, smol, write_synthetic  # noqa: F401 (fixture)
 from tokenbridge.dist_ops import cp_positions, to_cp_layout
-from trainer.config.preflight import preflight
 from trainer.config.schema import ConfigError
+from trainer.data.microbatches import IGNORE, collate
 from trainer.main import load_config
-from trainer.microbatches import IGNORE, collate
 from trainer.parallel.cp_attention import CPAttention, model_inputs
+from trainer.preflight import preflight
 
 
 def test_cp_must_split_every_padded_sequence_into_2cp_pieces():

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tokenbridge import projection as P
+from tokenbridge import projection
 from tokenbridge.tokenizers import load_tokenizer
 
 
@@ -15,8 +15,12 @@ from tokenbridge.tokenizers import load_tokenizer
 def pair(teacher_dir, student_dir):
     """Gemma-3 (teacher) x SmolLM2 (student) with lm_head rows from the model dirs."""
     t, s = load_tokenizer(teacher_dir), load_tokenizer(student_dir)
-    p = P.build_projection(
-        t, s, k=8, teacher_rows=P.model_rows(teacher_dir), student_rows=P.model_rows(student_dir)
+    p = projection.build_projection(
+        t,
+        s,
+        k=8,
+        teacher_rows=projection.model_rows(teacher_dir),
+        student_rows=projection.model_rows(student_dir),
     )
     return t, s, p
 
@@ -111,8 +115,8 @@ def test_rows_sum_to_one_and_are_left_packed(pair):
 def test_rows_match_the_per_token_reference(pair):
     t, s, p = pair
     tb, sb = t.token_bytes(), s.token_bytes()
-    s_index = P.exact_index(s, sb)
-    t_index = P.exact_index(t, tb)
+    s_index = projection.exact_index(s, sb)
+    t_index = projection.exact_index(t, tb)
     rng = np.random.default_rng(0)
     t_rows = [i for i in rng.choice(len(tb), 300, replace=False) if tb[i]]
     for i in t_rows:
@@ -145,43 +149,52 @@ def test_specials_pair_by_role(pair):
 
 def test_save_load_roundtrip_and_refusals(pair, tmp_path):
     t, s, p = pair
-    path = P.save_projection(p, tmp_path / "p.safetensors")
-    q = P.load_projection(path, teacher=t.info(), student=s.info())
-    for name in P.TENSORS:
+    path = projection.save_projection(p, tmp_path / "p.safetensors")
+    q = projection.load_projection(path, teacher=t.info(), student=s.info())
+    for name in projection.TENSORS:
         np.testing.assert_array_equal(getattr(q, name), getattr(p, name))
     assert q.meta == p.meta and q.meta["teacher_fingerprint"] == t.fingerprint
-    with pytest.raises(P.ProjectionMismatchError, match="rebuild"):
-        P.load_projection(path, teacher=s.info(), student=s.info())
-    with pytest.raises(P.ProjectionMismatchError, match="student"):
-        P.load_projection(path, student=t.info())
+    with pytest.raises(projection.ProjectionMismatchError, match="rebuild"):
+        projection.load_projection(path, teacher=s.info(), student=s.info())
+    with pytest.raises(projection.ProjectionMismatchError, match="student"):
+        projection.load_projection(path, student=t.info())
     # an exact map that pairs (almost) nothing is a broken build, refused on load
     broken = dataclasses.replace(
         p, exact_t2s=np.full_like(p.exact_t2s, -1), exact_s2t=np.full_like(p.exact_s2t, -1)
     )
-    bpath = P.save_projection(broken, tmp_path / "broken.safetensors")
-    with pytest.raises(P.ProjectionCoverageError, match="exact map"):
-        P.load_projection(bpath)
-    assert P.load_projection(bpath, min_exact_coverage=0.0).exact_pairs()[0].size == 0
+    bpath = projection.save_projection(broken, tmp_path / "broken.safetensors")
+    with pytest.raises(projection.ProjectionCoverageError, match="exact map"):
+        projection.load_projection(bpath)
+    assert projection.load_projection(bpath, min_exact_coverage=0.0).exact_pairs()[0].size == 0
 
 
 def test_malformed_files_are_refused(tmp_path):
     from safetensors.numpy import save_file
 
     with pytest.raises(FileNotFoundError, match="make projection"):
-        P.load_projection(tmp_path / "none.safetensors")
+        projection.load_projection(tmp_path / "none.safetensors")
     save_file({"t2s_ids": np.zeros((2, 2), np.int32)}, str(tmp_path / "x.safetensors"))
-    with pytest.raises(P.ProjectionMismatchError, match="missing tensors"):
-        P.load_projection(tmp_path / "x.safetensors")
+    with pytest.raises(projection.ProjectionMismatchError, match="missing tensors"):
+        projection.load_projection(tmp_path / "x.safetensors")
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:20])
-    with pytest.raises(P.ProjectionMismatchError, match=r"cut.safetensors: damaged.*make proj"):
-        P.load_projection(tmp_path / "cut.safetensors")  # refused by name, not a Rust panic
+    with pytest.raises(
+        projection.ProjectionMismatchError, match=r"cut.safetensors: damaged.*make proj"
+    ):
+        projection.load_projection(
+            tmp_path / "cut.safetensors"
+        )  # refused by name, not a Rust panic
 
 
 def test_padded_rows_and_model_rows(vocab_fixture, teacher_dir, student_dir):
-    assert P.model_rows(teacher_dir) == 262_144 and P.model_rows(student_dir) == 49_152
-    assert P.model_rows(vocab_fixture("gpt-2")) is None
+    assert (
+        projection.model_rows(teacher_dir) == 262_144
+        and projection.model_rows(student_dir) == 49_152
+    )
+    assert projection.model_rows(vocab_fixture("gpt-2")) is None
     t, s = load_tokenizer(vocab_fixture("phi-3")), load_tokenizer(vocab_fixture("gpt-2"))
-    p = P.build_projection(t, s, k=4, teacher_rows=t.vocab_size + 16, student_rows=s.vocab_size + 7)
+    p = projection.build_projection(
+        t, s, k=4, teacher_rows=t.vocab_size + 16, student_rows=s.vocab_size + 7
+    )
     assert p.t2s_ids.shape == (t.vocab_size + 16, 4) and p.exact_s2t.shape == (s.vocab_size + 7,)
     for ids, w, ex, n in (
         (p.t2s_ids, p.t2s_weights, p.exact_t2s, t.vocab_size),
@@ -192,6 +205,6 @@ def test_padded_rows_and_model_rows(vocab_fixture, teacher_dir, student_dir):
     # ids point inside the other side's rows, never into its padding
     assert p.t2s_ids.max() < s.vocab_size and p.s2t_ids.max() < t.vocab_size
     with pytest.raises(ValueError, match="lm_head rows"):
-        P.build_projection(t, s, teacher_rows=t.vocab_size - 1)
+        projection.build_projection(t, s, teacher_rows=t.vocab_size - 1)
     with pytest.raises(ValueError, match="k must be"):
-        P.build_projection(t, s, k=0)
+        projection.build_projection(t, s, k=0)

@@ -12,8 +12,7 @@ import time
 import pytest
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shards
+from tokenbridge.formats import checksums, shards
 from tokenbridge.remote_cache import FETCHED, RemoteCache
 from trainer.checkpoint import remote
 from trainer.checkpoint.dcp_io import DamagedCheckpointError
@@ -31,7 +30,7 @@ def upload_marked(
     docs = shards.completed_documents(
         {"kind": "test"},
         files={n: 1 for n in files},
-        checksums={n: integrity.hash_file(local / n) for n in files},
+        checksums={n: checksums.hash_file(local / n) for n in files},
         kind=kind,
     )
     client = s3_server.client()
@@ -53,7 +52,7 @@ def test_fetch_verifies_and_the_nodes_other_ranks_wait(s3_server, s3_bucket, tmp
     waiter.join(timeout=30)
     assert got == [entry] and (entry / FETCHED).is_file()
     assert (entry / "x.arrow").read_bytes() == b"x" * 1000
-    assert integrity.verify_dir(entry) and all(r.ok for r in integrity.verify_dir(entry))
+    assert checksums.verify_dir(entry) and all(r.ok for r in checksums.verify_dir(entry))
     assert sorted(p.name for p in entry.iterdir()) == [
         FETCHED, "COMPLETED", "stats.json", "x.arrow", "y.arrow"
     ]  # fmt: skip
@@ -69,7 +68,7 @@ def test_changed_object_missing_marker_refused_credentials_and_eviction(
     s3_server.client().put_object(Bucket=s3_bucket, Key="a/x.arrow", Body=b"z" * 100)
     root = tmp_path / "cache"
     cache = RemoteCache(root, limit_bytes=10**6, local_rank=0)
-    with pytest.raises(integrity.DamagedFileError, match=rf"^{url}/x.arrow: damaged: expected"):
+    with pytest.raises(checksums.DamagedFileError, match=rf"^{url}/x.arrow: damaged: expected"):
         cache.fetch_dir(url)
     # nothing half-fetched is left to be taken for a copy (the entry's lock file stays)
     assert [p.name for p in root.iterdir()] == [".locks"]

@@ -13,10 +13,10 @@ import pytest
 from pipelines.align import job as align_job
 from tokenbridge import cli, remote_models
 from tokenbridge.commands.verify import main as verify
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from tokenbridge.tokenizers import load_tokenizer
+from trainer.data.remote_inputs import localize
 from trainer.main import load_config
-from trainer.remote_inputs import localize
 
 
 def _phi3_dir(tmp_path, vocab_fixture):
@@ -44,7 +44,7 @@ def test_a_marked_directory_is_fetched_verified_under_its_own_name(
     out = tmp_path / "out"
     argv = ["--data", str(tmp_path / "a.txt"), "--student", str(d), "--out", str(out)]
     s3_server.client().put_object(Bucket=s3_bucket, Key="models/phi-3/phi-3.gguf", Body=b"x")
-    with pytest.raises(integrity.DamagedFileError, match=rf"^{url}/phi-3.gguf: damaged"):
+    with pytest.raises(checksums.DamagedFileError, match=rf"^{url}/phi-3.gguf: damaged"):
         remote_models.local_copy(url, cache_dir=tmp_path / "fresh")
     capsys.readouterr()
     assert cli.run(align_job.main, [*argv, "--teacher", url], prog="align") == cli.EXIT_USAGE

@@ -10,15 +10,14 @@ import pytest
 import xxhash
 
 from pipelines.plumbing import rolling
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
-STUDENT = S.TokenizerInfo("student-tok", "a" * 64, 100)
-TEACHERS = [S.TokenizerInfo("teacher-a", "b" * 64, 300)]
+STUDENT = shard_schema.TokenizerInfo("student-tok", "a" * 64, 100)
+TEACHERS = [shard_schema.TokenizerInfo("teacher-a", "b" * 64, 300)]
 
 
 def _batch(doc: int, n: int) -> pa.RecordBatch:
-    schema = S.shard_schema(STUDENT, TEACHERS)
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
     rows = []
     for w in range(n):
         row = {"doc_id": f"doc{doc:03d}", "window": w, "char_start": 0, "char_end": 1, "text": "x"}

@@ -8,11 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
-STUDENT = S.TokenizerInfo("student-tok", "a" * 64, 100)
-TEACHERS = [S.TokenizerInfo("teacher-a", "b" * 64, 300), S.TokenizerInfo("teacher-b", "c" * 64, 50)]
+STUDENT = shard_schema.TokenizerInfo("student-tok", "a" * 64, 100)
+TEACHERS = [
+    shard_schema.TokenizerInfo("teacher-a", "b" * 64, 300),
+    shard_schema.TokenizerInfo("teacher-b", "c" * 64, 50),
+]
 
 
 def _row(doc: int, window: int, n_s: int, n_t: list[int]) -> dict:
@@ -26,10 +28,12 @@ def _row(doc: int, window: int, n_s: int, n_t: list[int]) -> dict:
         "student_ids": rng.integers(0, 100, n_s, dtype=np.int32),
     }
     for i, n in enumerate(n_t):
-        row[S.teacher_ids_column(i)] = rng.integers(0, 50, n, dtype=np.int32)
-        row[S.teacher_chunk_column(i)] = np.arange(n, dtype=np.int32) // 2
-        row[S.teacher_student_chunk_column(i)] = np.arange(n_s, dtype=np.int32)
-        row[S.teacher_n_chunks_column(i)] = max(n, n_s)  # every index below: values check it
+        row[shard_schema.teacher_ids_column(i)] = rng.integers(0, 50, n, dtype=np.int32)
+        row[shard_schema.teacher_chunk_column(i)] = np.arange(n, dtype=np.int32) // 2
+        row[shard_schema.teacher_student_chunk_column(i)] = np.arange(n_s, dtype=np.int32)
+        row[shard_schema.teacher_n_chunks_column(i)] = max(
+            n, n_s
+        )  # every index below: values check it
     return row
 
 
@@ -38,7 +42,7 @@ def _rows(n: int) -> list[dict]:
 
 
 def _write_dir(tmp_path, rows, *, per_file=4, complete=True):
-    schema = S.shard_schema(STUDENT, TEACHERS)
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
     files = {}
     chunks = [rows[i : i + per_file] for i in range(0, len(rows), per_file)]
     for i, part in enumerate(chunks):
@@ -59,7 +63,7 @@ def test_roundtrip_rows_and_metadata(tmp_path):
     assert ss.num_rows == len(rows) and [p.name for p in ss.files] == sorted(files)
     assert ss.meta.student == STUDENT and ss.meta.teachers == TEACHERS
     table = ss.table()
-    assert table.schema.equals(S.shard_schema(STUDENT, TEACHERS), check_metadata=True)
+    assert table.schema.equals(shard_schema.shard_schema(STUDENT, TEACHERS), check_metadata=True)
     for got, want in zip(table.to_pylist(), rows):
         for key, value in want.items():
             if isinstance(value, np.ndarray):
@@ -69,12 +73,12 @@ def test_roundtrip_rows_and_metadata(tmp_path):
     # iter_batches over a subset of files reads only those
     n_first = sum(b.num_rows for b in ss.iter_batches(files=ss.files[:1]))
     assert n_first == files[ss.files[0].name]
-    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    marker = json.loads((tmp_path / shard_schema.COMPLETED_MARKER).read_text())
     assert marker["num_rows"] == len(rows)
 
 
 def test_empty_list_rows():
-    schema = S.shard_schema(STUDENT, TEACHERS[:1])
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS[:1])
     rows = [_row(0, 0, 0, [0]), _row(1, 0, 4, [3])]
     batch = shards.rows_to_batch(rows, schema)
     assert batch.column("student_ids").to_pylist() == [[], rows[1]["student_ids"].tolist()]
@@ -82,14 +86,14 @@ def test_empty_list_rows():
 
 
 def test_missing_column_is_a_clear_error():
-    schema = S.shard_schema(STUDENT, TEACHERS)
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
     row = _row(0, 0, 3, [2])  # only one teacher's columns
     with pytest.raises(ValueError, match="teacher1_ids"):
         shards.rows_to_batch([row], schema)
 
 
 def test_writer_is_atomic_on_error(tmp_path):
-    schema = S.shard_schema(STUDENT, TEACHERS)
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
     path = tmp_path / shards.shard_name(0, 1)
     with pytest.raises(RuntimeError, match="boom"), shards.ShardWriter(path, schema) as w:
         w.write_rows(_rows(2))
@@ -98,8 +102,8 @@ def test_writer_is_atomic_on_error(tmp_path):
 
 
 def test_writer_rejects_a_foreign_schema(tmp_path):
-    schema = S.shard_schema(STUDENT, TEACHERS)
-    other = S.shard_schema(STUDENT, TEACHERS[:1])
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
+    other = shard_schema.shard_schema(STUDENT, TEACHERS[:1])
     batch = shards.rows_to_batch([_row(0, 0, 2, [2])], other)
     with (
         pytest.raises(ValueError, match="schema differs"),
@@ -128,7 +132,7 @@ def test_refuses_missing_listed_file_and_ignores_stale_ones(tmp_path):
 
 def test_refuses_other_fingerprints(tmp_path):
     _write_dir(tmp_path, _rows(2))
-    other = S.TokenizerInfo("student-tok", "d" * 64, 100)
+    other = shard_schema.TokenizerInfo("student-tok", "d" * 64, 100)
     with pytest.raises(shards.FingerprintMismatchError, match="student tokenizer fingerprint"):
         shards.open_shards(tmp_path, student=other)
     with pytest.raises(shards.FingerprintMismatchError, match="teacher 1"):
@@ -139,9 +143,9 @@ def test_refuses_other_fingerprints(tmp_path):
 
 def test_refuses_other_schema_version(tmp_path):
     _write_dir(tmp_path, _rows(2))
-    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
-    marker["schema_version"] = S.SCHEMA_VERSION + 1
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker))
+    marker = json.loads((tmp_path / shard_schema.COMPLETED_MARKER).read_text())
+    marker["schema_version"] = shard_schema.SCHEMA_VERSION + 1
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="schema version"):
         shards.open_shards(tmp_path)
 
@@ -149,16 +153,16 @@ def test_refuses_other_schema_version(tmp_path):
 def test_row_count_mismatch_and_garbage_file(tmp_path):
     files = _write_dir(tmp_path, _rows(2), per_file=10)
     name = next(iter(files))
-    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    marker = json.loads((tmp_path / shard_schema.COMPLETED_MARKER).read_text())
     marker["files"][name] += 1
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker))
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="rows"):
         shards.open_shards(tmp_path)
     (tmp_path / name).write_bytes(b"not arrow at all")
     with pytest.raises(ValueError, match="damaged: expected xxh3_64 .* over 16 bytes"):
         shards.open_shards(tmp_path)  # the checksum says what happened
     del marker["checksums"][name]
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker))
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="not a readable Arrow IPC file"):
         shards.open_shards(tmp_path)  # no checksum to compare: Arrow's error, in one line
 
@@ -166,7 +170,7 @@ def test_row_count_mismatch_and_garbage_file(tmp_path):
 def test_write_completed_refuses_missing_files_and_counts_by_default(tmp_path):
     with pytest.raises(FileNotFoundError):
         shards.write_completed(tmp_path, {}, files={"shard-00000-of-00001.arrow": 3})
-    assert not (tmp_path / S.COMPLETED_MARKER).exists()
+    assert not (tmp_path / shard_schema.COMPLETED_MARKER).exists()
     _write_dir(tmp_path, _rows(3), complete=False)
     shards.write_completed(tmp_path, {"x": 1})
     assert shards.open_shards(tmp_path).num_rows == 6
@@ -179,7 +183,7 @@ def test_empty_run_reads_metadata_from_stats(tmp_path):
     assert shards.write_dead_letters(tmp_path, [{"reason": "empty"}, {"reason": "a"}]) == 2
     ss = shards.open_shards(tmp_path, student=STUDENT, teachers=TEACHERS)
     assert ss.num_rows == 0 and ss.table().num_rows == 0
-    lines = (tmp_path / S.DEAD_LETTER_FILE).read_text().splitlines()
+    lines = (tmp_path / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
     assert [json.loads(x)["reason"] for x in lines] == ["a", "empty"]
 
 
@@ -210,12 +214,12 @@ def test_windows_to_batch_equals_rows_of_window_to_row():
         )
 
     items = [(f"doc{d}", window(d, k)) for d in range(3) for k in range(3)]
-    schema = S.shard_schema(STUDENT, TEACHERS)
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
     fast = shards.windows_to_batch(items, schema)
     slow = shards.rows_to_batch([shards.window_to_row(d, w) for d, w in items], schema)
     assert fast.equals(slow) and fast.schema.equals(schema, check_metadata=True)
     with pytest.raises(ValueError, match="other than 1 teacher"):
-        shards.windows_to_batch(items, S.shard_schema(STUDENT, TEACHERS[:1]))
+        shards.windows_to_batch(items, shard_schema.shard_schema(STUDENT, TEACHERS[:1]))
 
 
 def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
@@ -224,10 +228,10 @@ def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
     import xxhash
 
     files = _write_dir(tmp_path, _rows(2))
-    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
+    marker = json.loads((tmp_path / shard_schema.COMPLETED_MARKER).read_text())
     assert marker["version"] == shards.COMPLETED_VERSION == 3 and marker["hash"] == "xxh3_64"
-    data = (tmp_path / S.STATS_FILE).read_bytes()
-    assert marker["checksums"][S.STATS_FILE] == {
+    data = (tmp_path / shard_schema.STATS_FILE).read_bytes()
+    assert marker["checksums"][shard_schema.STATS_FILE] == {
         "bytes": len(data),
         "xxh3_64": xxhash.xxh3_64(data).hexdigest(),
     }
@@ -240,14 +244,14 @@ def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
         n: {"bytes": e["bytes"], "blake2b": hashlib.blake2b(
             (tmp_path / n).read_bytes(), digest_size=16).hexdigest()}
         for n, e in marker["checksums"].items()})  # fmt: skip
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(v2))
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(json.dumps(v2))
     assert shards.open_shards(tmp_path, verify="preflight").num_rows == sum(files.values())
     # a directory written before marker version 2 (no checksums) still opens
     v1 = {k: marker[k] for k in ("schema_version", "files", "num_rows")} | {"version": 1}
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(v1))
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(json.dumps(v1))
     ss = shards.open_shards(tmp_path)
     assert ss.num_rows == sum(files.values()) and ss.checksums == {}
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(v1 | {"version": 9}))
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(json.dumps(v1 | {"version": 9}))
     with pytest.raises(ValueError, match="rebuild"):
         shards.open_shards(tmp_path)
 
@@ -255,25 +259,27 @@ def test_marker_v3_checksums_and_v2_v1_still_read(tmp_path):
 def test_schema_1_text_shards_still_read_and_unknown_versions_refused(tmp_path):
     """Shards written before conversations (schema 1: text columns only) open and read as text;
     a version this code does not know is refused, saying how to rebuild."""
-    from trainer.shard_reader import ShardReader
+    from trainer.data.shard_reader import ShardReader
 
-    schema = S.shard_schema(STUDENT, TEACHERS)
-    v1 = schema.with_metadata({**schema.metadata, S.META_SCHEMA_VERSION: b"1"})
+    schema = shard_schema.shard_schema(STUDENT, TEACHERS)
+    v1 = schema.with_metadata({**schema.metadata, shard_schema.META_SCHEMA_VERSION: b"1"})
     rows = _rows(2)
     with shards.ShardWriter(tmp_path / shards.shard_name(0, 1), v1) as w:
         w.write_rows(rows)
     stats = {"student": STUDENT.to_json(), "teachers": [t.to_json() for t in TEACHERS]}
     shards.write_completed(tmp_path, stats, files={shards.shard_name(0, 1): len(rows)})
-    marker = json.loads((tmp_path / S.COMPLETED_MARKER).read_text())
-    (tmp_path / S.COMPLETED_MARKER).write_text(json.dumps(marker | {"schema_version": 1}))
+    marker = json.loads((tmp_path / shard_schema.COMPLETED_MARKER).read_text())
+    (tmp_path / shard_schema.COMPLETED_MARKER).write_text(
+        json.dumps(marker | {"schema_version": 1})
+    )
     ss = shards.open_shards(tmp_path)
     assert ss.meta.schema_version == 1 and not ss.meta.is_chat
-    assert ss.schema.metadata[S.META_SCHEMA_VERSION] == b"1"
+    assert ss.schema.metadata[shard_schema.META_SCHEMA_VERSION] == b"1"
     reader = ShardReader(ss, max_student_tokens=64)
     row = reader.row(0)
     assert "train" not in row and np.array_equal(row["student_ids"], rows[0]["student_ids"])
     with pytest.raises(ValueError, match=r"version 7.*rebuild.*make align"):
-        S.check_version(7, where="x")
-    bad = schema.with_metadata({**schema.metadata, S.META_SCHEMA_VERSION: b"7"})
+        shard_schema.check_version(7, where="x")
+    bad = schema.with_metadata({**schema.metadata, shard_schema.META_SCHEMA_VERSION: b"7"})
     with pytest.raises(ValueError, match="x: shard schema version 7"):
-        S.read_meta(bad, where="x")
+        shard_schema.read_meta(bad, where="x")

@@ -11,9 +11,9 @@ import pytest
 
 from bench.common import shakespeare_docs
 from tokenbridge.alignment.text_shards import write_text_shards
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shards, streamed_shards
-from trainer.shard_reader import ShardReader, ShardStream
+from tokenbridge.formats import checksums, shards, streamed_shards
+from trainer.config.sections import DataConfig
+from trainer.data.shard_reader import ShardReader, ShardStream
 
 FILES, KEEP = 5, 2
 
@@ -27,8 +27,9 @@ def local_shards(tmp_path_factory, student_dir):
 
 
 def _stream(reader: ShardReader) -> ShardStream:
-    return ShardStream(reader, dp_rank=0, dp_size=1, seed=3, shuffle_buffer=0,
-                       eval_fraction=0.2, eval_split="document")  # fmt: skip
+    data = DataConfig(shards="unused", seed=3, shuffle_buffer=0, eval_fraction=0.2,
+                      eval_split="document")  # fmt: skip
+    return ShardStream(reader, data=data, dp_rank=0, dp_size=1)
 
 
 def test_streamed_rows_equal_the_local_rows_with_a_window_of_files(
@@ -68,7 +69,7 @@ def test_a_changed_object_is_refused_by_name(local_shards, s3_server, s3_bucket,
     name = sorted(p.name for p in local_shards.glob("*.arrow"))[0]
     s3_server.client().put_object(Bucket=s3_bucket, Key=f"changed/{name}", Body=b"not it")
     reader = ShardReader(shards.open_shards(entry), max_student_tokens=64)
-    with pytest.raises(integrity.DamagedFileError, match=rf"^{url}/{name}: damaged"):
+    with pytest.raises(checksums.DamagedFileError, match=rf"^{url}/{name}: damaged"):
         reader.row(0)
 
 

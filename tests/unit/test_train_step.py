@@ -24,12 +24,13 @@ import torch
 from tokenbridge.losses.base import LossOutput, as_count
 from tokenbridge.losses.ce import ce
 from trainer.config.schema import LossConfig, OptimConfig
+from trainer.data.microbatches import Microbatch
+from trainer.data.shard_source import ShardSource
 from trainer.loop import Trainer
 from trainer.loss_terms import kd_weights
 from trainer.onpolicy.rollout_source import RolloutSource
-from trainer.onpolicy.sampler import SamplingConfig
+from trainer.onpolicy.sampling.sampler import SamplingConfig
 from trainer.parallel.mesh import SINGLE
-from trainer.shard_source import ShardSource
 from trainer.step import TrainStep, count_mismatch
 from trainer.teacher.dispatch import Queued
 from trainer.throughput import Throughput
@@ -102,14 +103,13 @@ def step(tmp_path):
     return s
 
 
-def _trainer(step: TrainStep, terms, feed=None):
+def _shards(step: TrainStep, terms, feed) -> ShardSource:
     loss = LossConfig(mode="xtoken", ce_weight=1.0, kd_weight=0.5, combine="fixed")
-    return SimpleNamespace(
-        model=step.model, kd_terms=terms, device=torch.device("cpu"), mesh=SINGLE, feed=feed,
-        cfg=SimpleNamespace(data=SimpleNamespace(grad_accum=len(SIZES)), loss=loss,
-                       parallel=SimpleNamespace(logits_chunk=0)),
-        forward=lambda mb: step.model(mb.input_ids_BT).logits, vocab_used=V,
-        loader=SimpleNamespace(epoch=0), throughput=Throughput(world=1),
+    return ShardSource(
+        model=step.model, terms=terms, feed=feed, loader=SimpleNamespace(epoch=0), mesh=SINGLE,
+        data=SimpleNamespace(grad_accum=len(SIZES)), loss=loss,
+        parallel=SimpleNamespace(logits_chunk=0), vocab_size=V, throughput=Throughput(world=1),
+        device=torch.device("cpu"),
     )  # fmt: skip
 
 
@@ -136,11 +136,11 @@ def shard_source(step: TrainStep, term: FakeTerm):
     for i, b in enumerate(SIZES):
         ids = _ids(b, i)
         targets = torch.where(_mask(b, 10 + i) > 0, _ids(b, 20 + i), -1)
-        mb = SimpleNamespace(input_ids_BT=ids, targets_BT=targets, rows=[f"row{i}.{r}" for r in range(b)],
-                             attention_mask_BT=torch.ones(b, T, dtype=torch.long))  # fmt: skip
+        mb = Microbatch(ids, torch.ones(b, T, dtype=torch.long), targets,
+                        rows=[f"row{i}.{r}" for r in range(b)])  # fmt: skip
         queued.append(Queued({}, mb, [_mask(b, 30 + i)]))
     feed = FakeFeed(queued)
-    return ShardSource(_trainer(step, [term], feed)), queued, feed
+    return _shards(step, [term], feed), queued, feed
 
 
 @dataclass
@@ -164,10 +164,12 @@ def rollout_source(step: TrainStep, terms: list[FakeTerm]):
     r = FakeRollouts(
         [{"key": f"prompt{k}"} for k in range(n)], new_tokens=4 * n, stopped=[True] * n
     )
-    teachers = SimpleNamespace(terms=terms)
-    op = SimpleNamespace(tr=_trainer(step, []), teachers=teachers, mixture=False,
-                         kd_weights=kd_weights(terms), sampling=SamplingConfig())  # fmt: skip
-    return RolloutSource(op, r, batches, [[{}, {}] for _ in batches]), batches
+    source = RolloutSource(
+        r, batches, [[{}, {}] for _ in batches], model=step.model, terms=terms, mixture=False,
+        weights=kd_weights(terms), sampling=SamplingConfig(), ratio_clip=2.0, logits_chunk=0,
+        tp_group=None, vocab_size=V, loader=SimpleNamespace(epoch=0), device=torch.device("cpu"),
+    )  # fmt: skip
+    return source, batches
 
 
 def _whole(term: FakeTerm, logits, prep) -> torch.Tensor:

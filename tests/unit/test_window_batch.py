@@ -20,11 +20,10 @@ from tokenbridge.alignment import (
     align_batch_flat,
     cut_windows,
     vocab_bytes,
+    window_batch,
+    window_kernel,
 )
-from tokenbridge.alignment import window_batch as WB
-from tokenbridge.alignment import window_kernel as K
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def _specials(tok, cfg):
 def batch_rows(texts, s_tok, t_toks, cfg, *, force_fallback=False):
     """(RecordBatch of every window, Cut) through the batch path."""
     s_enc = s_tok.encode_batch(texts)
-    student = WB.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
+    student = window_batch.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
     teachers = []
     for t in t_toks:
         t_enc = t.encode_batch(texts)
@@ -60,21 +59,21 @@ def batch_rows(texts, s_tok, t_toks, cfg, *, force_fallback=False):
             teacher_bytes=vocab_bytes(t),
             force_fallback=force_fallback,
         )
-        teachers.append((WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t, cfg)), al))
-    text = WB.BatchText.from_texts(texts)
-    cut = WB.cut_batch(
+        teachers.append((window_batch.Side(t_enc.ids, t_enc.row_splits, *_specials(t, cfg)), al))
+    text = window_batch.BatchText.from_texts(texts)
+    cut = window_batch.cut_batch(
         text,
         student,
         teachers,
         max_student_tokens=cfg.max_student_tokens,
         max_teacher_tokens=cfg.max_teacher_tokens,
         stride_chars=cfg.stride_chars,
-        plan=WB.RowPlan.whole(text, np.ones(len(texts), np.bool_)),
+        plan=window_batch.RowPlan.whole(text, np.ones(len(texts), np.bool_)),
     )
-    schema = S.shard_schema(s_tok.info(), [t.info() for t in t_toks])
+    schema = shard_schema.shard_schema(s_tok.info(), [t.info() for t in t_toks])
     zeros = np.zeros(len(texts), np.int64)
     ids = pa.array([f"d{i:03d}" for i in range(len(texts))])
-    rows = WB.to_record_batch(
+    rows = window_batch.to_record_batch(
         cut, text, student, teachers, doc_ids=ids, char_base=zeros, window_base=zeros, schema=schema
     )
     return rows, cut
@@ -103,7 +102,7 @@ def reference_rows(texts, s_tok, t_toks, cfg, *, force_fallback=False):
             errors[b] = e
             continue
         items += [(f"d{b:03d}", w) for w in ws]
-    schema = S.shard_schema(s_tok.info(), [t.info() for t in t_toks])
+    schema = shard_schema.shard_schema(s_tok.info(), [t.info() for t in t_toks])
     return shards.windows_to_batch(items, schema), errors
 
 
@@ -112,7 +111,7 @@ def assert_same(texts, s_tok, t_toks, cfg, **kw):
     want, errors = reference_rows(texts, s_tok, t_toks, cfg, **kw)
     for name in want.schema.names:
         assert got.column(name).equals(want.column(name)), name
-    uncut = set(np.flatnonzero(cut.status == K.UNCUTTABLE).tolist())
+    uncut = set(np.flatnonzero(cut.status == window_kernel.UNCUTTABLE).tolist())
     assert uncut == set(errors)
     for b, e in errors.items():
         c0, c1 = cut.err_chars[:, b].tolist()
@@ -132,7 +131,7 @@ CONFIGS = [
 @pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
 def test_real_pair_equals_reference(toks, texts, cfg):
     got, cut = assert_same(texts, toks["smollm2"], [toks["gemma"]], cfg)
-    assert got.num_rows >= len(texts) - int((cut.status != K.OK).sum())
+    assert got.num_rows >= len(texts) - int((cut.status != window_kernel.OK).sum())
 
 
 def test_several_teachers_and_dp_fallback_equal_reference(toks, texts):
@@ -147,7 +146,7 @@ def test_several_teachers_and_dp_fallback_equal_reference(toks, texts):
 def test_uncuttable_rows_are_marked_and_others_kept(toks):
     texts = ["Supercalifragilisticexpialidocious", "To be, or not to be.", "fine"]
     got, cut = assert_same(texts, toks["smollm2"], [toks["gemma"]], WindowConfig(3, 3))
-    assert cut.status[0] == K.UNCUTTABLE and cut.err_need[:, 0].max() >= 3
+    assert cut.status[0] == window_kernel.UNCUTTABLE and cut.err_need[:, 0].max() >= 3
     assert cut.win_splits[1] == cut.win_splits[0]  # the dropped row keeps no window
 
 
@@ -159,17 +158,17 @@ def test_empty_and_skipped_rows(toks):
     al = align_batch_flat(
         s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok)
     )
-    text = WB.BatchText.from_texts(texts)
-    cut = WB.cut_batch(
+    text = window_batch.BatchText.from_texts(texts)
+    cut = window_batch.cut_batch(
         text,
-        WB.Side(s_enc.ids, s_enc.row_splits, 1, 2),
-        [(WB.Side(t_enc.ids, t_enc.row_splits, 2, 1), al)],
+        window_batch.Side(s_enc.ids, s_enc.row_splits, 1, 2),
+        [(window_batch.Side(t_enc.ids, t_enc.row_splits, 2, 1), al)],
         max_student_tokens=64,
         max_teacher_tokens=64,
         stride_chars=cfg.stride_chars,
-        plan=WB.RowPlan.whole(text, np.array([True, False, True])),
+        plan=window_batch.RowPlan.whole(text, np.array([True, False, True])),
     )
-    assert cut.status.tolist() == [K.NO_TOKENS, K.OK, K.OK]
+    assert cut.status.tolist() == [window_kernel.NO_TOKENS, window_kernel.OK, window_kernel.OK]
     assert np.diff(cut.win_splits).tolist() == [0, 0, 1]
 
 
@@ -180,19 +179,19 @@ def test_extra_token_columns_ride_along(toks):
     s_tok, t_tok = toks["smollm2"], toks["gemma"]
     rows, cut = batch_rows(texts, s_tok, [t_tok], cfg)
     s_enc = s_tok.encode_batch(texts)
-    student = WB.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
+    student = window_batch.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
     t_enc = t_tok.encode_batch(texts)
     al = align_batch_flat(
         s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok)
     )
-    teachers = [(WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
-    schema = S.shard_schema(s_tok.info(), [t_tok.info()])
+    teachers = [(window_batch.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
+    schema = shard_schema.shard_schema(s_tok.info(), [t_tok.info()])
     schema = schema.append(pa.field("student_mask", pa.list_(pa.int32()), nullable=False))
     position = np.arange(len(s_enc.ids), dtype=np.int32)  # the token's index: easy to check
     zeros = np.zeros(1, np.int64)
-    got = WB.to_record_batch(
+    got = window_batch.to_record_batch(
         cut,
-        WB.BatchText.from_texts(texts),
+        window_batch.BatchText.from_texts(texts),
         student,
         teachers,
         doc_ids=pa.array(["d"]),
@@ -210,7 +209,7 @@ def test_extra_token_columns_ride_along(toks):
 
 
 def test_ranges_mask():
-    m = WB.ranges_mask(10, np.array([1, 5, 7]), np.array([3, 5, 9]))
+    m = window_batch.ranges_mask(10, np.array([1, 5, 7]), np.array([3, 5, 9]))
     assert np.flatnonzero(m).tolist() == [1, 2, 7, 8]
 
 
@@ -245,19 +244,19 @@ def test_piece_rows_start_late_and_keep_only_final_windows(toks, texts):
     al = align_batch_flat(
         s_enc, t_enc, student_bytes=vocab_bytes(s_tok), teacher_bytes=vocab_bytes(t_tok)
     )
-    student = WB.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
-    teachers = [(WB.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
-    text = WB.BatchText.from_texts([doc])  # ASCII: bytes are characters
+    student = window_batch.Side(s_enc.ids, s_enc.row_splits, *_specials(s_tok, cfg))
+    teachers = [(window_batch.Side(t_enc.ids, t_enc.row_splits, *_specials(t_tok, cfg)), al)]
+    text = window_batch.BatchText.from_texts([doc])  # ASCII: bytes are characters
 
     def piece(start: int, final: int):
-        plan = WB.RowPlan(
+        plan = window_batch.RowPlan(
             np.array([start]),
             np.array([final]),
             np.array([False]),
             np.array([False]),
             np.array([True]),
         )
-        return WB.cut_batch(
+        return window_batch.cut_batch(
             text,
             student,
             teachers,

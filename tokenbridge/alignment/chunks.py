@@ -1,31 +1,10 @@
 """Token alignment between two tokenizations of the same text, into the chunks of the shards.
 
-The chunk ids computed here, renumbered per window by `windows`, become the shards' chunk
-columns; their contract (from 0 in every window, non-decreasing, -1 on special tokens, chunk c
-covering the same text on both sides) is written down in `tokenbridge/formats/shard_schema.py`.
-
-A *chunk* is a minimal pair of token runs, one per side, that cover the same bytes of the text;
-its boundaries are the byte positions that are token boundaries on both sides. Chunks are
-1:1, 1:N, N:1 or N:M (student:teacher token counts).
-
-Fast path: one Numba kernel call per batch (`tokenbridge.alignment.walk_kernel`) walks both sides'
-byte spans with two pointers, O(n + m) per row, over flat arrays (ids, byte offsets, row
-splits); no Python runs per token or per row. Each side's spans are checked: a token is
-*trusted* when it starts where everything before it ended (spans tile the text, no overlap, no
-gap) and, where the token byte table is known, its span is as long as its bytes (a lossy piece
-or a byte-fallback piece whose span was derived from a shared character is not). Chunks are cut
-only at positions that are trusted on both sides; a region between two such cuts that holds an
-untrusted token goes to the DP fallback (`tokenbridge.alignment.dp`), which re-chunks it from the
-tokens' canonical bytes. Every such region is counted (`Alignment.fallback_regions`,
-`used_fallback`), never silent. The usual row (lossless, every token trusted, no special token)
-takes a fused branch-free pass.
-
-Special tokens (ids whose bytes are None in `Tokenizer.token_bytes()`, plus the tokenizer's
-`all_special_ids`) get chunk -1. Zero-width ones (an inserted BOS/EOS) sitting at a chunk's edge
-are simply left out of it; a chunk that would hold a special covering text (a chat marker parsed
-from the text on one side) is dropped whole on both sides and its plain tokens are counted
-(`dropped_tokens`), so every chunk left covers the same text on both sides and holds no special
-token. Specials are paired by role (windows add BOS/EOS per tokenizer), never by text.
+A Numba walk over both sides' byte offsets, O(n + m) per row, cuts chunks only where both sides'
+offsets can be trusted; a region with an untrusted token goes to the DP fallback
+(`tokenbridge.alignment.dp`) and is counted, never silent. Special tokens get chunk -1 and are
+paired by role, never by text (docs/alignment.md, "Chunks"; the chunk columns' contract:
+`tokenbridge.formats.shard_schema`).
 """
 
 from __future__ import annotations
@@ -315,7 +294,7 @@ def align(
     teacher_bytes=None,
     force_fallback: bool = False,
 ) -> Alignment:
-    """Align one text's student and teacher Encodings (see the module docstring)."""
+    """Align one text's student and teacher Encodings (docs/alignment.md, "Chunks")."""
     res = align_flat(
         student_ids=student.ids,
         student_byte_offsets=student.byte_offsets,

@@ -1,21 +1,9 @@
 """DP fallback aligner: chunks two tokenizations from their tokens' canonical bytes alone.
 
-The fast path in `tokenbridge.alignment.chunks` walks byte offsets. Where offsets are missing or
-cannot be trusted (overlapping spans of byte-fallback pieces derived from character offsets,
-normalizers that change the text, a dummy-prefix space one side adds) it hands the span here.
-This module never looks at offsets: each side is the concatenation of its tokens' bytes (the
-*canonical* bytes, `Tokenizer.token_bytes()`), the two byte strings are aligned by an edit-distance
-path, and a chunk boundary is a node of that path where both sides are at a token boundary. Where
-both byte strings are identical the only zero-cost path is the diagonal, so the chunks are exactly
-the fast path's (tested as a property over real tokenizer pairs).
-
-Cost: an O(L log L) anchoring step (byte k-grams unique to both sides, longest increasing chain)
-splits the problem into short gaps, each solved by a banded Needleman-Wunsch in O(gap * band), so
-long documents never need an O(A * B) table. Everything runs under Numba.
-
-Chunk rule (shared with the fast path): walking the path, a node (x, y) closes a chunk when x is
-a boundary of side a and y one of side b and both sides gained at least one token since the last
-chunk; zero-width tokens at the closing position join the closing chunk.
+For the regions whose offsets the fast path cannot trust: each side's token bytes are
+concatenated and aligned by an edit-distance path, anchored on byte k-grams unique to both sides
+and banded between anchors, so a long region never needs an O(A x B) table. On identical bytes
+it gives exactly the fast path's chunks (docs/alignment.md, "Chunks").
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Long documents in bounded pieces, so that memory does not grow with a document's length.
 
-A document longer than `PieceConfig.piece_chars` is tokenized, aligned and cut one piece at a
-time, in order. Windows are cut greedily from the document start (`tokenbridge.alignment.windows`), so each
-piece carries on where the previous one stopped:
-
-- the piece's windows start at ``cut_from``, the start of the first window the previous piece
-  did not keep (a cut point of every tokenizer there);
-- its text starts earlier, at a newline or whitespace at least ``overlap_chars`` before
-  ``cut_from`` (leading context), so every tokenizer sees the text around ``cut_from`` as it
-  does in the whole document, not as the start of a text (no dummy-prefix space, no pre-token
-  split there);
-- its text ends at a newline or whitespace near ``start + piece_chars``, and only windows whose
-  end and next cut point lie at least ``overlap_chars`` before that end are kept (the tokens
-  near a piece's end may differ from those of the whole document: a word cut in two).
-
-So the windows equal those of the whole document wherever the tokenizers are local within
-``overlap_chars`` (pre-tokenizers split at whitespace; BPE merges stay inside a pre-token).
-What may differ at a seam, and only there: when ``cut_from`` is not a cut point in the next
-piece's tokenization (a tokenizer whose choice there depends on text more than
-``overlap_chars`` away, e.g. one pre-token longer than that), its windows start at the nearest
-cut point before ``cut_from``: a few characters appear in two windows and the greedy cut
-continues from there (counted as ``seams_moved``). An uncuttable span inside a long document
-(a chunk longer than a window) drops that span only, as a dead letter naming its characters,
-since the windows before it are already written; a short document is still dropped whole.
+Each piece carries on where the previous one stopped, with enough leading context that every
+tokenizer sees the seam as in the whole document, and keeps only the windows that end far enough
+before its own end; the windows then equal the whole document's wherever the tokenizers are
+local within the overlap (docs/alignment.md, "Long documents").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A complete shard directory from a few texts, aligned in this process (no Beam).
 
-The align job's rows (`cut_windows` over `align` of each teacher against the student, one row
-per window, `tokenbridge.formats.shards`), written in seconds for inputs that fit in memory: the
-tests' and benchmarks' shards, or a quick experiment. Large corpora go through the job
-(``make align``), which streams, parallelises and keeps dead letters.
+The align job's rows for inputs that fit in memory (the tests' and benchmarks' shards, a quick
+experiment); large corpora go through the job (``make align``), which streams, parallelises and
+keeps dead letters.
 """
 
 from __future__ import annotations

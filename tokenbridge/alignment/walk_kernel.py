@@ -1,16 +1,9 @@
 """The Numba kernel behind `tokenbridge.alignment.chunks`: one call aligns a whole batch.
 
-Per row, in order of likelihood:
-
-1. the clean path (`_walk_label_clean`): both rows lossless, spans tile the text, no special or
-   zero-width token. Checking, walking and labelling are fused into one branch-free pass;
-2. the general path: `_trust` marks untrusted tokens and trusted boundaries, `_walk` cuts the row
-   into regions at boundaries trusted on both sides, each region with an untrusted token goes
-   to the DP (`tokenbridge.alignment.dp.dp_region_chunks`), and `_label_row` turns the candidate
-   chunks into labels, dropping chunks that hold a special token.
-
-Arguments are flat arrays (ids int32 [N], byte offsets int64 [N, 2], row splits int64 [B + 1])
-and the packed byte tables (`VocabBytes`): offsets, data, meta. Numba functions take positional
+Per row, the clean path (both rows lossless, spans tile the text, no special or zero-width
+token) checks, walks and labels in one branch-free pass; the general path marks untrusted tokens
+(`_trust`), cuts regions at boundaries trusted on both sides (`_walk`), hands regions with an
+untrusted token to the DP and labels the chunks (`_label_row`). Numba functions take positional
 arguments only, hence the long signatures.
 """
 
@@ -251,6 +244,8 @@ def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, 
     return c, dropped
 
 
+# Per side: ids int32 [N], byte offsets int64 [N, 2], row splits int64 [B + 1], and (in `tabs`)
+# the packed byte tables of `VocabBytes` (offsets, data, meta).
 @njit(cache=True)
 def align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lossless, tabs,
                   has_tab, force_dp):  # fmt: skip

@@ -1,14 +1,9 @@
 """Windows of a whole batch of documents, columnar: flat token arrays in, an Arrow batch out.
 
-The align job's hot path. `cut_batch` runs the Numba cutter (`tokenbridge.alignment.window_kernel`) over
-the concatenated token and chunk arrays of a batch (document boundaries as row splits) and
-`to_record_batch` gathers every shard column for all windows at once; no Python runs per window
-or per token. The rules are those of `tokenbridge.alignment.windows` (the per-document reference, which the
-tests compare this against), plus the piece semantics of `tokenbridge.alignment.long_documents`.
-
-Extra per-token columns (a train mask, roles) ride along: `to_record_batch` takes, per extra
-column, a flat array over one side's tokens and the value its BOS/EOS get, and gathers it with
-the same token ranges as that side's ids.
+The align job's hot path: `cut_batch` runs the Numba cutter over the batch's concatenated token
+and chunk arrays, and `to_record_batch` gathers every shard column for all windows at once; no
+Python runs per window or per token. Same rules as `tokenbridge.alignment.windows`, the
+per-document reference the tests compare it with, plus the pieces of long documents.
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from tokenbridge.alignment import window_kernel as K
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.alignment import window_kernel
+from tokenbridge.formats import shard_schema
 
 
 @dataclass(frozen=True)
@@ -120,7 +115,7 @@ def cut_batch(
     c_sizes = [al.chunk_kind.size for al in als]
     c_base = np.zeros(len(als) + 1, np.int64)
     np.cumsum(c_sizes, out=c_base[1:])
-    out = K.cut_kernel(
+    out = window_kernel.cut_kernel(
         text.data,
         text.splits,
         np.ascontiguousarray(student.splits, np.int64),
@@ -174,7 +169,7 @@ def to_record_batch(
         s = sides[side]
         head = (s.bos or 0) if pad is None else pad
         tail = (s.eos or 0) if pad is None else pad
-        offsets, flat = K.gather_lists(
+        offsets, flat = window_kernel.gather_lists(
             values,
             s.splits,
             rows,
@@ -190,7 +185,7 @@ def to_record_batch(
         )
         return _list_column(offsets, flat)
 
-    t_offsets, t_bytes = K.gather_bytes(
+    t_offsets, t_bytes = window_kernel.gather_bytes(
         text.data, text.splits, rows, cut.w_bytes[0], cut.w_bytes[1]
     )
     cols = {
@@ -204,13 +199,17 @@ def to_record_batch(
         "student_ids": tokens(student.ids, 0),
     }
     for i, (side, al) in enumerate(teachers):
-        first, count = K.chunk_shift(
+        first, count = window_kernel.chunk_shift(
             al.student_chunk, student.splits, rows, cut.w_lo[0], cut.w_hi[0]
         )
-        cols[S.teacher_ids_column(i)] = tokens(side.ids, i + 1)
-        cols[S.teacher_chunk_column(i)] = tokens(al.teacher_chunk, i + 1, pad=-1, shift=first)
-        cols[S.teacher_student_chunk_column(i)] = tokens(al.student_chunk, 0, pad=-1, shift=first)
-        cols[S.teacher_n_chunks_column(i)] = pa.array(count)
+        cols[shard_schema.teacher_ids_column(i)] = tokens(side.ids, i + 1)
+        cols[shard_schema.teacher_chunk_column(i)] = tokens(
+            al.teacher_chunk, i + 1, pad=-1, shift=first
+        )
+        cols[shard_schema.teacher_student_chunk_column(i)] = tokens(
+            al.student_chunk, 0, pad=-1, shift=first
+        )
+        cols[shard_schema.teacher_n_chunks_column(i)] = pa.array(count)
     for name, (side, values, pad) in (extras or {}).items():
         cols[name] = tokens(np.ascontiguousarray(values, np.int32), side, pad=pad)
     missing = [f.name for f in schema if f.name not in cols]

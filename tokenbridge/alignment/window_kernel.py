@@ -1,21 +1,10 @@
 """The Numba kernels behind `tokenbridge.alignment.window_batch`: the windows of a whole batch in one call.
 
-`cut_kernel` does, per row of a batch, what `tokenbridge.alignment.windows.cut_windows` does per document
-(the reference implementation, whose module docstring defines the rules): common cut points of
-every (student, teacher) pair on UTF-8 character boundaries, then the greedy cut. It writes
-token ranges and positions per window, no arrays per window: the per-window numpy calls of the
-reference cost 70-100 us per short document, more than tokenizing it. `gather_lists` then builds
-a list column (values + offsets) for every window at once.
-
-Beyond the reference, a row may be a *piece* of a long document (`tokenbridge.alignment.long_documents`): windows
-start at `start_byte` instead of 0, and a window is kept only when every cut point its end
-depended on lies at or before `final_byte` (the rest of the row is context that the next piece
-repeats); the row reports where its first unkept window starts. A row that is a whole document
-has ``final_byte = len(bytes)`` and ``doc_end``, and cuts exactly as the reference does.
-
-Layout: teacher i's chunk arrays (as `BatchAlignment` holds them) are concatenated over teachers
-at offsets ``c_base[i]``; side 0 is the student, side i + 1 teacher i. Numba functions take
-positional arguments only, hence the long signatures.
+`cut_kernel` does per row what `tokenbridge.alignment.windows.cut_windows` does per document,
+writing token ranges per window rather than arrays: the reference's per-window numpy calls cost
+70-100 us per short document, more than tokenizing it. A row may be a piece of a long document
+(`start_byte`, `final_byte`: docs/alignment.md, "Long documents"). Side 0 is the student, side
+i + 1 teacher i, whose chunk arrays sit at offset ``c_base[i]``.
 """
 
 from __future__ import annotations

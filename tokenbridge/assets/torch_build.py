@@ -1,14 +1,8 @@
 """Which torch build `make setup` installs: CUDA on a machine with an NVIDIA GPU, CPU otherwise.
 
-Both locks pin ``torch==2.13.0`` without a local label. On a GPU machine that is PyPI's default
-Linux wheel, the CUDA build, whose nvidia-* and triton pins `requirements-cuda.lock` adds. On a
-CPU machine the same spec matches PyTorch's CPU wheel (``2.13.0+cpu``, which sorts above
-``2.13.0``) once its index is named; a wheel pip already finds without any index (a find-links
-folder, as on our CI machines) is taken as it is and no index is added.
-
-Run by the Makefile before the package is installed, so stdlib only (`tokenbridge.cli` is), as a
-script: it prints the extra pip arguments on stdout and says what it chose on stderr. ``--device cpu|cuda`` (``make
-setup DEVICE=...``) overrides the detection.
+Run by the Makefile before the package is installed, so standard library only, as a script: it
+prints the extra pip arguments on stdout and says what it chose on stderr; ``--device cpu|cuda``
+(``make setup TORCH_BUILD=...``) overrides the detection.
 """
 
 from __future__ import annotations
@@ -20,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Both locks pin torch without a local label: on a GPU machine that is PyPI's default Linux
+# wheel, the CUDA build (CUDA_LOCK adds its nvidia-* and triton pins); on a CPU machine the same
+# spec takes PyTorch's CPU wheel ("2.13.0+cpu" sorts above "2.13.0") once its index is named,
+# unless pip already finds a wheel without any index (a find-links folder, as on our CI).
 TORCH = "torch==2.13.0"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CUDA_LOCK = "requirements-cuda.lock"

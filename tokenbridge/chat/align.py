@@ -1,25 +1,10 @@
 """Conversations -> per-token arrays per side: ids, chunks, train flags, message and role ids.
 
-`align_conversations` takes a batch of parsed conversations, a student and K teachers
-(`ChatSide`, prepared once per tokenizer + template by `prepare_side`) and returns a `ChatBatch`:
-
-1. each side renders each conversation with its own template and locates the contents
-   (`tokenbridge.chat.render`); a refusal by any side dead-letters the conversation;
-2. each side tokenizes all its renderings in one adapter call (`tokenbridge.chat.encode`) and
-   finds every message's content tokens and turn markers (`tokenbridge.chat.markers`);
-3. per (student, teacher) pair, all contents of the batch are aligned in one aligner call and
-   turn markers are paired by message (`tokenbridge.chat.pairs`);
-4. the student's train flags are set (`tokenbridge.chat.train_flags`).
-
-Everything per token is in flat numpy arrays with row splits (`SideBatch`, `PairBatch`), what a
-columnar job writes; `ChatBatch.row(b)` gives one conversation as views (`ChatAlignment`).
-
-The end-of-turn event, for the trainer: at an EOT chunk (`pairs.CHUNK_EOT`) the student's
-probability of stopping is the chain probability of its run (usually one token, its end-of-turn
-id) at that position, the teacher's the same for its own run; the KD term is the binary KL
-between the two Bernoullis (stop here / go on),
-KL(p_t || p_s) = p_t log(p_t / p_s) + (1 - p_t) log((1 - p_t) / (1 - p_s)).
-No vocabulary projection is needed: each model's own marker carries the event.
+`align_conversations` runs a batch through the steps in order: every side renders and locates
+the contents (`render`; one side's refusal dead-letters the conversation), tokenizes all its
+renderings in one call and finds each message's tokens and markers (`encode`, `markers`), then
+each (student, teacher) pair is aligned in one aligner call (`pairs`) and the student's train
+flags are set (`train_flags`). Arrays are flat with row splits, what a columnar job writes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Contents a template writes with their edge whitespace removed, located byte for byte.
 
-Many official templates write ``message['content'] | trim`` (Llama 3.x, Gemma 2), some only
-``lstrip`` or ``rstrip``. Real chat data is full of edge whitespace (a reply that ends in a
-newline, a prompt pasted with leading spaces), and what such a model sees of a content is the
-content without it. `render` detects the case (the rendering with marked contents, markers
-removed, differs from the real one) and calls `locate_trimmed` with what the marked rendering
-says for sure: the scaffolding between contents, and the contents.
-
-The real rendering must then be exactly ``S_0 + c_0' + S_1 + c_1' + ... + S_n``, where ``S_i``
-is the scaffolding and ``c_i'`` is content i with some of its leading and trailing whitespace
-(``str.isspace``, what jinja's ``trim`` removes) left out: ``c_i[l_i : len(c_i) - r_i]`` (a
-content of whitespace only is written whole or not at all). Every character is compared: no
-position is guessed. The (l_i, r_i) are searched by a small dynamic
-program over positions in the rendering (a content's first non-space character fixes l_i, so
-the states are few); if two choices explain the rendering (possible only when the scaffolding
-between two contents is itself whitespace), the row is refused as ambiguous, never resolved by
-a rule. A rendering that no choice explains changes contents in another way: the caller's
-`TEMPLATE_REWROTE` dead letter.
+Official templates often write ``message['content'] | trim`` (Llama 3.x, Gemma 2), and real chat
+data is full of edge whitespace. `locate_trimmed` proves that the real rendering is the
+scaffolding with each content minus some edge whitespace, comparing every character; a rendering
+two choices explain is refused as ambiguous, never resolved by a rule (docs/alignment.md,
+"Conversations").
 """
 
 from __future__ import annotations

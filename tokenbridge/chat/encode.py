@@ -1,19 +1,9 @@
 """Tokenize renderings: template control tokens by id, everything else by our tokenizer adapter.
 
-A rendering is text in which the template wrote its control tokens as strings
-(``<|im_start|>``, ``<start_of_turn>``, the BOS it was handed). The model was trained with those
-strings as single special ids, as transformers' tokenizer splits them out before tokenizing the
-rest. Our adapter never parses special tokens from text (data must not inject control tokens), so
-this module does the split itself, and only where it is safe: control-token strings are searched
-in the **scaffolding** only, never inside a message content, so a user who writes "<|im_end|>"
-gets five plain tokens, not an end of turn. Each stretch of text between two control tokens
-(scaffolding and contents together, as transformers sees it) goes through the adapter in one
-batch call, which gives exact byte offsets; offsets are shifted into the rendering.
-
-Which strings are control tokens: the tokenizer's special tokens whose text the template can
-produce: those in the template source, the BOS / EOS handed to it, and those found in a probe
-rendering (templates that build a token from pieces, ``'<|' + role + '|>'``). Gemma has 6,000+
-special tokens; a matcher over only these few stays fast.
+A rendering holds the template's control tokens as strings that the model saw as single ids,
+but our adapter parses no special token from text. So the split is done here, in the
+scaffolding only, never inside a content: a user who writes "<|im_end|>" gets plain tokens,
+not an end of turn (docs/alignment.md, "Conversations").
 """
 
 from __future__ import annotations

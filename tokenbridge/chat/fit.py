@@ -1,20 +1,9 @@
 """Conversations against the window limits: refuse the long ones, or keep their latest turns.
 
-A shard row is one whole conversation (never a window cut through it: a cut inside a turn would
-train the student on a reply without its question, or end a reply without its end of turn).
-A conversation with more tokens than a side's limit is, by the job's ``--long-conversations``:
-
-- ``too_long`` (default): a dead letter `rows.TOO_LONG` naming both sides' counts and limits;
-- ``keep_suffix``: the system turn (if the conversation starts with one) plus the longest
-  suffix of whole turns that fits every side, starting at a user turn and holding a turn to
-  train on. The kept messages are rendered again by every template (never sliced out of the
-  long rendering: templates write headers, default system texts and separators that depend on
-  the whole conversation). A conversation with no such suffix is a `TOO_LONG` dead letter.
-
-Which suffix: per message, the tokens each side spent on it in the full rendering
-(`message_tokens`) give an estimate of every candidate's length; the longest candidate whose
-estimate fits is rendered and measured, and if it does not fit after all, the next one
-(`next_candidate`), so a conversation is rendered again once in the usual case.
+A shard row is one whole conversation, never cut inside a turn. Over a side's limit it is a
+`TOO_LONG` dead letter, or with ``keep_suffix`` the system turn plus the longest suffix of whole
+turns that fits every side, rendered again by every template (docs/alignment.md,
+"Conversations").
 """
 
 from __future__ import annotations

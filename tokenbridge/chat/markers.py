@@ -1,26 +1,9 @@
 """Where each message sits among one side's tokens: its content tokens and its turn markers.
 
-Turn markers are a template's control tokens that open a turn (``<|im_start|>``,
-``<start_of_turn>``, ``<|start_header_id|>``, Phi-3's ``<|user|>``) and close one (``<|im_end|>``,
-``<end_of_turn>``, ``<|eot_id|>``, an EOS). Which ids play which part is learnt once per template
-from a probe conversation (system, user, assistant, user, assistant): in the scaffolding between
-two contents, the first control token after the content (only whitespace before it) closes the
-turn, and the first control token after that opens the next one. No table of known templates.
-
-In a real conversation, the scaffolding *gap* before message k (after content k-1) holds:
-
-- the *close* of message k-1: the whitespace-then-close-token run that starts the gap, if any;
-- the *open* of message k: the last open token in the gap, if any (the last: SmolLM2's gap 0
-  also holds a whole injected system turn, whose open token is not message 0's).
-
-A message folded into another's turn (Gemma's system text opens the first user turn) has no
-open or close of its own there. Tokens of message k (`Layout.message`) run from its open (or its
-first content token) through its close (or its last content token); role headers belong to it,
-separators between turns, BOS and injected text to no message (-1).
-
-Content tokens are those whose bytes overlap the content; the *inside* ones lie wholly in it.
-A token that also covers scaffolding (a BPE merge of a content's last "." with the template's
-"\\n\\n") overlaps but is not inside.
+Which control ids open and close a turn is learnt once per template from a probe conversation,
+with no table of known templates (docs/alignment.md, "Conversations"). Content tokens are those
+whose bytes overlap the content; the *inside* ones lie wholly in it (a BPE merge of a content's
+last "." with the template's "\\n\\n" overlaps but is not inside).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Chunks of one (student, teacher) pair over a batch of conversations, in flat arrays.
 
-Every message's content is one row of one call of the ordinary offset aligner (all messages of
-all conversations at once); turn markers are paired by message around them. Per conversation
-the chunks of message k come as a block, in text order on both sides:
-
-    [open pair]  [text chunks of the content]  [end-of-turn pair]
-
-so chunk ids are non-decreasing along both sides and every id is present on both.
-
-What is aligned of a content is the text both sides contain: a template that leaves out a
-content's edge whitespace (``| trim``, `tokenbridge.chat.edges`) shows its model less of it, and
-the whitespace only one side sees is treated like that side's scaffolding: no chunk, trained or
-not by the student's ordinary rule (`tokenbridge.chat.train_flags`), never counted as loose.
-
-Straddling tokens: a token whose bytes cross a content's edge belongs to no chunk. A content's
-text chunks run between the first and the last byte positions of the content that are token
-boundaries on **both** sides, so chunk text stays byte-equal; tokens outside that range get
-chunk -1 and are counted (`PairBatch.loose`). Usually (both sides' inside tokens tile the whole
-content) that range is the content and the check is one vectorized comparison.
+All contents of all conversations go through one call of the ordinary offset aligner; turn
+markers are paired by message around them, so message k's chunks are ``[open pair] [text
+chunks] [end-of-turn pair]`` on both sides, and chunk ids stay non-decreasing with every id on
+both sides. Tokens that cross a content's edge get chunk -1 and are counted (`PairBatch.loose`).
 """
 
 from __future__ import annotations

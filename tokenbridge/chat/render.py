@@ -1,29 +1,10 @@
 """Render a conversation with one template and locate every message's content in the rendering.
 
-Searching the rendering for each content is not safe: a content can also occur in the template's
-own text before it (a user who writes "user" right after the header ``<|im_start|>user``), and a
-search would then find the header and shift the whole alignment. So each conversation is rendered
-twice by the same template call (once when the template provably only writes contents,
-`templates.content_transparent`: then (1) without markers is (2)):
-
-1. *marked*: every content wrapped in two private-use characters, ``OPEN + content + CLOSE``;
-   the markers say exactly where each content landed, whatever the template wrote around it;
-2. *real*: the contents as they are (what the model sees).
-
-Removing the markers from (1) must give (2) exactly. Then the marker positions are the content
-spans of the real rendering, in characters. When the two differ, the template looked at the
-contents rather than only writing them. The one such rewrite we take is edge whitespace left
-out (``| trim`` in Llama 3.x's and Gemma 2's official templates, ``lstrip``, ``rstrip``): the
-marked rendering still gives the scaffolding exactly, and `tokenbridge.chat.edges` checks, byte
-for byte, that the real rendering is that scaffolding with each content minus some of its edge
-whitespace; the span is then the text the model sees, and `Rendering.cut` says what was left
-out. Anything else (a branch on ``'<think>' in content``, a replaced character, a JSON-escaped
-content) is a dead letter (`TEMPLATE_REWROTE`), never aligned at a guessed position. A template
-that leaves a message out (Phi-3's drops the system turn) gives fewer marker pairs:
-`TEMPLATE_DROPPED`; one that raises: `TEMPLATE_ERROR`.
-
-Text around the contents (headers, turn markers, BOS, an injected default system message, a
-separator between a folded system text and the user text) is scaffolding of that side.
+Searching a rendering for a content is not safe (it can also occur in the template's own text
+before it), so each conversation is rendered twice by the same call, once with every content
+between two private-use marks: the marks give the content spans, and removing them must give
+the real rendering. Edge whitespace left out is the one rewrite accepted (`tokenbridge.chat.edges`);
+any other is a dead letter, never aligned at a guessed position (docs/alignment.md, "Conversations").
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Conversation rows: the three row formats, parsed and checked before any template sees them.
 
-A data file holds one of three formats, detected from its first row (a flag can name it):
-
-- ``messages``: OpenAI style, ``{"messages": [{"role": ..., "content": ...}, ...]}``;
-- ``prompt_completion``: ``{"prompt": ..., "completion": ...}``, each a string (a user turn, an
-  assistant turn) or a list of messages, as TRL and vLLM write them;
-- ``text``: one plain text field, aligned as raw text (not a conversation; the job's text path).
-
-A bad row never crashes and never passes silently: `parse_row` returns a `DeadLetter` with a
-stable reason (a counter name), the field (``messages[2].content``) and what was found. The job
-adds file and row. Reasons raised later by templates (`TEMPLATE_*`) and windows (`TOO_LONG`)
-live here too, so the whole list is in one place.
-
-Tool use: a ``tool`` message (a tool's result) is an ordinary content turn, rendered by each
-template and never trained on. An assistant message with ``tool_calls`` (or a row with ``tools``
-schemas) is refused (`TOOL_CALLS`): each template renders structured calls in its own format
-(JSON here, a function tag there), so the call has no text common to both sides to align; the
-student would get CE but no distillation on exactly the tokens that matter.
+A file holds ``messages``, ``prompt_completion`` or ``text`` rows, detected from its first row. A
+bad row never crashes and never passes silently: `parse_row` returns a `DeadLetter` with a stable
+reason, the field and what was found; every reason (templates' and fitting's too) is listed here.
+Assistant ``tool_calls`` are refused: each template renders them its own way, leaving nothing
+common to align.
 """
 
 from __future__ import annotations

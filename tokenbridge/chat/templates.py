@@ -1,20 +1,9 @@
 """Chat templates: where each model's comes from, the ones we ship, and the one rendering call.
 
-Every tokenizer renders a conversation with its **own** template, the jinja text its model was
-trained with. Found in this order next to the tokenizer: ``chat_template.jinja`` (what
-transformers 5 saves), ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
-templates of which ``default`` is used), or a GGUF file's ``tokenizer.chat_template`` metadata.
-A model without one (Gemma-3-270M is a base model) gets the template the user names: a jinja file
-or one we ship (`SHIPPED`). There is no fallback guess: `resolve_template` raises, naming the
-places it looked and the options.
-
-Rendering goes through transformers' own compiled template (its sandboxed jinja environment with
-trim_blocks / lstrip_blocks, `raise_exception`, `tojson`), never through string formatting of
-ours, so a rendering is exactly what `apply_chat_template(..., tokenize=False)` gives (tested).
-
-Converted model directories: `copy_gguf_template` writes a GGUF's template as
-``chat_template.jinja`` next to the converted tokenizer (the asset conversion calls it), so the
-model directory carries its template and stats can name its source.
+Every tokenizer renders with its own template, found next to it (``chat_template.jinja``,
+``tokenizer_config.json``, a GGUF's metadata) or named by the user (a jinja file or `SHIPPED`);
+there is no fallback guess. Rendering goes through transformers' compiled template, so it equals
+``apply_chat_template(..., tokenize=False)`` (tested).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Which student tokens are trained: the per-token train flag of a conversation.
 
-A flag on token t means token t is a *target*: CE and every KD mode apply at the position that
-predicts it (the trainer shifts by one as for raw text), and counts follow the flags.
-
-Modes (`rows.TRAIN_MODES`):
-
-- ``assistant`` (default): every trainable assistant turn's content tokens (straddling ones
-  included: the student must produce them to say the content) and its end-of-turn run (any
-  whitespace the template writes before its close token, and the token): the student learns
-  to stop. Trainable turns are all assistant turns of a ``messages`` row and the completion's
-  assistant turns of a ``prompt_completion`` row;
-- ``last_assistant``: only the last trainable assistant turn (multi-turn data whose earlier
-  replies come from another model);
-- ``all``: every token, scaffolding included (plain language modelling of the rendering).
+A flag on token t makes it a *target*: CE and every KD mode apply at the position that predicts
+it, and counts follow the flags. Modes (`rows.TRAIN_MODES`): ``assistant`` (default: trainable
+assistant contents and their end-of-turn runs), ``last_assistant``, ``all`` (docs/alignment.md,
+"Conversations").
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ import numpy as np
 from tokenbridge.chat import rows
 from tokenbridge.chat.markers import TOKEN_CLOSE, TOKEN_CONTENT, Layout, fill_ranges
 from tokenbridge.chat.rows import Conversation
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 
 
 def picked_messages(convs: list[Conversation], *, train_on: str) -> np.ndarray:
@@ -67,6 +58,6 @@ def side_flags(side, picked: np.ndarray, *, train_on: str) -> np.ndarray:
 
 def train_codes(flags: np.ndarray, kind: np.ndarray) -> np.ndarray:
     """int8 [N] shard train codes (`tokenbridge.formats.shard_schema.TRAIN_*`) from flags and token kinds."""
-    codes = np.where(kind == TOKEN_CONTENT, S.TRAIN_CONTENT, S.TRAIN_OTHER)
-    codes = np.where(kind == TOKEN_CLOSE, S.TRAIN_END_OF_TURN, codes)
-    return np.where(flags, codes, S.TRAIN_NONE).astype(np.int8)
+    codes = np.where(kind == TOKEN_CONTENT, shard_schema.TRAIN_CONTENT, shard_schema.TRAIN_OTHER)
+    codes = np.where(kind == TOKEN_CLOSE, shard_schema.TRAIN_END_OF_TURN, codes)
+    return np.where(flags, codes, shard_schema.TRAIN_NONE).astype(np.int8)

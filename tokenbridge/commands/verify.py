@@ -1,27 +1,11 @@
 """``python -m tokenbridge.commands.verify DIR [DIR ...]`` (``make verify DIR=...``): is what was written intact?
 
-DIR is any directory a tokenbridge writer completes with a marker that lists its files and
-their checksums (`tokenbridge.formats.checksums`), recognised by the marker's ``kind``:
-
-- a shard directory (``make align``): every listed file hashed, and every record batch of
-  every shard checked for values out of range (`tokenbridge.formats.value_checks`);
-- a teacher-cache directory, or any other marked directory: every listed file hashed;
-- a checkpoint (``<run_dir>/checkpoints/step-N``), a folder of them, or a run directory: every
-  checkpoint's files hashed; a save that never finished (``step-N.tmp``) and a checkpoint
-  moved aside by a resume (``step-N.damaged``) are named, not verified.
-
-DIR may also be an ``s3://`` URL of a marked directory (`verify_url`): each object is streamed
-once through its hash into a temporary copy (checked as above), then deleted.
-
-``--mark DIR [--upload URL]`` writes the marker of a model or tokenizer directory instead
-(`tokenbridge.remote_models`: every file's checksum), and uploads it, marker last: the jobs and
-the trainer then take URL as a ``--teacher`` / ``--student`` / ``model.path`` and each machine
-fetches it verified.
-
-One line per file, ``OK`` or what is wrong; exit code 0 when everything verified, 2 when
-anything is damaged or missing; any other failure (an unreadable directory) is one line and an
-exit code from `tokenbridge.cli`. Nothing here imports the trainer: a checkpoint's marker is the
-same kind of JSON as a shard directory's.
+DIR is any directory a tokenbridge writer completes with a checksummed marker, recognised by
+its ``kind`` (shards, whose values are checked too; a teacher cache; a checkpoint, a folder of
+them or a run directory), or an ``s3://`` URL of one. One line per file, exit code 2 on any
+damage (docs/integrity.md). ``--mark DIR [--upload URL]`` writes a model or tokenizer
+directory's marker instead (and uploads it, marker last), so the jobs and the trainer can take
+the URL and fetch it verified (`tokenbridge.remote_models`).
 """
 
 from __future__ import annotations
@@ -34,9 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from tokenbridge import cli, urls
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import value_checks as values
+from tokenbridge.formats import checksums, shard_schema, value_checks
 
 MARKER = "COMPLETED"
 STEP_PREFIX = "step-"  # the trainer's checkpoint directories (trainer.checkpoint.checkpointer)
@@ -47,11 +29,11 @@ def _shard_values(d: Path, name: str) -> str | None:
     try:
         with pa.memory_map(str(d / name), "r") as src:
             reader = pa.ipc.open_file(src)
-            meta = S.read_meta(reader.schema, where=str(d / name))
+            meta = shard_schema.read_meta(reader.schema, where=str(d / name))
             row = 0
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
-                values.check_batch(batch, meta, where=str(d / name), first_row=row)
+                value_checks.check_batch(batch, meta, where=str(d / name), first_row=row)
                 row += batch.num_rows
     except (pa.ArrowException, OSError, ValueError) as e:
         return str(e).splitlines()[0]
@@ -60,14 +42,14 @@ def _shard_values(d: Path, name: str) -> str | None:
 
 def verify_marked(
     d: Path, marker: dict, *, hashed: frozenset[str] = frozenset()
-) -> list[integrity.FileReport]:
+) -> list[checksums.FileReport]:
     """Reports for every file of a directory with a marker (plus its unlisted files).
     ``hashed``: files whose checksum already matched as they were written here (`verify_url`'s
     streamed copies): not read again for it."""
     sums = marker.get("checksums", {})
-    reports = integrity.verify_listed(d, {k: v for k, v in sums.items() if k not in hashed})
+    reports = checksums.verify_listed(d, {k: v for k, v in sums.items() if k not in hashed})
     reports += [
-        integrity.FileReport(k, int(v["bytes"]), note=integrity.describe(v) + ", while streamed")
+        checksums.FileReport(k, int(v["bytes"]), note=checksums.describe(v) + ", while streamed")
         for k, v in sums.items()
         if k in hashed
     ]
@@ -75,7 +57,7 @@ def verify_marked(
     listed = set(marker.get("files", {})) | set(sums)
     for name in sorted(set(marker.get("files", {})) - set(sums)):
         reports.append(
-            integrity.FileReport(name, None, note="no checksum recorded (marker version 1)")
+            checksums.FileReport(name, None, note="no checksum recorded (marker version 1)")
         )
     # Shard markers of version 2 had no kind; every other writer names its own.
     if marker.get("kind", "shards") == "shards" and "schema_version" in marker:
@@ -86,11 +68,11 @@ def verify_marked(
                 r.error = _shard_values(d, name)
     for p in sorted(d.iterdir()):
         if p.name not in listed and p.name != MARKER and not p.name.startswith("."):
-            reports.append(integrity.FileReport(p.name, None, note="not listed: readers ignore it"))
+            reports.append(checksums.FileReport(p.name, None, note="not listed: readers ignore it"))
     return reports
 
 
-def _print(d: Path, reports: list[integrity.FileReport], out) -> int:
+def _print(d: Path, reports: list[checksums.FileReport], out) -> int:
     damaged = 0
     for r in reports:
         if r.ok:
@@ -107,8 +89,8 @@ def verify_path(d: Path, out=None) -> int:
     out = out or sys.stdout
     if (d / MARKER).is_file():
         try:
-            marker = integrity.read_marker(d, MARKER)
-        except integrity.IntegrityError as e:
+            marker = checksums.read_marker(d, MARKER)
+        except checksums.IntegrityError as e:
             print(f"{d}: DAMAGED marker: {e}", file=out)
             return 1
         print(
@@ -159,7 +141,7 @@ def verify_url(url: str, out=None) -> int:
             try:
                 download(urls.join(url, name), d / name, expected=expected)
                 hashed.add(name)  # its hash checked on the way in: not read a second time
-            except (integrity.DamagedFileError, FileNotFoundError) as e:
+            except (checksums.DamagedFileError, FileNotFoundError) as e:
                 errors[name] = str(e).removeprefix(f"{urls.join(url, name)}: ")
         (d / MARKER).write_bytes(raw)
         reports = verify_marked(d, marker, hashed=frozenset(hashed))

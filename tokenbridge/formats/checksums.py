@@ -1,23 +1,9 @@
 """Checksums of what the writers write, and their verification: one module for every kind of file.
 
-Every writer (the align job's shards, the teacher cache, the trainer's checkpoints) hashes each
-file while it writes it (`HashingSink`: the bytes go through the hash on their way to the file,
-so nothing is read back) and lists the result in its directory's completion marker, a JSON
-file written last. The part of a marker this module reads is the same for every kind:
-
-    {"hash": "xxh3_64",
-     "checksums": {"<file name, relative to the directory>": {"bytes": 788960,
-                                                                "xxh3_64": "9f3c..."}}}
-
-Each entry names its algorithm (the key beside ``bytes``), so markers written with blake2b
-(shard markers of version 2) are still verified. xxh3_64 is the default: on the 2-core AMD EPYC
-of this project it hashes ~5-7 GB/s against blake2b's ~0.4-0.55 GB/s (`make bench`, section
-integrity); it detects damage (truncation, a bad copy, flipped bytes), which is all it is for:
-it is no defence against someone who changes a file on purpose.
-
-Errors are `IntegrityError`s (a ValueError: the trainer's entry point maps them to one line and
-exit code 2): `DamagedFileError` for a file whose bytes are not the ones written, and
-`BadValueError` (`tokenbridge.formats.value_checks`) for a value a model must never see.
+Shards, the teacher cache and checkpoints are hashed while they are written (`HashingSink`:
+nothing is read back) and listed in their directory's completion marker, written last, under the
+same ``hash`` and ``checksums`` keys, so one verifier reads them all. xxh3_64 is only asked to
+detect damage, not tampering (marker layout, the choice of hash: docs/integrity.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """The fingerprints a teacher cache is checked against: the teacher's weights and the shards.
 
-Both are computed from files, without loading a model, so the trainer can check a cache in its
-preflight with no teacher weights in memory.
-
-- ``weights_fingerprint``: for a pretrained teacher, blake2b of its weight files' bytes
-  (``*.safetensors``, else ``*.bin``, by name); for a random-init one (tests, the debug config),
-  blake2b of what determines its weights: config.json, the overrides, the seed, and the torch
-  and transformers versions (the init draws from their RNG code). Hashing Gemma-3-270M's 1 GB
-  takes ~1-4 s here, so the result is remembered per file (path, size, mtime, inode) in
-  ``~/.cache/tokenbridge/weight-hashes.json`` (``TOKENBRIDGE_HASH_MEMO`` moves it; best effort:
-  a memo that cannot be read or written only costs the hash again). A file rewritten in place
-  changes its mtime and is hashed anew.
-- ``shards_fingerprint``: blake2b of the shard directory's index as COMPLETED lists it (files,
-  rows, and the checksums: every shard file's from marker v2 on, stats.json's always).
+Both are computed from files, without loading a model, so the trainer's preflight can refuse a
+cache made for another teacher or other shards with no teacher weights in memory.
 """
 
 from __future__ import annotations
@@ -84,7 +73,16 @@ def weights_fingerprint(
     seed: int = 0,
     overrides: dict | None = None,
 ) -> str:
-    """The fingerprint of a teacher's weights (see the module docstring)."""
+    """The fingerprint of a teacher's weights.
+
+    Pretrained: blake2b of its weight files' bytes (``*.safetensors``, else ``*.bin``, by name).
+    Random-init (tests, the debug config): blake2b of what determines its weights: config.json,
+    the overrides, the seed, and the torch and transformers versions (the init draws from their
+    RNG code). A weight file's hash takes seconds for a 1 GB teacher, so it is remembered per
+    file (path, size, mtime, inode) in ``~/.cache/tokenbridge/weight-hashes.json``
+    (``TOKENBRIDGE_HASH_MEMO`` moves it; best effort: a memo that cannot be read or written only
+    costs the hash again); a file rewritten in place changes its mtime and is hashed anew.
+    """
     d = Path(model_dir)
     if init == "random":
         config = (d / "config.json").read_bytes()
@@ -106,7 +104,10 @@ def weights_fingerprint(
 
 
 def shards_fingerprint(shard_set) -> str:
-    """The fingerprint of a `tokenbridge.formats.shards.ShardSet`'s index (files, rows, checksums)."""
+    """The fingerprint of a `tokenbridge.formats.shards.ShardSet`'s index (files, rows, checksums).
+
+    The checksums are those COMPLETED lists: every shard file's from marker v2 on, stats.json's
+    always."""
     index = {
         "files": {p.name: int(n) for p, n in zip(shard_set.files, shard_set.file_rows)},
         "checksums": shard_set.checksums,

@@ -1,38 +1,9 @@
 """The record schema of aligned shards: the only contract between `pipelines/` and `trainer/`.
 
-One row is one training window of one document. Both sides of a window end at the same
-character position (a chunk boundary), so the student's and each teacher's tokens cover exactly
-the same text.
-
-Chunk columns: every teacher is aligned to the student on its own, so each teacher i has a pair
-of chunk columns: ``teacher{i}_chunk`` (per teacher token) and ``teacher{i}_student_chunk`` (per
-student token), plus ``teacher{i}_n_chunks``. A value is the index of the aligned chunk the token
-belongs to, counted from 0 within the window and non-decreasing along the row; -1 marks special
-tokens (BOS/EOS/pad/chat markers), which are paired by role and never take part in a chunk. Chunk
-c of the student and chunk c of teacher i cover identical text; every chunk id in [0, n_chunks)
-appears on both sides. (One shared chunking for all teachers would coarsen every pair to the
-common refinement of all tokenizers; per-pair columns keep each pair's chunks minimal.)
-
-Teachers are numbered 0..K-1.
-The file metadata stores the schema version, the tokenizer fingerprints and the teacher names, so
-a reader can refuse shards made with other tokenizers.
-
-Conversation shards (schema version 2, metadata ``tokenbridge.chat``: the train mode and each
-side's chat template and turn markers) are the text columns plus, per row (one conversation, as
-rendered by the student's template: ``text``):
-
-- ``messages``: the conversation's messages as JSON (what each template rendered);
-- ``trained_bytes``: UTF-8 bytes of the trained messages' contents (bits per byte of a chat
-  eval counts these);
-- ``student_train`` / ``teacher{i}_train``: per token a train code (`TRAIN_*`): 0 = not a
-  target, 1 = content of a trained message, 2 = its end-of-turn run, 3 = other (scaffolding,
-  with train mode ``all``). A token with a code > 0 is a *target*: the position before it is
-  trained (CE, KD) on predicting it;
-- ``teacher{i}_chunk_kind``: per chunk its kind: 0..3 the aligner's text chunks (1:1, 1:N,
-  N:1, N:M), `CHUNK_OPEN` a pair of turn-open markers, `CHUNK_EOT` a pair of end-of-turn runs
-  (never text-aligned: each model's own markers, paired by message).
-
-Version 1 shards (text only, no version-2 columns) are still read, as text.
+One row is one training window of one document (or one conversation), and both sides of it end
+at the same character. Each teacher has its own chunk columns against the student, so each
+pair's chunks stay minimal; the file metadata names every tokenizer, so a reader refuses shards
+made with others (columns, values, versions: docs/alignment.md, "The shard row").
 """
 
 from __future__ import annotations
@@ -59,7 +30,11 @@ META_CHAT = b"tokenbridge.chat"  # json: train mode, per side template + markers
 MESSAGES_COLUMN = "messages"
 TRAINED_BYTES_COLUMN = "trained_bytes"
 STUDENT_TRAIN_COLUMN = "student_train"
+# a token's train code; a code > 0 makes it a target (the position before it is trained):
+# not a target, content of a trained message, its end-of-turn run, other (train mode `all`)
 TRAIN_NONE, TRAIN_CONTENT, TRAIN_END_OF_TURN, TRAIN_OTHER = 0, 1, 2, 3
+# chunk kinds past the aligner's 0..3 (1:1, 1:N, N:1, N:M): a pair of turn-open markers, a pair
+# of end-of-turn runs (each model's own, paired by message, never text-aligned)
 CHUNK_OPEN, CHUNK_EOT = 4, 5
 
 PROVENANCE_FIELDS = [

@@ -1,21 +1,10 @@
 """Aligned shard directories: write Arrow IPC shards atomically, read them back only when complete.
 
-A shard directory holds ``shard-XXXXX-of-YYYYY.arrow`` files (Arrow IPC *file* format, so a
-reader can memory-map them and jump to any record batch), ``dead_letter.jsonl``, ``stats.json``
-and ``COMPLETED``, written last. Every file is first written under a hidden temporary name (the
-align job: rolled part files in a temporary directory, `pipelines.plumbing.rolling`) and then renamed, so
-a crash leaves either nothing or a whole file, and never a ``COMPLETED`` marker: a directory that
-looks complete is complete. ``COMPLETED`` is the shard index: it lists the shard files and their
-row counts (so stale files from an earlier crashed run are never picked up) and every file's
-size and checksum as computed while it was written (`tokenbridge.formats.checksums`: xxh3_64 from marker
-version 3 on, blake2b in version 2). Markers of version 1 (no checksums) are still read, unverified.
-
-The reader (`open_shards`) refuses a directory without the marker, a schema version it does not
-know, shards made with tokenizers other than the ones the caller is about to train with
-(compared by fingerprint, the hash of the vocabulary), and, per its `verify` mode, a file whose
-checksum differs from the marker (`first_open`: when `ShardSet.read_table` first maps it;
-`preflight`: every file, in `open_shards`; `never`). Values are checked per record batch by
-`tokenbridge.formats.value_checks` before a row reaches a model.
+Shards are Arrow IPC *files*, so a reader memory-maps them and jumps to any record batch. Every
+file is written under a temporary name and renamed, and ``COMPLETED``, written last, lists the
+shard files with their rows and checksums: a directory that looks complete is complete, and
+stale files of a crashed run are never picked up. The reader refuses what the trainer must not
+read (no marker, another schema version or tokenizer, a damaged file: docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -33,8 +22,10 @@ import numpy as np
 import pyarrow as pa
 
 from tokenbridge import atomic
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import checksums, shard_schema
+
+# the marker writers below take a `checksums=` argument, which hides the module inside them
+from tokenbridge.formats.checksums import HASH, entry, hash_file, new_hash
 
 if TYPE_CHECKING:
     from tokenbridge.alignment import Window
@@ -53,7 +44,7 @@ class FingerprintMismatchError(ValueError):
 
 
 def shard_name(index: int, num_shards: int) -> str:
-    return f"shard-{index:05d}-of-{num_shards:05d}{S.SHARD_SUFFIX}"
+    return f"shard-{index:05d}-of-{num_shards:05d}{shard_schema.SHARD_SUFFIX}"
 
 
 def window_to_row(doc_id: str, w: Window) -> dict:
@@ -67,12 +58,12 @@ def window_to_row(doc_id: str, w: Window) -> dict:
         "student_ids": np.asarray(w.student_ids, dtype=np.int32),
     }
     for i, ids in enumerate(w.teacher_ids):
-        row[S.teacher_ids_column(i)] = np.asarray(ids, dtype=np.int32)
-        row[S.teacher_chunk_column(i)] = np.asarray(w.teacher_chunk[i], dtype=np.int32)
-        row[S.teacher_student_chunk_column(i)] = np.asarray(
+        row[shard_schema.teacher_ids_column(i)] = np.asarray(ids, dtype=np.int32)
+        row[shard_schema.teacher_chunk_column(i)] = np.asarray(w.teacher_chunk[i], dtype=np.int32)
+        row[shard_schema.teacher_student_chunk_column(i)] = np.asarray(
             w.teacher_student_chunk[i], dtype=np.int32
         )
-        row[S.teacher_n_chunks_column(i)] = int(w.teacher_n_chunks[i])
+        row[shard_schema.teacher_n_chunks_column(i)] = int(w.teacher_n_chunks[i])
     return row
 
 
@@ -103,7 +94,7 @@ def rows_to_batch(rows: list[dict], schema: pa.Schema) -> pa.RecordBatch:
 def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.RecordBatch:
     """(doc_id, Window) pairs -> one RecordBatch, column by column (no per-row dicts): the
     same batch as `rows_to_batch` over `window_to_row`, at a fraction of the Python work."""
-    n_t = (len(schema) - len(S.PROVENANCE_FIELDS) - 1) // 4
+    n_t = (len(schema) - len(shard_schema.PROVENANCE_FIELDS) - 1) // 4
     ws = [w for _, w in items]
     cols = {
         "doc_id": pa.array([d for d, _ in items], pa.string()),
@@ -116,12 +107,12 @@ def windows_to_batch(items: list[tuple[str, Window]], schema: pa.Schema) -> pa.R
     for i in range(n_t):
         if any(len(w.teacher_ids) != n_t for w in ws):
             raise ValueError(f"a window has teacher columns for other than {n_t} teacher(s)")
-        cols[S.teacher_ids_column(i)] = _list_array([w.teacher_ids[i] for w in ws])
-        cols[S.teacher_chunk_column(i)] = _list_array([w.teacher_chunk[i] for w in ws])
-        cols[S.teacher_student_chunk_column(i)] = _list_array(
+        cols[shard_schema.teacher_ids_column(i)] = _list_array([w.teacher_ids[i] for w in ws])
+        cols[shard_schema.teacher_chunk_column(i)] = _list_array([w.teacher_chunk[i] for w in ws])
+        cols[shard_schema.teacher_student_chunk_column(i)] = _list_array(
             [w.teacher_student_chunk[i] for w in ws]
         )
-        cols[S.teacher_n_chunks_column(i)] = pa.array(
+        cols[shard_schema.teacher_n_chunks_column(i)] = pa.array(
             np.fromiter((w.teacher_n_chunks[i] for w in ws), np.int32, len(ws))
         )
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
@@ -142,7 +133,7 @@ class ShardWriter:
         self.num_rows = 0
         self.checksum: dict | None = None
         self._tmp = atomic.temp_path(self.path)
-        self._file = integrity.HashingSink(self._tmp)  # closed in close()/abort()
+        self._file = checksums.HashingSink(self._tmp)  # closed in close()/abort()
         self._writer = pa.ipc.new_file(self._file, schema)
 
     def write_rows(self, rows: list[dict]) -> None:
@@ -189,7 +180,7 @@ def write_dead_letters(out_dir: str | os.PathLike, records: Iterable[dict]) -> i
     """All dead-letter records as one JSON line each, sorted for a stable file; returns count."""
     lines = sorted(json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records)
     body = "".join(x + "\n" for x in lines)
-    atomic.write(Path(out_dir) / S.DEAD_LETTER_FILE, body, fsync=True)
+    atomic.write(Path(out_dir) / shard_schema.DEAD_LETTER_FILE, body, fsync=True)
     return len(lines)
 
 
@@ -200,7 +191,7 @@ def write_completed(
     files: dict[str, int] | None = None,
     checksums: dict[str, dict] | None = None,
     kind: str = KIND,
-    schema_version: int = S.SCHEMA_VERSION,
+    schema_version: int = shard_schema.SCHEMA_VERSION,
 ) -> None:
     """Write stats.json, then the COMPLETED marker (last, atomically).
 
@@ -215,19 +206,21 @@ def write_completed(
     """
     out = Path(out_dir)
     if files is None:
-        files = {p.name: _count_rows(p) for p in sorted(out.glob(f"*{S.SHARD_SUFFIX}"))}
+        files = {p.name: _count_rows(p) for p in sorted(out.glob(f"*{shard_schema.SHARD_SUFFIX}"))}
     missing = [f for f in files if not (out / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{out}: COMPLETED would list missing shard files {missing}")
     sums = dict(checksums or {})
     for name in files:
         if name not in sums:
-            sums[name] = integrity.hash_file(out / name)
+            sums[name] = hash_file(out / name)
     docs = completed_documents(
         stats, files=files, checksums=sums, kind=kind, schema_version=schema_version
     )
-    atomic.write(out / S.STATS_FILE, docs[S.STATS_FILE], fsync=True)
-    atomic.write(out / S.COMPLETED_MARKER, docs[S.COMPLETED_MARKER], fsync=True)
+    atomic.write(out / shard_schema.STATS_FILE, docs[shard_schema.STATS_FILE], fsync=True)
+    atomic.write(
+        out / shard_schema.COMPLETED_MARKER, docs[shard_schema.COMPLETED_MARKER], fsync=True
+    )
 
 
 def completed_documents(
@@ -236,28 +229,28 @@ def completed_documents(
     files: dict[str, int],
     checksums: dict[str, dict],
     kind: str = KIND,
-    schema_version: int = S.SCHEMA_VERSION,
+    schema_version: int = shard_schema.SCHEMA_VERSION,
 ) -> dict[str, bytes]:
     """The bytes of stats.json and of the COMPLETED marker that lists `files` (name -> rows)
     with `checksums` (name -> entry, one per listed file) and stats.json's own: what
     `write_completed` writes, for writers that store them elsewhere (an object store)."""
     stats_bytes = (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode()
     sums = dict(checksums)
-    h = integrity.new_hash()
+    h = new_hash()
     h.update(stats_bytes)
-    sums[S.STATS_FILE] = integrity.entry(len(stats_bytes), h.hexdigest())
+    sums[shard_schema.STATS_FILE] = entry(len(stats_bytes), h.hexdigest())
     marker = {
         "version": COMPLETED_VERSION,
         "kind": kind,
         "schema_version": schema_version,
         "files": dict(sorted(files.items())),
         "num_rows": int(sum(files.values())),
-        "hash": integrity.HASH,
+        "hash": HASH,
         "checksums": dict(sorted(sums.items())),
     }
     return {
-        S.STATS_FILE: stats_bytes,
-        S.COMPLETED_MARKER: (json.dumps(marker, indent=2) + "\n").encode(),
+        shard_schema.STATS_FILE: stats_bytes,
+        shard_schema.COMPLETED_MARKER: (json.dumps(marker, indent=2) + "\n").encode(),
     }
 
 
@@ -267,7 +260,9 @@ def _count_rows(path: Path) -> int:
         return sum(r.get_batch(i).num_rows for i in range(r.num_record_batches))
 
 
-def _check_tokenizer(role: str, found: S.TokenizerInfo, want: S.TokenizerInfo, where: str) -> None:
+def _check_tokenizer(
+    role: str, found: shard_schema.TokenizerInfo, want: shard_schema.TokenizerInfo, where: str
+) -> None:
     if found.fingerprint != want.fingerprint:
         raise FingerprintMismatchError(
             f"{where}: {role} tokenizer fingerprint {found.fingerprint[:16]}... "
@@ -282,21 +277,21 @@ class ShardSet:
     """A complete shard directory: its metadata, files and row count."""
 
     dir: Path
-    meta: S.ShardMeta
+    meta: shard_schema.ShardMeta
     files: list[Path]
     num_rows: int
     file_rows: list[int]
     checksums: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> entry
-    verify: str = "first_open"  # integrity.VERIFY_MODES
+    verify: str = "first_open"  # checksums.VERIFY_MODES
     # data.stream: the files are fetched as a reader reaches them (`streamed_shards`)
     stream: object | None = None
 
     def check_file(self, path: Path) -> None:
         """Verify `path` against the marker unless `verify` is never (or the marker, of version
-        1, has no checksum): once per process (`integrity.verify_once`)."""
+        1, has no checksum): once per process (`checksums.verify_once`)."""
         e = self.checksums.get(path.name)
         if self.verify != "never" and e is not None:
-            integrity.verify_once(path, e, hint=_REBUILD)
+            checksums.verify_once(path, e, hint=_REBUILD)
 
     def read_table(self, path: Path) -> pa.Table:
         """The whole file as a table memory-mapped (zero-copy), its checksum verified first."""
@@ -323,10 +318,10 @@ class ShardSet:
         if self.files:  # the files' own (a version-1 directory read by this code is version 1)
             with pa.memory_map(str(self.files[0]), "r") as src:
                 return pa.ipc.open_file(src).schema
-        return S.shard_schema(self.meta.student, self.meta.teachers, chat=self.meta.chat)
+        return shard_schema.shard_schema(self.meta.student, self.meta.teachers, chat=self.meta.chat)
 
     def stats(self) -> dict:
-        return json.loads((self.dir / S.STATS_FILE).read_text())
+        return json.loads((self.dir / shard_schema.STATS_FILE).read_text())
 
 
 _REBUILD = "re-copy it or re-run the align job (`python -m tokenbridge.commands.verify DIR` checks them all)"
@@ -340,17 +335,17 @@ def _arrow_errors(path: Path, expected: dict | None):
         yield
     except (pa.ArrowException, OSError) as e:
         if expected is not None:
-            integrity.verify_file(path, expected, hint=_REBUILD)
-        raise integrity.IntegrityError(
+            checksums.verify_file(path, expected, hint=_REBUILD)
+        raise checksums.IntegrityError(
             f"{path}: not a readable Arrow IPC file ({str(e).splitlines()[0]})"
         ) from None
 
 
 def _read_marker(d: Path) -> dict:
-    marker_path = d / S.COMPLETED_MARKER
+    marker_path = d / shard_schema.COMPLETED_MARKER
     if not marker_path.is_file():
         raise IncompleteShardsError(
-            f"{d}: no {S.COMPLETED_MARKER} marker; the align job that writes it did not finish "
+            f"{d}: no {shard_schema.COMPLETED_MARKER} marker; the align job that writes it did not finish "
             "(still running or crashed): re-run it"
         )
     try:
@@ -363,26 +358,26 @@ def _read_marker(d: Path) -> dict:
             f"{marker_path}: marker version {marker.get('version')}, this code reads versions "
             f"{READABLE_COMPLETED_VERSIONS}; re-run the align job with this code to rebuild it"
         )
-    S.check_version(int(marker.get("schema_version", -1)), where=str(marker_path))
+    shard_schema.check_version(int(marker.get("schema_version", -1)), where=str(marker_path))
     return marker
 
 
 def open_shards(
     dir: str | os.PathLike,
     *,
-    student: S.TokenizerInfo | None = None,
-    teachers: list[S.TokenizerInfo] | None = None,
+    student: shard_schema.TokenizerInfo | None = None,
+    teachers: list[shard_schema.TokenizerInfo] | None = None,
     verify: str = "first_open",
 ) -> ShardSet:
     """Open a complete shard directory, refusing what the trainer must not read.
 
     Raises `IncompleteShardsError` without COMPLETED (or when a listed file is missing),
-    ValueError on a schema version mismatch, `integrity.IntegrityError` on an unreadable or
+    ValueError on a schema version mismatch, `checksums.IntegrityError` on an unreadable or
     (`verify="preflight"`: any file; else: a file whose footer does not parse) damaged shard,
     and `FingerprintMismatchError` when `student` / `teachers` (in order) differ from the ones
     recorded in the shards. Only the files' footers and batch headers are read here.
     """
-    integrity.check_verify_mode(verify)
+    checksums.check_verify_mode(verify)
     d = Path(dir)
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: no such shard directory")
@@ -395,19 +390,23 @@ def open_shards(
     files = [d / name for name in sorted(listed)]
     missing = [p.name for p in files if not p.is_file()]
     if missing:
-        raise IncompleteShardsError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
+        raise IncompleteShardsError(
+            f"{d}: {shard_schema.COMPLETED_MARKER} lists missing files {missing}"
+        )
     if verify == "preflight":  # what a reader reads (the dead letters are the verify command's)
-        for name in sorted(n for n in sums if n in listed or n == S.STATS_FILE):
-            integrity.verify_once(d / name, sums[name], hint=_REBUILD)
-    meta: S.ShardMeta | None = None
+        for name in sorted(n for n in sums if n in listed or n == shard_schema.STATS_FILE):
+            checksums.verify_once(d / name, sums[name], hint=_REBUILD)
+    meta: shard_schema.ShardMeta | None = None
     file_rows = []
     for path in files:
         with _arrow_errors(path, sums.get(path.name)), pa.memory_map(str(path), "r") as src:
             reader = pa.ipc.open_file(src)
-            m = S.read_meta(reader.schema, where=str(path))
+            m = shard_schema.read_meta(reader.schema, where=str(path))
             rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
         if rows != int(listed[path.name]):
-            raise ValueError(f"{path}: {rows} rows, {S.COMPLETED_MARKER} says {listed[path.name]}")
+            raise ValueError(
+                f"{path}: {rows} rows, {shard_schema.COMPLETED_MARKER} says {listed[path.name]}"
+            )
         if meta is None:
             meta = m
         elif m != meta:
@@ -426,7 +425,7 @@ def _open_streamed(d: Path, marker: dict, *, student, teachers, verify: str) -> 
     meta = None
     for name in names:
         with pa.memory_map(str(d / INDEX / name), "r") as src:
-            m = S.read_meta(pa.ipc.open_file(src).schema, where=f"{d}/{name}")
+            m = shard_schema.read_meta(pa.ipc.open_file(src).schema, where=f"{d}/{name}")
         if meta is None:
             meta = m
         elif m != meta:
@@ -442,11 +441,11 @@ def _checked(d, meta, marker, files, file_rows, *, student, teachers, verify) ->
     """The `ShardSet`, its metadata checked against the caller's tokenizers."""
     sums = marker.get("checksums", {})
     if meta is None:  # an empty run: nothing aligned, metadata from stats.json
-        stats = json.loads((d / S.STATS_FILE).read_text())
-        meta = S.ShardMeta(
+        stats = json.loads((d / shard_schema.STATS_FILE).read_text())
+        meta = shard_schema.ShardMeta(
             int(marker["schema_version"]),
-            S.TokenizerInfo.from_json(stats["student"]),
-            [S.TokenizerInfo.from_json(t) for t in stats["teachers"]],
+            shard_schema.TokenizerInfo.from_json(stats["student"]),
+            [shard_schema.TokenizerInfo.from_json(t) for t in stats["teachers"]],
             stats.get("chat_meta"),
         )
     if student is not None:

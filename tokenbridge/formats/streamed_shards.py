@@ -1,21 +1,12 @@
 """Shards in an object store read one file at a time (``data.stream=true``), for datasets
 larger than a node's disk.
 
-`prepare` makes the local entry of a shard URL without its data files: the COMPLETED marker,
-stats.json (verified against it), and per shard file an index of its ``doc_id`` and ``window``
-columns, read with ranged requests (Arrow IPC reads only the footer and those columns'
-buffers, not the token ids), which is all the held-out split and the row count need. The
-schema's metadata rides along in each index, so the tokenizer checks run as for local shards.
-
-At run time `StreamedFiles.path(f)` hands a reader the local copy of shard file `f`: fetched if
-missing (hashed while it downloads, refused if it differs from the marker), then the next
-file is fetched in the background (the stream reads rows in file order, so a step never waits
-on the network once the stream is running), and the least recently used files beyond
-``keep_files`` are deleted. A file still mapped by a reader stays readable after its deletion
-(POSIX); one needed again later (the next epoch, a shuffle buffer reaching back) is fetched
-again. Every process of a node shares the entry; each file's lock makes one of them download
-it while the others wait for it (`tokenbridge.remote_cache`), so a file crosses the network
-once per node while it stays in the window.
+`prepare` fetches only the marker, stats.json and, per shard file, an index of its ``doc_id``
+and ``window`` columns (ranged reads), which is all the held-out split and the row count need.
+`StreamedFiles.path` then hands a reader each file's local copy, verified while it downloads,
+fetches the next in the background (rows are read in file order) and evicts the least recently
+used beyond ``keep_files``; the processes of a node share the entry, so a file crosses the
+network once per node while it stays in the window (README, "Object storage and runners").
 """
 
 from __future__ import annotations
@@ -31,8 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import checksums, shard_schema
 from tokenbridge.remote_cache import (
     LOCKS,
     download,
@@ -66,23 +56,25 @@ def prepare(url: str, root: str | os.PathLike, *, keep_files: int) -> Path:
             return entry
         shutil.rmtree(entry, ignore_errors=True)  # one that died half way
         (entry / INDEX).mkdir(parents=True)
-        raw, marker = read_marker_url(url, S.COMPLETED_MARKER)
+        raw, marker = read_marker_url(url, shard_schema.COMPLETED_MARKER)
         sums = marker.get("checksums", {})
-        if S.STATS_FILE in sums:
+        if shard_schema.STATS_FILE in sums:
             download(
-                urls.join(url, S.STATS_FILE), entry / S.STATS_FILE, expected=sums[S.STATS_FILE]
+                urls.join(url, shard_schema.STATS_FILE),
+                entry / shard_schema.STATS_FILE,
+                expected=sums[shard_schema.STATS_FILE],
             )
         for name, rows in sorted(marker["files"].items()):
             index = _index(urls.join(url, name))
             if index.num_rows != int(rows):
                 raise ValueError(
-                    f"{urls.join(url, name)}: {index.num_rows} rows, {S.COMPLETED_MARKER} says {rows}"
+                    f"{urls.join(url, name)}: {index.num_rows} rows, {shard_schema.COMPLETED_MARKER} says {rows}"
                 )
             path = str(entry / INDEX / name)
             with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, index.schema) as w:
                 w.write_table(index)
-        (entry / S.COMPLETED_MARKER).write_bytes(raw)
-        integrity.write_json_atomic(entry / STREAM, {"url": url, "keep_files": int(keep_files)})
+        (entry / shard_schema.COMPLETED_MARKER).write_bytes(raw)
+        checksums.write_json_atomic(entry / STREAM, {"url": url, "keep_files": int(keep_files)})
     return entry
 
 
@@ -99,6 +91,7 @@ def _index(url: str) -> pa.Table:
             included_fields=[schema.get_field_index(c) for c in INDEX_COLUMNS]
         )
         table = pa.ipc.open_file(f, options=opts).read_all()
+    # the schema's metadata rides along, so the tokenizer checks run as for local shards
     return table.replace_schema_metadata(schema.metadata)
 
 
@@ -107,7 +100,8 @@ def is_streamed(d: str | os.PathLike) -> bool:
 
 
 class StreamedFiles:
-    """The data files of a prepared entry, fetched as a reader reaches them (module doc)."""
+    """The data files of a prepared entry, fetched as a reader reaches them, the next one in
+    the background, at most `keep` on disk."""
 
     def __init__(self, entry: Path, names: list[str], sums: dict[str, dict]):
         info = json.loads((entry / STREAM).read_text())
@@ -168,6 +162,8 @@ class StreamedFiles:
         `room` more fit in the window."""
         local = [self.entry / n for n in self.names if (self.entry / n).is_file()]
         extra = len(local) + room - self.keep
+        # a file a reader still maps stays readable after its deletion (POSIX); one needed
+        # again later (the next epoch, a shuffle buffer reaching back) is fetched again
         for p in sorted((p for p in local if p.name not in self._keep), key=_mtime)[:extra]:
             p.unlink(missing_ok=True)
 

@@ -1,30 +1,9 @@
 """The teacher cache's files: the Arrow schema, packed ids, log-prob codecs, and `CacheMeta`.
 
-A cache directory holds ``cache-XXXXX-of-YYYYY.arrow`` files (Arrow IPC, memory-mappable),
-``dead_letter.jsonl``, ``stats.json`` and ``COMPLETED``, written last, in the shard directory's
-format (`tokenbridge.formats.shards.write_completed`, marker v3: every file's rows, bytes and xxh3_64
-checksum as computed while it was written), so the same verification applies to shards and caches.
-
-One cache row scores one shard row (a window) for one teacher. Rows are keyed, not ordered:
-``(shard_file, row)`` names the shard row, and the trainer joins on it (`reader`), because the
-job writes its rows in whatever order its workers finish. Per row, with U the row's teacher
-tokens (every position, the last one included) and K the stored top-k:
-
-| column | Arrow type | values |
-|---|---|---|
-| ``shard_file`` | string | the shard file the row comes from |
-| ``row`` | int32 | its row in that file |
-| ``topk_ids`` | binary | U*K ids, position-major, each an ``id_bits``-bit unsigned integer packed little-endian (16 bits: plain uint16); a slot whose log-prob is -inf holds 0 (read back as -1) |
-| ``topk_logprobs`` | list<float16 / float32 / uint16> | U*K log-probs at the temperature; uint16 = bfloat16 bits |
-| ``tail_logprob`` | list<float32> | U: log of the mass outside the top-k, exact |
-| ``target_logprob`` | list<float32> | U (optional): log p(next token) at temperature 1; 0 at the last position |
-| ``sample_n`` | list<uint8> | U (optional): distinct ids among the R draws at each position |
-| ``sample_ids`` | binary | sum(sample_n) packed ids, ascending per position |
-| ``sample_counts`` | list<uint8> | sum(sample_n): how many of the R draws gave each id |
-
-At K = 32 with fp16 log-probs and Gemma's 262,144 ids (18 bits): 72 + 64 + 4 + 4 (target) =
-144 bytes per teacher token, plus a few bytes per row. Projected columns (xtoken) are derived
-at train time through the projection; nothing student-side is stored.
+A cache has the shard directory's layout and marker, so the same verification applies. Its rows
+are keyed by the shard row they score, ``(shard_file, row)``, not ordered, because the job writes
+them in the order its workers finish; top-k ids are bit-packed to the vocabulary's width
+(columns: docs/losses.md, "The cache's files").
 """
 
 from __future__ import annotations

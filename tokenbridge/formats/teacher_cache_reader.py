@@ -1,21 +1,10 @@
 """Open a teacher cache for training: refuse what must not be read, join its rows to the shards.
 
-`open_cache` checks, before anything trains, in this order: the COMPLETED marker (its absence
-means the job did not finish), the marker and cache versions, that it is a teacher cache, every
-listed file (present, a cache file of the same `CacheMeta`, the listed row count), then the
-caller's expectations (`Expected`: the shards it trains on, which teacher column, the teacher's
-tokenizer and weights fingerprints, its compute dtype), and finally the row-for-row join: every
-cache row names a shard row ``(shard_file, row)``, and every shard row must be scored exactly
-once (a cache with dead letters lacks rows: refused, naming them).
-
-Unless ``verify="never"`` (the trainer passes ``data.verify``), every file the reader maps is
-hashed first against the marker's checksum (`tokenbridge.formats.checksums.verify_once`: once per
-process), so a damaged copy is refused by name before it trains: all at open, since the join
-reads every file (``first_open`` and ``preflight`` are the same here).
-
-The join gives, per global shard row (the trainer's numbering: shard files in name order, rows
-in order), the cache file and the row in it; `CacheSet.read` fetches one row's outputs from the
-memory-mapped files (nothing is loaded whole).
+`open_cache` checks, before anything trains: the marker, the versions, every listed file, then
+the caller's expectations (`Expected`: shards, teacher column, tokenizer and weights, compute
+dtype), and finally the join: every shard row must be scored exactly once (a cache with dead
+letters is refused, naming them). Files are hashed at open unless ``verify="never"``, since the
+join reads them all (docs/integrity.md). `CacheSet.read` then maps one row's outputs.
 """
 
 from __future__ import annotations
@@ -29,10 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tokenbridge.formats import checksums as integrity
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import shards as SH
-from tokenbridge.formats import teacher_cache as CF
+from tokenbridge.formats import checksums, shard_schema, shards, teacher_cache
 from tokenbridge.formats.fingerprints import shards_fingerprint
 
 REBUILD = "rebuild it with `make teacher-cache SHARDS=<the shards> TEACHER=<the teacher>`"
@@ -50,9 +36,9 @@ class CacheMismatchError(ValueError):
 class Expected:
     """What the trainer will use the cache with (None: not checked)."""
 
-    shards: SH.ShardSet
+    shards: shards.ShardSet
     teacher_index: int
-    tokenizer: S.TokenizerInfo | None = None
+    tokenizer: shard_schema.TokenizerInfo | None = None
     weights: str | None = None
     dtype: str | None = None
     where: str = "teacher cache"  # how messages name the config entry, e.g. teachers[0].cache
@@ -73,14 +59,16 @@ class CacheSet:
     memory-mapped Arrow reader; a record batch is fetched (zero-copy) when a row of it is read,
     so an open cache holds per file only its batches' row offsets, plus the join."""
 
-    def __init__(self, directory: Path, meta: CF.CacheMeta, files: list[Path], stats: dict):
+    def __init__(
+        self, directory: Path, meta: teacher_cache.CacheMeta, files: list[Path], stats: dict
+    ):
         self.dir, self.meta, self.files, self.stats = directory, meta, files, stats
         self.readers: list[pa.ipc.RecordBatchFileReader] = []
         self.batch_starts: list[np.ndarray] = []
         for path in files:
             try:
                 reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-                found = CF.read_file_meta(reader.schema, where=str(path))
+                found = teacher_cache.read_file_meta(reader.schema, where=str(path))
                 sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
             except pa.ArrowInvalid as e:
                 raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from None
@@ -116,8 +104,12 @@ class CacheSet:
         # copies (U values each): the arrays handed out must not be views of a read-only map
         tail = values("tail_logprob").astype(np.float32, copy=True)
         u = tail.shape[0]
-        lp = CF.decode_logprobs(values("topk_logprobs"), meta.logprob_dtype).reshape(u, meta.k)
-        ids = CF.unpack_ids(batch.column("topk_ids")[i].as_buffer(), meta.id_bits, u * meta.k)
+        lp = teacher_cache.decode_logprobs(values("topk_logprobs"), meta.logprob_dtype).reshape(
+            u, meta.k
+        )
+        ids = teacher_cache.unpack_ids(
+            batch.column("topk_ids")[i].as_buffer(), meta.id_bits, u * meta.k
+        )
         ids = np.where(lp > -np.inf, ids.reshape(u, meta.k), -1)
         target = values("target_logprob").astype(np.float32, copy=True) if meta.target else None
         return CachedRow(ids, lp, tail, target)
@@ -134,7 +126,7 @@ class CacheSet:
         n = batch.column("sample_n")[i].values.to_numpy(zero_copy_only=False).astype(np.int64)
         counts = batch.column("sample_counts")[i].values.to_numpy(zero_copy_only=False)
         buf = batch.column("sample_ids")[i].as_buffer()
-        ids = CF.unpack_ids(buf, self.meta.id_bits, int(n.sum()))
+        ids = teacher_cache.unpack_ids(buf, self.meta.id_bits, int(n.sum()))
         return n, ids, counts.astype(np.int64)
 
     def where(self, row: int) -> str:
@@ -143,10 +135,10 @@ class CacheSet:
 
 
 def _marker(d: Path) -> dict:
-    path = d / S.COMPLETED_MARKER
+    path = d / shard_schema.COMPLETED_MARKER
     if not path.is_file():
         raise IncompleteCacheError(
-            f"{d}: no {S.COMPLETED_MARKER} marker: the teacher-cache job that writes it last did "
+            f"{d}: no {shard_schema.COMPLETED_MARKER} marker: the teacher-cache job that writes it last did "
             f"not finish (still running, or crashed); {REBUILD}"
         )
     try:
@@ -154,7 +146,7 @@ def _marker(d: Path) -> dict:
         marker["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise IncompleteCacheError(f"{path}: unreadable marker ({e})") from None
-    if int(marker.get("version", 1)) not in SH.READABLE_COMPLETED_VERSIONS:
+    if int(marker.get("version", 1)) not in shards.READABLE_COMPLETED_VERSIONS:
         raise ValueError(f"{path}: marker version {marker.get('version')} is not readable here")
     return marker
 
@@ -167,7 +159,7 @@ def _check(found, want, what: str, where: str, d: Path) -> None:
         )
 
 
-def check_expected(meta: CF.CacheMeta, exp: Expected, d: Path) -> None:
+def check_expected(meta: teacher_cache.CacheMeta, exp: Expected, d: Path) -> None:
     """CacheMismatchError unless `meta` was built for what `exp` describes."""
     w = exp.where
     files = {p.name: int(n) for p, n in zip(exp.shards.files, exp.shards.file_rows)}
@@ -186,7 +178,7 @@ def check_expected(meta: CF.CacheMeta, exp: Expected, d: Path) -> None:
     _check(meta.teacher["dtype"], exp.dtype, "teacher dtype", w, d)
 
 
-def _join(cs: CacheSet, shard_set: SH.ShardSet, d: Path) -> None:
+def _join(cs: CacheSet, shard_set: shards.ShardSet, d: Path) -> None:
     """Per global shard row, the cache file and row that score it (each exactly once)."""
     names = [p.name for p in shard_set.files]
     starts = np.concatenate([[0], np.cumsum(shard_set.file_rows)]).astype(np.int64)
@@ -220,7 +212,7 @@ def _join(cs: CacheSet, shard_set: SH.ShardSet, d: Path) -> None:
         raise IncompleteCacheError(
             f"{d}: {missing.size} of {n} shard rows have no cached outputs (first: "
             f"{names[f]} row {first - int(starts[f])}); the job sent {dead} rows to "
-            f"{S.DEAD_LETTER_FILE}: fix those rows and {REBUILD}"
+            f"{shard_schema.DEAD_LETTER_FILE}: fix those rows and {REBUILD}"
         )
     cs.file_of, cs.row_of = file_of, row_of
 
@@ -229,37 +221,45 @@ def open_cache(
     directory: str | os.PathLike, expected: Expected, *, verify: str = "first_open"
 ) -> CacheSet:
     """A complete cache built for `expected`, joined to its shards (see the module docstring;
-    `verify`: one of `integrity.VERIFY_MODES`)."""
-    integrity.check_verify_mode(verify)
+    `verify`: one of `checksums.VERIFY_MODES`)."""
+    checksums.check_verify_mode(verify)
     d = Path(directory)
     if not d.is_dir():
         raise FileNotFoundError(f"{expected.where}={d}: no such cache directory; {REBUILD}")
     marker = _marker(d)
-    if int(marker.get("schema_version", -1)) != CF.CACHE_SCHEMA_VERSION:
+    if int(marker.get("schema_version", -1)) != teacher_cache.CACHE_SCHEMA_VERSION:
         raise ValueError(
             f"{d}: teacher cache version {marker.get('schema_version')}, this code reads "
-            f"version {CF.CACHE_SCHEMA_VERSION}; {REBUILD}"
+            f"version {teacher_cache.CACHE_SCHEMA_VERSION}; {REBUILD}"
         )
     sums = marker.get("checksums", {})
-    if verify != "never" and S.STATS_FILE in sums:  # it holds the CacheMeta checked below
-        integrity.verify_once(d / S.STATS_FILE, sums[S.STATS_FILE], hint=REBUILD)
-    stats = json.loads((d / S.STATS_FILE).read_text())
-    if stats.get("kind") != CF.KIND:
+    if (
+        verify != "never" and shard_schema.STATS_FILE in sums
+    ):  # it holds the CacheMeta checked below
+        checksums.verify_once(
+            d / shard_schema.STATS_FILE, sums[shard_schema.STATS_FILE], hint=REBUILD
+        )
+    stats = json.loads((d / shard_schema.STATS_FILE).read_text())
+    if stats.get("kind") != teacher_cache.KIND:
         raise ValueError(f"{d}: not a teacher cache (stats.json kind {stats.get('kind')!r})")
-    meta = CF.CacheMeta.from_json(stats["cache"])
+    meta = teacher_cache.CacheMeta.from_json(stats["cache"])
     files = [d / name for name in sorted(marker["files"])]
     missing = [p.name for p in files if not p.is_file()]
     if missing:
-        raise IncompleteCacheError(f"{d}: {S.COMPLETED_MARKER} lists missing files {missing}")
+        raise IncompleteCacheError(
+            f"{d}: {shard_schema.COMPLETED_MARKER} lists missing files {missing}"
+        )
     check_expected(meta, expected, d)
     if verify != "never":
         for path in files:
             if path.name in sums:  # a marker of version 1 has none
-                integrity.verify_once(path, sums[path.name], hint=REBUILD)
+                checksums.verify_once(path, sums[path.name], hint=REBUILD)
     cs = CacheSet(d, meta, files, stats)
     for f, path in enumerate(files):
         listed = int(marker["files"][path.name])
         if cs.file_rows(f) != listed:
-            raise ValueError(f"{path}: {cs.file_rows(f)} rows, {S.COMPLETED_MARKER} says {listed}")
+            raise ValueError(
+                f"{path}: {cs.file_rows(f)} rows, {shard_schema.COMPLETED_MARKER} says {listed}"
+            )
     _join(cs, expected.shards, d)
     return cs

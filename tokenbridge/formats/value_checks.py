@@ -1,26 +1,10 @@
 """Values checked before they reach a model: one record batch of a shard at a time, vectorised.
 
-A checksum says a file holds the bytes its writer wrote; it says nothing about a writer's bug,
-a marker of version 1 (no checksums) or a run with ``data.verify=never``. And a wrong id is
-worse than a crash: one past the vocabulary ends in an embedding lookup that fails with a
-message naming nothing (on a GPU, a device-side assert), and one inside the vocabulary trains
-on wrong tokens unnoticed. So every record batch a reader hands on is checked once:
-
-- list offsets: non-decreasing and inside their values (what makes reading a row safe);
-- ``student_ids`` and every ``teacher{i}_ids`` in ``[0, vocab size)`` of their side (the
-  tokenizer's, from the shard metadata; the lm_head may be wider, never narrower: preflight);
-- ``teacher{i}_n_chunks`` >= 0, and every chunk index in ``[-1, n_chunks of its row)``;
-- ``teacher{i}_student_chunk`` as long as ``student_ids`` and ``teacher{i}_chunk`` as long as
-  ``teacher{i}_ids``, row by row.
-
-A teacher cache's rows are checked one by one as the trainer reads them (`check_cached_row`,
-from `trainer.teacher.cached_teacher.CachedTeacher.read`): top-k ids inside the teacher's vocabulary,
-no NaN or +inf log-prob.
-
-Cost: a few passes of numpy reductions over the batch's flat int32 buffers (no per-row or
-per-element Python); the row and position are only looked for once a check has failed.
-The error (`BadValueError`) names the file, the row (counted in the file), the column and
-the value.
+A checksum says nothing about a writer's bug, a marker without checksums or a run with
+``data.verify=never``, and a wrong id is worse than a crash: one past the vocabulary fails in an
+embedding lookup that names nothing (on a GPU, a device-side assert), one inside it trains on
+wrong tokens unnoticed. So each batch is checked once with numpy reductions over its flat
+buffers, and the row is looked for only once a check has failed (what: docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -30,7 +14,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.formats.checksums import COST, IntegrityError
 
 
@@ -123,10 +107,12 @@ def _same_lengths(
         )
 
 
-def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int = 0):
-    """Raise `BadValueError` for the first value of `batch` out of its range (see the module
-    docstring). `where`: the file; `first_row`: the batch's first row in that file. Its time
-    and rows count in `integrity.COST`."""
+def check_batch(
+    batch: pa.RecordBatch, meta: shard_schema.ShardMeta, *, where: str, first_row: int = 0
+):
+    """Raise `BadValueError` for the first value of `batch` out of its range (the checks:
+    docs/integrity.md, "Values, before they reach a model"). `where`: the file; `first_row`: the batch's first row in that file. Its time
+    and rows count in `checksums.COST`."""
     t0 = time.perf_counter()
     try:
         _check(batch, meta, where=where, first_row=first_row)
@@ -135,18 +121,22 @@ def check_batch(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_r
         COST.checked_rows += batch.num_rows
 
 
-def _check(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: int) -> None:
+def _check(
+    batch: pa.RecordBatch, meta: shard_schema.ShardMeta, *, where: str, first_row: int
+) -> None:
+    # ids within the tokenizer's vocabulary (from the shard metadata); the lm_head may be wider,
+    # never narrower (the trainer's preflight checks that)
     s_offsets, _ = _check_range(
         batch, "student_ids", lo=0, hi=meta.student.vocab_size, where=where,
         first_row=first_row, what=f"student vocabulary {meta.student.name}",
     )  # fmt: skip
     for i, t in enumerate(meta.teachers):
-        ids = S.teacher_ids_column(i)
+        ids = shard_schema.teacher_ids_column(i)
         t_offsets, _ = _check_range(
             batch, ids, lo=0, hi=t.vocab_size, where=where, first_row=first_row,
             what=f"teacher {i} vocabulary {t.name}",
         )  # fmt: skip
-        n_col = S.teacher_n_chunks_column(i)
+        n_col = shard_schema.teacher_n_chunks_column(i)
         n_chunks = batch.column(n_col).to_numpy(zero_copy_only=False)
         if len(n_chunks) and n_chunks.min() < 0:
             row = int(np.flatnonzero(n_chunks < 0)[0])
@@ -154,8 +144,8 @@ def _check(batch: pa.RecordBatch, meta: S.ShardMeta, *, where: str, first_row: i
                 where, row=first_row + row, column=n_col, detail=f"{int(n_chunks[row])} < 0"
             )
         for col, ref, of in (
-            (S.teacher_chunk_column(i), t_offsets, ids),
-            (S.teacher_student_chunk_column(i), s_offsets, "student_ids"),
+            (shard_schema.teacher_chunk_column(i), t_offsets, ids),
+            (shard_schema.teacher_student_chunk_column(i), s_offsets, "student_ids"),
         ):
             offsets = _check_chunks(batch, col, n_chunks, where=where, first_row=first_row)
             _same_lengths(offsets, ref, where=where, first_row=first_row, column=col, of=of)

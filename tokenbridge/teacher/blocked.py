@@ -1,26 +1,10 @@
 """A teacher's top-k outputs in blocked passes over its vocabulary (one device, no TP).
 
-Why: a teacher like Gemma-3-270M has 262,144 lm_head columns, and every position's outputs
-(log-sum-exp, top-k, the tail bucket's mass, the realised token's log-prob) are reductions
-over all of them. Done as whole-row torch ops over a span of positions, that is seven passes
-over [rows, V] fp32 logits and an exp buffer as large (each span 128-256 MB, out of every
-cache); measured on one core of a 2-core Intel Xeon for 240 positions: ~270 ms, a fifth of
-the bare forward of the same row (1.25 s), so the teacher program ran at 0.79x it.
-
-Here the columns are cut into blocks of `BLOCK` (the largest power of two up to 256 that
-divides V) and every whole-row pass reads the logits once:
-
-1. the maxes of each block [rows, V / BLOCK]; the row's max is their max;
-2. exp(x - max) a row at a time on the CPU, into a buffer of one row (it stays in the core's
-   cache; all rows at once on a GPU), summed per block [rows, V / BLOCK]; logZ = max + log of
-   their sum;
-3. the top k from the k blocks with the largest maxes (`topk_blocked`: exact);
-4. the tail bucket's mass = the sums of the blocks not chosen + the chosen blocks' columns
-   outside the top k: a sum of non-negative terms, exact, never 1 - sum(top k).
-
-Used by `tokenbridge.teacher.outputs` for specs of top-k (+ target) without columns; the
-others (columns, sorted rest, TP) take the whole-row path. Both give the same values up to
-float summation order (tests/unit/test_loss_teacher_outputs.py).
+Every output of a position is a reduction over all lm_head columns (262,144 for Gemma), and
+whole-row torch ops read the fp32 logits seven times, out of every cache. Measured on one core
+of a 2-core Intel Xeon for 240 positions, those passes took ~270 ms, a fifth of the bare
+forward of the row (1.25 s). Here every pass reads them once, by blocks of columns, exactly
+(docs/losses.md, "Blocked passes over the vocabulary").
 
 Legend: R rows, V vocabulary columns, B blocks of a row, K top-k, C candidate columns.
 """
@@ -79,8 +63,8 @@ def _top_from_blocks(x_RV, maxes_RB, k, block):
 
 def topk_fields(xs_RV: Tensor, k: int, work: Tensor) -> dict[str, Tensor] | None:
     """(max [R, 1], logZ [R], top-k values [R, K] and ids [R, K], tail log-mass [R]) of rows
-    ``xs`` in the blocked passes of the module docstring, or None where `block_size` says the
-    blocks would not pay. ``work``: a flat fp32 buffer of `pass_rows` rows at least.
+    ``xs`` in the blocked passes (docs/losses.md, "Blocked passes over the vocabulary"), or None
+    where `block_size` says the blocks would not pay. ``work``: a flat fp32 buffer of `pass_rows` rows at least.
     The tail log-mass is log sum exp over the columns outside the top k (not minus logZ)."""
     R, V = xs_RV.shape
     block = block_size(V, k)

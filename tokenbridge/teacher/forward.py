@@ -1,16 +1,9 @@
 """The one teacher forward: a loaded teacher model -> the outputs a loss reads.
 
-Every teacher source goes through `teacher_forward`: the trainer's teacher workers (off-policy
-and on-policy scoring), the teacher-cache job's RunInference handler, the tests and the
-benchmarks. It never builds full-vocabulary fp32 logits for a whole microbatch: the lm_head is
-applied a chunk of positions at a time (262,144 columns for Gemma), each chunk reduced at once
-to the spec's outputs (`tokenbridge.teacher.outputs`: top-k + tail, columns, the realised next
-token's log-prob). Gemma's final-logit softcap is applied where HF applies it, after the
-lm_head. A vocab-sharded lm_head (TP) gives DTensor logits, whose outputs are computed on the
-local shard with the TP group.
-
-Columns are either fixed global ids [N] (the exact-map teacher ids of `gold`) or per position
-[B, U, N] (on-policy top-k: the student's own top-k ids at each position).
+Every teacher source goes through `teacher_forward` (the trainer's teacher workers, off- and
+on-policy, the teacher-cache job, the tests and benchmarks), so all of them give the same
+numbers. It never builds full-vocabulary fp32 logits for a whole microbatch: the lm_head is
+applied a chunk of positions at a time, each chunk reduced at once to the spec's outputs.
 
 Legend: B rows, U teacher positions, V teacher lm_head width, H hidden size, N columns.
 """
@@ -55,6 +48,9 @@ def teacher_forward(
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
     a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
     sharded lm_head (TP) gives DTensor logits: the outputs are computed on the local shard.
+
+    ``columns``: fixed global ids [N] (the exact-map teacher ids of `gold`), or per position
+    [B, U, N] (on-policy top-k: the student's own top-k ids at each position), or None.
 
     ``used_BU`` (bool [B, U]): only those positions get outputs: the model body still runs over
     every token (each position's context), but the lm_head (for Gemma 170M of its 270M

@@ -1,21 +1,9 @@
 """The one structure a teacher hands the loss, and how it is computed from teacher logits.
 
-A teacher never ships fp32 [T, V_teacher] (262,144 columns for Gemma: 1 MiB per token). It
-ships, per position, only what the configured loss reads:
-
-- ``topk_ids`` / ``topk_logprobs``: its top-k tokens and their log-probs at the KD temperature,
-  plus ``tail_logprob``, the exact log of the mass outside the top-k (the tail bucket);
-- ``col_logprobs``: log-probs on a column set, either one global set (e.g. the exact-map teacher
-  ids for `gold`) or per-position ids (``col_ids``; e.g. the student's own top-k for the
-  on-policy core of `kd_topk`), plus ``col_rest_logprob``, the log-mass outside the set;
-- ``rest_sorted_probs``: the largest probabilities outside the column set, descending (ULD);
-- ``target_logprob``: log p(realised next token) at temperature 1 (0 where there is none). The
-  chain log-probs of aligned chunks are segment sums of this [B, T] field, done by the loss.
-
-Every field has a shape fixed by (B, T, spec), so a teacher worker can preallocate ring-buffer
-slots (`teacher_output_fields` / `allocate_teacher_outputs`) in shared memory or behind CUDA IPC
-handles and fill them in place (``out=``). Top-k slots whose log-prob is -inf (fewer finite
-logits than k) get id -1, the "empty slot" convention shared with the projection tables.
+A teacher never ships fp32 [T, V_teacher] logits, only what the configured loss reads per
+position: top-k + tail, log-probs on a column set, a sorted rest, the realised token's log-prob
+(the fields: docs/losses.md, "Teacher outputs"). Every field's shape is fixed by (B, T, spec), so
+a worker preallocates ring slots (shared memory or CUDA IPC) and fills them in place (``out=``).
 
 Legend: B batch, T teacher positions, V teacher lm_head width, K top-k, N columns, M sorted rest.
 """
@@ -27,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from tokenbridge.dist_ops import vocab_ops as vo
+from tokenbridge.dist_ops import vocab_ops
 from tokenbridge.teacher import blocked
 
 NEG_INF = float("-inf")
@@ -221,30 +209,30 @@ def _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group) -> None:
 @torch.no_grad()
 def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
     """All requested fields for R rows of raw teacher logits (vocab-parallel composition)."""
-    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
+    x1 = vocab_ops.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
-    logz = vo.logsumexp(xs, tp_group)
+    logz = vocab_ops.logsumexp(xs, tp_group)
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
     out: dict[str, Tensor] = {}
     if spec.topk:
-        vals, ids = vo.topk(xs, spec.topk, tp_group)
+        vals, ids = vocab_ops.topk(xs, spec.topk, tp_group)
         lp = vals - logz[:, None]
         ids = torch.where(lp > NEG_INF, ids, -1)
         out["topk_ids"] = ids
         out["topk_logprobs"] = lp
-        out["tail_logprob"] = vo.logsumexp_excluding(xs, ids, tp_group) - logz
+        out["tail_logprob"] = vocab_ops.logsumexp_excluding(xs, ids, tp_group) - logz
     if spec.columns:
-        out["col_logprobs"] = vo.gather(xs, cols, tp_group) - logz[:, None]
-        out["col_rest_logprob"] = vo.logsumexp_excluding(xs, cols, tp_group) - logz
+        out["col_logprobs"] = vocab_ops.gather(xs, cols, tp_group) - logz[:, None]
+        out["col_rest_logprob"] = vocab_ops.logsumexp_excluding(xs, cols, tp_group) - logz
         if spec.per_position_columns:
             out["col_ids"] = cols
     if spec.rest_sorted:
-        rest = vo.exclude_columns(xs, cols, tp_group)
-        vals, _ = vo.topk(rest, spec.rest_sorted, tp_group)
+        rest = vocab_ops.exclude_columns(xs, cols, tp_group)
+        vals, _ = vocab_ops.topk(rest, spec.rest_sorted, tp_group)
         out["rest_sorted_probs"] = (vals - logz[:, None]).exp()
     if spec.target:
-        logz1 = logz if spec.temperature == 1.0 else vo.logsumexp(x1, tp_group)
-        tl = vo.gather(x1, tgt_R[:, None], tp_group)[:, 0] - logz1
+        logz1 = logz if spec.temperature == 1.0 else vocab_ops.logsumexp(x1, tp_group)
+        tl = vocab_ops.gather(x1, tgt_R[:, None], tp_group)[:, 0] - logz1
         out["target_logprob"] = torch.where(tgt_R >= 0, tl, 0.0)
     return out
 
@@ -267,7 +255,7 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None) -> dict[st
     (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
     ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
     zeroed (exact), not 1 - sum and not a masked copy."""
-    x1 = vo.mask_padded(x_RV.float(), spec.vocab_size)
+    x1 = vocab_ops.mask_padded(x_RV.float(), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     R, V = xs.shape
     if spec.topk and not spec.columns:

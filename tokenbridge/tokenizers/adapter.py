@@ -1,26 +1,10 @@
 """One tokenizer interface over HF tokenizer.json / directories, GGUF, SentencePiece and tiktoken.
 
-Everything downstream (alignment, projection, shards, bits-per-byte) needs more than ids: where
-each token lies in the text (character and UTF-8 byte offsets), the exact bytes each token stands
-for, the special tokens and their roles, the number of ids the tokenizer can emit, and a
-fingerprint of the vocabulary to refuse artifacts made with another one. This module gives all of
-that, with no special tokens added, and arrays in numpy.
-
-How offsets are computed: ids come from the backend's fastest call. Where a row's token bytes
-reassemble the bytes the tokenizer saw (the text's UTF-8, plus a SentencePiece dummy-prefix space,
-minus bytes a byte-level vocabulary has no token for and drops; checked exactly, one numpy gather
-per batch), offsets follow from cumulative token byte lengths, mapped to characters. The other
-rows (normalizers, a literal "▁", unknown characters) take the backend's own character offsets,
-which are checked: offsets that cannot locate the tokens raise `NoOffsetsError`.
-
-Conventions: a token that covers part of a character (byte-level or byte-fallback pieces) gets
-that whole character as its char span, so char spans of neighbours may overlap; byte spans never
-do. The invented dummy-prefix space covers no text ("▁" alone is [0, 0), "▁Hello" is [0, 5)).
-Special tokens are never parsed from text: "<eos>" in a document is five characters (llama.cpp's
-parse_special=false), so data cannot inject control tokens; callers add BOS/EOS by role.
-
-A tokenizer that loads empty (the transformers 5 trap `LlamaTokenizerFast(vocab_file=...)` saves a
-tokenizer.json with only special tokens) raises `EmptyTokenizerError`.
+Everything downstream (alignment, projection, shards, bits per byte) needs where each token lies
+in the text and the exact bytes it stands for, not only ids. Offsets come from the token bytes
+where they reassemble the text, else from the backend's own, checked; special tokens are never
+parsed from text, so data cannot inject control tokens (docs/alignment.md, "Tokens and their
+bytes").
 """
 
 from __future__ import annotations
@@ -32,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-import tokenbridge.tokenizers.formats as fmt
 from tokenbridge.formats.shard_schema import TokenizerInfo
+from tokenbridge.tokenizers import formats
 from tokenbridge.tokenizers.token_bytes import (
     TextBytes,
     VocabTable,
@@ -60,11 +44,12 @@ class UnknownTokenizerFormatError(TokenizerError):
 
 
 class EmptyTokenizerError(TokenizerError):
-    pass
+    """A tokenizer that loads with only special tokens (transformers 5 saves such a
+    tokenizer.json from ``LlamaTokenizerFast(vocab_file=...)``)."""
 
 
 class NoOffsetsError(TokenizerError):
-    pass
+    """The backend's character offsets cannot locate a row's tokens in its text."""
 
 
 _ERRORS = {"unknown": UnknownTokenizerFormatError, "empty": EmptyTokenizerError}
@@ -104,7 +89,7 @@ class BatchEncoding:
 class Tokenizer:
     """A loaded tokenizer; build with `load_tokenizer`. Immutable; pickles by path."""
 
-    def __init__(self, *, name: str, path: Path, loaded: fmt.Loaded):
+    def __init__(self, *, name: str, path: Path, loaded: formats.Loaded):
         self.name = name
         self.path = path
         self._backend = loaded.backend
@@ -113,7 +98,7 @@ class Tokenizer:
         self._prefix = loaded.prefix
         self._spellings = loaded.spellings
         self.vocab_size = len(loaded.token_bytes)
-        self.special_ids = {r: loaded.roles[r] for r in fmt.ROLES if r in loaded.roles}
+        self.special_ids = {r: loaded.roles[r] for r in formats.ROLES if r in loaded.roles}
         self.all_special_ids = frozenset(self._specials)
         n_regular = sum(b is not None for b in self._token_bytes)
         if n_regular < MIN_REGULAR_TOKENS:
@@ -160,7 +145,7 @@ class Tokenizer:
     def adds_prefix_space(self) -> bool:
         """True if the tokenizer prepends a space the text lacks (SentencePiece dummy prefix);
         such rows are never lossless, but their offsets are still exact."""
-        return self._prefix != fmt.PREFIX_NONE
+        return self._prefix != formats.PREFIX_NONE
 
     @property
     def token_lengths(self) -> np.ndarray:
@@ -234,9 +219,9 @@ class Tokenizer:
         return BatchEncoding(ids, offsets, byte_offsets, row_splits, lossless)
 
     def _prefix_per_row(self, texts: list[str], n_bytes: np.ndarray) -> np.ndarray:
-        if self._prefix == fmt.PREFIX_NONE:
+        if self._prefix == formats.PREFIX_NONE:
             return np.zeros(len(texts), dtype=np.int64)
-        if self._prefix == fmt.PREFIX_ALWAYS:
+        if self._prefix == formats.PREFIX_ALWAYS:
             return (n_bytes > 0).astype(np.int64)
         return np.fromiter((bool(t) and t[0] != " " for t in texts), np.int64, count=len(texts))
 
@@ -304,7 +289,7 @@ class Tokenizer:
                 b = content.encode()
             parts.append(b)
         text = b"".join(parts).decode("utf-8", errors="replace")
-        if self._prefix != fmt.PREFIX_NONE and text.startswith(" "):
+        if self._prefix != formats.PREFIX_NONE and text.startswith(" "):
             text = text[1:]
         return text
 
@@ -342,7 +327,7 @@ def _sniff(f: Path) -> tuple[str, Path]:
         return "gguf", f
     if head.lstrip()[:1] == b"{":
         return "hf", f
-    if fmt.is_tiktoken_file(f):
+    if formats.is_tiktoken_file(f):
         return "tiktoken", f
     if head[:1] == b"\x0a":  # protobuf field 1 (pieces), as a SentencePiece ModelProto starts
         return "spm", f
@@ -376,14 +361,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if key in _CACHE:
         return _CACHE[key]
     loaders = {
-        "hf": fmt.load_tokenizer_json,
-        "gguf": fmt.load_gguf,
-        "spm": fmt.load_sentencepiece,
-        "tiktoken": fmt.load_tiktoken,
+        "hf": formats.load_tokenizer_json,
+        "gguf": formats.load_gguf,
+        "spm": formats.load_sentencepiece,
+        "tiktoken": formats.load_tiktoken,
     }
     try:
         loaded = loaders[kind](file)
-    except fmt.FormatError as e:
+    except formats.FormatError as e:
         raise _ERRORS[e.kind](str(e)) from e
     tok = Tokenizer(name=_name_for(path, file), path=path, loaded=loaded)
     if len(_CACHE) >= 16:

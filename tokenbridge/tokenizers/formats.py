@@ -1,16 +1,9 @@
-"""Loaders for the tokenizer formats `load_tokenizer` accepts, each reduced to one shape.
+"""Loaders for the tokenizer formats `load_tokenizer` accepts, each reduced to one shape (`Loaded`).
 
-Every loader returns a `Loaded`: a backend that turns texts into ids (fast) or ids plus character
-offsets (slow path, only for rows whose token bytes do not reassemble the text), the bytes of
-every token (None for specials), the special tokens' contents and roles, and whether the
-tokenizer prepends a space the text does not have (SentencePiece's dummy prefix).
-
-- HF `tokenizer.json` / directories: the `tokenizers` library directly (fast, gives offsets).
-- GGUF: transformers' GGUF tokenizer conversion to a `tokenizers` object, plus the parts of
-  llama.cpp's behaviour the conversion leaves out (see `_llama_cpp_fixes`), so that our ids equal
-  llama.cpp's reference tokenizations.
-- SentencePiece `.model`: the `sentencepiece` library; offsets from its offset mapping.
-- tiktoken rank files (`base64 rank` per line): `tiktoken.Encoding`; offsets from token bytes.
+HF files go through the `tokenizers` library; GGUF through transformers' conversion plus the
+parts of llama.cpp's behaviour it leaves out (`_llama_cpp_fixes`), so our ids equal llama.cpp's;
+SentencePiece `.model` through `sentencepiece`; tiktoken rank files (``base64 rank`` per line)
+through `tiktoken.Encoding`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The bytes behind tokens, and exact offsets computed from them.
 
-Tokenizers spell their tokens in three ways: byte-level BPE (GPT-2, SmolLM2, Qwen) writes every
-byte as a printable stand-in character (space = ``Ġ``, byte 0xC2 = ``Â``); SentencePiece-style
-vocabularies (Gemma, Llama-2, Phi-3) write a space as ``▁`` and bytes they cannot spell as
-``<0xNN>`` byte-fallback pieces; everything else is plain text. Comparing vocabularies, aligning
-tokenizations and measuring bits per byte all need the *bytes* a token stands for, never its
-spelling, so this module turns spellings into bytes once per vocabulary.
-
-With the bytes known, offsets need no per-token Python objects: where a row's token bytes
-concatenate to the text's UTF-8 (the row is lossless), the byte offsets are the cumulative token
-byte lengths, and character offsets follow from a byte -> character map of the text. All of it is
-numpy over a whole batch at once (per-token tuples put the garbage collector in charge).
+Tokenizers spell bytes differently (byte-level ``Ġ``, SentencePiece ``▁`` and ``<0xNN>``), and
+every comparison of two vocabularies needs the bytes, never the spelling: they are computed
+once per vocabulary here. Where a row's token bytes concatenate to the text, its offsets are
+cumulative byte lengths, numpy over the whole batch (per-token tuples put the garbage collector
+in charge).
 """
 
 from __future__ import annotations

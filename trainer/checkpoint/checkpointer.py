@@ -1,40 +1,10 @@
 """DCP checkpoints with exact resume, and the student's export as a plain HF directory.
 
-A checkpoint is one ``torch.distributed.checkpoint`` directory per saved step,
-``<run_dir>/checkpoints/step-00000N``, holding:
-
-- ``app`` (the sharded student and AdamW state: DCP reshards on load), ``scheduler`` and
-  ``step``: the same on every rank;
-- ``rank<r>``: what is private to a rank: its data position (shard stream), its RNG states and
-  its on-policy position. A resumed run must use the same world size.
-
-Nothing in it is a pickle, and nothing is unpickled to resume (`trainer.checkpoint.state_split`,
-`trainer.checkpoint.dcp_io`): the tensors are DCP's tensor records (read with torch's weights-only
-unpickler), every other value is JSON (``rank<r>.json``, one per rank, its tensors referenced
-by key), and DCP's index ``.metadata`` is JSON too. A file that is a pickle, or a record that
-names anything but tensors, is refused by name (`UnsafeCheckpointError`), never read.
-
-Saving is atomic: every rank writes into ``step-N.tmp``; after DCP's own final barrier rank 0
-writes ``COMPLETED`` (every file's size and xxh3_64 checksum, gathered from the ranks) and then
-renames the directory to ``step-N``, so a directory without ``.tmp`` is always whole, and only
-the newest ``keep`` are kept. The checksums are computed while the files are written (DCP's
-writer opens every file through a replaceable ``fs.create_stream``), so no file is read back.
-
-Resuming (`find_resume`, run by preflight before any model loads) verifies the checkpoint's
-files against its marker, then that its index and state files are JSON. ``checkpoint.resume=
-auto``: the newest checkpoint that verifies; a damaged newer one is renamed ``step-N.damaged``
-(never deleted, and no longer counted) and the run says so in one line; with
-``checkpoint.strict=true`` a damaged newest one is refused instead. A checkpoint named by path
-is verified and refused when damaged. A checkpoint without ``COMPLETED`` is resumed from
-unverified (refused in one line if it cannot be read); one written before checkpoints were
-JSON and tensors (its ``.metadata`` a pickle) is refused, whatever its marker says.
-
-``checkpoint.dir`` (default ``<run_dir>/checkpoints``) may be an ``s3://`` URL: the same files
-and marker, written through DCP's fsspec writer, with ``COMPLETED`` as the commit point in
-place of the rename, and resumed from a verified local copy (`trainer.checkpoint.remote`).
-
-The export (`export_student`) is the whole student gathered to rank 0 and written by
-`tokenbridge.models.export_hf`: at the end of a run, and on request (``touch <run_dir>/EXPORT``).
+A checkpoint holds nothing that runs code when resumed (tensors through DCP, every other value
+JSON: `state_split`, `dcp_io`), is published whole or not at all (written as ``step-N.tmp``,
+``COMPLETED`` with every file's checksum written last, then renamed), and is verified before a
+run resumes from it (`find_resume`, in preflight: a damaged newest one is moved aside, or
+refused). Layout and rules: docs/integrity.md, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -62,9 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tokenbridge import atomic, cli, models, urls
-from tokenbridge.formats import checksums as integrity
-from trainer.checkpoint import remote
-from trainer.checkpoint import state_split as checkpoint_state
+from tokenbridge.formats import checksums
+from trainer.checkpoint import remote, state_split
 from trainer.checkpoint.dcp_io import (
     DamagedCheckpointError,
     SafePlanner,
@@ -162,10 +131,10 @@ def verify_checkpoint(path: Path) -> str | None:
     if not (path / MARKER).is_file():
         return None
     try:
-        sums = integrity.read_marker(path, MARKER)["checksums"]
+        sums = checksums.read_marker(path, MARKER)["checksums"]
         for name in sorted(sums):
-            integrity.verify_file(path / name, sums[name])
-    except (integrity.IntegrityError, OSError, KeyError, TypeError) as e:
+            checksums.verify_file(path / name, sums[name])
+    except (checksums.IntegrityError, OSError, KeyError, TypeError) as e:
         return str(e)  # OSError: a file gone, e.g. moved aside by rank 0 while another read it
     return None
 
@@ -260,6 +229,27 @@ def _state_doc(path: Path) -> dict[str, Any]:
     return doc["state"]
 
 
+def saved_world(path: Path) -> int:
+    """How many processes wrote checkpoint `path` (its marker's ``world_size``, or its
+    ``rank<r>.json`` files for one written before markers)."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        world = checksums.read_marker(path, MARKER).get("world_size")
+        if isinstance(world, int) and world >= 1:
+            return world
+    return len(list(path.glob("rank*.json")))
+
+
+def saved_positions(path: Path) -> list[dict[str, Any]]:
+    """Every saved rank's data position (plain values, no tensor), rank by rank."""
+    path = Path(path)
+    out = []
+    for r in range(saved_world(path)):
+        mine = _state_doc(path / f"rank{r}.json").get(f"rank{r}", {})
+        out.append(state_split.join(mine.get("data"), {}))
+    return out
+
+
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
     """`state` with each DCP `Stateful` (the student and optimizer) replaced by its state dict."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
@@ -294,7 +284,7 @@ class Checkpointer:
             if not in_store:
                 tmp.mkdir(parents=True)
         dist.barrier()
-        doc, tensors = checkpoint_state.split(_plain(state))
+        doc, tensors = state_split.split(_plain(state))
         writer = remote.Writer(final) if in_store else Writer(tmp)
         state_file = {"format": STATE_FORMAT, "version": STATE_VERSION, "rank": self.rank}
         rank_file = writer.fs.concat_path(tmp, f"rank{self.rank}.json")
@@ -309,13 +299,13 @@ class Checkpointer:
                 "version": MARKER_VERSION,
                 "step": step,
                 "world_size": dist.get_world_size(),
-                "hash": integrity.HASH,
+                "hash": checksums.HASH,
                 "checksums": dict(sorted(sums.items())),
             }
             if in_store:
                 remote.publish(self.folder, final, marker, keep=self.cfg.keep)
         if self.rank == 0 and not in_store:
-            integrity.write_json_atomic(tmp / MARKER, marker)  # last, before the publish
+            checksums.write_json_atomic(tmp / MARKER, marker)  # last, before the publish
             atomic.replace(tmp, final)
             _fsync_dir(self.folder)
             for _, old in list_checkpoints(self.folder)[: -self.cfg.keep]:
@@ -323,31 +313,34 @@ class Checkpointer:
         dist.barrier()
         return final
 
-    def load(self, path: Path, state: dict[str, Any]) -> None:
+    def load(self, path: Path, state: dict[str, Any], *, from_rank: int | None = None) -> None:
         """Fill `state` (same structure as saved; Stateful values are loaded in place), every
         rank alike (collective). Refused in one line, on every rank: a file that is a pickle or
         a tensor record that names code (`UnsafeCheckpointError`), and a checkpoint without a
         marker (not verified) that cannot be read (`DamagedCheckpointError`), instead of
-        torch's traceback from inside its reader."""
+        torch's traceback from inside its reader. `from_rank`: read the plain values from that
+        rank's file instead of this rank's (a resume on another world size: `state` then holds
+        no rank's private values)."""
         path = Path(path)
         live = _plain(state)
-        index, saved, tensors = _on_every_rank(lambda: self._read(path, live))
+        rank = self.rank if from_rank is None else from_rank
+        index, saved, tensors = _on_every_rank(lambda: self._read(path, live, rank))
         try:
             dcp.load(tensors, storage_reader=SafeReader(path, index), planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise self._unreadable(path, e) from e
-        loaded = checkpoint_state.join(saved, tensors)
+        loaded = state_split.join(saved, tensors)
         for k, v in state.items():
             if isinstance(v, Stateful):
                 v.load_state_dict(loaded[k])
             else:
                 state[k] = loaded[k]
 
-    def _read(self, path: Path, live: dict[str, Any]) -> tuple:
-        """DCP's index, this rank's state document and the tensors DCP is to fill, checked
+    def _read(self, path: Path, live: dict[str, Any], rank: int) -> tuple:
+        """DCP's index, rank `rank`'s state document and the tensors DCP is to fill, checked
         before anything is loaded (`_on_every_rank`: a failure stops every rank alike)."""
         index = read_index(path)
-        f = path / f"rank{self.rank}.json"
+        f = path / f"rank{rank}.json"
         if not f.is_file():
             n = len(list(path.glob("rank*.json")))
             raise ValueError(
@@ -358,8 +351,8 @@ class Checkpointer:
         if missing := sorted(set(live) - set(saved)):
             raise ValueError(f"{f}: holds no {missing} (saved by another setup)")
         try:
-            tensors = checkpoint_state.destinations(saved, checkpoint_state.split(live)[1])
-            checkpoint_state.join(saved, tensors)  # every reference and tag is whole
+            tensors = state_split.destinations(saved, state_split.split(live)[1])
+            state_split.join(saved, tensors)  # every reference and tag is whole
         except (KeyError, TypeError, ValueError) as e:
             raise DamagedCheckpointError(f"{f}: not a tokenbridge checkpoint state ({e!r})") from e
         return index, saved, tensors
@@ -386,7 +379,7 @@ def _on_every_rank(read):
     rank alone would leave the others waiting in DCP's collectives)."""
     try:
         out, err = read(), None
-    except (integrity.IntegrityError, ValueError, OSError) as e:
+    except (checksums.IntegrityError, ValueError, OSError) as e:
         out, err = None, e
     errors: list[BaseException | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, err)

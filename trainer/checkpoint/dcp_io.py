@@ -1,21 +1,12 @@
 """DCP's storage for tokenbridge checkpoints: files hashed as they are written, the index in
 JSON, and a reader that runs no code from the files it reads.
 
-Stock ``torch.distributed.checkpoint`` writes its index (``.metadata``) with `pickle.dump` and
-reads it back with `pickle.load`, and its default planner reads every non-tensor item with
-``torch.load(weights_only=False)``: a crafted file would run whatever code it names. Here
-(the state itself is tensors and JSON: `trainer.checkpoint.state_split`):
-
-- `Writer`: DCP's `FileSystemWriter`, each file opened through `HashingFileSystem` (hashed on
-  its way to disk, for the ``COMPLETED`` marker), the index written as JSON (`encode_index`);
-- `read_index`: that JSON back into DCP's `Metadata`, checked field by field. A pickle is
-  refused unread (`UnsafeCheckpointError`: a checkpoint written before this format, or a
-  planted file), and so is whatever our writer never writes (non-tensor items, stream
-  transforms, a file name with a directory in it);
-- `SafeReader` + `SafePlanner`: DCP's reader given that index. DCP reads each tensor record
-  with ``torch.load(weights_only=True)``, torch's restricted unpickler (tensors and plain
-  containers, no other global); its refusal becomes `UnsafeCheckpointError` naming the file.
-  The planner refuses byte items instead of unpickling them.
+Stock DCP pickles its index (``.metadata``) and reads non-tensor items with
+``torch.load(weights_only=False)``, so a crafted file would run whatever code it names. Here
+`Writer` hashes each file on its way to disk and writes the index as JSON, `read_index` checks
+it back field by field (a pickle is refused unread: `UnsafeCheckpointError`), and `SafeReader`
++ `SafePlanner` read tensor records through torch's weights-only unpickler only
+(docs/integrity.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -43,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 
 INDEX = ".metadata"  # DCP's name, kept: a step directory with it is a whole checkpoint
 INDEX_FORMAT, INDEX_VERSION = "tokenbridge-dcp-index", 1
@@ -61,12 +52,12 @@ PLANTED = (
 )
 
 
-class DamagedCheckpointError(integrity.IntegrityError):
+class DamagedCheckpointError(checksums.IntegrityError):
     """The checkpoint to resume from fails its checksums (strict mode, or named by path), or
     cannot be read."""
 
 
-class UnsafeCheckpointError(integrity.IntegrityError):
+class UnsafeCheckpointError(checksums.IntegrityError):
     """A checkpoint file that is a pickle, or names code to run: refused, never unpickled."""
 
 
@@ -94,9 +85,9 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             self.entries[Path(path).name] = sink.entry()
 
-    def open_sink(self, path) -> integrity.HashingSink:
+    def open_sink(self, path) -> checksums.HashingSink:
         """A new file at `path`, hashed as it is written (an object store's: `checkpoint.remote`)."""
-        return integrity.HashingSink(path)
+        return checksums.HashingSink(path)
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # the index is written as .metadata.tmp, then renamed
@@ -182,7 +173,10 @@ def _walks_as_pickle(data: bytes) -> bool:
 
 
 def read_index(directory: Path) -> Metadata:
-    """The checkpoint's index (`encode_index`'s JSON) as DCP's `Metadata`, checked."""
+    """The checkpoint's index (`encode_index`'s JSON) as DCP's `Metadata`, checked field by
+    field: a pickle is refused unread (a checkpoint written before this format, or a planted
+    file), and so is what our writer never writes (a non-tensor item, a file name with a
+    directory in it)."""
     path = Path(directory) / INDEX
     doc = read_json(path)
     try:

@@ -1,20 +1,9 @@
 """Checkpoints in an object store (``checkpoint.dir=s3://bucket/run/checkpoints``): DCP's fsspec
-writer, the same files and markers as on a local disk, and resume through a verified local copy.
+writer, the same files and marker as on a local disk, and resume through a verified local copy.
 
-An object store has no directory rename, so the local publish (write ``step-N.tmp``, rename it
-to ``step-N``) becomes: every rank writes ``step-N/`` directly through `Writer` (DCP's
-`FsspecWriter` whose files are hashed as they upload: `HashingFsspecFileSystem`, and whose
-index is JSON, `trainer.checkpoint.dcp_io.Writer`'s), then rank 0 writes ``COMPLETED`` (every
-file's size and checksum) last. ``COMPLETED`` is the commit point: a step without it is an
-unfinished save, invisible to `list_steps` and cleared by the next save of that step; pruning
-deletes an old step's ``COMPLETED`` before its other files.
-
-Resuming (`find_resume`): the newest step with ``COMPLETED`` is fetched into the node's input
-cache (`tokenbridge.remote_cache.RemoteCache`, local rank 0 fetches, each file hashed as it
-downloads and refused by name when it differs from the marker); a damaged one is passed over
-for the next older one (``checkpoint.strict=true``: refused) and left in place, since the
-store cannot move it aside. The run then loads the local copy with the local reader, so every
-rule of `trainer.checkpoint.checkpointer` (JSON index, weights-only tensors) applies unchanged.
+A store has no directory rename, so each step is written in place and ``COMPLETED``, written
+last by rank 0, is the commit point; the local copy is then read by the local reader, under
+every rule of `trainer.checkpoint.checkpointer` (docs/integrity.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as Fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from tokenbridge import urls
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from tokenbridge.remote_cache import RemoteCache, filesystem
 from trainer.checkpoint.dcp_io import DamagedCheckpointError, HashingFileSystem
 from trainer.checkpoint.dcp_io import Writer as LocalWriter
@@ -44,8 +33,8 @@ class HashingFsspecFileSystem(HashingFileSystem):
         self.remote = FsspecFileSystem()
         self.remote.fs = fs
 
-    def open_sink(self, path) -> integrity.HashingSink:
-        return integrity.HashingSink(path, stream=self.remote.fs.open(str(path), "wb"))
+    def open_sink(self, path) -> checksums.HashingSink:
+        return checksums.HashingSink(path, stream=self.remote.fs.open(str(path), "wb"))
 
     def rename(self, path, new_path) -> None:  # copy then delete on an object store
         self.remote.rename(str(path), str(new_path))
@@ -124,20 +113,23 @@ def publish(folder: str, step: str, marker: dict, *, keep: int) -> None:
 
 def find_resume(folder: str, cfg, *, cache_dir: str | os.PathLike, limit_bytes: int):
     """The local, verified copy of the checkpoint to resume from under `folder` (or of
-    ``cfg.resume`` when it names one), and the notes to print; (None, notes) to start fresh."""
+    ``cfg.resume`` when it names one), and the notes to print; (None, notes) to start fresh.
+    The newest committed step is fetched into the node's input cache (local rank 0 fetches,
+    each file hashed as it downloads); a damaged one is passed over for the next older one
+    (``checkpoint.strict``: refused) and left in place, since the store cannot move it aside."""
     cache = RemoteCache(
         cache_dir, limit_bytes=limit_bytes, local_rank=int(os.environ.get("LOCAL_RANK", "0"))
     )
     if urls.is_url(cfg.resume):
         try:
             return cache.fetch_dir(cfg.resume, marker=MARKER), []
-        except integrity.IntegrityError as e:
+        except checksums.IntegrityError as e:
             raise DamagedCheckpointError(f"checkpoint.resume={cfg.resume}: {e}") from None
     notes: list[str] = []
     for _, url in reversed(list_steps(folder)):
         try:
             local = cache.fetch_dir(url, marker=MARKER)
-        except integrity.IntegrityError as e:
+        except checksums.IntegrityError as e:
             if cfg.strict:
                 raise DamagedCheckpointError(
                     f"checkpoint {url} is damaged ({e}); checkpoint.strict=true refuses to fall "

@@ -1,16 +1,9 @@
 """What a checkpoint holds, as tensors and JSON: nothing in it is a pickle.
 
-A resumed run needs tensors (the student, AdamW's moments, torch's RNG states, the top-k ids
-of pending rollouts) and small Python values (the scheduler, the step, data positions, the
-state of `random`'s generators). DCP stores any non-tensor value by pickling it, and
-unpickling a file runs whatever code the file names: a checkpoint from elsewhere could run
-code when resumed. So the state is taken apart before DCP sees it (`split`): each tensor (and
-numpy array) goes to DCP under the path of keys that leads to it, and everything else becomes
-one JSON document in which a tensor is a reference to its key. `join` puts the loaded tensors
-back. JSON has no tuples, bytes or non-string keys; they are tagged (``{"$tuple": [...]}``,
-``{"$bytes": "<base64>"}``, ``{"$dict": [[key, value], ...]}``) so that each value comes back
-as the type it was (`random.setstate` wants its tuples). Any other type is refused when the
-checkpoint is written, never guessed at.
+DCP stores any non-tensor value by pickling it, and unpickling runs whatever code the file
+names, so the state is taken apart before DCP sees it: `split` gives each tensor (and numpy
+array) to DCP under the path of keys that leads to it and makes everything else one JSON
+document in which a tensor is a reference to its key; `join` puts the loaded tensors back.
 """
 
 from __future__ import annotations
@@ -21,6 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# JSON has no tuples, bytes or non-string keys: they are tagged ({"$tuple": [...]},
+# {"$bytes": "<base64>"}, {"$dict": [[key, value], ...]}) so that each value comes back as the
+# type it was (`random.setstate` wants its tuples); any other type is refused when written
 TENSOR, NDARRAY, TUPLE, BYTES, DICT = "$tensor", "$ndarray", "$tuple", "$bytes", "$dict"
 SEP = "/"  # between the keys of a tensor's path (model FQNs hold dots)
 

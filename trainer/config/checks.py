@@ -1,19 +1,9 @@
 """The one error of the trainer's configuration and the small checks every config module shares.
 
-Every refusal of a config value says where (the field, as the user writes it in YAML or on the
-command line) and what was expected: ``config loss.mode: expected one of [...], got 'kl'``. The
-config sections (`trainer.config.sections`, `trainer.config.loss_sections`), the cross-field
-rules (`trainer.config.rules`), the composition (`trainer.config.compose`) and the preflight
-(`trainer.config.preflight`) all raise `ConfigError` through these helpers; nothing outside
-`trainer/config/` raises it (tests/unit/test_config_rules.py checks that).
-
-A rule that belongs to the library (a model source, the combination of KD and CE, a loss mode's
-options) is written once there and raises a plain ValueError naming its own field; the config
-calls it and adds the field's name in the config (`library_field`).
-
-The loss-mode registry is imported on first use (`registry`), not with these modules: it brings
-torch (about 2 s on these machines), and a config that Hydra already refuses (an unknown key, a
-wrong type) should fail before that.
+Every refusal of a config value says where (the field, as the user writes it) and what was
+expected: ``config loss.mode: expected one of [...], got 'kl'``. Only the config package and
+the preflight raise `ConfigError` (tests/unit/test_config_rules.py checks that); a rule that
+belongs to the library raises its own error, and `library_field` adds the config's field name.
 """
 
 from __future__ import annotations
@@ -69,7 +59,9 @@ def library_field(
 
 
 def registry() -> ModuleType:
-    """`tokenbridge.losses.modes` (MODES, KD_MODES, OptionError), imported on first use."""
+    """`tokenbridge.losses.modes` (MODES, KD_MODES, OptionError), imported on first use: it
+    brings torch (about 2 s on these machines), and a config that Hydra already refuses (an
+    unknown key, a wrong type) should fail before that."""
     import tokenbridge.losses.modes
 
     return tokenbridge.losses.modes

@@ -1,11 +1,10 @@
 """Hydra's composition of ``conf/`` into a validated `TrainConfig`, with Hydra's errors as
 ConfigErrors of one line.
 
-Two things Hydra does not do are done here: every override's key is looked up in the schema
-before Hydra composes (`check_override_keys`: for ``optim.lrr=1`` Hydra's own message suggests
-``+optim.lrr=1``, which would run and ignore it), and Hydra's multi-line errors are folded into
-the one line a failed command prints (`hydra_message`). Hydra is imported on first use: the
-entry point imports this module before it knows whether a config is needed at all.
+Every override's key is looked up in the schema before Hydra composes (`check_override_keys`:
+Hydra's own message for ``optim.lrr=1`` suggests ``+optim.lrr=1``, which would run and ignore
+it). Hydra is imported on first use: the entry point imports this module before it knows
+whether a config is needed at all.
 """
 
 from __future__ import annotations

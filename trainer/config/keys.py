@@ -1,15 +1,11 @@
 """Which keys the config schema has: every key a user writes must name a field of the
 `trainer.config.schema` dataclasses, with or without Hydra's ``+`` / ``++``.
 
-Why this exists: Hydra composes onto the schema, so ``optim.lrr=1`` fails, but its message
-suggests ``+optim.lrr=1``; that adds the key to the composed config, OmegaConf's merge keeps it
-and ``to_object`` drops it, so the run starts and silently ignores the setting. Here every key
-path is looked up in the dataclasses' type hints instead, and an unknown one is refused with the
-closest valid names (difflib), before anything loads.
-
-Fields typed ``dict[str, Any]`` are open on purpose and their keys are not looked up here:
-``loss.options`` (each loss mode checks its own options) and ``model.overrides`` /
-``teachers.N.overrides`` (HF config fields of random-init models). Pure: no Hydra, no I/O.
+Hydra's ``+optim.lrr=1`` adds the key to the composed config, OmegaConf's merge keeps it and
+``to_object`` drops it, so the run would start and silently ignore the setting. Here every key
+path is looked up in the dataclasses' type hints instead, an unknown one refused with the
+closest valid names. Fields typed ``dict[str, Any]`` are open on purpose (``loss.options``, the
+models' ``overrides``). Pure: no Hydra, no I/O.
 """
 
 from __future__ import annotations

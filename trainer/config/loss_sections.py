@@ -1,15 +1,10 @@
 """The config sections that name loss modes: ``loss`` (off-policy) and ``onpolicy``.
 
-Both look modes up in the loss-mode registry (`tokenbridge.losses.modes.MODES`), never in a list
-of their own, and read a mode's options through its record (`LossMode.parse_options`), field by
-field, so a bad option is refused by name (``config loss.options.k: xtoken: expected >= 1``).
-The combination of KD and CE is the library's `tokenbridge.losses.combine.CombineConfig`: the
-``loss`` section keeps the keys users write (``combine``, ``kd_weight``, ``ce_weight``) and
-builds it (`LossConfig.combine_config`), so its options and checks are written once, there.
-
-What needs more than one section (a mode that needs a teacher, the options of every teacher's
-mode, on-policy modes against the teachers) is in `trainer.config.rules`. The first check that
-reads the registry imports it, and torch with it (about 2 s on these machines).
+Both look modes up in the loss-mode registry, never in a list of their own, and read a mode's
+options through it field by field, so a bad option is refused by name (``config
+loss.options.k: xtoken: expected >= 1``). The KD/CE combination is the library's
+`CombineConfig`, built from the keys users write (`LossConfig.combine_config`). What needs more
+than one section is in `trainer.config.rules`.
 """
 
 from __future__ import annotations

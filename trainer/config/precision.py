@@ -1,20 +1,9 @@
 """The run's precision, resolved once for its device: dtypes of the student and teachers, and
 whether the optimizer uses the fused AdamW kernel.
 
-The config may say ``auto`` (the defaults: ``parallel.param_dtype``, ``teachers[i].dtype``,
-``optim.fused``); `resolve_precision` turns that into what is used on this device, through the
-library's one rule (`tokenbridge.model_spec.resolve_dtype`: bfloat16 on CUDA, float32 on CPU),
-and the preflight hands the result to everything that needs it (FSDP2's mixed-precision policy,
-the optimizer, the teacher workers, the teacher-cache check, the run summary), so no two places
-decide it and a config that names ``float32`` keeps it.
-
-What bfloat16 means for the student: FSDP2 keeps the sharded parameters in float32 (the master
-copy the optimizer updates, its moments float32 too) and casts the all-gathered copy each layer
-computes with to ``param_dtype``; gradients are reduced in ``reduce_dtype`` (float32 unless
-named) into float32 shards. The losses upcast the logits per block (`tokenbridge.losses.base`).
-A teacher is frozen and needs no master copy: its weights are loaded in its dtype.
-
-Pure: strings and booleans in, strings and booleans out.
+``auto`` (the default) becomes what this device uses through the library's one rule
+(`tokenbridge.model_spec.resolve_dtype`), and the preflight hands the result to everything that
+needs it, so no two places decide it (docs/training.md, "Precision and throughput"). Pure.
 """
 
 from __future__ import annotations

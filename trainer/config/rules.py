@@ -1,25 +1,10 @@
 """Every rule of the trainer's config that relates more than one field's section: one place.
 
-A section checks its own values in ``__post_init__`` (`trainer.config.sections`,
-`trainer.config.loss_sections`); what relates two sections, or the config and the loss-mode
-registry's knowledge of a mode, or the config and the tokenizers it names, is here, each rule
-written once. They all run before any model weights load, in three groups, by what they need:
-
-- `check_config` (the config alone): run by `TrainConfig.__post_init__`, so `from_dictconfig`
-  and ``trainer/main.py`` refuse a bad combination in milliseconds, before any file is read;
-- `check_world` (plus the number of processes): the first thing the preflight does;
-- `check_tokenizers` (plus whether each teacher shares the student's tokenizer): run by the
-  preflight as soon as the tokenizers are loaded, before shards, projections or caches are
-  opened. The projection a mode needs is checked here too, next to the pair it is made for.
-
-The registry's flags are read, never restated: ``same_tokenizer`` (a mode over the student's own
-vocabulary), ``projection`` (a mode that reads the projection), ``onpolicy_only`` (a mode that
-reads the student's samples), ``no_cache`` (a mode an offline teacher cache cannot serve). What
-the library runs but the trainer cannot (kd_topk's ``support='columns'``) is refused here too.
-
-Constraints of a component on its own inputs stay with the component (the teacher program
-refuses per-position columns at tp > 1, `trainer.teacher.model_program`); file, tokenizer and
-fingerprint checks that read the file system are the preflight's (`trainer.config.preflight`).
+Each rule is written once and runs before any model weights load, in three groups by what it
+needs: the config alone (`check_config`, run by `TrainConfig.__post_init__`: milliseconds), plus
+the number of processes (`check_world`), plus the tokenizers (`check_tokenizers`); the last two
+run first in the preflight. A mode's needs are read from the loss-mode registry's flags, never
+restated (docs/training.md, "Config keys").
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The trainer's configuration: the schema Hydra composes onto, and the one way to build it.
 
-Hydra composes ``conf/train.yaml`` and its groups (model/, teachers/, loss/, data/, parallel/,
-experiment/); every key of the result must be a field of these dataclasses (`trainer.config.keys`:
-Hydra's ``+`` adds no key), then it is merged onto `TrainConfig` (wrong types fail at once) and
-turned into them (`from_dictconfig`). One dataclass per YAML section, each checking its own
-values in ``__post_init__`` and naming the field it refuses: the plain sections in
-`trainer.config.sections`, the two that name loss modes in `trainer.config.loss_sections`.
+One dataclass per YAML section (`sections`, `loss_sections`), each checking its own values;
 `TrainConfig` holds them and, once they are built, runs every rule that relates them
-(`trainer.config.rules`). This module is the one to import them from.
-
-Everything here is pure: nothing touches the file system or loads a model, so a bad config fails
-in milliseconds (file and fingerprint checks follow in `trainer.config.preflight`, still before
-any model loads). Loss modes and their options are checked against the loss-mode registry
-(`tokenbridge.losses.modes.MODES`); the first such check imports the registry, and torch with it
-(about 2 s on these machines).
-
-Paths may use two resolvers: ``${artifacts:models/x}`` points under `tokenbridge.paths`'s
-artifacts folder (``TOKENBRIDGE_ARTIFACTS`` aware), ``${repo:outputs/x}`` under the repository
-root (where `make projection` / `make align` write by default).
+(`trainer.config.rules`). This module is the one to import them from. Everything here is pure,
+so a bad config fails in milliseconds, before any file is read or model loaded.
 """
 
 from __future__ import annotations
@@ -125,6 +111,9 @@ class TrainConfig:
         return self.loss.mode != "ce" and self.loss.kd_weight > 0 and bool(self.teachers)
 
 
+# paths in the YAML may use two resolvers: ${artifacts:models/x} under tokenbridge.paths's
+# artifacts folder (TOKENBRIDGE_ARTIFACTS aware), ${repo:outputs/x} under the repository root
+# (where `make projection` / `make align` write by default)
 def _artifacts_resolver(sub: str = "") -> str:
     return str(paths.artifacts_dir() / sub)
 

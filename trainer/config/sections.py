@@ -1,12 +1,8 @@
 """The plain sections of the trainer's config: models, data, optimizer, layout, checkpoints, eval,
-logging. One dataclass per YAML section; ``__post_init__`` checks what the section alone
-decides and names the field it refuses (``config data.micro_batch_size: expected >= 1, got 0``).
-
-A rule that relates two sections (a CP size and the padding, the warmup and the number of
-steps, a teacher's cache and its loss mode) is not here but in `trainer.config.rules`, which
-`TrainConfig` runs once every section is built. The loss and on-policy sections, which look
-modes up in the loss-mode registry, are `trainer.config.loss_sections`. Pure: no file is read
-and no model loaded, so a bad value fails in milliseconds.
+logging. One dataclass per YAML section; ``__post_init__`` checks what the section alone decides
+and names the field it refuses (``config data.micro_batch_size: expected >= 1, got 0``). A rule
+that relates two sections is in `trainer.config.rules`, and the loss and on-policy sections in
+`trainer.config.loss_sections`. Pure: no file is read, so a bad value fails in milliseconds.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ CPU_SPLITS = ("auto", "off")
 # activation checkpointing of the student's decoder blocks (`trainer.parallel.parallelize.apply_ac`)
 AC_MODES = ("none", "full", "every_n")
 EVAL_SPLITS = ("window", "document")
-# the object stores the trainer reads its inputs from (`trainer.remote_inputs`)
+# the object stores the trainer reads its inputs from (`trainer.data.remote_inputs`)
 REMOTE_SCHEMES = urls.OBJECT_STORES
 
 
@@ -70,7 +66,7 @@ class ModelConfig:
             check_model_source(self, where)
         except ValueError as e:
             raise ConfigError(f"config {e}") from None
-        # a URL: a marked directory, fetched verified by `trainer.remote_inputs.localize`
+        # a URL: a marked directory, fetched verified by `trainer.data.remote_inputs.localize`
         check_location(f"{where}.path", self.path)
         if not self.name:
             self.name = urls.name(self.path)
@@ -136,7 +132,7 @@ class DataConfig:
     verify: str = "first_open"
     # inputs at s3:// URLs (shards, teacher caches, projections) are fetched once per node into
     # this local directory (default ~/.cache/tokenbridge), at most cache_limit_gb of them:
-    # the least recently used are evicted first (`trainer.remote_inputs`)
+    # the least recently used are evicted first (`trainer.data.remote_inputs`)
     cache_dir: str = ""
     cache_limit_gb: float = 50.0
     # s3:// shards read one file at a time, the next fetched in the background, at most
@@ -205,10 +201,14 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """The device mesh (dp_shard x cp x tp) of the student, mixed precision, activation
-    checkpointing and compile of the student, teacher placement."""
+    """The device mesh (dp_replicate x dp_shard x cp x tp) of the student, mixed precision,
+    activation checkpointing and compile of the student, teacher placement."""
 
-    dp_shard: int = -1  # -1: world_size / (cp * tp)
+    # HSDP: the weights sharded over dp_shard ranks (x cp), those shards replicated over
+    # dp_replicate groups (nodes, typically: FSDP's per-layer collectives stay within a node,
+    # one gradient all-reduce crosses nodes); 1 = plain FSDP over every data-parallel rank
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: world_size / (dp_replicate * cp * tp)
     tp: int = 1  # tensor parallel: heads, MLP and the vocabulary (lm_head, embeddings) split
     cp: int = 1  # context parallel: each sequence split over cp ranks (load-balanced layout)
     # FSDP2 MixedPrecisionPolicy: the compute copies of the parameters (the sharded fp32
@@ -223,6 +223,10 @@ class ParallelConfig:
     teacher_placement: str = "worker"
     channel_slots: int = 2  # ring slots per channel; 2 lets the teacher run one microbatch ahead
     teacher_timeout_s: float = 300.0  # a teacher worker silent this long is declared hung
+    # how long a collective waits for a peer rank before the process group gives up: a node
+    # that vanished without closing its connections is noticed then (a killed process at
+    # once); the surviving ranks then name the one that is gone (trainer/parallel/liveness.py)
+    collective_timeout_s: float = 600.0
     threads: int = 0  # torch intra-op threads of the student and each teacher worker; 0 = auto
     # CPU runs with teacher workers, parallel.threads 0: where the workers compute while the
     # student does (off-policy KD: a microbatch ahead; on-policy lag 1: while it samples), auto
@@ -245,6 +249,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.dp_shard == 0 or self.dp_shard < -1:
             fail("parallel.dp_shard", f"expected -1 (auto) or >= 1, got {self.dp_shard}")
+        check_at_least("parallel.dp_replicate", self.dp_replicate, 1)
         check_at_least("parallel.tp", self.tp, 1)
         check_at_least("parallel.cp", self.cp, 1)
         check_choice("parallel.param_dtype", self.param_dtype, DTYPE_CHOICES)
@@ -252,6 +257,7 @@ class ParallelConfig:
         check_choice("parallel.teacher_placement", self.teacher_placement, TEACHER_PLACEMENTS)
         check_at_least("parallel.channel_slots", self.channel_slots, 1)
         check_positive("parallel.teacher_timeout_s", self.teacher_timeout_s)
+        check_positive("parallel.collective_timeout_s", self.collective_timeout_s)
         check_at_least("parallel.threads", self.threads, 0)
         check_choice("parallel.cpu_split", self.cpu_split, CPU_SPLITS)
         check_at_least("parallel.logits_chunk", self.logits_chunk, 0)
@@ -259,14 +265,16 @@ class ParallelConfig:
         check_at_least("parallel.ac_every", self.ac_every, 1)
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
-        """(dp_shard, cp, tp) for `world_size` processes, or ConfigError when they do not
-        multiply."""
-        dp = world_size // (self.cp * self.tp) if self.dp_shard == -1 else self.dp_shard
-        if dp < 1 or dp * self.cp * self.tp != world_size:
+        """(dp_shard, cp, tp) for `world_size` processes (with ``dp_replicate`` replicas of the
+        dp_shard x cp x tp ranks), or ConfigError when they do not multiply."""
+        rest = self.dp_replicate * self.cp * self.tp
+        dp = world_size // rest if self.dp_shard == -1 else self.dp_shard
+        if dp < 1 or dp * rest != world_size:
+            rep = f"dp_replicate={self.dp_replicate} x " if self.dp_replicate > 1 else ""
             fail(
                 "parallel",
-                f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} must equal the world "
-                f"size {world_size} (torchrun --nproc_per_node)",
+                f"{rep}dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} must equal the "
+                f"world size {world_size} (torchrun --nproc_per_node)",
             )
         return dp, self.cp, self.tp
 

@@ -1,18 +1,9 @@
 """How much a teacher agrees with what the student says: its bits per byte of the student's own
 completions of held-out prompts.
 
-The student completes the held-out prompts (sampled with the run's temperature / top-p and a
-fixed seed, so every evaluation of a run draws the same noise); each teacher scores the
-completions through its channel, as in training. For teacher i:
-
-    bpb_i = (sum over teacher tokens of the kept completion chunks of -log p_i(token | prefix))
-            / (ln 2 * UTF-8 bytes of the student tokens of those chunks)
-
-With the student's tokenizer the chunks are the sampled tokens; with another tokenizer they are
-the completion chunks aligned on the fly (`trainer.onpolicy.realign`), so both sides cover the
-same bytes. A special token (the paired stop) adds its nats and no bytes. Lower is better: the
-teacher finds the student's text likely. Measured before and after training, it shows whether
-on-policy distillation moved the student towards text the teacher would write.
+Measured before and after training, it shows whether on-policy distillation moved the student
+towards text the teacher would write (lower: the teacher finds it likelier). Both sides cover
+the same bytes: the kept completion chunks (docs/onpolicy.md, "Evaluation").
 
 Legend: B rollouts, U teacher positions, S student positions.
 """
@@ -48,7 +39,11 @@ def completion_nats_bytes(
 def completion_bpb(
     batches, outs: list[list[TeacherOutputs]], names: list[str], *, student: Tokenizer
 ) -> dict[str, float]:
-    """``{"<teacher>": bits per byte}`` of the student's completions (see the module doc)."""
+    """``{"<teacher>": bits per byte}`` of the student's completions.
+
+    bpb_i = sum over teacher tokens of the kept completion chunks of -log p_i(token | prefix),
+    over ln 2 times the UTF-8 bytes of the student tokens of those chunks; a special token (the
+    paired stop) adds its nats and no bytes."""
     lengths = student.token_lengths
     result = {}
     for j, name in enumerate(names):

@@ -1,28 +1,10 @@
 """Likelihood-ratio weights for rollouts drawn from another distribution than the trained one.
 
-With ``onpolicy.sampler_weights: int8`` the student samples from an int8 copy of itself
-(`trainer.onpolicy.int8`): a distribution q close to, not equal to, the policy p the step trains
-(same temperature and top-p). The on-policy objective is an expectation over p's completions,
-
-    J = E_{y ~ p} [ sum_t L_t(y_<t) ],
-
-where L_t is the KD term at the position predicting completion token t, a function of the
-state y_<t (its gradient flows through the student's logits there, never through the draw).
-Drawing y from q instead, J = E_{y ~ q} [ sum_t w_t L_t ] with the ratio of the state's
-probabilities w_t = prod_{s<t} p(y_s | y_<s) / q(y_s | y_<s): the completion tokens *before*
-t, not t's own token. That identity is exact (tests/unit/test_onpolicy_int8.py checks it by
-enumerating every completion of a small model); a long completion's product can still be large,
-so w_t is truncated at ``onpolicy.ratio_clip`` (truncated importance sampling, as RL trainers
-weight rollouts from an inference engine's copy of the policy: a little bias for bounded
-variance).
-
-p is read from the step's own forward (the current weights): log p(y_t) of every sampled token,
-tempered and restricted to p's top-p nucleus as the sampler restricts q's (`sampler.drawn_logprobs`);
-a token outside p's nucleus has p = 0, and the positions after it weigh 0.
-
-The weights scale the gradient of each position's logits (`scale_grad`: a hook on whole
-logits, ``HeadLogits.row_scale`` on logits never whole), so every loss mode is weighted without
-a change to it; the logged loss is the unweighted one.
+With ``onpolicy.sampler_weights: int8`` the student samples from an int8 copy of itself (q),
+not from the policy p the step trains; weighting each position's gradient by the ratio of the
+completion before it, capped at ``onpolicy.ratio_clip``, makes the step's expectation the
+on-policy one up to the cap (docs/onpolicy.md, "Importance weights"). The weights scale the
+logits' gradient, so every loss mode is weighted unchanged; the logged loss is unweighted.
 """
 
 from __future__ import annotations
@@ -33,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from tokenbridge.losses.ops.head_logits import HeadLogits, project
-from trainer.onpolicy.sampler import SamplingConfig, drawn_logprobs
+from trainer.onpolicy.sampling.sampler import SamplingConfig, drawn_logprobs
 
 # the step record's means over target positions (`prefix_weights`)
 RATIO_STATS = ("ratio/weight_mean", "ratio/clipped_frac", "ratio/abs_log_ratio_mean")
@@ -44,7 +26,10 @@ def policy_logprobs(
     logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, config: SamplingConfig, vocab: int
 ) -> torch.Tensor:
     """[B, T] float32: log p of each target token (0 where there is none) under the sampling
-    transform of ``config``, over the first ``vocab`` columns (the ones the sampler draws)."""
+    transform of ``config``, over the first ``vocab`` columns (the ones the sampler draws).
+
+    Tempered and restricted to p's top-p nucleus as the sampler restricts q's: a token outside
+    p's nucleus has p = 0, and the positions after it weigh 0."""
     out = torch.zeros(targets_BT.shape, dtype=torch.float32, device=targets_BT.device)
     live = (targets_BT >= 0).nonzero(as_tuple=True)
     if not live[0].numel():
@@ -66,9 +51,10 @@ def policy_logprobs(
 def prefix_weights(
     target_BT: torch.Tensor, behaviour_BT: torch.Tensor, targets_BT: torch.Tensor, *, clip: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(w [B, T], stats): the ratio of each target position's state (module docstring), capped
-    at ``clip`` (inf: no cap); 1 where a position has no target. ``target_BT`` and
-    ``behaviour_BT``: log p and log q of the token at each target position."""
+    """(w [B, T], stats): the ratio of each target position's state, w_t = prod_{s<t} p(y_s) /
+    q(y_s) over the completion tokens *before* t (not t's own), capped at ``clip`` (inf: no
+    cap); 1 where a position has no target. ``target_BT`` and ``behaviour_BT``: log p and log q
+    of the token at each target position."""
     live_BT = targets_BT >= 0
     r_BT = torch.where(live_BT, target_BT.double() - behaviour_BT.double(), 0.0)
     # exclusive cumsum by shifting (not cumsum - r: a -inf ratio would make nan)

@@ -1,22 +1,9 @@
 """Where on-policy prompts come from: raw-text shards, or conversations rendered per template.
 
 A prompt is what the student continues: its own token ids (the truth the sampled ids extend),
-where it came from, and what a teacher needs to render it in its own form. Two sources with one
-interface (`PromptSource`: ``next_prompts``, ``held_out``, ``state_dict``):
-
-- `TextPrompts` (raw-text shards from `make align`): the first ``prompt_tokens`` student ids of
-  a window are the prompt ("continue this text"); the rest of the window is the dataset's own
-  continuation (``reference``). Rows are split exactly like the trainer's windows
-  (`trainer.shard_reader.ShardStream`: the held-out windows by a hash of doc id and window, the rest
-  dealt to the data-parallel ranks and shuffled with a seeded, checkpointed buffer), so the
-  held-out prompts are the prefixes of the held-out windows the BPB eval reads.
-- `ChatPrompts` (``messages`` rows, as the chat align job reads them): every assistant turn
-  gives a prompt, the conversation before it, rendered with the student's chat template and its
-  generation prompt (`tokenbridge.chat`), its control tokens split out as ids; the turn's own
-  content is the reference. Each teacher renders the same messages with its own template
-  (`trainer.onpolicy.rollouts`). Held-out conversations by a hash of their id.
-
-Both are resumable: their whole position is a small dict saved per rank in checkpoints.
+where it came from, and what a teacher needs to render it in its own form. Both sources sit
+behind one interface (`PromptSource`) and are resumable: their whole position is a small dict
+saved per rank in checkpoints (docs/onpolicy.md, "A step", 1).
 """
 
 from __future__ import annotations
@@ -25,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -35,7 +22,10 @@ from tokenbridge.chat.encode import encode_renderings
 from tokenbridge.chat.render import Rendering
 from tokenbridge.chat.templates import resolve_template
 from tokenbridge.tokenizers import Tokenizer
-from trainer.shard_reader import ShardReader, ShardStream, held_out_set
+from trainer.data.shard_reader import ShardReader, ShardStream, held_out_set
+
+if TYPE_CHECKING:
+    from trainer.config.sections import DataConfig
 
 
 @dataclass(frozen=True)
@@ -62,15 +52,29 @@ class PromptSource(Protocol):
 
 
 class TextPrompts:
-    """Prefixes of the training windows of this rank (see the module docstring)."""
+    """Prefixes of the training windows of this rank (raw-text shards from `make align`).
 
-    def __init__(self, reader: ShardReader, *, prompt_tokens: int, **stream_args: Any):
-        """``stream_args``: the keyword arguments of `ShardStream` (rank, seed, shuffle buffer,
-        held-out split), which deals this rank its rows exactly as the trainer's windows."""
+    The first ``prompt_tokens`` student ids of a window are the prompt ("continue this text");
+    the rest of the window is the dataset's own continuation (``reference``). Rows are split
+    exactly like the trainer's windows (`ShardStream`), so the held-out prompts are the
+    prefixes of the held-out windows the BPB eval reads."""
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        data: DataConfig,
+        prompt_tokens: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ):
+        """``data`` (shuffle buffer, held-out split), the rank and ``seed``: `ShardStream`'s,
+        which deals this rank its rows exactly as the trainer's windows."""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         self.reader, self.prompt_tokens = reader, prompt_tokens
-        self.stream = ShardStream(reader, **stream_args)
+        self.stream = ShardStream(reader, data=data, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
 
     def prompt(self, row: int, *, draw: int = 0) -> Prompt:
         r = self.reader.row(row)
@@ -125,24 +129,28 @@ def render_prompt(side: ChatSide, messages: list[dict]) -> Rendering | None:
 
 
 class ChatPrompts:
-    """One prompt per assistant turn of ``messages`` rows (see the module docstring)."""
+    """One prompt per assistant turn of ``messages`` rows (as the chat align job reads them).
+
+    The prompt is the conversation before the turn, rendered with the student's chat template
+    and its generation prompt, its control tokens split out as ids; the turn's own content is
+    the reference. Each teacher renders the same messages with its own template
+    (`trainer.onpolicy.rollouts`). Held-out conversations by a hash of their id."""
 
     def __init__(
         self,
         path: str | Path,
         tokenizer: Tokenizer,
         *,
+        data: DataConfig,
         model_dir: str | Path,
         template: str | None,
         dp_rank: int,
         dp_size: int,
         seed: int,
-        eval_fraction: float,
-        max_tokens: int,
-        val_fraction: float = 0.0,
-        eval_on: str = "test",
     ):
-        self.max_tokens = max_tokens  # a longer rendered prompt is skipped
+        """``data``: the held-out split (by conversation) and ``max_student_tokens``."""
+        eval_fraction, val_fraction = data.eval_fraction, data.val_fraction
+        self.max_tokens = data.max_student_tokens  # a longer rendered prompt is skipped
         self.side = prepare_side(tokenizer, resolve_template(model_dir, override=template))
         train: list[tuple[str, tuple[dict, ...], str]] = []
         held: list[tuple[str, tuple[dict, ...], str]] = []
@@ -167,7 +175,7 @@ class ChatPrompts:
                     which = held_out_set(
                         cid, 0, eval_fraction, by="document", val_fraction=val_fraction
                     )
-                    if which is None or which == eval_on:
+                    if which is None or which == data.eval_on:
                         (train if which is None else held).append(
                             (f"{cid}#{t}", msgs[:t], m.content)
                         )

@@ -1,30 +1,10 @@
 """On-the-fly alignment of a rollout to a teacher with another tokenizer.
 
-The student's sampled ids are the truth: they are never re-tokenized. What a teacher reads is
-derived from their bytes:
-
-1. The student tokens' bytes are joined (special tokens have none: BOS, a stop id, a control
-   token of a chat template). A sampled byte-level sequence need not be UTF-8: it can end inside
-   a character or hold bytes no character has. `lenient_text` decodes it with every invalid
-   piece replaced by U+FFFD (the teacher reads the closest text it can take) and maps every
-   byte position of the student's stream to the text's UTF-8, so the student's byte offsets
-   stay exact where the bytes are valid.
-2. The teacher renders the text in its own form: raw text is just the text after its BOS; a
-   chat prompt is the conversation in the teacher's template with its generation prompt, and
-   the completion after it (`trainer.onpolicy.prompts.render_prompt`).
-3. Both sides are aligned with the align job's own function (`tokenbridge.alignment.align` with both
-   byte tables). Raw text is aligned whole, exactly as the align job aligns a text, so the
-   chunks of a rollout are the chunks the job writes for the same text (tested); a chat rollout
-   is aligned over its completion only (the templates' scaffolding is never aligned by text).
-4. Only **completion chunks** get a term: chunks whose student tokens are all sampled ones.
-   A chunk that straddles the prompt and the completion, or covers an invalid UTF-8 byte, is
-   dropped (counted). When the student stopped on a stop id and the teacher has one (its EOS
-   for raw text, its end-of-turn marker for chat), the two are paired as one more chunk, by
-   role, never by text: the end of a completion is a shared event.
-
-A rollout the teacher cannot take (its tokenizer or the aligner fails on the text, it would be
-longer than the teacher's slot, or no completion chunk is left: an all-invalid completion) gets
-no chunk and a drop reason; the step counts those, it never crashes on them.
+The student's sampled ids are the truth, never re-tokenized: their bytes are decoded leniently
+(a sampled byte sequence need not be UTF-8), rendered in the teacher's form and aligned with the
+align job's own function, so a raw-text rollout gets the chunks the job writes for the same
+text. Only completion chunks get a term; a rollout the teacher cannot take gets a drop reason
+and is counted, never a crash (docs/onpolicy.md, "A step", 3).
 """
 
 from __future__ import annotations
@@ -193,12 +173,16 @@ def align_rollout(
     view: TeacherView,
     messages: tuple[dict, ...] | None = None,
 ) -> RolloutAlignment:
-    """Chunks of one rollout for one teacher (see the module docstring)."""
+    """Chunks of one rollout for one teacher: its completion chunks only (a chunk straddling
+    the prompt and the completion, or covering an invalid byte, is dropped and counted), plus
+    the student's stop id paired with the teacher's (EOS for raw text, end-of-turn for chat) by
+    role, never by text; or a drop reason (docs/onpolicy.md, "A step", 3)."""
     ids = list(prompt) + list(completion)
     first_completion_tok = len(prompt)
     pos, data, offs = _student_body(ids, student)
     if messages is not None and view.chat is not None:
         # chat: only the completion's bytes are aligned, after the teacher's own rendering
+        # (the templates' scaffolding is never aligned by text)
         in_comp = pos >= first_completion_tok
         pos, offs = pos[in_comp], offs[in_comp]
         base = int(offs[0, 0]) if len(offs) else len(data)
@@ -214,6 +198,8 @@ def align_rollout(
                 return _dropped(DROP_TEACHER_ERROR)
             first_body = 0
         else:
+            # raw text is aligned whole, as the align job aligns a text: a rollout's chunks are
+            # the chunks the job writes for the same text
             t_enc = view.tokenizer.encode(lt.text)
             bos = view.tokenizer.bos_id
             prefix_t = [bos] if bos is not None else []

@@ -1,17 +1,9 @@
 """Teachers score rollouts in their workers, through the same logit channel as off-policy KD.
 
-An on-policy teacher is the same channel program as an off-policy one
-(`trainer.teacher.model_program.TeacherModelProgram`, hence the one `teacher_forward`): its
-spec may ask for the teacher's log-probs at the student's own top-k ids, which travel in the
-slot with the rows (``col_ids`` [B, U, K], -1 = none). Every on-policy spec also carries the
-teacher's log-prob of each realised token (``target_logprob``, `scoring_spec`): sampled-token
-reverse KL and the chain losses read it, and the held-out eval turns it into the teacher's bits
-per byte of the student's own text. Only the positions those read are scored (``used_mask``,
-`rollout_source.used_inputs`): the prompt is the teacher's context, not its output.
-
-`open_scorers` starts one channel per on-policy teacher on this rank (worker process, or
-in-process for debugging), with as many slots as a step has microbatches: outputs are copied out
-of their slot when received, so a slot is free again before the next submit and the teacher can
+An on-policy teacher runs the off-policy teachers' own program (`TeacherModelProgram`, the one
+`teacher_forward`), scoring only the positions that predict a completion token (``used_mask``),
+and always ships the log-prob of each realised token as well (`scoring_spec`). A channel has one
+slot per microbatch of a step and outputs are copied out when received, so the teachers can
 score step i + 1 while the student learns on step i (``onpolicy.lag: 1``).
 """
 
@@ -68,3 +60,8 @@ def receive_copy(channel: TeacherChannel) -> tuple[TeacherOutputs, float]:
     with channel.receive() as got:
         outs = TeacherOutputs(**{k: v.clone() for k, v in got.outputs.items()})
         return outs, got.teacher_s
+
+
+def scored(channels: list[TeacherChannel]) -> bool:
+    """Have the teachers finished every microbatch submitted to them (never waits)?"""
+    return all(ch.done() for ch in channels)

@@ -1,19 +1,9 @@
 """Rollouts -> what the student's forward, each teacher and each loss read.
 
-A `RolloutBatch` holds a microbatch of rollouts (prompt + sampled completion, right-padded) and,
-per teacher, an `AlignedBatch` (`tokenbridge.losses.ops.segments`) with chunk ids on completion tokens
-only, so every loss mode of the registry applies to rollouts as it does to shard rows:
-
-- a teacher with the student's tokenizer reads the sampled ids themselves (never re-encoded);
-  each completion token is its own chunk, and with top-k OPD its input carries the sampling
-  policy's top-k ids at every position that predicts a completion token (``col_ids``, -1
-  elsewhere), the support it scores;
-- a teacher with another tokenizer reads its own tokens of the same bytes, aligned on the fly
-  (`trainer.onpolicy.realign`); a rollout it cannot take gets no chunk and a drop reason.
-
-``targets_BT`` holds the sampled tokens at the positions that predict them and -1 elsewhere
-(the prompt is context, never a target), so the position masks of the same-tokenizer modes
-cover the completion only.
+A microbatch of rollouts carries, per teacher, an `AlignedBatch` with chunk ids on completion
+tokens only, so every loss mode applies to rollouts as it does to shard rows: a teacher with
+the student's tokenizer reads the sampled ids themselves (one chunk per token), any other its
+own tokens of the same bytes, aligned on the fly (`trainer.onpolicy.realign`).
 
 Legend: B rollouts, T student positions, U teacher positions, K top-k support.
 """
@@ -28,14 +18,18 @@ import torch
 
 from tokenbridge.losses.ops.segments import AlignedBatch
 from tokenbridge.tokenizers import Tokenizer
-from trainer.microbatches import IGNORE
+from trainer.data.microbatches import IGNORE
 from trainer.onpolicy.realign import TeacherView, align_rollout
-from trainer.onpolicy.sampler import Rollouts
+from trainer.onpolicy.sampling.sampler import Rollouts
 
 
 @dataclass
 class RolloutBatch:
-    """A microbatch of rollouts (see the module docstring)."""
+    """A microbatch of rollouts: prompt + sampled completion, right-padded, and per teacher
+    what it reads. ``targets_BT`` is -1 on the prompt (context, never a target), so the
+    position masks of the same-tokenizer modes cover the completion only; with top-k OPD a
+    same-tokenizer teacher's input carries the sampling policy's top-k ids (``col_ids``) at
+    every position that predicts a completion token, -1 elsewhere: the support it scores."""
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor

@@ -1,20 +1,9 @@
-"""The on-policy teachers of a run: their loss terms, how each reads a rollout, their channels.
+"""The on-policy teachers of a run: their loss terms and how each reads a rollout.
 
-Built once per rank by the on-policy side (`trainer.onpolicy.rollout_source`), from the config
-and what the preflight loaded:
-
-- one `trainer.loss_terms.KDTerm` per teacher with a non-zero weight, for its on-policy mode
-  (``onpolicy.loss`` / ``onpolicy.teacher_losses``): the registry record, options, projection
-  tables (xtoken, gold) and the teacher-output spec (plus the realised token's log-prob, which
-  every on-policy teacher ships: `scoring.scoring_spec`);
-- per teacher a `TeacherView` when its tokenizer differs from the student's (on-the-fly
-  alignment: its tokenizer, its slot length, its chat template for chat prompts, the stop id
-  paired with the student's), None when it is the student's own (the sampled ids are scored
-  as they are).
-
-What cannot run (a same-tokenizer mode on another tokenizer, a projection mode without its
-file, a mixture of other tokenizers, no teacher with a weight) was refused before any model
-loaded, by the config's rules (`trainer.config.rules`).
+Per teacher with a non-zero weight, one `KDTerm` for its on-policy mode, whose teacher spec
+adds the realised token's log-prob, and a `TeacherView` where its tokenizer differs from the
+student's (None: the sampled ids are scored as they are). What cannot run was refused by the
+config's rules (`trainer.config.rules`) before any model loaded.
 """
 
 from __future__ import annotations
@@ -66,9 +55,9 @@ def build_teachers(
     student_chat: ChatSide | None,
     max_len: int,
 ) -> OnPolicyTeachers:
-    """Terms and views of the on-policy teachers (see the module docstring). ``max_len``: the
-    longest student row of a rollout; a teacher's slot holds twice that (another tokenizer may
-    need more tokens for the same bytes; a longer rollout is dropped and counted)."""
+    """Terms and views of the on-policy teachers, one per teacher with a weight. ``max_len``:
+    the longest student row of a rollout; a teacher's slot holds twice that (another tokenizer
+    may need more tokens for the same bytes; a longer rollout is dropped and counted)."""
     op = cfg.onpolicy
     terms, views = [], []
     topk = 0

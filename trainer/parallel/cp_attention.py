@@ -1,31 +1,10 @@
 """Model-level context parallelism: an attention function registered with transformers.
 
-Under CP each rank runs the model on its T / CP positions of every row, in the load-balanced
-layout of `tokenbridge.dist_ops.context_parallel` (pieces r and 2 CP - 1 - r), with their GLOBAL
-position ids (so RoPE rotates every token as in the whole sequence). Everything in a decoder
-layer is per position except attention, which needs the keys and values of earlier positions
-held by other ranks. This is the all-gather form of CP (as Llama 3 was trained): in every layer
-
-- K and V (this rank's positions, local heads under TP) are all-gathered over the cp group into
-  natural order, [B, H_kv, T, D] (`cp_all_gather`; its backward is a reduce-scatter, the sum of
-  every rank's gradient for this rank's keys, because the objective sums the ranks' terms);
-- the queries stay local, and a mask built once per forward lets local query i (global position
-  p_i) see key j iff j <= p_i (and, for sliding-window layers, p_i - j < window): causal by
-  global positions, whatever the layout;
-- SDPA runs once per local piece, on the keys up to the piece's end only: piece j of P
-  positions costs P * (j + 1) P, so each rank does (2 CP + 1) P^2 of the (2 CP)^2 P^2 / 2
-  causal work - balanced, and without the masked-out half a single [L, T] call would compute.
-
-It runs wherever SDPA and the collectives run (gloo on CPU, NCCL on GPU). Communication per
-layer is an all-gather of K and V, (CP - 1) / CP of [B, H_kv, T, D] twice: small next to the
-activations for grouped-query attention. A ring (K/V passed rank to rank, overlapped with
-compute) saves that memory on long sequences; torch's ring attention is CUDA-only.
-
-The function is registered once under `CP_ATTENTION` (`register`); `parallel.apply_cp` switches
-a model to it. A forward without the ``cp_attention`` keyword (whole sequences: eval, sampling)
-falls back to transformers' SDPA function with transformers' own masks, so the same model object
-serves both. Padding needs no key mask: rows are right-padded and causal, so a real position
-never sees a pad.
+Under CP each rank runs the model on its positions of every row (the load-balanced layout, with
+global position ids). Everything in a decoder layer is per position except attention, so this
+function all-gathers K and V over the cp group and masks by global positions; a forward without
+the ``cp_attention`` keyword falls back to transformers' SDPA. How, and what it costs:
+docs/parallelism.md, "Context parallel".
 
 Legend: B rows, H heads (local under TP), K K/V heads, L = T / CP local positions, T positions,
 D head dim, P = T / (2 CP) positions of a piece.
@@ -44,7 +23,7 @@ from tokenbridge.dist_ops.collectives import Group
 from tokenbridge.dist_ops.context_parallel import cp_all_gather, cp_piece_bounds, cp_positions
 
 if TYPE_CHECKING:
-    from trainer.microbatches import StudentRows
+    from trainer.data.microbatches import StudentRows
 
 CP_ATTENTION = "tokenbridge_cp"
 
@@ -144,6 +123,8 @@ def cp_attention_forward(
     if kwargs.get("softcap") is not None:
         raise ValueError("context-parallel attention (SDPA) has no attention-logit softcapping")
     cp = cp_attention
+    # natural order, [B, K, T, D]; the backward is a reduce-scatter, the sum of every rank's
+    # gradient for this rank's keys, because the objective sums the ranks' terms
     key_BKTD = cp_all_gather(key_BKLD, cp.group, dim=2)
     value_BKTD = cp_all_gather(value_BKLD, cp.group, dim=2)
     n_rep = query_BHLD.shape[1] // key_BKTD.shape[1]
@@ -151,7 +132,9 @@ def cp_attention_forward(
     masks = cp.piece_masks(query_BHLD.dtype, sliding_window)
     outs = []
     for (lo, hi, k_end), mask_11PT in zip(cp.pieces, masks):
-        # a piece sees no key past its own end: those keys are not computed at all
+        # a piece sees no key past its own end: those keys are not computed at all. Piece j of
+        # P positions costs P (j + 1) P, so each rank does (2 CP + 1) P^2 of the (2 CP)^2 P^2 / 2
+        # causal work: balanced, without the masked-out half one [L, T] call would compute
         outs.append(
             F.scaled_dot_product_attention(
                 query_BHLD[:, :, lo:hi],
@@ -194,6 +177,7 @@ def model_inputs(rows: StudentRows, *, group: Group) -> dict:
         cp_rank=rows.cp_rank,
         device=rows.input_ids_BL.device,
     )
+    # no key padding mask: rows are right-padded and causal, so a real position never sees a pad
     return {
         "input_ids": rows.input_ids_BL,
         "position_ids": rows.position_ids_BL,

@@ -1,40 +1,12 @@
 """How a CPU rank's cores are shared by the student and its teacher workers (``parallel.threads``,
 ``parallel.cpu_split``).
 
-A teacher worker is a process of its own next to its student rank (`trainer.teacher.worker`).
-Where the two compute at once -- off-policy KD, whose teacher runs a microbatch ahead
-(`trainer.teacher.dispatch.Feed`), and on-policy with ``lag: 1``, whose teacher scores the next
-rollouts while the student learns -- two OpenMP teams that each take every core fight for them:
-OpenMP's barriers wait for every thread of a team, so a team stalls whenever the other
-process has one of its cores, and libgomp's idle threads spin 5-10 ms after each parallel region
-before they sleep, holding a core the other team is waiting for. Measured (SmolLM2-135M student,
-Gemma-3-270M teacher, `conf=onpolicy_demo`, 2-core AMD EPYC, torch's default of 2 threads each):
-an on-policy step took 9-24 s with lag 1 against 5.6 s with lag 0.
-
-`plan` gives them threads that add up to the cores where they compute at once: each worker
-``cores // (workers + 1)``, the student the rest; everywhere else every process keeps all the
-cores. Off-policy, that is the student's whole run. On-policy with lag 1 the overlap is
-arranged to be the sampling (`trainer.onpolicy.rollout_source`: the teachers score this step's
-rollouts while the student samples the next step's, and the update runs alone on every core),
-because sampling gains least from a second thread (its decode steps read the weights: memory,
-not arithmetic, bounds them) and the update most. Measured there (demo models, one step):
-lag 0, 2 threads each, ~5.6 s (sample 1.9 + teacher 1.2 + update 2.3); lag 1 with the update
-on 1 thread next to the teacher on 1, 5.9 s (the update, 3.6 s on one thread, was the critical
-path); 2 + 1 threads there (not adding up), 6.8 s. An explicit ``parallel.threads`` is used as
-it is, everywhere.
-
-The cores are not pinned (``os.sched_setaffinity``): the thread counts are what stops the fight,
-and unpinned threads can move away from a core that another job on the machine is using.
-
-`OPENMP_ENV` bounds the spinning itself: an idle OpenMP thread sleeps after ~0.3 ms (libgomp's
-``GOMP_SPINCOUNT``; measured CPU time burnt by 2 threads going idle: 5-10 ms by default, 0.3 ms
-at 10,000) rather than sleeping at once: ``OMP_WAIT_POLICY=PASSIVE`` made a 2-thread decode step
-of the sampler 2.4x slower (29 -> 70 ms: every matmul woke the other thread with a futex). Read
-by OpenMP when torch is first imported, so it is set in a worker's environment before it starts
-(`trainer.teacher.worker`) and by ``trainer/main.py`` before it imports torch; a value the user
-set is kept. ``KMP_BLOCKTIME`` (ms) is the same knob for builds of torch on Intel's OpenMP.
-
-No torch import at module level: ``trainer/main.py`` reads `OPENMP_ENV` before torch loads.
+Where a student and its teacher workers compute at once (off-policy KD, whose teacher runs a
+microbatch ahead; on-policy ``lag: 1``, whose teachers score while the student samples), two
+OpenMP teams that each take every core fight for them. `plan` gives them threads that add up to
+the cores there, and every core to each process elsewhere; `OPENMP_ENV` keeps idle threads from
+spinning long. The figures behind both sit beside them. No torch import at module level:
+``trainer/main.py`` reads `OPENMP_ENV` before torch loads.
 """
 
 from __future__ import annotations
@@ -44,6 +16,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+# An idle OpenMP thread sleeps after ~0.3 ms (libgomp's GOMP_SPINCOUNT; measured CPU time burnt
+# by 2 threads going idle: 5-10 ms by default, 0.3 ms at 10,000) rather than at once:
+# OMP_WAIT_POLICY=PASSIVE made a 2-thread decode step of the sampler 2.4x slower (29 -> 70 ms:
+# every matmul woke the other thread with a futex). OpenMP reads these when torch is first
+# imported, so they are set in a worker's environment before it starts (`trainer.teacher.worker`)
+# and by trainer/main.py before it imports torch. KMP_BLOCKTIME (ms) is the same knob for torch
+# builds on Intel's OpenMP.
 OPENMP_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 # the user's own choice of OpenMP waiting, kept as it is
 _USER_WAIT = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
@@ -63,6 +42,20 @@ class CpuPlan:
     worker: int | None  # each teacher worker
 
 
+# Why threads that add up: OpenMP's barriers wait for every thread of a team, so a team stalls
+# whenever the other process holds one of its cores, and libgomp's idle threads spin 5-10 ms
+# after each parallel region, holding a core the other team waits for. Measured (SmolLM2-135M
+# student, Gemma-3-270M teacher, conf=onpolicy_demo, 2-core AMD EPYC, torch's default of 2
+# threads each): an on-policy step took 9-24 s with lag 1 against 5.6 s with lag 0.
+# With lag 1 the overlap is arranged to be the sampling (`trainer.onpolicy.side`: the teachers
+# score this step's rollouts while the student samples the next step's; the update runs alone
+# on every core), because sampling gains least from a second thread (its decode steps are bound
+# by reading the weights) and the update most. Measured there (demo models, one step): lag 0, 2
+# threads each, ~5.6 s (sample 1.9 + teacher 1.2 + update 2.3); lag 1 with the update on 1
+# thread next to the teacher on 1, 5.9 s (the update, 3.6 s on one thread, was the critical
+# path); 2 + 1 threads there (not adding up), 6.8 s.
+# The cores are not pinned (os.sched_setaffinity): the thread counts stop the fight, and
+# unpinned threads can move away from a core that another job on the machine is using.
 def plan(
     *, threads: int, split: str, workers: int, pipelined: bool, lag_one: bool, cores: int
 ) -> CpuPlan:
@@ -70,7 +63,7 @@ def plan(
     default for this process: the cores it may use, or ``OMP_NUM_THREADS``, which torchrun sets
     to 1 for several local ranks). ``pipelined``: off-policy workers compute a microbatch ahead
     of the student's whole step; ``lag_one``: on-policy workers score while the student samples
-    (see the module docstring)."""
+    (the comment above). An explicit ``threads`` is used as it is, everywhere."""
     if threads > 0:
         return CpuPlan(threads, threads, threads)
     if split == "off" or workers == 0 or not (pipelined or lag_one):

@@ -1,23 +1,10 @@
 """The one model of a rank's process groups: `ParallelGroups`, built from a device mesh or by hand.
 
-What each dimension means for the objective (see `collectives`):
-
-- `tp` (tensor parallel): ranks holding the same tokens and a slice of the weights and of the
-  vocabulary; the objective is replicated on them, so nothing is ever summed over tp.
-- `cp` (context parallel): ranks holding different positions of the same sequences (the
-  load-balanced layout of `context_parallel`).
-- `dp` (data parallel): ranks holding different sequences.
-
-`dp_cp` is the group of every rank that holds other tokens than this one (dp x cp), over which
-counts, losses and gradients are summed (FSDP shards the weights over it too): the loss
-invariant of `tokenbridge.losses.base.normalize`.
-
-The trainer builds its groups with `build_mesh` from one (dp_shard, cp, tp) `DeviceMesh` (TP
-fastest: the ranks of a TP group are adjacent, as in torchtitan and Megatron); the sub-meshes
-the torch APIs want (`parallelize_module`, `fully_shard`) come from the same object. The loss
-tests build `ParallelGroups` by hand from `launch.build_parallel_groups` (no mesh). A group of
-`None` is a dimension of size 1: single-process code takes the very same path, and the losses
-take their single-device fast path.
+The trainer's come from one (dp_replicate, dp_shard, cp, tp) `DeviceMesh`, TP fastest
+(`build_mesh`), which also gives the sub-meshes the torch APIs want; tests build them by hand
+(`trainer.parallel.spawn.build_parallel_groups`). A group of `None` is a dimension of size 1, so
+one process takes the very same path. What each dimension means for the objective, and which
+groups sum: docs/parallelism.md, "The mesh".
 """
 
 from __future__ import annotations
@@ -35,16 +22,24 @@ from tokenbridge.dist_ops.collectives import (
     group_size,
 )
 
-MESH_DIMS = ("dp_shard", "cp", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The process groups (and, in the trainer, the device mesh) of one rank; see the module doc.
+    """The process groups (and, in the trainer, the device mesh) of one rank.
 
-    `mesh`: the (dp_shard, cp, tp) `DeviceMesh` when built by `build_mesh`, else None.
-    `fsdp_mesh`: the mesh FSDP shards over (dp_shard, flattened with cp when cp > 1).
-    `dp_cp`: one group over dp x cp (None: reduce over `dp` then `cp`, or size 1).
+    `tp`: ranks holding the same tokens and a slice of the weights and of the vocabulary (the
+    objective is replicated on them: nothing is summed over tp). `cp`: ranks holding other
+    positions of the same sequences. `dp`: ranks holding other sequences.
+
+    `mesh`: the (dp_replicate, dp_shard, cp, tp) `DeviceMesh` when built by `build_mesh`.
+    `fsdp_mesh`: the mesh FSDP shards over (dp_shard, flattened with cp when cp > 1), 2-D
+    (dp_replicate, that) when the shards are replicated (HSDP).
+    `dp`: every data-parallel rank (dp_replicate x dp_shard).
+    `dp_cp`: one group over dp x cp, the ranks holding other tokens than this one, over which
+    counts, losses and gradients are summed (the loss invariant of
+    `tokenbridge.losses.base.normalize`); None: reduce over `dp` then `cp`, or size 1.
     `batch`: the ranks holding the same microbatch, cp x tp of one dp group (None: size 1); their
     teachers split its rows (`trainer.teacher.dispatch.SharedBatchTeacher`).
     """
@@ -108,19 +103,31 @@ def _group(mesh: DeviceMesh) -> Group:
     return mesh.get_group() if mesh.size() > 1 else None
 
 
-def build_mesh(device: torch.device, *, dp: int, cp: int = 1, tp: int = 1) -> ParallelGroups:
-    """A fresh (dp_shard, cp, tp) mesh over all ranks, and this rank's groups on it.
+def build_mesh(
+    device: torch.device, *, dp: int, cp: int = 1, tp: int = 1, replicate: int = 1
+) -> ParallelGroups:
+    """A fresh (dp_replicate, dp_shard, cp, tp) mesh over all ranks, and this rank's groups.
 
     Collective: every rank calls it with the same sizes. With cp > 1 FSDP shards over dp x cp
     (a flattened sub-mesh): the cp ranks of a dp group hold the same weights and must sum their
-    gradients, which the reduce-scatter over the flattened mesh does. `batch` is the cp x tp
-    sub-mesh, flattened when both are > 1.
+    gradients, which the reduce-scatter over the flattened mesh does. With `replicate` > 1 FSDP
+    gets the 2-D (dp_replicate, shard) mesh (HSDP), and `dp` / `dp_cp` span the replicas too:
+    the loss and its counts are summed over every data-parallel rank, as FSDP sums the
+    gradients (reduce-scatter over the shard dim, all-reduce over the replicas). `batch` is
+    the cp x tp sub-mesh, flattened when both are > 1.
     """
-    mesh = init_device_mesh(device.type, (dp, cp, tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, (replicate, dp, cp, tp), mesh_dim_names=MESH_DIMS)
+    shard = "dp_shard"
     if cp > 1:
-        fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)
+    if replicate > 1:
+        fsdp_mesh = mesh["dp_replicate", shard]
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_cp_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp") if cp > 1 else dp_mesh
     else:
-        fsdp_mesh = mesh["dp_shard"]
+        fsdp_mesh = dp_cp_mesh = mesh[shard]
+        dp_mesh = mesh["dp_shard"]
     if cp > 1 and tp > 1:
         batch_mesh = mesh["cp", "tp"]._flatten("cp_tp")
     else:
@@ -128,8 +135,8 @@ def build_mesh(device: torch.device, *, dp: int, cp: int = 1, tp: int = 1) -> Pa
     return ParallelGroups(
         tp=_group(mesh["tp"]),
         cp=_group(mesh["cp"]),
-        dp=_group(mesh["dp_shard"]),
-        dp_cp=_group(fsdp_mesh),
+        dp=_group(dp_mesh),
+        dp_cp=_group(dp_cp_mesh),
         batch=_group(batch_mesh),
         mesh=mesh,
         fsdp_mesh=fsdp_mesh,

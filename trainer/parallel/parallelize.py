@@ -1,45 +1,9 @@
-"""Process group start-up and the parallelism verbs applied to a plain HF causal LM.
+"""Process-group start-up and the parallelism verbs applied to a plain HF causal LM.
 
-Order (as in torchtitan): `apply_tp` with the model's plan, `apply_cp`, `apply_ac`,
-`apply_compile`, then `apply_fsdp` (FSDP2 ``fully_shard`` per decoder layer, then the root).
-Each later verb works on what the earlier ones left: AC wraps the TP-sharded blocks, compile
-traces the wrapped blocks, FSDP shards the compiled ones. The model code knows nothing of this;
-a per-model-type plan (a dict: module path inside a decoder layer -> style) does. The groups
-and the (dp_shard, cp, tp) device mesh are `tokenbridge.dist_ops.ParallelGroups` (`build_mesh`);
-the student and each teacher get their own, so a teacher may use another layout.
-
-Tensor parallel: attention heads and MLP columns split over tp (the layer plan), and the
-vocabulary too: the lm_head is column-parallel with its output left sharded (a DTensor,
-``Shard(-1)``: [B, T, V / tp] per rank), the input embedding row-parallel (each rank holds the
-same vocabulary rows as its lm_head shard; an id outside them reads zeros, summed over tp). Tied
-embeddings (SmolLM2, Gemma) stay ONE parameter: both styles shard the [V, H] weight on dim 0,
-so after sharding the lm_head points at the embedding's DTensor again and gets the gradient of
-both uses. The full [B, T, V] logits never exist on one rank in training.
-
-Context parallel: `apply_cp` routes attention through `trainer.parallel.cp_attention` (K and V all-gathered
-over cp, a causal mask by global positions); the caller feeds each rank its positions in the
-load-balanced layout with their global position ids (RoPE).
-
-Activation checkpointing (`apply_ac`): a wrapped decoder block keeps only its input for the
-backward and runs its forward again there, so the saved activations of a block (attention, the
-MLP's 3 x intermediate-wide tensors) do not live from the forward to the backward: about one
-block's worth at a time instead of one per layer, for one more forward of each wrapped block.
-The wrapper puts ``_checkpoint_wrapped_module.`` into the parameters' names; ``state_dict``
-(the wrapper's hooks) and DCP's ``get_state_dict`` strip it, so checkpoints and the export
-have the plain HF keys, and a checkpoint written with AC resumes without it and back;
-``named_parameters`` keeps it (`plain_name` takes it out where a name is looked up).
-
-Compile (`apply_compile`): each decoder block (after AC, so the recompute is traced too) is
-compiled on its own, as torchtitan does: the blocks share their compiled graphs, and the embedding,
-the lm_head and the losses stay eager. The first step pays the compile time (the doc of
-`apply_compile`).
-
-One code path for 1 and N processes: a plain ``python trainer/main.py`` becomes world size 1
-with an in-memory store. gloo on CPU, NCCL on GPU.
-
-Gradient scale: the step normalises every term itself (`tokenbridge.losses.base.normalize`),
-so FSDP must sum gradients over the data- and context-parallel ranks instead of averaging them
-(`apply_fsdp` sets the divide factor to 1).
+The verbs run in torchtitan's order, each on what the earlier ones left: `apply_tp` (the
+model's plan), `apply_cp`, `apply_ac` (wraps the TP-sharded blocks), `apply_compile` (traces the
+wrapped blocks), then `apply_fsdp` (shards the compiled ones). The model code knows nothing of
+this; a per-model-type plan (`TP_PLANS`) does. The layouts: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -66,10 +30,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.config.sections import AC_MODES
-from trainer.parallel import cp_attention
+from trainer.parallel import cp_attention, liveness
 
 # what `checkpoint_wrapper` inserts into a wrapped block's parameter names (torch's own constant
-# is private); `plain_name` takes it out again
+# is private). ``state_dict`` and DCP's ``get_state_dict`` strip it (checkpoints and the export
+# have the plain HF keys); ``named_parameters`` keeps it, so `plain_name` takes it out again
 AC_PREFIX = "_checkpoint_wrapped_module."
 
 # Styles per module path inside one decoder layer. "replicated_grad" marks parameters that stay
@@ -130,6 +95,8 @@ def init_distributed(device: torch.device, *, timeout_s: float = 600.0) -> tuple
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
+        # a heartbeat in the rendezvous store: a failed collective can name a lost peer
+        liveness.start(rank=dist.get_rank(), world=dist.get_world_size())
     else:  # plain `python trainer/main.py`: world size 1 of the same code path
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -195,8 +162,10 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
 
 
 def shard_vocab(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The lm_head column-parallel with vocab-sharded DTensor logits, the input embedding
-    row-parallel (vocabulary rows), one shared parameter when the two are tied (module doc)."""
+    """The lm_head column-parallel with vocab-sharded DTensor logits ([B, T, V / tp] per rank),
+    the input embedding row-parallel (the same vocabulary rows; an id outside them reads zeros,
+    summed over tp), one shared parameter when the two are tied (docs/parallelism.md, "Tensor
+    parallel")."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no lm_head to shard over the vocabulary")
@@ -244,8 +213,11 @@ def apply_cp(model: nn.Module, cp_size: int) -> None:
 def apply_ac(model: nn.Module, mode: str, *, every: int = 2) -> list[int]:
     """Wrap decoder blocks in non-reentrant activation checkpointing, in place in their
     ModuleList (so `decoder_layers` and FSDP's per-layer units find the wrappers); returns the
-    indices wrapped. ``full``: every block; ``every_n``: blocks i with i % `every` == 0 (a
-    memory/compute trade between none and full); ``none``: nothing.
+    indices wrapped. A wrapped block's saved activations (attention, the MLP's 3 x
+    intermediate-wide tensors) no longer live from forward to backward: about one block's worth
+    at a time instead of one per layer, for one more forward of each wrapped block. ``full``:
+    every block; ``every_n``: blocks i with i % `every` == 0 (a memory/compute trade between
+    none and full); ``none``: nothing.
 
     Non-reentrant (`torch.utils.checkpoint` with ``use_reentrant=False``): it takes keyword
     arguments (the CP layout reaches attention as one) and inputs that need no gradient, and
@@ -274,8 +246,9 @@ def plain_name(name: str) -> str:
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
     """``torch.compile`` each decoder block in place (``Module.compile``: names unchanged, no
-    ``_orig_mod.``), with ``fullgraph=True``: a block that cannot be traced whole is an error
-    at its first forward, not a silent fall-back to eager pieces. Shapes: torch's default, a
+    ``_orig_mod.``), as torchtitan does: the embedding, the lm_head and the losses stay eager.
+    With ``fullgraph=True``: a block that cannot be traced whole is an error at its first
+    forward, not a silent fall-back to eager pieces. Shapes: torch's default, a
     first graph for the first length and one dynamic graph after a second length is seen (rows
     are padded to `data.pad_to_multiple`).
 
@@ -323,8 +296,9 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """FSDP2 over `fsdp_mesh` (dp, or dp x cp flattened): one unit per decoder layer, then the
-    root (embeddings, final norm, lm_head). Gradients are summed, not averaged, over its ranks
-    (see the module doc)."""
+    root (embeddings, final norm, lm_head). Gradients are summed, not averaged, over its ranks:
+    the step normalises every term itself (`tokenbridge.losses.base.normalize`), so the divide
+    factor is 1."""
     for layer in decoder_layers(model):
         fully_shard(
             layer, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward

@@ -1,16 +1,9 @@
 """Launch helpers: spawn N local processes with a real process group, and build TP x CP x DP groups.
 
-Why: starting torch in a process costs seconds here, so tests and benchmarks start ONE group of
-processes and run many cases inside it. `spawn(fn, world_size=4)` runs `fn(rank, world_size,
-*args)` in fresh processes (start method "spawn", gloo on CPU or NCCL on CUDA), initialises the
-default process group through a file store, and returns every rank's (picklable) return value.
-A failure in any rank raises here with that rank's traceback.
-
-`build_parallel_groups(tp=, cp=, dp=)` creates the subgroups of one layout over the first
-tp * cp * dp ranks (rank = (dp_i * cp + cp_i) * tp + tp_i: TP fastest, as Megatron and
-torchtitan lay out their meshes). Every process of the default group must call it (new_group is
-collective), including ranks outside the layout, which get `None` back. Several layouts can thus
-live in one launch.
+Starting torch in a process costs seconds here, so tests and benchmarks start one group of
+processes and run many cases inside it: `spawn` returns every rank's result (a failing rank
+raises here with its traceback), and `build_parallel_groups` lets several layouts live in one
+launch.
 """
 
 from __future__ import annotations
@@ -68,7 +61,9 @@ def spawn(
     timeout_s: float = 120.0,
     threads: int = 1,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results.
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes (start method "spawn",
+    the default process group initialised through a file store); return their (picklable)
+    results.
 
     `fn` must be importable by module path (a module-level function). `timeout_s` bounds every
     collective, so a rank that diverges fails the launch instead of hanging it.
@@ -93,8 +88,10 @@ def layout_rank(tp_i: int, cp_i: int, dp_i: int, *, tp: int, cp: int) -> int:
 def build_parallel_groups(*, tp: int, cp: int, dp: int) -> ParallelGroups | None:
     """Subgroups of the TP x CP x DP layout over ranks [0, tp * cp * dp) of the default group.
 
-    Collective over the whole default group. Returns this rank's groups (`None` for a size-1
-    dimension), or `None` when this rank is outside the layout.
+    Collective over the whole default group (``new_group`` is): ranks outside the layout call it
+    too. Returns this rank's groups (`None` for a size-1 dimension), or `None` when this rank
+    is outside the layout. TP varies fastest (`layout_rank`), as in Megatron's and torchtitan's
+    meshes.
     """
     world = dist.get_world_size()
     need = tp * cp * dp

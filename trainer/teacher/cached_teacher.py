@@ -1,18 +1,10 @@
 """A teacher read from an offline cache (``teachers[i].cache``) instead of run.
 
-The third source of teacher outputs behind the feed (`trainer.teacher.dispatch`), beside the worker
-process and the in-process teacher: no process, no ring, no teacher weights. `CachedTeacher`
-takes the same microbatches the live teachers take and hands back the same `TeacherOutputs`
-fields, read row by row from the memory-mapped cache (`tokenbridge.formats.teacher_cache_reader`) by the
-microbatch's global shard rows, so any shuffle, data-parallel split and resume point read the
-right rows.
-
-`open_teacher_cache` is the preflight's check (before any model loads; that the loss mode can
-read a cache at all is a config rule, `trainer.config.rules`): the cache is complete, undamaged
-(its files' checksums, per ``data.verify``), was built from these shards, this teacher
-(tokenizer, weights, compute dtype), and holds what the mode's teacher spec asks for (k,
-temperature, target log-probs). Positions past a row's end get an "empty" distribution (no
-top-k slot, all mass in the tail, target 0): the losses never read them.
+The third source of teacher outputs behind the feed, beside the worker process and the
+in-process teacher: no process, no ring, no weights. Rows are read by the microbatch's global
+shard rows, so any shuffle, data-parallel split and resume point read the right ones; the
+preflight checks the cache against the run before any model loads (`open_teacher_cache`;
+docs/training.md, "Teacher cache").
 
 Legend: B rows, U teacher positions, K top-k.
 """
@@ -25,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenbridge.formats import value_checks as values
+from tokenbridge.formats import value_checks
 from tokenbridge.formats.fingerprints import weights_fingerprint
 from tokenbridge.formats.shard_schema import TokenizerInfo
 from tokenbridge.formats.shards import ShardSet
@@ -74,8 +66,10 @@ def open_teacher_cache(
     verify: str = "first_open",
     dtype: str,
 ) -> CacheSet:
-    """Teacher `index`'s cache, checked for this run (see the module docstring); its files'
-    checksums too unless `verify` (``data.verify``) is ``never``. `dtype`: the teacher's compute
+    """Teacher `index`'s cache, checked for this run: complete, built from these shards and this
+    teacher (tokenizer, weights, compute dtype), holding what the mode's teacher spec asks for
+    (k, temperature, target log-probs); its files' checksums too unless `verify`
+    (``data.verify``) is ``never``. `dtype`: the teacher's compute
     dtype on this run's device (``teachers[i].dtype`` resolved, `trainer.config.precision`),
     which the cache must have been built with."""
     where = f"teachers[{index}].cache"
@@ -156,13 +150,15 @@ class CachedTeacher:
         """The spec's fields [B, U_max, ...] for global shard `rows` (teacher lengths `lens`)."""
         spec = self.spec
         out = allocate_teacher_outputs(spec, len(rows), u_max)
-        if spec.topk:  # padding: an empty distribution (no top-k slot, all mass in the tail)
+        # padding past a row's end: an empty distribution (no top-k slot, all mass in the tail,
+        # target 0); the losses never read it
+        if spec.topk:
             out.topk_ids.fill_(-1)
             out.topk_logprobs.fill_(float("-inf"))
         for b, (g, n) in enumerate(zip(rows, lens)):
             got = self.cache.read(g)
             f = int(self.cache.file_of[g])
-            values.check_cached_row(
+            value_checks.check_cached_row(
                 got, vocab_size=spec.vocab_size, where=str(self.cache.files[f]),
                 row=int(self.cache.row_of[g]),
             )  # fmt: skip

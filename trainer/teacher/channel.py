@@ -1,31 +1,10 @@
 """The logit channel: a student rank's link to its teacher, over a ring of pre-allocated slots.
 
 ``submit`` copies a microbatch's teacher inputs into a free slot and starts the teacher on it;
-``receive`` hands back the outputs of the oldest one as zero-copy views of its slot; ``close``
-stops the teacher and frees the ring (`trainer.teacher.ring`). The teacher sits behind one of
-two backends with the same methods, chosen once, at construction:
-
-- ``WorkerProcess`` (`trainer.teacher.worker`, ``mode="process"``): the teacher in its own
-  process, on the student's device, one microbatch ahead; the ring in shared memory (CPU) or
-  shared by CUDA IPC handle (GPU);
-- ``InProcessTeacher`` (``mode="inprocess"``, debugging): the teacher called inline on
-  ``submit``, the ring a plain tensor; the teacher's own exception propagates as is.
-
-Lifetime: ``receive()`` returns a ``Received`` whose ``outputs`` are views of a slot. They are
-valid until ``release()`` (or the end of its ``with`` block); after that the slot goes back to
-the ring and the next microbatch overwrites it — ``clone()`` anything that must outlive the
-block. The teacher is never more than ``depth`` microbatches ahead: ``submit`` needs a free
-slot, i.e. one that was received and released. Any failure of the teacher breaks the channel:
-later calls raise, naming the first error.
-
-Cleanup: the shared-memory segment's name is unlinked as soon as the worker has mapped it
-(`trainer.teacher.ring.ShmArena`: the memory lives on while either process maps it), so no
-ending leaves a file in /dev/shm or anything for Python's resource tracker to report.
-``close()`` (or the ``with`` block) stops the worker; an ``atexit`` hook closes channels left
-open, SIGTERM is turned into ``SystemExit`` so that hook and ``finally`` blocks run, Ctrl-C is a
-``KeyboardInterrupt`` as usual (the worker ignores SIGINT). If the student is SIGKILLed, the
-worker dies with it (PR_SET_PDEATHSIG). CUDA: ``teacher_s`` is the worker's launch time, not
-GPU time.
+``receive`` hands back the oldest one's outputs as zero-copy views of its slot; ``close`` stops
+the teacher and frees the ring. The teacher sits behind one of two backends with the same
+methods: its own process (`trainer.teacher.worker`), or an inline call for debugging. Lifetime,
+failure and cleanup: docs/parallelism.md, "The teacher channel".
 """
 
 from __future__ import annotations
@@ -148,11 +127,15 @@ class InProcessTeacher:
 
 @dataclass(eq=False)
 class Received:
-    """Outputs of one microbatch, viewing a ring slot. Valid until ``release()``."""
+    """Outputs of one microbatch, viewing a ring slot. Valid until ``release()`` (or the end
+    of its ``with`` block): the slot then goes back to the ring and the next microbatch
+    overwrites it, so ``clone()`` anything that must outlive the block."""
 
     seq: int
     slot: int
-    teacher_s: float  # seconds the teacher spent on this microbatch (forward + outputs)
+    # seconds the teacher spent on this microbatch (forward + outputs); on CUDA the worker's
+    # launch time, not GPU time
+    teacher_s: float
     _outputs: dict[str, torch.Tensor] | None = field(repr=False)
     _channel: TeacherChannel = field(repr=False)
 

@@ -1,19 +1,11 @@
-"""The feed: microbatches from the data stream to the teacher channels, one step ahead.
+"""The feed: microbatches from the data stream to the teacher sources, one step ahead.
 
-``open_teachers`` opens one teacher source per distillation term on this rank: a
-`TeacherChannel` to a worker process running `TeacherModelProgram` (or in-process, for
-debugging), wrapped as a `LiveTeacher`, or a `CachedTeacher` reading an offline cache
-(``teachers[i].cache``; `trainer.teacher.cached_teacher`). Both take a microbatch (``submit``) and hand
-back its outputs (``receive``), so the feed treats them alike. ``Feed`` draws microbatches from
-the loader into a small queue, prepares each term's per-microbatch input (its chunk index or
-mask: counts are known before any forward) and submits them as soon as a live teacher's ring
-slot is free, so the teacher computes microbatch i+1 while the student steps on microbatch i,
-across step boundaries too. A checkpoint records the data position before the first
-queued-but-unused microbatch (``position``).
-
-The cp and tp ranks of a dp group hold the same microbatch: each one's live teacher computes a
-share of its rows and the outputs are all-gathered over them (`SharedBatchTeacher`), so no row
-is computed twice.
+`open_teachers` opens one source per distillation term on this rank: a `LiveTeacher` over a
+channel (worker process or in-process) or a `CachedTeacher`; both take a microbatch and hand
+back its outputs, so the `Feed` treats them alike and submits each microbatch as soon as a live
+teacher's slot is free, across step boundaries too. The cp and tp ranks of a dp group share
+their microbatch's rows between their teachers (`SharedBatchTeacher`), so no row is computed
+twice.
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ import torch.distributed as dist
 
 from tokenbridge.dist_ops.collectives import group_rank, group_size
 from trainer.config.schema import TrainConfig
+from trainer.data.microbatches import Microbatch
 from trainer.loss_terms import KDTerm
-from trainer.microbatches import Microbatch
 from trainer.teacher.cached_teacher import CachedTeacher
 from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel, starting_together
 from trainer.teacher.model_program import TeacherModelProgram

@@ -1,35 +1,12 @@
 """The teacher program: what a teacher computes for the loss, in a worker or in-process.
 
-One compute path for the trainer, the tests and the benchmarks. ``TeacherModelProgram`` builds a
-configured teacher (pretrained, or tiny random like the student; frozen), optionally tensor-
-parallel over the teachers' own process group, and turns its logits into the loss mode's
-teacher outputs (`tokenbridge.teacher.outputs`): never full-vocabulary fp32 logits, only what
-the loss reads (top-k + tail, columns, the realised next token's log-prob), through the one
-`tokenbridge.teacher.forward.teacher_forward`. Off-policy and on-policy teachers run the same
-program: on-policy top-k asks for the teacher's log-probs at the student's own top-k ids, which
-differ per position and per step, so they travel in the slot (``col_ids`` [B, U, N]) instead of
-being fixed when the worker starts.
+`TeacherModelProgram` builds a configured teacher (pretrained or tiny random, frozen, tensor-
+parallel over the teachers' own process group when its tp > 1) and turns its logits into only
+what the loss reads (`tokenbridge.teacher.forward.teacher_forward`), never full-vocabulary
+logits: one compute path for the trainer, the tests and the benchmarks, off-policy and on-policy
+alike (docs/parallelism.md, "Teachers and their layouts").
 
-Under tensor parallelism (``tp > 1``, over the teachers' own process group) the lm_head is
-column-parallel too (`parallelize.apply_tp`): each teacher rank holds [B, chunk, V_teacher / tp]
-logits, and the outputs are computed on that shard with the TP group (`teacher_outputs_from_
-logits(tp_group=)`): top-k over the sharded vocabulary (local top-k, candidates gathered),
-logZ by a distributed logsumexp, projected / exact-map columns gathered at their global ids,
-tail and rest masses as distributed logsumexps. What every TP rank then holds, and ships, is
-the same small per-position record as at tp = 1; the full teacher logits are never gathered.
-
-Layouts: the teacher ranks of a TP group may serve student ranks with different microbatches
-(another dp or cp layout than the student's): each call gathers the group's inputs, runs them
-all, and keeps its own rows, so the student receives its rows whatever the two layouts. A
-teacher runs whole rows; the student ranks that hold the same microbatch (cp x tp) give their
-teachers a share of its rows each and gather the outputs (`trainer.teacher.dispatch`), and a
-context-parallel student takes its own positions of them (`TeacherOutputs.cp_shard`, for the
-per-position modes).
-
-The program is a ``TeacherProgram`` (`trainer.teacher.worker`): picklable and light until
-``setup``, which loads the model where the program runs.
-
-Legend: B rows, U teacher positions, V teacher lm_head width, H hidden size, N columns.
+Legend: B rows, U teacher positions, V teacher lm_head width, N columns.
 """
 
 from __future__ import annotations
@@ -41,15 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenbridge import models
 from tokenbridge.teacher.forward import teacher_forward
 from tokenbridge.teacher.outputs import (
     TeacherOutputSpec,
     teacher_output_fields,
 )
 from trainer.config.schema import TeacherConfig
-from trainer.parallel import parallelize
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.sharded_build import build_teacher
 from trainer.teacher.ring import TensorSpec
 from trainer.teacher.worker import TeacherContext
 
@@ -60,8 +36,10 @@ class TeacherModelProgram:
 
     ``columns``: the global column ids [N] the spec asks for (the exact-map teacher ids of
     `gold`), or None; a spec with per-position columns takes them as an input instead
-    (``col_ids`` [B, U, N] int32, -1 = none). ``max_batch`` / ``max_len`` bound a microbatch
-    and size the ring.
+    (``col_ids`` [B, U, N] int32, -1 = none): on-policy top-k asks for the teacher's log-probs
+    at the student's own top-k ids, which differ per position and per step, so they travel in
+    the slot rather than being fixed when the worker starts. ``max_batch`` / ``max_len`` bound
+    a microbatch and size the ring.
 
     Tensor parallel (``model_cfg.tp > 1``): the teachers of a TP group may serve student ranks
     with different microbatches, so each call all-gathers the group's inputs (padded to a common
@@ -118,22 +96,19 @@ class TeacherModelProgram:
         return {k: TensorSpec(shape, dtype) for k, (shape, dtype) in fields.items()}
 
     def setup(self, ctx: TeacherContext) -> None:
-        model = models.freeze(
-            models.build_model(
-                self.model_cfg, dtype=models.torch_dtype(self.dtype), device=ctx.device
-            )
-        )
+        # built on the meta device, TP-sharded there, then each rank reads only its shards
+        # (`trainer.parallel.sharded_build.build_teacher`)
         tp = self.model_cfg.tp
+        tp_mesh = None
         if tp > 1:
             if not dist.is_initialized():
                 raise RuntimeError(f"teacher {self.model_cfg.name}: tp={tp} needs a process group")
             world = dist.get_world_size()
             groups = build_mesh(ctx.device, dp=world // tp, tp=tp)
-            parallelize.apply_tp(
-                model, groups.tp_mesh, parallelize.tp_plan(model.config.model_type)
-            )
-            self._tp_group = groups.tp
-        self._model = model
+            tp_mesh, self._tp_group = groups.tp_mesh, groups.tp
+        self._model = build_teacher(
+            self.model_cfg, dtype=self.dtype, device=ctx.device, tp_mesh=tp_mesh
+        )
 
     def __getstate__(self) -> dict:
         # only the recipe travels to the worker; the model is built there

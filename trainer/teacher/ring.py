@@ -1,23 +1,10 @@
 """The slot ring: pre-allocated memory that carries a teacher's outputs to a student rank.
 
-Why: a teacher's outputs for one microbatch are large (top-k, columns, log-probs over B x T) and
+A teacher's outputs for one microbatch are large (top-k, columns, log-probs over B x T) and
 pickling them through a pipe costs seconds at scale; here the student and its teacher share one
-buffer allocated once, and only a few integers (slot, sequence number, actual shapes) travel
-per microbatch (`trainer.teacher.worker`, `trainer.teacher.channel`). Two placements:
-
-- CPU: one POSIX shared-memory segment (``/dev/shm/tokenbridge_<pid>_<hex>``), created by the
-  student, mapped by the worker, then unlinked by the student at once (`ShmArena`), so nothing
-  is left behind however either ends (or a plain tensor when nobody else maps it);
-- GPU: one CUDA allocation on the student's device, shared with the worker once by its CUDA
-  IPC handle (torch.multiprocessing pickles CUDA tensors as IPC handles).
-
-The ring is described by two specs (name -> ``TensorSpec(shape, dtype)``, shapes at their
-maximum: max microbatch, max length) for the inputs the teacher reads and the outputs it writes.
-Each slot holds both; a microbatch may be smaller than the maximum, and is stored contiguously
-at the start of its region, so views stay contiguous.
-
-This module is the base of the package: the worker, the channel and the teacher program import
-it, and it imports none of them.
+buffer allocated once (a shared-memory segment on CPU, one CUDA allocation shared by IPC handle
+on a GPU), and only a few integers travel per microbatch. The base of the package: the worker,
+the channel and the teacher program import it, and it imports none of them.
 """
 
 from __future__ import annotations
@@ -205,7 +192,10 @@ def shm_mappings(pid: int | str = "self") -> dict[str, int]:
 
 
 class SlotRing:
-    """Typed views into the slots of one arena, per the layout."""
+    """Typed views into the slots of one arena, per the layout. Each slot holds both specs'
+    tensors (name -> ``TensorSpec``, shapes at their maximum: max microbatch, max length); a
+    smaller microbatch is stored contiguously at the start of its region, so views stay
+    contiguous."""
 
     def __init__(self, layout: SlotLayout, arena_u8: torch.Tensor, *, shm: ShmArena | None = None):
         if arena_u8.numel() < layout.total_nbytes:

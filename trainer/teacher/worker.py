@@ -2,34 +2,9 @@
 
 Why a process: the teacher's forward for microbatch i+1 overlaps the student's step on
 microbatch i, the teacher may be sharded differently from the student (its own process group),
-and a teacher that crashes or hangs must not take the student down silently. The student side
-(``WorkerProcess``) spawns the worker, sends it per microbatch only ``(seq, slot, shapes)`` over a
-pipe, and while waiting polls both the pipe and the process's liveness, so a dead worker is an
-error within ``poll_s`` and a hung one within the timeout it is given. ``WorkerProcess`` is one
-of the two backends of `trainer.teacher.channel.TeacherChannel` (the other calls the teacher
-inline); this module knows only the ring (`trainer.teacher.ring`), never the channel.
-
-What the worker computes is a ``TeacherProgram``: a picklable recipe, light until ``setup`` (which
-runs in the worker and loads the model), with the input/output specs that size the ring — the
-trainer's `trainer.teacher.model_program.TeacherModelProgram`, or any object with these four methods
-(the channel benchmark ships a fixed payload).
-
-Teacher process groups: give each rank's channel a ``TeacherGroup`` (same ``init_method`` and
-``world_size`` on every rank, ``rank`` = the student rank) and the workers call
-``init_process_group`` among themselves. Inside a worker that group is the default group
-(``dist.group.WORLD``); it is handed to ``TeacherProgram.setup`` as ``ctx.group`` so the program
-can build its own device mesh / TP layout, independent of the student's mesh. The workers are
-daemonic, so they cannot start processes of their own.
-
-The worker drops the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*...)
-it inherits from a torchrun student, so nothing in it can join the student's rendezvous by
-accident; its only process group is the ``TeacherGroup`` it is given.
-
-Failure and cleanup: errors inside the worker come back with its traceback text; it ignores
-SIGINT (Ctrl-C reaches the whole process group; the student decides), dies with its parent on
-Linux (``PR_SET_PDEATHSIG``; the parent is the *thread* that started it, so start channels from
-the main thread), and exits when the pipe closes. CUDA: the two processes' streams are ordered
-by interprocess events, one per slot and direction.
+and a teacher that crashes or hangs must not take the student down silently. Per microbatch
+only ``(seq, slot, shapes)`` travel over a pipe. This module knows only the ring, never the
+channel (docs/parallelism.md, "The teacher worker").
 """
 
 from __future__ import annotations
@@ -49,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp  # registers the reductions that send CUDA tensors/events as IPC handles
+import torch.multiprocessing  # registers the reductions that send CUDA tensors/events as IPC handles
 
 from trainer.parallel.cpus import child_env, openmp_env
 from trainer.teacher.ring import (
@@ -143,7 +118,7 @@ class WorkerProcess:
             with torch.cuda.device(device):
                 events = [torch.cuda.Event(interprocess=True) for _ in range(ring.layout.depth)]
         # spawn, not fork: the student may hold threads, CUDA contexts and process groups.
-        ctx = tmp.get_context("spawn")
+        ctx = torch.multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main,
@@ -306,7 +281,9 @@ def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+            # 1 = PR_SET_PDEATHSIG. The "parent" is the *thread* that started the worker, so
+            # channels are started from the main thread
+            libc.prctl(1, int(signal.SIGKILL))
         except OSError:
             pass
     if os.getppid() != parent_pid:

@@ -1,23 +1,11 @@
 """An int8 copy of the student's projections for sampling on CPU (``onpolicy.sampler_weights:
 int8``).
 
-Why: a decode step at a few live rows reads every weight once and does little arithmetic with
-it, so its time is the weights' bytes over the memory bandwidth (`trainer.onpolicy.decode`).
-fbgemm's dynamic-quantized linear (int8 weights, each row with its own scale; the activations
-quantized per call) reads a quarter of fp32's bytes and reaches the bandwidth where fp32 skinny
-products do not. Measured on the 2-core AMD EPYC (Zen 4), one thread, two rows, another job on
-the other core: SmolLM2-135M's q/k/v product 23 us vs 128 us fp32 weight-major, gate/up 42 vs
-342 us, the 49k-row lm_head 0.97 vs 5.6 ms; outputs within ~1.5% of fp32's (max relative).
-
-The activations are quantized per call, over the live rows together, so a row's draws depend
-on the rows beside it (still seeded and reproducible for the same batch). torch marks these
-quantized ops deprecated (for torchao); `int8_available` checks that the build has them.
-
-The copy is made from the current weights every ``onpolicy.sampler_refresh`` rollout phases
-(`trainer.onpolicy.rollout_source`; a `LlamaDecoder` given no copy makes its own); its
-distribution is not the trained model's, so the sampler records the
-log-probability of every token it drew and the step weights each position's loss by the
-likelihood ratio of the completion before it (`trainer.onpolicy.importance`).
+A decode step at a few live rows is bound by reading the weights; fbgemm's dynamic-quantized
+linear (int8 weights with a scale per row, activations quantized per call) reads a quarter of
+fp32's bytes and reaches the memory bandwidth where fp32's skinny products do not. Its
+distribution is not the trained model's, so the step weights each position by its likelihood
+ratio (`trainer.onpolicy.importance`; docs/onpolicy.md, "Sampling from an int8 copy").
 """
 
 from __future__ import annotations
@@ -34,14 +22,21 @@ BLOCK_ROWS = 4096  # rows quantized at a time (16 MB of float32 at SmolLM2's wid
 
 
 def int8_available() -> bool:
-    """Can this torch build run fbgemm's dynamic int8 linear (x86 CPU builds can)?"""
+    """Can this torch build run fbgemm's dynamic int8 linear (x86 CPU builds can)? torch marks
+    these quantized ops deprecated (for torchao)."""
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
         torch.ops.quantized, "linear_dynamic"
     )
 
 
 class Int8Linear:
-    """``x @ cat(weights).T + bias`` through one packed int8 matrix (per-row scales)."""
+    """``x @ cat(weights).T + bias`` through one packed int8 matrix (per-row scales).
+
+    Measured on the 2-core AMD EPYC (Zen 4), one thread, two rows, another job on the other
+    core: SmolLM2-135M's q/k/v product 23 us vs 128 us fp32 weight-major, gate/up 42 vs 342 us,
+    the 49k-row lm_head 0.97 vs 5.6 ms; outputs within ~1.5% of fp32's (max relative). The
+    activations are quantized per call, over the live rows together, so a row's draws depend
+    on the rows beside it (still seeded and reproducible for the same batch)."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None):
         rows = [w.detach() for w in weights]

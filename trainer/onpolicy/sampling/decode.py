@@ -1,31 +1,11 @@
 """The sampler's model side: prefill the prompts once, then one token per live row per step.
 
-`sampler.sample` owns the loop (draws, stops, seeds, TP broadcast); a decoder (`make_decoder`:
-one of the two below) owns the model and its KV cache behind four verbs: ``prefill`` (the last position's logits of left-padded
-prompts), ``repeat`` (each row n times, for n samples of one prefill), ``keep`` (rows that
-stopped leave the batch) and ``step`` (feed one token per live row, get its next logits).
-
-- `HFDecoder`: any HF causal LM through its own forward and ``DynamicCache``. The generic path,
-  and the one under tensor parallelism (a vocab-sharded logits DTensor is gathered) or while
-  parameters are still FSDP-sharded (outside `sampler.gathered`).
-- `LlamaDecoder`: Llama-family students (SmolLM2, Mistral, Qwen2: `LEAN_TYPES`) with whole
-  parameters, through their own weights or (``weights="int8"``) an int8 copy of every
-  projection made at construction (`trainer.onpolicy.int8`). The
-  prefill is the HF forward (its cache copied once into a preallocated one); each decode step
-  is a lean loop over the model's own weights, same math in the same dtype (no copy of the
-  weights, so nothing to refresh after an optimizer step). Why: a decode step reads every
-  weight once (538 MB of fp32 for SmolLM2-135M), and the floor is that read; HF's step spends
-  most of its time in skinny products ``x @ W.T`` at a few rows, whose speed depends on the
-  BLAS library, the CPU and the form of the product (`trainer.onpolicy.orient`: on the AMD EPYC
-  the weight-major form ``W @ x.T`` is 2-4x faster, on the Intel Xeon ``F.linear`` is 2x
-  faster; each process measures both once and keeps the faster). The static cache also removes
-  the ``torch.cat`` that grows every layer's cache every step, and the loop drops HF's
-  per-layer module, mask and cache bookkeeping (`bench/onpolicy/section.py`, part 1, puts the
-  step next to HF `generate` and the floor).
-
-The two agree to float rounding (a product's summation order differs); tested on tiny Llamas:
-the same tokens in float64, greedy and sampled, and near-equal logits in float32
-(tests/unit/test_onpolicy_decode.py).
+A decoder (`make_decoder`) owns the model and its KV cache behind four verbs: ``prefill`` (the
+last position's logits of left-padded prompts), ``repeat`` (each row n times, for n samples of
+one prefill), ``keep`` (rows that stopped leave the batch) and ``step`` (one token per live row
+in, its next logits out). `HFDecoder` takes any HF causal LM; `LlamaDecoder` is a lean loop over
+a Llama-family model's own weights, because a decode step at a few rows is bound by reading the
+weights (docs/onpolicy.md, "A step", 2).
 
 Legend: B live rows, P prompt positions, T cache positions (P + new tokens), V vocabulary
 kept, H hidden size, NH / KV query / key-value heads, G = NH / KV, D head size.
@@ -38,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from trainer.onpolicy import orient
-from trainer.onpolicy.int8 import Int8Weights, int8_available
+from trainer.onpolicy.sampling import orient
+from trainer.onpolicy.sampling.int8 import Int8Weights, int8_available
 
 # model_type -> the lean path applies (same blocks as Llama: RMSNorm, RoPE, GQA, gated SiLU MLP)
 # the same decoder layer as Llama's (pre-norm RMSNorm, RoPE from the model's rotary module,
@@ -54,7 +34,9 @@ def _full(logits: torch.Tensor) -> torch.Tensor:
 
 
 class HFDecoder:
-    """Any HF causal LM: its forward with a ``DynamicCache`` (see the module docstring)."""
+    """Any HF causal LM: its forward with a ``DynamicCache``. The generic path, and the one
+    under tensor parallelism (a vocab-sharded logits DTensor is gathered) or while parameters
+    are still FSDP-sharded (outside `sampler.gathered`)."""
 
     def __init__(self, model: nn.Module, *, vocab_size: int):
         self.model, self.vocab = model, vocab_size
@@ -148,14 +130,22 @@ def projection_groups(
 
 
 def int8_weights(model: nn.Module, *, vocab_size: int, threads: int | None = None) -> Int8Weights:
-    """An int8 copy of the model's decode products (`trainer.onpolicy.int8`), for `LlamaDecoder`."""
+    """An int8 copy of the model's decode products (`trainer.onpolicy.sampling.int8`), for `LlamaDecoder`."""
     return Int8Weights(projection_groups(model, vocab_size=vocab_size), threads=threads)
 
 
 class LlamaDecoder:
-    """The lean decode path for Llama-family models (see the module docstring). Build it with
-    `make_decoder`, which checks that it applies. ``weights``: "model" (its own weights, no
-    copy), "int8" (a copy made here) or an `Int8Weights` made earlier from this model."""
+    """The lean decode path for Llama-family models (`LEAN_TYPES`) with whole parameters. Build
+    it with `make_decoder`, which checks that it applies. ``weights``: "model" (its own weights,
+    no copy, so nothing to refresh after an optimizer step), "int8" (a copy made here) or an
+    `Int8Weights` made earlier from this model.
+
+    The prefill is the HF forward, its cache copied once into a preallocated one; each decode
+    step is a loop over the weights, the same math in the same dtype. A step reads every weight
+    once (538 MB of fp32 for SmolLM2-135M), so that read is its floor; HF's step spends most of
+    its time in skinny products ``x @ W.T`` at a few rows, whose form is measured here
+    (`orient`). The static cache also removes the ``torch.cat`` that grows every layer's cache
+    every step, and the loop drops HF's per-layer module, mask and cache bookkeeping."""
 
     def __init__(
         self,
@@ -315,7 +305,7 @@ def make_decoder(
     int8: Int8Weights | None = None,
 ):
     """The decoder for this model: the lean path when it applies (and ``lean``, and not under
-    TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.int8`) needs the lean path
+    TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.sampling.int8`) needs the lean path
     and fbgemm, and says why not in one line; ``int8``: a copy made earlier (else one is made
     here)."""
     lean_ok = lean and not tp and lean_applies(model, max_len=max_len)

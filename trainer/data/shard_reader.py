@@ -1,31 +1,27 @@
 """The rows of a shard directory for one data-parallel rank: the held-out split, random
 access to each row (memory-mapped), and the endless, shuffled, resumable stream of row indices.
 
-The shards (`tokenbridge.formats.shards`) are memory-mapped, never loaded whole; streamed
-shards (``data.stream``, `tokenbridge.formats.streamed_shards`) are mapped a file at a time as the
-rows reach them. Every row has a global index (files in order, rows in order). A row is held
-out for evaluation when a hash of its (doc id, window) falls under ``eval_fraction`` (and for
-validation under the next ``val_fraction``); of the rest, data-parallel rank r reads the rows
-whose index is r modulo the dp size, in order, through a bounded shuffle buffer drawn with a
-seeded RNG, epoch after epoch (an endless stream: every rank yields the same number of
-microbatches, which the collectives of FSDP need).
-
-The stream's whole position (epoch, cursor, the row indices in the buffer, the RNG state) is a
-small picklable dict, saved in checkpoints per dp rank, so a resumed run reads exactly the rows
-the uninterrupted run would have read. `trainer.microbatches` pads the rows into microbatches.
+Rows are numbered globally (files in order, rows in order). Of the rows not held out, dp rank r
+reads those whose index is r modulo the dp size, through a seeded bounded shuffle buffer, epoch
+after epoch: an endless stream, so every rank yields the microbatches FSDP's collectives need.
+The stream's whole position is a small dict saved per dp rank, so a resumed run reads exactly
+the rows the uninterrupted run would have read.
 """
 
 from __future__ import annotations
 
 import random
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tokenbridge.formats import shard_schema as S
-from tokenbridge.formats import value_checks as values
+from tokenbridge.formats import shard_schema, value_checks
+
+if TYPE_CHECKING:
+    from trainer.config.sections import DataConfig
 
 
 def held_out_set(
@@ -78,7 +74,8 @@ class StreamedTables:
 
 
 class ShardReader:
-    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped.
+    """Random access to the rows of a `tokenbridge.formats.shards.ShardSet`, memory-mapped, never
+    loaded whole (streamed shards, ``data.stream``: a file at a time, as the rows reach it).
 
     Each file is verified against its checksum when mapped (`ShardSet.read_table`, per
     ``data.verify``), and each record batch's values are checked (`tokenbridge.formats.value_checks`) the first
@@ -110,7 +107,7 @@ class ShardReader:
         if (f, b) not in self.checked:
             first = int(starts[b])
             batch = t.slice(first, int(starts[b + 1]) - first).to_batches()[0]
-            values.check_batch(
+            value_checks.check_batch(
                 batch, self.shard_set.meta, where=str(self.shard_set.files[f]), first_row=first
             )
             self.checked.add((f, b))
@@ -132,7 +129,9 @@ class ShardReader:
                 f"data.max_student_tokens={self.max_student_tokens}; re-run the align job with "
                 "shorter windows (--max-student-tokens) or raise the limit"
             )
-        return student, [longest(S.teacher_ids_column(k)) for k in range(self.num_teachers)]
+        return student, [
+            longest(shard_schema.teacher_ids_column(k)) for k in range(self.num_teachers)
+        ]
 
     def _window_limits(self) -> tuple[int, list[int]]:
         """Streamed shards: the align job's window limits (stats.json) bound every row, since
@@ -211,10 +210,10 @@ class ShardReader:
         for k in range(self.num_teachers):
             out["teachers"].append(
                 {
-                    "ids": self._list(t, S.teacher_ids_column(k), i),
-                    "chunk": self._list(t, S.teacher_chunk_column(k), i),
-                    "student_chunk": self._list(t, S.teacher_student_chunk_column(k), i),
-                    "n_chunks": t.column(S.teacher_n_chunks_column(k))[i].as_py(),
+                    "ids": self._list(t, shard_schema.teacher_ids_column(k), i),
+                    "chunk": self._list(t, shard_schema.teacher_chunk_column(k), i),
+                    "student_chunk": self._list(t, shard_schema.teacher_student_chunk_column(k), i),
+                    "n_chunks": t.column(shard_schema.teacher_n_chunks_column(k))[i].as_py(),
                 }
             )
         if self.is_chat:
@@ -229,11 +228,11 @@ class ShardReader:
     def _chat_columns(self, out: dict, t: pa.Table, i: int) -> None:
         """A conversation row's train codes and trained bytes, and each teacher's train codes
         and chunk kinds (in `out`, next to the ids they belong to)."""
-        out["train"] = self._list(t, S.STUDENT_TRAIN_COLUMN, i)
-        out["trained_bytes"] = int(t.column(S.TRAINED_BYTES_COLUMN)[i].as_py())
+        out["train"] = self._list(t, shard_schema.STUDENT_TRAIN_COLUMN, i)
+        out["trained_bytes"] = int(t.column(shard_schema.TRAINED_BYTES_COLUMN)[i].as_py())
         for k, teacher in enumerate(out["teachers"]):
-            teacher["train"] = self._list(t, S.teacher_train_column(k), i)
-            teacher["chunk_kind"] = self._list(t, S.teacher_chunk_kind_column(k), i)
+            teacher["train"] = self._list(t, shard_schema.teacher_train_column(k), i)
+            teacher["chunk_kind"] = self._list(t, shard_schema.teacher_chunk_kind_column(k), i)
 
     def text(self, row: int) -> str:
         f, i = self.locate(row)
@@ -247,18 +246,20 @@ class ShardStream:
         self,
         reader: ShardReader,
         *,
+        data: DataConfig,
         dp_rank: int,
         dp_size: int,
-        seed: int,
-        shuffle_buffer: int,
-        eval_fraction: float,
-        eval_split: str = "window",
-        val_fraction: float = 0.0,
-        eval_on: str = "test",
+        seed: int | None = None,
     ):
+        """``data``: the held-out split and the shuffle buffer; ``seed``: the shuffle's
+        (default ``data.seed``)."""
         self.reader = reader
+        seed = data.seed if seed is None else seed
         train, self.eval_rows = reader.split(
-            eval_fraction, by=eval_split, val_fraction=val_fraction, eval_on=eval_on
+            data.eval_fraction,
+            by=data.eval_split,
+            val_fraction=data.val_fraction,
+            eval_on=data.eval_on,
         )
         self.rows = train[dp_rank::dp_size]
         if reader.stream:  # the files this rank reads: the only ones fetched ahead
@@ -269,7 +270,7 @@ class ShardStream:
                 f"{len(self.eval_rows)} for eval) cannot feed {dp_size} data-parallel ranks"
             )
         self.layout = {"dp_rank": dp_rank, "dp_size": dp_size, "seed": seed, "rows": len(train)}
-        self.buffer_size = shuffle_buffer
+        self.buffer_size = data.shuffle_buffer
         self.epoch = 0
         self.cursor = 0
         self.buffer: list[int] = []
@@ -300,6 +301,40 @@ class ShardStream:
             "buffer": list(self.buffer),
             "rng": self.rng.getstate(),
         }
+
+    def reshard(self, saved: list[dict]) -> str | None:
+        """Continue from the positions every dp rank of another layout saved (a resume on
+        another world size). Exact when the rows were read in order (no shuffle buffer) and
+        every saved rank stood at the same epoch and cursor: they had read the first
+        ``dp_size x cursor`` rows of the epoch between them, and this layout reads on from
+        there. Otherwise this stream starts the epoch after theirs; the one-line note says
+        so (None when exact)."""
+        saved = list({p["layout"]["dp_rank"]: p for p in saved}.values())  # tp, cp ranks alike
+        same = {k: v for k, v in self.layout.items() if k in ("seed", "rows")}
+        olds = [p["layout"] for p in saved]
+        if any({k: o[k] for k in same} != same for o in olds):
+            raise ValueError(
+                f"data position saved for {olds[0]} cannot resume {self.layout} (other shards "
+                "or seed)"
+            )
+        epochs = {int(p["epoch"]) for p in saved}
+        read = sum(int(p["cursor"]) for p in saved)
+        exact = (
+            self.buffer_size == 0
+            and not any(p["buffer"] for p in saved)
+            and len(epochs) == 1
+            and len({int(p["cursor"]) for p in saved}) == 1
+            and read % self.layout["dp_size"] == 0
+        )
+        if exact:
+            self.epoch, self.cursor = epochs.pop(), read // self.layout["dp_size"]
+            return None
+        self.epoch, self.cursor, self.buffer = max(epochs) + 1, 0, []
+        return (
+            f"data: the position of {len(saved)} data-parallel ranks cannot be carried over "
+            f"exactly to {self.layout['dp_size']} (shuffled, or uneven); starting epoch "
+            f"{self.epoch}"
+        )
 
     def load_state_dict(self, state: dict) -> None:
         if state["layout"] != self.layout:

@@ -1,19 +1,10 @@
 """Checks that run before any model loads: files, tokenizers, fingerprints, layouts.
 
 A run that would fail at step 0 or later (a missing shard marker, shards or a projection made
-with another tokenizer, a TP size that does not split the heads or the vocabulary, a model
-whose attention cannot be sequence-sharded under CP, a damaged shard or checkpoint) fails here,
-in seconds, with a message that names the file and the field. Only tokenizers, shard metadata,
-projection tables and config.json files are read, plus, to verify them, the shard files
-(``data.verify``: `first_open` and `preflight` both hash them here, as the row-length scan maps
-every file) and the checkpoint to resume from (`trainer.checkpoint.checkpointer.find_resume`).
-The run's precision is resolved here for its device (`trainer.config.precision`): a teacher
-cache is checked against the dtype the teacher would run in.
-
-The config's rules are not restated here: the ones that need the number of processes or the
-tokenizers (a same-tokenizer loss on a pair with two vocabularies, a projection mode without its
-file) are `trainer.config.rules`' `check_world` and `check_tokenizers`, called first and as soon
-as the tokenizers load; what is here needs the files themselves.
+with another tokenizer, a TP size that does not split the heads, a damaged shard or checkpoint)
+fails here, in seconds, naming the file and the field. Only tokenizers, shard metadata,
+projection tables and config.json files are read, plus the files ``data.verify`` hashes and the
+checkpoint to resume from. The config's rules are called, never restated (`trainer.config.rules`).
 """
 
 from __future__ import annotations
@@ -35,9 +26,9 @@ from trainer.checkpoint.checkpointer import find_resume, folder_of, list_checkpo
 from trainer.config import rules
 from trainer.config.precision import Precision, resolve_precision
 from trainer.config.schema import ConfigError, ModelConfig, TrainConfig
+from trainer.data.remote_inputs import DEFAULT_DIR, localize
+from trainer.data.shard_reader import ShardReader
 from trainer.parallel import parallelize
-from trainer.remote_inputs import DEFAULT_DIR, localize
-from trainer.shard_reader import ShardReader
 from trainer.teacher.cached_teacher import open_teacher_cache
 
 
@@ -106,6 +97,8 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
     student = _tokenizer(cfg.model, "model")
     teachers = [_tokenizer(t, f"teachers[{i}]") for i, t in enumerate(cfg.teachers)]
     rules.check_tokenizers(cfg, student, teachers)  # each teacher's modes against its pair
+    # resolved here for the run's device: a teacher cache is checked against the dtype the
+    # teacher would run in
     precision = resolve_precision(cfg, device=parallelize.pick_device(cfg.device).type)
 
     student_hf = models.model_config(cfg.model)
@@ -139,6 +132,8 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
             cfg.data.shards,
             student=student.info(),
             teachers=[t.info() for t in teachers],
+            # first_open and preflight both hash the files here, as the row-length scan maps
+            # every file anyway
             verify=cfg.data.verify,
         )
         if teachers

@@ -1,17 +1,9 @@
-"""The trainer's inputs at object-store URLs: fetched once per node into a bounded local cache
-(`tokenbridge.remote_cache`), verified, then read from the local copy exactly as a local input
-(memory-mapped).
+"""The trainer's inputs at object-store URLs: fetched once per node into a bounded local cache,
+verified, then read from the local copy exactly as a local input (memory-mapped).
 
-``data.shards``, ``teachers[i].cache``, ``teachers[i].projection``, and the models
-(``model.path``, ``teachers[i].path``: directories marked by ``python -m tokenbridge.commands.verify
---mark``, `tokenbridge.remote_models`) may be ``s3://`` URLs
-(`tokenbridge.urls`: the standard AWS variables say where the store is and who asks). Before
-any model loads, `localize` replaces each URL in the config by its local copy under
-``data.cache_dir``, at most ``data.cache_limit_gb`` of it.
-
-With ``data.stream=true`` the shards are not fetched whole: `tokenbridge.formats.streamed_shards`
-fetches their index, then each file as the reader reaches it (the next one in the background),
-keeping at most ``data.stream_files`` of them on disk.
+Before any model loads, `localize` replaces each URL in the config by its local copy; with
+``data.stream=true`` the shards come one file at a time instead (docs/training.md, "Config
+keys").
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """The student's own sampler: batched, KV-cached, seeded, over a HF causal LM's forward.
 
-Why not ``model.generate``: its per-step machinery (input preparation, logits processors that
-sort the whole vocabulary for top-p, stopping criteria) costs more than the forward of a small
-model on CPU, finished rows keep being computed until the longest one ends, and its sampling
-draws from the global RNG, which a resumed run cannot replay without also replaying everything
-else that drew from it. Here:
-
-- the prompts are left-padded into one batch, prefilled once (only the last position's logits
-  are computed: ``logits_to_keep=1``), and with ``n_samples > 1`` the prefilled cache is
-  repeated per sample instead of prefilling each copy;
-- each step feeds one token per live row (`trainer.onpolicy.decode`: a lean loop over a
-  Llama-family model's own weights with a preallocated KV cache, ~2x the time it takes to read
-  the weights once; any other model through its HF forward and ``DynamicCache``); rows that
-  stop (a stop id: EOS, end-of-turn) leave the batch, so the cost follows the live rows, not
-  the longest one;
-- a token is drawn by inverse CDF (one uniform per row), and top-p never sorts the vocabulary:
-  a draw outside the nucleus is redrawn (exact; see `choose`);
-- every rollout draws from its own ``torch.Generator``, seeded by the caller from what the
-  rollout is (run seed, prompt, epoch, sample index), never from the global RNG: the same
-  prompt gets the same completion whatever batch, data-parallel rank or process it lands in,
-  and a resumed run samples exactly what the uninterrupted one would with nothing to restore;
-- under tensor parallelism (``tp_group``) vocab-sharded logits are gathered and each step's
-  tokens are broadcast from the group's first rank, so every rank of a TP group holds the same
-  tokens whatever the floating-point order of its reductions.
-
-`gathered` keeps an FSDP2 model's parameters unsharded for a whole rollout phase: without it
-every decoder layer is all-gathered again for every generated token.
+Not ``model.generate``: its per-step machinery costs more than a small model's forward on CPU,
+finished rows keep being computed, and it draws from the global RNG, which a resumed run cannot
+replay. Here rows that stop leave the batch, and every rollout draws from its own generator
+seeded by what the rollout is, so the same prompt gets the same completion in any batch, rank or
+resumed run with no sampler state to save (docs/onpolicy.md, "A step", 2).
 
 Legend: B live rows, P prompt positions, V lm_head width, K recorded top-k, N new tokens.
 """
@@ -43,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from trainer.onpolicy.decode import make_decoder
-from trainer.onpolicy.int8 import Int8Weights
+from trainer.onpolicy.sampling.decode import make_decoder
+from trainer.onpolicy.sampling.int8 import Int8Weights
 
 
 @dataclass(frozen=True)
@@ -210,7 +189,11 @@ def sample(
     int8: Int8Weights | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> Rollouts:
-    """Sample ``config.n_samples`` completions of every prompt (see the module docstring).
+    """Sample ``config.n_samples`` completions of every prompt: left-padded into one batch and
+    prefilled once (with ``n_samples > 1`` the prefilled cache is repeated per sample), then
+    one token per live row per step until it stops. Under tensor parallelism (``tp_group``)
+    each step's tokens are broadcast from the group's first rank, so every rank of a TP group
+    holds the same tokens whatever the floating-point order of its reductions.
 
     ``seeds``: one per rollout (prompt-major: prompt i's samples are rollouts
     i * n_samples ...), each rollout's own generator; None only when greedy.
@@ -221,7 +204,7 @@ def sample(
     ``int8``: with ``config.weights == "int8"``, a copy made earlier (`decode.int8_weights`);
     None: one is made from the current weights.
     ``on_step``: called before every decode step (the caller may change torch's threads there:
-    `rollout_source.OnPolicy.generate`); it must not draw from the rollouts' generators.
+    `trainer.onpolicy.side.OnPolicy.generate`, `ThreadRelease`); it must not draw from the rollouts' generators.
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
@@ -319,3 +302,21 @@ def gathered(model: nn.Module, *, reshard_after_forward: bool) -> Iterator[None]
             # the root never reshards after forward (`parallelize.apply_fsdp`: a chunked
             # lm_head's loss reads its weight in backward)
             m.set_reshard_after_forward(reshard_after_forward and m is not model, recurse=False)
+
+
+class ThreadRelease:
+    """A sampler's ``on_step``: once ``release()`` is true, torch's ``threads`` again (those it
+    had before `torch_threads` lowered them: the work beside the sampler is over)."""
+
+    def __init__(self, release: Callable[[], bool], *, threads: int):
+        self.release, self.threads = release, threads
+        self.t0, self.held_s = time.perf_counter(), None
+
+    def __call__(self) -> None:
+        if self.held_s is None and self.release():
+            torch.set_num_threads(self.threads)
+            self.held_s = time.perf_counter() - self.t0
+
+    def held(self) -> float:
+        """Seconds the lowered thread count was held (all along if never released)."""
+        return time.perf_counter() - self.t0 if self.held_s is None else self.held_s

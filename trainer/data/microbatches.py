@@ -1,17 +1,9 @@
 """Aligned shard rows -> padded microbatches, per data-parallel rank.
 
-The rows come from `trainer.shard_reader` (the held-out split, memory-mapped random access,
-the endless shuffled stream of one data-parallel rank); this module pads them into
-microbatches and keeps the stream's position for checkpoints.
-
-Under context parallelism the microbatch stays whole (the teachers read whole rows, and the
-chunk index is built from them); `Microbatch.student_rows` gives the student's share on one CP
-rank: its positions of every row in the load-balanced layout, with their global position ids.
-
-Conversation shards carry a train code per token: `train_targets` turns them into the target
-mask (a position keeps its target only if the token it predicts is trained), and each
-teacher's chunk kinds ride along in its `AlignedBatch` (`chunk_kinds`). Shards without these
-columns (text, schema version 1) train on every target, as before.
+The rows come from `trainer.data.shard_reader`'s stream; this module pads them and keeps the
+stream's position for checkpoints. A microbatch stays whole under context parallelism (the
+teachers read whole rows, and the chunk index is built from them); `Microbatch.student_rows`
+gives one CP rank its share.
 
 Legend: B rows in the microbatch, T student positions, U teacher positions, L = T / CP positions
 on one context-parallel rank.
@@ -25,9 +17,9 @@ import numpy as np
 import torch
 
 from tokenbridge.dist_ops.context_parallel import cp_positions, to_cp_layout
-from tokenbridge.formats import shard_schema as S
+from tokenbridge.formats import shard_schema
 from tokenbridge.losses.ops.segments import AlignedBatch
-from trainer.shard_reader import ShardStream
+from trainer.data.shard_reader import ShardStream
 
 IGNORE = -1  # target id of positions that are not trained on (as tokenbridge.losses expects)
 
@@ -167,8 +159,10 @@ def collate(
     targets[:, :-1] = ids[:, 1:]
     targets[pos_T[None, :] + 1 >= len_B[:, None]] = IGNORE
     train = None
-    if "train" in rows[0]:  # conversation rows: train only on the flagged tokens
-        train = _pad_rows([r["train"] for r in rows], T, S.TRAIN_NONE)
+    # conversation rows: train only on the flagged tokens; text shards (schema version 1) have
+    # no train codes and train on every target
+    if "train" in rows[0]:
+        train = _pad_rows([r["train"] for r in rows], T, shard_schema.TRAIN_NONE)
         targets = train_targets(targets, train)
     mb = Microbatch(
         ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [], train_BT=train
@@ -245,6 +239,10 @@ class MicrobatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["position"])
+
+    def reshard(self, saved: list[dict]) -> str | None:
+        """Continue from every dp rank's position of another layout (`ShardStream.reshard`)."""
+        return self.stream.reshard(saved)
 
 
 def pad_id(tokenizer) -> int:

@@ -1,26 +1,10 @@
 """Which of two equal forms a decode step's skinny products take on this machine, measured once.
 
-A decode step multiplies a few live rows by every weight of the model, ``x [B, K] @ W.T`` for
-each ``W [N, K]``: little arithmetic per byte read, so its time is how close the BLAS library
-gets to the memory bandwidth. That depends on the library, the CPU and the form of the product.
-Measured with MKL, fp32, two rows, one thread, SmolLM2-135M's weights out of cache:
-
-- 2-core AMD EPYC (Zen 4): the weight-major form ``(W @ x.T).T`` 2-4x faster than ``F.linear``
-  (~18 vs 2-7 GB/s; 4x on the 49k-row lm_head);
-- 2-core Intel Xeon (Sapphire Rapids): ``F.linear`` 2x faster than the weight-major form (the
-  fused q/k/v product 237 vs 442 us, gate/up 752 vs 1,445 us, the lm_head 9.7 vs 23.3 ms); a
-  decoder hard-coded for the AMD machine's choice sampled 1.8x slower than HF's own forward.
-
-So neither form is assumed: the first decode step at a given number of rows and threads times
-both over the model's own weights of each kind of product (every layer's, in order, as a step
-reads them: out of cache), and the faster is kept for the process (`tune`, `weight_major`).
-Cost: about three reads of the weights per form and row count (~0.3 s for SmolLM2-135M on
-these machines), once per process. Past `MAX_TUNED_ROWS` rows, or on another device than the
-CPU (cuBLAS has no such gap), ``F.linear``.
-
-Both forms give the same values up to float rounding (a product's summation order differs);
-tested in tests/unit/test_onpolicy_decode.py. A checkpoint keeps what was measured (`saved`,
-`restore`): a resumed run takes the same forms rather than a fresh, noisy measurement.
+A decode step multiplies a few live rows by every weight, ``x [B, K] @ W.T``: little arithmetic
+per byte read, so its time is how close the BLAS library gets to the memory bandwidth, and that
+depends on the library, the CPU and the form of the product. So neither form is assumed: each
+process times both over the model's own weights (`tune`) and keeps the faster; a checkpoint
+keeps what was measured (`saved`, `restore`).
 
 Legend: B rows, K input width, N output width (the products' weights side by side).
 """
@@ -79,7 +63,17 @@ def project(
 def tune(kinds: list[list[list[torch.Tensor]]], rows: int) -> None:
     """Measure both forms for ``rows`` rows, once per kind of product and thread count.
     ``kinds``: per kind (q/k/v, o, gate/up, down, lm_head), the weights of every layer's
-    product of that kind (`project`'s ``weights``)."""
+    product of that kind (`project`'s ``weights``), timed in order as a step reads them (out of
+    cache). Past `MAX_TUNED_ROWS` rows, or on another device than the CPU (cuBLAS has no such
+    gap), ``F.linear``. Cost: about three reads of the weights per form and row count (~0.3 s
+    for SmolLM2-135M on these machines), once per process.
+
+    Measured with MKL, fp32, two rows, one thread, SmolLM2-135M's weights out of cache: on the
+    2-core AMD EPYC (Zen 4) the weight-major form ``(W @ x.T).T`` is 2-4x faster than
+    ``F.linear`` (~18 vs 2-7 GB/s; 4x on the 49k-row lm_head); on the 2-core Intel Xeon
+    (Sapphire Rapids) ``F.linear`` is 2x faster (the fused q/k/v product 237 vs 442 us, gate/up
+    752 vs 1,445 us, the lm_head 9.7 vs 23.3 ms), and a decoder hard-coded for the AMD
+    machine's choice sampled 1.8x slower than HF's own forward."""
     for layers in kinds:
         first = layers[0]
         key = (rows, *shape(first), torch.get_num_threads())
