@@ -55,8 +55,8 @@ def _job_code(data: str, out: Path) -> str:
     t, s = str(paths.teacher_dir()), str(paths.student_dir())
     argv = ["--data", data, "--teacher", t, "--student", s, "--out", str(out), "--overwrite"]
     return (
-        "import json; from pipelines.align import job as J\n"
-        f"st = J.run({argv!r})\n"
+        "import json; from pipelines.align import job\n"
+        f"st = job.run({argv!r})\n"
         "print(json.dumps({'documents': st['documents'], 'windows': st['windows'],"
         " 'tokens': st['tokens']['student'] + sum(st['tokens']['teachers'])}))"
     )
