@@ -50,8 +50,8 @@ def write_chat_shards(
     without Beam. `teachers`: (model dir, chat template name or None = the model's own)."""
     from pipelines.align import chat_records as records
     from tokenbridge.chat import fit
-    from tokenbridge.chat import rows as R
     from tokenbridge.chat.align import align_conversations, prepare_side
+    from tokenbridge.chat.rows import DeadLetter, detect_format, parse_row
     from tokenbridge.chat.templates import resolve_template
 
     out = Path(out_dir)
@@ -63,8 +63,8 @@ def write_chat_shards(
         prepare_side(tok, resolve_template(t, override=o), name=f"teacher{i}")
         for i, (tok, (t, o)) in enumerate(zip(t_toks, teachers))
     ]
-    convs = [R.parse_row(r, fmt=R.detect_format(r), train_on=train_on) for r in rows]
-    bad = [c for c in convs if isinstance(c, R.DeadLetter)]
+    convs = [parse_row(r, fmt=detect_format(r), train_on=train_on) for r in rows]
+    bad = [c for c in convs if isinstance(c, DeadLetter)]
     if bad:
         raise ValueError(f"bad example rows: {bad}")
     batch = align_conversations(convs, student=student, teachers=sides, train_on=train_on)

@@ -38,12 +38,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from bench.common import PROJECTION, ensure_projection, run_trainer, shakespeare_docs
+from tests.e2e import procs
 from tests.e2e.helpers import REPO
 from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
 from tokenbridge import flops, models
 from tokenbridge.alignment.text_shards import write_text_shards
-from tokenbridge.formats import checksums as integrity
+from tokenbridge.formats import checksums
 from tokenbridge.formats.shards import open_shards
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.checkpoint import dcp_io
@@ -256,7 +257,7 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     entries = [p for p in Path(f"{run_dir}-cache").iterdir() if not p.name.startswith(".")]
     assert len(entries) == 3  # the streamed shards, the projection, step 4
     saved = s3_server.download(bucket, "ckpt/step-00000008", run_dir / "step-00000008")
-    assert [r for r in integrity.verify_dir(saved) if not r.ok] == []  # marker: every file
+    assert [r for r in checksums.verify_dir(saved) if not r.ok] == []  # marker: every file
     assert sorted(json.loads((saved / "COMPLETED").read_text())["checksums"]) == sorted(
         p.name for p in saved.iterdir() if p.name != "COMPLETED"
     )
@@ -273,38 +274,6 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def test_one_debug_step_enters_each_trainer_file_once(inputs):
     """One logging step of conf=debug traced call by call (`tests.e2e.step_trace`): on every
     call stack the trainer/ files form contiguous runs, so a reader following the step from the
@@ -317,7 +286,7 @@ def test_one_debug_step_enters_each_trainer_file_once(inputs):
     found = json.loads(out.read_text())
     assert found["broken"] == [], "\n".join(found["broken"])
     # the trace saw the step: the loop, the step, the source, the feed, the forward, the losses
-    step = {"loop.py", "step.py", "shard_source.py", "teacher/dispatch.py", "parallel/head.py",
+    step = {"loop.py", "step.py", "data/shard_source.py", "teacher/dispatch.py", "parallel/head.py",
             "loss_terms.py"}  # fmt: skip
     assert step <= set(found["entered"]), found["entered"]
 
@@ -337,9 +306,9 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
             assert proc.poll() is None, proc.communicate()[1][-4000:]
             assert time.monotonic() < deadline, "the run made no progress"
             time.sleep(0.5)
-        family = _descendants(proc.pid)
-        workers = [p for p in family if "multiprocessing.spawn" in _cmdline(p)]
-        assert len(workers) == 2, [_cmdline(p) for p in family]
+        family = procs.descendants(proc.pid)
+        workers = [p for p in family if "multiprocessing.spawn" in procs.cmdline(p)]
+        assert len(workers) == 2, [procs.cmdline(p) for p in family]
         os.kill(workers[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -354,11 +323,18 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
         rf"{workers[0]}\) was killed by signal SIGKILL while \w+ microbatch \d+; ",
         lines[0],
     ), lines
-    time.sleep(1.0)
-    assert not [p for p in family if _alive(p)], "orphaned processes"
     name = "tokenbridge_"
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name) and
-                any(f.startswith(f"{name}{p}_") for p in family)]  # fmt: skip
+
+    def left() -> tuple[list[int], list[str]]:
+        return [p for p in family if procs.alive(p)], [f for f in os.listdir("/dev/shm") if
+                f.startswith(name) and any(f.startswith(f"{name}{p}_") for p in family)]  # fmt: skip
+
+    deadline = time.monotonic() + 1.0  # polled: the same second at most, not always
+    while any(left()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive, segments = left()
+    assert not alive, "orphaned processes"
+    assert not segments
 
 
 def test_mismatched_shards_are_refused_before_anything_loads(inputs):

@@ -22,6 +22,7 @@ import pytest
 
 from bench.common import shakespeare_docs
 from bench.storage.seaweed import free_ports
+from tests.e2e import procs
 from tests.e2e.helpers import REPO
 from tokenbridge.alignment.text_shards import write_text_shards
 
@@ -80,13 +81,13 @@ def _records(*run_dirs: Path, kind: str = "train") -> dict[int, dict]:
     return out
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
+def _finish(launched: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
     out = []
-    for p in procs:
+    for p in launched:
         try:
             _, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for pid in _tree(p.pid):
+            for pid in (p.pid, *procs.descendants(p.pid)):
                 os.kill(pid, signal.SIGKILL)
             _, err = p.communicate()
         out.append((p.returncode, err))
@@ -127,7 +128,8 @@ def rehearsal(tmp_path_factory, student_dir, s3_server) -> dict:
         time.sleep(0.1)
     # kill the node that does not hold rank 0 (rank 0 writes the run log where it runs)
     victim = 1 if (runs[0] / "metrics.jsonl").is_file() else 0
-    pids = _tree(nodes[victim].pid)  # the node: its torchrun agent and its rank
+    # the node: its torchrun agent and its rank
+    pids = {nodes[victim].pid, *procs.descendants(nodes[victim].pid)}
     t0 = time.monotonic()
     for pid in pids:  # torchrun starts each rank in a session of its own: kill them one by one
         os.kill(pid, signal.SIGKILL)
@@ -150,24 +152,6 @@ def rehearsal(tmp_path_factory, student_dir, s3_server) -> dict:
     seen["local"] = _finish(_two_nodes(local, args, env), timeout=300)
     seen["local_steps"] = _records(local / "node0" / "run", local / "node1" / "run")
     return seen
-
-
-def _tree(pid: int) -> set[int]:
-    """`pid` and every process below it (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = {pid}, [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 def test_two_nodes_repeat_the_one_node_losses_and_resume_after_kill_9(rehearsal):

@@ -37,14 +37,16 @@ import pytest
 from bench.common import PROJECTION, ensure_projection, shakespeare_docs
 from tests.e2e.helpers import REPO
 from tokenbridge.alignment.text_shards import write_text_shards
-from tokenbridge.formats import teacher_cache as CF
+from tokenbridge.formats import teacher_cache
 
 pytestmark = pytest.mark.slow
 REL = 1e-6
 
 
 def fp16_bound(kd: float, *, max_abs_logprob: float, k: int, tau: float = 1.0) -> float:
-    return CF.kl_change_bound(kd, max_abs_logprob=max_abs_logprob, k=k, dtype="float16", tau=tau)
+    return teacher_cache.kl_change_bound(
+        kd, max_abs_logprob=max_abs_logprob, k=k, dtype="float16", tau=tau
+    )
 
 
 @pytest.fixture(scope="module")

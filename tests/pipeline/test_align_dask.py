@@ -68,9 +68,14 @@ def test_dask_local_cluster_matches_fnapi_runner(
             f"--dask_client_address={dask_cluster.address}", "--dask_npartitions=2"]  # fmt: skip
     assert local_paths(argv) == []  # the workers are handed URLs only
     dask_stats = job.run(argv)
-    for home in dask_cluster.worker_dirs():  # each worker fetched the tokenizers itself
+    # each worker that took tasks fetched the tokenizers itself (under load, Dask may give
+    # every task to one worker: the other then fetches nothing)
+    fetched = []
+    for home in dask_cluster.worker_dirs():
         copies = {p.name for p in (home / ".cache" / "tokenbridge").glob("*/*") if p.is_dir()}
-        assert {"ggml-vocab-phi-3", urls.name(s)} <= copies, (home, copies)
+        assert not copies or {"ggml-vocab-phi-3", urls.name(s)} <= copies, (home, copies)
+        fetched += [home] if copies else []
+    assert fetched, "no Dask worker fetched the tokenizers"
     assert fn_stats["documents"] == 2 + 40 and fn_stats["drops_by_reason"] == {
         "missing_field": 1,
         "undecodable_utf8": 1,

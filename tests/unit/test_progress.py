@@ -31,7 +31,9 @@ def test_reporter_prints_periodically_and_never_goes_backwards(tmp_path):
     sink.add(bytes=50, documents=2, tokens=10)
     out = io.StringIO()
     with progress.ProgressReporter(tmp_path, total_bytes=100, interval=0.05, stream=out) as rep:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 0.3  # polled: at most as long as it used to sleep
+        while len(out.getvalue().splitlines()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         sink.path.unlink()  # the finalize step removes the directory at the end
         last = rep.report()
     lines = out.getvalue().splitlines()
