@@ -4,6 +4,7 @@ tokenizers alone), the shipped corpus's text, trainer runs and their per-step fi
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -62,6 +63,20 @@ def shakespeare_text(chars: int, *, skip: int = 3000) -> str:
         if n >= chars:
             return "".join(parts)
     raise ValueError(f"{paths.corpus_dir() / 'shakespeare'}: fewer than {chars} characters")
+
+
+def short_documents(copies: int, *, min_chars: int = 260) -> list[str]:
+    """Many short documents (issue 29's shape, ~300 characters): consecutive KJV verses joined
+    until a document has `min_chars`, over `copies` passes of the KJV."""
+    src = paths.corpus_dir() / "kjv.jsonl"
+    verses = [json.loads(x)["text"] for x in src.read_text().splitlines()]
+    docs, cur = [], ""
+    for v in verses * copies:
+        cur = f"{cur} {v}" if cur else v
+        if len(cur) >= min_chars:
+            docs.append(cur)
+            cur = ""
+    return docs
 
 
 def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 300, env: dict | None = None):

@@ -21,6 +21,7 @@ KEPT = "_(cached:"  # a section's marker: not measurable here, its last run kept
 # section name (its results file, `make bench BENCH=name`) -> its module under bench/
 SECTIONS = {
     "align_chat": "align.chat",
+    "align_dask": "align.on_dask",
     "align_job": "align.beam_job",
     "align_scale": "align.scale",
     "align_tokenize_gap": "align.tokenize_gap",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.common import short_documents
 from bench.provenance import cpu_model
 from tokenbridge import paths
 
@@ -81,9 +82,7 @@ def _measure(code: str) -> dict:
 def _job_code(data: str, out: Path, workers: int) -> str:
     t, s = str(paths.teacher_dir()), str(paths.student_dir())
     argv = ["--data", data, "--teacher", t, "--student", s, "--out", str(out), "--overwrite"]
-    argv += ["--direct_num_workers", str(workers)]
-    if workers > 1:
-        argv += ["--direct_running_mode", "multi_processing"]
+    argv += ["--direct_num_workers", str(workers)]  # threads or processes: the job's default
     return (
         "import json; from pipelines.align import job\n"
         f"st = job.run({argv!r})\n"
@@ -150,19 +149,13 @@ def _inputs(
     (tmp / "long" / "long.jsonl").write_text(json.dumps({"text": text}) + "\n")
     out.append((f"one {len(text.encode()) / 1e6:.0f} MB document", f"{tmp}/long/*.jsonl"))
     if short_copies:
-        out.append(_short_docs(tmp, verses, short_copies))
+        out.append(_short_docs(tmp, short_copies))
     return out
 
 
-def _short_docs(tmp: Path, verses: list[str], copies: int) -> tuple[str, str]:
-    """Many short documents (issue 29's shape: ~300 characters, ~70 MB): consecutive verses
-    joined until a document has 260 characters, over ``copies`` passes of the KJV."""
-    docs, cur = [], ""
-    for v in verses * copies:
-        cur = f"{cur} {v}" if cur else v
-        if len(cur) >= 260:
-            docs.append(cur)
-            cur = ""
+def _short_docs(tmp: Path, copies: int) -> tuple[str, str]:
+    """`bench.common.short_documents` over ``copies`` passes of the KJV, in one file."""
+    docs = short_documents(copies)
     (tmp / "short").mkdir()
     path = tmp / "short" / "short.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -204,16 +197,19 @@ def main() -> str:
 
 
 def _section(rows, *, cores: int, copies: list[int], startup: dict, loads) -> str:
+    from pipelines.align.job import default_runner_args
+
     cpu = cpu_model()
+    mode = default_runner_args([], cores)[-1] if cores > 1 else "in-process"
     lines = [
         "## Align job at scale (issues 19, 29) — KJV copies, one long document, short documents",
         "",
-        f"CPU: {cpu}, {cores} cores. Default runner: FnApiRunner with {cores} worker processes. "
+        f"CPU: {cpu}, {cores} cores. Default runner: FnApiRunner with {cores} workers ({mode}). "
         "Gemma-3-270M teacher x SmolLM2-135M student, 512-token windows. Peak RSS: the whole "
         "process tree (launcher + workers). Tokenize alone: both tokenizers' `encode_batch` "
         "(offsets included) over the same texts, one process, measured in the same run. "
         f"1-minute load average {loads[0]:.1f} at the start, {loads[1]:.1f} at the end: the "
-        "machine may be shared, so wall times are noisy (a 2-process job suffers more from other "
+        "machine may be shared, so wall times are noisy (a 2-worker job suffers more from other "
         "load than 1-process tokenization); CPU seconds are the steadier figure. Before issue 19 "
         "(the issue's table, same machine type): KJV x16 147 s and 2.86 GB, a 41 MB document "
         "105 s and 7.3 GB.",
@@ -247,7 +243,7 @@ def _section(rows, *, cores: int, copies: list[int], startup: dict, loads) -> st
             )
     lines.append(
         f"- fixed start-up (the job on 200 verses): {startup[cores]['job_s']:.1f} s with "
-        f"{cores} worker processes (each imports Beam and loads both tokenizers), "
+        f"{cores} workers ({mode}; each process imports Beam and loads both tokenizers), "
         f"{startup[1]['job_s']:.1f} s in-process; it dominates the 1-copy row."
     )
     for name, tok, job, _ in rows:

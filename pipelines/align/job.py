@@ -45,9 +45,16 @@ log = logging.getLogger("tokenbridge.align")
 
 DEFAULT_RUNNER = jobs.DEFAULT_RUNNER
 ROLL_MB = jobs.ROLL_MB  # shard files roll at this size (Arrow bytes)
-SPLIT_MIN, SPLIT_MAX = 1 << 20, 64 << 20  # byte ranges of large jsonl files, per read task
+SPLIT_MIN, SPLIT_MAX = 1 << 18, 64 << 20  # byte ranges of large jsonl files, per read task
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's FileSystems)
-SPLITS_PER_RUN = 16  # aim for this many read tasks, so every worker gets several
+# A text job's workers are threads of this process up to this many of them: the work is in
+# Rust (tokenizers) and Numba kernels, which release the GIL, so threads share one parse of
+# each tokenizer and one copy of its tables where processes each parse their own and compete
+# for the caches (2 cores, ~300-character documents: 0.65x the CPU seconds and 0.7x the wall
+# time of two processes). The GIL-held rest (~15%: reading, ids, Arrow) caps threads beyond.
+# Conversations (templates rendered in Python) keep processes.
+THREAD_WORKERS_UP_TO = 4
+SPLITS_PER_RUN = 64  # aim for this many read tasks: dealt round-robin, even to 16 workers
 MODEL_SCHEMES = urls.OBJECT_STORES  # tokenizers may be marked directories in a store
 
 
@@ -62,7 +69,7 @@ def match_inputs(
     patterns: list[str], *, split_bytes: int | None = None
 ) -> tuple[list[align_dofns.InputSplit], int, int]:
     """Glob patterns -> (read tasks, total bytes, files). A large uncompressed local jsonl file
-    becomes byte-range tasks of `split_bytes` (default: about 1/16 of the input, 1-64 MB). A
+    becomes byte-range tasks of `split_bytes` (default: about 1/64 of the input, 256 KB-64 MB). A
     pattern matching nothing is an error (a typo in DATA must not produce an empty, complete
     shard directory)."""
     found, bases, sizes = [], [], {}
@@ -247,9 +254,20 @@ def job_metrics(result) -> dict:
     return out
 
 
-def default_runner_args(beam_args: list[str], cores: int | None = None) -> list[str]:
-    """The FnApiRunner with one worker process per core (`jobs.default_runner_args`)."""
-    return jobs.default_runner_args(beam_args, workers=cores or len(os.sched_getaffinity(0)))
+def default_runner_args(
+    beam_args: list[str], cores: int | None = None, *, chat: bool = False
+) -> list[str]:
+    """The FnApiRunner with one worker per core (`jobs.default_runner_args`): threads of this
+    process for a text job of up to THREAD_WORKERS_UP_TO workers, else processes."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    workers = cores or len(os.sched_getaffinity(0))
+    given = workers
+    if any(a.startswith("--direct_num_workers") for a in beam_args):
+        given = PipelineOptions(beam_args).get_all_options()["direct_num_workers"] or workers
+    threads = not chat and given <= THREAD_WORKERS_UP_TO
+    mode = "multi_threading" if threads else "multi_processing"
+    return jobs.default_runner_args(beam_args, workers=workers, mode=mode)
 
 
 def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
@@ -298,7 +316,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     chat.add_argument("--long-conversations", choices=fit.OVERFLOW_MODES, default=fit.TOO_LONG)
     args, beam_args = ap.parse_known_args(argv)
     # first: the input is listed (row format, read tasks) through FileSystems, in this process
-    beam_args = storage.beam_args(default_runner_args(beam_args))
+    beam_args = storage.beam_args(beam_args)
     for i, model in enumerate([args.student, *args.teacher]):
         where = "--student" if i == 0 else "--teacher"
         urls.check(model, where=where, schemes=MODEL_SCHEMES, doing="loading a tokenizer from")
@@ -322,7 +340,7 @@ def parse_args(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         max_dead_fraction=dead_fraction(args),
         chat=chat_config(args),
     )
-    return cfg, beam_args
+    return cfg, default_runner_args(beam_args, chat=cfg.chat is not None)
 
 
 def job_row_format(data: list[str]) -> str:

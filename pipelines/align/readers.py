@@ -382,7 +382,10 @@ def plan_splits(path: str, size: int, split_bytes: int) -> list[Split]:
     first line (one streaming pass counting newlines; memory stays one block)."""
     if size <= split_bytes:
         return [Split(0, None, 0)]
-    targets = list(range(split_bytes, size, split_bytes))
+    # equal ranges, not full ones and a remainder: runners deal tasks round-robin, and a
+    # small last range per file put every file's large first range on the same worker
+    n = -(-size // split_bytes)
+    targets = [size * i // n for i in range(1, n)]
     starts, rows = [0], [0]
     block_at, newlines, t = 0, 0, 0
     with open(path, "rb") as f:

@@ -31,12 +31,15 @@ class JobConfig:
     max_dead_fraction: float = MAX_DEAD_FRACTION  # above it: exit 2, no COMPLETED
 
 
-def default_runner_args(beam_args: list[str], *, workers: int) -> list[str]:
+def default_runner_args(
+    beam_args: list[str], *, workers: int, mode: str = "multi_processing"
+) -> list[str]:
     """The FnApiRunner with `workers` workers, unless the caller chose a runner.
 
     ``--direct_num_workers N`` alone would run N threads in one process (the GIL allows no
-    speed-up), so N > 1 comes with ``--direct_running_mode multi_processing`` unless the caller
-    named a mode; one worker runs in this process."""
+    speed-up for Python work), so N > 1 comes with ``--direct_running_mode`` `mode` unless the
+    caller named one (``multi_threading`` only for work that releases the GIL); one worker runs
+    in this process."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
@@ -47,7 +50,7 @@ def default_runner_args(beam_args: list[str], *, workers: int) -> list[str]:
         given = workers
         out += ["--direct_num_workers", str(workers)]
     if given > 1 and not any(a.startswith("--direct_running_mode") for a in beam_args):
-        out += ["--direct_running_mode", "multi_processing"]
+        out += ["--direct_running_mode", mode]
     return out
 
 

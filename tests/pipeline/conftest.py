@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.daskcluster import DaskCluster
 from pipelines.align import align_dofns as F
-from tests.daskcluster import DaskCluster
 from tokenbridge import remote_models, urls
 
 
@@ -28,7 +28,7 @@ def pair_tokenizers(pair_paths):
 
 @pytest.fixture(scope="session")
 def dask_cluster(s3_server, tmp_path_factory):
-    """One Dask cluster started from the command line (`tests.daskcluster`) for the session:
+    """One Dask cluster started from the command line (`bench.daskcluster`) for the session:
     the align and teacher-cache jobs both run on it. Its workers' environment points at the
     test S3 server; they share no cache with this process."""
     cluster = DaskCluster(tmp_path_factory.mktemp("dask"), env=s3_server.env()).start()

@@ -1,6 +1,6 @@
 """The align job on a real distributed engine: Beam's DaskRunner on a Dask cluster started as
 users start one (``dask scheduler`` + two ``dask worker`` processes, each in its own directory
-and HOME: `tests.daskcluster`), giving the same rows, stats and dead letters as the FnApiRunner
+and HOME: `bench.daskcluster`), giving the same rows, stats and dead letters as the FnApiRunner
 (the rows' order and their split into rolled files depend on the runner's bundles).
 
 Both write to an S3 server as well (SeaweedFS on loopback, `bench.storage.seaweed`): the

@@ -247,15 +247,19 @@ def test_prepare_out_dir_and_input_matching(tmp_path, monkeypatch):
         job.match_inputs([f"{tmp_path}/nothing/*.txt"])
     cfg, beam_args = job.parse_args(["--data", "x", "--teacher", "t", "--student", "s"])
     assert beam_args[:2] == ["--runner", job.DEFAULT_RUNNER]
-    # one worker process per core by default; in-process on one core or when asked
+    # one worker per core by default: threads of this process for a text job on a few cores
+    # (the work releases the GIL), processes beyond and for conversations; in-process on one
     assert job.default_runner_args([], cores=2) == [
         "--runner",
         job.DEFAULT_RUNNER,
         "--direct_num_workers",
         "2",
         "--direct_running_mode",
-        "multi_processing",
+        "multi_threading",
     ]
+    assert job.default_runner_args([], cores=2, chat=True)[-1] == "multi_processing"
+    assert job.default_runner_args([], cores=job.THREAD_WORKERS_UP_TO)[-1] == "multi_threading"
+    assert job.default_runner_args([], cores=job.THREAD_WORKERS_UP_TO + 1)[-1] == "multi_processing"
     assert job.default_runner_args([], cores=1) == [
         "--runner",
         job.DEFAULT_RUNNER,
@@ -264,12 +268,12 @@ def test_prepare_out_dir_and_input_matching(tmp_path, monkeypatch):
     ]
     one = ["--direct_num_workers", "1"]
     assert job.default_runner_args(one, cores=2) == ["--runner", job.DEFAULT_RUNNER, *one]
-    four = ["--direct_num_workers=4"]  # worker processes, not threads sharing one GIL
-    assert job.default_runner_args(four, cores=2)[-2:] == [
+    many = [f"--direct_num_workers={job.THREAD_WORKERS_UP_TO + 1}"]  # processes past a few
+    assert job.default_runner_args(many, cores=2)[-2:] == [
         "--direct_running_mode",
         "multi_processing",
     ]
-    threads = [*four, "--direct_running_mode", "multi_threading"]
+    threads = [*many, "--direct_running_mode", "multi_threading"]
     assert job.default_runner_args(threads, cores=2) == ["--runner", job.DEFAULT_RUNNER, *threads]
     assert cfg.out.parent.name == "align" and cfg.out.parent.parent.name == "outputs"
     _, beam_args = job.parse_args(["--data", "x", "--teacher", "t", "--student", "s", "--runner=X"])

@@ -21,11 +21,9 @@ from tokenbridge.tokenizers import formats
 from tokenbridge.tokenizers.token_bytes import (
     TextBytes,
     VocabTable,
+    batch_offsets,
     check_offsets,
-    cumulative_spans,
-    expected_stream,
     fingerprint,
-    mismatched_rows,
 )
 
 # fewer regular (non-special) tokens than this is a loader that went wrong, not a vocabulary
@@ -110,12 +108,13 @@ class Tokenizer:
                 "transformers 5's LlamaTokenizerFast(vocab_file=...) builds an empty tokenizer."
             )
         self._table = VocabTable.build(self._token_bytes)
-        self._keep = None  # bytes a byte-level vocabulary keeps; others drop nothing we can see
+        # bytes a byte-level vocabulary keeps; others drop nothing we can see
+        self._keep_bytes = np.ones(256, dtype=np.bool_)
         if loaded.byte_level:
             singles = [b[0] for b in self._token_bytes if b is not None and len(b) == 1]
             if len(set(singles)) < 256:
-                self._keep = np.zeros(256, dtype=bool)
-                self._keep[singles] = True
+                self._keep_bytes[:] = False
+                self._keep_bytes[singles] = True
         self.fingerprint = fingerprint(self._token_bytes, self._specials)
         probe = self.encode(_PROBE).ids
         if not len(probe) or all(int(i) in self.all_special_ids for i in probe):
@@ -197,38 +196,25 @@ class Tokenizer:
             raise TokenizerError(
                 f"{self.name}: backend emitted an id outside [0, {self.vocab_size})"
             )
-        tb = TextBytes.build(texts)
-        n_bytes = np.diff(tb.byte_base)
-        row_of_token = np.repeat(np.arange(n_rows), counts)
-
-        # rows whose token bytes reassemble the expected stream take the fast path
-        lengths = self._table.length[ids]
-        special = lengths < 0
-        lengths = np.where(special, 0, lengths)
+        encoded = [t.encode("utf-8") for t in texts]
+        n_bytes = np.fromiter(map(len, encoded), dtype=np.int64, count=n_rows)
+        byte_base = np.zeros(n_rows + 1, dtype=np.int64)
+        np.cumsum(n_bytes, out=byte_base[1:])
+        buf = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         prefix = self._prefix_per_row(texts, n_bytes)
-        stream = expected_stream(tb, prefix, self._keep)
-        n_special = np.bincount(row_of_token, weights=special, minlength=n_rows)
-        total = np.bincount(row_of_token, weights=lengths, minlength=n_rows)
-        fast = (n_special == 0) & (total == np.diff(stream.base))
-        start, end = cumulative_spans(lengths, row_of_token, row_splits)
-        check = fast[row_of_token]
-        at = stream.base[row_of_token] + start
-        bad = mismatched_rows(self._table, ids[check], at[check], stream.buf, row_of_token[check])
-        fast[bad] = False
-
         offsets = np.zeros((n_tok, 2), dtype=np.int64)
         byte_offsets = np.zeros((n_tok, 2), dtype=np.int64)
-        sel = fast[row_of_token] & (lengths > 0)
-        r = row_of_token[sel]
-        gs = stream.src_start[at[sel]]
-        ge = stream.src_end[at[sel] + lengths[sel] - 1]
-        byte_offsets[sel] = np.stack([gs, ge], axis=1) - tb.byte_base[r, None]
-        cs, ce = tb.bytes_to_chars(gs, ge)
-        offsets[sel] = np.stack([cs, ce], axis=1) - tb.char_base[r, None]
-        lossless = fast & (prefix == 0) & (stream.dropped == 0)
+        fast = np.empty(n_rows, dtype=np.bool_)
+        table = self._table
+        dropped = batch_offsets(
+            ids, row_splits, buf, byte_base, prefix, self._keep_bytes,
+            table.length, table.start, table.flat, offsets, byte_offsets, fast,
+        )  # fmt: skip
+        lossless = fast & (prefix == 0) & (dropped == 0)
 
         slow = np.flatnonzero(~fast)
         if len(slow):
+            tb = TextBytes.build(texts)
             self._slow_rows(texts, slow, ids, row_splits, tb, offsets, byte_offsets, lossless)
         return BatchEncoding(ids, offsets, byte_offsets, row_splits, lossless)
 

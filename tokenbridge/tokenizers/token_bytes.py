@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from numba import njit
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's spelling of a space
 
@@ -139,37 +140,6 @@ class TextBytes:
         return self.char_start_byte[char_g]
 
 
-def cumulative_spans(lengths: np.ndarray, row_of_token: np.ndarray, row_splits: np.ndarray):
-    """Per token, [start, end) of its bytes within its row, from the token byte lengths."""
-    total = np.cumsum(lengths)
-    row_first = np.concatenate([[0], total])[row_splits[:-1]]
-    end = total - row_first[row_of_token]
-    return end - lengths, end
-
-
-def mismatched_rows(
-    vocab: VocabTable,
-    ids: np.ndarray,
-    out_pos: np.ndarray,
-    expected: np.ndarray,
-    row_of_token: np.ndarray,
-) -> np.ndarray:
-    """Rows where some token's bytes differ from `expected` at the token's output position.
-
-    ids/out_pos/row_of_token: int arrays [n] for the tokens to check; expected: uint8 buffer.
-    Done as one gather over all the bytes, so the cost is a few numpy passes per batch.
-    """
-    lengths = vocab.length[ids]
-    n_bytes = int(lengths.sum())
-    if n_bytes == 0:
-        return np.zeros(0, dtype=np.int64)
-    within = np.arange(n_bytes, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    src = np.repeat(vocab.start[ids], lengths) + within
-    dst = np.repeat(out_pos, lengths) + within
-    bad = vocab.flat[src] != expected[dst]
-    return np.unique(np.repeat(row_of_token, lengths)[bad])
-
-
 def check_offsets(offsets: np.ndarray, text: str) -> tuple[str | None, np.ndarray]:
     """(why these char offsets cannot locate the tokens in `text` or None, uncovered chars).
 
@@ -195,40 +165,84 @@ def check_offsets(offsets: np.ndarray, text: str) -> tuple[str | None, np.ndarra
     return None, np.flatnonzero(content & ~covered)
 
 
-@dataclass(frozen=True)
-class Stream:
-    """Per row, the bytes the tokens should reassemble: a prefix space the tokenizer invents
-    (SentencePiece dummy prefix), then the text's bytes minus those it drops (a byte-level
-    vocabulary with no token for a byte). Each stream byte knows the text span it consumes."""
+@njit(cache=True, nogil=True)
+def batch_offsets(
+    ids, row_splits, buf, byte_base, prefix, keep, length, start, flat, offsets, byte_offsets, fast
+):
+    """Exact offsets of a whole batch in one pass (`Tokenizer.encode_batch`'s fast path): per row,
+    the byte stream the tokens must reassemble (a dummy-prefix space, then the text's bytes minus
+    those a byte-level vocabulary drops), the tokens walked over it comparing their bytes, and
+    where every byte matches, byte and character offsets from the running position.
 
-    buf: np.ndarray  # uint8 [S]
-    base: np.ndarray  # int64 [B + 1], row b is buf[base[b] : base[b + 1]]
-    src_start: np.ndarray  # int64 [S], global text byte where the stream byte's text starts
-    src_end: np.ndarray  # int64 [S], global text byte after it (== src_start for a prefix)
-    dropped: np.ndarray  # int64 [B], text bytes of the row missing from the stream
+    Fills offsets / byte_offsets (int64 [N, 2], zeros on entry) of the rows whose token bytes
+    reassemble their stream; fast[b] (bool [B]) says which did. Returns per row the text bytes
+    the stream leaves out (int64 [B]).
 
-
-def expected_stream(tb: TextBytes, prefix: np.ndarray, keep: np.ndarray | None) -> Stream:
-    """prefix: int64 [B] (0/1 invented spaces); keep: bool [256] bytes the tokenizer keeps."""
-    kept = np.ones(len(tb.buf), dtype=bool) if keep is None else keep[tb.buf]
-    kept_at = np.flatnonzero(kept)
-    kept_before = np.concatenate([[0], np.cumsum(kept)])  # kept bytes before each position
-    n_kept = np.diff(kept_before[tb.byte_base])
-    base = np.concatenate([[0], np.cumsum(n_kept + prefix)]).astype(np.int64)
-    row_of_kept = np.searchsorted(tb.byte_base, kept_at, side="right") - 1
-    pos = (
-        base[row_of_kept]
-        + prefix[row_of_kept]
-        + kept_before[kept_at]
-        - kept_before[tb.byte_base[row_of_kept]]
-    )
-    buf = np.full(int(base[-1]), 0x20, dtype=np.uint8)  # prefix bytes stay spaces
-    src_start = np.empty(int(base[-1]), dtype=np.int64)
-    buf[pos] = tb.buf[kept_at]
-    src_start[pos] = kept_at
-    src_end = np.empty_like(src_start)
-    src_end[pos] = kept_at + 1
-    invented = base[:-1][prefix > 0]
-    src_start[invented] = src_end[invented] = tb.byte_base[:-1][prefix > 0]
-    dropped = np.diff(tb.byte_base) - n_kept
-    return Stream(buf, base, src_start, src_end, dropped)
+    ids int32 [N] (all in range), row_splits int64 [B + 1], buf uint8: the texts' UTF-8 joined,
+    byte_base int64 [B + 1], prefix int64 [B]: 1 where the tokenizer invents a leading space,
+    keep bool [256]: the bytes the tokenizer keeps (all of them unless byte-level and missing
+    some), length / start / flat: `VocabTable` (length -1: no bytes, i.e. special or unused).
+    A zero-length token gets [0, 0); the invented space covers no text.
+    """
+    n_rows = len(row_splits) - 1
+    longest = 0
+    for b in range(n_rows):
+        longest = max(longest, byte_base[b + 1] - byte_base[b])
+    stream = np.empty(longest + 1, np.uint8)
+    src = np.empty(longest + 1, np.int64)  # the text byte each stream byte stands for, -1: none
+    chars_before = np.empty(longest + 1, np.int64)
+    dropped = np.zeros(n_rows, np.int64)
+    for b in range(n_rows):
+        base, n_bytes = byte_base[b], byte_base[b + 1] - byte_base[b]
+        n = 0
+        if prefix[b]:
+            stream[0] = 0x20
+            src[0] = -1
+            n = 1
+        for x in range(n_bytes):
+            c = buf[base + x]
+            if keep[c]:
+                stream[n] = c
+                src[n] = x
+                n += 1
+        dropped[b] = n_bytes - (n - prefix[b])
+        lo, hi = row_splits[b], row_splits[b + 1]
+        pos, ok = 0, True
+        for k in range(lo, hi):
+            t = ids[k]
+            m = length[t]
+            if m < 0 or pos + m > n:
+                ok = False
+                break
+            s = start[t]
+            for j in range(m):
+                if flat[s + j] != stream[pos + j]:
+                    ok = False
+                    break
+            if not ok:
+                break
+            pos += m
+        fast[b] = ok and pos == n
+        if not fast[b]:
+            continue
+        count = 0
+        for x in range(n_bytes):
+            chars_before[x] = count
+            count += (buf[base + x] & 0xC0) != 0x80  # continuation bytes are 10xxxxxx
+        chars_before[n_bytes] = count
+        pos = 0
+        for k in range(lo, hi):
+            m = length[ids[k]]
+            if m == 0:
+                continue
+            first, last = src[pos], src[pos + m - 1]
+            bs = first if first >= 0 else 0
+            be = last + 1 if last >= 0 else 0
+            byte_offsets[k, 0] = bs
+            byte_offsets[k, 1] = be
+            # a span that starts inside a character widens to cover it
+            cut = bs < n_bytes and (buf[base + bs] & 0xC0) == 0x80
+            offsets[k, 0] = chars_before[bs] - cut
+            offsets[k, 1] = chars_before[be]
+            pos += m
+    return dropped

@@ -1,5 +1,5 @@
-"""A Dask cluster started the way users start one, for the tests: ``dask scheduler`` and two
-``dask worker tcp://HOST:PORT`` processes from the command line, on loopback.
+"""A Dask cluster started the way users start one, for the tests and the benches: ``dask
+scheduler`` and two ``dask worker tcp://HOST:PORT`` processes from the command line, on loopback.
 
 Each worker runs in its own working directory with its own HOME (so its own
 ``~/.cache/tokenbridge``: it fetches every asset itself, as a worker on another machine would),
