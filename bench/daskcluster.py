@@ -5,13 +5,15 @@ Each worker runs in its own working directory with its own HOME (so its own
 ``~/.cache/tokenbridge``: it fetches every asset itself, as a worker on another machine would),
 and gets the environment a user would export on that machine: the AWS variables of the test S3
 server, and PYTHONPATH naming this checkout (the package a user's image would have installed).
-`start` waits until both workers have joined; `stop` ends the three processes.
+`start` waits until both workers have joined; `stop` ends the three processes. `upload_model_dir`
+puts a marked model or tokenizer directory in the store with no local copy left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.storage.seaweed import free_ports
-from tokenbridge import paths
+from tokenbridge import paths, remote_models, urls
 
 DASK = Path(sys.executable).with_name("dask")
 START_TIMEOUT_S = 120.0
@@ -97,3 +99,16 @@ class DaskCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
+
+
+def upload_model_dir(tmp_path, url: str, files: dict[str, Path]) -> str:
+    """A model / tokenizer directory of `files` (name -> source) built under `tmp_path`,
+    marked and uploaded to `url` (`tokenbridge.remote_models`), then deleted: the launch that
+    follows has nothing of it on disk. Its local name is the URL's last part."""
+    d = tmp_path / urls.name(url)
+    d.mkdir(parents=True)
+    for name, src in files.items():
+        shutil.copyfile(src, d / name)
+    remote_models.upload(d, url)
+    shutil.rmtree(d)
+    return url

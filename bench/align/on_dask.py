@@ -24,19 +24,6 @@ DATA = "kjv.jsonl"  # 6.8 MB of verses, as the align_job section reads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def _upload_tokenizer(src: Path, url: str, tmp: Path) -> str:
-    """The tokenizer files of `src`, marked and uploaded to `url`; no local copy is left."""
-    from tokenbridge import remote_models
-
-    d = tmp / "up" / src.name
-    d.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(src / name, d / name)
-    remote_models.upload(d, url)
-    shutil.rmtree(d)
-    return url
-
-
 def _rows(out: Path):
     from tokenbridge.formats.shards import open_shards
 
@@ -45,7 +32,7 @@ def _rows(out: Path):
 
 
 def main() -> str:
-    from bench.daskcluster import DaskCluster
+    from bench.daskcluster import DaskCluster, upload_model_dir
     from bench.storage.seaweed import SeaweedS3
     from pipelines.align import job
 
@@ -67,9 +54,10 @@ def main() -> str:
             fn_stats = job.run([*local, "--out", str(tmp / "fn"), "--direct_num_workers", "2"])
             fn_s = time.perf_counter() - t0
             models = f"s3://{bucket}/models"
+            up = {m: upload_model_dir(tmp / "up", f"{models}/{m.name}",
+                                      {n: m / n for n in TOKENIZER_FILES}) for m in (teacher, student)}  # fmt: skip
             remote = ["--data", f"{server.upload(data, bucket, 'data')}/*",
-                      "--teacher", _upload_tokenizer(teacher, f"{models}/{teacher.name}", tmp),
-                      "--student", _upload_tokenizer(student, f"{models}/{student.name}", tmp)]  # fmt: skip
+                      "--teacher", up[teacher], "--student", up[student]]  # fmt: skip
             t0 = time.perf_counter()
             cluster = DaskCluster(tmp / "dask", env=server.env()).start()
             start_s = time.perf_counter() - t0

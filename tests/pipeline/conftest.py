@@ -3,14 +3,13 @@ Dask cluster started from the command line; model directories uploaded to the te
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from bench.daskcluster import DaskCluster
 from pipelines.align import align_dofns as F
-from tokenbridge import remote_models, urls
+from tokenbridge import urls
 
 
 @pytest.fixture(scope="session")
@@ -34,19 +33,6 @@ def dask_cluster(s3_server, tmp_path_factory):
     cluster = DaskCluster(tmp_path_factory.mktemp("dask"), env=s3_server.env()).start()
     yield cluster
     cluster.stop()
-
-
-def upload_model_dir(tmp_path, url: str, files: dict[str, Path]) -> str:
-    """A model / tokenizer directory of `files` (name -> source) built under `tmp_path`,
-    marked and uploaded to `url` (`tokenbridge.remote_models`), then deleted: the launch that
-    follows has nothing of it on disk. Its local name is the URL's last part."""
-    d = tmp_path / urls.name(url)
-    d.mkdir(parents=True)
-    for name, src in files.items():
-        shutil.copyfile(src, d / name)
-    remote_models.upload(d, url)
-    shutil.rmtree(d)
-    return url
 
 
 def local_paths(argv: list[str]) -> list[str]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 
+from bench.daskcluster import upload_model_dir
 from pipelines.align import job
-from tests.pipeline.conftest import local_paths, upload_model_dir
+from tests.pipeline.conftest import local_paths
 from tokenbridge import urls
 from tokenbridge.formats import shard_schema, shards
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from bench.common import shakespeare_docs
+from bench.daskcluster import upload_model_dir
 from pipelines.teacher_cache import job
 from pipelines.teacher_cache.handler import Sampler, sample_keys
 from tests.dist.test_trainer_cases import TINY
-from tests.pipeline.conftest import local_paths, upload_model_dir
+from tests.pipeline.conftest import local_paths
 from tokenbridge import cli
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import shard_schema, shards
