@@ -78,6 +78,7 @@ def _fork(req: dict, replies: int, env: dict, *, store: int | None = None) -> in
         if store is not None:
             os.close(store)
         os.environ.update(env)
+        os.chdir(req["cwd"])
         code = _child(req["cmd"], Path(req["out"]))
         try:
             atexit._run_exitfuncs()  # what interpreter exit runs: workers, shared memory
@@ -204,15 +205,21 @@ class Zygote:
         return json.loads(line)
 
     def run(
-        self, cmd: list[str], *, nproc: int = 1, env: dict | None = None, timeout: float = 600
+        self,
+        cmd: list[str],
+        *,
+        nproc: int = 1,
+        env: dict | None = None,
+        cwd: str | os.PathLike | None = None,
+        timeout: float = 600,
     ) -> subprocess.CompletedProcess:
-        """``python *cmd`` at the zygote's working directory, forked from it (``nproc`` ranks of
-        one node, with torchrun's environment, when above 1); its result."""
+        """``python *cmd`` in `cwd` (default: the zygote's), forked from the zygote (``nproc``
+        ranks of one node, with torchrun's environment, when above 1); its result."""
         self.count += 1
         out = self.tmp / f"run-{self.count}"
         out.mkdir()
         req = {"cmd": list(cmd), "nproc": nproc, "env": {**BASE_ENV, **(env or {})},
-               "out": str(out)}  # fmt: skip
+               "cwd": str(cwd or self.cwd), "out": str(out)}  # fmt: skip
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         pids = self._reply(60)["pids"]

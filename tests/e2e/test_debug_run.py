@@ -61,6 +61,9 @@ COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"
 PEAK_TFLOPS = 2.0  # the full run's logging.peak_tflops
 # the CPU runs name their device: `auto` would put two ranks on a one-GPU machine's GPU
 CPU = [*COMMON, "device=cpu"]
+# runs whose subject is not the teacher worker (the full run and the killed worker are): the
+# teacher in the rank's process computes what the worker does, without a process to start
+INPROCESS = "parallel.teacher_placement=inprocess"
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -252,7 +255,7 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(
     args = ["conf=debug", f"data.shards={shards_url}", f"run_dir={run_dir}", "steps=8",
             f"checkpoint.dir=s3://{bucket}/ckpt", "eval.max_texts=0",
             f"data.cache_dir={run_dir}-cache", "parallel.activation_checkpointing=full",
-            "data.stream=true", "data.stream_files=2",
+            "data.stream=true", "data.stream_files=2", INPROCESS,
             f"teachers.0.projection={projection_url}"]  # fmt: skip
     proc = zygote.run([MAIN, *args, *CPU], nproc=2, env=s3_server.env())
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -399,7 +402,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(zygote, inputs, f
     f = newest / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
-            "eval.max_texts=0", "checkpoint.export_at_end=false",
+            "eval.max_texts=0", "checkpoint.export_at_end=false", INPROCESS,
             f"teachers.0.projection={PROJECTION}"]  # fmt: skip
     proc = zygote.run([MAIN, *args, "checkpoint.strict=true", *CPU])
     assert proc.returncode == 2
