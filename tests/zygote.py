@@ -40,6 +40,10 @@ PRELOAD = (
     "trainer.eval.runner",
     "transformers.models.llama.modeling_llama",
     "transformers.models.gemma3.modeling_gemma3",
+    "trainer.report.build",  # the run report every run ends with: matplotlib's Agg canvas
+    "matplotlib.backends.backend_agg",
+    "matplotlib.figure",
+    "matplotlib.colors",
 )
 
 
@@ -175,6 +179,12 @@ def main() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    # Numba's first use in a process (its CPU target, then the tokenizer kernel's cache): ~1 s
+    # that every run would pay again when it loads its first tokenizer
+    from tokenbridge import paths
+    from tokenbridge.tokenizers import load_tokenizer
+
+    load_tokenizer(paths.student_dir()).encode("warm")
     os.write(replies, b'{"ready": true}\n')
     _serve(sys.stdin, replies)
 
