@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from bench.storage.seaweed import SeaweedS3
+from tests.zygote import Zygote
 from tokenbridge import paths
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,3 +91,12 @@ def s3_env(s3_server, monkeypatch) -> dict[str, str]:
 def s3_bucket(s3_server, s3_env) -> str:
     """A fresh, empty bucket on the test server (the environment points at it)."""
     return s3_server.new_bucket()
+
+
+@pytest.fixture(scope="session")
+def zygote():
+    """Trainer processes (``["trainer/main.py", ...]``, ``["-m", "module", ...]``, ``nproc``
+    ranks) forked from one process that imported the trainer once (`tests.zygote`)."""
+    z = Zygote(paths.REPO_ROOT)
+    yield z
+    z.close()

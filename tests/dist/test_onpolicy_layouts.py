@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import run_trainer, shakespeare_docs
+from bench.common import shakespeare_docs
+from tests.e2e.helpers import REPO
 from tokenbridge.alignment.text_shards import write_text_shards
 
 COMMON = [
@@ -43,9 +44,11 @@ def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
                              max_tokens=64)  # fmt: skip
 
 
-def _losses(shards: Path, run_dir: Path, nproc: int, *extra: str) -> tuple[list[float], dict]:
+def _losses(
+    zygote, shards: Path, run_dir: Path, nproc: int, *extra: str
+) -> tuple[list[float], dict]:
     args = [*COMMON, f"data.shards={shards}", f"run_dir={run_dir}", *extra]
-    proc = run_trainer(args, nproc=nproc, timeout=900)
+    proc = zygote.run([str(REPO / "trainer" / "main.py"), *args], nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     train = [r for r in map(json.loads, lines) if r["kind"] == "train"]
@@ -54,8 +57,8 @@ def _losses(shards: Path, run_dir: Path, nproc: int, *extra: str) -> tuple[list[
 
 
 @pytest.fixture(scope="module")
-def single(shards, tmp_path_factory):
-    return _losses(shards, tmp_path_factory.mktemp("one") / "run", 1, "onpolicy.prompts_per_step=4")
+def single(zygote, shards, tmp_path_factory):
+    return _losses(zygote, shards, tmp_path_factory.mktemp("one") / "run", 1, "onpolicy.prompts_per_step=4")
 
 
 @pytest.mark.parametrize(
@@ -66,9 +69,9 @@ def single(shards, tmp_path_factory):
     ],
     ids=["dp2", "tp2"],
 )
-def test_two_ranks_give_the_losses_of_one_process(shards, single, tmp_path, layout):
+def test_two_ranks_give_the_losses_of_one_process(zygote, shards, single, tmp_path, layout):
     want, want_bpb = single
-    got, got_bpb = _losses(shards, tmp_path / "run", 2, *layout)
+    got, got_bpb = _losses(zygote, shards, tmp_path / "run", 2, *layout)
     assert len(got) == 3 and got[0] != got[1]
     assert got == pytest.approx(want, rel=1e-5)
     for when in ("before", "after"):

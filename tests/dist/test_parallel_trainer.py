@@ -32,19 +32,13 @@ LAYOUTS = ("tp2", "cp2", "dp2", "dp2_teacher_tp2", "cp2_tp2", "hsdp2x2")
 REL = 1e-5
 
 
-def _launch(which: str, nproc: int, args: list[str]) -> None:
-    if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), which, *args]
-    else:
-        run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd = [*run, f"--nproc_per_node={nproc}", str(SCRIPT), which, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def _launch(zygote, which: str, nproc: int, args: list[str]) -> None:
+    proc = zygote.run([str(SCRIPT), which, *args], nproc=nproc, timeout=900)
     assert proc.returncode == 0, f"{which}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, student_dir) -> Path:
+def runs(zygote, tmp_path_factory, student_dir) -> Path:
     tmp = tmp_path_factory.mktemp("parallel_trainer")
     shards = write_text_shards(
         tmp / "shards",
@@ -57,7 +51,7 @@ def runs(tmp_path_factory, student_dir) -> Path:
     out = tmp / "runs"
     args = [str(shards), str(proj), str(out)]
     for which, nproc in (("ref", 1), ("two", 2), ("four", 4)):
-        _launch(which, nproc, args)
+        _launch(zygote, which, nproc, args)
     return out
 
 

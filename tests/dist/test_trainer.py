@@ -21,7 +21,7 @@ from tokenbridge.alignment.text_shards import write_text_shards
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, student_dir) -> dict:
+def report(zygote, tmp_path_factory, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dist_trainer")
     shards = write_text_shards(
         tmp / "shards",
@@ -32,18 +32,8 @@ def report(tmp_path_factory, student_dir) -> dict:
     )
     proj = identity_projection(student_dir, tmp / "identity.safetensors")
     out = tmp / "report.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "tests" / "dist" / "test_trainer_cases.py"),
-        str(shards),
-        str(out),
-        str(proj),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    script = str(REPO / "tests" / "dist" / "test_trainer_cases.py")
+    proc = zygote.run([script, str(shards), str(out), str(proj)], nproc=2, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(out.read_text())
 

@@ -1,4 +1,4 @@
-"""End to end on conf/experiment/debug: torchrun, 2 gloo ranks, a teacher worker per rank.
+"""End to end on conf/experiment/debug: 2 gloo ranks, a teacher worker per rank.
 
 Tiny random-init student (SmolLM2 tokenizer) and teacher (Gemma 3 tokenizer) on real aligned
 shards of the shipped corpus and the real projection, xtoken loss through the shared-memory
@@ -14,7 +14,9 @@ checkpoint is truncated (refused with checkpoint.strict=true; else resumed from 
 same losses) and a copy of the shards with 32 bytes changed (refused in one line, exit 2); and
 of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, never run); and of
 issue 39: one step traced call by call in one process (`tests.e2e.step_trace`), entering each
-trainer/ file once.
+trainer/ file once. The runs that are not about the launcher are forked from the session's
+`zygote` (torchrun's environment for 2 ranks, without its ~10 s of imports per process); the
+killed worker and the planted pickle on 2 ranks go through `trainer.launch`.
 """
 
 from __future__ import annotations
@@ -54,10 +56,14 @@ from trainer.eval.bpb import evaluate_bpb
 from trainer.eval.runner import load_model
 from trainer.report import write_report
 
+MAIN = str(REPO / "trainer" / "main.py")  # one-process runs: forked from `zygote` (tests.zygote)
 COMMON = ["logging.progress=false", "parallel.threads=1", "optim.warmup_steps=1"]
 PEAK_TFLOPS = 2.0  # the full run's logging.peak_tflops
 # the CPU runs name their device: `auto` would put two ranks on a one-GPU machine's GPU
 CPU = [*COMMON, "device=cpu"]
+# runs whose subject is not the teacher worker (the full run and the killed worker are): the
+# teacher in the rank's process computes what the worker does, without a process to start
+INPROCESS = "parallel.teacher_placement=inprocess"
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -84,13 +90,13 @@ def inputs(tmp_path_factory, teacher_dir, student_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def full_run(inputs) -> Path:
+def full_run(zygote, inputs) -> Path:
     run_dir = inputs["tmp"] / "full"
     # a CPU has no peak in the table: the command line names one, so MFU is computed
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
             "checkpoint.interval=4", "eval.max_texts=4", f"teachers.0.projection={PROJECTION}",
             f"logging.peak_tflops={PEAK_TFLOPS}"]  # fmt: skip
-    proc = run_trainer(args + CPU, nproc=2)
+    proc = zygote.run([MAIN, *args, *CPU], nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "held-out bits/byte  student after" in proc.stdout
     assert "precision:            cpu: student float32 (master float32, reduce float32), " \
@@ -228,7 +234,9 @@ def test_export_scores_the_runs_own_after_bits_per_byte(inputs, full_run):
     assert abs(got - summary["bpb"]["student_before"]) > 0.1  # not the untrained student
 
 
-def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_run, s3_server):
+def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(
+    zygote, inputs, full_run, s3_server
+):
     """Resumed with activation checkpointing on (the full run had none): the checkpoint's
     plain HF names load into the wrapped blocks, recomputing the activations changes no loss,
     and the export at the end holds the uninterrupted run's weights under the same names.
@@ -247,9 +255,9 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
     args = ["conf=debug", f"data.shards={shards_url}", f"run_dir={run_dir}", "steps=8",
             f"checkpoint.dir=s3://{bucket}/ckpt", "eval.max_texts=0",
             f"data.cache_dir={run_dir}-cache", "parallel.activation_checkpointing=full",
-            "data.stream=true", "data.stream_files=2",
+            "data.stream=true", "data.stream_files=2", INPROCESS,
             f"teachers.0.projection={projection_url}"]  # fmt: skip
-    proc = run_trainer(args + CPU, nproc=2, env=s3_server.env())
+    proc = zygote.run([MAIN, *args, *CPU], nproc=2, env=s3_server.env())
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"data.shards={shards_url}: reading its copy {run_dir}-cache/shards-" in proc.stderr
     assert "-stream (streamed)" in proc.stderr
@@ -274,14 +282,14 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(inputs, full_ru
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_one_debug_step_enters_each_trainer_file_once(inputs):
+def test_one_debug_step_enters_each_trainer_file_once(zygote, inputs):
     """One logging step of conf=debug traced call by call (`tests.e2e.step_trace`): on every
     call stack the trainer/ files form contiguous runs, so a reader following the step from the
     loop to the losses enters each file once (no source reaches back into the `Trainer`)."""
     out = inputs["tmp"] / "step_trace.json"
-    cmd = [sys.executable, "-m", "tests.e2e.step_trace", str(inputs["shards"]), str(PROJECTION),
+    cmd = ["-m", "tests.e2e.step_trace", str(inputs["shards"]), str(PROJECTION),
            str(inputs["tmp"] / "step_trace"), str(out), *CPU]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = zygote.run(cmd)
     assert proc.returncode == 0, proc.stderr[-6000:]
     found = json.loads(out.read_text())
     assert found["broken"] == [], "\n".join(found["broken"])
@@ -337,11 +345,11 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
     assert not segments
 
 
-def test_mismatched_shards_are_refused_before_anything_loads(inputs):
+def test_mismatched_shards_are_refused_before_anything_loads(zygote, inputs):
     run_dir = inputs["tmp"] / "refused"
     args = ["conf=debug", f"data.shards={inputs['wrong']}", f"run_dir={run_dir}",
             f"teachers.0.projection={PROJECTION}"]  # fmt: skip
-    proc = run_trainer(args, nproc=1)
+    proc = zygote.run([MAIN, *args])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-4000:]
     assert lines[0].startswith(f"tokenbridge train: FingerprintMismatchError: {inputs['wrong']}")
@@ -385,7 +393,7 @@ def _one_line(stderr: str, *needles: str) -> str:
     return lines[0]
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_older_one(inputs, full_run):
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(zygote, inputs, full_run):
     """Issue 20: the newest checkpoint truncated. strict: refused before anything loads, exit 2;
     default: one line, moved aside, resumed at step 4 with the uninterrupted run's losses."""
     run_dir = inputs["tmp"] / "fallback"
@@ -394,13 +402,13 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(inputs, full_run)
     f = newest / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
-            "eval.max_texts=0", "checkpoint.export_at_end=false",
+            "eval.max_texts=0", "checkpoint.export_at_end=false", INPROCESS,
             f"teachers.0.projection={PROJECTION}"]  # fmt: skip
-    proc = run_trainer([*args, "checkpoint.strict=true", *CPU], nproc=1)
+    proc = zygote.run([MAIN, *args, "checkpoint.strict=true", *CPU])
     assert proc.returncode == 2
     _one_line(proc.stderr, "DamagedCheckpointError", str(f), "expected xxh3_64", "strict=true")
     assert f.is_file()
-    proc = run_trainer(args + CPU, nproc=2)
+    proc = zygote.run([MAIN, *args, *CPU], nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     notes = [x for x in proc.stderr.splitlines() if "is damaged" in x]
     assert len(notes) == 1 and str(f) in notes[0], proc.stderr[-4000:]
@@ -414,7 +422,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(inputs, full_run)
         assert loss == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
 
 
-def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(inputs, full_run, tmp_path):
+def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(zygote, inputs, full_run, tmp_path):
     """Issue 28, item 3: a copy of the full run whose newest checkpoint holds a pickle that would
     create a file when unpickled, its checksum marker rewritten to match. In DCP's index:
     refused by preflight (one process); in a tensor record of rank 1's file: refused as the two
@@ -431,12 +439,17 @@ def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(inputs, full_run
         data[: len(payload)] = payload
         f.write_bytes(bytes(data))
         rewrite_marker(newest)
-        cmd = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
-               f"run_dir={run_dir}", "steps=10", "eval.max_texts=0", "checkpoint.save_at_end=false",
-               f"teachers.0.projection={PROJECTION}", *CPU]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        args = [MAIN, "conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}",
+                "steps=10", "eval.max_texts=0", "checkpoint.save_at_end=false",
+                f"teachers.0.projection={PROJECTION}", *CPU]  # fmt: skip
+        if nproc == 1:
+            proc = zygote.run(args, timeout=300)
+        else:
+            cmd = [sys.executable, "-m", "trainer.launch", "--standalone",
+                   f"--nproc_per_node={nproc}", *args]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=300)  # fmt: skip
         assert proc.returncode == 2, proc.stderr[-4000:]
         line = _one_line(proc.stderr, f"UnsafeCheckpointError: {f}", "is not read")
         assert ("is a pickle, not JSON" if nproc == 1 else "names io.open") in line
@@ -444,7 +457,7 @@ def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(inputs, full_run
         assert newest.is_dir()  # refused, not moved aside as damaged
 
 
-def test_changed_shard_bytes_are_refused_in_one_line(inputs):
+def test_changed_shard_bytes_are_refused_in_one_line(zygote, inputs):
     """Issue 20: 32 bytes changed inside a shard's data buffer (the first row's student_ids now
     2,147,483,642: it used to crash at the embedding, naming nothing). Default: refused by its
     checksum in preflight, nothing built. ``data.verify=never``: the run starts, and the value
@@ -462,13 +475,13 @@ def test_changed_shard_bytes_are_refused_in_one_line(inputs):
     run_dir = inputs["tmp"] / "damaged-run"
     args = ["conf=debug", f"data.shards={shards}", f"run_dir={run_dir}",
             f"teachers.0.projection={PROJECTION}"]  # fmt: skip
-    proc = run_trainer(args, nproc=1)
+    proc = zygote.run([MAIN, *args])
     assert proc.returncode == 2
     _one_line(proc.stderr, "DamagedFileError", str(f), "expected xxh3_64", "found xxh3_64")
     assert not run_dir.exists()
     # unverified, in file order: the first row read is in the damaged record batch
-    proc = run_trainer([*args, "data.verify=never", "data.shuffle_buffer=0", "steps=2",
-                        "eval.max_texts=0", *CPU], nproc=1)  # fmt: skip
+    proc = zygote.run([MAIN, *args, "data.verify=never", "data.shuffle_buffer=0", "steps=2",
+                       "eval.max_texts=0", *CPU])  # fmt: skip
     assert proc.returncode == 2
     _one_line(proc.stderr, "BadValueError", f"{f} row ", "column student_ids: value 2147483642")
     assert not records(run_dir)  # no step was taken

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from bench.common import ensure_projection
-from tests.e2e.helpers import REPO
 
 PARTS = ("cuda_tests", "demo_pair", "scale_1b_4b", "long_row", "sampler", "teacher_program")
 # a cuda-marked test of each file that holds them (the dry run lists what it would run)
@@ -30,17 +27,12 @@ CUDA_TESTS = (
 
 
 @pytest.fixture(scope="module")
-def dry(tmp_path_factory, teacher_dir, student_dir) -> tuple[subprocess.CompletedProcess, dict]:
+def dry(
+    zygote, tmp_path_factory, teacher_dir, student_dir
+) -> tuple[subprocess.CompletedProcess, dict]:
     ensure_projection(teacher_dir, student_dir)  # once for the suite, outside the dry run
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu.check", "--dry-run", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
+    proc = zygote.run(["-m", "bench.gpu.check", "--dry-run", "--out", str(out)], timeout=600)
     result = json.loads((out / "gpu_check.json").read_text()) if proc.returncode == 0 else {}
     return proc, {"json": result, "md": (out / "gpu_check.md").read_text() if result else ""}
 

@@ -95,7 +95,7 @@ def _finish(launched: list[subprocess.Popen], timeout: float = 600) -> list[tupl
 
 
 @pytest.fixture(scope="module")
-def rehearsal(tmp_path_factory, student_dir, s3_server) -> dict:
+def rehearsal(zygote, tmp_path_factory, student_dir, s3_server) -> dict:
     tmp = tmp_path_factory.mktemp("multinode")
     shards = write_text_shards(tmp / "shards", shakespeare_docs(24, chars=700),
                           student_dir=student_dir, teacher_dirs=[student_dir], max_tokens=64)  # fmt: skip
@@ -107,10 +107,8 @@ def rehearsal(tmp_path_factory, student_dir, s3_server) -> dict:
     # the reference: one node, two processes
     ref = tmp / "ref"
     ref.mkdir()
-    cmd = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc_per_node=2",
-           str(REPO / "trainer" / "main.py"), *_args(student_dir, url, f"s3://{bucket}/ref")]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ref, env={**env, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    cmd = [str(REPO / "trainer" / "main.py"), *_args(student_dir, url, f"s3://{bucket}/ref")]
+    proc = zygote.run(cmd, nproc=2, cwd=ref, env=env, timeout=600)  # forked: tests/zygote.py
     assert proc.returncode == 0, proc.stderr[-6000:]
     seen["ref"] = _records(ref / "run")
 

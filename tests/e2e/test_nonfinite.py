@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from bench.common import shakespeare_docs
-from tests.e2e.helpers import REPO
 from tests.e2e.nonfinite_cases import NAN_STEP
 from tokenbridge.alignment.text_shards import write_text_shards
 
@@ -22,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, student_dir) -> dict:
+def report(zygote, tmp_path_factory, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("nonfinite")
     shards = write_text_shards(
         tmp / "shards",
@@ -32,8 +29,7 @@ def report(tmp_path_factory, student_dir) -> dict:
         max_tokens=64,
     )
     out = tmp / "report.json"
-    cmd = [sys.executable, "-m", "tests.e2e.nonfinite_cases", str(shards), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = zygote.run(["-m", "tests.e2e.nonfinite_cases", str(shards), str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bench.common import ensure_projection, run_trainer, shakespeare_docs
+from bench.common import ensure_projection, shakespeare_docs
 from tests.e2e.helpers import REPO
 from tokenbridge.alignment.text_shards import write_text_shards
 
@@ -46,17 +45,17 @@ def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
 LEAN = ("parallel.teacher_placement=inprocess", "eval.max_texts=0", "onpolicy.eval_prompts=0")
 
 
-def _run(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def _run(zygote, shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     args = ["conf=onpolicy_debug", f"data.shards={shards}", f"run_dir={run_dir}", *CPU, *extra]
-    proc = run_trainer(args, timeout=900)
+    proc = zygote.run([str(REPO / "trainer" / "main.py"), *args], timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
 
 
 @pytest.fixture(scope="module")
-def full_run(shards, tmp_path_factory) -> Path:
+def full_run(zygote, shards, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("onpolicy_runs") / "full"
-    proc = _run(shards, run_dir)
+    proc = _run(zygote, shards, run_dir)
     assert "bits/byte of student completions after" in proc.stdout
     return run_dir
 
@@ -90,11 +89,11 @@ def test_on_policy_run_reports_rollouts_terms_and_teacher_bpb(full_run):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)
 
 
-def test_resume_across_on_policy_steps_is_exact(full_run, shards, tmp_path):
+def test_resume_across_on_policy_steps_is_exact(zygote, full_run, shards, tmp_path):
     run_dir, full = tmp_path / "resumed", tmp_path / "full"
-    _run(shards, full, *LEAN)
-    _run(shards, run_dir, *LEAN, "stop_after=3")  # as if killed after the step-3 checkpoint
-    _run(shards, run_dir, *LEAN)
+    _run(zygote, shards, full, *LEAN)
+    _run(zygote, shards, run_dir, *LEAN, "stop_after=3")  # as if killed after the step-3 checkpoint
+    _run(zygote, shards, run_dir, *LEAN)
     want = [r["loss"] for r in records(full)][3:]
     # the in-process teachers compute what the workers do
     assert [r["loss"] for r in records(full)] == pytest.approx(
@@ -104,13 +103,13 @@ def test_resume_across_on_policy_steps_is_exact(full_run, shards, tmp_path):
     assert got == pytest.approx(want, rel=1e-6)
 
 
-def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
+def test_lag_one_and_lambda_mixing_resume_exactly(zygote, shards, tmp_path):
     # the sampler's int8 copy too: its recorded log-probs ride in the pending rollouts
     extra = ("onpolicy.lag=1", "onpolicy.lmbda=0.5", "onpolicy.sampler_weights=int8", *LEAN)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _run(shards, full, *extra)
-    _run(shards, resumed, *extra, "stop_after=3")
-    _run(shards, resumed, *extra)
+    _run(zygote, shards, full, *extra)
+    _run(zygote, shards, resumed, *extra, "stop_after=3")
+    _run(zygote, shards, resumed, *extra)
     a = records(full)
     kinds = [r.get("onpolicy", 0.0) for r in a]
     assert 0 < sum(kinds) < len(kinds)  # both kinds of steps ran
@@ -121,11 +120,11 @@ def test_lag_one_and_lambda_mixing_resume_exactly(shards, tmp_path):
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-6)
 
 
-def test_an_off_policy_baseline_on_a_time_budget_reports_the_teachers_bpb(shards, tmp_path):
+def test_an_off_policy_baseline_on_a_time_budget_reports_the_teachers_bpb(zygote, shards, tmp_path):
     """`bench/onpolicy/equal_budget.py`'s baselines: lmbda 0 (every step off-policy, the on-policy
     side only evaluates) ending on `time_budget_s`, then the after-evals as at `steps`."""
     run_dir = tmp_path / "baseline"
-    _run(shards, run_dir, "onpolicy.lmbda=0", "steps=50", "time_budget_s=1e-9",
+    _run(zygote, shards, run_dir, "onpolicy.lmbda=0", "steps=50", "time_budget_s=1e-9",
          "parallel.teacher_placement=inprocess", "onpolicy.eval_prompts=2",
          "checkpoint.interval=0", "checkpoint.export_at_end=false")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -136,12 +135,11 @@ def test_an_off_policy_baseline_on_a_time_budget_reports_the_teachers_bpb(shards
     assert set(bpb["teacher_on_student_after"]) == {"gemma3-tiny", "smollm2-tiny-teacher"}
 
 
-def test_teacher_worker_dying_while_scoring_is_a_clear_error(shards, tmp_path):
+def test_teacher_worker_dying_while_scoring_is_a_clear_error(zygote, shards, tmp_path):
     """The worker is killed with microbatches in flight: the step raises TeacherWorkerError
     naming the worker and its signal, within bounded time (its liveness is polled)."""
     script = REPO / "tests" / "e2e" / "onpolicy_kill.py"
-    proc = subprocess.run([sys.executable, str(script), str(shards), str(tmp_path / "run")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = zygote.run([str(script), str(shards), str(tmp_path / "run")], timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["error"] == "TeacherWorkerError"

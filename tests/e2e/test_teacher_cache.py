@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from bench.common import PROJECTION, ensure_projection, shakespeare_docs
-from tests.e2e.helpers import REPO
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import teacher_cache
 
@@ -50,7 +47,7 @@ def fp16_bound(kd: float, *, max_abs_logprob: float, k: int, tau: float = 1.0) -
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, teacher_dir, student_dir) -> dict:
+def report(zygote, tmp_path_factory, teacher_dir, student_dir) -> dict:
     tmp = tmp_path_factory.mktemp("teacher_cache_e2e")
     ensure_projection(teacher_dir, student_dir)
     docs = shakespeare_docs(14, chars=700)
@@ -65,8 +62,7 @@ def report(tmp_path_factory, teacher_dir, student_dir) -> dict:
     )
     out = tmp / "report.json"
     args = [str(same), str(other), str(gemma), str(PROJECTION), str(out)]
-    cmd = [sys.executable, "-m", "tests.e2e.teacher_cache_cases", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    proc = zygote.run(["-m", "tests.e2e.teacher_cache_cases", *args], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
