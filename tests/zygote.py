@@ -36,6 +36,7 @@ PRELOAD = (
     "trainer.config.compose",
     "trainer.preflight",
     "trainer.loop",
+    "trainer.onpolicy.side",
     "trainer.teacher.worker",
     "trainer.eval.runner",
     "transformers.models.llama.modeling_llama",

@@ -30,7 +30,6 @@ from trainer.data.shard_reader import ShardReader, ShardStream
 from trainer.data.shard_source import ShardSource
 from trainer.eval import evaluate_bpb, trained_bpb
 from trainer.loss_terms import KDTerm, build_kd_terms
-from trainer.onpolicy.side import open_onpolicy
 from trainer.parallel import cpus, parallelize
 from trainer.parallel.materialize import load_record
 from trainer.parallel.mesh import build_mesh
@@ -193,6 +192,10 @@ class Trainer:
         )
         self.onpolicy = None
         if cfg.onpolicy.enabled:
+            # imported here: the sampler, rollouts and realignment are ~1 s of imports that an
+            # off-policy run (and each of its ranks) does not need
+            from trainer.onpolicy.side import open_onpolicy
+
             self.onpolicy = open_onpolicy(
                 cfg,
                 prepared,
