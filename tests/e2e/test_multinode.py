@@ -4,8 +4,10 @@ from the test S3 server and checkpointing there (docs/parallelism.md, "Several n
 
 One launch series serves every check (`rehearsal`): a 1-node 2-process reference run; the same
 run on 2 nodes x 1 process, one node killed (``kill -9`` of its agent and its rank) once the
-step-2 checkpoint is in the store; both nodes restarted, resuming from the store; and 2 nodes
-whose ``checkpoint.dir`` is a local directory each (not shared), refused before step 1.
+step-2 checkpoint is in the store; both nodes restarted, resuming from the store; 2 nodes
+whose ``checkpoint.dir`` is a local directory each (not shared), refused before step 1; and
+2 nodes x 2 processes with HSDP (``dp_replicate=2``) against one node of 4. The one-node
+references are forked from the session's `zygote`.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ pytestmark = pytest.mark.slow
 STEPS = 8
 KILL_AFTER = 2  # one node is killed once this step's checkpoint is in the store
 EXIT_WITHIN_S = 60.0
+HSDP_STEPS = 4  # the 2 x 2 run: same losses as one node of 4 (no kill: the 2 x 1 run has it)
 
 
-def _args(student_dir: Path, shards: str, ckpt: str) -> list[str]:
+def _args(student_dir: Path, shards: str, ckpt: str, *, steps: int = STEPS) -> list[str]:
     """The debug run, distilled from a tiny teacher with the student's tokenizer (kd_topk)."""
     return ["conf=debug", "loss=kd_topk", f"teachers.0.path={student_dir}",
             "teachers.0.projection=null", f"data.shards={shards}", f"checkpoint.dir={ckpt}",
-            f"steps={STEPS}", "checkpoint.interval=2", "checkpoint.export_at_end=false",
+            f"steps={steps}", "checkpoint.interval=2", "checkpoint.export_at_end=false",
             "optim.warmup_steps=1", "eval.max_texts=0", "parallel.teacher_placement=inprocess",
             "parallel.collective_timeout_s=30", "run_dir=run", "data.cache_dir=cache",
             "device=cpu", "parallel.threads=1", "logging.progress=false",
@@ -49,10 +52,12 @@ def _env(s3_server) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
-def _node(cwd: Path, args: list[str], *, env: dict, port: int, host: bool) -> subprocess.Popen:
+def _node(
+    cwd: Path, args: list[str], *, env: dict, port: int, host: bool, nproc: int = 1
+) -> subprocess.Popen:
     """One "node": a torchrun agent (through `trainer.launch`) in its own working directory."""
     cwd.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc_per_node=1",
+    cmd = [sys.executable, "-m", "trainer.launch", "--nnodes=2", f"--nproc_per_node={nproc}",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rehearsal",
            f"--rdzv_conf=is_host={str(host).lower()}", "--max-restarts=0",
            str(REPO / "trainer" / "main.py"), *args]  # fmt: skip
@@ -61,11 +66,11 @@ def _node(cwd: Path, args: list[str], *, env: dict, port: int, host: bool) -> su
                             text=True)  # fmt: skip
 
 
-def _two_nodes(root: Path, args: list[str], env: dict) -> list[subprocess.Popen]:
+def _two_nodes(root: Path, args: list[str], env: dict, *, nproc: int = 1) -> list[subprocess.Popen]:
     port = free_ports(1)[0]
-    first = _node(root / "node0", args, env=env, port=port, host=True)
+    first = _node(root / "node0", args, env=env, port=port, host=True, nproc=nproc)
     time.sleep(1.0)  # node 0 hosts the rendezvous store
-    return [first, _node(root / "node1", args, env=env, port=port, host=False)]
+    return [first, _node(root / "node1", args, env=env, port=port, host=False, nproc=nproc)]
 
 
 def _records(*run_dirs: Path, kind: str = "train") -> dict[int, dict]:
@@ -149,6 +154,21 @@ def rehearsal(zygote, tmp_path_factory, student_dir, s3_server) -> dict:
     args = _args(student_dir, url, "ckpt")
     seen["local"] = _finish(_two_nodes(local, args, env), timeout=300)
     seen["local_steps"] = _records(local / "node0" / "run", local / "node1" / "run")
+
+    # HSDP over the nodes: 2 nodes x 2 processes, sharded within a node, replicated across
+    # (dp_replicate=2), against one node of 4 processes with the same mesh
+    hsdp = ("parallel.dp_replicate=2",)
+    ref4 = tmp / "ref4"
+    ref4.mkdir()
+    cmd = [str(REPO / "trainer" / "main.py"),
+           *_args(student_dir, url, f"s3://{bucket}/ref4", steps=HSDP_STEPS), *hsdp]  # fmt: skip
+    proc = zygote.run(cmd, nproc=4, cwd=ref4, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    seen["hsdp_ref"] = _records(ref4 / "run")
+    root = tmp / "hsdp"
+    args = [*_args(student_dir, url, f"s3://{bucket}/hsdp", steps=HSDP_STEPS), *hsdp]
+    seen["hsdp"] = _finish(_two_nodes(root, args, env, nproc=2))
+    seen["hsdp_records"] = _records(root / "node0" / "run", root / "node1" / "run")
     return seen
 
 
@@ -191,3 +211,14 @@ def test_a_local_checkpoint_dir_two_nodes_do_not_share_is_refused_before_step_1(
         assert len(refused) == 1 and len(lines) <= 1 + i, err[-4000:]
         assert "not shared by every node" in refused[0] and "s3://" in refused[0]
     assert rehearsal["local_steps"] == {}
+
+
+def test_two_nodes_of_two_with_hsdp_repeat_the_one_node_losses(rehearsal):
+    """2 x 2 processes with ``parallel.dp_replicate=2`` (FSDP within a node, replicas across
+    the nodes): every step equals one node of 4 processes with the same mesh (1e-6)."""
+    assert all(code == 0 for code, _ in rehearsal["hsdp"]), rehearsal["hsdp"]
+    ref, got = rehearsal["hsdp_ref"], rehearsal["hsdp_records"]
+    assert sorted(ref) == sorted(got) == list(range(1, HSDP_STEPS + 1))
+    for step, r in got.items():
+        for k in ("loss", "ce", "kd", "grad_norm"):
+            assert r[k] == pytest.approx(ref[step][k], rel=1e-6, abs=1e-6), (step, k)
