@@ -30,7 +30,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify upload-model wheel train eval report bench gpu-check gpu-check-pack clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify upload-model wheel train eval report bench gpu-check gpu-check-pack teacher-server teacher-server-stop clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -78,6 +78,14 @@ wheel: $(SETUP)  ## dist/tokenbridge-*.whl, for the Beam SDK container (docker/b
 
 teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
 	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
+
+# a teacher served by vLLM (its own .venv-vllm, made on first use): MODEL=<HF dir> PORT= K=
+PORT ?= 8100
+teacher-server: $(SETUP)  ## serve MODEL=<dir> with vLLM on 127.0.0.1:PORT (K=: max prompt log-probs), print its URL
+	$(PY) -m tokenbridge.commands.teacher_server start --model $(MODEL) --port $(PORT) $(if $(filter command line environment,$(origin K)),--k $(K))
+
+teacher-server-stop:  ## stop the teacher server on PORT
+	$(PY) -m tokenbridge.commands.teacher_server stop --port $(PORT)
 
 train: models  ## one-process training run on the demo config (see README for torchrun)
 	$(PY) trainer/main.py conf=demo
