@@ -67,6 +67,25 @@ def group(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def served_teacher(tmp_path_factory):
+    """One vLLM server for the whole test session, started as `make teacher-server` starts it
+    (`tokenbridge.commands.teacher_server`; its venv is made on first use, ~90 s), serving a
+    tiny random-init teacher with the SmolLM2 tokenizer: (url, served model name, model dir)."""
+    import socket
+
+    from tests.tiny import save_served_teacher
+    from tokenbridge.commands import teacher_server
+
+    model = save_served_teacher(tmp_path_factory.mktemp("served") / "tiny", paths.student_dir())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = teacher_server.start(model, port=port, k=8, name="tiny", max_model_len=256)
+    yield server.url, server.model, model
+    teacher_server.stop(port)
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One SeaweedFS S3 server for the whole test session (`bench.storage.seaweed`); a server
     that does not start fails the tests that need it, loudly."""
