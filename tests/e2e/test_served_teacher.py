@@ -59,7 +59,7 @@ def test_servers_that_must_not_be_used_are_refused(report):
     assert r.pop("ok") is None
     expect = {
         "model": r"teachers\[0\]\.server: http://127\.0\.0\.1:\d+ serves \['tiny'\], not 'other'",
-        "k": r"HTTP 400: .*prompt logprobs of 16, which is greater than max allowed: 8.*K>=16",
+        "k": r"HTTP 400: .*logprobs of 16, which is greater than max allowed: 8.*K>=16",
         "tokenizer": r"tokenizes the probe text otherwise than gemma-3-270m",
         "gold": r"ConfigError: config teachers\[0\]\.server: loss gold reads more than a server",
         "temperature": r"ConfigError: config loss\.temperature: .* temperature 1, .* asks for 2\.0",
