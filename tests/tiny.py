@@ -33,6 +33,9 @@ def save_tiny_llama(out: Path, vocab_size: int, **overrides) -> str:
     return str(out)
 
 
+SERVED_K = 64  # the test server's max_logprobs: kd_topk's default k (xtoken's is 32)
+
+
 def save_served_teacher(out: Path, tokenizer_dir: Path) -> str:
     """A tiny teacher a vLLM server can load: `tiny_llama` over `tokenizer_dir`'s vocabulary
     with head_dim 32 (vLLM's CPU attention has no 16), peaked (init scale 0.5: KD of nats, not

@@ -36,6 +36,7 @@ CPU_LOCK = paths.REPO_ROOT / "requirements-vllm.lock"
 CUDA_LOCK = paths.REPO_ROOT / "requirements-vllm-cuda.lock"
 STATE = paths.REPO_ROOT / ".teacher-server"  # pid and log files, one pair per port
 DEFAULT_PORT = 8100
+STAMP = ".stamp-lock"  # in the venv: the hash of the lock it was made from (the Makefile's target)
 
 
 @dataclass
@@ -56,15 +57,34 @@ def _cuda() -> bool:
     return done.returncode == 0 and "GPU " in done.stdout
 
 
-def ensure_venv(venv: Path = VENV, *, cuda: bool | None = None) -> Path:
+def venv_ready(venv: Path = VENV, *, cuda: bool | None = None) -> bool:
+    """Is `venv` made from this machine's lock (its stamp holds the lock's hash)?"""
+    lock = CUDA_LOCK if (_cuda() if cuda is None else cuda) else CPU_LOCK
+    digest = hashlib.sha256(lock.read_bytes()).hexdigest()
+    stamp = venv / STAMP
+    return (
+        (venv / "bin" / "python").exists()
+        and stamp.exists()
+        and (stamp.read_text().strip() == digest)
+    )
+
+
+def ensure_venv(venv: Path = VENV, *, cuda: bool | None = None, create: bool = True) -> Path:
     """The server venv's python, creating the venv first when it is missing or was made from
-    another lock (its stamp holds the lock's hash). About 90 s on this machine (2 GB)."""
+    another lock (`venv_ready`). About 90 s on this machine (2 GB). With ``create=False`` a
+    missing venv is a RuntimeError naming the command that makes it (the tests: `make test`
+    makes it before pytest starts)."""
     cuda = _cuda() if cuda is None else cuda
     lock = CUDA_LOCK if cuda else CPU_LOCK
     digest = hashlib.sha256(lock.read_bytes()).hexdigest()
-    python, stamp = venv / "bin" / "python", venv / ".stamp-lock"
-    if python.exists() and stamp.exists() and stamp.read_text().strip() == digest:
+    python, stamp = venv / "bin" / "python", venv / STAMP
+    if venv_ready(venv, cuda=cuda):
         return python
+    if not create:
+        raise RuntimeError(
+            f"teacher server: {venv} is missing or not made from {lock.name}; make it with "
+            "`make test` (or `python -m tokenbridge.commands.teacher_server venv`)"
+        )
     print(f"teacher server: creating {venv} from {lock.name} (once; about 2 GB)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q"]
@@ -80,9 +100,11 @@ def ensure_venv(venv: Path = VENV, *, cuda: bool | None = None) -> Path:
 
 
 def server_args(
-    model_dir: str | os.PathLike, *, name: str, port: int, k: int, max_model_len: int
-) -> list[str]:
-    """The api_server's arguments: what our client relies on, nothing else."""
+    model_dir: str | os.PathLike, *, name: str, port: int, k: int, max_model_len: int,
+    eager: bool = False,
+) -> list[str]:  # fmt: skip
+    """The api_server's arguments: what our client relies on, nothing else. `eager` skips
+    torch.compile (about a minute of start-up here; the tests' tiny teacher needs no speed)."""
     return [
         "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", name,
@@ -91,6 +113,7 @@ def server_args(
         "--max-logprobs", str(max(k, 1)),  # prompt_logprobs=k is refused above it
         "--no-enable-prefix-caching",  # a cached prefix skips prompt log-probs
         "--max-model-len", str(max_model_len),
+        *(["--enforce-eager"] if eager else []),
     ]  # fmt: skip
 
 
@@ -126,10 +149,12 @@ def start(
     max_model_len: int = 1024,
     venv: Path = VENV,
     timeout_s: float = 600.0,
+    eager: bool = False,
+    create_venv: bool = True,
 ) -> Server:
     """Start a server for `model_dir` on 127.0.0.1:`port` (in its own session, so that `stop`
     ends its engine processes too), wait until it answers, record its pid."""
-    python = ensure_venv(venv)
+    python = ensure_venv(venv, create=create_venv)
     name = name or Path(model_dir).name
     STATE.mkdir(exist_ok=True)
     log, pidfile = STATE / f"{port}.log", STATE / f"{port}.pid"
@@ -137,8 +162,9 @@ def start(
     if pidfile.exists() and _alive(int(pidfile.read_text())):
         raise RuntimeError(f"a teacher server already runs on port {port} (pid file {pidfile})")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    args = server_args(model_dir, name=name, port=port, k=k, max_model_len=max_model_len)
-    with open(log, "wb") as out:
+    args = server_args(model_dir, name=name, port=port, k=k, max_model_len=max_model_len,
+                       eager=eager)  # fmt: skip
+    with open(log, "ab") as out:  # a restart on this port adds to its log
         proc = subprocess.Popen([str(python), *args], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
     pidfile.write_text(f"{proc.pid}\n")
@@ -197,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--k", type=int, default=64, help="the largest prompt_logprobs asked")
     s.add_argument("--name", default=None, help="served model name (default: the dir's name)")
     s.add_argument("--max-model-len", type=int, default=1024)
+    s.add_argument("--eager", action="store_true", help="no torch.compile: faster start-up")
     p = sub.add_parser("stop", help="stop the server on --port")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     sub.add_parser("venv", help="create the server's virtualenv only")
@@ -210,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(a.model) / "config.json").is_file():
         print(f"teacher server: --model {a.model}: no config.json (expected a HF model dir)")
         return 2
-    srv = start(a.model, port=a.port, k=a.k, name=a.name, max_model_len=a.max_model_len)
+    srv = start(a.model, port=a.port, k=a.k, name=a.name, max_model_len=a.max_model_len,
+                eager=a.eager)  # fmt: skip
     print(f"teacher server: {srv.url} serves {srv.model!r} (pid {srv.pid}, log {srv.log})")
     print(f"  train with teachers[0].server={srv.url} teachers[0].served_model={srv.model}")
     print(srv.url)
