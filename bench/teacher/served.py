@@ -91,6 +91,7 @@ def _train(shards: Path, run_dir: Path, teacher: dict) -> list[dict]:
         "device": "cpu", "model": {"path": str(paths.student_dir())},
         "teachers": [{"path": str(paths.teacher_dir()), "projection": str(PROJECTION), **teacher}],
         "loss": {"mode": "xtoken", "options": {"k": K}},
+        "optim": {"warmup_steps": 0},
         "data": {"shards": str(shards), "micro_batch_size": 2, "grad_accum": 2,
                  "shuffle_buffer": 0, "max_student_tokens": 128, "eval_fraction": 0.0},
         "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
