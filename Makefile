@@ -30,7 +30,7 @@ CACHE_K = $(if $(filter command line environment,$(origin K)),$(K),32)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify upload-model wheel train eval report bench gpu-check gpu-check-pack clean
+.PHONY: help setup models test lint format demo science demo-onpolicy demo-onpolicy-compare debug onpolicy-debug projection align teacher-cache verify upload-model wheel train eval report bench gpu-check gpu-check-pack teacher-server teacher-server-stop clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -58,7 +58,7 @@ format: $(SETUP)  ## ruff autoformat
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-test: $(SETUP) $(VENV)/.stamp-bench models lint  ## the whole test suite, from a fresh clone
+test: $(SETUP) $(VENV)/.stamp-bench $(VLLM_STAMP) models lint  ## the whole test suite, from a fresh clone
 	$(PY) -m pytest tests
 
 projection: models  ## sparse vocabulary projection TEACHER -> STUDENT (K=, OUT=)
@@ -78,6 +78,21 @@ wheel: $(SETUP)  ## dist/tokenbridge-*.whl, for the Beam SDK container (docker/b
 
 teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teachers[i].cache (K=32, OUT=, CACHE_ARGS=)
 	$(PY) -m pipelines.teacher_cache --shards $(SHARDS) --teacher $(TEACHER) --k $(CACHE_K) $(if $(OUT),--out $(OUT)) $(CACHE_ARGS)
+
+# a teacher served by vLLM, from its own virtualenv (vLLM pins another transformers): MODEL=<HF
+# dir> PORT= K=. The stamp holds the lock's hash (tokenbridge.commands.teacher_server); `make
+# test` makes the venv before pytest starts, so that no test installs anything.
+VLLM_STAMP := .venv-vllm/.stamp-lock
+$(VLLM_STAMP): requirements-vllm.lock requirements-vllm-cuda.lock | $(SETUP)
+	$(PY) -m tokenbridge.commands.teacher_server venv
+	touch $@
+
+PORT ?= 8100
+teacher-server: $(SETUP) $(VLLM_STAMP)  ## serve MODEL=<dir> with vLLM on 127.0.0.1:PORT (K=: max prompt log-probs), print its URL
+	$(PY) -m tokenbridge.commands.teacher_server start --model $(MODEL) --port $(PORT) $(if $(filter command line environment,$(origin K)),--k $(K))
+
+teacher-server-stop:  ## stop the teacher server on PORT
+	$(PY) -m tokenbridge.commands.teacher_server stop --port $(PORT)
 
 train: models  ## one-process training run on the demo config (see README for torchrun)
 	$(PY) trainer/main.py conf=demo
@@ -118,7 +133,7 @@ $(VENV)/.stamp-bench: $(SETUP)
 	$(VENV)/bin/pip install -q --no-deps $(BENCH_DEPS)
 	touch $@
 
-bench: models $(VENV)/.stamp-bench  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one; ALLOW_LOAD=1 on a busy machine)
+bench: models $(VENV)/.stamp-bench $(VLLM_STAMP)  ## run the benchmarks and write BENCHMARKS.md (BENCH=name to run one; ALLOW_LOAD=1 on a busy machine)
 	$(PY) -m bench.run_all $(BENCH) $(if $(ALLOW_LOAD),--allow-load)
 
 # A GPU machine has its own Python (with torch and transformers) and no .venv: use whichever is

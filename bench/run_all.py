@@ -41,6 +41,7 @@ SECTIONS = {
     "parallel": "training.parallel",
     "projection": "align.projection_build",
     "science": "science.section",
+    "served_teacher": "teacher.served_vs_live",
     "sharded_load": "training.sharded_load",
     "teacher_cache": "teacher.cache",
     "trainer": "training.trainer_step",

@@ -68,6 +68,35 @@ def group(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def served_teacher(tmp_path_factory):
+    """One vLLM server for the whole test session, started as `make teacher-server` starts it
+    (`tokenbridge.commands.teacher_server`, eager: no compile), serving a tiny random-init
+    teacher with the SmolLM2 tokenizer: (url, served model name, model dir, port). Its venv is
+    `make test`'s to make (the Makefile's .venv-vllm stamp), never installed from a test."""
+    import socket
+
+    from tests.tiny import SERVED_K, save_served_teacher
+    from tokenbridge.commands import teacher_server
+
+    if not teacher_server.venv_ready():
+        pytest.fail(
+            f"{teacher_server.VENV} is missing or stale: run `make test`, or make it with "
+            "`python -m tokenbridge.commands.teacher_server venv`",
+            pytrace=False,
+        )
+    model = save_served_teacher(tmp_path_factory.mktemp("served") / "tiny", paths.student_dir())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = teacher_server.start(
+        model, port=port, k=SERVED_K, name="tiny", max_model_len=256, eager=True,
+        create_venv=False,
+    )  # fmt: skip
+    yield server.url, server.model, model, port
+    teacher_server.stop(port)
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One SeaweedFS S3 server for the whole test session (`bench.storage.seaweed`); a server
     that does not start fails the tests that need it, loudly."""

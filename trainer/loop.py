@@ -42,11 +42,17 @@ from trainer.throughput import Throughput
 
 
 def _live_teachers(cfg: TrainConfig, prepared: Prepared) -> int:
-    """Off-policy KD teachers run live (by a worker or in process), not read from a cache."""
+    """Off-policy KD teachers run live (by a worker or in process), not read from a cache nor
+    served."""
     if not cfg.kd_enabled:
         return 0
+    return sum(t.weight != 0 and not off for t, off in zip(cfg.teachers, _offline(cfg, prepared)))
+
+
+def _offline(cfg: TrainConfig, prepared: Prepared) -> list:
+    """Per teacher: its cache or its server when it has one (no weights load here), else None."""
     caches = prepared.caches or [None] * len(cfg.teachers)
-    return sum(t.weight != 0 and c is None for t, c in zip(cfg.teachers, caches))
+    return [c if c is not None else t.server for t, c in zip(cfg.teachers, caches)]
 
 
 class Trainer:
@@ -144,7 +150,7 @@ class Trainer:
             student=self.model.config,
             terms=self.kd_terms,
             teachers=cfg.teachers,
-            caches=prepared.caches,
+            caches=_offline(cfg, prepared),
             device=self.device,
             dtype=precision.param_dtype,
             peak_tflops=cfg.logging.peak_tflops,
@@ -166,6 +172,13 @@ class Trainer:
             fresh=self.resumed_from is None,
         )
         self._closers.append(self.metrics)
+        for i, served in enumerate(prepared.served):
+            if served:
+                self.metrics.write(
+                    f"teachers[{i}]: served by {served['server']} (model {served['model']}, "
+                    f"max_model_len {served['max_model_len']}, probe latency "
+                    f"{served['latency_s'] * 1e3:.0f} ms)"
+                )
         self.stepper = TrainStep(
             model=self.model,
             optimizer=self.optimizer,
@@ -326,7 +339,7 @@ class Trainer:
         cache: its weights are never loaded."""
         result: dict[str, float] = {}
         for i, (t_cfg, tok) in enumerate(zip(self.cfg.teachers, self.prep.teacher_toks)):
-            if t_cfg.cache or (t_cfg.tp == 1 and not self.is_main):
+            if t_cfg.cache or t_cfg.server or (t_cfg.tp == 1 and not self.is_main):
                 continue
             tp_mesh = None
             if t_cfg.tp > 1:  # collective: every rank builds its TP group's shards

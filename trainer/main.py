@@ -54,6 +54,10 @@ RULES = (
     cli.Rule(("trainer.teacher.ring.TeacherWorkerError",), quiet=True, match=_peer_lost),
     cli.Rule(("trainer.teacher.ring.TeacherWorkerError",), hint=_worker_hint),
     cli.Rule(("trainer.teacher.ring.ChannelError",)),
+    cli.Rule(
+        ("tokenbridge.teacher.served.TeacherServerError",),
+        hint="restart the server (make teacher-server), then resume: checkpoint.resume=auto",
+    ),
     # computed from all-reduced numbers: every rank stops at the same step
     cli.Rule(("trainer.run_log.NonFiniteError",), everywhere=True),
     # a damaged file or out-of-range value met during the run (docs/integrity.md): the data's

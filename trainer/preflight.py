@@ -30,6 +30,7 @@ from trainer.data.remote_inputs import DEFAULT_DIR, localize
 from trainer.data.shard_reader import ShardReader
 from trainer.parallel import parallelize
 from trainer.teacher.cached_teacher import open_teacher_cache
+from trainer.teacher.served_teacher import open_served
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Prepared:
     precision: Precision  # the dtypes and optimizer kernel on this run's device
     resume: Path | None = None  # the verified checkpoint to resume from (None: start fresh)
     caches: list[CacheSet | None] = field(default_factory=list)  # per teacher (teachers[i].cache)
+    served: list[dict | None] = field(default_factory=list)  # per teacher: its server's report
 
 
 def _model_dir(cfg: ModelConfig, where: str) -> Path:
@@ -63,6 +65,8 @@ def _model_dir(cfg: ModelConfig, where: str) -> Path:
 
 def _tokenizer(cfg: ModelConfig, where: str) -> Tokenizer:
     try:
+        if getattr(cfg, "server", None):  # a served teacher: a tokenizer dir is enough here
+            return load_tokenizer(cfg.path)
         return load_tokenizer(_model_dir(cfg, where))
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"{where}: cannot load the tokenizer of {cfg.path}: {e}") from e
@@ -115,6 +119,9 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         )
     teacher_rows = []
     for i, t_cfg in enumerate(cfg.teachers):
+        if t_cfg.server and not (Path(t_cfg.path) / "config.json").is_file():
+            teacher_rows.append(teachers[i].vocab_size)  # the server holds the model
+            continue
         hf = models.model_config(t_cfg)
         try:
             parallelize.check_tp(hf, t_cfg.tp, where=f"teachers[{i}]")
@@ -172,7 +179,21 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         resume=resume.path,
         caches=_caches(cfg, teachers, shards, precision=precision),
         precision=precision,
+        served=_servers(cfg, teachers, teacher_max),
     )
+
+
+def _servers(cfg: TrainConfig, teachers: list[Tokenizer], teacher_max: list[int]) -> list:
+    """Each served teacher's server, checked against its tokenizer and the loss's k
+    (`open_served`); None for the others."""
+    out: list[dict | None] = []
+    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
+        if not (t_cfg.server and cfg.kd_enabled and t_cfg.weight > 0):
+            out.append(None)
+            continue
+        k = getattr(cfg.loss.mode_options(mode), "k", 1)
+        out.append(open_served(t_cfg, index=i, tokenizer=tok, k=k, max_len=teacher_max[i]))
+    return out
 
 
 def _caches(

@@ -121,6 +121,37 @@ def caches_serve_their_modes(cfg: TrainConfig) -> None:
             fail(f"teachers[{i}].cache", f"loss {mode} cannot read a teacher cache: {why}")
 
 
+# what a served teacher returns: top-k log-probs (normalised, at temperature 1) and the
+# realised token's; a mode that reads more (columns: gold; opd's given ids) cannot use one
+SERVED_MODES = ("kd_topk", "xtoken", "alm")
+
+
+def served_teachers_serve_their_modes(cfg: TrainConfig) -> None:
+    """A served teacher (``teachers[i].server``) gives top-k + target log-probs at temperature
+    1, off-policy, one process per teacher (`trainer.teacher.served_teacher`)."""
+    served = [i for i, t in enumerate(cfg.teachers) if t.server]
+    if not served:
+        return
+    if cfg.onpolicy.enabled:
+        fail("onpolicy.enabled", f"teachers[{served[0]}].server: on-policy scoring through a "
+             "served teacher is not supported yet; use the teacher's weights (path)")  # fmt: skip
+    if not cfg.kd_enabled:
+        return
+    modes = cfg.teacher_modes()
+    for i in served:
+        if cfg.teachers[i].tp != 1:
+            fail(f"teachers[{i}].tp", "a served teacher's layout is the server's: leave tp=1")
+        if modes[i] not in SERVED_MODES:
+            fail(f"teachers[{i}].server", f"loss {modes[i]} reads more than a server returns "
+                 f"(its top-k and the realised token's log-probs); use one of "
+                 f"{list(SERVED_MODES)}")  # fmt: skip
+        record, options = registry().MODES[modes[i]], cfg.loss.mode_options(modes[i])
+        temperature = record.teacher_spec(options, None, teacher_vocab_size=1).temperature
+        if temperature != 1.0:
+            fail("loss.temperature", f"teachers[{i}].server returns log-probs at temperature 1, "
+                 f"the loss asks for {temperature}; use temperature 1 with a served teacher")  # fmt: skip
+
+
 def stream_reads_a_store(cfg: TrainConfig) -> None:
     """data.stream fetches shard files from an object store as the reader reaches them: not a
     local directory, and not beside a teacher cache (joined to every shard row at start)."""
@@ -148,6 +179,7 @@ CONFIG_RULES = (
     onpolicy_fits_the_teachers,
     kd_topk_reads_the_teachers_support,
     caches_serve_their_modes,
+    served_teachers_serve_their_modes,
     stream_reads_a_store,
     warmup_within_steps,
 )

@@ -89,6 +89,13 @@ class TeacherConfig(ModelConfig):
     # teacher (no worker, no weights loaded); refused unless built from these shards with this
     # teacher, k and temperature (docs/training.md, "Teacher cache")
     cache: str | None = None
+    # a teacher served by vLLM's OpenAI-compatible server (`make teacher-server`), http(s)://
+    # host:port: its outputs come from there, no weights load here; `path` then names the local
+    # tokenizer directory the shards were aligned with (docs/training.md, "A served teacher")
+    server: str | None = None
+    served_model: str = ""  # the model name the server serves (default: `name`)
+    server_timeout_s: float = 120.0  # requests are retried this long before the run stops
+    api_key_env: str = ""  # an environment variable holding the server's API key (Bearer)
 
     def __post_init__(self) -> None:
         self._validate("teachers[?]")
@@ -105,6 +112,12 @@ class TeacherConfig(ModelConfig):
         if self.loss is not None:
             check_choice(f"{where}.loss", self.loss, registry().KD_MODES)
         check_choice(f"{where}.dtype", self.dtype, DTYPE_CHOICES)
+        if self.server is not None:
+            if not self.server.startswith(("http://", "https://")):
+                fail(f"{where}.server", f"expected http(s)://host:port, got {self.server!r}")
+            if self.cache:
+                fail(f"{where}.server", "a teacher is served or read from its cache, not both")
+            check_positive(f"{where}.server_timeout_s", self.server_timeout_s)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The feed: microbatches from the data stream to the teacher sources, one step ahead.
 
 `open_teachers` opens one source per distillation term on this rank: a `LiveTeacher` over a
-channel (worker process or in-process) or a `CachedTeacher`; both take a microbatch and hand
+channel (worker process or in-process), a `CachedTeacher` or a `ServedTeacher`; both take a microbatch and hand
 back its outputs, so the `Feed` treats them alike and submits each microbatch as soon as a live
 teacher's slot is free, across step boundaries too. The cp and tp ranks of a dp group share
 their microbatch's rows between their teachers (`SharedBatchTeacher`), so no row is computed
@@ -26,6 +26,7 @@ from trainer.loss_terms import KDTerm
 from trainer.teacher.cached_teacher import CachedTeacher
 from trainer.teacher.channel import ChannelConfig, Received, TeacherChannel, starting_together
 from trainer.teacher.model_program import TeacherModelProgram
+from trainer.teacher.served_teacher import ServedTeacher, client_for
 from trainer.teacher.worker import TeacherGroup
 
 
@@ -195,7 +196,7 @@ def open_teachers(
     dtypes: tuple[str, ...],
 ) -> list:
     """One teacher source per KD term on this rank: its cache when ``caches[i]`` is given
-    (`CachedTeacher`), else a worker process (or in-process, for debugging) that runs the
+    (`CachedTeacher`), its server when ``teachers[i].server`` is (`ServedTeacher`), else a worker process (or in-process, for debugging) that runs the
     teacher one microbatch ahead (`LiveTeacher`; when ``batch_group``, the ranks holding the
     same microbatch, has more than one rank, a `SharedBatchTeacher` computing this rank's share
     of its rows). `max_len[i]` bounds teacher i's rows; `dtypes[i]`: teacher i's dtype on this
@@ -208,6 +209,10 @@ def open_teachers(
             cache = caches[term.index] if caches else None
             if cache is not None:
                 sources.append(CachedTeacher(cache, term.spec, index=term.index, device=device))
+                continue
+            if t_cfg.server:  # scored by its server, one microbatch ahead (no process, no ring)
+                sources.append(ServedTeacher(client_for(t_cfg), term.spec, index=term.index,
+                                             device=device, depth=cfg.parallel.channel_slots))  # fmt: skip
                 continue
             program = TeacherModelProgram(
                 t_cfg,

@@ -1,0 +1,192 @@
+"""A teacher served by vLLM vs the same teacher in process, run by
+tests/e2e/test_served_teacher.py in ONE process (a script, not a test module):
+``python -m tests.e2e.served_teacher_cases SHARDS TEACHER_DIR PROJECTION URL MODEL PORT OUT``.
+
+The server (started by the test's session fixture as `make teacher-server` starts it) serves
+TEACHER_DIR, a tiny random-init Llama saved with the SmolLM2 tokenizer; the live runs load the
+same directory. Every run has three teachers on it, one per mode a server serves (kd_topk,
+xtoken with the identity projection, alm: top-k, tail and realised-token log-probs), so one
+live run and one served run compare them all. Findings go to OUT (JSON):
+
+- ``refused``: per case, the stage that refused (config / preflight; a Trainer, which builds the
+  models, is never reached) and its message: another model name, k above max_logprobs,
+  another tokenizer, gold, temperature != 1;
+- ``live`` / ``served``: per-step metrics, same rows, same seeds;
+- ``fault``: a served run (`Trainer.train`, a checkpoint every step) whose server is killed
+  (SIGKILL) after its first checkpoint: exit code and line as `trainer/main.py` reports them,
+  the checkpoints left and whether the last verifies; then, the server restarted on its port,
+  the resumed run's step and losses (to equal ``served``'s within 1e-5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.dist.test_trainer_cases import TINY
+from tests.tiny import SERVED_K
+from tokenbridge import cli, paths
+from tokenbridge.commands import teacher_server
+from tokenbridge.tokenizers import load_tokenizer
+from trainer import main as train_main
+from trainer.checkpoint import checkpointer
+from trainer.config.schema import TeacherConfig, from_dictconfig
+from trainer.loop import Trainer
+from trainer.preflight import preflight
+from trainer.teacher.served_teacher import open_served
+
+STEPS = 3
+TIMEOUT_S = 20.0  # a busy machine's slow answer is no fault; a dead server fails after this
+MODES = ("kd_topk", "xtoken", "alm")  # teacher i's mode; loss.options stay {} (shared by all)
+
+
+def make_cfg(shards: str, run_dir: Path, *, teachers: list[dict], loss: dict | None = None, **top):
+    d = {
+        "name": "served",
+        "run_dir": str(run_dir),
+        "steps": STEPS,
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": str(paths.student_dir()), "init": "random", "seed": 1, "overrides": TINY},
+        "teachers": teachers,
+        "loss": loss or {"mode": MODES[0]},
+        "data": {
+            "shards": shards,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "shuffle_buffer": 8,
+            "max_student_tokens": 64,
+            "eval_fraction": 0.0,
+        },  # fmt: skip
+        "optim": {"lr": 1e-2, "warmup_steps": 0},
+        "parallel": {"teacher_placement": "inprocess"},
+        "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
+        "eval": {"max_texts": 0},
+        "logging": {"jsonl": False, "tensorboard": False, "progress": False},
+    }
+    return from_dictconfig({**d, **top})
+
+
+def train(cfg, steps: int = STEPS) -> list[dict]:
+    t = Trainer(cfg, preflight(cfg, world_size=1))
+    try:
+        return [t.train_step() for _ in range(steps)]
+    finally:
+        t.close()
+
+
+def refusal(make, check=lambda cfg: preflight(cfg, world_size=1)) -> dict:
+    """Where a config is refused: building it (config rules) or the preflight (`check`); a
+    Trainer, which builds the models, is never reached."""
+    stage = "config"
+    try:
+        cfg = make()
+        stage = "preflight"
+        check(cfg)
+    except Exception as e:  # noqa: BLE001 - the message is the finding
+        return {"stage": stage, "error": f"{type(e).__name__}: {e}"}
+    return {"stage": None, "error": None}
+
+
+def refusals(shards: str, teachers: list[dict], projection: str) -> dict:
+    """Each case as the run's three teachers (the shards have three), changed where it says."""
+    kd = [
+        {k: v for k, v in {**t, "loss": "kd_topk"}.items() if k != "projection"} for t in teachers
+    ]
+    gold = [{**t, "loss": "gold", "projection": projection} for t in teachers]
+    other = [{**t, "served_model": "other"} for t in kd]
+    return {
+        "ok": refusal(lambda: make_cfg(shards, Path("unused"), teachers=teachers)),
+        "model": refusal(lambda: make_cfg(shards, Path("unused"), teachers=other)),
+        "k": refusal(lambda: make_cfg(
+            shards, Path("unused"), teachers=kd, loss={"mode": "kd_topk", "options": {"k": SERVED_K + 1}})),
+        # the preflight's server check with the Gemma tokenizer (shards of Gemma ids would be
+        # refused before it, by their own tokenizer check)
+        "tokenizer": refusal(
+            lambda: TeacherConfig(path=str(paths.teacher_dir()), server=kd[0]["server"],
+                                  served_model=kd[0]["served_model"]),
+            lambda t: open_served(t, index=0, tokenizer=load_tokenizer(t.path), k=8, max_len=64)),
+        "gold": refusal(lambda: make_cfg(
+            shards, Path("unused"), teachers=gold, loss={"mode": "gold"})),
+        "temperature": refusal(lambda: make_cfg(
+            shards, Path("unused"), teachers=kd, loss={"mode": "kd_topk", "temperature": 2.0})),
+    }  # fmt: skip
+
+
+def fault(cfg_of, *, teacher_dir: str, name: str, port: int) -> dict:
+    """The served run killed after its first checkpoint, then resumed on a restarted server."""
+    cfg = cfg_of(
+        checkpoint={"interval": 1, "keep": 4, "resume": "auto", "save_at_end": False,
+                    "export_at_end": False},
+        logging={"jsonl": True, "tensorboard": False, "progress": False},
+    )  # fmt: skip
+    t = Trainer(cfg, preflight(cfg, world_size=1))
+    save = t.save_checkpoint
+
+    def save_then_kill():  # the server is lost right after the first checkpoint (SIGKILL)
+        path = save()
+        if t.step == 1:
+            teacher_server.stop(port, sig=signal.SIGKILL)
+        return path
+
+    t.save_checkpoint = save_then_kill
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = cli.run(lambda _: t.train(), [], prog="train", rules=train_main.RULES)
+    finally:
+        t.close()
+    folder = checkpointer.folder_of(cfg.run_dir, cfg.checkpoint)
+    saved = checkpointer.list_checkpoints(folder)
+    logged = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").open()]
+    out = {
+        "code": code,
+        "stderr": err.getvalue(),
+        "checkpoints": [step for step, _ in saved],
+        "last_verifies": checkpointer.verify_checkpoint(Path(saved[-1][1])) if saved else "none",
+        "before": [r for r in logged if r["kind"] == "train"],
+    }
+    teacher_server.start(
+        teacher_dir,
+        port=port,
+        k=SERVED_K,
+        name=name,
+        max_model_len=256,
+        eager=True,
+        create_venv=False,
+    )
+    t = Trainer(cfg, preflight(cfg, world_size=1))
+    try:
+        out["resumed_at"] = t.step
+        out["after"] = [t.train_step() for _ in range(STEPS - t.step)]
+    finally:
+        t.close()
+    return out
+
+
+def main(shards, teacher_dir, projection, url, model, port, out) -> None:
+    tmp = Path(out).parent / "runs"
+    torch.set_num_threads(1)
+    live = [{"path": teacher_dir, "name": f"t{i}", "loss": m} for i, m in enumerate(MODES)]
+    live[1]["projection"] = projection  # xtoken reads the (identity) projection
+    served = [
+        {**t, "server": url, "served_model": model, "server_timeout_s": TIMEOUT_S} for t in live
+    ]
+    result: dict = {"refused": refusals(shards, served, projection)}
+    result["live"] = train(make_cfg(shards, tmp / "live", teachers=live))
+    result["served"] = train(make_cfg(shards, tmp / "served", teachers=served))
+    result["fault"] = fault(
+        lambda **top: make_cfg(shards, tmp / "fault", teachers=served, **top),
+        teacher_dir=teacher_dir, name=model, port=int(port),
+    )  # fmt: skip
+    Path(out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:8])
