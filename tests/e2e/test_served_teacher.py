@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, identity_projection
+from tests.e2e.helpers import identity_projection
 from tokenbridge.alignment.text_shards import write_text_shards
 
 pytestmark = pytest.mark.slow
@@ -32,7 +30,7 @@ TERMS = ("kd/t0", "kd/t1", "kd/t2")  # kd_topk, xtoken, alm
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, served_teacher, student_dir) -> dict:
+def report(zygote, tmp_path_factory, served_teacher, student_dir) -> dict:
     from bench.common import shakespeare_docs
 
     url, model, teacher, port = served_teacher
@@ -44,8 +42,7 @@ def report(tmp_path_factory, served_teacher, student_dir) -> dict:
     projection = identity_projection(student_dir, tmp / "identity.safetensors")
     out = tmp / "report.json"
     args = [str(shards), teacher, str(projection), url, model, str(port), str(out)]
-    cmd = [sys.executable, "-m", "tests.e2e.served_teacher_cases", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = zygote.run(["-m", "tests.e2e.served_teacher_cases", *args], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
