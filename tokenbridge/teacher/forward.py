@@ -70,6 +70,9 @@ def teacher_forward(
         raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")
     len_B = mask_BU.sum(1)
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
+    if tgt_BU is not None and position_ids_BU is not None:
+        # packed rows: a document's last token predicts nothing (the next one starts another)
+        tgt_BU[:, :-1].masked_fill_(position_ids_BU[:, 1:] == 0, -1)
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     inputs = {"input_ids": ids_BU, "attention_mask": mask_BU, "use_cache": False}
     if position_ids_BU is not None:

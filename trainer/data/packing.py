@@ -57,7 +57,7 @@ def first_fit(lengths: Sequence[Sequence[int]], limits: PackLimits) -> list[int]
         if not picked and bool((n_S > caps).any()):
             raise ValueError(
                 f"a document of {list(n)} tokens (student, teachers) does not fit a packed row "
-                f"of {list(caps)}: raise data.packed_tokens"
+                f"of {list(limits.sides())}: raise data.packed_tokens"
             )
         if bool((used + n_S <= caps).all()):
             picked.append(i)
