@@ -156,13 +156,13 @@ def test_packed_rows_keep_chunks_targets_and_positions_within_each_document(shar
 def test_packed_loader_is_deterministic_and_resumes_exactly(shards):
     data = DataConfig(shards=str(shards["dir"]), shuffle_buffer=3, eval_fraction=0.0)
     lens = np.array([row_lengths(r) for r in shards["rows"]])
-    # a little over the longest row on every side: a few documents per row, some left over
-    caps = lens.max(0) + 50
+    # twice the longest row on every side: a few documents per row, some left over
+    caps = 2 * lens.max(0)
     limits = PackLimits(int(caps[0]), tuple(int(c) for c in caps[1:]))
 
     def loader() -> PackedLoader:
         stream = ShardStream(shards["reader"], data=data, dp_rank=0, dp_size=1)
-        return PackedLoader(stream, limits=limits, buffer=6, micro_batch_size=1, student_pad=0,
+        return PackedLoader(stream, limits=limits, buffer=10, micro_batch_size=1, student_pad=0,
                             teacher_pads=[0, 0], pad_to_multiple=8)  # fmt: skip
 
     a = loader()
@@ -179,7 +179,7 @@ def test_packed_loader_is_deterministic_and_resumes_exactly(shards):
     assert all(torch.equal(x.input_ids_BT, y.input_ids_BT) for x, y in zip(rest, again))
     # the first epoch's rows, each once, before any comes back
     seen = [r for rows in first for r in rows]
-    assert len(seen) == len(set(seen)) and len(seen) >= 3
+    assert len(seen) == len(set(seen)) and len(seen) > 2  # a row of several
     for m in rest:  # every packed row within the limits on every side
         assert (m.attention_mask_BT.sum(1) <= caps[0]).all()
         assert all((a.teacher_len <= c).all() for a, c in zip(m.aligned, caps[1:]))
