@@ -119,8 +119,10 @@ def _cases(student_dir) -> dict[str, tuple[dict, str]]:
             r"config data\.stream: data\.shards=/nowhere is local",
         ),
         "packing_fits_the_run": (
-            {"teachers": [_teacher(student_dir, cache="/c")],
-             "data": {"shards": "/nowhere", "packing": True}},  # fmt: skip
+            {
+                "teachers": [_teacher(student_dir, cache="/c")],
+                "data": {"shards": "/nowhere", "packing": True},
+            },
             r"config teachers\[0\]\.cache: a teacher cache holds unpacked rows' outputs",
         ),
         "warmup_within_steps": (
