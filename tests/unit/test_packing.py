@@ -36,7 +36,14 @@ from tokenbridge.losses.xtoken import XTokenConfig, XTokenTables
 from tokenbridge.tokenizers import load_tokenizer
 from trainer.config.sections import DataConfig
 from trainer.data.microbatches import IGNORE, Microbatch, collate
-from trainer.data.packing import PackedLoader, PackLimits, first_fit, pack_row, row_lengths
+from trainer.data.packing import (
+    PackedLoader,
+    PackLimits,
+    first_fit,
+    pack_row,
+    row_lengths,
+    teacher_limits,
+)
 from trainer.data.shard_reader import ShardReader, ShardStream
 from trainer.loss_terms import ce_term
 from trainer.parallel.cp_attention import model_inputs
@@ -74,6 +81,10 @@ def test_first_fit_takes_the_oldest_and_whatever_fits_every_side():
     assert first_fit([(9, 9), (1, 2)], limits) == [0]  # the teacher's side is full at 11 > 10
     with pytest.raises(ValueError, match=r"does not fit a packed row of \[10, 10\]"):
         first_fit([(4, 11)], limits)
+    # a teacher's limit: the student's scaled by the longest rows' ratio, rounded up, and
+    # never below its own longest row
+    assert teacher_limits(100, student_max=64, teacher_max=[80, 61]) == (125, 96)
+    assert teacher_limits(64, student_max=64, teacher_max=[80]) == (80,)
 
 
 # ---------------------------------------------------------------- conversation shards
