@@ -30,7 +30,7 @@ MEASURES = (
     "bench/training/packing.py",
 )
 
-DOCS = int(os.environ.get("TOKENBRIDGE_PACKING_DOCS", "32"))  # conversations per pass
+DOCS = int(os.environ.get("TOKENBRIDGE_PACKING_DOCS", "24"))  # conversations per pass
 ROWS = 4  # rows per microbatch, padded and packed alike
 REPS = 2
 THREADS = 2
@@ -81,6 +81,7 @@ def main() -> str:
     from trainer.config.schema import ModelConfig, TeacherConfig
     from trainer.loss_terms import ce_term
     from trainer.parallel.cp_attention import model_inputs
+    from trainer.parallel.head import student_logits
     from trainer.teacher.model_program import teacher_forward
 
     torch.set_num_threads(THREADS)
@@ -94,23 +95,24 @@ def main() -> str:
     spec = alm_teacher_spec(AlmConfig(), teacher_vocab_size=vt)
     losses: dict[str, float] = {}
 
-    def run(name: str) -> None:
+    def run(name: str, *, first: int | None = None) -> None:
         total = 0.0
-        for mb in mbs[name]:
+        for mb in mbs[name][:first]:
             t_in = mb.teacher_inputs(0)
             with torch.no_grad():
                 teacher_forward(teacher, t_in["input_ids"], t_in["attention_mask"], spec=spec,
                                 columns=None, chunk=128, position_ids_BU=t_in.get("position_ids"))  # fmt: skip
-            logits = student(**model_inputs(mb.student_rows(), group=None)).logits
+            logits = student_logits(student, model_inputs(mb.student_rows(), group=None), chunk=0)
             out = ce_term(logits, mb, vocab_size=vs)
             out.sum.backward()
             student.zero_grad(set_to_none=True)
-            total += float(out.sum)
-        losses[name] = total
+            total += float(out.sum.detach())
+        if first is None:
+            losses[name] = total
 
     times: dict[str, list[float]] = {"padded": [], "packed": []}
-    for name in times:  # warm-up
-        run(name)
+    for name in times:  # warm-up: one microbatch each
+        run(name, first=1)
     for _ in range(REPS):
         for name, ts in times.items():
             t0 = time.perf_counter()
@@ -128,7 +130,7 @@ def main() -> str:
         "position) and the student's forward + backward with CE, as the trainer runs them. "
         f"{ROWS} rows per microbatch both ways; packed rows hold up to {max(lens)} student "
         "tokens (the longest conversation), so a microbatch's budget of positions is the same. "
-        f"The two passes alternate, median of {REPS} after a warm-up. CPU: {cpu_model()}, "
+        f"The two passes alternate, median of {REPS} after a warm-up microbatch each. CPU: {cpu_model()}, "
         f"{os.cpu_count()} cores.",
         "",
         "| layout | microbatches | positions computed | tokens | padding | wall s | CE sum |",

@@ -47,6 +47,7 @@ from trainer.data.packing import (
 from trainer.data.shard_reader import ShardReader, ShardStream
 from trainer.loss_terms import ce_term
 from trainer.parallel.cp_attention import model_inputs
+from trainer.parallel.head import student_logits
 from trainer.teacher.model_program import teacher_forward
 
 # (mode, teacher index, options): Gemma's chunk modes, SmolLM2's same-tokenizer kd_topk
@@ -218,7 +219,7 @@ def _terms(mb: Microbatch, models, shards, *, docs_BT: torch.Tensor, n_docs: int
     vs, vt = shards["vs"], shards["vt"]
     student = models["student"]
     params = [p for p in student.parameters()]
-    logits = student(**model_inputs(mb.student_rows(), group=None)).logits
+    logits = student_logits(student, model_inputs(mb.student_rows(), group=None), chunk=0)
     out, teacher_outs = {}, {}
     for name in ("ce", *KD):
         if name != "ce":  # the teacher's outputs at every position, once per mode

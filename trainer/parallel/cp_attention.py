@@ -173,13 +173,10 @@ def model_inputs(rows: StudentRows, *, group: Group) -> dict:
         # packed rows: position ids restart at every document and no 2-D mask is passed, so
         # transformers builds the block-diagonal causal mask from them (masking_utils'
         # packed-sequence detection; flash-attention's varlen path on CUDA). Right padding is
-        # a block of its own after the last document. No KV cache: transformers skips that
-        # detection when it holds one (and a forward builds one by default in eval mode).
-        return {
-            "input_ids": rows.input_ids_BL,
-            "position_ids": rows.position_ids_BL,
-            "use_cache": False,
-        }
+        # a block of its own after the last document. The detection needs a forward without
+        # a KV cache (transformers skips it when one exists, and builds one by default in eval
+        # mode): `student_logits` passes use_cache=False.
+        return {"input_ids": rows.input_ids_BL, "position_ids": rows.position_ids_BL}
     if rows.cp_size == 1:
         return {"input_ids": rows.input_ids_BL, "attention_mask": rows.attention_mask_BL}
     cp = CPAttention.build(
