@@ -38,6 +38,7 @@ SECTIONS = {
     "memory": "training.memory",
     "object_store": "storage.object_store",
     "onpolicy": "onpolicy.section",
+    "packing": "training.packed_rows",
     "parallel": "training.parallel",
     "projection": "align.projection_build",
     "science": "science.section",

@@ -26,6 +26,7 @@ from trainer.checkpoint import checkpointer
 from trainer.checkpoint.shared_dir import check_shared
 from trainer.config.schema import TrainConfig
 from trainer.data.microbatches import MicrobatchLoader, pad_id
+from trainer.data.packing import PackedLoader, PackLimits, teacher_limits
 from trainer.data.shard_reader import ShardReader, ShardStream
 from trainer.data.shard_source import ShardSource
 from trainer.eval import evaluate_bpb, trained_bpb
@@ -94,18 +95,33 @@ class Trainer:
         stream = ShardStream(
             reader, data=cfg.data, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size
         )
-        self.loader = MicrobatchLoader(
-            stream,
-            micro_batch_size=cfg.data.micro_batch_size,
-            student_pad=pad_id(prepared.student_tok),
-            teacher_pads=[pad_id(t) for t in prepared.teacher_toks],
-            pad_to_multiple=cfg.data.pad_to_multiple,
-        )
+        batching = {
+            "micro_batch_size": cfg.data.micro_batch_size,
+            "student_pad": pad_id(prepared.student_tok),
+            "teacher_pads": [pad_id(t) for t in prepared.teacher_toks],
+            "pad_to_multiple": cfg.data.pad_to_multiple,
+        }
+        teacher_rows = list(prepared.teacher_max_len)
+        if cfg.data.packing:
+            limits = PackLimits(
+                cfg.data.row_tokens,
+                teacher_limits(
+                    cfg.data.row_tokens,
+                    student_max=reader.max_lengths()[0],
+                    teacher_max=prepared.teacher_max_len,
+                ),
+            )
+            teacher_rows = list(limits.teachers)  # sizes the teachers' channel slots
+            self.loader = PackedLoader(
+                stream, limits=limits, buffer=cfg.data.pack_buffer, **batching
+            )
+        else:
+            self.loader = MicrobatchLoader(stream, **batching)
         self.eval_texts = self.loader.eval_texts(cfg.eval.max_texts)
         # conversation shards: bits per byte of the trained contents (`trained_bpb`)
         self.eval_rows = self.loader.eval_rows(cfg.eval.max_texts) if reader.is_chat else []
         mult = cfg.data.pad_to_multiple
-        teacher_max = [-(-n // mult) * mult for n in prepared.teacher_max_len]
+        teacher_max = [-(-n // mult) * mult for n in teacher_rows]
 
         # student: built on the meta device, TP plan, CP attention, activation checkpointing,
         # compile, FSDP2, then this rank's shards materialized and filled

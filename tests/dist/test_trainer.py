@@ -49,6 +49,19 @@ def test_layouts_and_splits_give_the_same_losses_and_update(report):
     assert base["losses"][1] != base["losses"][0]
 
 
+def test_packed_rows_give_the_unpacked_losses_and_update(report):
+    base = report["layouts"]["dp2_mb1_x2"]
+    for name, r in report["packing"].items():
+        assert r["losses"] == pytest.approx(base["losses"], rel=1e-5), name
+        assert r["checksum"] == pytest.approx(base["checksum"], rel=1e-6), name
+        for m in r["records"]:
+            # two windows per row: the padding is the rows' tails only, and every target the
+            # unpacked rows train on is trained (the same CE count over the step)
+            assert 0 <= m["padding_fraction"] < 0.2 and m["trained_tokens"] > 0, name
+    packed = [m["trained_tokens"] for r in report["packing"].values() for m in r["records"]]
+    assert len(set(packed)) == 2  # per step, the same in both layouts
+
+
 def test_stop_checkpoint_resume_continues_exactly(report):
     r = report["resume"]
     assert r["resumed_at"] == 2

@@ -60,6 +60,7 @@ def make_cfg(
     projection: str | None = None,
     cp: int = 1,
     ac: str = "none",
+    data: dict | None = None,
     **top,
 ):
     student = str(paths.student_dir())
@@ -90,6 +91,7 @@ def make_cfg(
             "shuffle_buffer": 0,  # file order: every layout sees the same global batch
             "max_student_tokens": 64,
             "eval_fraction": 0.0,
+            **(data or {}),
         },
         "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 1.0},
         "parallel": {
@@ -136,6 +138,29 @@ def case_layouts(shards: str, tmp: Path) -> dict:
     }.items():
         t, losses = run_steps(make_cfg(shards, str(tmp / name), **kw), 2)
         out[name] = {"losses": losses, "checksum": params_checksum(t.model)}
+        t.close()
+    return out
+
+
+def case_packing(shards: str, tmp: Path) -> dict:
+    """Packed rows through the loop (data.packing, the in-process teacher program with position
+    ids): two windows per row (pack_buffer=2), so each step holds the same windows as the
+    layouts' base, dp2_mb1_x2 (rank r's stream, two at a time); once at dp=2, once at tp=2 with
+    the teacher sharded on its own mesh (its inputs, position ids included, all-gathered)."""
+    packing = {"packing": True, "packed_tokens": 128, "pack_buffer": 2}
+    out = {}
+    for name, kw in {
+        "dp2_packed": {"dp": 2, "tp": 1, "mb": 1, "accum": 1},
+        "tp2_packed_teacher_tp2": {"dp": 1, "tp": 2, "mb": 1, "accum": 2, "teacher_tp": 2},
+    }.items():
+        cfg = make_cfg(shards, str(tmp / name), data=packing, **kw)
+        t = Trainer(cfg, preflight(cfg, world_size=dist.get_world_size()))
+        steps = [t.train_step() for _ in range(2)]
+        out[name] = {
+            "losses": [m["loss"] for m in steps],
+            "checksum": params_checksum(t.model),
+            "records": steps,
+        }
         t.close()
     return out
 
@@ -205,6 +230,7 @@ def main(shards: str, out: str, projection: str) -> None:
         "layouts": case_layouts(shards, tmp),
         "resume": case_resume(shards, tmp),
         "clip": case_clip(),
+        "packing": case_packing(shards, tmp),
         "modes": case_modes(shards, tmp, projection),
     }
     if dist.get_rank() == 0:

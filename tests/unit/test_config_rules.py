@@ -118,6 +118,13 @@ def _cases(student_dir) -> dict[str, tuple[dict, str]]:
             {"data": {"shards": "/nowhere", "stream": True}},
             r"config data\.stream: data\.shards=/nowhere is local",
         ),
+        "packing_fits_the_run": (
+            {
+                "teachers": [_teacher(student_dir, cache="/c")],
+                "data": {"shards": "/nowhere", "packing": True},
+            },
+            r"config teachers\[0\]\.cache: a teacher cache holds unpacked rows' outputs",
+        ),
         "warmup_within_steps": (
             {"steps": 5, "optim": {"warmup_steps": 10}},
             r"config optim\.warmup_steps: 10 > steps=5",
@@ -158,6 +165,22 @@ def test_on_policy_teachers_are_checked_in_the_config(student_dir, sections, mes
         sections["teachers"] = [_teacher(student_dir, **t) for t in sections["teachers"]]
     with pytest.raises(ConfigError, match=message):
         _config(student_dir, sections)
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"onpolicy": {"enabled": True, "loss": "opd_pg"}}, r"data\.packing: on-policy rollouts"),
+        ({"parallel": {"cp": 2}}, r"data\.packing: packed rows under context parallelism"),
+        ({"data": {"packed_tokens": 100}}, r"data\.packed_tokens: 100 < data\.max_student"),
+    ],
+)
+def test_packing_refuses_what_it_does_not_serve_in_one_line(student_dir, sections, message):
+    data = {"shards": "/nowhere", "packing": True, **sections.pop("data", {})}
+    sections = {"teachers": [_teacher(student_dir)], "data": data, **sections}
+    with pytest.raises(ConfigError, match=message) as e:
+        _config(student_dir, sections)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -202,6 +202,8 @@ def test_shard_batches_and_rollouts_are_two_sources_of_one_step(step):
     # one device: its share is the whole rate; no HF config, so no FLOPs and no MFU
     assert m["tokens_per_s_per_device"] == m["tokens_per_s"] and "mfu" not in m
     assert m["teacher_s"] == 0.5 and feed.released == 2
+    # every position of these rows holds a token; the trained ones are CE's targets
+    assert m["padding_fraction"] == 0.0 and m["trained_tokens"] == int(ce_out.count)
     for p, w in zip(model.parameters(), want_params):
         torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
     assert (step.step, step.tokens_seen) == (1, sum(SIZES) * T)

@@ -44,6 +44,7 @@ def teacher_forward(
     used_BU: torch.Tensor | None = None,
     on_logits=None,
     workspace: Workspace | None = None,
+    position_ids_BU: torch.Tensor | None = None,
 ) -> TeacherOutputs:
     """The spec's teacher outputs for one microbatch, applying the lm_head `chunk` positions at
     a time (HF causal LMs with ``.model`` + ``.lm_head``; others get full logits). A vocab-
@@ -61,14 +62,23 @@ def teacher_forward(
     not with ``used_BU``.
     ``workspace``: buffers for the [rows, V] products and passes (`Workspace`), reused by
     every span; a fresh one for this call when None (what the trainer and the cache job do).
+    ``position_ids_BU``: packed rows (several documents per row), position ids restarting at
+    every document; the model then gets them and no 2-D mask, and transformers masks attention
+    by document (its packed-sequence detection). ``mask_BU`` still gives each row's length.
     """
     if on_logits is not None and used_BU is not None:
         raise ValueError("teacher_forward: on_logits sees every position; it takes no used_BU")
     len_B = mask_BU.sum(1)
     tgt_BU = shift_targets(ids_BU, len_B) if spec.target else None
+    if tgt_BU is not None and position_ids_BU is not None:
+        # packed rows: a document's last token predicts nothing (the next one starts another)
+        tgt_BU[:, :-1].masked_fill_(position_ids_BU[:, 1:] == 0, -1)
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    inputs = {"input_ids": ids_BU, "attention_mask": mask_BU, "use_cache": False}
+    if position_ids_BU is not None:
+        inputs = {"input_ids": ids_BU, "position_ids": position_ids_BU, "use_cache": False}
     if base is None or head is None:
-        out = model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
+        out = model(**inputs).logits
         logits, tp_group = unwrap_vocab_sharded(out)
         if on_logits is not None:
             _whole_vocab(tp_group)
@@ -77,7 +87,7 @@ def teacher_forward(
             logits, spec=spec, target_ids_BT=tgt_BU, columns=columns, tp_group=tp_group
         )
         return out if used_BU is None else _blank_unused(out, used_BU)
-    hidden_BUH = base(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).last_hidden_state
+    hidden_BUH = base(**inputs).last_hidden_state
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
     softcap = getattr(model.config, "final_logit_softcapping", None)
     workspace = workspace or Workspace()

@@ -165,6 +165,24 @@ def stream_reads_a_store(cfg: TrainConfig) -> None:
              "before the run starts: fetch the shards whole (data.stream=false)")  # fmt: skip
 
 
+def packing_fits_the_run(cfg: TrainConfig) -> None:
+    """Packed rows (data.packing) are built for live teachers on shard batches at cp = 1: a
+    teacher cache holds outputs of unpacked rows, rollouts are not packed yet, and CP's
+    load-balanced layout would cut across documents."""
+    if not cfg.data.packing:
+        return
+    for i, t in enumerate(cfg.teachers):
+        if t.cache:
+            fail(f"teachers[{i}].cache", "a teacher cache holds unpacked rows' outputs; it "
+                 "cannot serve packed rows (data.packing=false, or a live teacher)")  # fmt: skip
+    if cfg.onpolicy.enabled:
+        fail("data.packing", "on-policy rollouts are not packed: set data.packing=false "
+             "with onpolicy.enabled")  # fmt: skip
+    if cfg.parallel.cp > 1:
+        fail("data.packing", f"packed rows under context parallelism (parallel.cp="
+             f"{cfg.parallel.cp}) are not supported: set data.packing=false or cp=1")  # fmt: skip
+
+
 def warmup_within_steps(cfg: TrainConfig) -> None:
     if cfg.optim.warmup_steps > cfg.steps:
         fail("optim.warmup_steps", f"{cfg.optim.warmup_steps} > steps={cfg.steps}")
@@ -181,6 +199,7 @@ CONFIG_RULES = (
     caches_serve_their_modes,
     served_teachers_serve_their_modes,
     stream_reads_a_store,
+    packing_fits_the_run,
     warmup_within_steps,
 )
 

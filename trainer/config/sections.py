@@ -153,6 +153,12 @@ class DataConfig:
     # the node's disk; else the whole directory is fetched before the run starts
     stream: bool = False
     stream_files: int = 3
+    # packed rows (`trainer.data.packing`): several documents per row of packed_tokens student
+    # tokens (0 = max_student_tokens), in the same order on every teacher's side, attention and
+    # targets within a document; first-fit from a buffer of pack_buffer documents
+    packing: bool = False
+    packed_tokens: int = 0
+    pack_buffer: int = 64
 
     def __post_init__(self) -> None:
         check_choice("data.verify", self.verify, VERIFY_MODES)
@@ -165,6 +171,18 @@ class DataConfig:
         for name in ("micro_batch_size", "grad_accum", "max_student_tokens", "pad_to_multiple"):
             check_at_least(f"data.{name}", getattr(self, name), 1)
         check_at_least("data.shuffle_buffer", self.shuffle_buffer, 0)
+        check_at_least("data.pack_buffer", self.pack_buffer, 1)
+        if self.packed_tokens and self.packed_tokens < self.max_student_tokens:
+            fail(
+                "data.packed_tokens",
+                f"{self.packed_tokens} < data.max_student_tokens={self.max_student_tokens}: every "
+                "row must fit a packed row alone (raise it, or 0 = max_student_tokens)",
+            )
+
+    @property
+    def row_tokens(self) -> int:
+        """The student tokens a packed row holds (``packed_tokens``, 0 = max_student_tokens)."""
+        return self.packed_tokens or self.max_student_tokens
         if self.eval_split not in EVAL_SPLITS:
             fail("data.eval_split", f"expected window or document, got {self.eval_split!r}")
         if not 0.0 <= self.eval_fraction < 1.0:

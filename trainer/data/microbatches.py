@@ -29,7 +29,8 @@ class StudentRows:
     """The student's share of a microbatch on one context-parallel rank (all of it at cp = 1).
 
     Targets are shifted on the whole row first, then laid out, so no position needs another
-    rank's token. ``position_ids_BL`` is None at cp = 1 (the model's own 0..T-1).
+    rank's token. ``position_ids_BL`` is None at cp = 1 (the model's own 0..T-1), except on
+    packed rows (restarting at every document).
     """
 
     input_ids_BL: torch.Tensor
@@ -54,6 +55,14 @@ class Microbatch:
     rows: list[int] = field(default_factory=list)  # global row indices (provenance)
     # conversation shards: the student's train codes (tokenbridge.formats.shard_schema.TRAIN_*), 0 on padding
     train_BT: torch.Tensor | None = None
+    # packed rows (`trainer.data.packing`): position ids restarting at every document, the
+    # student's and each teacher's; None when rows are not packed (the model's own 0..T-1)
+    position_ids_BT: torch.Tensor | None = None
+    teacher_position_ids: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids_BT is not None
 
     @property
     def num_targets(self) -> int:
@@ -64,8 +73,14 @@ class Microbatch:
         seq_len = self.input_ids_BT.shape[1]
         if cp_size == 1:
             return StudentRows(
-                self.input_ids_BT, self.attention_mask_BT, self.targets_BT, None, seq_len
+                self.input_ids_BT,
+                self.attention_mask_BT,
+                self.targets_BT,
+                self.position_ids_BT,
+                seq_len,
             )
+        if self.packed:
+            raise ValueError("packed rows under context parallelism (parallel.cp > 1)")
         pos_L = cp_positions(seq_len, cp_size, cp_rank, device=self.input_ids_BT.device)
 
         def local(x_BT: torch.Tensor) -> torch.Tensor:
@@ -86,6 +101,12 @@ class Microbatch:
         a = self.aligned[i]
         pos_U = torch.arange(a.teacher_ids.shape[1], device=a.teacher_ids.device)
         mask_BU = (pos_U[None, :] < a.teacher_len[:, None]).long()
+        if self.packed:  # the teacher's forward masks by document from these (its own lengths)
+            return {
+                "input_ids": a.teacher_ids,
+                "attention_mask": mask_BU,
+                "position_ids": self.teacher_position_ids[i],
+            }
         return {"input_ids": a.teacher_ids, "attention_mask": mask_BU}
 
     def to(self, device: torch.device) -> Microbatch:
@@ -101,6 +122,8 @@ class Microbatch:
             self.texts,
             self.rows,
             None if self.train_BT is None else self.train_BT.to(device),
+            None if self.position_ids_BT is None else self.position_ids_BT.to(device),
+            [p.to(device) for p in self.teacher_position_ids],
         )
 
 
@@ -116,6 +139,22 @@ def _pad_rows(rows: list[np.ndarray], length: int, pad: int) -> torch.Tensor:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def restart_positions(doc_lens: list[int], width: int) -> np.ndarray:
+    """[width] position ids restarting at 0 at every document of a packed row; the padding
+    after the last one restarts too (its own block, which causal attention keeps out of every
+    real position)."""
+    out = np.empty(width, dtype=np.int64)
+    at = 0
+    for n in [*doc_lens, width - sum(doc_lens)]:
+        out[at : at + n] = np.arange(n)
+        at += n
+    return out
+
+
+def _positions(doc_lens: list[list[int]], width: int) -> torch.Tensor:
+    return torch.from_numpy(np.stack([restart_positions(d, width) for d in doc_lens]))
 
 
 def train_targets(targets_BT: torch.Tensor, train_BT: torch.Tensor) -> torch.Tensor:
@@ -147,7 +186,9 @@ def collate(
     row_ids: list[int] | None = None,
 ) -> Microbatch:
     """Pad rows (from `ShardReader.row`) into one microbatch; each teacher's tensors are padded
-    to its own length U, chunk columns with -1."""
+    to its own length U, chunk columns with -1. Packed rows (`trainer.data.packing.pack_row`,
+    with ``doc_lens``) get position ids restarting per document on every side, and no target
+    across a document boundary (the last token of each document predicts nothing)."""
     lens = [len(r["student_ids"]) for r in rows]
     T = _round_up(max(lens), pad_to_multiple)
     ids = _pad_rows([r["student_ids"] for r in rows], T, student_pad)
@@ -158,6 +199,10 @@ def collate(
     targets = torch.full_like(ids, IGNORE)
     targets[:, :-1] = ids[:, 1:]
     targets[pos_T[None, :] + 1 >= len_B[:, None]] = IGNORE
+    packed = "doc_lens" in rows[0]
+    position_ids = _positions([r["doc_lens"] for r in rows], T) if packed else None
+    if packed:  # position t + 1 starts a document: t is the last of its own
+        targets[:, :-1][position_ids[:, 1:] == 0] = IGNORE
     train = None
     # conversation rows: train only on the flagged tokens; text shards (schema version 1) have
     # no train codes and train on every target
@@ -165,7 +210,13 @@ def collate(
         train = _pad_rows([r["train"] for r in rows], T, shard_schema.TRAIN_NONE)
         targets = train_targets(targets, train)
     mb = Microbatch(
-        ids, mask, targets, texts=[r["text"] for r in rows], rows=row_ids or [], train_BT=train
+        ids,
+        mask,
+        targets,
+        texts=[r["text"] for r in rows],
+        rows=row_ids or [],
+        train_BT=train,
+        position_ids_BT=position_ids,
     )
     for k, pad in enumerate(teacher_pads):
         tr = [r["teachers"][k] for r in rows]
@@ -174,6 +225,8 @@ def collate(
                 raise ValueError(f"teacher {k}: a chunk column's length differs from its ids")
         tlens = [len(x["ids"]) for x in tr]
         U = _round_up(max(tlens), pad_to_multiple)
+        if packed:
+            mb.teacher_position_ids.append(_positions([x["doc_lens"] for x in tr], U))
         mb.aligned.append(
             AlignedBatch(
                 student_ids=ids,

@@ -172,16 +172,18 @@ class ShardSource(Source):
         return [t for t in self.terms if t.name in self.throughput.teachers]
 
     def step_sums(self) -> dict[str, float]:
-        """The live teachers' tokens of the step: real (unpadded) teacher positions of this
-        rank's microbatches, 1 / cp of them on each cp rank (summed over dp and cp: every row
-        once). Read on logging steps only."""
+        """The student's positions of the step (padding included) and the live teachers'
+        tokens: real (unpadded) teacher positions of this rank's microbatches, 1 / cp of them
+        on each cp rank (summed over dp and cp: every row once). Read on logging steps only."""
+        share = 1.0 / self.mesh.cp_size
+        # the positions the student computes, padding included (shapes: no device read)
+        out = {"positions": share * sum(q.mb.input_ids_BT.numel() for q in self.queued)}
         live = self._live()
         if not live:
-            return {}
-        share = 1.0 / self.mesh.cp_size
+            return out
         lens = [q.mb.aligned[t.index].teacher_len.sum() for t in live for q in self.queued]
         host = torch.stack(lens).reshape(len(live), -1).sum(1).tolist()
-        return {f"teacher_tokens/{t.name}": n * share for t, n in zip(live, host)}
+        return out | {f"teacher_tokens/{t.name}": n * share for t, n in zip(live, host)}
 
     def record(self, nums: StepNumbers, *, lr: float, step_s: float) -> dict[str, float]:
         measured = {
@@ -193,12 +195,19 @@ class ShardSource(Source):
             "epoch": self.loader.epoch,
         }
         m = train_metrics(nums, terms=self.kd_names, kd_weights=self.weight_list, host=measured)
+        # padding: the share of the positions computed that hold no token (packed rows: the
+        # tail of each row); trained tokens: the positions with a target (CE's count)
+        positions = nums.source_sums.get("positions", 0.0)
+        m["padding_fraction"] = 1.0 - m["tokens"] / positions if positions else 0.0
+        m["trained_tokens"] = int(nums.counts[0])
         m |= self.throughput.record(
             tokens=m["tokens"],
             step_s=step_s,
             seq=fmean(q.mb.input_ids_BT.shape[1] for q in self.queued),
             teacher_tokens={
-                k.removeprefix("teacher_tokens/"): v for k, v in nums.source_sums.items()
+                k.removeprefix("teacher_tokens/"): v
+                for k, v in nums.source_sums.items()
+                if k.startswith("teacher_tokens/")
             },
             teacher_seq={
                 t.name: fmean(q.mb.aligned[t.index].teacher_ids.shape[1] for q in self.queued)

@@ -163,11 +163,20 @@ def model_inputs(rows: StudentRows, *, group: Group) -> dict:
     """Keyword arguments of the model's forward for this rank's share of a microbatch
     (`Microbatch.student_rows`), `group` its cp group.
 
-    cp = 1: ids and the padding mask, exactly as an unsharded forward. cp > 1: the local ids,
+    cp = 1: ids and the padding mask, exactly as an unsharded forward (packed rows: ids and
+    position ids restarting per document). cp > 1: the local ids,
     their global position ids, and the CP mask passed as a 4-D ``attention_mask``
     (transformers passes a 4-D mask through untouched, so no [L, L] mask is built for nothing)
     plus the ``cp_attention`` keyword, which reaches every attention call.
     """
+    if rows.cp_size == 1 and rows.position_ids_BL is not None:
+        # packed rows: position ids restart at every document and no 2-D mask is passed, so
+        # transformers builds the block-diagonal causal mask from them (masking_utils'
+        # packed-sequence detection; flash-attention's varlen path on CUDA). Right padding is
+        # a block of its own after the last document. The detection needs a forward without
+        # a KV cache (transformers skips it when one exists, and builds one by default in eval
+        # mode): `student_logits` passes use_cache=False.
+        return {"input_ids": rows.input_ids_BL, "position_ids": rows.position_ids_BL}
     if rows.cp_size == 1:
         return {"input_ids": rows.input_ids_BL, "attention_mask": rows.attention_mask_BL}
     cp = CPAttention.build(

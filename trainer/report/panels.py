@@ -265,6 +265,18 @@ def build_panels(runs: list[Run]) -> list[Panel | Bars]:
             caption="The step's student tokens over every rank, per device (the world size), "
             "per second of step wall time.",
         ),
+        _metric_panel(
+            runs,
+            colors,
+            "padding_fraction",
+            "padding",
+            "Padding",
+            "share of the positions computed",
+            smooth=False,
+            caption="The share of the student's positions of a step that hold no token: "
+            "microbatches padded to their longest row, or the tails of packed rows "
+            "(data.packing); beside the throughput above, what the step spent on nothing.",
+        ),
         mfu_panel(runs, colors),
         _per_teacher(
             runs,

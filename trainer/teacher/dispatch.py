@@ -222,6 +222,7 @@ def open_teachers(
                 max_len=max_len[term.index],
                 dtype=dtypes[term.index],
                 used_mask=True,  # outputs only where the loss reads them (`KDTerm.teacher_inputs`)
+                packed=cfg.data.packing,
             )
             inprocess = cfg.parallel.teacher_placement == "inprocess"
             group = None

@@ -58,6 +58,7 @@ class TeacherModelProgram:
     dtype: str = "float32"
     lm_head_chunk: int = 128
     used_mask: bool = False
+    packed: bool = False  # packed rows: the inputs carry position ids restarting per document
     _model: Any = dataclasses.field(default=None, init=False, repr=False)
     _tp_group: Any = dataclasses.field(default=None, init=False, repr=False)
 
@@ -87,6 +88,8 @@ class TeacherModelProgram:
         }
         if self.used_mask:
             spec["used_mask"] = TensorSpec(shape, torch.bool)
+        if self.packed:
+            spec["position_ids"] = TensorSpec(shape, torch.int64)
         if self.spec.per_position_columns:
             spec["col_ids"] = TensorSpec((*shape, self.spec.columns), torch.int32)
         return spec
@@ -143,13 +146,16 @@ class TeacherModelProgram:
             raise RuntimeError("TeacherModelProgram called before setup()")
         ids_BU, mask_BU = inputs["input_ids"], inputs["attention_mask"]
         used_BU = inputs.get("used_mask") if self.used_mask else None
+        pos_BU = inputs["position_ids"] if self.packed else None
         B, U = ids_BU.shape
         start = 0
         if self._tp_group is not None:
             given = [ids_BU, mask_BU] + ([] if used_BU is None else [used_BU.to(torch.uint8)])
-            gathered, start = self._gather(*given)
+            gathered, start = self._gather(*given, *([] if pos_BU is None else [pos_BU]))
             ids_BU, mask_BU = gathered[:2]
             used_BU = None if used_BU is None else gathered[2].bool()
+            # padded rows and columns hold position 0: blocks of their own, never attended
+            pos_BU = None if pos_BU is None else gathered[-1]
         outs = teacher_forward(
             self._model,
             ids_BU,
@@ -159,5 +165,6 @@ class TeacherModelProgram:
             chunk=self.lm_head_chunk,
             used_BU=used_BU,
             on_logits=on_logits,
+            position_ids_BU=pos_BU,
         )
         return {k: v[start : start + B, :U] for k, v in outs.tensors().items()}

@@ -1,0 +1,322 @@
+"""Packed rows (`trainer.data.packing`): the packer, and proof that nothing leaks between the
+documents of a row.
+
+Shards: shipped example conversations with the real tokenizers (student SmolLM2; teacher 0
+Gemma 3 with the shipped ``gemma`` template; teacher 1 SmolLM2 itself, for ``kd_topk``), written
+by the align job's pure steps. Models: tiny random ones of the real architectures (Llama for
+SmolLM2, Gemma 3 with sliding-window layers for the Gemma teacher), run as the trainer runs them
+(`model_inputs`, `teacher_forward`), the losses through the registry as `KDTerm` calls them.
+
+- the packer: first-fit on every side's limit, chunk ids offset per document, positions
+  restarting, no target across a boundary, every chunk inside one document on both sides;
+  the loader resumes exactly from its state;
+- changing one document's tokens leaves every other document of its row unchanged, bit for bit:
+  student logits, per-document CE and KD losses and their gradients, teacher outputs;
+- packed vs unpacked over the same documents: per-document losses of CE, xtoken, kd_topk and alm
+  equal within 1e-5, counts equal, gradients close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tests.e2e.helpers import example_rows, write_chat_shards
+from tests.tiny import tiny_llama
+from tests.unit.test_loss_refs import random_t2s
+from tokenbridge.formats.shards import open_shards
+from tokenbridge.losses import index_chunks
+from tokenbridge.losses.alm import AlmConfig
+from tokenbridge.losses.kd_topk import KDTopKConfig
+from tokenbridge.losses.modes import MODES
+from tokenbridge.losses.xtoken import XTokenConfig, XTokenTables
+from tokenbridge.tokenizers import load_tokenizer
+from trainer.config.sections import DataConfig
+from trainer.data.microbatches import IGNORE, Microbatch, collate
+from trainer.data.packing import (
+    PackedLoader,
+    PackLimits,
+    first_fit,
+    pack_row,
+    row_lengths,
+    teacher_limits,
+)
+from trainer.data.shard_reader import ShardReader, ShardStream
+from trainer.loss_terms import ce_term
+from trainer.parallel.cp_attention import model_inputs
+from trainer.parallel.head import student_logits
+from trainer.teacher.model_program import teacher_forward
+
+# (mode, teacher index, options): Gemma's chunk modes, SmolLM2's same-tokenizer kd_topk
+KD = {
+    "xtoken": (0, XTokenConfig(k=8)),
+    "alm": (0, AlmConfig()),
+    "kd_topk": (1, KDTopKConfig(k=8)),
+}
+
+
+def tiny_gemma3(vocab_size: int, *, seed: int = 0):
+    """A 2-layer Gemma 3 (one sliding-window layer of 16, one full) of width 32."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+    )  # fmt: skip
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+# ---------------------------------------------------------------- the packer, pure
+
+
+def test_first_fit_takes_the_oldest_and_whatever_fits_every_side():
+    limits = PackLimits(10, (10,))
+    lens = [(5, 6), (4, 9), (3, 2), (2, 2), (1, 1)]
+    # (4, 9) fits the student's space but not the teacher's; (2, 2) fills the student's row
+    assert first_fit(lens, limits) == [0, 2, 3]
+    assert first_fit([(9, 9), (1, 2)], limits) == [0]  # the teacher's side is full at 11 > 10
+    with pytest.raises(ValueError, match=r"does not fit a packed row of \[10, 10\]"):
+        first_fit([(4, 11)], limits)
+    # a teacher's limit: the student's scaled by the longest rows' ratio, rounded up, and
+    # never below its own longest row
+    assert teacher_limits(100, student_max=64, teacher_max=[80, 61]) == (125, 96)
+    assert teacher_limits(64, student_max=64, teacher_max=[80]) == (80,)
+
+
+# ---------------------------------------------------------------- conversation shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, student_dir, teacher_dir):
+    rows = example_rows(6) + example_rows(4, fmt="prompt_completion")
+    out = write_chat_shards(
+        tmp_path_factory.mktemp("packing"),
+        rows,
+        student_dir=student_dir,
+        teachers=[(teacher_dir, "gemma"), (student_dir, None)],
+    )
+    reader = ShardReader(open_shards(out), max_student_tokens=2048)
+    return {
+        "dir": out,
+        "reader": reader,
+        "rows": [reader.row(i) for i in range(reader.num_rows)],
+        "vs": load_tokenizer(student_dir).vocab_size,
+        "vt": load_tokenizer(teacher_dir).vocab_size,
+    }
+
+
+def _doc_index(mb: Microbatch, doc_lens: list[list[int]]) -> torch.Tensor:
+    """[B, T] the document (numbered over the microbatch, in order) of each position, -1 on
+    padding: one row per document when ``doc_lens`` has one length per row."""
+    out = torch.full(mb.input_ids_BT.shape, -1, dtype=torch.int64)
+    d = 0
+    for b, lens in enumerate(doc_lens):
+        at = 0
+        for n in lens:
+            out[b, at : at + n] = d
+            at, d = at + n, d + 1
+    return out
+
+
+def test_packed_rows_keep_chunks_targets_and_positions_within_each_document(shards):
+    docs = shards["rows"][:4]
+    packed = pack_row(docs)
+    mb = collate([packed], student_pad=0, teacher_pads=[0, 0], pad_to_multiple=8)
+    lens = [len(d["student_ids"]) for d in docs]
+    assert packed["doc_lens"] == lens
+    doc_BT = _doc_index(mb, [lens])
+    pos = mb.position_ids_BT[0]
+    starts = np.cumsum([0] + lens[:-1])
+    assert (pos[starts] == 0).all() and int((pos[: sum(lens)] == 0).sum()) == len(docs)
+    # every target stays in its document: the last token of each predicts nothing
+    tgt, ids = mb.targets_BT[0], mb.input_ids_BT[0]
+    ends = np.cumsum(lens) - 1
+    assert (tgt[ends] == IGNORE).all()
+    kept = (tgt != IGNORE).nonzero()[:, 0]
+    assert len(kept) > 0 and (tgt[kept] == ids[kept + 1]).all()
+    assert (doc_BT[0, kept] == doc_BT[0, kept + 1]).all()
+    unpacked = collate(docs, student_pad=0, teacher_pads=[0, 0], pad_to_multiple=8)
+    assert int((tgt != IGNORE).sum()) == unpacked.num_targets
+    for k in range(2):
+        a, t_lens = mb.aligned[k], packed["teachers"][k]["doc_lens"]
+        assert t_lens == [len(d["teachers"][k]["ids"]) for d in docs]
+        index = index_chunks(a)
+        assert index.n_chunks == sum(int(d["teachers"][k]["n_chunks"]) for d in docs)
+        t_doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(t_lens))
+        s_doc = doc_BT[0, : sum(lens)]
+        for side, of in ((index.student, s_doc), (index.teacher, t_doc)):
+            real = side.count > 0
+            # a chunk's first and last token lie in one document, the same on both sides
+            assert (of[side.first[real]] == of[side.last[real]]).all()
+        both = (index.student.count > 0) & (index.teacher.count > 0)
+        assert both.sum() > 0
+        assert (s_doc[index.student.first[both]] == t_doc[index.teacher.first[both]]).all()
+        # each teacher's positions restart per document too
+        t_pos = mb.teacher_position_ids[k][0]
+        assert (t_pos[np.cumsum([0] + t_lens[:-1])] == 0).all()
+        assert mb.teacher_inputs(k)["position_ids"] is mb.teacher_position_ids[k]
+        # chunk kinds in the documents' order: the unpacked rows' kinds, concatenated
+        want = np.concatenate([d["teachers"][k]["chunk_kind"] for d in docs])
+        assert torch.equal(index.kind, torch.from_numpy(want).long())
+
+
+def test_packed_loader_is_deterministic_and_resumes_exactly(shards):
+    data = DataConfig(shards=str(shards["dir"]), shuffle_buffer=3, eval_fraction=0.0)
+    lens = np.array([row_lengths(r) for r in shards["rows"]])
+    # twice the longest row on every side: a few documents per row, some left over
+    caps = 2 * lens.max(0)
+    limits = PackLimits(int(caps[0]), tuple(int(c) for c in caps[1:]))
+
+    def loader() -> PackedLoader:
+        stream = ShardStream(shards["reader"], data=data, dp_rank=0, dp_size=1)
+        return PackedLoader(stream, limits=limits, buffer=10, micro_batch_size=1, student_pad=0,
+                            teacher_pads=[0, 0], pad_to_multiple=8)  # fmt: skip
+
+    a = loader()
+    first = [next(a).rows for _ in range(2)]
+    state = a.state_dict()
+    assert state["position"]["pack_buffer"] == a.buffer and a.buffer
+    rest = [next(a) for _ in range(3)]
+    b = loader()
+    assert [next(b).rows for _ in range(2)] == first  # deterministic given the seed
+    c = loader()
+    c.load_state_dict(state)
+    again = [next(c) for _ in range(3)]
+    assert [m.rows for m in again] == [m.rows for m in rest]
+    assert all(torch.equal(x.input_ids_BT, y.input_ids_BT) for x, y in zip(rest, again))
+    # the first epoch's rows, each once, before any comes back
+    seen = [r for rows in first for r in rows]
+    assert len(seen) == len(set(seen)) and len(seen) > 2  # a row of several
+    for m in rest:  # every packed row within the limits on every side
+        assert (m.attention_mask_BT.sum(1) <= caps[0]).all()
+        assert all((a.teacher_len <= c).all() for a, c in zip(m.aligned, caps[1:]))
+
+
+# ---------------------------------------------------------------- models and losses
+
+
+@pytest.fixture(scope="module")
+def models(shards):
+    vs, vt = shards["vs"], shards["vt"]
+    student = tiny_llama(vs, seed=1, max_position_embeddings=2048)
+    teachers = [tiny_gemma3(vt, seed=2), tiny_llama(vs, seed=3, max_position_embeddings=2048)]
+    with torch.no_grad():
+        for m in (student, *teachers):  # peaked distributions: divergences above fp32 noise
+            m.lm_head.weight.mul_(40.0)
+    ids, w = random_t2s(0, Vt=vt, vs=vs, k=3)
+    return {"student": student, "teachers": teachers,
+            "tables": XTokenTables.from_arrays(ids, w, student_vocab_size=vs)}  # fmt: skip
+
+
+def _terms(mb: Microbatch, models, shards, *, docs_BT: torch.Tensor, n_docs: int):
+    """Per document and per term (ce and each KD mode): (loss sum, count, d sum / d params),
+    the student and teachers run as the trainer runs them; and the teachers' outputs."""
+    vs, vt = shards["vs"], shards["vt"]
+    student = models["student"]
+    params = [p for p in student.parameters()]
+    logits = student_logits(student, model_inputs(mb.student_rows(), group=None), chunk=0)
+    out, teacher_outs = {}, {}
+    for name in ("ce", *KD):
+        if name != "ce":  # the teacher's outputs at every position, once per mode
+            k, opts = KD[name]
+            record = MODES[name]
+            tables = models["tables"] if name == "xtoken" else None
+            t_vocab = vt if k == 0 else vs
+            spec = record.spec_for(
+                record.teacher_spec(opts, tables, teacher_vocab_size=t_vocab), turns=True
+            )
+            t_in = mb.teacher_inputs(k)
+            with torch.no_grad():
+                teacher_outs[name] = outs = teacher_forward(
+                    models["teachers"][k], t_in["input_ids"], t_in["attention_mask"],
+                    spec=spec, columns=record.columns(tables), chunk=64,
+                    position_ids_BU=t_in.get("position_ids"),
+                )  # fmt: skip
+        for d in range(n_docs):
+            targets = torch.where(docs_BT == d, mb.targets_BT, IGNORE)
+            if name == "ce":
+                loss = ce_term(logits, dataclasses.replace(mb, targets_BT=targets), vocab_size=vs)
+            else:
+                prep = record.prepare(mb.aligned[k], targets)
+                loss = record.loss(logits, outs, prep, tables=tables, vocab_size=vs, config=opts)
+                assert record.count(prep) == int(loss.count)
+            grads = torch.autograd.grad(loss.sum, params, retain_graph=True, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+            out[(name, d)] = (loss.sum.detach(), int(loss.count), grads)
+    return logits.detach(), out, teacher_outs
+
+
+def _packed(docs: list[dict], split: int) -> tuple[Microbatch, torch.Tensor]:
+    rows = [pack_row(docs[:split]), pack_row(docs[split:])]
+    mb = collate(rows, student_pad=0, teacher_pads=[0, 0], pad_to_multiple=8)
+    return mb, _doc_index(mb, [r["doc_lens"] for r in rows])
+
+
+def test_packed_and_unpacked_documents_give_the_same_losses(shards, models):
+    docs = shards["rows"][:5]
+    un = collate(docs, student_pad=0, teacher_pads=[0, 0], pad_to_multiple=8)
+    un_docs = _doc_index(un, [[len(d["student_ids"])] for d in docs])
+    mb, docs_BT = _packed(docs, 3)
+    _, want, _ = _terms(un, models, shards, docs_BT=un_docs, n_docs=len(docs))
+    _, got, _ = _terms(mb, models, shards, docs_BT=docs_BT, n_docs=len(docs))
+    for name in ("ce", *KD):
+        n = [want[(name, d)][1] for d in range(len(docs))]
+        assert sum(n) > 0, name
+        for d in range(len(docs)):
+            (s_w, n_w, g_w), (s_g, n_g, g_g) = want[(name, d)], got[(name, d)]
+            assert n_w == n_g, (name, d)
+            assert torch.allclose(s_g, s_w, rtol=1e-5, atol=1e-5), (name, d, float(s_g - s_w))
+            for x, y in zip(g_g, g_w):
+                assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (name, d)
+        total_w = sum(want[(name, d)][0].double() for d in range(len(docs)))
+        total_g = sum(got[(name, d)][0].double() for d in range(len(docs)))
+        assert torch.allclose(total_g, total_w, rtol=1e-6), name
+
+
+def _swap_document(docs: list[dict], d: int, seed: int) -> list[dict]:
+    """`docs` with document d's tokens replaced by other random ids (same lengths, chunks,
+    train codes) on the student's and every teacher's side."""
+    g = np.random.default_rng(seed)
+    new = dict(docs[d])
+    new["student_ids"] = g.integers(0, 40000, len(docs[d]["student_ids"]))
+    new["teachers"] = [
+        {**t, "ids": g.integers(0, 40000, len(t["ids"]))} for t in docs[d]["teachers"]
+    ]
+    return [new if i == d else x for i, x in enumerate(docs)]
+
+
+def test_changing_one_document_changes_nothing_else_in_its_row(shards, models):
+    docs = shards["rows"][:5]
+    mb, docs_BT = _packed(docs, 3)
+    changed, _ = _packed(_swap_document(docs, 1, seed=0), 3)
+    assert not torch.equal(mb.input_ids_BT, changed.input_ids_BT)
+    logits_a, a, touts_a = _terms(mb, models, shards, docs_BT=docs_BT, n_docs=len(docs))
+    logits_b, b, touts_b = _terms(changed, models, shards, docs_BT=docs_BT, n_docs=len(docs))
+    others = (docs_BT >= 0) & (docs_BT != 1)
+    assert torch.equal(logits_a[others], logits_b[others])  # bit for bit
+    assert not torch.equal(logits_a[docs_BT == 1], logits_b[docs_BT == 1])
+    for name in ("ce", *KD):
+        for d in (0, 2, 3, 4):  # 0 and 2 share doc 1's row
+            (s_a, n_a, g_a), (s_b, n_b, g_b) = a[(name, d)], b[(name, d)]
+            assert n_a == n_b and torch.equal(s_a, s_b), (name, d)
+            assert all(torch.equal(x, y) for x, y in zip(g_a, g_b)), (name, d)
+        assert not torch.equal(a[(name, 1)][0], b[(name, 1)][0]), name
+    # each teacher's outputs at the other documents' positions, bit for bit
+    for name in KD:
+        k = KD[name][0]
+        t_pos = mb.teacher_position_ids[k]
+        t_doc = (t_pos == 0).long().cumsum(1) - 1  # per row: its documents, then padding
+        lens = torch.tensor([sum(r) for r in [[len(x["teachers"][k]["ids"]) for x in docs[:3]],
+                                              [len(x["teachers"][k]["ids"]) for x in docs[3:]]]])  # fmt: skip
+        real = torch.arange(t_pos.shape[1])[None, :] < lens[:, None]
+        keep = real & ~((torch.arange(2)[:, None] == 0) & (t_doc == 1))
+        for field, x in touts_a[name].tensors().items():
+            y = touts_b[name].tensors()[field]
+            if x.is_floating_point():
+                x, y = x.nan_to_num(nan=7.0), y.nan_to_num(nan=7.0)
+            assert torch.equal(x[keep], y[keep]), (name, field)
