@@ -18,9 +18,9 @@ import torch
 
 from tests.dist.harness import ALL_LAYOUTS, Ctx, case
 from tests.dist.harness_losses import LOSSES
-from trainer.parallel.mesh import SINGLE
 from tokenbridge.dist_ops import global_count, next_token_targets
 from tokenbridge.dist_ops.collectives import all_reduce_
+from trainer.parallel.mesh import SINGLE
 
 B, T, V, K, C = 3, 8, 16, 4, 8
 LENGTHS = (8, 5, 7)  # real tokens per row; the rest is padding

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.parallel.mesh import ParallelGroups
 from tokenbridge.dist_ops import to_cp_layout
+from trainer.parallel.mesh import ParallelGroups
 
 WORLD = 4
 TOL = {"rtol": 1e-5, "atol": 1e-5}

@@ -39,11 +39,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tokenbridge import paths
-from trainer.parallel import parallelize
 from trainer import loop as train_module
 from trainer.config.schema import from_dictconfig
-from trainer.preflight import preflight
 from trainer.loop import Trainer
+from trainer.parallel import parallelize
+from trainer.preflight import preflight
 
 TINY = {
     "hidden_size": 64,
@@ -246,11 +246,11 @@ def model_checks() -> dict:
     """cp = 2 and tp = 2 forwards + backwards of tiny Llama and Gemma 3 models against the whole
     model in this process: max |difference| / max |reference| of the logits and of every
     parameter's gradient."""
-    from trainer.parallel.cp_attention import model_inputs
-    from trainer.data.microbatches import Microbatch
-    from trainer.parallel.mesh import build_mesh
     from tokenbridge.dist_ops import to_cp_layout
     from tokenbridge.dist_ops.dtensor import unwrap_vocab_sharded
+    from trainer.data.microbatches import Microbatch
+    from trainer.parallel.cp_attention import model_inputs
+    from trainer.parallel.mesh import build_mesh
 
     ids_BT = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
     w_BTV = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(4))

@@ -58,7 +58,9 @@ def _losses(
 
 @pytest.fixture(scope="module")
 def single(zygote, shards, tmp_path_factory):
-    return _losses(zygote, shards, tmp_path_factory.mktemp("one") / "run", 1, "onpolicy.prompts_per_step=4")
+    return _losses(
+        zygote, shards, tmp_path_factory.mktemp("one") / "run", 1, "onpolicy.prompts_per_step=4"
+    )
 
 
 @pytest.mark.parametrize(

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from tokenbridge import paths
-from trainer.parallel import parallelize
 from trainer.config.schema import from_dictconfig
-from trainer.preflight import preflight
 from trainer.loop import Trainer
+from trainer.parallel import parallelize
+from trainer.preflight import preflight
 
 TINY = {
     "hidden_size": 64,
