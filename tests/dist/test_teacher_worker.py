@@ -112,10 +112,10 @@ def gone(pid: int) -> bool:
 
 def workers_left() -> list[psutil.Process]:
     """Our child processes, except multiprocessing's resource tracker (lives as long as we do)
-    and the session's servers (the object store of bench.storage.seaweed: an earlier test in the
-    same pytest run may have started it)."""
+    and the session's servers (the object store of bench.storage.seaweed and the trainer
+    `tests.zygote`: an earlier test in the same pytest run may have started them)."""
     kids = psutil.Process().children()
-    keep = ("resource_tracker", "weed")
+    keep = ("resource_tracker", "weed", "tests.zygote")
     return [k for k in kids if not any(w in " ".join(k.cmdline()) for w in keep)]
 
 
