@@ -58,6 +58,9 @@ format: $(SETUP)  ## ruff autoformat
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+# the served teacher's virtualenv (see teacher-server below); defined before the rules that need it
+VLLM_STAMP := .venv-vllm/.stamp-lock
+
 test: $(SETUP) $(VENV)/.stamp-bench $(VLLM_STAMP) models lint  ## the whole test suite, from a fresh clone
 	$(PY) -m pytest tests
 
@@ -82,7 +85,6 @@ teacher-cache: models  ## Beam job: score SHARDS= with TEACHER= once, for teache
 # a teacher served by vLLM, from its own virtualenv (vLLM pins another transformers): MODEL=<HF
 # dir> PORT= K=. The stamp holds the lock's hash (tokenbridge.commands.teacher_server); `make
 # test` makes the venv before pytest starts, so that no test installs anything.
-VLLM_STAMP := .venv-vllm/.stamp-lock
 $(VLLM_STAMP): requirements-vllm.lock requirements-vllm-cuda.lock | $(SETUP)
 	$(PY) -m tokenbridge.commands.teacher_server venv
 	touch $@
