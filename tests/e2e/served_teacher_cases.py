@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 
-from tests.dist.test_trainer_cases import TINY
+from tests.e2e.helpers import tiny_config
 from tests.tiny import SERVED_K
 from tokenbridge import cli, paths
 from tokenbridge.commands import teacher_server
 from tokenbridge.tokenizers import load_tokenizer
 from trainer import main as train_main
 from trainer.checkpoint import checkpointer
-from trainer.config.schema import TeacherConfig, from_dictconfig
+from trainer.config.schema import TeacherConfig
 from trainer.loop import Trainer
 from trainer.preflight import preflight
 from trainer.teacher.served_teacher import open_served
@@ -47,30 +47,8 @@ MODES = ("kd_topk", "xtoken", "alm")  # teacher i's mode; loss.options stay {} (
 
 
 def make_cfg(shards: str, run_dir: Path, *, teachers: list[dict], loss: dict | None = None, **top):
-    d = {
-        "name": "served",
-        "run_dir": str(run_dir),
-        "steps": STEPS,
-        "seed": 0,
-        "device": "cpu",
-        "model": {"path": str(paths.student_dir()), "init": "random", "seed": 1, "overrides": TINY},
-        "teachers": teachers,
-        "loss": loss or {"mode": MODES[0]},
-        "data": {
-            "shards": shards,
-            "micro_batch_size": 2,
-            "grad_accum": 2,
-            "shuffle_buffer": 8,
-            "max_student_tokens": 64,
-            "eval_fraction": 0.0,
-        },  # fmt: skip
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "parallel": {"teacher_placement": "inprocess"},
-        "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
-        "eval": {"max_texts": 0},
-        "logging": {"jsonl": False, "tensorboard": False, "progress": False},
-    }
-    return from_dictconfig({**d, **top})
+    return tiny_config(shards, run_dir, name="served", steps=STEPS, teachers=teachers,
+                       loss=loss or {"mode": MODES[0]}, **top)  # fmt: skip
 
 
 def train(cfg, steps: int = STEPS) -> list[dict]:

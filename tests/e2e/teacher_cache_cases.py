@@ -34,8 +34,8 @@ import torch
 
 from pipelines.teacher_cache import job
 from tests.dist.test_trainer_cases import TINY
+from tests.e2e.helpers import tiny_config
 from tokenbridge import paths
-from trainer.config.schema import from_dictconfig
 from trainer.data.shard_source import shm_usage
 from trainer.loop import Trainer
 from trainer.preflight import preflight
@@ -60,30 +60,8 @@ def teacher(path: Path, overrides: dict, **kw) -> dict:
 def make_cfg(
     shards: str, run_dir: Path, *, teacher: dict, loss: dict, placement="inprocess", **top
 ):
-    d = {
-        "name": "cache",
-        "run_dir": str(run_dir),
-        "steps": STEPS,
-        "seed": 0,
-        "device": "cpu",
-        "model": {"path": str(paths.student_dir()), "init": "random", "seed": 1, "overrides": TINY},
-        "teachers": [teacher],
-        "loss": loss,
-        "data": {
-            "shards": shards,
-            "micro_batch_size": 2,
-            "grad_accum": 2,
-            "shuffle_buffer": 8,
-            "max_student_tokens": 64,
-            "eval_fraction": 0.0,
-        },  # fmt: skip
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "parallel": {"teacher_placement": placement},
-        "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
-        "eval": {"max_texts": 0},
-        "logging": {"jsonl": False, "tensorboard": False, "progress": False},
-    }
-    return from_dictconfig({**d, **top})
+    return tiny_config(shards, run_dir, name="cache", steps=STEPS, teachers=[teacher], loss=loss,
+                       placement=placement, **top)  # fmt: skip
 
 
 def build_cache(shards: str, out: Path, t: dict, *extra: str) -> Path:
