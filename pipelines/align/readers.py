@@ -198,14 +198,9 @@ def _get_field(obj, dotted: str):
     return obj
 
 
-def jsonl_records(
-    path: str, doc_id: str, *, split: Split | None = None, pos: Position | None = None
-) -> Iterator[tuple[int, str, object] | dict]:
-    """(row, doc id, parsed value) of every record of a jsonl file or byte range: blank lines
-    skipped, a line that is not UTF-8 or not JSON as a dead letter (a dict; a record is a tuple).
-    Shared by the text reader (`read_jsonl`) and the conversation reader (`chat_read`)."""
-    split = split or Split()
-    pos = pos or Position()
+def _jsonl_lines(path: str, split: Split, pos: Position) -> Iterator[tuple[int, bytes]]:
+    """(row, raw line) of a jsonl file or byte range, blank lines included (they keep their row
+    numbers); `pos` counts the bytes as they are read."""
     with _open(path) as f:
         if split.start:
             f.seek(split.start)
@@ -216,23 +211,39 @@ def jsonl_records(
                 break  # the next range's first line
             at += len(raw)
             pos.bytes += len(raw)
-            line = row + 1
-            did = f"{doc_id}:{row}"
-            if not raw.strip():
-                continue  # a blank line between records is not a record
-            text, bad = _decode(raw, file=path, doc_id=did, row=row, line=line)
-            if bad is not None:
-                yield bad
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield dead_letter(path, BAD_JSON, str(e), row=row, line=line, doc_id=did)
-                continue
-            # the raw line and its decoded copy would stay alive while the record is processed
-            # downstream (this generator waits at the yield): 2 extra copies of a 40 MB document
-            raw = text = None
-            yield row, did, obj
+            yield row, raw
+            raw = None  # a 40 MB line must not stay alive while the consumer works
+
+
+def _jsonl_record(path: str, doc_id: str, row: int, raw: bytes) -> tuple[str, object] | dict | None:
+    """One line -> (doc id, parsed value), a dead letter (not UTF-8, not JSON), or None (blank)."""
+    line = row + 1
+    did = f"{doc_id}:{row}"
+    if not raw.strip():
+        return None  # a blank line between records is not a record
+    text, bad = _decode(raw, file=path, doc_id=did, row=row, line=line)
+    if bad is not None:
+        return bad
+    try:
+        return did, json.loads(text)
+    except json.JSONDecodeError as e:
+        return dead_letter(path, BAD_JSON, str(e), row=row, line=line, doc_id=did)
+
+
+def jsonl_records(
+    path: str, doc_id: str, *, split: Split | None = None, pos: Position | None = None
+) -> Iterator[tuple[int, str, object] | dict]:
+    """(row, doc id, parsed value) of every record of a jsonl file or byte range: blank lines
+    skipped, a line that is not UTF-8 or not JSON as a dead letter (a dict; a record is a tuple).
+    Shared by the text reader (`read_jsonl`) and the conversation reader (`chat_read`)."""
+    for row, raw in _jsonl_lines(path, split or Split(), pos or Position()):
+        record = _jsonl_record(path, doc_id, row, raw)
+        # the raw line would stay alive while the record is processed downstream (this
+        # generator waits at the yield): an extra copy of a 40 MB document
+        raw = None
+        if record is None:
+            continue
+        yield record if isinstance(record, dict) else (row, *record)
 
 
 def read_jsonl(
@@ -243,39 +254,60 @@ def read_jsonl(
     split: Split | None = None,
     pos: Position | None = None,
 ) -> Iterator[Doc | dict]:
-    for record in jsonl_records(path, doc_id, split=split, pos=pos):
-        if isinstance(record, dict):
-            yield record  # a dead letter
-            continue
-        row, did, obj = record
-        line = row + 1
-        try:
-            value = _get_field(obj, field)
-        except KeyError:
-            keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
-            yield dead_letter(
-                path,
-                MISSING_FIELD,
-                f"no field {field!r} (found {keys})",
-                row=row,
-                line=line,
-                field=field,
-                doc_id=did,
-            )
-            continue
-        if not isinstance(value, str):
-            yield dead_letter(
-                path,
-                BAD_FIELD_TYPE,
-                f"field {field!r} is {type(value).__name__}, expected a string",
-                row=row,
-                line=line,
-                field=field,
-                doc_id=did,
-            )
-            continue
-        record = obj = None  # the document's text is all that stays alive downstream
-        yield _doc_or_empty(path, did, value, row=row, line=line, field=field)
+    """The documents of a jsonl file or byte range. The common line (a JSON object with a
+    non-blank string at a top-level `field`) takes one parse and no checks in Python: on short
+    documents (a verse per line) those checks cost as much as the parse. Any other line goes
+    through `_text_or_dead`, which names what is wrong with it."""
+    top = field if "." not in field else None
+    loads = json.loads
+    for row, raw in _jsonl_lines(path, split or Split(), pos or Position()):
+        if top is not None:
+            try:
+                value = loads(raw.decode("utf-8"))[top]
+            except Exception:  # noqa: BLE001 - any irregular line: `_text_or_dead` says what
+                value = None
+            if type(value) is str and value.strip():
+                raw = None  # the document's text is all that stays alive downstream
+                yield Doc(f"{doc_id}:{row}", value, path)
+                continue
+            value = None
+        out = _text_or_dead(path, doc_id, row, raw, field=field)
+        raw = None
+        if out is not None:
+            yield out
+
+
+def _text_or_dead(path: str, doc_id: str, row: int, raw: bytes, *, field: str) -> Doc | dict | None:
+    """One jsonl line -> its `Doc`, its dead letter, or None (a blank line)."""
+    record = _jsonl_record(path, doc_id, row, raw)
+    if record is None or isinstance(record, dict):
+        return record  # blank, or a dead letter
+    did, obj = record
+    line = row + 1
+    try:
+        value = _get_field(obj, field)
+    except KeyError:
+        keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+        return dead_letter(
+            path,
+            MISSING_FIELD,
+            f"no field {field!r} (found {keys})",
+            row=row,
+            line=line,
+            field=field,
+            doc_id=did,
+        )
+    if not isinstance(value, str):
+        return dead_letter(
+            path,
+            BAD_FIELD_TYPE,
+            f"field {field!r} is {type(value).__name__}, expected a string",
+            row=row,
+            line=line,
+            field=field,
+            doc_id=did,
+        )
+    return _doc_or_empty(path, did, value, row=row, line=line, field=field)
 
 
 def read_parquet(path: str, doc_id: str, *, column: str = "text") -> Iterator[Doc | dict]:

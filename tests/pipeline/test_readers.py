@@ -81,6 +81,40 @@ def test_jsonl_every_bad_record_kind(tmp_path):
     assert "found ['body']" in dead[0]["detail"]
 
 
+def test_jsonl_fast_path_matches_the_checked_path(tmp_path):
+    """`read_jsonl` parses a regular line once and checks nothing else; every line, regular or
+    not, must read as `_text_or_dead` (the path that checks each step) reads it alone."""
+    lines = [
+        json.dumps({"text": "plain", "n": 1}).encode(),
+        json.dumps({"text": "naïve café 日本"}, ensure_ascii=False).encode(),
+        b"",
+        b"  \t",
+        json.dumps(["text", "a list"]).encode(),
+        json.dumps("text").encode(),
+        json.dumps({"text": {"nested": "x"}}).encode(),
+        json.dumps({"text": None}).encode(),
+        json.dumps({"text": "\u2003\n"}).encode(),  # only (Unicode) whitespace
+        json.dumps({"text": ""}).encode(),
+        b'{"text": "dup", "text": "last wins"}',
+        b'{"text": NaN}',
+        b"\xef\xbb\xbf" + json.dumps({"text": "after a BOM"}).encode(),
+        b'{"text": "ok"} trailing',
+        json.dumps({"text": " spaced "}).encode(),
+    ]
+    p = tmp_path / "m.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    for field in ("text", "meta.text"):
+        got = list(readers.read_jsonl(str(p), "m.jsonl", field=field))
+        want = []
+        for row, raw in enumerate(p.read_bytes().splitlines(keepends=True)):
+            out = readers._text_or_dead(str(p), "m.jsonl", row, raw, field=field)
+            want += [] if out is None else [out]
+        assert got == want
+        assert [type(x) for x in got] == [type(x) for x in want]
+    docs = [d.text for d in readers.read_jsonl(str(p), "m.jsonl") if isinstance(d, readers.Doc)]
+    assert docs == ["plain", "naïve café 日本", "last wins", " spaced "]
+
+
 def test_jsonl_nested_field_and_gzip(tmp_path):
     p = tmp_path / "d.jsonl.gz"
     with gzip.open(p, "wb") as f:

@@ -16,7 +16,7 @@ BAND = 32  # half-width of the DP band around each gap's diagonal
 _INF = 1 << 30
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _kgram_hashes(x, k):
     """Polynomial rolling hash (mod 2**64) of every k-gram of the uint8 array x."""
     n = x.size - k + 1
@@ -37,7 +37,7 @@ def _kgram_hashes(x, k):
     return h
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _unique_sorted(h):
     """Hashes occurring exactly once in h, sorted, with their positions."""
     order = np.argsort(h, kind="mergesort")
@@ -51,7 +51,7 @@ def _unique_sorted(h):
     return h[pos], pos
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _anchor_runs(a, b, k):
     """Diagonal runs (start_a, start_b, length) of k-grams unique to both a and b, monotone."""
     ha, pa_all = _unique_sorted(_kgram_hashes(a, k))
@@ -126,7 +126,7 @@ def _anchor_runs(a, b, k):
     return runs[:nrun]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _gap_path(a, b, x0, x1, y0, y1, px, py, n_nodes, band):
     """Append the banded edit path from (x0, y0) (already stored) to (x1, y1); returns n_nodes."""
     if x1 - x0 > y1 - y0:  # rows along the shorter side keep the table at O((nx + ny) * band)
@@ -134,7 +134,7 @@ def _gap_path(a, b, x0, x1, y0, y1, px, py, n_nodes, band):
     return _banded(a, b, x0, x1, y0, y1, px, py, n_nodes, band)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _banded(a, b, x0, x1, y0, y1, px, py, n_nodes, band):
     """Banded Needleman-Wunsch (unit costs) over a[x0:x1] x b[y0:y1], nx <= ny or one empty."""
     nx = x1 - x0
@@ -203,7 +203,7 @@ def _banded(a, b, x0, x1, y0, y1, px, py, n_nodes, band):
     return n_nodes
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def byte_path(a, b):
     """Monotone edit path from (0, 0) to (len a, len b) through anchors and banded gaps."""
     px = np.empty(a.size + b.size + 1, np.int64)
@@ -228,7 +228,7 @@ def byte_path(a, b):
     return px[:n_nodes], py[:n_nodes]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _concat(ids, toff, tdata):
     """Canonical bytes of a token run and the token boundaries in them (offsets [n + 1])."""
     n = ids.size
@@ -244,7 +244,7 @@ def _concat(ids, toff, tdata):
     return out, off
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def path_chunks(px, py, oa, ob, out_a, out_b):
     """Chunk index per token of each side from an edit path; returns the number of chunks.
 
@@ -292,7 +292,7 @@ def path_chunks(px, py, oa, ob, out_a, out_b):
     return n_chunks
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dp_region_chunks(a_ids, b_ids, a_toff, a_tdata, b_toff, b_tdata, out_a, out_b):
     """Chunk the token runs a_ids / b_ids by their canonical bytes; returns the chunk count."""
     a, oa = _concat(a_ids, a_toff, a_tdata)

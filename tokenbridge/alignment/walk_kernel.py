@@ -21,7 +21,7 @@ LEN_CAP = (1 << 15) - 1  # VocabBytes.meta: longer tokens hold the cap, the chec
 _BAD, _SPECIAL, _ZERO = 1, 2, 4  # per-token flags written by _trust
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _trust(ids, bo, lo, n, lossless, toff, meta, has_tab, tb, flags):
     """Per token k: flags[k] (_BAD: span untrusted, _SPECIAL, _ZERO: zero width) and tb[k], the
     trusted boundary before token k or -1. Returns (untrusted tokens, special or zero-width
@@ -65,7 +65,7 @@ def _trust(ids, bo, lo, n, lossless, toff, meta, has_tab, tb, flags):
     return n_bad, n_special + n_zero
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _walk(tb_s, f_s, n, tb_t, f_t, m, reg):
     """Two-pointer walk over trusted boundaries; reg[r] = (student end, teacher end, byte end).
 
@@ -102,7 +102,7 @@ def _walk(tb_s, f_s, n, tb_t, f_t, m, reg):
     return n_reg
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _same_bytes(u, v, s_off, s_data, t_off, t_data):
     """Token u of the student and token v of the teacher stand for the same bytes."""
     la = s_off[u + 1] - s_off[u]
@@ -114,7 +114,7 @@ def _same_bytes(u, v, s_off, s_data, t_off, t_data):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _walk_label_clean(s_ids, s_bo, s_lo, n, s_meta, has_s, t_ids, t_bo, t_lo, m, t_meta, has_t,
                       s_chunk, t_chunk, kind, exact, c_send, c_tend, c_bend, c):  # fmt: skip
     """Check, walk and label a row in one branch-free pass, assuming it is clean.
@@ -175,7 +175,7 @@ def _walk_label_clean(s_ids, s_bo, s_lo, n, s_meta, has_s, t_ids, t_bo, t_lo, m,
     return c
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, t_off, t_data,
                has_s, has_t, lossless, specials, s_chunk, t_chunk, kind, exact, c_send, c_tend,
                c_bend, c):  # fmt: skip
@@ -246,7 +246,7 @@ def _label_row(cand, n_cand, s_ids, s_lo, f_s, t_ids, t_lo, f_t, s_off, s_data, 
 
 # Per side: ids int32 [N], byte offsets int64 [N, 2], row splits int64 [B + 1], and (in `tabs`)
 # the packed byte tables of `VocabBytes` (offsets, data, meta).
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def align_kernel(s_ids, s_bo, s_splits, s_lossless, t_ids, t_bo, t_splits, t_lossless, tabs,
                   has_tab, force_dp):  # fmt: skip
     n_rows = s_splits.size - 1

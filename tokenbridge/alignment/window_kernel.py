@@ -16,7 +16,7 @@ from numba import njit
 OK, NO_TOKENS, UNCUTTABLE, BAD_CHUNKS = 0, 1, 2, 3
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _pair_points(c_send, c_tend, c_bend, c0, c1, n_s, n_t, n_bytes, pos, sidx, tidx, cidx):
     """Candidate cut points of one pair in one row: the row start, every trusted chunk end, the
     row end; at one byte position the later entry wins. Returns their count, -1 if chunk ends
@@ -47,7 +47,7 @@ def _pair_points(c_send, c_tend, c_bend, c0, c1, n_s, n_t, n_bytes, pos, sidx, t
     return m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _furthest(idx, k_max, a, budget):
     """Largest k <= k_max with idx[k] - idx[a] <= budget (idx non-decreasing)."""
     want = idx[a] + budget
@@ -62,7 +62,7 @@ def _furthest(idx, k_max, a, budget):
     return lo
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def cut_kernel(text_u8, byte_splits, s_splits, t_splits, c_splits, c_send, c_tend, c_bend,
                c_base, room, eos_add, stride, start_byte, final_byte, doc_end, drop_on_error,
                row_ok):  # fmt: skip
@@ -240,7 +240,7 @@ def cut_kernel(text_u8, byte_splits, s_splits, t_splits, c_splits, c_send, c_ten
             seam_moved)  # fmt: skip
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gather_lists(values, row_base, w_row, lo, hi, head, has_head, tail, has_tail, w_tail, shift,
                  renumber):  # fmt: skip
     """One list column: window j holds [head] + values[row_base[row] + lo : ... + hi] + [tail].
@@ -275,7 +275,7 @@ def gather_lists(values, row_base, w_row, lo, hi, head, has_head, tail, has_tail
     return offsets, out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def chunk_shift(chunk, row_base, w_row, lo, hi):
     """Per window: (first chunk id in it, number of chunks) from one pair's per-student-token
     chunk ids (monotone, -1 on tokens outside any chunk); (0, 0) for a window with none."""
@@ -300,7 +300,7 @@ def chunk_shift(chunk, row_base, w_row, lo, hi):
     return first, count
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gather_bytes(data, row_base, w_row, start, end):
     """Window texts as one UTF-8 buffer + int32 offsets (an Arrow string column)."""
     n_w = w_row.size
