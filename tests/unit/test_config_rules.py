@@ -114,6 +114,13 @@ def _cases(student_dir) -> dict[str, tuple[dict, str]]:
             {"teachers": [_teacher(student_dir, cache="/c")], "loss": {"mode": "gold"}},
             r"config teachers\[0\]\.cache: loss gold cannot read a teacher cache",
         ),
+        "served_teachers_serve_their_modes": (
+            {
+                "teachers": [_teacher(student_dir, server="http://127.0.0.1:9")],
+                "loss": {"mode": "gold"},
+            },
+            r"config teachers\[0\]\.server: loss gold reads more than a server returns",
+        ),  # fmt: skip
         "stream_reads_a_store": (
             {"data": {"shards": "/nowhere", "stream": True}},
             r"config data\.stream: data\.shards=/nowhere is local",

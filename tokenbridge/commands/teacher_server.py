@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenbridge import paths
+from tokenbridge import cli, paths
 from tokenbridge.assets import torch_build
 
 VENV = paths.REPO_ROOT / ".venv-vllm"
@@ -235,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"teacher server on port {a.port}: {'stopped' if stop(a.port) else 'none recorded'}")
         return 0
     if not (Path(a.model) / "config.json").is_file():
-        print(f"teacher server: --model {a.model}: no config.json (expected a HF model dir)")
-        return 2
+        raise FileNotFoundError(
+            f"--model {a.model}: no config.json (expected a HF model directory)"
+        )
     srv = start(a.model, port=a.port, k=a.k, name=a.name, max_model_len=a.max_model_len,
                 eager=a.eager)  # fmt: skip
     print(f"teacher server: {srv.url} serves {srv.model!r} (pid {srv.pid}, log {srv.log})")
@@ -246,4 +247,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, sys.argv[1:], prog="teacher_server"))

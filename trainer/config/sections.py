@@ -178,11 +178,6 @@ class DataConfig:
                 f"{self.packed_tokens} < data.max_student_tokens={self.max_student_tokens}: every "
                 "row must fit a packed row alone (raise it, or 0 = max_student_tokens)",
             )
-
-    @property
-    def row_tokens(self) -> int:
-        """The student tokens a packed row holds (``packed_tokens``, 0 = max_student_tokens)."""
-        return self.packed_tokens or self.max_student_tokens
         if self.eval_split not in EVAL_SPLITS:
             fail("data.eval_split", f"expected window or document, got {self.eval_split!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -194,6 +189,11 @@ class DataConfig:
         check_choice("data.eval_on", self.eval_on, ("test", "val"))
         if self.eval_on == "val" and self.val_fraction <= 0:
             fail("data.eval_on", "val needs data.val_fraction > 0")
+
+    @property
+    def row_tokens(self) -> int:
+        """The student tokens a packed row holds (``packed_tokens``, 0 = max_student_tokens)."""
+        return self.packed_tokens or self.max_student_tokens
 
 
 @dataclass
