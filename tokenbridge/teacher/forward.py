@@ -74,9 +74,13 @@ def teacher_forward(
         # packed rows: a document's last token predicts nothing (the next one starts another)
         tgt_BU[:, :-1].masked_fill_(position_ids_BU[:, 1:] == 0, -1)
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    inputs = {"input_ids": ids_BU, "attention_mask": mask_BU, "use_cache": False}
-    if position_ids_BU is not None:
-        inputs = {"input_ids": ids_BU, "position_ids": position_ids_BU, "use_cache": False}
+    # packed rows: position ids and no 2-D mask (transformers then masks by document)
+    rows = (
+        {"attention_mask": mask_BU}
+        if position_ids_BU is None
+        else {"position_ids": position_ids_BU}
+    )
+    inputs = {"input_ids": ids_BU, "use_cache": False, **rows}
     if base is None or head is None:
         out = model(**inputs).logits
         logits, tp_group = unwrap_vocab_sharded(out)
