@@ -19,6 +19,61 @@ from tokenbridge import paths
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# `make test` runs the suite in pytest-xdist workers. A test file is one unit of work (its module
+# fixtures run once); files whose tests share a costly session fixture (a server, a
+# multi-process launch, a cluster) form one unit, so that it starts once per run. xdist's own
+# `xdist_group` marks cannot say this under pytest 9 (they rewrite `item._nodeid`, which pytest 9
+# no longer reads), hence the scheduler below.
+SHARED_UNITS = {
+    "tests/e2e/test_served_teacher.py": "served_teacher",
+    "tests/dist/test_dist_ops.py": "dist_results",
+    "tests/dist/test_loss_invariance.py": "dist_results",
+    "tests/pipeline/test_align_dask.py": "dask_cluster",
+    "tests/pipeline/test_teacher_cache_job.py": "dask_cluster",
+}
+# Units in this order, launch-heavy kinds first, so that no long unit starts last and leaves
+# the other worker idle at the end (xdist hands units out in the order the workers collect).
+DIR_ORDER = ("tests/e2e", "tests/dist", "tests/pipeline", "tests/unit")
+
+
+def unit_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SHARED_UNITS.get(path, path)
+
+
+def _unit_rank(unit: str, path: str) -> tuple[int, int]:
+    kind = next((i for i, d in enumerate(DIR_ORDER) if path.startswith(d)), len(DIR_ORDER))
+    return (0 if unit in SHARED_UNITS.values() else 1, kind)
+
+
+def pytest_collection_modifyitems(config, items):
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        unit = unit_of(item.nodeid)
+        shared = [f for f in set(SHARED_UNITS.values()) if f in item.fixturenames]
+        if shared and unit != shared[0]:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session fixture {shared[0]}: add its file to "
+                "SHARED_UNITS in tests/conftest.py"
+            )
+        units.setdefault(unit, []).append(item)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike (a stable sort)
+        order = sorted(units, key=lambda u: _unit_rank(u, units[u][0].nodeid))
+        items[:] = [item for unit in order for item in units[unit]]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Units as above, handed out in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByUnit(config, log)
+
+
 def _need(path: Path) -> Path:
     if not path.exists():
         pytest.fail(f"missing asset {path}: run `make models` first", pytrace=False)
