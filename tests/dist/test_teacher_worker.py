@@ -110,13 +110,26 @@ def gone(pid: int) -> bool:
         return True
 
 
+_BEFORE: set[int] = set()  # our children when the test began (see `children_before`)
+
+
+@pytest.fixture(autouse=True)
+def children_before():
+    """The session's servers an earlier test in this pytest process started (object store,
+    Dask cluster, vLLM, `tests.zygote`) are no worker of this test's."""
+    _BEFORE.clear()
+    _BEFORE.update(p.pid for p in psutil.Process().children())
+
+
 def workers_left() -> list[psutil.Process]:
-    """Our child processes, except multiprocessing's resource tracker (lives as long as we do)
-    and the session's servers (the object store of bench.storage.seaweed and the trainer
-    `tests.zygote`: an earlier test in the same pytest run may have started them)."""
+    """Child processes this test started that still run, except multiprocessing's resource
+    tracker (lives as long as we do) and the session's servers."""
     kids = psutil.Process().children()
     keep = ("resource_tracker", "weed", "tests.zygote")
-    return [k for k in kids if not any(w in " ".join(k.cmdline()) for w in keep)]
+    return [
+        k for k in kids
+        if k.pid not in _BEFORE and not any(w in " ".join(k.cmdline()) for w in keep)
+    ]  # fmt: skip
 
 
 def shm_maps(pid: int) -> int:
