@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
+# a text every tokenizer splits into many tokens (words, digits, punctuation, a non-ASCII word):
+# the server's ``/tokenize`` of it must equal the local tokenizer's ids (`check_server`)
+PROBE = "The quick brown fox, in 1611, said: «Thou shalt not» — naïve café 42!"
+REQUEST_TIMEOUT_S = 60.0  # one request's socket timeout (retried until server_timeout_s)
 
 
 class TeacherServerError(RuntimeError):
@@ -189,8 +195,23 @@ class ServerClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def connect(
+    url: str, *, model: str, server_timeout_s: float, api_key_env: str = "",
+    rows_per_request: int = 8, in_flight: int = 4,
+) -> ServerClient:  # fmt: skip
+    """The client of a served teacher as a config names it (the trainer's ``teachers[i]`` and
+    the cache job's flags alike): requests retried for `server_timeout_s`, each one given
+    `REQUEST_TIMEOUT_S` at most, the API key read from the variable `api_key_env` names."""
+    key = os.environ.get(api_key_env) if api_key_env else None
+    return ServerClient(
+        url, model=model, timeout_s=min(REQUEST_TIMEOUT_S, server_timeout_s),
+        retry_s=server_timeout_s, api_key=key, rows_per_request=rows_per_request,
+        in_flight=in_flight,
+    )  # fmt: skip
+
+
 def check_server(
-    client: ServerClient, tokenizer, *, k: int, max_len: int, probe: str, where: str
+    client: ServerClient, tokenizer, *, k: int, max_len: int, where: str, probe: str = PROBE
 ) -> dict:
     """The served teacher is the one the shards were aligned with, or BadAnswerError (one line):
     its model is served, its context holds the longest row, its ``/tokenize`` of `probe` equals
