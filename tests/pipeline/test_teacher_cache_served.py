@@ -6,13 +6,17 @@ teacher's weights in the worker, and through the server. The served cache is the
 and passes the same checks (COMPLETED, checksums, the trainer's reader with the teacher's
 fingerprints); its values are the local teacher's: per position the same top-k set (but for
 near-ties at its boundary), the log-probs and realised-token log-probs within 1e-4 (relative
-past |log p| = 1), the tail bucket's probability within 1e-5. What a server cannot give, or a server that must not be used, is refused in one
-line (exit 2) before the pipeline starts; an unreachable one stops the job (exit 1), naming it.
+past |log p| = 1), the tail bucket's probability within 1e-5. What a server cannot give, or a
+server that must not be used, is refused in one line (exit 2) before the pipeline starts; an
+unreachable one stops the job (exit 1) naming it, at the preflight or once the workers send
+their rows; a row answered with a NaN goes to the dead letters (both faults through a real
+HTTP hop, `tests.served_proxy`).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import re
 import socket
 
@@ -20,11 +24,12 @@ import numpy as np
 import pytest
 
 from bench.common import shakespeare_docs
-from pipelines.teacher_cache import job
+from pipelines.teacher_cache import job, score_dofns
+from tests.served_proxy import FaultyProxy
 from tokenbridge import cli
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.commands import verify
-from tokenbridge.formats import shards
+from tokenbridge.formats import shard_schema, shards
 from tokenbridge.formats.fingerprints import weights_fingerprint
 from tokenbridge.formats.teacher_cache_reader import Expected, open_cache
 from tokenbridge.tokenizers import load_tokenizer
@@ -36,6 +41,7 @@ K = 32
 TOL = 1e-4
 TAIL_ATOL = 1e-5  # the tail bucket's probability
 NEAR_TIE = 1e-4  # a top-k set may differ only at its boundary, by about this much
+PROG = "tokenbridge teacher_cache:"
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +141,46 @@ def test_what_a_server_cannot_give_is_refused_in_one_line(caches, served_teacher
         out = caches["tmp"] / f"refused-{case.replace(' ', '-')}"
         capsys.readouterr()
         got = cli.run(job.main, [*argv, "--out", str(out)], prog="teacher_cache", rules=job.RULES)
-        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenbridge")]
+        lines = _said(capsys)
         assert got == code and len(lines) == 1, (case, got, lines)
         assert re.search(pattern, lines[0]), (case, lines[0])
         assert not out.exists(), case  # refused before anything was written
+
+
+def _said(capsys) -> list[str]:
+    """The command's own lines (Beam logs a failed DoFn's traceback as well, at ERROR)."""
+    return [x for x in capsys.readouterr().err.splitlines() if x.startswith(PROG)]
+
+
+def _through(argv: list[str], url: str) -> list[str]:
+    return [url if a.startswith("http://") else a for a in argv]
+
+
+def test_a_nan_answer_is_a_dead_letter_and_a_server_gone_stops_the_job(caches, capsys):
+    ss = shards.open_shards(caches["shards"])
+    poison = ss.table().column(shard_schema.teacher_ids_column(0))[0].as_py()  # file 0, row 0
+    url, tmp = caches["served"]["teacher_server"]["server"], caches["tmp"]
+    with FaultyProxy(url, poison=poison) as proxy:
+        argv = [*_through(caches["served_args"], proxy.url), "--max-dead-fraction", "0.5"]
+        stats = job.run([*argv, "--out", str(tmp / "poisoned")])
+    assert stats["rows"] == caches["served"]["rows"] - 1
+    assert stats["drops_by_reason"] == {score_dofns.INFERENCE_ERROR: 1}
+    dead = (tmp / "poisoned" / shard_schema.DEAD_LETTER_FILE).read_text().splitlines()
+    rec = json.loads(dead[0])
+    assert (rec["shard_file"], rec["row"]) == (ss.files[0].name, 0), rec
+    assert re.search(r"BadAnswerError: .* position 0: non-finite", rec["detail"]), rec
+    # the server gone once the preflight passed: the workers' requests stop the job
+    out = tmp / "gone"
+    with FaultyProxy(url, healthy=1) as proxy:
+        argv = [*_through(caches["served_args"], proxy.url), "--server-timeout-s", "1"]
+        capsys.readouterr()
+        code = cli.run(job.main, [*argv, "--out", str(out)], prog="teacher_cache",
+                       rules=job.RULES)  # fmt: skip
+    lines = _said(capsys)
+    assert code == 1 and len(lines) == 1, (code, lines)
+    assert re.match(
+        rf"tokenbridge teacher_cache: TeacherServerError: teacher server {re.escape(proxy.url)}"
+        r"/v1/completions: no answer for 1 s \(--server-timeout-s\): HTTP 503: the engine went "
+        r"away.*; restart the server", lines[0],
+    ), lines[0]  # fmt: skip
+    assert not (out / shard_schema.COMPLETED_MARKER).exists()
