@@ -116,24 +116,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_what_a_server_cannot_give_is_refused_in_one_line(caches, served_teacher, capsys):
+def test_a_server_or_flag_that_must_not_be_used_is_refused_in_one_line(
+    caches, served_teacher, capsys
+):
+    """Through the command (the flags alone: tests/unit/test_cache_server_flags.py)."""
     url = served_teacher[0]
-    base, served = caches["base"], caches["served_args"]
+    served = caches["served_args"]
     dead = f"http://127.0.0.1:{_free_port()}"
     cases = {
         "samples": ([*served, "--samples", "2"], 2,
                     r"--samples 2: --teacher-server returns top-k log-probs, not draws"),
-        "temperature": ([*served, "--temperature", "2"], 2,
-                        r"--temperature 2\.0: --teacher-server returns log-probs at temperature"),
-        "random init": ([*served, "--init", "random"], 2,
-                        r"--init random: --teacher-server serves saved weights"),
-        "no server": ([*base, "--served-model", "tiny"], 2,
-                      r"--served-model: only with --teacher-server URL"),
         "model": ([*served, "--served-model", "other"], 2,
                   rf"--teacher-server: {re.escape(url)} serves \['tiny'\], not 'other'"),
         "k": ([*served, "--k", "65"], 2, r"greater than max allowed: 64.* \(restart the server "
               r"with K>=65\)"),
-        "down": ([*base, "--teacher-server", dead, "--server-timeout-s", "1"], 1,
+        "down": ([*_through(served, dead), "--server-timeout-s", "1"], 1,
                  rf"TeacherServerError: teacher server {re.escape(dead)}/v1/models: no answer "
                  r"for 1 s \(--server-timeout-s\).*; restart the server"),
     }  # fmt: skip
