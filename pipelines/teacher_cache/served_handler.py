@@ -1,15 +1,12 @@
 """The teacher-cache job through a served teacher (``--teacher-server URL``): RunInference whose
-"model" is a client of vLLM's OpenAI-compatible server, so a fleet of inference servers (one
-URL, load-balanced) builds the cache of a teacher no Beam worker could hold.
+"model" is a client of vLLM's OpenAI-compatible server, so a fleet of inference servers behind
+one URL builds the cache of a teacher no Beam worker could hold.
 
-Each `RowBatch`'s rows (the shards' teacher ids, never text) go out as token-id prompts, many
-rows per request, a few requests in flight (`tokenbridge.teacher.served.ServerClient`); the
-answers are the same fields the local teacher writes (top-k ids and log-probs, tail, realised
-token's log-prob), so the cache, its checks and its reader are unchanged. What a server cannot
-give (draws from the whole distribution, another temperature, random-init weights) is refused
-in one line naming the flag (`server_spec`); the server itself is checked as the trainer checks
-one (`check`: model, context, tokenizer, vocabulary, k) before the pipeline starts. A row the
-server answers badly goes to the dead letters; a server that stops answering stops the job.
+Rows go out as token-id prompts (many a request, a few requests in flight) and come back as the
+fields the local teacher writes (top-k, tail, realised token: `tokenbridge.teacher.served`), so
+the cache, its checks and its reader are unchanged. What a server cannot give is refused by
+flag (`server_spec`); the server is checked as the trainer checks one (`check`) before the
+pipeline starts. A row answered badly is a dead letter; a server gone stops the job.
 
 Legend: B rows, U teacher positions (the batch's longest row), K top-k.
 """
