@@ -4,7 +4,8 @@
 dtype) and `run_inference` calls `tokenbridge.teacher.forward.teacher_forward`, so cached
 outputs are the live teacher's. Elements arrive batched by the reader (`RowBatch`), so
 RunInference's own batching is off; a batch that fails is retried row by row, and a row that
-still fails comes back with its error, for the dead letters.
+still fails comes back with its error, for the dead letters (`RowBatchHandler`, which the
+served teacher's handler shares: `served_handler`).
 
 Legend: B rows, U teacher positions (the batch's longest row), K top-k, R samples, V vocab.
 """
