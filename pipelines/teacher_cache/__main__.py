@@ -2,7 +2,7 @@
 
 import sys
 
-from pipelines.teacher_cache.job import main
+from pipelines.teacher_cache.job import RULES, main
 from tokenbridge import cli
 
-sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))
+sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache", rules=RULES))

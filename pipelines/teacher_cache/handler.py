@@ -4,7 +4,8 @@
 dtype) and `run_inference` calls `tokenbridge.teacher.forward.teacher_forward`, so cached
 outputs are the live teacher's. Elements arrive batched by the reader (`RowBatch`), so
 RunInference's own batching is off; a batch that fails is retried row by row, and a row that
-still fails comes back with its error, for the dead letters.
+still fails comes back with its error, for the dead letters (`RowBatchHandler`, which the
+served teacher's handler shares: `served_handler`).
 
 Legend: B rows, U teacher positions (the batch's longest row), K top-k, R samples, V vocab.
 """
@@ -57,7 +58,57 @@ class ScoredBatch:
     errors: dict[int, str] = field(default_factory=dict)  # index in the batch -> error
 
 
-class TeacherCacheHandler(ModelHandler):
+class RowBatchHandler(ModelHandler):
+    """RunInference over `RowBatch`es (one `ScoredBatch` out per element), whatever scores them:
+    a subclass gives ``load_model`` and ``_score(model, batch)`` (per field [B, U, ...]). A batch
+    whose scoring raises one of ``ROW_ERRORS`` is retried row by row; any other error fails
+    the job."""
+
+    ROW_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+
+    def should_skip_batching(self) -> bool:
+        # elements are batches already; and RunInference's `BatchElements` emits a bundle's
+        # last batch from ``finish_bundle``, which the DaskRunner drops
+        return True
+
+    def get_num_bytes(self, batch: RowBatch) -> int:
+        return int(batch.lengths.sum()) * 8  # the ids, without pickling the batch to count
+
+    def get_metrics_namespace(self) -> str:
+        return "tokenbridge.teacher_cache"
+
+    def _score(self, model, batch: RowBatch) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def run_inference(self, batch: RowBatch, model, inference_args=None):
+        t0 = time.perf_counter()
+        try:
+            outputs, errors = self._score(model, batch), {}
+        except self.ROW_ERRORS:
+            # retry alone each row of a failed batch: one bad row must not sink its neighbours
+            outputs, errors = self._row_by_row(model, batch)
+        return [ScoredBatch(batch, outputs, time.perf_counter() - t0, errors)]
+
+    def _row_by_row(self, model, batch: RowBatch) -> tuple[dict[str, np.ndarray], dict[int, str]]:
+        u = int(batch.lengths.max(initial=0))
+        merged: dict[str, np.ndarray] = {}
+        errors: dict[int, str] = {}
+        for i in range(len(batch)):
+            one = RowBatch(batch.shard_file, batch.rows[i : i + 1], [batch.ids[i]])
+            try:
+                got = self._score(model, one)
+            except self.ROW_ERRORS as e:
+                last = traceback.format_exception_only(type(e), e)[-1].strip()
+                errors[i] = last[:500]
+                continue
+            for k, v in got.items():
+                if k not in merged:
+                    merged[k] = np.zeros((len(batch), u, *v.shape[2:]), v.dtype)
+                merged[k][i, : v.shape[1]] = v[0]
+        return merged, errors
+
+
+class TeacherCacheHandler(RowBatchHandler):
     """RunInference's view of the teacher: `RowBatch` in, `ScoredBatch` out (one per element).
 
     The model is the frozen teacher; each batch goes through `teacher_forward`, the same
@@ -92,17 +143,6 @@ class TeacherCacheHandler(ModelHandler):
         device = devices.worker_device(self.device)
         model = models.build_model(spec, dtype=models.torch_dtype(self.dtype), device=device)
         return models.freeze(model)
-
-    def should_skip_batching(self) -> bool:
-        # elements are batches already; and RunInference's `BatchElements` emits a bundle's
-        # last batch from ``finish_bundle``, which the DaskRunner drops
-        return True
-
-    def get_num_bytes(self, batch: RowBatch) -> int:
-        return int(batch.lengths.sum()) * 8  # the ids, without pickling the batch to count
-
-    def get_metrics_namespace(self) -> str:
-        return "tokenbridge.teacher_cache"
 
     def _score(self, model: torch.nn.Module, batch: RowBatch) -> dict[str, np.ndarray]:
         lens = batch.lengths
@@ -144,33 +184,6 @@ class TeacherCacheHandler(ModelHandler):
         if sampler is not None:
             result["sample_ids"] = np.sort(sampler.ids, axis=-1)
         return result
-
-    def run_inference(self, batch: RowBatch, model: torch.nn.Module, inference_args=None):
-        t0 = time.perf_counter()
-        try:
-            outputs, errors = self._score(model, batch), {}
-        except Exception:
-            # retry alone each row of a failed batch: one bad row must not sink its neighbours
-            outputs, errors = self._row_by_row(model, batch)
-        return [ScoredBatch(batch, outputs, time.perf_counter() - t0, errors)]
-
-    def _row_by_row(self, model, batch: RowBatch) -> tuple[dict[str, np.ndarray], dict[int, str]]:
-        u = int(batch.lengths.max(initial=0))
-        merged: dict[str, np.ndarray] = {}
-        errors: dict[int, str] = {}
-        for i in range(len(batch)):
-            one = RowBatch(batch.shard_file, batch.rows[i : i + 1], [batch.ids[i]])
-            try:
-                got = self._score(model, one)
-            except Exception as e:
-                last = traceback.format_exception_only(type(e), e)[-1].strip()
-                errors[i] = last[:500]
-                continue
-            for k, v in got.items():
-                if k not in merged:
-                    merged[k] = np.zeros((len(batch), u, *v.shape[2:]), v.dtype)
-                merged[k][i, : v.shape[1]] = v[0]
-        return merged, errors
 
 
 def teacher_config(path: str, *, init: str, seed: int, overrides: dict) -> ModelSpec:

@@ -2,8 +2,9 @@
 
 This module plans row tasks, checks the teacher and the shards before anything is written,
 assembles the pipeline (ReadRows -> Score in RunInference -> WriteCache / WriteDeadLetters ->
-Finalize, COMPLETED last) and runs it. Options and runners: the README's "The teacher cache";
-the stages: docs/pipelines.md.
+Finalize, COMPLETED last) and runs it. The teacher runs in the workers (`handler`), or behind
+an inference server they send their rows to (``--teacher-server``: `served_handler`). Options
+and runners: the README's "The teacher cache"; the stages: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import logging
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import apache_beam as beam
 import numpy as np
+import pyarrow.compute as pc
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -32,9 +34,9 @@ from pipelines.plumbing.tagged import (
     dead_fraction,
     split,
 )
-from pipelines.teacher_cache import handler, score_dofns
-from tokenbridge import remote_models, urls
-from tokenbridge.formats import shards
+from pipelines.teacher_cache import handler, score_dofns, served_handler
+from tokenbridge import cli, remote_models, urls
+from tokenbridge.formats import shard_schema, shards
 from tokenbridge.formats.fingerprints import shards_fingerprint, weights_fingerprint
 from tokenbridge.formats.teacher_cache import CacheMeta
 from tokenbridge.formats.teacher_cache_reader import REBUILD
@@ -46,6 +48,13 @@ log = logging.getLogger("tokenbridge.teacher_cache")
 
 ROLL_MB = jobs.ROLL_MB  # cache files roll at this size
 OUT_SCHEMES = urls.OBJECT_STORES  # --out may name one (written through Beam's S3 I/O)
+# a served teacher that stopped answering: the run failed (exit 1), the server is to blame
+RULES = (
+    cli.Rule(
+        ("tokenbridge.teacher.served.TeacherServerError",),
+        hint="restart the server (make teacher-server), then run the job again",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,8 @@ class JobConfig(jobs.JobConfig):
     device: str = "cpu"
     threads: int | None = None
     shards_url: str | None = None  # --shards given as an object-store URL: workers read it
+    server: served_handler.ServerSpec | None = None  # --teacher-server: scored there
+    server_report: dict = field(default_factory=dict)  # its preflight's (model, context, latency)
 
 
 def plan_tasks(
@@ -105,7 +116,7 @@ class ReadRows(beam.PTransform):
 class Score(beam.PTransform):
     """`RowBatch` -> the teacher (RunInference) -> `ScoredBatch` (MAIN), failed rows (DEAD)."""
 
-    def __init__(self, model_handler: handler.TeacherCacheHandler):
+    def __init__(self, model_handler: handler.RowBatchHandler):
         super().__init__()
         self.handler = model_handler
 
@@ -122,15 +133,18 @@ def build_pipeline(p: beam.Pipeline, cfg: JobConfig, *, tasks, run_id: str, head
     spec = handler.teacher_spec(
         int(meta.teacher["vocab_size"]), k=meta.k, temperature=meta.temperature, target=meta.target
     )
-    model_handler = handler.TeacherCacheHandler(
-        cfg.teacher,
-        spec,
-        dtype=cfg.teacher_dtype,
-        device=cfg.device,
-        threads=cfg.threads,
-        samples=meta.samples,
-        sample_seed=meta.sample_seed,
-    )
+    if cfg.server is not None:
+        model_handler = served_handler.ServedCacheHandler(cfg.server, spec)
+    else:
+        model_handler = handler.TeacherCacheHandler(
+            cfg.teacher,
+            spec,
+            dtype=cfg.teacher_dtype,
+            device=cfg.device,
+            threads=cfg.threads,
+            samples=meta.samples,
+            sample_seed=meta.sample_seed,
+        )
     read = p | "ReadRows" >> ReadRows(tasks, cfg)
     scored = read[MAIN] | "Score" >> Score(model_handler)
     written = scored[MAIN] | "WriteCache" >> beam.ParDo(
@@ -243,7 +257,10 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
     ap.add_argument("--out", default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace a complete earlier run")
     add_dead_fraction_arg(ap)
+    served_handler.add_server_args(ap)
     args, beam_args = ap.parse_known_args(argv)
+    # what a server cannot give is refused before anything is fetched or hashed
+    server = served_handler.server_spec(args, name=urls.name(args.teacher))
     urls.check(args.teacher, where="--teacher", schemes=urls.OBJECT_STORES,
                doing="loading a model from")  # fmt: skip
     shards_url = urls.check(args.shards, where="--shards", schemes=urls.OBJECT_STORES,
@@ -280,6 +297,11 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         raise ValueError(f"{args.teacher}: lm_head narrower than its tokenizer ({tok.vocab_size})")
     index = _teacher_index(shard_set, tok.fingerprint, args.teacher_index)
     check_samples(args.samples, student=shard_set.meta.student, teacher=tok.info())
+    report = {}
+    if server is not None:  # the trainer's preflight of a served teacher, for this column
+        column = shard_schema.teacher_ids_column(index)
+        longest = max(_list_lengths(shard_set, column, pc.max), default=0)
+        report = served_handler.check(server, tok, k=args.k, max_len=int(longest))
     weights = weights_fingerprint(teacher_dir, init=args.init, seed=args.seed, overrides=overrides)
     meta = CacheMeta(
         teacher={
@@ -320,6 +342,8 @@ def configure(argv: list[str] | None) -> tuple[JobConfig, list[str]]:
         overwrite=args.overwrite,
         max_dead_fraction=dead_fraction(args),
         shards_url=shards_url,
+        server=server,
+        server_report=report,
     )
     # in this process by default: torch's threads already use every core, and each worker
     # process would hold its own copy of the weights
@@ -333,7 +357,7 @@ def run(argv: list[str] | None = None) -> dict:
     shard_set = shards.open_shards(cfg.shards)
     tasks = plan_tasks(shard_set, cfg.rows_per_task, url=cfg.shards_url)
     col = f"teacher{cfg.meta.shards['teacher_index']}_ids"
-    total = sum(int(x) for x in _list_lengths(shard_set, col))
+    total = sum(int(x) for x in _list_lengths(shard_set, col, pc.sum))
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
     run_id = uuid.uuid4().hex[:12]
     header = {
@@ -344,6 +368,8 @@ def run(argv: list[str] | None = None) -> dict:
         "device": cfg.device,
         "started": time.time(),
     }
+    if cfg.server is not None:  # the served teacher's preflight report: url, model, context
+        header["teacher_server"] = cfg.server_report
     log.info("teacher-cache: %d rows, %d teacher tokens -> %s", shard_set.num_rows, total, cfg.out)
     launch_s = time.perf_counter() - t0
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
@@ -359,11 +385,10 @@ def run(argv: list[str] | None = None) -> dict:
     return stats
 
 
-def _list_lengths(shard_set: shards.ShardSet, column: str):
-    import pyarrow.compute as pc
-
+def _list_lengths(shard_set: shards.ShardSet, column: str, reduce):
+    """`reduce` (pc.sum, pc.max) of the lengths of `column`'s lists, per record batch."""
     for batch in shard_set.iter_batches():
-        yield np.asarray(pc.sum(pc.list_value_length(batch.column(column))).as_py() or 0)
+        yield np.asarray(reduce(pc.list_value_length(batch.column(column))).as_py() or 0)
 
 
 def summary_line(stats: dict, out: storage.Location) -> str:
@@ -384,6 +409,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from tokenbridge import cli
-
-    sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache"))
+    sys.exit(cli.run(main, sys.argv[1:], prog="teacher_cache", rules=RULES))

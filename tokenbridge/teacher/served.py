@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
+# a text every tokenizer splits into many tokens (words, digits, punctuation, a non-ASCII word):
+# the server's ``/tokenize`` of it must equal the local tokenizer's ids (`check_server`)
+PROBE = "The quick brown fox, in 1611, said: «Thou shalt not» — naïve café 42!"
+REQUEST_TIMEOUT_S = 60.0  # one request's socket timeout (retried until server_timeout_s)
 
 
 class TeacherServerError(RuntimeError):
@@ -114,14 +120,17 @@ def _one_line(raw: bytes) -> str:
 class ServerClient:
     """Batched, concurrent requests to one server (`url`, its `model`). A request that fails
     to connect or gets a 5xx is retried with backoff until `retry_s` has passed since the first
-    try; a 4xx is the caller's error and raised at once."""
+    try (`retry_name`: the setting that says so, named in the error); a 4xx is the caller's
+    error and raised at once."""
 
     def __init__(
         self, url: str, *, model: str, timeout_s: float = 60.0, retry_s: float = 60.0,
         api_key: str | None = None, rows_per_request: int = 8, in_flight: int = 4,
+        retry_name: str = "teachers[i].server_timeout_s",
     ):  # fmt: skip
         self.url, self.model = url.rstrip("/"), model
         self.timeout_s, self.retry_s, self.api_key = timeout_s, retry_s, api_key
+        self.retry_name = retry_name
         self.rows_per_request, self.in_flight = rows_per_request, in_flight
         self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="served-teacher")
         self.latency_s: list[float] = []  # per scoring request, for the run log
@@ -152,7 +161,7 @@ class ServerClient:
             if time.monotonic() - start + wait > self.retry_s:
                 raise TeacherServerError(
                     f"teacher server {self.url}{path}: no answer for {self.retry_s:.0f} s "
-                    f"(teachers[i].server_timeout_s): {why}"
+                    f"({self.retry_name}): {why}"
                 )
             time.sleep(wait)
             wait = min(2 * wait, 5.0)
@@ -189,8 +198,24 @@ class ServerClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def connect(
+    url: str, *, model: str, server_timeout_s: float, api_key_env: str = "",
+    rows_per_request: int = 8, in_flight: int = 4,
+    retry_name: str = "teachers[i].server_timeout_s",
+) -> ServerClient:  # fmt: skip
+    """The client of a served teacher as a config names it (the trainer's ``teachers[i]`` and
+    the cache job's flags alike): requests retried for `server_timeout_s`, each one given
+    `REQUEST_TIMEOUT_S` at most, the API key read from the variable `api_key_env` names."""
+    key = os.environ.get(api_key_env) if api_key_env else None
+    return ServerClient(
+        url, model=model, timeout_s=min(REQUEST_TIMEOUT_S, server_timeout_s),
+        retry_s=server_timeout_s, api_key=key, rows_per_request=rows_per_request,
+        in_flight=in_flight, retry_name=retry_name,
+    )  # fmt: skip
+
+
 def check_server(
-    client: ServerClient, tokenizer, *, k: int, max_len: int, probe: str, where: str
+    client: ServerClient, tokenizer, *, k: int, max_len: int, where: str, probe: str = PROBE
 ) -> dict:
     """The served teacher is the one the shards were aligned with, or BadAnswerError (one line):
     its model is served, its context holds the longest row, its ``/tokenize`` of `probe` equals

@@ -12,7 +12,6 @@ Legend: B rows, U teacher positions, K top-k.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,21 +19,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tokenbridge.teacher.outputs import TeacherOutputSpec, allocate_teacher_outputs
-from tokenbridge.teacher.served import ServerClient, check_server
+from tokenbridge.teacher.served import ServerClient, check_server, connect
 from trainer.config.schema import TeacherConfig
 from trainer.teacher.cached_teacher import CachedReceived
 
-# a text every tokenizer splits into many tokens (words, digits, punctuation, a non-ASCII word)
-PROBE = "The quick brown fox, in 1611, said: «Thou shalt not» — naïve café 42!"
-
 
 def client_for(t_cfg: TeacherConfig) -> ServerClient:
-    key = os.environ.get(t_cfg.api_key_env) if t_cfg.api_key_env else None
-    return ServerClient(
-        t_cfg.server, model=t_cfg.served_model or t_cfg.name,
-        timeout_s=min(60.0, t_cfg.server_timeout_s), retry_s=t_cfg.server_timeout_s,
-        api_key=key,
-    )  # fmt: skip
+    return connect(t_cfg.server, model=t_cfg.served_model or t_cfg.name,
+                   server_timeout_s=t_cfg.server_timeout_s, api_key_env=t_cfg.api_key_env)  # fmt: skip
 
 
 def open_served(t_cfg: TeacherConfig, *, index: int, tokenizer, k: int, max_len: int) -> dict:
@@ -42,7 +34,7 @@ def open_served(t_cfg: TeacherConfig, *, index: int, tokenizer, k: int, max_len:
     `BadAnswerError`, a ValueError: exit 2); what it reports, for the run log."""
     client = client_for(t_cfg)
     try:
-        return check_server(client, tokenizer, k=max(k, 1), max_len=max_len, probe=PROBE,
+        return check_server(client, tokenizer, k=max(k, 1), max_len=max_len,
                             where=f"teachers[{index}].server")  # fmt: skip
     finally:
         client.close()
