@@ -12,6 +12,8 @@ live run and one served run compare them all. Findings go to OUT (JSON):
   models, is never reached) and its message: another model name, k above max_logprobs,
   another tokenizer, gold, temperature != 1;
 - ``live`` / ``served``: per-step metrics, same rows, same seeds;
+- ``onpolicy``: per-step metrics of an on-policy run (lag 1, the three teachers scoring each
+  rollout in opd_pg, xtoken and alm), with the teachers in process and served: same seeds;
 - ``fault``: a served run (`Trainer.train`, a checkpoint every step) whose server is killed
   (SIGKILL) after its first checkpoint: exit code and line as `trainer/main.py` reports them,
   the checkpoints left and whether the last verifies; then, the server restarted on its port,
@@ -97,6 +99,25 @@ def refusals(shards: str, teachers: list[dict], projection: str) -> dict:
     }  # fmt: skip
 
 
+ONPOLICY_MODES = ("opd_pg", "xtoken", "alm")  # teacher i's on-policy mode
+
+
+def onpolicy_run(cfg_of, steps: int = STEPS) -> list[dict]:
+    """An on-policy run of ``steps`` steps (lag 1: the next rollouts are scored while the
+    student learns), stepped as `Trainer.train` steps it."""
+    cfg = cfg_of(
+        loss={"mode": "ce"},
+        onpolicy={"enabled": True, "teacher_losses": list(ONPOLICY_MODES), "lag": 1,
+                  "prompt_tokens": 8, "max_new_tokens": 12, "prompts_per_step": 2,
+                  "n_samples": 2, "micro_batch_size": 2, "eval_prompts": 0},
+    )  # fmt: skip
+    t = Trainer(cfg, preflight(cfg, world_size=1))
+    try:
+        return [t.onpolicy.step(log=True, last=i == steps - 1) for i in range(steps)]
+    finally:
+        t.close()
+
+
 def fault(cfg_of, *, teacher_dir: str, name: str, port: int) -> dict:
     """The served run killed after its first checkpoint, then resumed on a restarted server."""
     cfg = cfg_of(
@@ -159,6 +180,12 @@ def main(shards, teacher_dir, projection, url, model, port, out) -> None:
     result: dict = {"refused": refusals(shards, served, projection)}
     result["live"] = train(make_cfg(shards, tmp / "live", teachers=live))
     result["served"] = train(make_cfg(shards, tmp / "served", teachers=served))
+    result["onpolicy"] = {
+        "live": onpolicy_run(lambda **top: make_cfg(shards, tmp / "op_live", teachers=live, **top)),
+        "served": onpolicy_run(
+            lambda **top: make_cfg(shards, tmp / "op_served", teachers=served, **top)
+        ),
+    }
     result["fault"] = fault(
         lambda **top: make_cfg(shards, tmp / "fault", teachers=served, **top),
         teacher_dir=teacher_dir, name=model, port=int(port),

@@ -8,6 +8,9 @@ and one process for every case (tests/e2e/served_teacher_cases.py). What is pinn
   (config);
 - the per-step losses with served teachers equal the in-process teachers' (same weights, fp32,
   same rows) within 1e-4 relative, for kd_topk, xtoken and alm terms in one run;
+- on-policy, the per-step losses with served teachers equal the in-process teachers' within
+  1e-4 relative: rollouts sampled alike, scored by the server in opd_pg, xtoken and alm, with
+  policy lag 1 (the server scores the next rollouts while the student learns);
 - the server killed (SIGKILL) mid-run: the run stops with exit 1 and one line naming the URL,
   its last checkpoint verifies, and once the server is back the resumed run repeats the
   uninterrupted served run's losses within 1e-5.
@@ -80,6 +83,25 @@ def test_served_teachers_train_as_the_live_teachers(report):
     assert all(m[t] > 0.1 for m in served for t in TERMS[:2])
     assert all(m[TERMS[2]] > 1e-6 for m in served)
     assert served[-1]["loss"] < served[0]["loss"]
+
+
+ON_TERMS = ("kd/t0", "kd/t1", "kd/t2")  # opd_pg, xtoken, alm on the student's rollouts
+
+
+def test_served_teachers_score_rollouts_as_the_live_teachers(report):
+    live, served = report["onpolicy"]["live"], report["onpolicy"]["served"]
+    assert len(live) == len(served) == 3
+    for a, b in zip(live, served):
+        assert b["onpolicy"] == 1.0 and b["rollout/count"] == a["rollout/count"] == 4
+        # the same rollouts: the same weights sampled them with the same seeds
+        assert b["rollout/len_mean"] == a["rollout/len_mean"] > 0
+        for key in ("loss", *ON_TERMS):
+            assert b[key] == pytest.approx(a[key], rel=REL), (key, a[key], b[key])
+        for t in ON_TERMS:  # every term read the completions: none silently empty
+            assert b[f"coverage/{t[3:]}"] > 0
+    # nats of KD on the completions (opd_pg's advantage is signed), and the student moved
+    assert all(abs(m[t]) > 1e-3 for m in served for t in ON_TERMS[:2])
+    assert served[-1]["loss"] != served[0]["loss"]
 
 
 def test_a_killed_server_stops_the_run_and_the_resumed_run_repeats_its_losses(
