@@ -34,7 +34,9 @@ class ServedScorer:
     remote = True  # computes elsewhere: submitting early costs this machine's cores nothing
 
     def __init__(self, feed: ServedTeacher, *, depth: int):
-        self.feed, self.config = feed, ChannelConfig(mode="inprocess", depth=depth)
+        self.feed = feed
+        # no ring, but its depth bounds what `OnPolicy.score_all` keeps in flight, as slots do
+        self.config = ChannelConfig(mode="inprocess", depth=depth)
 
     def submit(self, inputs: dict[str, torch.Tensor]) -> None:
         # right-padded rows: the real ones end where the attention mask does
@@ -66,7 +68,7 @@ def open_scorers(
     timeout_s: float,
     threads: int | None,
     dtypes: list[str],
-) -> list[TeacherChannel]:
+) -> list[TeacherChannel | ServedScorer]:
     """One started channel per teacher (closed again if any fails to start), a `ServedScorer`
     for a served one; `indices`: their places in ``teachers``' config; `dtypes`: each one's
     dtype on this device (``teachers[i].dtype`` resolved, `trainer.config.precision`)."""
