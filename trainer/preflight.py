@@ -193,6 +193,9 @@ def _servers(
     off_modes = cfg.teacher_modes() if cfg.kd_enabled else [None] * len(teachers)
     on_modes = cfg.onpolicy.modes(len(teachers)) if cfg.onpolicy.enabled else []
     for i, (t_cfg, tok) in enumerate(zip(cfg.teachers, teachers)):
+        if not (t_cfg.server and t_cfg.weight > 0):
+            out.append(None)
+            continue
         need = []  # (k, longest row) per use of this teacher
         if off_modes[i] is not None:
             need.append((getattr(cfg.loss.mode_options(off_modes[i]), "k", 1), teacher_max[i]))
@@ -203,7 +206,7 @@ def _servers(
             rows = rollout_max_len(cfg)
             rows = rows if tok.fingerprint == student.fingerprint else view_len(rows)
             need.append((getattr(options, "k", 1), rows))
-        if not (t_cfg.server and t_cfg.weight > 0 and need):
+        if not need:
             out.append(None)
             continue
         k, max_len = max(n[0] for n in need), max(n[1] for n in need)
