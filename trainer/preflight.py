@@ -179,20 +179,38 @@ def preflight(cfg: TrainConfig, *, world_size: int) -> Prepared:
         resume=resume.path,
         caches=_caches(cfg, teachers, shards, precision=precision),
         precision=precision,
-        served=_servers(cfg, teachers, teacher_max),
+        served=_servers(cfg, student, teachers, teacher_max),
     )
 
 
-def _servers(cfg: TrainConfig, teachers: list[Tokenizer], teacher_max: list[int]) -> list:
-    """Each served teacher's server, checked against its tokenizer and the loss's k
-    (`open_served`); None for the others."""
+def _servers(
+    cfg: TrainConfig, student: Tokenizer, teachers: list[Tokenizer], teacher_max: list[int]
+) -> list:
+    """Each served teacher's server, checked against its tokenizer and the largest k and the
+    longest row its losses need, off-policy (the shards' rows) and on-policy (the rollouts'):
+    `open_served`; None for the others."""
     out: list[dict | None] = []
-    for i, (t_cfg, tok, mode) in enumerate(zip(cfg.teachers, teachers, cfg.teacher_modes())):
-        if not (t_cfg.server and cfg.kd_enabled and t_cfg.weight > 0):
+    off_modes = cfg.teacher_modes() if cfg.kd_enabled else [None] * len(teachers)
+    on_modes = cfg.onpolicy.modes(len(teachers)) if cfg.onpolicy.enabled else []
+    for i, (t_cfg, tok) in enumerate(zip(cfg.teachers, teachers)):
+        if not (t_cfg.server and t_cfg.weight > 0):
             out.append(None)
             continue
-        k = getattr(cfg.loss.mode_options(mode), "k", 1)
-        out.append(open_served(t_cfg, index=i, tokenizer=tok, k=k, max_len=teacher_max[i]))
+        need = []  # (k, longest row) per use of this teacher
+        if off_modes[i] is not None:
+            need.append((getattr(cfg.loss.mode_options(off_modes[i]), "k", 1), teacher_max[i]))
+        if cfg.onpolicy.enabled:
+            from trainer.onpolicy.teachers import rollout_max_len, view_len
+
+            options = cfg.onpolicy.mode_options(on_modes[i], cfg.loss.temperature)
+            rows = rollout_max_len(cfg)
+            rows = rows if tok.fingerprint == student.fingerprint else view_len(rows)
+            need.append((getattr(options, "k", 1), rows))
+        if not need:
+            out.append(None)
+            continue
+        k, max_len = max(n[0] for n in need), max(n[1] for n in need)
+        out.append(open_served(t_cfg, index=i, tokenizer=tok, k=k, max_len=max_len))
     return out
 
 

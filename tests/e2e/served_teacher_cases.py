@@ -1,6 +1,7 @@
 """A teacher served by vLLM vs the same teacher in process, run by
 tests/e2e/test_served_teacher.py in ONE process (a script, not a test module):
-``python -m tests.e2e.served_teacher_cases SHARDS TEACHER_DIR PROJECTION URL MODEL PORT OUT``.
+``python -m tests.e2e.served_teacher_cases SHARDS TEACHER_DIR PROJECTION URL MODEL PORT OUT
+CROSS_SHARDS`` (CROSS_SHARDS: aligned for a Gemma-tokenizer student and two teachers).
 
 The server (started by the test's session fixture as `make teacher-server` starts it) serves
 TEACHER_DIR, a tiny random-init Llama saved with the SmolLM2 tokenizer; the live runs load the
@@ -12,6 +13,10 @@ live run and one served run compare them all. Findings go to OUT (JSON):
   models, is never reached) and its message: another model name, k above max_logprobs,
   another tokenizer, gold, temperature != 1;
 - ``live`` / ``served``: per-step metrics, same rows, same seeds;
+- ``onpolicy``: per-step metrics of an on-policy run (lag 1, the three teachers scoring each
+  rollout in opd_pg, xtoken and alm), with the teachers in process and served: same seeds; and
+  (``cross_*``) of one whose student has Gemma's tokenizer, two teachers in opd_pg and alm, so
+  the rollouts are re-tokenized and aligned for the served teacher on the fly;
 - ``fault``: a served run (`Trainer.train`, a checkpoint every step) whose server is killed
   (SIGKILL) after its first checkpoint: exit code and line as `trainer/main.py` reports them,
   the checkpoints left and whether the last verifies; then, the server restarted on its port,
@@ -97,6 +102,28 @@ def refusals(shards: str, teachers: list[dict], projection: str) -> dict:
     }  # fmt: skip
 
 
+ONPOLICY_MODES = ("opd_pg", "xtoken", "alm")  # teacher i's on-policy mode
+
+
+CROSS_MODES = ("opd_pg", "alm")  # the modes that need no projection, for another tokenizer
+
+
+def onpolicy_run(cfg_of, modes=ONPOLICY_MODES, steps: int = STEPS) -> list[dict]:
+    """An on-policy run of ``steps`` steps (lag 1: the next rollouts are scored while the
+    student learns), stepped as `Trainer.train` steps it."""
+    cfg = cfg_of(
+        loss={"mode": "ce"},
+        onpolicy={"enabled": True, "teacher_losses": list(modes), "lag": 1,
+                  "prompt_tokens": 8, "max_new_tokens": 12, "prompts_per_step": 2,
+                  "n_samples": 2, "micro_batch_size": 2, "eval_prompts": 0},
+    )  # fmt: skip
+    t = Trainer(cfg, preflight(cfg, world_size=1))
+    try:
+        return [t.onpolicy.step(log=True, last=i == steps - 1) for i in range(steps)]
+    finally:
+        t.close()
+
+
 def fault(cfg_of, *, teacher_dir: str, name: str, port: int) -> dict:
     """The served run killed after its first checkpoint, then resumed on a restarted server."""
     cfg = cfg_of(
@@ -148,7 +175,23 @@ def fault(cfg_of, *, teacher_dir: str, name: str, port: int) -> dict:
     return out
 
 
-def main(shards, teacher_dir, projection, url, model, port, out) -> None:
+def onpolicy_cross(shards: str, teachers: list[dict], run_dir: Path) -> list[dict]:
+    """The on-policy run of a tiny student with Gemma's tokenizer (`shards` aligned for it and
+    the teachers'), so each rollout is re-tokenized and aligned for the teachers on the fly."""
+    from tests.dist.test_trainer_cases import TINY
+
+    student = {"path": str(paths.teacher_dir()), "init": "random", "seed": 1, "overrides": TINY}
+    teachers = [
+        {**{k: v for k, v in t.items() if k != "projection"}, "loss": "alm"}
+        for t in teachers[: len(CROSS_MODES)]
+    ]
+    return onpolicy_run(
+        lambda **top: make_cfg(shards, run_dir, teachers=teachers, model=student, **top),
+        modes=CROSS_MODES,
+    )
+
+
+def main(shards, teacher_dir, projection, url, model, port, out, cross_shards) -> None:
     tmp = Path(out).parent / "runs"
     torch.set_num_threads(1)
     live = [{"path": teacher_dir, "name": f"t{i}", "loss": m} for i, m in enumerate(MODES)]
@@ -159,6 +202,14 @@ def main(shards, teacher_dir, projection, url, model, port, out) -> None:
     result: dict = {"refused": refusals(shards, served, projection)}
     result["live"] = train(make_cfg(shards, tmp / "live", teachers=live))
     result["served"] = train(make_cfg(shards, tmp / "served", teachers=served))
+    result["onpolicy"] = {
+        "live": onpolicy_run(lambda **top: make_cfg(shards, tmp / "op_live", teachers=live, **top)),
+        "served": onpolicy_run(
+            lambda **top: make_cfg(shards, tmp / "op_served", teachers=served, **top)
+        ),
+        "cross_live": onpolicy_cross(cross_shards, live, tmp / "x_live"),
+        "cross_served": onpolicy_cross(cross_shards, served, tmp / "x_served"),
+    }
     result["fault"] = fault(
         lambda **top: make_cfg(shards, tmp / "fault", teachers=served, **top),
         teacher_dir=teacher_dir, name=model, port=int(port),
@@ -167,4 +218,4 @@ def main(shards, teacher_dir, projection, url, model, port, out) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:8])
+    main(*sys.argv[1:9])

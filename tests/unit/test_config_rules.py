@@ -174,6 +174,53 @@ def test_on_policy_teachers_are_checked_in_the_config(student_dir, sections, mes
         _config(student_dir, sections)
 
 
+SERVER = "http://127.0.0.1:9"  # never contacted: the config rules read no server
+
+
+@pytest.mark.parametrize("mode", rules.SERVED_ONPOLICY_MODES)
+def test_a_served_teacher_scores_rollouts_in_the_modes_a_server_can_answer(student_dir, mode):
+    teachers = [_teacher(student_dir, server=SERVER), _teacher(student_dir)]
+    onpolicy = {"enabled": True, "loss": "opd_topk", "teacher_losses": [mode]}
+    cfg = _config(student_dir, {"teachers": teachers, "onpolicy": onpolicy})
+    assert cfg.onpolicy.modes(2) == [mode, "opd_topk"]  # the live teacher keeps opd_topk
+
+
+@pytest.mark.parametrize(
+    ("onpolicy", "message"),
+    [
+        ({"loss": "opd_topk"}, r"config onpolicy\.loss: teachers\[0\]\.server: opd_topk needs "
+         r"the teacher's log-probs at the student's own top-k ids, which no inference engine"),
+        ({"loss": "opd_pg", "teacher_losses": ["opd_topk"]},
+         r"config onpolicy\.teacher_losses\[0\]: teachers\[0\]\.server: opd_topk needs"),
+        ({"loss": "gold"}, r"config onpolicy\.loss: teachers\[0\]\.server: on-policy gold "
+         r"reads more than a server returns"),
+        ({"loss": "xtoken", "options": {"xtoken": {"temperature": 2.0}}},
+         r"config onpolicy\.options\.xtoken\.temperature: teachers\[0\]\.server returns "
+         r"log-probs at temperature 1, the loss asks for 2\.0"),
+    ],
+)  # fmt: skip
+def test_a_served_teacher_refuses_the_on_policy_modes_it_cannot_answer(
+    student_dir, onpolicy, message
+):
+    sections = {"teachers": [_teacher(student_dir, server=SERVER)],
+                "onpolicy": {"enabled": True, **onpolicy}}  # fmt: skip
+    with pytest.raises(ConfigError, match=message) as e:
+        _config(student_dir, sections)
+    assert "\n" not in str(e.value)
+    # a teacher without weight is never asked: its mode is not refused
+    sections["teachers"].append(_teacher(student_dir))
+    sections["teachers"][0]["weight"] = 0.0
+    _config(student_dir, sections)
+
+
+def test_main_refuses_top_k_opd_through_a_server_with_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr("trainer.preflight.preflight", _read)
+    args = ["conf=onpolicy_debug", f"teachers.1.server={SERVER}", "teachers.1.served_model=t"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"teachers\[1\]\.server: opd_topk needs", err[0]), err
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [

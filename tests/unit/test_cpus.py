@@ -50,11 +50,15 @@ def test_plan(kw, want):
     assert plan(**args) == want
 
 
-def _cfg(*, lag=0, onpolicy=True, placement="worker", weights=(1.0,), split="auto", threads=0):
+def _cfg(
+    *, lag=0, onpolicy=True, placement="worker", weights=(1.0,), split="auto", threads=0,
+    servers=None,
+):  # fmt: skip
+    servers = servers or [None] * len(weights)
     return SimpleNamespace(
         parallel=SimpleNamespace(teacher_placement=placement, cpu_split=split, threads=threads),
         onpolicy=SimpleNamespace(enabled=onpolicy, lag=lag),
-        teachers=[SimpleNamespace(weight=w) for w in weights],
+        teachers=[SimpleNamespace(weight=w, server=s) for w, s in zip(weights, servers)],
     )
 
 
@@ -68,6 +72,11 @@ def test_plan_for_a_run(monkeypatch):
     assert plan_for(_cfg(lag=1, weights=(1.0, 0.0)), device=cpu, live_teachers=0) == CpuPlan(
         None, 1, 1
     )
+    # a served teacher scores on its server: no worker to share the cores with
+    served = _cfg(lag=1, weights=(1.0, 1.0), servers=["http://h:1", None])
+    assert plan_for(served, device=cpu, live_teachers=0) == CpuPlan(None, 1, 1)
+    served.teachers[1].server = "http://h:2"
+    assert plan_for(served, device=cpu, live_teachers=0) == none
     # off-policy KD by a live worker (alone, or in the off-policy steps of an on-policy run)
     assert plan_for(_cfg(onpolicy=False), device=cpu, live_teachers=1) == CpuPlan(1, 1, 1)
     assert plan_for(_cfg(lag=1), device=cpu, live_teachers=1) == CpuPlan(1, 1, 1)

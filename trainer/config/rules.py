@@ -122,34 +122,56 @@ def caches_serve_their_modes(cfg: TrainConfig) -> None:
 
 
 # what a served teacher returns: top-k log-probs (normalised, at temperature 1) and the
-# realised token's; a mode that reads more (columns: gold; opd's given ids) cannot use one
+# realised token's; a mode that reads more (columns: gold; opd_topk's given ids) cannot use one
 SERVED_MODES = ("kd_topk", "xtoken", "alm")
+SERVED_ONPOLICY_MODES = (*SERVED_MODES, "opd_pg")  # opd_pg: the sampled tokens' log-probs
+
+
+def _served_temperature(index: int, mode: str, options, *, field: str) -> None:
+    temperature = registry().MODES[mode].teacher_spec(options, None, teacher_vocab_size=1)
+    if temperature.temperature != 1.0:
+        fail(field, f"teachers[{index}].server returns log-probs at temperature 1, the loss "
+             f"asks for {temperature.temperature}; use temperature 1 with a served teacher")  # fmt: skip
 
 
 def served_teachers_serve_their_modes(cfg: TrainConfig) -> None:
     """A served teacher (``teachers[i].server``) gives top-k + target log-probs at temperature
-    1, off-policy, one process per teacher (`trainer.teacher.served_teacher`)."""
+    1, one process per teacher: off-policy (`trainer.teacher.served_teacher`) and on-policy
+    (`trainer.onpolicy.rollout_scoring`), for the modes that read no more than that."""
     served = [i for i, t in enumerate(cfg.teachers) if t.server]
-    if not served:
-        return
-    if cfg.onpolicy.enabled:
-        fail("onpolicy.enabled", f"teachers[{served[0]}].server: on-policy scoring through a "
-             "served teacher is not supported yet; use the teacher's weights (path)")  # fmt: skip
+    for i in served:
+        if cfg.teachers[i].tp != 1:
+            fail(f"teachers[{i}].tp", "a served teacher's layout is the server's: leave tp=1")
+    op = cfg.onpolicy
+    if op.enabled:
+        modes = op.modes(len(cfg.teachers))
+        for i in served:
+            if cfg.teachers[i].weight == 0:
+                continue
+            own = i < len(op.teacher_losses) and op.teacher_losses[i]
+            field = f"onpolicy.teacher_losses[{i}]" if own else "onpolicy.loss"
+            if modes[i] == "opd_topk":
+                fail(field, f"teachers[{i}].server: opd_topk needs the teacher's log-probs at "
+                     "the student's own top-k ids, which no inference engine's API returns; "
+                     f"use one of {list(SERVED_ONPOLICY_MODES)}, or the teacher's weights "
+                     "(no server)")  # fmt: skip
+            if modes[i] not in SERVED_ONPOLICY_MODES:
+                fail(field, f"teachers[{i}].server: on-policy {modes[i]} reads more than a "
+                     "server returns (its top-k and the realised token's log-probs); use one "
+                     f"of {list(SERVED_ONPOLICY_MODES)}")  # fmt: skip
+            options = op.mode_options(modes[i], cfg.loss.temperature)
+            given = "temperature" in (op.options.get(modes[i]) or {})
+            where = f"onpolicy.options.{modes[i]}.temperature" if given else "loss.temperature"
+            _served_temperature(i, modes[i], options, field=where)
     if not cfg.kd_enabled:
         return
     modes = cfg.teacher_modes()
     for i in served:
-        if cfg.teachers[i].tp != 1:
-            fail(f"teachers[{i}].tp", "a served teacher's layout is the server's: leave tp=1")
         if modes[i] not in SERVED_MODES:
             fail(f"teachers[{i}].server", f"loss {modes[i]} reads more than a server returns "
                  f"(its top-k and the realised token's log-probs); use one of "
                  f"{list(SERVED_MODES)}")  # fmt: skip
-        record, options = registry().MODES[modes[i]], cfg.loss.mode_options(modes[i])
-        temperature = record.teacher_spec(options, None, teacher_vocab_size=1).temperature
-        if temperature != 1.0:
-            fail("loss.temperature", f"teachers[{i}].server returns log-probs at temperature 1, "
-                 f"the loss asks for {temperature}; use temperature 1 with a served teacher")  # fmt: skip
+        _served_temperature(i, modes[i], cfg.loss.mode_options(modes[i]), field="loss.temperature")
 
 
 def stream_reads_a_store(cfg: TrainConfig) -> None:

@@ -40,7 +40,12 @@ from trainer.onpolicy.sampling.sampler import (
     gathered,
     sample,
 )
-from trainer.onpolicy.teachers import OnPolicyTeachers, build_teachers, teacher_max_len
+from trainer.onpolicy.teachers import (
+    OnPolicyTeachers,
+    build_teachers,
+    rollout_max_len,
+    teacher_max_len,
+)
 from trainer.parallel.cpus import CpuPlan, torch_threads
 from trainer.parallel.mesh import ParallelGroups
 from trainer.step import TrainStep
@@ -48,10 +53,6 @@ from trainer.throughput import Throughput
 
 if TYPE_CHECKING:
     from trainer.preflight import Prepared
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _microbatches(config: OnPolicyConfig) -> tuple[int, int]:
@@ -83,12 +84,12 @@ def open_onpolicy(
     if op.prompts == "text":
         reader = loader.stream.reader
         prompts = TextPrompts(reader, data=cfg.data, prompt_tokens=op.prompt_tokens, **ranks)
-        prompt_max, chat = op.prompt_tokens, None
+        chat = None
     else:
         prompts = ChatPrompts(op.chat_data, student, data=cfg.data, model_dir=cfg.model.path,
                               template=op.chat_template or None, **ranks)  # fmt: skip
-        prompt_max, chat = cfg.data.max_student_tokens, prompts.side
-    max_len = _round_up(prompt_max + op.max_new_tokens, cfg.data.pad_to_multiple)
+        chat = prompts.side
+    max_len = rollout_max_len(cfg)
     teachers = build_teachers(
         cfg, student=student, teachers=prepared.teacher_toks, student_chat=chat, max_len=max_len
     )
@@ -96,6 +97,7 @@ def open_onpolicy(
     channels = open_scorers(
         [cfg.teachers[t.index] for t in teachers.terms],
         [t.spec for t in teachers.terms],
+        indices=[t.index for t in teachers.terms],
         device=device,
         max_batch=size,
         max_len=teacher_max_len(teachers.views, max_len),
@@ -290,10 +292,12 @@ class OnPolicy:
             out.append((b, preps))
         return out
 
-    def submit(self, batches: list[tuple[RolloutBatch, list]]) -> None:
+    def submit(self, batches: list[tuple[RolloutBatch, list]], *, remote: bool | None = None):
+        """The batches to every teacher, or to the served ones (``remote``) or the others."""
         for b, _ in batches:
             for ch, inputs in zip(self.channels, b.teacher_inputs):
-                ch.submit(inputs)
+                if remote is None or getattr(ch, "remote", False) == remote:
+                    ch.submit(inputs)
 
     def score_all(self, batches) -> list[list[TeacherOutputs]]:
         """Every microbatch's outputs, however many: at most a ring's worth in flight."""
@@ -306,10 +310,10 @@ class OnPolicy:
                 ch.submit(inputs)
         return outs + self.receive(len(batches) - len(outs))[0]
 
-    def _timed_submit(self, batches, times: Counter) -> None:
+    def _timed_submit(self, batches, times: Counter, *, remote: bool | None = None) -> None:
         # in-process teachers compute inside submit: their time is the teacher's, not align's
         t0 = time.perf_counter()
-        self.submit(batches)
+        self.submit(batches, remote=remote)
         times["submit_s"] += time.perf_counter() - t0
 
     def receive(self, n: int) -> tuple[list[list[TeacherOutputs]], float]:
@@ -362,11 +366,13 @@ class OnPolicy:
         t2 = time.perf_counter()
         outs, teacher_s = self.receive(len(batches))
         times["teacher_wait_s"] += time.perf_counter() - t2
+        if nxt is not None:  # served teachers score it on their servers while the student learns
+            self._timed_submit(nxt_batches, times, remote=True)
         t5 = time.perf_counter()
         record = self.stepper.run(self._source(r, batches, outs), log=log)
         times["student_s"] += time.perf_counter() - t5
-        if nxt is not None:  # scored while the student samples the step after this one
-            self._timed_submit(nxt_batches, times)
+        if nxt is not None:  # the workers score it while the student samples the step after
+            self._timed_submit(nxt_batches, times, remote=False)
             self.pending, self._pending_batches = nxt, nxt_batches
         if record is None:
             return None

@@ -84,12 +84,25 @@ def build_teachers(
             views.append(None)
             continue
         side = _chat_side(cfg, i, tok)
-        views.append(TeacherView(tok, 2 * max_len + 8, side, stop_for(tok, side)))
+        views.append(TeacherView(tok, view_len(max_len), side, stop_for(tok, side)))
     assert terms, "trainer.config.rules: on-policy distillation needs a teacher with weight > 0"
     stops = {student.eos_id} if student.eos_id is not None else set()
     if student_chat is not None and student_chat.markers is not None:
         stops |= {int(i) for i in student_chat.markers.close_ids}
     return OnPolicyTeachers(terms, views, topk, sorted(stops))
+
+
+def rollout_max_len(cfg: TrainConfig) -> int:
+    """The longest student row of a rollout: its prompt and completion, padded."""
+    op, pad = cfg.onpolicy, cfg.data.pad_to_multiple
+    prompt_max = op.prompt_tokens if op.prompts == "text" else cfg.data.max_student_tokens
+    return -(-(prompt_max + op.max_new_tokens) // pad) * pad
+
+
+def view_len(max_len: int) -> int:
+    """A teacher row's slot for a student row of ``max_len`` when their tokenizers differ (another
+    tokenizer may need more tokens for the same bytes)."""
+    return 2 * max_len + 8
 
 
 def teacher_max_len(views: list[TeacherView | None], student_max: int) -> list[int]:

@@ -75,13 +75,14 @@ def plan(
 
 def plan_for(cfg, *, device, live_teachers: int) -> CpuPlan:
     """`plan` for a run: ``live_teachers`` off-policy teachers run by workers (not read from a
-    cache), plus the on-policy teachers (all live) when ``onpolicy`` is enabled."""
+    cache), plus the on-policy teachers run by workers (not served) when ``onpolicy`` is on."""
     import torch
 
     par, op = cfg.parallel, cfg.onpolicy
     if device.type != "cpu" or par.teacher_placement != "worker":
         return CpuPlan(*(3 * [par.threads or None]))
-    on = len([t for t in cfg.teachers if t.weight != 0]) if op.enabled else 0
+    # on-policy teachers with a worker (a served one computes on its server)
+    on = len([t for t in cfg.teachers if t.weight != 0 and not t.server]) if op.enabled else 0
     lag_one = op.enabled and op.lag == 1 and on > 0
     return plan(
         threads=par.threads,

@@ -59,9 +59,18 @@ class ServedTeacher:
 
     def submit(self, mb, prep=None) -> None:
         a = mb.aligned[self.index]
-        ids_BU, lens = a.teacher_ids.cpu(), a.teacher_len.tolist()
-        rows = [ids_BU[b, :n].tolist() for b, n in enumerate(lens)]
+        self.submit_rows(a.teacher_ids, a.teacher_len)
+
+    def submit_rows(self, ids_BU: torch.Tensor, lens_B: torch.Tensor) -> None:
+        """Score rows ``ids_BU[b, :lens_B[b]]`` (right-padded) in the background; their
+        outputs come [B, U] from `receive`, in submission order."""
+        ids_BU = ids_BU.cpu()
+        rows = [ids_BU[b, :n].tolist() for b, n in enumerate(lens_B.tolist())]
         self._pending.append(self._pool.submit(self._score, rows, int(ids_BU.shape[1])))
+
+    def done(self) -> bool:
+        """Has every submitted microbatch been scored (`receive` would not wait)? Never waits."""
+        return all(f.done() for f in self._pending)
 
     def _score(self, rows: list[list[int]], u_max: int) -> tuple[dict, float]:
         t0 = time.perf_counter()
