@@ -26,6 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # no longer reads), hence the scheduler below.
 SHARED_UNITS = {
     "tests/e2e/test_served_teacher.py": "served_teacher",
+    "tests/pipeline/test_teacher_cache_served.py": "served_teacher",
     "tests/dist/test_dist_ops.py": "dist_results",
     "tests/dist/test_loss_invariance.py": "dist_results",
     "tests/pipeline/test_align_dask.py": "dask_cluster",
