@@ -32,6 +32,8 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from tokenbridge import paths
 
 ROOTS = ("tokenbridge", "pipelines", "trainer", "bench", "tests")
@@ -381,8 +383,14 @@ def test_the_checker_sees_layering_breaches(tmp_path):
 # --- the real tree ------------------------------------------------------------------------------
 
 
-def test_no_import_cycles():
-    edges = {m.name: m.runtime for m in build_graph().values()}
+@pytest.fixture(scope="module")
+def tree() -> dict[str, Module]:
+    """The repository's graph, parsed once for the four checks below (~4 s each)."""
+    return build_graph()
+
+
+def test_no_import_cycles(tree):
+    edges = {m.name: m.runtime for m in tree.values()}
     lines = []
     for comp in sorted(circles(edges), key=min):
         cycle = _cycle_in(comp, edges)
@@ -391,16 +399,16 @@ def test_no_import_cycles():
     assert not lines, "import cycles (function-level imports included):\n" + "\n".join(lines)
 
 
-def test_each_floor_imports_only_the_floors_below():
-    bad = floor_breaches(build_graph())
+def test_each_floor_imports_only_the_floors_below(tree):
+    bad = floor_breaches(tree)
     assert not bad, f"imports across the floors (docs/design.md, Layout): {bad}"
 
 
-def test_beam_and_hydra_stay_on_their_floors():
-    bad = misplaced_externals(build_graph())
+def test_beam_and_hydra_stay_on_their_floors(tree):
+    bad = misplaced_externals(tree)
     assert not bad, f"apache_beam only under pipelines/, Hydra only under trainer/: {bad}"
 
 
-def test_module_file_names_are_unique():
-    shared = shared_file_names(build_graph())
+def test_module_file_names_are_unique(tree):
+    shared = shared_file_names(tree)
     assert not shared, f"one file name, several modules: {shared}"
