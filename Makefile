@@ -61,9 +61,9 @@ format: $(SETUP)  ## ruff autoformat
 # the served teacher's virtualenv (see teacher-server below); defined before the rules that need it
 VLLM_STAMP := .venv-vllm/.stamp-lock
 
-# Two pytest-xdist workers: run in one process, the suite keeps about one core busy (single-
-# threaded Python, one process waiting on another). A file is one unit of work (tests/conftest.py says which files
-# share a server or a launch); TEST_WORKERS=0 runs it in one process.
+# Two pytest-xdist workers: run in one process, the suite keeps about one core busy
+# (single-threaded Python, one process waiting on another). A file is one unit of work
+# (tests/conftest.py says which files share a server or a launch); TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(SETUP) $(VENV)/.stamp-bench $(VLLM_STAMP) models lint  ## the whole test suite, from a fresh clone (TEST_WORKERS=2)
 	$(PY) -m pytest -n $(TEST_WORKERS) tests
