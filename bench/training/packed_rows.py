@@ -1,13 +1,16 @@
 """Packed rows vs padded microbatches over the same conversations (issue 43).
 
-The shipped example conversations, aligned by the align job's pure steps (SmolLM2-135M student
-with its own template, Gemma-3-270M teacher with the shipped ``gemma`` template), go through
-the trainer's compute per microbatch twice: padded (`collate`, ``micro_batch_size`` rows padded
-to the longest) and packed (`PackedLoader`'s first-fit, the same number of rows of
-``packed_tokens`` = the longest conversation: an equal budget of positions per microbatch). A
-microbatch's compute is what a step does with it: the teacher's forward (`teacher_forward`,
-alm's outputs at every position) and the student's forward and backward with CE, run as the
-trainer runs them (`model_inputs`). The two passes alternate, repeat by repeat.
+Every shipped example conversation (messages and prompt/completion), aligned by the align job's
+pure steps (SmolLM2-135M student with its own template, Gemma-3-270M teacher with the shipped
+``gemma`` template), shuffled once (the same order both ways), at an equal budget of positions
+per microbatch: padded, ``ROWS`` rows padded to the longest (`collate`: at most ``ROWS`` x the
+longest conversation); packed, ``PACKED_ROWS`` rows of ``packed_tokens`` = (ROWS / PACKED_ROWS)
+x the longest conversation, packed as `PackedLoader` packs (`pack_documents`: best-fit over the
+trainer's default buffer, every document once, the last rows partial). The padding is counted
+over every microbatch of every conversation; the wall time over the first ``DOCS`` of them,
+each microbatch's compute as a step does it: the teacher's forward (`teacher_forward`, alm
+outputs at every position), the student's forward and backward with CE (`model_inputs`). The
+two passes alternate, repeat by repeat.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.provenance import cpu_model
@@ -31,41 +35,50 @@ MEASURES = (
     "bench/common.py",
 )
 
-DOCS = int(os.environ.get("TOKENBRIDGE_PACKING_DOCS", "24"))  # conversations per pass
-ROWS = 4  # rows per microbatch, padded and packed alike
+PER_FILE = 122  # the shipped files' conversations (each file's count; fewer if it holds fewer)
+DOCS = int(os.environ.get("TOKENBRIDGE_PACKING_DOCS", "48"))  # conversations timed per pass
+ROWS = 4  # padded rows per microbatch
+PACKED_ROWS = 2  # packed rows per microbatch, each (ROWS / PACKED_ROWS) x the longest
 REPS = 2
 THREADS = 2
+PADS = {"student_pad": 2, "teacher_pads": [0], "pad_to_multiple": 8}
 
 
 def _documents(tmp: Path) -> list[dict]:
-    """The first DOCS training rows of the example conversations as shards, read back."""
+    """The shipped example conversations as shards, read back, in one shuffled order."""
     from bench.common import example_rows, write_chat_shards
     from tokenbridge.formats.shards import open_shards
     from trainer.data.shard_reader import ShardReader
 
-    rows = example_rows(DOCS // 2) + example_rows(DOCS - DOCS // 2, fmt="prompt_completion")
+    rows = example_rows(PER_FILE) + example_rows(PER_FILE, fmt="prompt_completion")
     out = write_chat_shards(tmp / "chat", rows, student_dir=paths.student_dir(),
                             teachers=[(paths.teacher_dir(), "gemma")])  # fmt: skip
     reader = ShardReader(open_shards(out), max_student_tokens=4096)
-    return [reader.row(i) for i in range(reader.num_rows)]
+    order = np.random.default_rng(0).permutation(reader.num_rows)
+    return [reader.row(int(i)) for i in order]
 
 
-def _microbatches(docs: list[dict]) -> dict[str, list]:
+def _microbatches(docs: list[dict], *, longest: tuple[int, int]) -> dict[str, list]:
+    """Both layouts of ``docs``; ``longest``: the longest conversation's (student, teacher)
+    tokens over all of them, which sizes the packed rows (as data.max_student_tokens would)."""
+    from trainer.config.sections import DataConfig
     from trainer.data.microbatches import collate
-    from trainer.data.packing import PackLimits, first_fit, pack_row, row_lengths
+    from trainer.data.packing import (
+        PackLimits,
+        pack_documents,
+        pack_row,
+        row_lengths,
+        teacher_limits,
+    )
 
-    pads = {"student_pad": 2, "teacher_pads": [0], "pad_to_multiple": 8}
-    padded = [collate(docs[i : i + ROWS], **pads) for i in range(0, len(docs), ROWS)]
-    lens = [row_lengths(d) for d in docs]
-    limits = PackLimits(max(n[0] for n in lens), (max(n[1] for n in lens),))
-    # the packer over every document (a buffer as large as the pass: the loader's bounded
-    # buffer of 64 holds more than these)
-    left, rows = list(range(len(docs))), []
-    while left:
-        picked = first_fit([lens[i] for i in left], limits)
-        rows.append(pack_row([docs[left[i]] for i in picked]))
-        left = [x for j, x in enumerate(left) if j not in set(picked)]
-    packed = [collate(rows[i : i + ROWS], **pads) for i in range(0, len(rows), ROWS)]
+    padded = [collate(docs[i : i + ROWS], **PADS) for i in range(0, len(docs), ROWS)]
+    tokens = ROWS // PACKED_ROWS * longest[0]
+    limits = PackLimits(tokens, teacher_limits(tokens, student_max=longest[0],
+                                               teacher_max=[longest[1]]))  # fmt: skip
+    groups = pack_documents([row_lengths(d) for d in docs], limits,
+                            buffer=DataConfig.pack_buffer)  # fmt: skip
+    rows = [pack_row([docs[i] for i in g]) for g in groups]
+    packed = [collate(rows[i : i + PACKED_ROWS], **PADS) for i in range(0, len(rows), PACKED_ROWS)]
     return {"padded": padded, "packed": packed}
 
 
@@ -80,6 +93,7 @@ def main() -> str:
     from tokenbridge.losses.alm import AlmConfig, alm_teacher_spec
     from tokenbridge.tokenizers import load_tokenizer
     from trainer.config.schema import ModelConfig, TeacherConfig
+    from trainer.data.packing import row_lengths
     from trainer.loss_terms import ce_term
     from trainer.parallel.cp_attention import model_inputs
     from trainer.parallel.head import student_logits
@@ -88,7 +102,9 @@ def main() -> str:
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory() as tmp:
         docs = _documents(Path(tmp))
-    mbs = _microbatches(docs)
+    longest = tuple(int(x) for x in np.max([row_lengths(d) for d in docs], axis=0))
+    every = _microbatches(docs, longest=longest)
+    mbs = _microbatches(docs[:DOCS], longest=longest)
     vs = load_tokenizer(paths.student_dir()).vocab_size
     vt = load_tokenizer(paths.teacher_dir()).vocab_size
     student = models.build_model(ModelConfig(path=str(paths.student_dir())))
@@ -124,33 +140,43 @@ def main() -> str:
     lines = [
         "## Packed rows vs padded microbatches (issue 43)",
         "",
-        f"{len(docs)} conversations (the shipped examples, messages and prompt/completion; "
-        f"{min(lens)}-{max(lens)} student tokens, mean {statistics.fmean(lens):.0f}), "
-        "SmolLM2-135M-Instruct student, Gemma-3-270M teacher (shipped `gemma` template), fp32, "
-        f"{THREADS} torch threads. Per microbatch: the teacher's forward (alm outputs at every "
-        "position) and the student's forward + backward with CE, as the trainer runs them. "
-        f"{ROWS} rows per microbatch both ways; packed rows hold up to {max(lens)} student "
-        "tokens (the longest conversation), so a microbatch's budget of positions is the same. "
-        f"The two passes alternate, median of {REPS} after a warm-up microbatch each. CPU: {cpu_model()}, "
-        f"{os.cpu_count()} cores.",
+        f"{len(docs)} conversations (every shipped example, messages and prompt/completion, "
+        f"shuffled once: {min(lens)}-{max(lens)} student tokens, mean "
+        f"{statistics.fmean(lens):.0f}), SmolLM2-135M-Instruct student, Gemma-3-270M teacher "
+        f"(shipped `gemma` template), fp32, {THREADS} torch threads. An equal budget of "
+        f"{ROWS * longest[0]:,} student positions per microbatch: padded, {ROWS} rows padded to "
+        f"the longest of them (at most {longest[0]}, the longest conversation); packed, "
+        f"{PACKED_ROWS} rows of up to {ROWS // PACKED_ROWS * longest[0]} student tokens "
+        "(`data.packed_tokens`), filled as the trainer's loader fills them (best-fit over its "
+        "default buffer, every conversation once, the last rows partial), padded to the longer "
+        "of the two. Padding over every microbatch of all "
+        f"{len(docs)} conversations; wall time over the first {min(DOCS, len(docs))} (the same "
+        "conversations both ways, packed on their own): per microbatch, the teacher's forward "
+        "(alm outputs at every position) and the student's forward + backward with CE, as the "
+        f"trainer runs them. The two passes alternate, median of {REPS} after a warm-up "
+        f"microbatch each. CPU: {cpu_model()}, {os.cpu_count()} cores.",
         "",
-        "| layout | microbatches | positions computed | tokens | padding | wall s | CE sum |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| layout | conversations | microbatches | positions computed | tokens | padding | wall s | CE sum |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for name in ("padded", "packed"):
+        pad, positions, tokens = _padding(every[name])
+        lines.append(f"| {name} | {len(docs)} | {len(every[name])} | {positions:,} | "
+                     f"{tokens:,} | {pad:.1%} | | |")  # fmt: skip
     for name in ("padded", "packed"):
         pad, positions, tokens = _padding(mbs[name])
         lines.append(
-            f"| {name} | {len(mbs[name])} | {positions:,} | {tokens:,} | {pad:.1%} | "
-            f"{wall[name]:.1f} | {losses[name]:.2f} |"
+            f"| {name}, timed | {min(DOCS, len(docs))} | {len(mbs[name])} | {positions:,} | "
+            f"{tokens:,} | {pad:.1%} | {wall[name]:.1f} | {losses[name]:.2f} |"
         )
-    pad_p = _padding(mbs["packed"])[0]
+    pad_p = _padding(every["packed"])[0]
     ratio = wall["padded"] / wall["packed"]
     lines += [
         "",
         f"Packed: {ratio:.2f}x faster than padded over the same conversations (goal >= 1.35x: "
         f"{'met' if ratio >= 1.35 else 'not met'}); padding {pad_p:.1%} of the positions "
-        f"computed (goal <= 5%: {'met' if pad_p <= 0.05 else 'not met'}). The CE sums agree "
-        "(the same targets, each within its own conversation).",
+        f"computed over all {len(docs)} (goal <= 5%: {'met' if pad_p <= 0.05 else 'not met'}). "
+        "The CE sums agree (the same targets, each within its own conversation).",
     ]
     return "\n".join(lines)
 

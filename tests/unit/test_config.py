@@ -49,6 +49,11 @@ def test_experiments_compose_into_validated_configs(student_dir, teacher_dir):
     assert demo.optim.lr == 1e-4 and demo.teachers[0].weight == 0.25
     plain = load_config([])
     assert plain.loss.mode == "ce" and plain.teachers == []
+    # conversations pack (docs/training.md, "Packed rows"); the text-window configs do not
+    chat = load_config(["conf=chat"])
+    assert chat.data.packing and chat.data.row_tokens == chat.data.max_student_tokens == 512
+    assert chat.loss.mode == "xtoken" and chat.data.shards.endswith("outputs/align/chat")
+    assert not any(c.data.packing for c in (debug, demo, plain))
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ by the align job's pure steps. Models: tiny random ones of the real architecture
 SmolLM2, Gemma 3 with sliding-window layers for the Gemma teacher), run as the trainer runs them
 (`model_inputs`, `teacher_forward`), the losses through the registry as `KDTerm` calls them.
 
-- the packer: first-fit on every side's limit, chunk ids offset per document, positions
-  restarting, no target across a boundary, every chunk inside one document on both sides;
-  the loader resumes exactly from its state;
+- the packer: best-fit on every side's limit, every document once, chunk ids offset per
+  document, positions restarting, no target across a boundary, every chunk inside one document
+  on both sides; the loader resumes exactly from its state;
 - changing one document's tokens leaves every other document of its row unchanged, bit for bit:
   student logits, per-document CE and KD losses and their gradients, teacher outputs;
 - packed vs unpacked over the same documents: per-document losses of CE, xtoken, kd_topk and alm
@@ -39,7 +39,8 @@ from trainer.data.microbatches import IGNORE, Microbatch, collate
 from trainer.data.packing import (
     PackedLoader,
     PackLimits,
-    first_fit,
+    best_fit,
+    pack_documents,
     pack_row,
     row_lengths,
     teacher_limits,
@@ -74,18 +75,50 @@ def tiny_gemma3(vocab_size: int, *, seed: int = 0):
 # ---------------------------------------------------------------- the packer, pure
 
 
-def test_first_fit_takes_the_oldest_and_whatever_fits_every_side():
+def test_best_fit_takes_the_oldest_then_the_longest_that_fits_every_side():
     limits = PackLimits(10, (10,))
-    lens = [(5, 6), (4, 9), (3, 2), (2, 2), (1, 1)]
-    # (4, 9) fits the student's space but not the teacher's; (2, 2) fills the student's row
-    assert first_fit(lens, limits) == [0, 2, 3]
-    assert first_fit([(9, 9), (1, 2)], limits) == [0]  # the teacher's side is full at 11 > 10
+    lens = [(5, 6), (4, 9), (2, 2), (3, 2), (1, 1)]
+    # (4, 9) fits the student's space but not the teacher's; of the rest, (3, 2) is longer than
+    # the older (2, 2), then (2, 2) fills the student's row: indices ascending (the row's order)
+    assert best_fit(lens, limits) == [0, 2, 3]
+    assert best_fit([(9, 9), (1, 2)], limits) == [0]  # the teacher's side is full at 11 > 10
+    # the longest that fits, not the first: first-fit would take (1, 1) and leave 4 unfilled
+    assert best_fit([(5, 1), (1, 1), (5, 1)], limits) == [0, 2]
+    # of equal lengths, the oldest
+    assert best_fit([(6, 1), (2, 1), (2, 5), (4, 1)], limits) == [0, 3]
+    assert best_fit([(6, 1), (2, 1), (2, 5)], limits) == [0, 1, 2]
     with pytest.raises(ValueError, match=r"does not fit a packed row of \[10, 10\]"):
-        first_fit([(4, 11)], limits)
+        best_fit([(4, 11)], limits)
     # a teacher's limit: the student's scaled by the longest rows' ratio, rounded up, and
     # never below its own longest row
     assert teacher_limits(100, student_max=64, teacher_max=[80, 61]) == (125, 96)
     assert teacher_limits(64, student_max=64, teacher_max=[80]) == (80,)
+
+
+def test_pack_documents_packs_every_document_once_as_the_loader_does():
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 40, size=(200, 2)).tolist()
+    limits = PackLimits(80, (80,))
+    rows = pack_documents(lens, limits, buffer=16)
+    assert sorted(i for r in rows for i in r) == list(range(200))
+    for r in rows:
+        assert (np.asarray(lens)[r].sum(0) <= 80).all()
+    # a row holds the oldest buffered document: no document waits for more than the rows the
+    # documents ahead of it in the buffer can fill
+    firsts = [r[0] for r in rows]
+    assert firsts == sorted(firsts)
+    # fuller rows than taking documents in order, on the same buffer
+    in_order = []
+    left = list(range(200))
+    while left:
+        used, row = np.zeros(2, dtype=int), []
+        for i in left[:16]:
+            if (used + lens[i] <= 80).all():
+                row.append(i)
+                used += lens[i]
+        in_order.append(row)
+        left = [i for i in left if i not in row]
+    assert len(rows) < len(in_order)
 
 
 # ---------------------------------------------------------------- conversation shards
@@ -172,9 +205,12 @@ def test_packed_loader_is_deterministic_and_resumes_exactly(shards):
     caps = 2 * lens.max(0)
     limits = PackLimits(int(caps[0]), tuple(int(c) for c in caps[1:]))
 
+    # a buffer of 4 of the 10 rows: two packed rows draw at most 4 + the first row's documents,
+    # all from the first epoch (a buffer reaching into the next epoch may take a document again
+    # before an older one of this epoch: best-fit prefers the longer)
     def loader() -> PackedLoader:
         stream = ShardStream(shards["reader"], data=data, dp_rank=0, dp_size=1)
-        return PackedLoader(stream, limits=limits, buffer=10, micro_batch_size=1, student_pad=0,
+        return PackedLoader(stream, limits=limits, buffer=4, micro_batch_size=1, student_pad=0,
                             teacher_pads=[0, 0], pad_to_multiple=8)  # fmt: skip
 
     a = loader()
