@@ -3,7 +3,9 @@
 One run, same rows, same weights, fp32, k = 32, on shards of Hamlet (Gemma teacher, SmolLM2
 student): the teacher's top-k outputs both ways (the fraction of positions whose top-k sets
 differ, the largest log-prob gap where they match, teacher tokens/s), then a few xtoken
-training steps with each (loss agreement, step time ratio). Every figure comes from this run.
+training steps with each (loss agreement, step time ratio), and a few kd_topk steps of a student
+that shares the teacher's tokenizer (Gemma-3-270M itself, on Gemma-only shards of the same
+text). Every figure comes from this run.
 """
 
 from __future__ import annotations
@@ -81,16 +83,21 @@ def _outputs(shards: Path, url: str) -> dict:
             "live_tps": tokens / live_s, "served_tps": tokens / served_s}  # fmt: skip
 
 
-def _train(shards: Path, run_dir: Path, teacher: dict) -> list[dict]:
+def _train(
+    shards: Path, run_dir: Path, teacher: dict, *, mode: str = "xtoken", student: Path | None = None
+) -> list[dict]:
+    """`STEPS` steps of `mode` with the live worker (``teacher`` empty) or the server; the
+    student SmolLM2-135M (xtoken) or ``student`` (kd_topk: the teacher's tokenizer)."""
     from trainer.config.schema import from_dictconfig
     from trainer.loop import Trainer
     from trainer.preflight import preflight
 
+    projection = {"projection": str(PROJECTION)} if mode == "xtoken" else {}
     cfg = from_dictconfig({
         "name": "served_bench", "run_dir": str(run_dir), "steps": STEPS, "seed": 0,
-        "device": "cpu", "model": {"path": str(paths.student_dir())},
-        "teachers": [{"path": str(paths.teacher_dir()), "projection": str(PROJECTION), **teacher}],
-        "loss": {"mode": "xtoken", "options": {"k": K}},
+        "device": "cpu", "model": {"path": str(student or paths.student_dir())},
+        "teachers": [{"path": str(paths.teacher_dir()), **projection, **teacher}],
+        "loss": {"mode": mode, "options": {"k": K}},
         "optim": {"warmup_steps": 0},
         "data": {"shards": str(shards), "micro_batch_size": 2, "grad_accum": 2,
                  "shuffle_buffer": 0, "max_student_tokens": 128, "eval_fraction": 0.0},
@@ -118,6 +125,10 @@ def main() -> str:
             tmp / "shards", shakespeare_docs(6, chars=1200), student_dir=paths.student_dir(),
             teacher_dirs=[paths.teacher_dir()], max_tokens=128,
         )  # fmt: skip
+        same = write_text_shards(
+            tmp / "same", shakespeare_docs(6, chars=1200), student_dir=paths.teacher_dir(),
+            teacher_dirs=[paths.teacher_dir()], max_tokens=128,
+        )  # fmt: skip
         port = _port()
         t0 = time.perf_counter()
         srv = teacher_server.start(paths.teacher_dir(), port=port, k=64, name="gemma")
@@ -125,15 +136,24 @@ def main() -> str:
         try:
             outs = _outputs(shards, srv.url)
             live = _train(shards, tmp / "live", {})
-            served = _train(shards, tmp / "served", {"server": srv.url, "served_model": "gemma"})
+            on_server = {"server": srv.url, "served_model": "gemma"}
+            served = _train(shards, tmp / "served", on_server)
+            gemma = paths.teacher_dir()
+            topk = [_train(same, tmp / f"kd_{i}", t, mode="kd_topk", student=gemma)
+                    for i, t in enumerate(({}, on_server))]  # fmt: skip
         finally:
             teacher_server.stop(port)
-    return render(outs, live, served, start_s)
+    return render(outs, live, served, start_s, topk=topk)
 
 
-def render(o: dict, live: list[dict], served: list[dict], start_s: float) -> str:
-    rel = max(abs(b["kd"] - a["kd"]) / abs(a["kd"]) for a, b in zip(live, served))
-    rel_loss = max(abs(b["loss"] - a["loss"]) / abs(a["loss"]) for a, b in zip(live, served))
+def _rel(live: list[dict], served: list[dict], key: str) -> float:
+    return max(abs(b[key] - a[key]) / abs(a[key]) for a, b in zip(live, served))
+
+
+def render(
+    o: dict, live: list[dict], served: list[dict], start_s: float, *, topk: list[list[dict]]
+) -> str:
+    rel, rel_loss = _rel(live, served, "kd"), _rel(live, served, "loss")
     # the first step pays the build and the first requests: steps 2.. are compared
     step = lambda ms: statistics.median(m["wall_s"] for m in ms[1:])  # noqa: E731
     ratio = step(served) / step(live)
@@ -152,7 +172,10 @@ def render(o: dict, live: list[dict], served: list[dict], start_s: float) -> str
         f"engine runs on the other)",
         f"- **xtoken training, {STEPS} steps**: KD term within **{rel:.1e}** relative of the "
         f"live worker's (loss {rel_loss:.1e}; goal 1e-4)",
-        f"- **Step time**: served / live worker = **{ratio:.2f}x** (median of steps 2-{STEPS}; "
-        "goal <= 1.5x)",
+        f"- **kd_topk training, {STEPS} steps** (student Gemma-3-270M, the teacher's tokenizer): "
+        f"KD term within **{_rel(*topk, 'kd'):.1e}** relative of the live worker's (loss "
+        f"{_rel(*topk, 'loss'):.1e}; goal 1e-4)",
+        f"- **Step time** (xtoken): served / live worker = **{ratio:.2f}x** (median of steps "
+        f"2-{STEPS}; goal <= 1.5x)",
     ]
     return "\n".join(lines) + "\n"
