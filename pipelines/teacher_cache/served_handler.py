@@ -14,6 +14,7 @@ Legend: B rows, U teacher positions (the batch's longest row), K top-k.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -24,14 +25,6 @@ from tokenbridge.teacher import served
 from tokenbridge.teacher.outputs import TeacherOutputSpec
 
 FLAG = "--teacher-server"
-# the flags that only mean something with a server, and their defaults
-SERVER_DEFAULTS = {
-    "served_model": "",
-    "server_timeout_s": 120.0,
-    "api_key_env": "",
-    "rows_per_request": 8,
-    "in_flight": 4,
-}
 
 
 @dataclass(frozen=True)
@@ -52,6 +45,13 @@ class ServerSpec:
             api_key_env=self.api_key_env, rows_per_request=self.rows_per_request,
             in_flight=self.in_flight, retry_name="--server-timeout-s",
         )  # fmt: skip
+
+
+# the flags that only mean something with a server, and their defaults (the spec's)
+SERVER_DEFAULTS = {
+    "served_model": "",
+    **{f.name: f.default for f in dataclasses.fields(ServerSpec) if f.name not in ("url", "model")},
+}
 
 
 def add_server_args(ap: argparse.ArgumentParser) -> None:
