@@ -22,6 +22,8 @@ import os
 import runpy
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,11 @@ from pathlib import Path
 # as bench.common.run_trainer sets them for a trainer process; OpenMP's wait policy as
 # trainer.main sets it before torch loads (trainer.parallel.cpus.openmp_env)
 BASE_ENV = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+SHIM_SOCKET = "TOKENBRIDGE_TEST_ZYGOTE"  # where `tests.zygote_shim` finds the shims' server
+# put before ``trainer/main.py`` in a torchrun command line (with `Zygote.shim_env` in the
+# agent's environment) to have each rank forked from the zygote: torchrun, its rendezvous, its
+# agents, signals and exit codes stay real; only the rank's ~10 s of imports are gone
+SHIM = Path(__file__).with_name("zygote_shim.py")
 PRELOAD = (
     "trainer.main",
     "trainer.config.compose",
@@ -50,12 +57,17 @@ PRELOAD = (
 
 def _child(cmd: list[str], out: Path) -> int:
     """In the forked child: ``python *cmd`` as the interpreter would run it; the exit code."""
+    # appended: the ranks of one run share the files, as torchrun's output
+    with open(out / "stdout", "ab") as o, open(out / "stderr", "ab") as e:
+        return _run(cmd, o.fileno(), e.fileno())
+
+
+def _run(cmd: list[str], stdout: int, stderr: int) -> int:
+    """``python *cmd`` in this (forked) process, its fds 1 and 2 on `stdout` and `stderr`."""
     os.setpgid(0, 0)  # its own group: a timeout ends the run and its workers together
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    # appended: the ranks of one run share the files, as torchrun's output
-    with open(out / "stdout", "ab") as o, open(out / "stderr", "ab") as e:
-        os.dup2(o.fileno(), 1), os.dup2(e.fileno(), 2)
+    os.dup2(stdout, 1), os.dup2(stderr, 2)
     try:
         if cmd[0] == "-m":
             sys.argv = [cmd[1], *cmd[2:]]
@@ -170,6 +182,84 @@ def _serve(requests, replies: int) -> None:
         os.write(replies, (json.dumps({"rc": code}) + "\n").encode())
 
 
+def _shim_rank(conn: socket.socket, listening: list[int]) -> int:
+    """Fork the rank a shim asks for (`tests.zygote_shim`): its command, its whole environment
+    and working directory, its stdout and stderr (the fds the shim passed); the rank's pid."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+    req = json.loads(data)
+    pid = os.fork()
+    if pid == 0:
+        for fd in listening:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        code = _run(req["cmd"], *fds)
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    return pid
+
+
+def _serve_shims(path: str, alive: int) -> None:
+    """The shims' server, forked from the zygote once it has imported everything: each
+    connection forks one rank (torchrun's agents start the shims: `Zygote.shim`); a signal the
+    shim receives is passed on to its rank, the shim's end kills it (``kill -9`` of a node's
+    processes kills its ranks), and the rank's exit code goes back to the shim. Ends when the
+    zygote does (`alive` closes). The ranks' pids are written to ``<path>.ranks/<shim pid>``."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    ranks_dir = Path(path + ".ranks")
+    ranks_dir.mkdir()
+    shims: dict[int, socket.socket] = {}  # rank pid -> its shim's connection
+    while True:
+        ready, _, _ = select.select([listener, alive, *shims.values()], [], [], 0.2)
+        for r in ready:
+            if r is alive:
+                for pid in shims:
+                    _signal(pid, signal.SIGKILL)
+                os._exit(0)
+            if r is listener:
+                conn, _ = listener.accept()
+                shim_pid = struct.unpack("3i", conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]  # fmt: skip
+                open_fds = [listener.fileno(), alive, conn.fileno(),
+                            *(c.fileno() for c in shims.values())]  # fmt: skip
+                pid = _shim_rank(conn, open_fds)
+                (ranks_dir / str(shim_pid)).write_text(str(pid))
+                shims[pid] = conn
+                conn.send(json.dumps({"pid": pid}).encode())
+                continue
+            pid = next(p for p, c in shims.items() if c is r)
+            msg = r.recv(64)
+            # a signal the shim caught, or its end (killed): the rank follows
+            _signal(pid, int(msg) if msg else signal.SIGKILL)
+        while shims:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = shims.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
+                conn.close()
+
+
+def _start_shim_server(path: str, replies: int) -> None:
+    """Fork `_serve_shims` (its own process: the zygote itself stays single-threaded and
+    serves its stdin; neither starts a thread, so both can fork)."""
+    alive_r, alive_w = os.pipe()
+    if os.fork() == 0:
+        os.close(alive_w), os.close(replies), os.close(0)
+        _serve_shims(path, alive_r)
+    os.close(alive_r)  # alive_w stays open in the zygote until it exits
+
+
 def main() -> None:
     replies = os.dup(1)  # the protocol's; the process's own prints go to stderr
     os.dup2(2, 1)
@@ -186,6 +276,9 @@ def main() -> None:
     from tokenbridge.tokenizers import load_tokenizer
 
     load_tokenizer(paths.student_dir()).encode("warm")
+    sys.stdout.flush(), sys.stderr.flush()
+    if os.environ.get(SHIM_SOCKET):
+        _start_shim_server(os.environ[SHIM_SOCKET], replies)
     os.write(replies, b'{"ready": true}\n')
     _serve(sys.stdin, replies)
 
@@ -199,7 +292,7 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote"],
             cwd=self.cwd,
-            env={**os.environ, **BASE_ENV},
+            env={**os.environ, **BASE_ENV, SHIM_SOCKET: str(self.tmp / "shims")},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -247,6 +340,18 @@ class Zygote:
             (out / "stdout").read_text(errors="replace"),
             (out / "stderr").read_text(errors="replace"),
         )
+
+    def shim_env(self) -> dict[str, str]:
+        return {SHIM_SOCKET: str(self.tmp / "shims")}
+
+    def ranks_of(self, pids) -> set[int]:
+        """The ranks forked for those of `pids` that are shims (a node's processes, to kill)."""
+        found = set()
+        for pid in pids:
+            path = self.tmp / "shims.ranks" / str(pid)
+            if path.is_file():
+                found.add(int(path.read_text()))
+        return found
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -7,7 +7,8 @@ run on 2 nodes x 1 process, one node killed (``kill -9`` of its agent and its ra
 step-2 checkpoint is in the store; both nodes restarted, resuming from the store; 2 nodes
 whose ``checkpoint.dir`` is a local directory each (not shared), refused before step 1; and
 2 nodes x 2 processes with HSDP (``dp_replicate=2``) against one node of 4. The one-node
-references are forked from the session's `zygote`.
+references are forked from the session's `zygote`; so are the nodes' ranks, through its shim
+(`tests.zygote_shim`): the agents, their rendezvous, signals and exit codes stay torchrun's own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from bench.common import shakespeare_docs
 from bench.storage.seaweed import free_ports
 from tests.e2e import procs
 from tests.e2e.helpers import REPO
+from tests.zygote import SHIM
 from tokenbridge.alignment.text_shards import write_text_shards
 
 pytestmark = pytest.mark.slow
@@ -55,12 +57,13 @@ def _env(s3_server) -> dict[str, str]:
 def _node(
     cwd: Path, args: list[str], *, env: dict, port: int, host: bool, nproc: int = 1
 ) -> subprocess.Popen:
-    """One "node": a torchrun agent (through `trainer.launch`) in its own working directory."""
+    """One "node": a torchrun agent (through `trainer.launch`) in its own working directory;
+    its ranks forked from the session's zygote (`env` holds the shim's socket)."""
     cwd.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "trainer.launch", "--nnodes=2", f"--nproc_per_node={nproc}",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rehearsal",
            f"--rdzv_conf=is_host={str(host).lower()}", "--max-restarts=0",
-           str(REPO / "trainer" / "main.py"), *args]  # fmt: skip
+           str(SHIM), str(REPO / "trainer" / "main.py"), *args]  # fmt: skip
     env = {**env, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
@@ -106,7 +109,7 @@ def rehearsal(zygote, tmp_path_factory, student_dir, s3_server) -> dict:
                           student_dir=student_dir, teacher_dirs=[student_dir], max_tokens=64)  # fmt: skip
     bucket = s3_server.new_bucket()
     url = s3_server.upload(shards, bucket, "shards")
-    env = _env(s3_server)
+    env = {**_env(s3_server), **zygote.shim_env()}
     seen: dict = {}
 
     # the reference: one node, two processes
@@ -133,6 +136,7 @@ def rehearsal(zygote, tmp_path_factory, student_dir, s3_server) -> dict:
     victim = 1 if (runs[0] / "metrics.jsonl").is_file() else 0
     # the node: its torchrun agent and its rank
     pids = {nodes[victim].pid, *procs.descendants(nodes[victim].pid)}
+    pids |= zygote.ranks_of(pids)  # the node's ranks, forked for its shims
     t0 = time.monotonic()
     for pid in pids:  # torchrun starts each rank in a session of its own: kill them one by one
         os.kill(pid, signal.SIGKILL)
