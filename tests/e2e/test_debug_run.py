@@ -16,7 +16,8 @@ of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, neve
 issue 39: one step traced call by call in one process (`tests.e2e.step_trace`), entering each
 trainer/ file once. The runs that are not about the launcher are forked from the session's
 `zygote` (torchrun's environment for 2 ranks, without its ~10 s of imports per process); the
-killed worker and the planted pickle on 2 ranks go through `trainer.launch`.
+killed worker and the planted pickle on 2 ranks go through `trainer.launch` (the planted
+pickle's ranks forked from the zygote through its shim, `tests.zygote_shim`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tests.e2e import procs
 from tests.e2e.helpers import REPO
 from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
+from tests.zygote import SHIM
 from tokenbridge import flops, models
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums
@@ -445,9 +447,11 @@ def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(zygote, inputs, 
         if nproc == 1:
             proc = zygote.run(args, timeout=300)
         else:
+            # the ranks forked from the zygote through its shim: torchrun's agent is real
             cmd = [sys.executable, "-m", "trainer.launch", "--standalone",
-                   f"--nproc_per_node={nproc}", *args]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+                   f"--nproc_per_node={nproc}", str(SHIM), *args]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                   **zygote.shim_env()}  # fmt: skip
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                                   timeout=300)  # fmt: skip
         assert proc.returncode == 2, proc.stderr[-4000:]
