@@ -23,6 +23,7 @@ from trainer.parallel.spawn import spawn
 MEASURES = (
     "tokenbridge/models.py",
     "tokenbridge/model_init.py",
+    "tokenbridge/safetensors_reads.py",
     "tokenbridge/weight_slices.py",
     "trainer/parallel",
     "bench/training/sharded_load.py",

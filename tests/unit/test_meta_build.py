@@ -135,6 +135,10 @@ def test_pretrained_in_several_files_read_by_slices(pretrained, tmp_path):
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}  # as HF writes it
     (split / "model.safetensors.index.json").write_text(json.dumps(index))
     assert_same(built(models.ModelSpec(str(split))), models.load_pretrained(split))
+    index["weight_map"]["model.layers.0.mlp.up_proj.bias"] = "a.safetensors"  # not in a's header
+    (split / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(models.WeightKeysError, match=r"a\.safetensors: no tensor model\.layers"):
+        models.build_meta(models.ModelSpec(str(split)))
 
 
 @pytest.mark.parametrize(
