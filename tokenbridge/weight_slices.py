@@ -1,9 +1,10 @@
 """Pretrained weights read by slices: each process reads only the part of each tensor it holds.
 
 Where ``from_pretrained`` reads a whole checkpoint into every process, `SafetensorsWeights`
-copies from a HF directory's ``*.safetensors`` files only each process's box of each weight
-(`ShardTarget`), with the strictness of `tokenbridge.models.load_pretrained`: the keys are
-checked before anything is read (docs/parallelism.md, "Built on the meta device").
+reads from a HF directory's ``*.safetensors`` files only each process's box of each weight
+(`ShardTarget`), into the shard itself where it can (`tokenbridge.safetensors_reads`), with the
+strictness of `tokenbridge.models.load_pretrained`: the keys are checked before anything is read
+(docs/parallelism.md, "Built on the meta device").
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from tokenbridge import safetensors_reads
 
 INDEX = "model.safetensors.index.json"
 
@@ -87,6 +89,7 @@ class SafetensorsWeights:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._headers: dict[Path, dict[str, safetensors_reads.Entry]] = {}
         index = self.path / INDEX
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -97,23 +100,23 @@ class SafetensorsWeights:
                 raise FileNotFoundError(f"{self.path}: no weights (*.safetensors)")
             self.file_of = {}
             for f in files:
-                with safe_open(f, framework="pt") as h:
-                    keys = h.keys()  # noqa: SIM118 (a safe_open handle cannot be iterated)
-                self.file_of.update(dict.fromkeys(keys, f))
-        self._shapes: dict[str, tuple[int, ...]] | None = None
+                self.file_of.update(dict.fromkeys(self._header(f), f))
+
+    def _header(self, f: Path) -> dict[str, safetensors_reads.Entry]:
+        if f not in self._headers:  # parsed once per file
+            self._headers[f] = safetensors_reads.read_header(f)
+        return self._headers[f]
+
+    def entry(self, key: str) -> safetensors_reads.Entry:
+        """Where `key` lies in its file, and its dtype and shape (from the file's header)."""
+        header = self._header(self.file_of[key])
+        if key not in header:
+            raise WeightKeysError(f"{self.file_of[key]}: no tensor {key} (named by {INDEX})")
+        return header[key]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every key's shape, from the files' headers (no tensor read)."""
-        if self._shapes is None:
-            shapes: dict[str, tuple[int, ...]] = {}
-            by_file: dict[Path, list[str]] = {}
-            for k, f in self.file_of.items():
-                by_file.setdefault(f, []).append(k)
-            for f, keys in by_file.items():
-                with safe_open(f, framework="pt") as h:
-                    shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in keys})
-            self._shapes = shapes
-        return self._shapes
+        return {k: self.entry(k).shape for k in self.file_of}
 
     def plan(
         self,
@@ -149,15 +152,15 @@ class SafetensorsWeights:
             )
         return source
 
-    @torch.no_grad()
     def fill(self, targets: dict[str, ShardTarget], source: dict[str, str]) -> None:
-        """Copy each target's box of its key (`plan`'s `source`, safetensors' ``get_slice``)
-        into its local tensor, converted to its dtype."""
+        """Read each target's box of its key (`plan`'s `source`) into its local tensor,
+        converted to its dtype; each file opened once, read in file order."""
+        by_file: dict[Path, list[tuple[str, ShardTarget]]] = {}
         for canon, t in targets.items():
-            key = source[canon]
-            # a file opened for one tensor at a time: the pages of the memory map a read touched
-            # count towards the process's resident memory while the file stays mapped
-            with safe_open(self.file_of[key], framework="pt") as h:
-                part = h.get_slice(key)[t.box] if t.box else h.get_tensor(key)
-            t.out.copy_(part.to(dtype=t.out.dtype).reshape(t.out.shape))
-            del part
+            by_file.setdefault(self.file_of[source[canon]], []).append((source[canon], t))
+        for path, reads in by_file.items():
+            reads.sort(key=lambda kt: self.entry(kt[0]).begin)
+            # unbuffered: large reads go straight into the shard, no copy through a buffer
+            with open(path, "rb", buffering=0) as f:
+                for key, t in reads:
+                    safetensors_reads.read_box(f, self.entry(key), t, what=f"{path}: {key}")

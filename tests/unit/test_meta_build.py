@@ -7,6 +7,8 @@ layouts (FSDP, TP, both) are tested on several ranks in tests/dist/test_parallel
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -112,6 +114,31 @@ def test_pretrained_read_by_slices_equals_load_pretrained(pretrained, name):
     weights.fill({"lm_head.weight": t})  # the tied alias: read from the embedding's key
     embed = load_file(pretrained[name] / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(t.out, embed[3:9])
+
+
+def test_pretrained_in_several_files_read_by_slices(pretrained, tmp_path):
+    """A checkpoint split over two files by ``model.safetensors.index.json``, one of them in
+    bfloat16 (read into float32 shards): the very weights `load_pretrained` gives."""
+    src = pretrained["smollm2"]
+    sd = load_file(src / "model.safetensors")
+    split = tmp_path / "split"
+    split.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (split / f.name).write_bytes(f.read_bytes())
+    keys = sorted(sd)
+    parts = {"a.safetensors": keys[::2], "b.safetensors": keys[1::2]}
+    for name, part in parts.items():
+        tensors = {k: sd[k].bfloat16() if name == "b.safetensors" else sd[k] for k in part}
+        save_file(tensors, split / name, metadata={"format": "pt"})
+    weight_map = {k: name for name, part in parts.items() for k in part}
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}  # as HF writes it
+    (split / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_same(built(models.ModelSpec(str(split))), models.load_pretrained(split))
+    index["weight_map"]["model.layers.0.mlp.up_proj.bias"] = "a.safetensors"  # not in a's header
+    (split / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(models.WeightKeysError, match=r"a\.safetensors: no tensor model\.layers"):
+        models.build_meta(models.ModelSpec(str(split)))
 
 
 @pytest.mark.parametrize(
