@@ -17,6 +17,15 @@ from tests.zygote import Zygote
 from tokenbridge import paths
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# xdist workers share the cores: torch's intra-op threads (one per core by default) in every
+# worker oversubscribe them, and OpenMP's spinning threads then burn the CPU the other worker
+# needs (tests/unit/test_packing.py beside other work on 2 cores: 76 s of CPU at 2 threads,
+# 22 s at 1)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORKERS))
 
 
 # `make test` runs the suite in pytest-xdist workers. A test file is one unit of work (its module

@@ -11,9 +11,10 @@ SmolLM2, Gemma 3 with sliding-window layers for the Gemma teacher), run as the t
   document, positions restarting, no target across a boundary, every chunk inside one document
   on both sides; the loader resumes exactly from its state;
 - changing one document's tokens leaves every other document of its row unchanged, bit for bit:
-  student logits, per-document CE and KD losses and their gradients, teacher outputs;
+  student logits, per-document CE and KD losses, the gradient of the other documents' loss,
+  teacher outputs;
 - packed vs unpacked over the same documents: per-document losses of CE, xtoken, kd_topk and alm
-  equal within 1e-5, counts equal, gradients close.
+  equal within 1e-5, counts equal, the gradient of their total close.
 """
 
 from __future__ import annotations
@@ -249,15 +250,31 @@ def models(shards):
             "tables": XTokenTables.from_arrays(ids, w, student_vocab_size=vs)}  # fmt: skip
 
 
-def _terms(mb: Microbatch, models, shards, *, docs_BT: torch.Tensor, n_docs: int):
-    """Per document and per term (ce and each KD mode): (loss sum, count, d sum / d params),
-    the student and teachers run as the trainer runs them; and the teachers' outputs."""
+def _term(name: str, logits, mb: Microbatch, keep: torch.Tensor, *, outs, models, vs: int):
+    """One term's loss over the targets at `keep`, as `KDTerm` computes it."""
+    targets = torch.where(keep, mb.targets_BT, IGNORE)
+    if name == "ce":
+        return ce_term(logits, dataclasses.replace(mb, targets_BT=targets), vocab_size=vs)
+    k, opts = KD[name]
+    record, tables = MODES[name], models["tables"] if name == "xtoken" else None
+    prep = record.prepare(mb.aligned[k], targets)
+    loss = record.loss(logits, outs, prep, tables=tables, vocab_size=vs, config=opts)
+    assert record.count(prep) == int(loss.count)
+    return loss
+
+
+def _terms(mb: Microbatch, models, shards, *, docs_BT: torch.Tensor, n_docs: int, grad_of):
+    """Per term (ce and each KD mode): each document's (loss sum, count), and d / d params of
+    the loss over the documents in `grad_of` (one backward per term: a document leaking into
+    another's loss shows in it); the student and teachers run as the trainer runs them; the
+    student's logits and the teachers' outputs."""
     vs, vt = shards["vs"], shards["vt"]
     student = models["student"]
     params = [p for p in student.parameters()]
     logits = student_logits(student, model_inputs(mb.student_rows(), group=None), chunk=0)
-    out, teacher_outs = {}, {}
+    sums, grads, teacher_outs = {}, {}, {}
     for name in ("ce", *KD):
+        outs = None
         if name != "ce":  # the teacher's outputs at every position, once per mode
             k, opts = KD[name]
             record = MODES[name]
@@ -273,18 +290,18 @@ def _terms(mb: Microbatch, models, shards, *, docs_BT: torch.Tensor, n_docs: int
                     spec=spec, columns=record.columns(tables), chunk=64,
                     position_ids_BU=t_in.get("position_ids"),
                 )  # fmt: skip
-        for d in range(n_docs):
-            targets = torch.where(docs_BT == d, mb.targets_BT, IGNORE)
-            if name == "ce":
-                loss = ce_term(logits, dataclasses.replace(mb, targets_BT=targets), vocab_size=vs)
-            else:
-                prep = record.prepare(mb.aligned[k], targets)
-                loss = record.loss(logits, outs, prep, tables=tables, vocab_size=vs, config=opts)
-                assert record.count(prep) == int(loss.count)
-            grads = torch.autograd.grad(loss.sum, params, retain_graph=True, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-            out[(name, d)] = (loss.sum.detach(), int(loss.count), grads)
-    return logits.detach(), out, teacher_outs
+
+        with torch.no_grad():
+            for d in range(n_docs):
+                loss = _term(
+                    name, logits.detach(), mb, docs_BT == d, outs=outs, models=models, vs=vs
+                )
+                sums[(name, d)] = (loss.sum, int(loss.count))
+        keep = torch.isin(docs_BT, torch.tensor(grad_of))
+        loss = _term(name, logits, mb, keep, outs=outs, models=models, vs=vs)
+        g = torch.autograd.grad(loss.sum, params, retain_graph=True, allow_unused=True)
+        grads[name] = [x for x in g if x is not None]
+    return logits.detach(), sums, grads, teacher_outs
 
 
 def _packed(docs: list[dict], split: int) -> tuple[Microbatch, torch.Tensor]:
@@ -298,17 +315,20 @@ def test_packed_and_unpacked_documents_give_the_same_losses(shards, models):
     un = collate(docs, student_pad=0, teacher_pads=[0, 0], pad_to_multiple=8)
     un_docs = _doc_index(un, [[len(d["student_ids"])] for d in docs])
     mb, docs_BT = _packed(docs, 3)
-    _, want, _ = _terms(un, models, shards, docs_BT=un_docs, n_docs=len(docs))
-    _, got, _ = _terms(mb, models, shards, docs_BT=docs_BT, n_docs=len(docs))
+    every = list(range(len(docs)))
+    _, want, want_g, _ = _terms(un, models, shards, docs_BT=un_docs, n_docs=5, grad_of=every)
+    _, got, got_g, _ = _terms(mb, models, shards, docs_BT=docs_BT, n_docs=5, grad_of=every)
     for name in ("ce", *KD):
         n = [want[(name, d)][1] for d in range(len(docs))]
         assert sum(n) > 0, name
         for d in range(len(docs)):
-            (s_w, n_w, g_w), (s_g, n_g, g_g) = want[(name, d)], got[(name, d)]
+            (s_w, n_w), (s_g, n_g) = want[(name, d)], got[(name, d)]
             assert n_w == n_g, (name, d)
             assert torch.allclose(s_g, s_w, rtol=1e-5, atol=1e-5), (name, d, float(s_g - s_w))
-            for x, y in zip(g_g, g_w):
-                assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (name, d)
+        assert len(got_g[name]) == len(want_g[name]) > 0
+        for x, y in zip(got_g[name], want_g[name]):
+            # fp32 sums over different row layouts: relative to the gradient's size
+            assert float((x - y).norm()) <= 1e-5 * float(y.norm()), name
         total_w = sum(want[(name, d)][0].double() for d in range(len(docs)))
         total_g = sum(got[(name, d)][0].double() for d in range(len(docs)))
         assert torch.allclose(total_g, total_w, rtol=1e-6), name
@@ -331,16 +351,21 @@ def test_changing_one_document_changes_nothing_else_in_its_row(shards, models):
     mb, docs_BT = _packed(docs, 3)
     changed, _ = _packed(_swap_document(docs, 1, seed=0), 3)
     assert not torch.equal(mb.input_ids_BT, changed.input_ids_BT)
-    logits_a, a, touts_a = _terms(mb, models, shards, docs_BT=docs_BT, n_docs=len(docs))
-    logits_b, b, touts_b = _terms(changed, models, shards, docs_BT=docs_BT, n_docs=len(docs))
+    kept = [0, 2, 3, 4]  # 0 and 2 share doc 1's row
+    logits_a, a, g_a, touts_a = _terms(mb, models, shards, docs_BT=docs_BT, n_docs=5, grad_of=kept)
+    logits_b, b, g_b, touts_b = _terms(
+        changed, models, shards, docs_BT=docs_BT, n_docs=5, grad_of=kept
+    )
     others = (docs_BT >= 0) & (docs_BT != 1)
     assert torch.equal(logits_a[others], logits_b[others])  # bit for bit
     assert not torch.equal(logits_a[docs_BT == 1], logits_b[docs_BT == 1])
     for name in ("ce", *KD):
-        for d in (0, 2, 3, 4):  # 0 and 2 share doc 1's row
-            (s_a, n_a, g_a), (s_b, n_b, g_b) = a[(name, d)], b[(name, d)]
+        for d in kept:
+            (s_a, n_a), (s_b, n_b) = a[(name, d)], b[(name, d)]
             assert n_a == n_b and torch.equal(s_a, s_b), (name, d)
-            assert all(torch.equal(x, y) for x, y in zip(g_a, g_b)), (name, d)
+        # the gradient of the other documents' loss: not a bit from document 1
+        assert len(g_a[name]) == len(g_b[name]) > 0
+        assert all(torch.equal(x, y) for x, y in zip(g_a[name], g_b[name])), name
         assert not torch.equal(a[(name, 1)][0], b[(name, 1)][0]), name
     # each teacher's outputs at the other documents' positions, bit for bit
     for name in KD:
