@@ -16,8 +16,8 @@ of issue 28: a planted pickle in a checkpoint (refused in one line, exit 2, neve
 issue 39: one step traced call by call in one process (`tests.e2e.step_trace`), entering each
 trainer/ file once. The runs that are not about the launcher are forked from the session's
 `zygote` (torchrun's environment for 2 ranks, without its ~10 s of imports per process); the
-killed worker and the planted pickle on 2 ranks go through `trainer.launch` (the planted
-pickle's ranks forked from the zygote through its shim, `tests.zygote_shim`).
+killed worker and the planted pickle on 2 ranks go through `trainer.launch` (their ranks
+forked from the zygote through its shim, `tests.zygote_shim`).
 """
 
 from __future__ import annotations
@@ -301,14 +301,16 @@ def test_one_debug_step_enters_each_trainer_file_once(zygote, inputs):
     assert step <= set(found["entered"]), found["entered"]
 
 
-def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
+def test_killed_teacher_worker_fails_the_run_cleanly(zygote, inputs):
     run_dir = inputs["tmp"] / "killed"
+    # the ranks forked from the zygote through its shim: torchrun's agent is real
     cmd = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc_per_node=2",
-           str(REPO / "trainer" / "main.py"), "conf=debug", f"data.shards={inputs['shards']}",
+           str(SHIM), MAIN, "conf=debug", f"data.shards={inputs['shards']}",
            f"run_dir={run_dir}", "steps=1000", "eval.max_texts=0", "checkpoint.save_at_end=false",
            "teachers.0.tp=2",  # the two workers form their own process group (teacher TP)
            f"teachers.0.projection={PROJECTION}", *CPU]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **zygote.shim_env()}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 240
@@ -317,6 +319,8 @@ def test_killed_teacher_worker_fails_the_run_cleanly(inputs):
             assert time.monotonic() < deadline, "the run made no progress"
             time.sleep(0.5)
         family = procs.descendants(proc.pid)
+        for rank in zygote.ranks_of(family):  # each rank and its teacher worker
+            family += [rank, *procs.descendants(rank)]
         workers = [p for p in family if "multiprocessing.spawn" in procs.cmdline(p)]
         assert len(workers) == 2, [procs.cmdline(p) for p in family]
         os.kill(workers[0], signal.SIGKILL)
