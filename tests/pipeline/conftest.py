@@ -26,11 +26,13 @@ def pair_tokenizers(pair_paths):
 
 
 @pytest.fixture(scope="session")
-def dask_cluster(s3_server, tmp_path_factory):
+def dask_cluster(s3_server, tmp_path_factory, at_unit_end):
     """One Dask cluster started from the command line (`bench.daskcluster`) for the session:
-    the align and teacher-cache jobs both run on it. Its workers' environment points at the
-    test S3 server; they share no cache with this process."""
+    the align and teacher-cache jobs both run on it (one unit: stopped after its last test).
+    Its workers' environment points at the test S3 server; they share no cache with this
+    process."""
     cluster = DaskCluster(tmp_path_factory.mktemp("dask"), env=s3_server.env()).start()
+    at_unit_end("dask_cluster", cluster.stop)
     yield cluster
     cluster.stop()
 
