@@ -410,6 +410,9 @@ def run(argv: list[str] | None = None) -> dict:
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
     run_id = uuid.uuid4().hex[:12]
     log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
+    # the modules imported by now stay for the run: out of the collector's scans (the threads
+    # runner's workers are this process; each worker's setup freezes what it loads)
+    align_dofns.settle_long_lived()
     # FnApiRunner: its worker processes start without their chatter (pipelines.plumbing.beam_worker)
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
