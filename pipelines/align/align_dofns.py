@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from pipelines.align import job_stats, readers
+from pipelines.align import job_stats, readers, worker_state
 from pipelines.plumbing import progress
 from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
 from tokenbridge import remote_models
@@ -37,7 +36,6 @@ NO_TOKENS = "no_tokens"
 
 BATCH_CHARS = 1 << 20  # text per tokenization batch (a longer document is a batch alone)
 BATCH_DOCS = 1024  # documents per tokenization batch
-GC_YOUNG = 20_000  # container allocations between young-generation collections (Python: 700)
 
 _WARMUP = "Warm-up: naïve café, 12 tokens\n\tand 日本語."
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -59,54 +57,6 @@ def release_free_memory() -> None:
     tokenizer.json leaves ~185 MB of freed temporaries that glibc keeps: in every worker."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class SpareCores:
-    """Bundles of `AlignWindowsDoFn` in progress in this process, and the most there ever were.
-
-    The threads runner hands each worker its share of the read tasks up front, so one finishes
-    first (seconds before the other on KJV x16, 2 workers). While fewer bundles run than have run
-    at once, a core is idle: a worker then encodes its teachers on a helper thread beside its
-    student (same encodings, so the same bytes out). A process that ran one bundle at a time
-    (processes runner, in-process runner) never uses the helper.
-    """
-
-    def __init__(self):
-        self.now = self.peak = 0
-        self.lock = threading.Lock()
-        self._helper: ThreadPoolExecutor | None = None
-
-    def started(self) -> None:
-        with self.lock:
-            self.now += 1
-            self.peak = max(self.peak, self.now)
-
-    def finished(self) -> None:
-        with self.lock:
-            self.now -= 1
-
-    def spare(self) -> bool:
-        return self.now < self.peak
-
-    def helper(self) -> ThreadPoolExecutor:
-        with self.lock:
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="encode-beside")
-            return self._helper
-
-
-BUNDLES = SpareCores()
-
-
-def settle_long_lived() -> None:
-    """Keep the cyclic garbage collector off what lives as long as the worker. A worker holds
-    ~240k container objects (Beam, Numba, the tokenizers' tables) that every full collection
-    rescanned and interpreter exit walked again: ~1 s of each 10 s of an align run on verses,
-    ~2 s at exit. `gc.freeze` moves them to the permanent generation; the per-batch objects (a
-    list of ids per document) die by reference count, so young collections can be rarer. Cycles
-    made later are still collected."""
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
 
 
 @dataclass(frozen=True)
@@ -223,26 +173,27 @@ class AlignWindowsDoFn(beam.DoFn):
         zeros = np.zeros(1, np.int64)
         self._rows(cut, text, student, teachers, doc_ids=["w"], char_base=zeros, window_base=zeros)
         self.timing = True
-        settle_long_lived()
+        worker_state.settle_long_lived()
 
     def _timer(self, stage: str):
         return StageTimer(stage) if self.timing else contextlib.nullcontext()
 
     def start_bundle(self):
-        BUNDLES.started()
+        worker_state.BUNDLES.started()
 
     def finish_bundle(self):
-        BUNDLES.finished()
+        worker_state.BUNDLES.finished()
 
     def _encode(self, texts: list[str]):
         try:
             with self._timer("tokenize"):
-                if not BUNDLES.spare():
+                if not worker_state.BUNDLES.spare():
                     return self.student.encode_batch(texts), [
                         t.encode_batch(texts) for t in self.teachers
                     ]
                 count("batches_encoded_beside")
-                futures = [BUNDLES.helper().submit(t.encode_batch, texts) for t in self.teachers]
+                helper = worker_state.BUNDLES.helper()
+                futures = [helper.submit(t.encode_batch, texts) for t in self.teachers]
                 try:
                     s_enc = self.student.encode_batch(texts)
                 finally:  # a failing student waits for its teachers: no encoding outlives its batch

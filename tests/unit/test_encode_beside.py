@@ -1,5 +1,5 @@
 """A worker of the threads runner left alone at the end of a run encodes its teachers on a
-helper thread beside its student (`align_dofns.SpareCores`): the rows, statistics and dead
+helper thread beside its student (`pipelines.align.worker_state.SpareCores`): the rows, statistics and dead
 letters must be exactly those of encoding them in turn.
 
 The align DoFn is called directly (no Beam), once as a lone worker and once in the tail state.
@@ -15,13 +15,14 @@ import pyarrow as pa
 import pytest
 
 from pipelines.align import align_dofns as F
+from pipelines.align import worker_state
 from pipelines.plumbing.tagged import DEAD, MAIN
 from tokenbridge.alignment import WindowConfig
 from tokenbridge.alignment.long_documents import PieceConfig
 
 
 def test_spare_cores_only_once_a_bundle_of_several_has_finished():
-    b = F.SpareCores()
+    b = worker_state.SpareCores()
     assert not b.spare()  # nothing ran yet (a DoFn called outside Beam)
     b.started()
     assert not b.spare()  # one bundle at a time: the processes or in-process runner
@@ -42,8 +43,8 @@ def texts(corpus_dir) -> list:
     return [*verses[:100], long_doc, b"not text", "", *verses[100:]]
 
 
-def _run(dirs, texts, bundles: F.SpareCores, monkeypatch):
-    monkeypatch.setattr(F, "BUNDLES", bundles)
+def _run(dirs, texts, bundles: worker_state.SpareCores, monkeypatch):
+    monkeypatch.setattr(worker_state, "BUNDLES", bundles)
     teacher, student = dirs
     fn = F.AlignWindowsDoFn(
         str(student),
@@ -63,8 +64,8 @@ def test_encoding_beside_gives_the_same_rows_stats_and_dead_letters(
     teacher_dir, student_dir, texts, monkeypatch
 ):
     dirs = (teacher_dir, student_dir)
-    rows, stats, dead = _run(dirs, texts, F.SpareCores(), monkeypatch)
-    tail = F.SpareCores()
+    rows, stats, dead = _run(dirs, texts, worker_state.SpareCores(), monkeypatch)
+    tail = worker_state.SpareCores()
     tail.started(), tail.started(), tail.finished()  # one of two workers done
     rows_b, stats_b, dead_b = _run(dirs, texts, tail, monkeypatch)
     assert tail._helper is not None  # the teachers did go to the helper thread
