@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from pipelines.align import job_stats, readers
+from pipelines.align import job_stats, readers, worker_state
 from pipelines.plumbing import progress
 from pipelines.plumbing.tagged import MAIN, StageTimer, count, dead
 from tokenbridge import remote_models
@@ -172,16 +173,32 @@ class AlignWindowsDoFn(beam.DoFn):
         zeros = np.zeros(1, np.int64)
         self._rows(cut, text, student, teachers, doc_ids=["w"], char_base=zeros, window_base=zeros)
         self.timing = True
+        worker_state.settle_long_lived()
 
     def _timer(self, stage: str):
         return StageTimer(stage) if self.timing else contextlib.nullcontext()
 
+    def start_bundle(self):
+        worker_state.BUNDLES.started()
+
+    def finish_bundle(self):
+        worker_state.BUNDLES.finished()
+
     def _encode(self, texts: list[str]):
         try:
             with self._timer("tokenize"):
-                return self.student.encode_batch(texts), [
-                    t.encode_batch(texts) for t in self.teachers
-                ]
+                if not worker_state.BUNDLES.spare():
+                    return self.student.encode_batch(texts), [
+                        t.encode_batch(texts) for t in self.teachers
+                    ]
+                count("batches_encoded_beside")
+                helper = worker_state.BUNDLES.helper()
+                futures = [helper.submit(t.encode_batch, texts) for t in self.teachers]
+                try:
+                    s_enc = self.student.encode_batch(texts)
+                finally:  # a failing student waits for its teachers: no encoding outlives its batch
+                    wait(futures)
+                return s_enc, [f.result() for f in futures]
         except Exception as e:  # noqa: BLE001 - a tokenizer failure is the document's dead letter
             raise _StageError(TOKENIZER_ERROR, e) from e
 

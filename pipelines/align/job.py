@@ -21,7 +21,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.align import align_dofns, chat_dofns, readers, write_dofns
+from pipelines.align import align_dofns, chat_dofns, readers, worker_state, write_dofns
 from pipelines.align.chat_read import peek_format
 from pipelines.plumbing import beam_worker, jobs, rolling, storage, writers
 from pipelines.plumbing.rolling import prepare_out_dir
@@ -410,6 +410,9 @@ def run(argv: list[str] | None = None) -> dict:
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
     run_id = uuid.uuid4().hex[:12]
     log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
+    # the modules imported by now stay for the run: out of the collector's scans (the threads
+    # runner's workers are this process; each worker's setup freezes what it loads)
+    worker_state.settle_long_lived()
     # FnApiRunner: its worker processes start without their chatter (pipelines.plumbing.beam_worker)
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
