@@ -410,13 +410,13 @@ def run(argv: list[str] | None = None) -> dict:
     prepare_out_dir(cfg.out, overwrite=cfg.overwrite)
     run_id = uuid.uuid4().hex[:12]
     log.info("align: %d files, %.1f MB -> %s", n_files, total_bytes / 1e6, cfg.out)
-    # the modules imported by now stay for the run: out of the collector's scans (the threads
-    # runner's workers are this process; each worker's setup freezes what it loads)
-    worker_state.settle_long_lived()
     # FnApiRunner: its worker processes start without their chatter (pipelines.plumbing.beam_worker)
     p = beam.Pipeline(runner=beam_worker.runner_for(beam_args), options=PipelineOptions(beam_args))
     build_pipeline(p, cfg, tasks=tasks, total_bytes=total_bytes, input_files=n_files, run_id=run_id)
-    result = jobs.run_to_completion(p, cfg.out, run_id, total_bytes=total_bytes)
+    # the modules imported by now stay for the run: out of the collector's scans (the threads
+    # runner's workers are this process; each worker's setup freezes what it loads)
+    with worker_state.settled_while_running():
+        result = jobs.run_to_completion(p, cfg.out, run_id, total_bytes=total_bytes)
     if urls.is_url(cfg.out):
         stats = rolling.read_json(storage.join(cfg.out, shard_schema.STATS_FILE))
     else:

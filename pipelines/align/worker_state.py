@@ -6,6 +6,7 @@ the collector settings for a process whose long-lived objects outnumber its per-
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -59,3 +60,17 @@ def settle_long_lived() -> None:
     collections can be rarer. Cycles made later are still collected."""
     gc.freeze()
     gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
+
+
+@contextlib.contextmanager
+def settled_while_running():
+    """`settle_long_lived` for the length of a job run in the launcher's process (the threads
+    runner's workers are that process), then the collector as it was: a caller that goes on
+    after the job (a notebook, the tests) keeps its own objects collectable."""
+    threshold = gc.get_threshold()
+    settle_long_lived()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
