@@ -30,7 +30,7 @@ MEASURES = (
     "trainer/data/packing.py",
     "trainer/data/microbatches.py",
     "trainer/parallel/head.py",
-    "bench/onpolicy/packed_rollouts.py",
+    "bench/onpolicy/rollout_packing.py",
 )
 
 ROLLOUTS = int(os.environ.get("TOKENBRIDGE_PACKING_ROLLOUTS", "32"))
