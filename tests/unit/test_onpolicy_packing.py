@@ -185,6 +185,22 @@ def test_pack_rollouts_puts_each_rollout_once_and_reads_it_back(setup):
         pack_rollouts(b.input_ids_BT, lens, row_tokens=max(lens) - 1, buffer=8, pad_id=0)
 
 
+def test_packed_rollouts_never_compute_more_positions_than_padded_rows():
+    # the fullest rows (limit 504) would be [200, 180, 120] and [150]: 2 x 504 positions
+    p = pack_rollouts(torch.zeros(4, 200, dtype=torch.long), [200, 180, 150, 120],
+                      row_tokens=504, buffer=8, pad_id=0)  # fmt: skip
+    assert p.positions <= 4 * 200 and p.positions < 2 * 504
+    g = np.random.default_rng(0)
+    for _ in range(50):
+        lens = g.integers(1, 120, size=int(g.integers(1, 12))).tolist()
+        ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
+        row_tokens = int(g.integers(max(lens), 400))
+        p = pack_rollouts(ids, lens, row_tokens=row_tokens, buffer=64, pad_id=0)
+        assert p.positions <= len(lens) * -(-max(lens) // 8) * 8, lens
+        assert sorted(d for row in p.rows for d in row) == list(range(len(lens)))
+        assert all(sum(lens[d] for d in row) <= row_tokens for row in p.rows)
+
+
 def test_packed_and_padded_rollouts_give_the_same_losses(setup):
     r = _rollouts(setup["s_tok"])
     padded, _, outs = _batch(setup, r, packed=False)

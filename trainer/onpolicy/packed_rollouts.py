@@ -78,9 +78,24 @@ def pack_rollouts(
 ) -> PackedRollouts:
     """The rollouts of one microbatch (right-padded rows of ``lengths`` tokens) packed into
     rows of at most ``row_tokens`` (`pack_documents` over a buffer of ``buffer`` rollouts, in
-    order), padded to the longest packed row (a multiple of ``pad_to_multiple``)."""
-    rows = pack_documents([(n,) for n in lengths], PackLimits(row_tokens, ()), buffer=buffer)
-    width = _round_up(max(sum(lengths[b] for b in row) for row in rows), pad_to_multiple)
+    order), padded to the longest packed row (a multiple of ``pad_to_multiple``).
+
+    Rows are padded to the longest of them, so the fullest rows are not always the fewest
+    positions: rollouts of 200, 180, 150 and 120 tokens in rows of 500 make one row of 500 and
+    one of 150, 1,008 positions where their padded rows take 800. Of the row limits from the longest rollout (one rollout a
+    row at most: never more positions than the padded rows) up to ``row_tokens``, the one whose
+    rows compute the fewest positions is taken (the smallest of equals)."""
+    docs = [(n,) for n in lengths]
+    longest = max(lengths)
+    step = max(pad_to_multiple, (row_tokens - longest) // 32)
+    limits = sorted({*range(longest, row_tokens, step), row_tokens})
+    best = None
+    for limit in limits:
+        rows = pack_documents(docs, PackLimits(limit, ()), buffer=buffer)
+        width = _round_up(max(sum(lengths[b] for b in row) for row in rows), pad_to_multiple)
+        if best is None or len(rows) * width < len(best[0]) * best[1]:
+            best = rows, width
+    rows, width = best
     ids = np.full((len(rows), width), pad_id, np.int64)
     pos = np.zeros((len(rows), width), np.int64)
     index = np.zeros(tuple(input_ids_BT.shape), np.int64)
