@@ -39,6 +39,7 @@ SECTIONS = {
     "object_store": "storage.object_store",
     "onpolicy": "onpolicy.section",
     "packing": "training.packed_rows",
+    "packing_onpolicy": "onpolicy.rollout_packing",
     "parallel": "training.parallel",
     "projection": "align.projection_build",
     "science": "science.section",

@@ -1,4 +1,5 @@
-"""On-policy steps give the same losses in one process and on 2 gloo ranks (dp=2, tp=2).
+"""On-policy steps give the same losses in one process and on 2 gloo ranks (dp=2, tp=2; the tp=2
+run with its rollouts packed for the student's forward, data.packing).
 
 Sampling is seeded per rollout (run seed, prompt, draw, sample), so a prompt gets the same
 completion in any layout; with file-order prompts (no shuffle) one process with 4 prompts a step
@@ -46,14 +47,14 @@ def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
 
 def _losses(
     zygote, shards: Path, run_dir: Path, nproc: int, *extra: str
-) -> tuple[list[float], dict]:
+) -> tuple[list[float], dict, list[dict]]:
     args = [*COMMON, f"data.shards={shards}", f"run_dir={run_dir}", *extra]
     proc = zygote.run([str(REPO / "trainer" / "main.py"), *args], nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     train = [r for r in map(json.loads, lines) if r["kind"] == "train"]
     bpb = json.loads((run_dir / "bpb.json").read_text())
-    return [r["loss"] for r in train], bpb
+    return [r["loss"] for r in train], bpb, train
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +68,24 @@ def single(zygote, shards, tmp_path_factory):
     "layout",
     [
         ("parallel.dp_shard=2", "onpolicy.prompts_per_step=2"),
-        ("parallel.tp=2", "parallel.dp_shard=1", "onpolicy.prompts_per_step=4"),
+        (
+            "parallel.tp=2",
+            "parallel.dp_shard=1",
+            "onpolicy.prompts_per_step=4",
+            "data.packing=true",
+        ),
     ],
-    ids=["dp2", "tp2"],
+    ids=["dp2", "tp2_packed"],
 )
 def test_two_ranks_give_the_losses_of_one_process(zygote, shards, single, tmp_path, layout):
-    want, want_bpb = single
-    got, got_bpb = _losses(zygote, shards, tmp_path / "run", 2, *layout)
+    want, want_bpb, want_records = single
+    got, got_bpb, records = _losses(zygote, shards, tmp_path / "run", 2, *layout)
     assert len(got) == 3 and got[0] != got[1]
     assert got == pytest.approx(want, rel=1e-5)
+    if "data.packing=true" in layout:  # a microbatch's rollouts share rows: no more padding
+        for m, w in zip(records, want_records):
+            assert 0 <= m["padding_fraction"] <= w["padding_fraction"] < 1
+            assert m["tokens"] == w["tokens"]
     for when in ("before", "after"):
         key = f"teacher_on_student_{when}"
         assert got_bpb[key] == pytest.approx(want_bpb[key], rel=1e-5)

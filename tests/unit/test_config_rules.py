@@ -224,7 +224,11 @@ def test_main_refuses_top_k_opd_through_a_server_with_exit_2(monkeypatch, capsys
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"onpolicy": {"enabled": True, "loss": "opd_pg"}}, r"data\.packing: on-policy rollouts"),
+        # on-policy rollouts pack (`trainer.onpolicy.packed_rollouts`); CP stays refused
+        (
+            {"onpolicy": {"enabled": True, "loss": "opd_pg"}, "parallel": {"cp": 2}},
+            r"parallel\.cp: on-policy steps run at cp=1",
+        ),
         ({"parallel": {"cp": 2}}, r"data\.packing: packed rows under context parallelism"),
         ({"data": {"packed_tokens": 100}}, r"data\.packed_tokens: 100 < data\.max_student"),
     ],
@@ -235,6 +239,14 @@ def test_packing_refuses_what_it_does_not_serve_in_one_line(student_dir, section
     with pytest.raises(ConfigError, match=message) as e:
         _config(student_dir, sections)
     assert "\n" not in str(e.value)
+
+
+def test_on_policy_rollouts_pack(student_dir):
+    data = {"shards": "/nowhere", "packing": True}
+    onpolicy = {"enabled": True, "loss": "opd_pg"}
+    cfg = _config(student_dir, {"teachers": [_teacher(student_dir)], "data": data,
+                                "onpolicy": onpolicy})  # fmt: skip
+    assert cfg.data.packing and cfg.onpolicy.enabled
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,7 @@ def rollout_source(step: TrainStep, terms: list[FakeTerm]):
     batches = []
     for i, b in enumerate(SIZES):
         rb = SimpleNamespace(input_ids_BT=_ids(b, 40 + i), attention_mask_BT=torch.ones(b, T),
-                             drops=[Counter() for _ in terms], behaviour_BT=None,
+                             drops=[Counter() for _ in terms], behaviour_BT=None, packed=None,
                              chunk_drops=[Counter(boundary=0, invalid_utf8=i) for _ in terms])  # fmt: skip
         batches.append((rb, [_mask(b, 50 + i + 7 * j) for j in range(len(terms))]))
     n = sum(SIZES)
@@ -221,6 +221,7 @@ def test_shard_batches_and_rollouts_are_two_sources_of_one_step(step):
     assert m["kd/a"] == pytest.approx(float(kd[0].detach()), rel=1e-6) and "ce" not in m
     assert m["rollout/count"] == 4 and m["rollout/len_mean"] == 4.0
     assert m["chunks_invalid/a"] == 1 and m["rollout/stopped_frac"] == 1.0
+    assert m["padding_fraction"] == 0.0  # every position of these rows holds a token
     for p, w in zip(model.parameters(), want_params):
         torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
     assert (step.step, step.tokens_seen) == (2, 2 * sum(SIZES) * T)

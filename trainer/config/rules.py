@@ -188,18 +188,15 @@ def stream_reads_a_store(cfg: TrainConfig) -> None:
 
 
 def packing_fits_the_run(cfg: TrainConfig) -> None:
-    """Packed rows (data.packing) are built for live teachers on shard batches at cp = 1: a
-    teacher cache holds outputs of unpacked rows, rollouts are not packed yet, and CP's
-    load-balanced layout would cut across documents."""
+    """Packed rows (data.packing) are built for live teachers at cp = 1: a teacher cache holds
+    outputs of unpacked rows, and CP's load-balanced layout would cut across documents.
+    On-policy rollouts pack in every mode (`trainer.onpolicy.packed_rollouts`)."""
     if not cfg.data.packing:
         return
     for i, t in enumerate(cfg.teachers):
         if t.cache:
             fail(f"teachers[{i}].cache", "a teacher cache holds unpacked rows' outputs; it "
                  "cannot serve packed rows (data.packing=false, or a live teacher)")  # fmt: skip
-    if cfg.onpolicy.enabled:
-        fail("data.packing", "on-policy rollouts are not packed: set data.packing=false "
-             "with onpolicy.enabled")  # fmt: skip
     if cfg.parallel.cp > 1:
         fail("data.packing", f"packed rows under context parallelism (parallel.cp="
              f"{cfg.parallel.cp}) are not supported: set data.packing=false or cp=1")  # fmt: skip

@@ -20,8 +20,8 @@ from tokenbridge.losses.opd import mix_teacher_outputs
 from trainer.data.microbatches import MicrobatchLoader
 from trainer.loss_terms import KDTerm
 from trainer.onpolicy.importance import RATIO_STATS, policy_logprobs, prefix_weights, scale_grad
+from trainer.onpolicy.packed_rollouts import rollout_logits
 from trainer.onpolicy.sampling.sampler import Rollouts, SamplingConfig
-from trainer.parallel.head import student_logits
 from trainer.run_log import StepNumbers, peak_memory_gib
 from trainer.step import Source, Terms
 
@@ -82,10 +82,8 @@ class RolloutSource(Source):
         b, preps = self.batches[i]
         # whole vocabulary under TP (the on-policy losses are not vocab-parallel): every TP
         # rank computes the same loss. With parallel.logits_chunk, projected block by block.
-        inputs = {"input_ids": b.input_ids_BT, "attention_mask": b.attention_mask_BT}
-        logits_BTV = student_logits(
-            self.model, inputs, chunk=self.logits_chunk, tp_group=self.tp_group, gather_vocab=True
-        )
+        # Packed rollouts (data.packing): the forward on the packed rows, laid back per rollout
+        logits_BTV = rollout_logits(self.model, b, chunk=self.logits_chunk, tp_group=self.tp_group)
         if b.behaviour_BT is not None:
             logits_BTV = self._weigh(logits_BTV, b)
         if self.mixture:
@@ -116,7 +114,7 @@ class RolloutSource(Source):
         return [m["key"] for m in self.r.meta]
 
     def _stat_names(self) -> list[str]:
-        names = ["rollouts", "new_tokens", "stopped"]
+        names = ["rollouts", "new_tokens", "stopped", "positions"]
         for t in self.teachers:
             names += [f"dropped/{t.name}", f"chunks_boundary/{t.name}", f"chunks_invalid/{t.name}"]
         if self.sampling.records_logprobs:
@@ -125,7 +123,10 @@ class RolloutSource(Source):
 
     def step_sums(self) -> dict[str, float]:
         r, batches = self.r, self.batches
-        vals = [len(r), r.new_tokens, sum(r.stopped)]
+        # the positions the student's forward computes: its padded rows, or its packed ones
+        positions = sum(b.input_ids_BT.numel() if b.packed is None else b.packed.positions
+                        for b, _ in batches)  # fmt: skip
+        vals = [len(r), r.new_tokens, sum(r.stopped), positions]
         for j in range(len(self.teachers)):
             vals += [
                 sum(sum(b.drops[j].values()) for b, _ in batches),
@@ -151,6 +152,9 @@ class RolloutSource(Source):
         if "ratio/n" in m:  # sums over positions (and ranks) -> means
             n = max(1.0, m.pop("ratio/n"))
             m.update({k: m[k] / n for k in RATIO_STATS})
+        # padding: the share of the positions the student computed that hold no token
+        positions = m.pop("positions")
+        m["padding_fraction"] = 1.0 - counts[-1] / positions if positions else 0.0
         m.update(
             tokens=int(counts[-1]),
             memory_gib=peak_memory_gib(self.device),

@@ -19,6 +19,7 @@ import torch
 from tokenbridge.losses.ops.segments import AlignedBatch
 from tokenbridge.tokenizers import Tokenizer
 from trainer.data.microbatches import IGNORE
+from trainer.onpolicy.packed_rollouts import PackedRollouts
 from trainer.onpolicy.realign import TeacherView, align_rollout
 from trainer.onpolicy.sampling.sampler import Rollouts
 
@@ -42,6 +43,9 @@ class RolloutBatch:
     # log-probability of each target under the distribution it was drawn from, where that is
     # not the trained one (`trainer.onpolicy.importance`); None when the sampler used the model
     behaviour_BT: torch.Tensor | None = None
+    # data.packing: the rollouts packed for the student's forward (`packed_rollouts`); None:
+    # the student runs on the padded rows above
+    packed: PackedRollouts | None = None
 
     def to(self, device) -> RolloutBatch:
         def mv(a: AlignedBatch) -> AlignedBatch:
@@ -59,6 +63,7 @@ class RolloutBatch:
             self.chunk_drops,
             self.rollouts,
             None if self.behaviour_BT is None else self.behaviour_BT.to(device),
+            None if self.packed is None else self.packed.to(device),
         )
 
 

@@ -27,6 +27,7 @@ from trainer.config.schema import DataConfig, OnPolicyConfig, ParallelConfig, Tr
 from trainer.data.microbatches import MicrobatchLoader
 from trainer.loss_terms import kd_weights, used_inputs
 from trainer.onpolicy.agreement import completion_bpb
+from trainer.onpolicy.packed_rollouts import pack_rollouts
 from trainer.onpolicy.prompts import ChatPrompts, PromptSource, TextPrompts
 from trainer.onpolicy.rollout_scoring import open_scorers, receive_copy, scored
 from trainer.onpolicy.rollout_source import RolloutSource
@@ -122,6 +123,7 @@ def open_onpolicy(
         parallel=cfg.parallel,
         overlap_threads=cpus.overlap,
         device=device,
+        max_len=max_len,
     )
 
 
@@ -131,7 +133,8 @@ class OnPolicy:
     ``config``: ``onpolicy``; ``teachers``: their terms, views and ``channels``; ``student``:
     its tokenizer; ``loader``: the shard side's (the pad id, the epoch the records show);
     ``stepper``: the one step; ``overlap_threads``: the student's threads while its teacher
-    workers compute (`trainer.parallel.cpus`)."""
+    workers compute (`trainer.parallel.cpus`); ``max_len``: the longest rollout row
+    (`rollout_max_len`)."""
 
     def __init__(
         self,
@@ -150,6 +153,7 @@ class OnPolicy:
         parallel: ParallelConfig,
         overlap_threads: int | None,
         device: torch.device,
+        max_len: int,
     ):
         self.config, self.prompts, self.teachers, self.channels = (
             config,
@@ -183,6 +187,10 @@ class OnPolicy:
         weights = torch.ones(1, dtype=torch.float64) if self.mixture else kd_weights(terms)
         self.kd_weights = weights.to(device)  # on the device once, as `ShardSource`'s
         self.tp_group = mesh.tp if mesh.tp_size > 1 else None
+        # data.packing: the student's forward packs each microbatch's rollouts into rows of
+        # this many tokens (data.packed_tokens, or the longest rollout's when that is longer:
+        # every rollout fits a row alone); 0: padded rows
+        self.pack_tokens = max(data.row_tokens, max_len) if data.packing else 0
 
     def close(self) -> None:
         for ch in self.channels:
@@ -280,7 +288,17 @@ class OnPolicy:
                 want_cols=[t.spec.per_position_columns for t in self.teachers.terms],
                 pad_id=self.loader.student_pad,
                 pad_to_multiple=self.data.pad_to_multiple,
-            ).to(self.device)
+            )
+            if self.pack_tokens:
+                b.packed = pack_rollouts(
+                    b.input_ids_BT,
+                    b.attention_mask_BT.sum(1).tolist(),
+                    row_tokens=self.pack_tokens,
+                    buffer=self.data.pack_buffer,
+                    pad_id=self.loader.student_pad,
+                    pad_to_multiple=self.data.pad_to_multiple,
+                )
+            b = b.to(self.device)
             preps = [
                 t.record.prepare(b.aligned[j], b.targets_BT)
                 for j, t in enumerate(self.teachers.terms)
