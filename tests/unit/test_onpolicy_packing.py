@@ -11,10 +11,10 @@ run's workers do (`used_inputs`); the losses run through the registry and `Rollo
 - the packer: every rollout once, rows within the limit, positions restarting, each position
   of each rollout read back from where it landed;
 - packed vs padded over the same rollouts: per-rollout losses within 1e-5, counts equal,
-  gradients close, for kd_topk, xtoken, alm and opd_pg; the step's terms (`RolloutSource`,
+  the gradient of their total close, for kd_topk, xtoken, alm and opd_pg; the step's terms (`RolloutSource`,
   chunked logits, importance weights) equal in sum and count;
-- changing one rollout's completion leaves every other rollout's loss and gradient unchanged,
-  bit for bit.
+- changing one rollout's completion leaves every other rollout's loss, and the gradient of
+  their loss, unchanged bit for bit.
 """
 
 from __future__ import annotations
@@ -133,36 +133,44 @@ def _batch(setup, r: Rollouts, *, packed: bool, pad_to_multiple: int = 8):
     return b, preps, outs
 
 
-def _only(a: AlignedBatch, d: int) -> AlignedBatch:
-    """``a`` with the chunks of every rollout but d removed."""
-    row_B1 = torch.arange(a.student_ids.shape[0])[:, None]
+def _only(a: AlignedBatch, rollouts: list[int]) -> AlignedBatch:
+    """``a`` with the chunks of every rollout not in `rollouts` removed."""
+    keep_B1 = torch.isin(torch.arange(a.student_ids.shape[0])[:, None], torch.tensor(rollouts))
     return dataclasses.replace(
         a,
-        student_chunk=torch.where(row_B1 == d, a.student_chunk, -1),
-        teacher_chunk=torch.where(row_B1 == d, a.teacher_chunk, -1),
-        n_chunks=torch.where(row_B1[:, 0] == d, a.n_chunks, 0),
+        student_chunk=torch.where(keep_B1, a.student_chunk, -1),
+        teacher_chunk=torch.where(keep_B1, a.teacher_chunk, -1),
+        n_chunks=torch.where(keep_B1[:, 0], a.n_chunks, 0),
     )
 
 
-def _per_rollout(setup, b, outs, *, chunk: int = 0):
-    """Per term and rollout: (loss sum, count, gradient of the sum over the student's
-    parameters); and the student's logits in the rollouts' layout."""
-    student = setup["student"]
-    params = list(student.parameters())
-    logits = rollout_logits(student, b, chunk=chunk)
-    row_B1 = torch.arange(b.input_ids_BT.shape[0])[:, None]
-    got = {}
+def _term_loss(term, j: int, b, outs, logits, rollouts: list[int]):
+    """Term j's loss over `rollouts` only (a chunk mode reads the chunks, not the targets)."""
+    keep_B1 = torch.isin(torch.arange(b.input_ids_BT.shape[0])[:, None], torch.tensor(rollouts))
+    targets = torch.where(keep_B1, b.targets_BT, IGNORE)
+    prep = term.record.prepare(_only(b.aligned[j], rollouts), targets)
+    out = term.loss(logits, outs[j], prep)
+    assert int(out.count) == term.count(prep)
+    return out
+
+
+def _per_rollout(setup, b, outs, *, grad_of: list[int], chunk: int = 0):
+    """Per term and rollout: (loss sum, count); per term, the gradient over the student's
+    parameters of the loss of the rollouts in `grad_of` (one backward per term: a rollout
+    leaking into another's loss shows in it); and the student's logits in the rollouts'
+    layout."""
+    params = list(setup["student"].parameters())
+    logits = rollout_logits(setup["student"], b, chunk=chunk)
+    got, grads = {}, {}
     for j, term in enumerate(setup["terms"]):
-        for d in range(b.input_ids_BT.shape[0]):
-            # rollout d's targets and chunks only (a chunk mode reads the chunks, not targets)
-            targets = torch.where(row_B1 == d, b.targets_BT, IGNORE)
-            prep = term.record.prepare(_only(b.aligned[j], d), targets)
-            out = term.loss(logits, outs[j], prep)
-            assert int(out.count) == term.count(prep)
-            grads = torch.autograd.grad(out.sum, params, retain_graph=True, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-            got[(term.mode, d)] = (out.sum.detach(), int(out.count), grads)
-    return logits, got
+        with torch.no_grad():
+            for d in range(b.input_ids_BT.shape[0]):
+                out = _term_loss(term, j, b, outs, logits.detach(), [d])
+                got[(term.mode, d)] = (out.sum, int(out.count))
+        out = _term_loss(term, j, b, outs, logits, grad_of)
+        g = torch.autograd.grad(out.sum, params, retain_graph=True, allow_unused=True)
+        grads[term.mode] = [x for x in g if x is not None]
+    return logits, got, grads
 
 
 def test_pack_rollouts_puts_each_rollout_once_and_reads_it_back(setup):
@@ -205,8 +213,9 @@ def test_packed_and_padded_rollouts_give_the_same_losses(setup):
     r = _rollouts(setup["s_tok"])
     padded, _, outs = _batch(setup, r, packed=False)
     packed, _, outs_p = _batch(setup, r, packed=True)
-    logits_w, want = _per_rollout(setup, padded, outs)
-    logits_g, got = _per_rollout(setup, packed, outs_p)
+    every = list(range(len(r)))
+    logits_w, want, want_g = _per_rollout(setup, padded, outs, grad_of=every)
+    logits_g, got, got_g = _per_rollout(setup, packed, outs_p, grad_of=every)
     real = padded.attention_mask_BT > 0
     assert torch.allclose(logits_g[real], logits_w[real], rtol=1e-5, atol=1e-5)
     for j, term in enumerate(setup["terms"]):
@@ -219,11 +228,13 @@ def test_packed_and_padded_rollouts_give_the_same_losses(setup):
             parts = sum(per[(term.mode, d)][0].double() for d in range(len(r)))
             assert torch.allclose(whole.sum.detach().double(), parts, rtol=1e-5), term.mode
         for d in range(len(r)):
-            (s_w, n_w, g_w), (s_g, n_g, g_g) = want[(term.mode, d)], got[(term.mode, d)]
+            (s_w, n_w), (s_g, n_g) = want[(term.mode, d)], got[(term.mode, d)]
             assert n_w == n_g, (term.mode, d)
             assert torch.allclose(s_g, s_w, rtol=1e-5, atol=1e-5), (term.mode, d, float(s_g - s_w))
-            for x, y in zip(g_g, g_w):
-                assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (term.mode, d)
+        assert len(got_g[term.mode]) == len(want_g[term.mode]) > 0
+        for x, y in zip(got_g[term.mode], want_g[term.mode]):
+            # fp32 sums over different row layouts: relative to the gradient's size
+            assert float((x - y).norm()) <= 1e-5 * float(y.norm()), term.mode
 
 
 def test_the_step_terms_are_the_same_packed_or_padded(setup):
@@ -269,16 +280,19 @@ def test_changing_one_rollout_changes_no_other_rollout_in_its_row(setup):
     assert not torch.equal(b.packed.input_ids_RP, c.packed.input_ids_RP)
     for k in range(len(outs)):  # every teacher's rows keep their widths
         assert b.aligned[k].teacher_ids.shape == c.aligned[k].teacher_ids.shape
-    logits_a, a = _per_rollout(setup, b, outs)
-    logits_c, got = _per_rollout(setup, c, outs_c)
+    kept = [0, 2, 3, 4]
+    logits_a, a, g_a = _per_rollout(setup, b, outs, grad_of=kept)
+    logits_c, got, g_c = _per_rollout(setup, c, outs_c, grad_of=kept)
     row_BT = torch.arange(b.input_ids_BT.shape[0])[:, None].expand_as(b.input_ids_BT)
     others = (b.attention_mask_BT > 0) & (row_BT != 1)
     assert torch.equal(logits_a[others], logits_c[others])  # bit for bit
     assert not torch.equal(logits_a[row_BT == 1], logits_c[row_BT == 1])
     for term in setup["terms"]:
-        for d in (0, 2, 3, 4):
-            (s_a, n_a, g_a), (s_c, n_c, g_c) = a[(term.mode, d)], got[(term.mode, d)]
+        for d in kept:
+            (s_a, n_a), (s_c, n_c) = a[(term.mode, d)], got[(term.mode, d)]
             assert n_a == n_c and torch.equal(s_a, s_c), (term.mode, d)
-            assert all(torch.equal(x, y) for x, y in zip(g_a, g_c)), (term.mode, d)
+        # the gradient of the other rollouts' loss: not a bit from rollout 1
+        x, y = g_a[term.mode], g_c[term.mode]
+        assert len(x) == len(y) > 0 and all(torch.equal(u, v) for u, v in zip(x, y)), term.mode
         assert not torch.equal(a[(term.mode, 1)][0], got[(term.mode, 1)][0]), term.mode
     assert np.array_equal(np.sort(np.concatenate(b.packed.rows)), np.arange(5))
