@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -180,3 +181,17 @@ def write_chat_shards(
     stats = {"student": s_tok.info().to_json(), "teachers": [t.info().to_json() for t in t_toks]}
     write_completed(out, stats, files={name: rec.num_rows})
     return out
+
+
+def alternated_medians(run, names: Sequence[str], *, reps: int) -> dict[str, float]:
+    """Median wall seconds of ``run(name)`` per name: a warm-up of ``run(name, first=1)`` each,
+    then `reps` rounds in which the names alternate (the machine's drifts reach both alike)."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        run(name, first=1)
+    for _ in range(reps):
+        for name, ts in times.items():
+            t0 = time.perf_counter()
+            run(name)
+            ts.append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}

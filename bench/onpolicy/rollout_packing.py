@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from bench.common import alternated_medians
 from bench.provenance import cpu_model
 from tokenbridge import paths
 
@@ -144,15 +145,8 @@ def main() -> str:
         if first is None:
             losses[name] = total
 
-    times: dict[str, list[float]] = {"padded": [], "packed": []}
-    for name in times:  # warm-up: one microbatch each
-        run(name, first=1)
-    for _ in range(REPS):
-        for name, ts in times.items():
-            t1 = time.perf_counter()
-            run(name)
-            ts.append(time.perf_counter() - t1)
-    wall = {k: statistics.median(v) for k, v in times.items()}
+    # warm-up: one microbatch each, then the two alternate
+    wall = alternated_medians(run, ("padded", "packed"), reps=REPS)
     return _render(r, lengths, mbs, wall, teacher_s, losses, sample_s=sample_s)
 
 

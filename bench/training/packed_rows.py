@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.common import alternated_medians
 from bench.provenance import cpu_model
 from tokenbridge import paths
 
@@ -127,15 +127,8 @@ def main() -> str:
         if first is None:
             losses[name] = total
 
-    times: dict[str, list[float]] = {"padded": [], "packed": []}
-    for name in times:  # warm-up: one microbatch each
-        run(name, first=1)
-    for _ in range(REPS):
-        for name, ts in times.items():
-            t0 = time.perf_counter()
-            run(name)
-            ts.append(time.perf_counter() - t0)
-    wall = {k: statistics.median(v) for k, v in times.items()}
+    # warm-up: one microbatch each, then the two alternate
+    wall = alternated_medians(run, ("padded", "packed"), reps=REPS)
     lens = [len(d["student_ids"]) for d in docs]
     lines = [
         "## Packed rows vs padded microbatches (issue 43)",
