@@ -271,11 +271,14 @@ def main() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     # Numba's first use in a process (its CPU target, then the tokenizer kernel's cache): ~1 s
-    # that every run would pay again when it loads its first tokenizer
+    # that every run would pay again when it loads its first tokenizer; and the two real
+    # tokenizers themselves, which `load_tokenizer` keeps in memory by file and mtime (Gemma
+    # 3's 262k vocabulary: ~3 s of CPU in each run whose teacher or student reads it)
     from tokenbridge import paths
     from tokenbridge.tokenizers import load_tokenizer
 
-    load_tokenizer(paths.student_dir()).encode("warm")
+    for model_dir in (paths.student_dir(), paths.teacher_dir()):
+        load_tokenizer(model_dir).encode("warm")
     sys.stdout.flush(), sys.stderr.flush()
     if os.environ.get(SHIM_SOCKET):
         _start_shim_server(os.environ[SHIM_SOCKET], replies)
