@@ -26,6 +26,7 @@ import re
 import pytest
 
 from tests.e2e.helpers import identity_projection
+from tests.e2e.served_teacher_cases import FAULT_TIMEOUT_S
 from tokenbridge.alignment.text_shards import write_text_shards
 
 pytestmark = pytest.mark.slow
@@ -132,7 +133,7 @@ def test_a_killed_server_stops_the_run_and_the_resumed_run_repeats_its_losses(
     assert f["code"] == 1 and len(lines) == 1, f["stderr"][-2000:]
     assert re.match(
         rf"tokenbridge train: TeacherServerError: teacher server {re.escape(url)}/v1/completions: "
-        r"no answer for 20 s .*restart the server", lines[0],
+        rf"no answer for {FAULT_TIMEOUT_S:.0f} s .*restart the server", lines[0],
     ), lines[0]  # fmt: skip
     # stopped mid-run after its first checkpoint; the last one verifies and is resumed from
     at = f["resumed_at"]

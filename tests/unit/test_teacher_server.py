@@ -28,6 +28,7 @@ def test_server_args_carry_what_the_client_needs():
     assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert value("--dtype") == "float32" and value("--max-logprobs") == "32"
     assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
+    assert value("--distributed-executor-backend") == "uni"  # no worker process of its own
     assert "--enforce-eager" not in teacher_server.server_args(
         "m", name="t", port=1, k=32, max_model_len=64
     )
