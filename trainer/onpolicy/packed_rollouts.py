@@ -82,9 +82,10 @@ def pack_rollouts(
 
     Rows are padded to the longest of them, so the fullest rows are not always the fewest
     positions: rollouts of 200, 180, 150 and 120 tokens in rows of 500 make one row of 500 and
-    one of 150, 1,008 positions where their padded rows take 800. Of the row limits from the longest rollout (one rollout a
-    row at most: never more positions than the padded rows) up to ``row_tokens``, the one whose
-    rows compute the fewest positions is taken (the smallest of equals)."""
+    one of 150, 1,008 positions where their padded rows take 800. Of the row limits from the
+    longest rollout (one rollout a row at most: never more positions than the padded rows) up
+    to ``row_tokens``, the one whose rows compute the fewest positions is taken (the smallest
+    of equals)."""
     docs = [(n,) for n in lengths]
     longest = max(lengths)
     step = max(pad_to_multiple, (row_tokens - longest) // 32)
