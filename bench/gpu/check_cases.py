@@ -168,6 +168,30 @@ def peak_gib(device: torch.device) -> float:
     return peak_memory_gib(device)
 
 
+class PeakMeter:
+    """The peak memory of intervals: `read` the interval's peak, then `reset` to start the next.
+
+    A reset whose interval was never read loses that interval's peak (the first GPU run's
+    whole-step figure was the memory left after a reset), so it raises. On CPU `reset_peak` does
+    nothing, but the calls are checked and counted all the same: the dry run holds the order."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.reads, self.resets = device, 0, 0
+        self._read = True  # the interval before the first reset is nobody's
+
+    def read(self) -> float:
+        self.reads += 1
+        self._read = True
+        return peak_gib(self.device)
+
+    def reset(self) -> None:
+        if not self._read:
+            raise RuntimeError(f"peak reset {self.resets + 1} before its interval was read")
+        self.resets += 1
+        self._read = False
+        reset_peak(self.device)
+
+
 def device_used_gib(device: torch.device) -> float | None:
     """GPU memory in use now by every process (the teacher worker's too); None on CPU."""
     if device.type != "cuda":
@@ -371,12 +395,13 @@ def teacher_program(ctx: Context) -> dict:
         return teacher(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
 
     out: dict = {"rows": rows, "teacher_tokens_per_row": s.fwd_len, "k": CACHE_K}
+    meter = PeakMeter(dev)
     for name, fn in (("cache_forward", lambda: ours(ids_BU, mask_BU)), ("hf_forward", bare)):
         sync(dev)
-        reset_peak(dev)
+        meter.reset()
         secs = median_s(fn, reps=s.reps, device=dev)
         out[f"{name}_tokens_per_s"] = ids_BU.numel() / secs
-        out[f"{name}_peak_gib"] = peak_gib(dev)
+        out[f"{name}_peak_gib"] = meter.read()
     out["cache_forward_over_hf"] = (
         out["cache_forward_tokens_per_s"] / out["hf_forward_tokens_per_s"]
     )

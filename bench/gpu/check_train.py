@@ -16,13 +16,12 @@ import torch
 from bench.common import ensure_projection, step_figures
 from bench.gpu.check_cases import (
     Context,
+    PeakMeter,
     cache_outputs,
     corpus_text,
     device_used_gib,
     median_s,
-    peak_gib,
     random_model,
-    reset_peak,
     teacher_rows,
     uninterrupted,
 )
@@ -37,12 +36,14 @@ def pair_shards(ctx: Context, length: int) -> Path:
     projection too."""
     key = f"shards{length}"
     if key not in ctx.cache:
+        t0 = time.perf_counter()
         ensure_projection()
         ctx.cache[key] = write_text_shards(
             ctx.tmp / key, [("shakespeare", corpus_text(ctx))], student_dir=paths.student_dir(),
             teacher_dirs=[paths.teacher_dir()], max_tokens=length,
             max_teacher_tokens=int(length * TEACHER_SLACK), num_files=1,
         )  # fmt: skip
+        print(f"   shards of {length} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
     return ctx.cache[key]
 
 
@@ -93,36 +94,57 @@ def overrides(
     return [*out, *extra]
 
 
-def trainer_steps(ctx: Context, args: list[str]) -> dict:
+def trainer_steps(ctx: Context, args: list[str], *, meter: PeakMeter | None = None) -> dict:
     """`warmup` + `steps` training steps of the Trainer the overrides `args` compose; the
-    figures of the steps after the warm-up, the GPU memory in use by every process at the end
-    (the teacher worker's included), and the student's parameter count."""
+    figures of the steps after the warm-up, the build's seconds and the first step's apart, the
+    peaks of each step (whole, and forward + backward alone), the GPU memory in use by every
+    process at the end (the teacher worker's included), and the student's parameter count.
+    ``meter``: the `PeakMeter` to use (a test passes its own to count the calls)."""
     from tokenbridge import models
     from trainer.config.compose import compose_config
     from trainer.loop import Trainer
     from trainer.preflight import preflight
 
     s = ctx.sizes
-    reset_peak(ctx.device)
+    meter = meter or PeakMeter(ctx.device)
+    meter.reset()
     cfg = compose_config(args)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, preflight(cfg, world_size=1))
+    build_s = time.perf_counter() - t0
     # printed as they happen: a part cut at its budget still says where its time went
-    print(f"   {cfg.name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
-    # the peak of forward + backward alone: read just before each optimizer step, then reset,
-    # so the optimizer's states (allocated at its first step) do not hide what logits cost
+    print(f"   {cfg.name}: built in {build_s:.1f} s", flush=True)
+    # each step's peaks, read before the reset that starts the next interval: forward +
+    # backward alone just before the optimizer step (its states, allocated at its first step,
+    # would hide what logits cost), the whole step just after it. The step records'
+    # `memory_gib` is read after the reset, so it is not used here.
     fwd_bwd: list[float] = []
-    trainer.optimizer.register_step_pre_hook(lambda *_: fwd_bwd.append(peak_gib(ctx.device)))
-    trainer.optimizer.register_step_post_hook(lambda *_: reset_peak(ctx.device))
+    whole: list[float] = []
+
+    def after_step(*_):
+        whole.append(meter.read())
+        meter.reset()
+
+    trainer.optimizer.register_step_pre_hook(lambda *_: fwd_bwd.append(meter.read()))
+    trainer.optimizer.register_step_post_hook(after_step)
     try:
-        records = []
+        records, times = [], []
         for i in range(s.warmup + s.steps):
             t0 = time.perf_counter()
             records.append(trainer.train_step(log=True))
-            print(f"   {cfg.name}: step {i + 1} in {time.perf_counter() - t0:.2f} s", flush=True)
+            times.append(time.perf_counter() - t0)
+            print(f"   {cfg.name}: step {i + 1} in {times[-1]:.2f} s", flush=True)
+        n = len(records)
+        if (len(fwd_bwd), len(whole), meter.resets) != (n, n, n + 1):
+            raise RuntimeError(
+                f"{n} steps: {len(fwd_bwd)} forward+backward peaks, {len(whole)} step peaks, "
+                f"{meter.resets} resets (one optimizer step per training step expected)"
+            )
         figures = step_figures(records, skip=s.warmup)
+        figures["build_s"], figures["first_step_s"] = build_s, times[0]
+        figures["memory_gib"] = max(whole[s.warmup :])
+        figures["fwd_bwd_peak_gib"] = max(fwd_bwd[s.warmup :])
         figures["device_used_gib"] = device_used_gib(ctx.device)
-        figures["fwd_bwd_peak_gib"] = max(fwd_bwd[s.warmup :], default=None)
         figures["student_params"] = models.num_params(trainer.model)
     finally:
         with uninterrupted():
@@ -146,13 +168,17 @@ def teacher_alone_s(ctx: Context, *, rows: int, length: int) -> float:
 
 
 def demo_pair(ctx: Context) -> dict:
-    """Part 2: the distillation step (xtoken, teacher in its worker) and the CE-only student
-    step on the same rows, in this process; the teacher's forward alone on such a microbatch."""
+    """Part 2: the distillation step (xtoken) with the teacher in its worker and in this
+    process (on its own CUDA stream), and the CE-only student step on the same rows; the
+    teacher's forward alone on such a microbatch. Two processes time-slice one GPU (no MPS: it
+    is a daemon the device's owner starts, not this check), one process interleaves streams."""
     s = ctx.sizes
-    ce = trainer_steps(ctx, overrides(ctx, "demo_ce", length=s.demo_len, rows=s.demo_rows,
-                                      teacher=False))  # fmt: skip
-    kd = trainer_steps(ctx, overrides(ctx, "demo_kd", length=s.demo_len, rows=s.demo_rows,
-                                      teacher=True))  # fmt: skip
+    run = lambda name, **kw: trainer_steps(  # noqa: E731
+        ctx, overrides(ctx, name, length=s.demo_len, rows=s.demo_rows, **kw)
+    )
+    ce = run("demo_ce", teacher=False)
+    kd = run("demo_kd", teacher=True)
+    inproc = run("demo_kd_inprocess", teacher=True, placement="inprocess")
     t_len = teacher_tokens_per_row(pair_shards(ctx, s.demo_len))
     alone = teacher_alone_s(ctx, rows=s.demo_rows, length=t_len)
     return {
@@ -163,11 +189,20 @@ def demo_pair(ctx: Context) -> dict:
         "step_s": kd["step_s"],
         "ce_only_step_s": ce["step_s"],
         "distill_over_ce_step": kd["step_s"] / ce["step_s"],
+        "inprocess_step_s": inproc["step_s"],
+        "inprocess_over_ce_step": inproc["step_s"] / ce["step_s"],
+        "inprocess_over_worker_step": inproc["step_s"] / kd["step_s"],
+        "mfu_student": kd.get("mfu"),
+        "student_model_tflops_per_s": kd.get("tflops_per_device"),
         "teacher_alone_s": alone,
         "teacher_share_of_step": alone / kd["step_s"],
         "peak_memory_gib": kd["memory_gib"],
+        "fwd_bwd_peak_gib": kd["fwd_bwd_peak_gib"],
+        "inprocess_peak_memory_gib": inproc["memory_gib"],
         "ce_only_peak_memory_gib": ce["memory_gib"],
         "device_used_gib": kd["device_used_gib"],
+        "build_s": kd["build_s"],
+        "mps": "not run (a daemon the device's owner starts; this check changes no device setting)",
     }
 
 
@@ -189,12 +224,15 @@ def scale_1b_4b(ctx: Context) -> dict:
                      extra=extra, placement=placement)  # fmt: skip
     r = trainer_steps(ctx, args)
     return {
+        "build_s": r["build_s"],
+        "first_step_s": r["first_step_s"],
         "student_params_b": r["student_params"] / 1e9,
         "rows_per_step": s.scale_rows,
         "student_tokens_per_step": r["tokens"],
         "student_tokens_per_s": r["tokens_per_s"],
         "step_s": r["step_s"],
         "peak_memory_gib": r["memory_gib"],
+        "fwd_bwd_peak_gib": r["fwd_bwd_peak_gib"],
         "device_used_gib": r["device_used_gib"],
         # the run's own figures (trainer.throughput; no MFU where no peak is known, e.g. CPU)
         "student_model_tflops_per_s": r.get("tflops_per_device"),

@@ -17,7 +17,7 @@ import pytest
 
 from bench.common import ensure_projection
 
-PARTS = ("cuda_tests", "demo_pair", "scale_1b_4b", "long_row", "sampler", "teacher_program")
+PARTS = ("scale_1b_4b", "teacher_program", "sampler", "cuda_tests", "long_row", "demo_pair")
 # a cuda-marked test of each file that holds them (the dry run lists what it would run)
 CUDA_TESTS = (
     "tests/dist/test_dist_cuda.py::test_ops_on_cuda_single_process",
@@ -113,3 +113,35 @@ def test_merge_takes_each_part_from_the_newest_run_that_ran_it(dry, tmp_path):
     other = {**rerun, "device": {**rerun["device"], "torch": "0.0"}}
     files[0].write_text(json.dumps(other))
     assert merge_main([*map(str, files), "--out", str(tmp_path / "n")]) == 2
+
+
+def test_peak_meter_refuses_a_reset_before_its_interval_is_read():
+    """The whole-step peak was once read after the reset that starts the next step: the
+    meter the trainer parts use (here on CPU, where a reset does nothing) refuses that order."""
+    import torch
+
+    from bench.gpu.check_cases import PeakMeter
+
+    meter = PeakMeter(torch.device("cpu"))
+    meter.reset()  # the interval before the first reset is nobody's
+    assert meter.read() > 0
+    meter.reset()
+    with pytest.raises(RuntimeError, match="peak reset 3 before its interval was read"):
+        meter.reset()
+    assert (meter.reads, meter.resets) == (1, 2)
+
+
+def test_headline_names_every_figure_users_compare_or_says_not_run(dry):
+    """The section opens with the figures users compare, each from the part that measures it
+    (a figure key renamed in a part would show "not run" here, and fail)."""
+    from bench.gpu.check import HEADLINE, headline
+
+    _, got = dry
+    res = got["json"]
+    for what, key, name, _ in HEADLINE:
+        if name.startswith("mfu"):  # no peak FLOP/s known on a CPU: no MFU in a dry run
+            continue
+        assert name in res["parts"][key]["figures"], (what, key, name)
+    lines = headline({**res, "parts": {k: v for k, v in res["parts"].items() if k != "sampler"}})
+    assert sum("not run (part not run)" in ln for ln in lines) == 2
+    assert "Figures users compare" in got["md"]

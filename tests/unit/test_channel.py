@@ -271,6 +271,32 @@ def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
         ch.submit(_batch(1, 5, seed=6))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inprocess_teacher_on_its_own_cuda_stream_equals_the_cpu_teacher(tiny_teacher_dir):
+    """The GPU twin of the round trip above: the teacher runs on a side stream, a microbatch
+    ahead, and the student's stream waits on its event: outputs equal the same teacher called
+    directly on the default stream, with nothing synchronised by hand."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec = TeacherOutputSpec(vocab_size=VOCAB, topk=4, target=True)
+    make = lambda: program(tiny_teacher_dir, spec, max_batch=2, max_len=12)  # noqa: E731
+    reference = make()
+    reference.setup(TeacherContext(device))
+    sizes = [(2, 12), (1, 7), (2, 9), (1, 12)]
+    with TeacherChannel(make(), device=device, config=ChannelConfig(mode="inprocess")) as ch:
+        assert ch._backend._stream is not None
+        ch.submit({k: v.to(device) for k, v in _batch(*sizes[0], seed=0).items()})
+        for i, size in enumerate(sizes):
+            if i + 1 < len(sizes):
+                nxt = _batch(*sizes[i + 1], seed=i + 1)
+                ch.submit({k: v.to(device) for k, v in nxt.items()})
+            with ch.receive() as r:
+                want = reference({k: v.to(device) for k, v in _batch(*size, seed=i).items()})
+                for name, t in r.outputs.items():
+                    assert t.device == device
+                    torch.testing.assert_close(t, want[name], rtol=1e-5, atol=1e-5)
+
+
 def test_inprocess_teacher_error_propagates_and_breaks_the_channel(tiny_teacher_dir):
     spec = TeacherOutputSpec(vocab_size=VOCAB, topk=2)
     teacher = program(tiny_teacher_dir, spec, max_batch=1, max_len=4)

@@ -89,15 +89,19 @@ class TeacherBackend(Protocol):
 
 class InProcessTeacher:
     """The teacher called inline, on ``run``: one process, the teacher's exceptions as raised
-    (with their tracebacks), nothing to wait for, start or stop."""
+    (with their tracebacks), nothing to start or stop. On a GPU its kernels go to a stream of
+    their own: the feed submits a microbatch a step ahead, so they can run beside the student's
+    instead of after them; ``wait_done`` makes the student's stream wait for them (an event,
+    no host sync)."""
 
     kind = "in-process teacher"
     pid = None
 
     def __init__(self, ring: SlotRing, program: TeacherProgram, *, device: torch.device) -> None:
         program.setup(TeacherContext(device=device))
-        self._ring, self._program = ring, program
-        self._done: deque[tuple] = deque()  # (seq, slot, output shapes, seconds)
+        self._ring, self._program, self._device = ring, program, device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._done: deque[tuple] = deque()  # (seq, slot, output shapes, seconds, CUDA event)
 
     @property
     def info(self) -> dict:
@@ -108,12 +112,29 @@ class InProcessTeacher:
 
     def run(self, seq: int, slot: int, shapes: dict) -> None:
         t0 = time.perf_counter()
+        event = None
+        if self._stream is None:
+            out_shapes = self._compute(seq, slot, shapes)
+        else:
+            # the inputs were copied into the slot on the student's stream
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream):
+                out_shapes = self._compute(seq, slot, shapes)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        self._done.append((seq, slot, out_shapes, time.perf_counter() - t0, event))
+
+    def _compute(self, seq: int, slot: int, shapes: dict) -> dict:
+        # the program's own tensors are made and freed on this stream: the caching allocator
+        # hands their blocks to no other stream before this one's work is done
         outs = self._program(self._ring.views(slot, "in", shapes))
-        out_shapes = self._ring.write(slot, "out", outs, where=f"teacher output (seq={seq})")
-        self._done.append((seq, slot, out_shapes, time.perf_counter() - t0))
+        return self._ring.write(slot, "out", outs, where=f"teacher output (seq={seq})")
 
     def wait_done(self, seq: int, slot: int, timeout: float) -> tuple:
-        return self._done.popleft()
+        *got, event = self._done.popleft()
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+        return tuple(got)
 
     def done(self, n: int) -> bool:
         return True  # computed inside ``run``
