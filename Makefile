@@ -145,7 +145,7 @@ bench: models $(VENV)/.stamp-bench $(VLLM_STAMP)  ## run the benchmarks and writ
 # A GPU machine has its own Python (with torch and transformers) and no .venv: use whichever is
 # here. Neither target sets anything up: the check needs no weights (docs/gpu.md).
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
-gpu-check:  ## GPU check, <= 9 min on one H100/H200, no weights or network (docs/gpu.md; OUT=dir)
+gpu-check:  ## GPU check, <= 6 min on one H100/H200, no weights or network (docs/gpu.md; OUT=dir)
 	$(GPU_PY) -m bench.gpu.check $(if $(OUT),--out $(OUT))
 
 gpu-check-pack: models  ## .gpucheck/: tokenizers, text, Hydra for a GPU machine without them (docs/gpu.md)
