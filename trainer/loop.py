@@ -494,7 +494,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.metrics.close()
-            summary["report"] = report.after_run(self.run_dir)  # never raises: logs one line
+            if cfg.logging.report:
+                summary["report"] = report.after_run(self.run_dir)  # never raises: logs one line
             print(format_summary(summary), flush=True)
         return summary
 

@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tokenbridge import paths
-from trainer import loop as train_module
 from trainer.config.schema import from_dictconfig
 from trainer.loop import Trainer
 from trainer.parallel import parallelize
@@ -101,7 +100,7 @@ def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top)
         "parallel": {"teacher_placement": "inprocess", **layout},
         "checkpoint": {"resume": "auto", "save_at_end": False, "export_at_end": False},
         "eval": {"max_texts": 2, "teacher": teacher_bpb},
-        "logging": {"jsonl": True, "tensorboard": False, "progress": False},
+        "logging": {"jsonl": True, "tensorboard": False, "progress": False, "report": False},
         **top,
     }
     return from_dictconfig(d)
@@ -388,8 +387,6 @@ def _one_process(*args: str) -> None:
 def main(which: str, shards: str, projection: str, out_dir: str) -> None:
     out = Path(out_dir)
     torch.set_num_threads(1)
-    # the HTML run report (matplotlib, ~10 s a run here) is tested elsewhere
-    train_module.report.after_run = lambda run_dir: None
     parallelize.init_distributed(torch.device("cpu"))
     if which == "one":
         resize(shards, projection, out, part="b")

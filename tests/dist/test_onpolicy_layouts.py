@@ -24,6 +24,7 @@ COMMON = [
     "conf=onpolicy_debug",
     "device=cpu",
     "logging.progress=false",
+    "logging.report=false",
     "parallel.threads=1",
     "parallel.teacher_placement=inprocess",
     "data.shuffle_buffer=0",

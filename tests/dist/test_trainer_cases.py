@@ -103,7 +103,7 @@ def make_cfg(
         },
         "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
         "eval": {"max_texts": 0},
-        "logging": {"jsonl": False, "tensorboard": False, "progress": False},
+        "logging": {"jsonl": False, "tensorboard": False, "progress": False, "report": False},
         **top,
     }
     return from_dictconfig(d)

@@ -58,6 +58,6 @@ def tiny_config(
         "parallel": {"teacher_placement": placement},
         "checkpoint": {"resume": "none", "save_at_end": False, "export_at_end": False},
         "eval": {"max_texts": 0},
-        "logging": {"jsonl": False, "tensorboard": False, "progress": False},
+        "logging": {"jsonl": False, "tensorboard": False, "progress": False, "report": False},
     }
     return from_dictconfig({**d, **top})

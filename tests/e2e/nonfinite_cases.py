@@ -52,7 +52,7 @@ def make_trainer(shards: str, run_dir: Path, *, teacher: dict, **top) -> Trainer
             "parallel": {"teacher_placement": "inprocess"},
             "checkpoint": {"interval": 1, "keep": 5, "export_at_end": False},
             "eval": {"max_texts": 0},
-            "logging": {"tensorboard": False, "progress": False},
+            "logging": {"tensorboard": False, "progress": False, "report": False},
             **top,
         }
     )

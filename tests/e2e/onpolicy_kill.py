@@ -27,7 +27,8 @@ from trainer.preflight import preflight
 
 def main(shards: str, run_dir: str) -> dict:
     cfg = load_config(["conf=onpolicy_debug", f"data.shards={shards}", f"run_dir={run_dir}",
-                       "device=cpu", "logging.progress=false", "parallel.teacher_timeout_s=60"])  # fmt: skip
+                       "device=cpu", "logging.progress=false", "logging.report=false",
+                       "parallel.teacher_timeout_s=60"])  # fmt: skip
     trainer = Trainer(cfg, preflight(cfg, world_size=1))
     try:
         op = trainer.onpolicy

@@ -132,7 +132,7 @@ def fault(cfg_of, *, teacher_dir: str, name: str, port: int) -> dict:
     cfg = cfg_of(
         checkpoint={"interval": 1, "keep": 4, "resume": "auto", "save_at_end": False,
                     "export_at_end": False},
-        logging={"jsonl": True, "tensorboard": False, "progress": False},
+        logging={"jsonl": True, "tensorboard": False, "progress": False, "report": False},
     )  # fmt: skip
     t = Trainer(cfg, preflight(cfg, world_size=1))
     save = t.save_checkpoint

@@ -257,7 +257,7 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(
     args = ["conf=debug", f"data.shards={shards_url}", f"run_dir={run_dir}", "steps=8",
             f"checkpoint.dir=s3://{bucket}/ckpt", "eval.max_texts=0",
             f"data.cache_dir={run_dir}-cache", "parallel.activation_checkpointing=full",
-            "data.stream=true", "data.stream_files=2", INPROCESS,
+            "data.stream=true", "data.stream_files=2", INPROCESS, "logging.report=false",
             f"teachers.0.projection={projection_url}"]  # fmt: skip
     proc = zygote.run([MAIN, *args, *CPU], nproc=2, env=s3_server.env())
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -266,6 +266,8 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_losses(
     assert f"teachers[0].projection={projection_url}: reading its copy" in proc.stderr
     entries = [p for p in Path(f"{run_dir}-cache").iterdir() if not p.name.startswith(".")]
     assert len(entries) == 3  # the streamed shards, the projection, step 4
+    # logging.report=false: no report at the end, and the summary names none
+    assert not (run_dir / "report").exists() and "run report:" not in proc.stdout
     saved = s3_server.download(bucket, "ckpt/step-00000008", run_dir / "step-00000008")
     assert [r for r in checksums.verify_dir(saved) if not r.ok] == []  # marker: every file
     assert sorted(json.loads((saved / "COMPLETED").read_text())["checksums"]) == sorted(
@@ -409,7 +411,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(zygote, inputs, f
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
             "eval.max_texts=0", "checkpoint.export_at_end=false", INPROCESS,
-            f"teachers.0.projection={PROJECTION}"]  # fmt: skip
+            "logging.report=false", f"teachers.0.projection={PROJECTION}"]  # fmt: skip
     proc = zygote.run([MAIN, *args, "checkpoint.strict=true", *CPU])
     assert proc.returncode == 2
     _one_line(proc.stderr, "DamagedCheckpointError", str(f), "expected xxh3_64", "strict=true")

@@ -46,7 +46,7 @@ def _args(student_dir: Path, shards: str, ckpt: str, *, steps: int = STEPS) -> l
             "optim.warmup_steps=1", "eval.max_texts=0", "parallel.teacher_placement=inprocess",
             "parallel.collective_timeout_s=30", "run_dir=run", "data.cache_dir=cache",
             "device=cpu", "parallel.threads=1", "logging.progress=false",
-            "logging.tensorboard=false"]  # fmt: skip
+            "logging.tensorboard=false", "logging.report=false"]  # fmt: skip
 
 
 def _env(s3_server) -> dict[str, str]:

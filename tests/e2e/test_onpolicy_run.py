@@ -42,7 +42,12 @@ def shards(tmp_path_factory, teacher_dir, student_dir) -> Path:
 
 
 # resume runs: teachers in-process and no evals (the full run covers workers and evals)
-LEAN = ("parallel.teacher_placement=inprocess", "eval.max_texts=0", "onpolicy.eval_prompts=0")
+LEAN = (
+    "parallel.teacher_placement=inprocess",
+    "eval.max_texts=0",
+    "onpolicy.eval_prompts=0",
+    "logging.report=false",
+)
 
 
 def _run(zygote, shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -126,7 +131,7 @@ def test_an_off_policy_baseline_on_a_time_budget_reports_the_teachers_bpb(zygote
     run_dir = tmp_path / "baseline"
     _run(zygote, shards, run_dir, "onpolicy.lmbda=0", "steps=50", "time_budget_s=1e-9",
          "parallel.teacher_placement=inprocess", "onpolicy.eval_prompts=2",
-         "checkpoint.interval=0", "checkpoint.export_at_end=false")  # fmt: skip
+         "checkpoint.interval=0", "checkpoint.export_at_end=false", "logging.report=false")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["out_of_time"] is True
     assert all("onpolicy" not in r for r in records(run_dir))

@@ -352,12 +352,16 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    """Per-step metrics: JSONL and TensorBoard under the run dir, tqdm progress on rank 0."""
+    """Per-step metrics: JSONL and TensorBoard under the run dir, tqdm progress on rank 0, and
+    the run report at the end."""
 
     interval: int = 1  # write metrics every N steps
     jsonl: bool = True
     tensorboard: bool = True
     progress: bool = True
+    # the HTML run report (report/ under the run dir) at the end of a run; `python -m
+    # trainer.report RUN_DIR` writes it later from the same files (~1.5 s of plotting per run)
+    report: bool = True
     # MFU's denominator, dense TFLOP/s of one device at the student's compute dtype: null =
     # the table of known GPUs (`tokenbridge.flops.PEAK_TFLOPS`, bf16/fp16); a device it does not
     # know gets no MFU (never a guess) unless named here
