@@ -1,0 +1,206 @@
+"""A teacher's top-k (+ target) outputs in one pass over the head's raw output (one device).
+
+The blocked passes (`teacher.blocked`) read fp32 logits that earlier whole-buffer passes
+upcast and soft-capped. Here one function reads the head's output as it comes (bf16 on a GPU)
+once: per block of columns it upcasts, caps, masks padding, divides by the temperature and keeps
+the block's max and its sum of exp(x - that max), in fp32; only the k candidate blocks' columns
+(and the target's) are read again. Compiled on CUDA; on CPU the eager version in row groups
+(docs/losses.md, "Blocked passes over the vocabulary").
+
+Legend: R rows, V columns, B blocks of a row, K top-k, C candidate columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tokenbridge.teacher import blocked
+
+NEG_INF = float("-inf")
+MODE_ENV = "TOKENBRIDGE_TEACHER_FUSED"  # auto | compiled | eager | off (docs/losses.md)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Raw head output -> the logits the outputs read: fp32, capped, padding masked, / T."""
+
+    vocab_size: int  # columns >= this are padding: -inf
+    softcap: float | None = None  # Gemma's tanh cap, when the head's output is not capped yet
+    temperature: float = 1.0
+    target: bool = False  # also logZ at temperature 1 (the target's log-prob)
+
+    @property
+    def both(self) -> bool:
+        """Whether the pass also sums at temperature 1 (a target at another temperature)."""
+        return self.target and self.temperature != 1.0
+
+
+def _capped(x: Tensor, cols: Tensor, tf: Transform) -> Tensor:
+    """fp32 logits at temperature 1 of raw ``x`` whose column ids are ``cols``."""
+    x1 = x.float()
+    if tf.softcap:
+        x1 = torch.tanh(x1 / tf.softcap) * tf.softcap
+    return x1.masked_fill(cols >= tf.vocab_size, NEG_INF)
+
+
+def _scaled(x1: Tensor, tf: Transform) -> Tensor:
+    return x1 if tf.temperature == 1.0 else x1 / tf.temperature
+
+
+def _block_sums(xs_RBb: Tensor) -> tuple[Tensor, Tensor]:
+    """(block maxes, block sums of exp(x - block max)); a block of -inf sums to 0."""
+    maxes_RB = xs_RBb.amax(-1)
+    shift_RB = torch.where(maxes_RB > NEG_INF, maxes_RB, 0.0)
+    return maxes_RB, (xs_RBb - shift_RB[..., None]).exp().sum(-1)
+
+
+def stats_whole(x_RV: Tensor, tf: Transform, block: int) -> tuple[Tensor, ...]:
+    """(maxes [R, B], sums [R, B]) of every block, and at temperature 1 when ``tf.both``: the
+    whole-row function `torch.compile` fuses into one read of ``x``."""
+    R, V = x_RV.shape
+    x1 = _capped(x_RV, torch.arange(V, device=x_RV.device), tf)
+    out = _block_sums(_scaled(x1, tf).view(R, V // block, block))
+    return out + _block_sums(x1.view(R, V // block, block)) if tf.both else out
+
+
+def stats_groups(x_RV: Tensor, tf: Transform, block: int, work: Tensor) -> tuple[Tensor, ...]:
+    """`stats_whole` by groups of `blocked.pass_rows` rows into ``work`` (a flat fp32 buffer of
+    that many rows, twice when ``tf.both``), in place: eagerly, each group stays in cache."""
+    R, V = x_RV.shape
+    B = V // block
+    n = blocked.pass_rows(R, V, x_RV.device)
+    if work.numel() < n * V * (2 if tf.both else 1):
+        raise ValueError(f"stats_groups: work holds {work.numel()} values, needs {n} x {V}")
+    out = [x_RV.new_empty(R, B, dtype=torch.float32) for _ in range(4 if tf.both else 2)]
+    for r0 in range(0, R, n):
+        r1 = min(R, r0 + n)
+        x1 = work[: (r1 - r0) * V].view(r1 - r0, V)
+        x1.copy_(x_RV[r0:r1])
+        if tf.softcap:
+            x1.div_(tf.softcap).tanh_().mul_(tf.softcap)
+        x1[:, tf.vocab_size :] = NEG_INF
+        xs = x1
+        if tf.temperature != 1.0:
+            xs = work[(r1 - r0) * V : 2 * (r1 - r0) * V].view(r1 - r0, V) if tf.both else x1
+            torch.div(x1, tf.temperature, out=xs)
+        _sums_into(xs.view(r1 - r0, B, block), out[0][r0:r1], out[1][r0:r1])
+        if tf.both:
+            _sums_into(x1.view(r1 - r0, B, block), out[2][r0:r1], out[3][r0:r1])
+    return tuple(out)
+
+
+def _sums_into(xs_nBb: Tensor, maxes_nB: Tensor, sums_nB: Tensor) -> None:
+    """`_block_sums` written into ``maxes`` and ``sums``, ``xs`` overwritten by its exp."""
+    torch.amax(xs_nBb, -1, out=maxes_nB)
+    shift = torch.where(maxes_nB > NEG_INF, maxes_nB, 0.0)
+    torch.sum(xs_nBb.sub_(shift[..., None]).exp_(), -1, out=sums_nB)
+
+
+def _rescaled(maxes_RB: Tensor, sums_RB: Tensor) -> tuple[Tensor, Tensor]:
+    """(the row's max [R, 1] (0 where all -inf), each block's sum rescaled to it [R, B])."""
+    m_R1 = maxes_RB.amax(-1, keepdim=True)
+    m_R1 = torch.where(m_R1 > NEG_INF, m_R1, 0.0)
+    return m_R1, sums_RB * (maxes_RB - m_R1).exp()
+
+
+def _log(s_R: Tensor) -> Tensor:
+    """log of a row's mass, 0 where it has none (an all -inf row: all-zero outputs)."""
+    return torch.where(s_R > 0, s_R, 1.0).log()
+
+
+def finish(x_RV: Tensor, tgt_R, stats: tuple[Tensor, ...], tf: Transform, *, block: int, k: int):
+    """The fields (top-k log-probs ``lp`` and ``ids``, ``tail`` log-prob, with ``tf.target`` the
+    target's log-prob at temperature 1 ``target``) from the block stats and the k blocks with
+    the largest maxes (exact: `blocked.topk_blocked`), whose columns only are read again. Every
+    log-prob is (x - max) - log(mass / e^max), and the tail's log1p(-top mass / mass) while
+    the top k hold under half: no fp32 logZ ~ 10 cancelled against a log-prob near 0."""
+    R = x_RV.shape[0]
+    m_R1, rescaled_RB = _rescaled(*stats[:2])
+    chosen_RK = torch.topk(stats[0], k, dim=-1).indices
+    cols_RC = (chosen_RK[..., None] * block + torch.arange(block, device=x_RV.device)).view(R, -1)
+    cand_RC = _scaled(_capped(x_RV.gather(1, cols_RC), cols_RC, tf), tf)
+    vals, at_RK = torch.topk(cand_RC, k, dim=-1)
+    # the masses (over e^max), each a sum of non-negative terms: the top k; the tail = every
+    # block not chosen + the chosen blocks' columns outside the top k
+    top_R = (vals - m_R1).exp().sum(-1)
+    inside = (cand_RC - m_R1).exp().scatter(1, at_RK, 0.0).sum(-1)
+    tail_R = inside + rescaled_RB.scatter(1, chosen_RK, 0.0).sum(-1)
+    mass_R = top_R + tail_R
+    # log(mass) = log1p(the mass beside the max's e^0 = 1): exact even where that is ~1e-20
+    log_mass = torch.log1p((vals[:, 1:] - m_R1).exp().sum(-1) + tail_R)
+    q_R = top_R / torch.where(mass_R > 0, mass_R, 1.0)
+    tail_lp = torch.where(q_R < 0.5, torch.log1p(-q_R), tail_R.log() - log_mass)
+    out = {
+        "lp": (vals - m_R1) - log_mass[:, None],
+        "ids": cols_RC.gather(1, at_RK),
+        "tail": torch.where(mass_R > 0, tail_lp, NEG_INF),
+    }
+    if tf.target:
+        t_R1 = tgt_R.clamp(min=0)[:, None]
+        x1_R = _capped(x_RV.gather(1, t_R1), t_R1, tf)[:, 0]
+        if tf.both:
+            m1_R1, rescaled1_RB = _rescaled(*stats[2:])
+            out["target"] = (x1_R - m1_R1[:, 0]) - _log(rescaled1_RB.sum(-1))
+        else:
+            out["target"] = (x1_R - m_R1[:, 0]) - log_mass
+    return out
+
+
+def fields_whole(x_RV: Tensor, tgt_R, tf: Transform, *, block: int, k: int):
+    """The fields in whole-row ops: the function compiled (eagerly, it would materialise
+    several fp32 [R, V] temporaries)."""
+    return finish(x_RV, tgt_R, stats_whole(x_RV, tf, block), tf, block=block, k=k)
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(fields_whole, dynamic=None)
+
+
+def spec_fields(f: dict[str, Tensor], tgt_R) -> dict[str, Tensor]:
+    """A spec's fields (`TeacherOutputs` names) from `topk_fields`."""
+    out = {
+        "topk_ids": torch.where(f["lp"] > NEG_INF, f["ids"], -1),
+        "topk_logprobs": f["lp"],
+        "tail_logprob": f["tail"],
+    }
+    if "target" in f:
+        out["target_logprob"] = torch.where(tgt_R >= 0, f["target"], 0.0)
+    return out
+
+
+def mode(device) -> str:
+    """How the fused pass runs on ``device``: ``compiled``, ``eager`` or ``off`` (the blocked
+    passes). ``auto`` (the default of `MODE_ENV`): compiled on CUDA, off on the CPU."""
+    want = os.environ.get(MODE_ENV, "auto")
+    if want not in ("auto", "compiled", "eager", "off"):
+        raise ValueError(f"{MODE_ENV}={want!r}: expected auto, compiled, eager or off")
+    if want != "auto":
+        return want
+    return "compiled" if torch.device(device).type == "cuda" else "off"
+
+
+def topk_fields(
+    x_RV: Tensor, tgt_R, tf: Transform, k: int, *, how: str, work: Tensor | None = None
+) -> dict[str, Tensor] | None:
+    """The fused fields of raw rows ``x`` (any float dtype) ``how`` = compiled or eager (then in
+    row groups through ``work``, fp32, allocated when None), or None where the blocks would not
+    pay (`blocked.block_size`) or ``x`` is not contiguous."""
+    R, V = x_RV.shape
+    block = blocked.block_size(V, k)
+    if not block or not x_RV.is_contiguous():
+        return None
+    if how == "compiled":
+        torch._dynamo.maybe_mark_dynamic(x_RV, 0)  # one graph for every span's rows
+        if tgt_R is not None:
+            torch._dynamo.maybe_mark_dynamic(tgt_R, 0)
+        return _compiled()(x_RV, tgt_R, tf, block=block, k=k)
+    if work is None:
+        n = blocked.pass_rows(R, V, x_RV.device) * (2 if tf.both else 1)
+        work = x_RV.new_empty(n * V, dtype=torch.float32)
+    return finish(x_RV, tgt_R, stats_groups(x_RV, tf, block, work), tf, block=block, k=k)
