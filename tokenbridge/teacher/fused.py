@@ -53,10 +53,12 @@ def _scaled(x1: Tensor, tf: Transform) -> Tensor:
 
 
 def _block_sums(xs_RBb: Tensor) -> tuple[Tensor, Tensor]:
-    """(block maxes, block sums of exp(x - block max)); a block of -inf sums to 0."""
-    maxes_RB = xs_RBb.amax(-1)
-    shift_RB = torch.where(maxes_RB > NEG_INF, maxes_RB, 0.0)
-    return maxes_RB, (xs_RBb - shift_RB[..., None]).exp().sum(-1)
+    """(block maxes, block sums of exp(x - block max)); a block of -inf sums to 0. Written as
+    inductor's softmax pattern, which it turns into one online reduction on CUDA."""
+    maxes_RB1 = xs_RBb.amax(-1, keepdim=True)
+    sums_RB1 = (xs_RBb - maxes_RB1).exp().sum(-1, keepdim=True)
+    maxes_RB, sums_RB = maxes_RB1[..., 0], sums_RB1[..., 0]
+    return maxes_RB, torch.where(maxes_RB > NEG_INF, sums_RB, 0.0)  # -inf - -inf: NaN
 
 
 def stats_whole(x_RV: Tensor, tf: Transform, block: int) -> tuple[Tensor, ...]:
@@ -77,28 +79,34 @@ def stats_groups(x_RV: Tensor, tf: Transform, block: int, work: Tensor) -> tuple
     if work.numel() < n * V * (2 if tf.both else 1):
         raise ValueError(f"stats_groups: work holds {work.numel()} values, needs {n} x {V}")
     out = [x_RV.new_empty(R, B, dtype=torch.float32) for _ in range(4 if tf.both else 2)]
+    # fp32 logits that need nothing are read where they lie, not copied
+    as_is = x_RV.dtype == torch.float32 and not tf.softcap and not tf.both
+    as_is = as_is and tf.temperature == 1.0 and tf.vocab_size >= V
     for r0 in range(0, R, n):
         r1 = min(R, r0 + n)
-        x1 = work[: (r1 - r0) * V].view(r1 - r0, V)
-        x1.copy_(x_RV[r0:r1])
+        first, second = (work[i * (r1 - r0) * V :][: (r1 - r0) * V] for i in (0, 1))
+        x1 = x_RV[r0:r1] if as_is else first.view(r1 - r0, V).copy_(x_RV[r0:r1])
         if tf.softcap:
             x1.div_(tf.softcap).tanh_().mul_(tf.softcap)
-        x1[:, tf.vocab_size :] = NEG_INF
+        if tf.vocab_size < V:
+            x1[:, tf.vocab_size :] = NEG_INF
         xs = x1
         if tf.temperature != 1.0:
-            xs = work[(r1 - r0) * V : 2 * (r1 - r0) * V].view(r1 - r0, V) if tf.both else x1
-            torch.div(x1, tf.temperature, out=xs)
-        _sums_into(xs.view(r1 - r0, B, block), out[0][r0:r1], out[1][r0:r1])
+            xs = torch.div(x1, tf.temperature, out=second.view(r1 - r0, V) if tf.both else x1)
+        exp_to = second if tf.both else first  # x1 kept for the sums at temperature 1
+        _sums_into(xs.view(r1 - r0, B, block), out[0][r0:r1], out[1][r0:r1], exp_to)
         if tf.both:
-            _sums_into(x1.view(r1 - r0, B, block), out[2][r0:r1], out[3][r0:r1])
+            _sums_into(x1.view(r1 - r0, B, block), out[2][r0:r1], out[3][r0:r1], first)
     return tuple(out)
 
 
-def _sums_into(xs_nBb: Tensor, maxes_nB: Tensor, sums_nB: Tensor) -> None:
-    """`_block_sums` written into ``maxes`` and ``sums``, ``xs`` overwritten by its exp."""
+def _sums_into(xs_nBb: Tensor, maxes_nB: Tensor, sums_nB: Tensor, work: Tensor) -> None:
+    """`_block_sums` written into ``maxes`` and ``sums``, exp(xs - max) into ``work`` (which
+    may be ``xs``)."""
     torch.amax(xs_nBb, -1, out=maxes_nB)
-    shift = torch.where(maxes_nB > NEG_INF, maxes_nB, 0.0)
-    torch.sum(xs_nBb.sub_(shift[..., None]).exp_(), -1, out=sums_nB)
+    shift = torch.where(maxes_nB > NEG_INF, maxes_nB, 0.0)[..., None]
+    e = torch.sub(xs_nBb, shift, out=work[: xs_nBb.numel()].view(xs_nBb.shape)).exp_()
+    torch.sum(e, -1, out=sums_nB)
 
 
 def _rescaled(maxes_RB: Tensor, sums_RB: Tensor) -> tuple[Tensor, Tensor]:
