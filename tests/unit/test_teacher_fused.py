@@ -126,8 +126,11 @@ def test_outputs_fused_equal_blocked(monkeypatch, tau):
 
 
 def test_mode_rule(monkeypatch):
+    """auto: compiled on CUDA; on the CPU eager for bf16 or capped logits, else off."""
     monkeypatch.delenv(fused.MODE_ENV, raising=False)
-    assert fused.mode("cpu") == "off" and fused.mode("cuda") == "compiled"
+    assert fused.mode("cuda") == "compiled" and fused.mode("cpu") == "off"
+    assert fused.mode("cpu", dtype=torch.bfloat16) == "eager"
+    assert fused.mode("cpu", softcap=30.0) == "eager"
     monkeypatch.setenv(fused.MODE_ENV, "eager")
     assert fused.mode("cuda") == "eager"
     monkeypatch.setenv(fused.MODE_ENV, "fast")

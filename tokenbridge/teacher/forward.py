@@ -105,8 +105,8 @@ def teacher_forward(
     )
     # its cap is left to the fused pass (in fp32, in the same read), unless on_logits reads
     # capped logits; other heads cap out of place below
-    fused = fused_serves(spec, ids_BU.device)
-    defer = softcap if plain and fused and on_logits is None else None
+    fused = plain and fused_serves(spec, ids_BU.device, dtype=head.weight.dtype, softcap=softcap)
+    defer = softcap if fused and on_logits is None else None
     if ids_BU.device.type == "cuda":  # spans of `span_rows` rows: fewer launches a token
         chunk = max(chunk, span_rows(spec, ids_BU.device) // max(1, ids_BU.shape[0]))
 

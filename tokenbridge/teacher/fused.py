@@ -40,12 +40,13 @@ class Transform:
         return self.target and self.temperature != 1.0
 
 
-def _capped(x: Tensor, cols: Tensor, tf: Transform) -> Tensor:
-    """fp32 logits at temperature 1 of raw ``x`` whose column ids are ``cols``."""
+def _capped(x: Tensor, cols: Tensor | None, tf: Transform) -> Tensor:
+    """fp32 logits at temperature 1 of raw ``x`` whose column ids are ``cols`` (None: no
+    padding among them)."""
     x1 = x.float()
     if tf.softcap:
         x1 = torch.tanh(x1 / tf.softcap) * tf.softcap
-    return x1.masked_fill(cols >= tf.vocab_size, NEG_INF)
+    return x1 if cols is None else x1.masked_fill(cols >= tf.vocab_size, NEG_INF)
 
 
 def _scaled(x1: Tensor, tf: Transform) -> Tensor:
@@ -65,7 +66,7 @@ def stats_whole(x_RV: Tensor, tf: Transform, block: int) -> tuple[Tensor, ...]:
     """(maxes [R, B], sums [R, B]) of every block, and at temperature 1 when ``tf.both``: the
     whole-row function `torch.compile` fuses into one read of ``x``."""
     R, V = x_RV.shape
-    x1 = _capped(x_RV, torch.arange(V, device=x_RV.device), tf)
+    x1 = _capped(x_RV, torch.arange(V, device=x_RV.device) if tf.vocab_size < V else None, tf)
     out = _block_sums(_scaled(x1, tf).view(R, V // block, block))
     return out + _block_sums(x1.view(R, V // block, block)) if tf.both else out
 
@@ -97,16 +98,17 @@ def stats_groups(x_RV: Tensor, tf: Transform, block: int, work: Tensor) -> tuple
         _sums_into(xs.view(r1 - r0, B, block), out[0][r0:r1], out[1][r0:r1], exp_to)
         if tf.both:
             _sums_into(x1.view(r1 - r0, B, block), out[2][r0:r1], out[3][r0:r1], first)
+    for maxes, sums in zip(out[::2], out[1::2], strict=True):  # -inf - -inf: NaN
+        sums.masked_fill_(maxes == NEG_INF, 0.0)
     return tuple(out)
 
 
 def _sums_into(xs_nBb: Tensor, maxes_nB: Tensor, sums_nB: Tensor, work: Tensor) -> None:
-    """`_block_sums` written into ``maxes`` and ``sums``, exp(xs - max) into ``work`` (which
-    may be ``xs``)."""
+    """`_block_sums` written into ``maxes`` and ``sums`` (NaN for a block of -inf: zeroed
+    later, in one op), exp(xs - max) into ``work`` (which may be ``xs``)."""
     torch.amax(xs_nBb, -1, out=maxes_nB)
-    shift = torch.where(maxes_nB > NEG_INF, maxes_nB, 0.0)[..., None]
-    e = torch.sub(xs_nBb, shift, out=work[: xs_nBb.numel()].view(xs_nBb.shape)).exp_()
-    torch.sum(e, -1, out=sums_nB)
+    e = torch.sub(xs_nBb, maxes_nB[..., None], out=work[: xs_nBb.numel()].view(xs_nBb.shape))
+    torch.sum(e.exp_(), -1, out=sums_nB)
 
 
 def _rescaled(maxes_RB: Tensor, sums_RB: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,11 +129,15 @@ def finish(x_RV: Tensor, tgt_R, stats: tuple[Tensor, ...], tf: Transform, *, blo
     the largest maxes (exact: `blocked.topk_blocked`), whose columns only are read again. Every
     log-prob is (x - max) - log(mass / e^max), and the tail's log1p(-top mass / mass) while
     the top k hold under half: no fp32 logZ ~ 10 cancelled against a log-prob near 0."""
-    R = x_RV.shape[0]
+    R, V = x_RV.shape
     m_R1, rescaled_RB = _rescaled(*stats[:2])
     chosen_RK = torch.topk(stats[0], k, dim=-1).indices
-    cols_RC = (chosen_RK[..., None] * block + torch.arange(block, device=x_RV.device)).view(R, -1)
-    cand_RC = _scaled(_capped(x_RV.gather(1, cols_RC), cols_RC, tf), tf)
+    # the chosen blocks, whole: [R, K, block] copied by blocks, not gathered column by column
+    rows_R1 = torch.arange(R, device=x_RV.device)[:, None]
+    cand_RKb = x_RV.view(R, V // block, block)[rows_R1, chosen_RK]
+    offsets = torch.arange(block, device=x_RV.device)
+    cols_RKb = chosen_RK[..., None] * block + offsets if tf.vocab_size < V else None
+    cand_RC = _scaled(_capped(cand_RKb, cols_RKb, tf), tf).view(R, -1)
     vals, at_RK = torch.topk(cand_RC, k, dim=-1)
     # the masses (over e^max), each a sum of non-negative terms: the top k; the tail = every
     # block not chosen + the chosen blocks' columns outside the top k
@@ -145,7 +151,7 @@ def finish(x_RV: Tensor, tgt_R, stats: tuple[Tensor, ...], tf: Transform, *, blo
     tail_lp = torch.where(q_R < 0.5, torch.log1p(-q_R), tail_R.log() - log_mass)
     out = {
         "lp": (vals - m_R1) - log_mass[:, None],
-        "ids": cols_RC.gather(1, at_RK),
+        "ids": chosen_RK.gather(1, at_RK // block) * block + at_RK % block,
         "tail": torch.where(mass_R > 0, tail_lp, NEG_INF),
     }
     if tf.target:
@@ -182,15 +188,20 @@ def spec_fields(f: dict[str, Tensor], tgt_R) -> dict[str, Tensor]:
     return out
 
 
-def mode(device) -> str:
-    """How the fused pass runs on ``device``: ``compiled``, ``eager`` or ``off`` (the blocked
-    passes). ``auto`` (the default of `MODE_ENV`): compiled on CUDA, off on the CPU."""
+def mode(device, *, dtype: torch.dtype = torch.float32, softcap: float | None = None) -> str:
+    """How the fused pass runs on ``device`` for a head output of ``dtype`` with ``softcap``
+    still to apply: ``compiled``, ``eager`` or ``off`` (the blocked passes). ``auto`` (the
+    default of `MODE_ENV`): compiled on CUDA; elsewhere eager where it measured faster than
+    the blocked passes (bf16 logits, a cap to apply), else off (fp32 uncapped: a tie; the
+    blocked passes' numbers kept)."""
     want = os.environ.get(MODE_ENV, "auto")
     if want not in ("auto", "compiled", "eager", "off"):
         raise ValueError(f"{MODE_ENV}={want!r}: expected auto, compiled, eager or off")
     if want != "auto":
         return want
-    return "compiled" if torch.device(device).type == "cuda" else "off"
+    if torch.device(device).type == "cuda":
+        return "compiled"
+    return "eager" if dtype != torch.float32 or softcap else "off"
 
 
 def topk_fields(

@@ -257,8 +257,8 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None, softcap) -
     (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
     ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
     zeroed (exact), not 1 - sum and not a masked copy."""
-    if fused_serves(spec, x_RV.device):
-        how = fused.mode(x_RV.device)
+    if fused_serves(spec, x_RV.device, dtype=x_RV.dtype, softcap=softcap):
+        how = fused.mode(x_RV.device, dtype=x_RV.dtype, softcap=softcap)
         tf = fused.Transform(spec.vocab_size, softcap, spec.temperature, spec.target)
         work = None
         if how == "eager" and workspace is not None:
@@ -317,10 +317,10 @@ def _capped(x_RV: Tensor, softcap: float | None) -> Tensor:
     return x1.div_(softcap).tanh_().mul_(softcap) if softcap else x1
 
 
-def fused_serves(spec: TeacherOutputSpec, device) -> bool:
-    """Whether the spec's fields take the fused pass on ``device`` (widths where its blocks
-    would not pay aside: `blocked.block_size`)."""
-    return bool(spec.topk) and not spec.columns and fused.mode(device) != "off"
+def fused_serves(spec: TeacherOutputSpec, device, **logits) -> bool:
+    """Whether the spec's fields take the fused pass on ``device`` for ``logits`` (`fused.mode`:
+    dtype, softcap), widths where its blocks would not pay aside (`blocked.block_size`)."""
+    return bool(spec.topk) and not spec.columns and fused.mode(device, **logits) != "off"
 
 
 def span_rows(spec: TeacherOutputSpec, device) -> int:
