@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,9 @@ def fields_whole(x_RV: Tensor, tgt_R, tf: Transform, *, block: int, k: int):
     return finish(x_RV, tgt_R, stats_whole(x_RV, tf, block), tf, block=block, k=k)
 
 
+_FAILED: list[Exception] = []  # the compile's failure, once: later spans run eagerly
+
+
 @functools.cache
 def _compiled():
     return torch.compile(fields_whole, dynamic=None)
@@ -214,11 +218,18 @@ def topk_fields(
     block = blocked.block_size(V, k)
     if not block or not x_RV.is_contiguous():
         return None
-    if how == "compiled":
+    if how == "compiled" and not _FAILED:
         torch._dynamo.maybe_mark_dynamic(x_RV, 0)  # one graph for every span's rows
         if tgt_R is not None:
             torch._dynamo.maybe_mark_dynamic(tgt_R, 0)
-        return _compiled()(x_RV, tgt_R, tf, block=block, k=k)
+        try:
+            return _compiled()(x_RV, tgt_R, tf, block=block, k=k)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # no compiler here (no triton, no C++ compiler): eager, said once
+            _FAILED.append(err)
+            msg = f"teacher fused pass: torch.compile failed ({err!r}); running it eagerly"
+            warnings.warn(msg, stacklevel=2)
     if work is None:
         n = blocked.pass_rows(R, V, x_RV.device) * (2 if tf.both else 1)
         work = x_RV.new_empty(n * V, dtype=torch.float32)
