@@ -4,8 +4,8 @@ The blocked passes (`teacher.blocked`) read fp32 logits that earlier whole-buffe
 upcast and soft-capped. Here one function reads the head's output as it comes (bf16 on a GPU)
 once: per block of columns it upcasts, caps, masks padding, divides by the temperature and keeps
 the block's max and its sum of exp(x - that max), in fp32; only the k candidate blocks' columns
-(and the target's) are read again. Compiled on CUDA; on CPU the eager version in row groups
-(docs/losses.md, "Blocked passes over the vocabulary").
+(and the target's) are read again. Compiled on CUDA, eager by row groups on the CPU where it
+pays (`mode`; docs/losses.md, "Blocked passes over the vocabulary").
 
 Legend: R rows, V columns, B blocks of a row, K top-k, C candidate columns.
 """
@@ -54,22 +54,29 @@ def _scaled(x1: Tensor, tf: Transform) -> Tensor:
     return x1 if tf.temperature == 1.0 else x1 / tf.temperature
 
 
-def _block_sums(xs_RBb: Tensor) -> tuple[Tensor, Tensor]:
-    """(block maxes, block sums of exp(x - block max)); a block of -inf sums to 0. Written as
-    inductor's softmax pattern, which it turns into one online reduction on CUDA."""
-    maxes_RB1 = xs_RBb.amax(-1, keepdim=True)
-    sums_RB1 = (xs_RBb - maxes_RB1).exp().sum(-1, keepdim=True)
-    maxes_RB, sums_RB = maxes_RB1[..., 0], sums_RB1[..., 0]
-    return maxes_RB, torch.where(maxes_RB > NEG_INF, sums_RB, 0.0)  # -inf - -inf: NaN
-
-
 def stats_whole(x_RV: Tensor, tf: Transform, block: int) -> tuple[Tensor, ...]:
     """(maxes [R, B], sums [R, B]) of every block, and at temperature 1 when ``tf.both``: the
-    whole-row function `torch.compile` fuses into one read of ``x``."""
+    whole-row function `torch.compile` fuses into one read of ``x``. The transform is monotone,
+    so a block's max is the transformed max of its raw columns: read from ``x`` itself, it
+    leaves the transformed logits one reader (compiled for the CPU, they are not written out)."""
     R, V = x_RV.shape
-    x1 = _capped(x_RV, torch.arange(V, device=x_RV.device) if tf.vocab_size < V else None, tf)
-    out = _block_sums(_scaled(x1, tf).view(R, V // block, block))
-    return out + _block_sums(x1.view(R, V // block, block)) if tf.both else out
+    B = V // block
+    x_RBb = x_RV.view(R, B, block)
+    starts_B = torch.arange(B, device=x_RV.device) * block
+    if tf.vocab_size < V:
+        cols_Bb = starts_B[:, None] + torch.arange(block, device=x_RV.device)
+        x_RBb = x_RBb.masked_fill(cols_Bb >= tf.vocab_size, NEG_INF)  # padding never the max
+    # a block of padding only is -inf (capped, a raw -inf logit is -cap, as in the dense path)
+    top1_RB = _capped(x_RBb.amax(-1), starts_B, tf)
+    x1_RBb = _capped(x_RBb, cols_Bb if tf.vocab_size < V else None, tf)
+    out = (_scaled(top1_RB, tf), _sums(_scaled(x1_RBb, tf), _scaled(top1_RB, tf)))
+    return out + (top1_RB, _sums(x1_RBb, top1_RB)) if tf.both else out
+
+
+def _sums(x_RBb: Tensor, maxes_RB: Tensor) -> Tensor:
+    """Block sums of exp(x - block max); a block of -inf sums to 0 (-inf - -inf: NaN)."""
+    sums_RB = (x_RBb - maxes_RB[..., None]).exp().sum(-1)
+    return torch.where(maxes_RB > NEG_INF, sums_RB, 0.0)
 
 
 def stats_groups(x_RV: Tensor, tf: Transform, block: int, work: Tensor) -> tuple[Tensor, ...]:
