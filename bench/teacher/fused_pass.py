@@ -3,7 +3,7 @@
 One span of the demo teacher's head output (256 rows x 262,144 columns, Gemma; k = 32 and the
 target, as the cache job asks), fp32 (CPU models) and bf16, with and without a soft cap: today's
 blocked passes (the cap in place on the head's buffer, the bf16 -> fp32 copy, then
-`blocked.topk_fields`) against `teacher.fused` eager and compiled, through
+`blocked.topk_fields`) against `teacher.fused_topk` eager and compiled, through
 `teacher_outputs_from_logits` as `teacher_forward` calls it. Alternated in one process.
 """
 
@@ -16,7 +16,7 @@ import time
 import torch
 
 from bench.provenance import cpu_model
-from tokenbridge.teacher import fused
+from tokenbridge.teacher import fused_topk
 from tokenbridge.teacher.outputs import TeacherOutputSpec, Workspace, teacher_outputs_from_logits
 
 MEASURES = (
@@ -27,8 +27,10 @@ ROWS = int(os.environ.get("BENCH_FUSED_ROWS", 256))
 WIDTH = 262_144
 K = 32
 REPS = int(os.environ.get("BENCH_FUSED_REPS", 7))
-THREADS = int(os.environ.get("BENCH_FUSED_THREADS", 0))  # 0: torch's default
-VARIANTS = ("blocked", "eager", "compiled")  # `fused.MODE_ENV` off / eager / compiled
+# one thread: on the shared 2-core machine, two-thread runs of the same pass swung 3x (the
+# per-row ops' thread barriers wait for a descheduled thread); 0: torch's default
+THREADS = int(os.environ.get("BENCH_FUSED_THREADS", 1))
+VARIANTS = ("blocked", "eager", "compiled")  # `fused_topk.MODE_ENV` off / eager / compiled
 
 
 def _span(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +49,7 @@ def _runner(x_raw, tgt, softcap):
 
     def run(variant: str) -> float:
         buf.copy_(x_raw)  # the head's product: not timed
-        os.environ[fused.MODE_ENV] = "off" if variant == "blocked" else variant
+        os.environ[fused_topk.MODE_ENV] = "off" if variant == "blocked" else variant
         t0 = time.perf_counter()
         cap = softcap
         if variant == "blocked" and softcap:  # today: capped in place in the model's dtype
@@ -65,7 +67,7 @@ def measure() -> list[dict]:
     if THREADS:
         torch.set_num_threads(THREADS)
     rows = []
-    before = os.environ.get(fused.MODE_ENV)
+    before = os.environ.get(fused_topk.MODE_ENV)
     try:
         for dtype in (torch.float32, torch.bfloat16):
             for softcap in (None, 30.0):
@@ -82,9 +84,9 @@ def measure() -> list[dict]:
                 print(rows[-1], flush=True)
     finally:
         if before is None:
-            os.environ.pop(fused.MODE_ENV, None)
+            os.environ.pop(fused_topk.MODE_ENV, None)
         else:
-            os.environ[fused.MODE_ENV] = before
+            os.environ[fused_topk.MODE_ENV] = before
     return rows
 
 
@@ -112,7 +114,7 @@ def main() -> str:
         f"{torch.get_num_threads()} threads on {cpu_model()}: median of {REPS} alternated runs "
         "(`bench/teacher/fused_pass.py`). blocked: the default CPU path (the cap in place on "
         "the head's buffer, a bf16 span copied to fp32, `teacher.blocked`); fused: "
-        '`teacher.fused` (docs/losses.md, "Blocked passes over the vocabulary"), the compiled '
+        '`teacher.fused_topk` (docs/losses.md, "Blocked passes over the vocabulary"), the compiled '
         "one's first call compiling (inductor's disk cache may hold it).\n\n" + table(rows) + "\n"
     )
 

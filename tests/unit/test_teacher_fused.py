@@ -1,4 +1,4 @@
-"""The fused teacher pass (`tokenbridge.teacher.fused`) against the float64 dense reference:
+"""The fused teacher pass (`tokenbridge.teacher.fused_topk`) against the float64 dense reference:
 eager (ms each), through `teacher_outputs_from_logits` and `teacher_forward` (the deferred
 soft cap), and compiled once at a small shape with dynamic rows (~10 s: the suite's one compile).
 """
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenbridge.teacher import fused
+from tokenbridge.teacher import fused_topk
 from tokenbridge.teacher.forward import teacher_forward
-from tokenbridge.teacher.outputs import TeacherOutputSpec, teacher_outputs_from_logits
+from tokenbridge.teacher.outputs import TeacherOutputSpec, Workspace, teacher_outputs_from_logits
 
 NEG = float("-inf")
 WIDTH, VOCAB, K = 8192, 8000, 8  # 32 blocks of 256, padded columns past VOCAB
@@ -33,7 +33,7 @@ def _span(rows: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, t
     return x.to(dtype), tgt
 
 
-def _dense(x: torch.Tensor, tgt: torch.Tensor, tf: fused.Transform):
+def _dense(x: torch.Tensor, tgt: torch.Tensor, tf: fused_topk.Transform):
     """(top-k log-probs, ids, tail log-prob, target log-prob at temperature 1) in float64."""
     y = x.double()
     if tf.softcap:
@@ -46,8 +46,8 @@ def _dense(x: torch.Tensor, tgt: torch.Tensor, tf: fused.Transform):
     return lp, vals, ids, tail, torch.where(tgt >= 0, target, 0.0)
 
 
-def _check(got: dict, x: torch.Tensor, tgt: torch.Tensor, tf: fused.Transform) -> None:
-    """``got`` (`fused.spec_fields`) within 1e-6 relative of the dense reference; the all -inf
+def _check(got: dict, x: torch.Tensor, tgt: torch.Tensor, tf: fused_topk.Transform) -> None:
+    """``got`` (`fused_topk.spec_fields`) within 1e-6 relative of the dense reference; the all -inf
     row (2) all -inf with ids -1, as the whole-row path gives it (capped, -inf is -cap: ties)."""
     lp, vals, ids, tail, target = _dense(x, tgt, tf)
     live = torch.ones(x.shape[0], dtype=torch.bool)
@@ -76,18 +76,18 @@ def _check(got: dict, x: torch.Tensor, tgt: torch.Tensor, tf: fused.Transform) -
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 def test_eager_pass_matches_float64_dense(dtype, softcap, tau):
     x, tgt = _span(13, dtype)  # 13 rows: no multiple of anything
-    tf = fused.Transform(VOCAB, softcap=softcap, temperature=tau, target=True)
-    got = fused.topk_fields(x, tgt, tf, K, how="eager")
-    _check(fused.spec_fields(got, tgt), x, tgt, tf)
+    tf = fused_topk.Transform(VOCAB, softcap=softcap, temperature=tau, target=True)
+    got = fused_topk.topk_fields(x, tgt, tf, K, how="eager")
+    _check(fused_topk.spec_fields(got, tgt), x, tgt, tf)
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_groups_equal_the_whole_row_function(softcap):
     """The eager row groups compute what the compiled function does, in whole-row ops."""
     x, _ = _span(5, torch.bfloat16)
-    tf = fused.Transform(VOCAB, softcap=softcap, temperature=2.0, target=True)
+    tf = fused_topk.Transform(VOCAB, softcap=softcap, temperature=2.0, target=True)
     work = torch.empty(2 * 5 * WIDTH)  # two buffers of `blocked.pass_rows` (5) rows
-    whole, groups = fused.stats_whole(x, tf, 256), fused.stats_groups(x, tf, 256, work)
+    whole, groups = fused_topk.stats_whole(x, tf, 256), fused_topk.stats_groups(x, tf, 256, work)
     for a, b in zip(whole, groups, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
@@ -95,9 +95,11 @@ def test_groups_equal_the_whole_row_function(softcap):
 def test_widths_without_blocks_fall_back():
     """No block size for odd widths or too few blocks: None, and the outputs take the
     whole-row path, capping there what the head left uncapped."""
-    tf = fused.Transform(50, softcap=2.0)
-    assert fused.topk_fields(torch.randn(3, 50), None, tf, 4, how="eager") is None
-    assert fused.topk_fields(torch.randn(3, 1024), None, tf, 4, how="eager") is None  # 4 blocks
+    tf = fused_topk.Transform(50, softcap=2.0)
+    assert fused_topk.topk_fields(torch.randn(3, 50), None, tf, 4, how="eager") is None
+    assert (
+        fused_topk.topk_fields(torch.randn(3, 1024), None, tf, 4, how="eager") is None
+    )  # 4 blocks
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 8191, generator=g) * 3
     spec = TeacherOutputSpec(8000, topk=4, target=True, chunk_size=4)
@@ -116,9 +118,9 @@ def test_outputs_fused_equal_blocked(monkeypatch, tau):
     x, tgt = _span(12, torch.float32)
     x, tgt = x.view(2, 6, WIDTH), tgt.view(2, 6)
     spec = TeacherOutputSpec(VOCAB, topk=K, target=True, temperature=tau, chunk_size=8)
-    monkeypatch.setenv(fused.MODE_ENV, "off")
+    monkeypatch.setenv(fused_topk.MODE_ENV, "off")
     want = teacher_outputs_from_logits(torch.tanh(x / 30.0) * 30.0, spec=spec, target_ids_BT=tgt)
-    monkeypatch.setenv(fused.MODE_ENV, "eager")
+    monkeypatch.setenv(fused_topk.MODE_ENV, "eager")
     got = teacher_outputs_from_logits(x, spec=spec, target_ids_BT=tgt, softcap=30.0)
     assert torch.equal(got.topk_ids, want.topk_ids)
     for name in ("topk_logprobs", "tail_logprob", "target_logprob"):
@@ -127,15 +129,15 @@ def test_outputs_fused_equal_blocked(monkeypatch, tau):
 
 def test_mode_rule(monkeypatch):
     """auto: compiled on CUDA; on the CPU eager for bf16 or capped logits, else off."""
-    monkeypatch.delenv(fused.MODE_ENV, raising=False)
-    assert fused.mode("cuda") == "compiled" and fused.mode("cpu") == "off"
-    assert fused.mode("cpu", dtype=torch.bfloat16) == "eager"
-    assert fused.mode("cpu", softcap=30.0) == "eager"
-    monkeypatch.setenv(fused.MODE_ENV, "eager")
-    assert fused.mode("cuda") == "eager"
-    monkeypatch.setenv(fused.MODE_ENV, "fast")
+    monkeypatch.delenv(fused_topk.MODE_ENV, raising=False)
+    assert fused_topk.mode("cuda") == "compiled" and fused_topk.mode("cpu") == "off"
+    assert fused_topk.mode("cpu", dtype=torch.bfloat16) == "eager"
+    assert fused_topk.mode("cpu", softcap=30.0) == "eager"
+    monkeypatch.setenv(fused_topk.MODE_ENV, "eager")
+    assert fused_topk.mode("cuda") == "eager"
+    monkeypatch.setenv(fused_topk.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="expected auto"):
-        fused.mode("cpu")
+        fused_topk.mode("cpu")
 
 
 def _capped_model(hidden: torch.Tensor, head: torch.nn.Linear, cap: float):
@@ -161,12 +163,20 @@ def test_teacher_forward_leaves_the_cap_to_the_fused_pass(monkeypatch):
     seen = []
 
     def run(how: str, on_logits=None):
-        monkeypatch.setenv(fused.MODE_ENV, how)
+        """The outputs, and the largest |logit| of the last span's product as the head left it."""
+        monkeypatch.setenv(fused_topk.MODE_ENV, how)
+        work = Workspace()
         kw = {"spec": spec, "columns": None, "chunk": 2, "on_logits": on_logits}
-        return teacher_forward(model, ids, mask, **kw)
+        out = teacher_forward(model, ids, mask, workspace=work, **kw)
+        return out, float(work.get("logits", B, WIDTH, "cpu").abs().max())
 
-    want = run("off")
-    for got in (run("eager"), run("eager", on_logits=lambda t0, x: seen.append(x.clone()))):
+    want, top = run("off")
+    assert top <= 5.0  # capped in place
+    for (got, top), raw in (
+        (run("eager"), True),
+        (run("eager", on_logits=lambda t0, x: seen.append(x.clone())), False),
+    ):
+        assert (top > 5.0) == raw  # left raw for the fused pass, unless on_logits reads it
         assert torch.equal(got.topk_ids, want.topk_ids)
         for name in ("topk_logprobs", "tail_logprob", "target_logprob"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name))
@@ -180,11 +190,11 @@ def test_compiled_pass_matches_float64_dense_without_recompiling():
     the graph (rows are dynamic)."""
     from torch._dynamo.utils import counters
 
-    tf = fused.Transform(VOCAB, softcap=30.0, temperature=2.0, target=True)
+    tf = fused_topk.Transform(VOCAB, softcap=30.0, temperature=2.0, target=True)
     for rows in (6, 11):
         x, tgt = _span(rows, torch.bfloat16, seed=rows)
-        got = fused.topk_fields(x, tgt, tf, K, how="compiled")
+        got = fused_topk.topk_fields(x, tgt, tf, K, how="compiled")
         if rows == 6:
             frames = counters["frames"]["ok"]
-        _check(fused.spec_fields(got, tgt), x, tgt, tf)
+        _check(fused_topk.spec_fields(got, tgt), x, tgt, tf)
     assert counters["frames"]["ok"] == frames  # no recompile for the new row count

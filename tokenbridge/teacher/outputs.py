@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from tokenbridge.dist_ops import vocab_ops
-from tokenbridge.teacher import blocked, fused
+from tokenbridge.teacher import blocked, fused_topk
 
 NEG_INF = float("-inf")
 CUDA_SPAN_ROWS = 2048  # rows of a fused pass on CUDA: its ~20 launches amortised over 0.5 GB
@@ -253,20 +253,20 @@ def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
 @torch.no_grad()
 def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None, softcap) -> dict[str, Tensor]:
     """Same fields on one device. Top-k (+ target) without columns: in one fused pass
-    (`tokenbridge.teacher.fused`, where `fused.mode` says so) or blocked passes
+    (`tokenbridge.teacher.fused_topk`, where `fused_topk.mode` says so) or blocked passes
     (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
     ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
     zeroed (exact), not 1 - sum and not a masked copy."""
     if fused_serves(spec, x_RV.device, dtype=x_RV.dtype, softcap=softcap):
-        how = fused.mode(x_RV.device, dtype=x_RV.dtype, softcap=softcap)
-        tf = fused.Transform(spec.vocab_size, softcap, spec.temperature, spec.target)
+        how = fused_topk.mode(x_RV.device, dtype=x_RV.dtype, softcap=softcap)
+        tf = fused_topk.Transform(spec.vocab_size, softcap, spec.temperature, spec.target)
         work = None
         if how == "eager" and workspace is not None:
             n = blocked.pass_rows(*x_RV.shape, x_RV.device) * (2 if tf.both else 1)
             work = workspace.get("exp", n, x_RV.shape[1], x_RV.device).view(-1)
-        fields_ = fused.topk_fields(x_RV, tgt_R, tf, spec.topk, how=how, work=work)
+        fields_ = fused_topk.topk_fields(x_RV, tgt_R, tf, spec.topk, how=how, work=work)
         if fields_ is not None:
-            return fused.spec_fields(fields_, tgt_R)
+            return fused_topk.spec_fields(fields_, tgt_R)
     x1 = vocab_ops.mask_padded(_capped(x_RV, softcap), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     R, V = xs.shape
@@ -318,9 +318,10 @@ def _capped(x_RV: Tensor, softcap: float | None) -> Tensor:
 
 
 def fused_serves(spec: TeacherOutputSpec, device, **logits) -> bool:
-    """Whether the spec's fields take the fused pass on ``device`` for ``logits`` (`fused.mode`:
-    dtype, softcap), widths where its blocks would not pay aside (`blocked.block_size`)."""
-    return bool(spec.topk) and not spec.columns and fused.mode(device, **logits) != "off"
+    """Whether the spec's fields take the fused pass on ``device`` for ``logits`` (dtype,
+    softcap: `fused_topk.mode`), widths where its blocks would not pay aside
+    (`blocked.block_size`)."""
+    return bool(spec.topk) and not spec.columns and fused_topk.mode(device, **logits) != "off"
 
 
 def span_rows(spec: TeacherOutputSpec, device) -> int:
