@@ -112,7 +112,7 @@ def stats_groups(x_RV: Tensor, tf: Transform, block: int, work: Tensor) -> tuple
 
 
 def _sums_into(xs_nBb: Tensor, maxes_nB: Tensor, sums_nB: Tensor, work: Tensor) -> None:
-    """`_block_sums` written into ``maxes`` and ``sums`` (NaN for a block of -inf: zeroed
+    """`_sums` and the maxes written into ``maxes`` and ``sums`` (NaN for a block of -inf: zeroed
     later, in one op), exp(xs - max) into ``work`` (which may be ``xs``)."""
     torch.amax(xs_nBb, -1, out=maxes_nB)
     e = torch.sub(xs_nBb, maxes_nB[..., None], out=work[: xs_nBb.numel()].view(xs_nBb.shape))
