@@ -108,14 +108,17 @@ def table(rows: list[dict]) -> str:
 
 def main() -> str:
     rows = measure()
+    threads = torch.get_num_threads()
     return (
         "## teacher_pass\n\n"
         f"One span of {ROWS} rows x {WIDTH:,} columns, top-{K} + tail + target, "
-        f"{torch.get_num_threads()} threads on {cpu_model()}: median of {REPS} alternated runs "
-        "(`bench/teacher/fused_pass.py`). blocked: the default CPU path (the cap in place on "
-        "the head's buffer, a bf16 span copied to fp32, `teacher.blocked`); fused: "
-        '`teacher.fused_topk` (docs/losses.md, "Blocked passes over the vocabulary"), the compiled '
-        "one's first call compiling (inductor's disk cache may hold it).\n\n" + table(rows) + "\n"
+        f"{threads} thread{'s' if threads > 1 else ''} on {cpu_model()}: median of {REPS} "
+        "alternated runs (`bench/teacher/fused_pass.py`). blocked: the blocked passes (the cap "
+        "in place on the head's buffer, a bf16 span copied to fp32, `teacher.blocked`), the "
+        "CPU's default for fp32 uncapped logits; fused: `teacher.fused_topk`, eager (the CPU's "
+        "default for bf16 or capped logits) and compiled (CUDA's default), whose first call "
+        "compiles (inductor's disk cache may hold it). docs/losses.md, \"Blocked passes over "
+        'the vocabulary".\n\n' + table(rows) + "\n"
     )
 
 
