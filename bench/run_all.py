@@ -46,6 +46,7 @@ SECTIONS = {
     "served_teacher": "teacher.served_vs_live",
     "sharded_load": "training.sharded_load",
     "teacher_cache": "teacher.cache",
+    "teacher_pass": "teacher.fused_pass",
     "trainer": "training.trainer_step",
 }
 

@@ -20,6 +20,8 @@ from tokenbridge.teacher.outputs import (
     TeacherOutputSpec,
     Workspace,
     allocate_teacher_outputs,
+    fused_serves,
+    span_rows,
     teacher_outputs_from_logits,
 )
 
@@ -95,22 +97,29 @@ def teacher_forward(
     # Gemma caps its logits (tanh); the HF model does it after its lm_head, so we do too
     softcap = getattr(model.config, "final_logit_softcapping", None)
     workspace = workspace or Workspace()
-    # a plain lm_head writes its product into a reused buffer, capped in place (same values)
+    # a plain lm_head writes its product into a reused buffer, in the model's dtype
     plain = (
         type(head) is torch.nn.Linear
         and head.bias is None
         and not isinstance(head.weight, DTensor)  # TP: the module's own hooks shard it
     )
+    # its cap is left to the fused pass (in fp32, in the same read), unless on_logits reads
+    # capped logits; other heads cap out of place below
+    fused = plain and fused_serves(spec, ids_BU.device, dtype=head.weight.dtype, softcap=softcap)
+    defer = softcap if fused and on_logits is None else None
+    if ids_BU.device.type == "cuda":  # spans of `span_rows` rows: fewer launches a token
+        chunk = max(chunk, span_rows(spec, ids_BU.device) // max(1, ids_BU.shape[0]))
 
     def logits_of(h_BnH):
-        """(logits [B, n, V], tp group): this rank's vocabulary shard under TP, softcapped."""
+        """(logits [B, n, V], tp group): this rank's vocabulary shard under TP, softcapped
+        unless ``defer``."""
         if plain:
             B, n, H = h_BnH.shape
             w_VH = head.weight
             buf = workspace.get("logits", B * n, w_VH.shape[0], h_BnH.device, w_VH.dtype)
             # one [B*n, H] product (the span is contiguous), written into the buffer
             torch.mm(h_BnH.reshape(B * n, H), w_VH.t(), out=buf)
-            if softcap:
+            if softcap and not defer:
                 buf.div_(softcap).tanh_().mul_(softcap)
             return buf.view(B, n, -1), None
         logits, group = unwrap_vocab_sharded(head(h_BnH))
@@ -126,6 +135,7 @@ def teacher_forward(
             columns=columns,
             chunk=chunk,
             workspace=workspace,
+            softcap=defer,
         )
     out = allocate_teacher_outputs(spec, *ids_BU.shape, device=ids_BU.device)
     _fill_by_spans(
@@ -138,16 +148,28 @@ def teacher_forward(
         step=chunk,
         on_logits=on_logits,
         workspace=workspace,
+        softcap=defer,
     )
     return out
 
 
 def _fill_by_spans(
-    out, hidden_BUH, logits_of, *, tgt_BU, columns, spec, step, on_logits=None, workspace=None
+    out,
+    hidden_BUH,
+    logits_of,
+    *,
+    tgt_BU,
+    columns,
+    spec,
+    step,
+    on_logits=None,
+    workspace=None,
+    softcap=None,
 ):
     """Fill ``out`` [B, U] ``step`` positions at a time: the lm_head on that span of the hidden
     states, then its teacher outputs written in place. ``columns`` [B, U, N] (per position)
-    are sliced with the span; any other ``columns`` is passed whole."""
+    are sliced with the span; any other ``columns`` is passed whole. ``softcap``: the cap
+    `logits_of` left to the outputs."""
     U = hidden_BUH.shape[1]
     per_position = columns is not None and columns.dim() == 3
     for t0 in range(0, U, step):
@@ -167,10 +189,13 @@ def _fill_by_spans(
             out=out.narrow_t(t0, n),
             tp_group=tp_group,
             workspace=workspace,
+            softcap=softcap,
         )
 
 
-def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk, workspace):
+def _used_rows_only(
+    hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, chunk, workspace, softcap
+):
     """Outputs at the used positions: their hidden states gathered into one row [1, N], the
     lm_head applied `chunk` * B rows at a time, then scattered into the [B, U] outputs."""
     B, U, H = hidden_BUH.shape
@@ -182,7 +207,15 @@ def _used_rows_only(hidden_BUH, tgt_BU, used_BU, logits_of, *, spec, columns, ch
     c_N = columns.reshape(B * U, -1)[rows][None] if per_position else columns
     step = max(1, chunk * B)
     _fill_by_spans(
-        flat, h_N, logits_of, tgt_BU=t_N, columns=c_N, spec=spec, step=step, workspace=workspace
+        flat,
+        h_N,
+        logits_of,
+        tgt_BU=t_N,
+        columns=c_N,
+        spec=spec,
+        step=step,
+        workspace=workspace,
+        softcap=softcap,
     )
     out = allocate_teacher_outputs(spec, B, U, device=hidden_BUH.device)
     for name, dst in out.tensors().items():

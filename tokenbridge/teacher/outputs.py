@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from tokenbridge.dist_ops import vocab_ops
-from tokenbridge.teacher import blocked
+from tokenbridge.teacher import blocked, fused_topk
 
 NEG_INF = float("-inf")
+CUDA_SPAN_ROWS = 2048  # rows of a fused pass on CUDA: its ~20 launches amortised over 0.5 GB
 
 FIELD_NAMES = (
     "topk_ids",
@@ -207,9 +208,9 @@ def _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group) -> None:
 
 
 @torch.no_grad()
-def _rows(x_RV, spec, tgt_R, cols, tp_group) -> dict[str, Tensor]:
+def _rows(x_RV, spec, tgt_R, cols, tp_group, softcap) -> dict[str, Tensor]:
     """All requested fields for R rows of raw teacher logits (vocab-parallel composition)."""
-    x1 = vocab_ops.mask_padded(x_RV.float(), spec.vocab_size, tp_group=tp_group)
+    x1 = vocab_ops.mask_padded(_capped(x_RV, softcap), spec.vocab_size, tp_group=tp_group)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     logz = vocab_ops.logsumexp(xs, tp_group)
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
@@ -250,12 +251,23 @@ def _zero_cols(e_RV: Tensor, cols: Tensor) -> None:
 
 
 @torch.no_grad()
-def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None) -> dict[str, Tensor]:
-    """Same fields on one device. Top-k (+ target) without columns: in blocked passes
+def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None, softcap) -> dict[str, Tensor]:
+    """Same fields on one device. Top-k (+ target) without columns: in one fused pass
+    (`tokenbridge.teacher.fused_topk`, where `fused_topk.mode` says so) or blocked passes
     (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
     ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
     zeroed (exact), not 1 - sum and not a masked copy."""
-    x1 = vocab_ops.mask_padded(x_RV.float(), spec.vocab_size)
+    if fused_serves(spec, x_RV.device, dtype=x_RV.dtype, softcap=softcap):
+        how = fused_topk.mode(x_RV.device, dtype=x_RV.dtype, softcap=softcap)
+        tf = fused_topk.Transform(spec.vocab_size, softcap, spec.temperature, spec.target)
+        work = None
+        if how == "eager" and workspace is not None:
+            n = blocked.pass_rows(*x_RV.shape, x_RV.device) * (2 if tf.both else 1)
+            work = workspace.get("exp", n, x_RV.shape[1], x_RV.device).view(-1)
+        fields_ = fused_topk.topk_fields(x_RV, tgt_R, tf, spec.topk, how=how, work=work)
+        if fields_ is not None:
+            return fused_topk.spec_fields(fields_, tgt_R)
+    x1 = vocab_ops.mask_padded(_capped(x_RV, softcap), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     R, V = xs.shape
     if spec.topk and not spec.columns:
@@ -298,6 +310,28 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None) -> dict[st
     return out
 
 
+def _capped(x_RV: Tensor, softcap: float | None) -> Tensor:
+    """fp32 logits of raw ``x``, soft-capped when ``softcap`` (in place on fp32 ``x``, as the
+    head's product buffer was capped before: the same values)."""
+    x1 = x_RV.float()
+    return x1.div_(softcap).tanh_().mul_(softcap) if softcap else x1
+
+
+def fused_serves(spec: TeacherOutputSpec, device, **logits) -> bool:
+    """Whether the spec's fields take the fused pass on ``device`` for ``logits`` (dtype,
+    softcap: `fused_topk.mode`), widths where its blocks would not pay aside
+    (`blocked.block_size`)."""
+    return bool(spec.topk) and not spec.columns and fused_topk.mode(device, **logits) != "off"
+
+
+def span_rows(spec: TeacherOutputSpec, device) -> int:
+    """Rows of one pass over [rows, V]: ``spec.chunk_size``, and on CUDA at least
+    `CUDA_SPAN_ROWS` where the fused pass serves the spec (it holds no fp32 [rows, V])."""
+    if torch.device(device).type == "cuda" and fused_serves(spec, device):
+        return max(spec.chunk_size, CUDA_SPAN_ROWS)
+    return spec.chunk_size
+
+
 def _target(x1_RV: Tensor, tgt_R: Tensor, logz1_R: Tensor | None) -> Tensor:
     """log p(next token) at temperature 1 (``logz1``: logZ at temperature 1 when known)."""
     logz1 = torch.logsumexp(x1_RV, -1) if logz1_R is None else logz1_R
@@ -329,14 +363,17 @@ def teacher_outputs_from_logits(
     out: TeacherOutputs | None = None,
     tp_group=None,
     workspace: Workspace | None = None,
+    softcap: float | None = None,
 ) -> TeacherOutputs:
-    """Compute the spec's fields from teacher logits, ``spec.chunk_size`` rows at a time.
+    """Compute the spec's fields from teacher logits, `span_rows` rows at a time.
 
     ``target_ids_BT``: the token predicted at each position (`segments.shift_targets`), -1 none.
     ``columns``: global column ids [N], or per-position ids [B, T, N] (-1 = empty slot).
     ``out``: preallocated outputs to fill in place (e.g. a shared-memory slot, or `narrow_t`
     views when the logits arrive in pieces along T); allocated when None.
     ``workspace``: reused buffers for the [rows, V] passes (`Workspace`).
+    ``softcap``: the logits are the head's raw output, to be capped (tanh) here: inside the
+    fused pass, else on their fp32 copy (fp32 logits: in place).
     """
     _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group)
     b, t, width = logits_BTV.shape
@@ -347,7 +384,7 @@ def teacher_outputs_from_logits(
         if name not in dst or dst[name].shape[:2] != (b, t):
             raise ValueError(f"out is missing field {name!r} or has the wrong [B, T]")
     cols = None if columns is None else columns.to(logits_BTV.device, torch.int64)
-    step = max(1, spec.chunk_size // max(b, 1))
+    step = max(1, span_rows(spec, logits_BTV.device) // max(b, 1))
     for t0 in range(0, t, step):
         t1 = min(t, t0 + step)
         rows = logits_BTV[:, t0:t1].reshape(-1, width)
@@ -356,9 +393,9 @@ def teacher_outputs_from_logits(
         if cols is not None and spec.per_position_columns:
             c = cols[:, t0:t1].reshape(-1, spec.columns)
         if tp_group is None:
-            vals = _rows_local(rows, spec, tgt, c, workspace)
+            vals = _rows_local(rows, spec, tgt, c, workspace, softcap)
         else:
-            vals = _rows(rows, spec, tgt, c, tp_group)
+            vals = _rows(rows, spec, tgt, c, tp_group, softcap)
         for name, val in vals.items():
             view = dst[name][:, t0:t1]
             view.copy_(val.reshape(view.shape))
