@@ -381,22 +381,40 @@ def cache_outputs(teacher) -> Callable[[torch.Tensor, torch.Tensor], object]:
 
 def teacher_program(ctx: Context) -> dict:
     """Part 6: teacher tokens/s of the cache job's forward (`cache_outputs`) next to
-    ``model(input_ids).logits`` on the same rows, and the peak memory of each."""
+    ``model(input_ids).logits`` on the same rows, and the peak memory of each; and the split of
+    the program's time: the body and the lm_head's products alone (spans of the program's own
+    size, no reductions), so the rest is what the outputs' passes over the vocabulary cost."""
     from tokenbridge import models
+    from tokenbridge.teacher.outputs import TeacherOutputSpec, span_rows
 
     s, dev = ctx.sizes, ctx.device
     rows = max(1, CACHE_BATCH_TOKENS // s.fwd_len) if ctx.gpu else 2
     ids_BU, mask_BU = teacher_rows(ctx, rows=rows, length=s.fwd_len)
     teacher = models.freeze(random_model(ctx, "teacher", seed=2))
     ours = cache_outputs(teacher)
+    spec = TeacherOutputSpec(models.vocab_width(teacher), topk=CACHE_K, target=True)
+    span = max(span_rows(spec, dev), CACHE_ROWS_PER_HEAD)
 
     @torch.no_grad()
     def bare():
         return teacher(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False).logits
 
-    out: dict = {"rows": rows, "teacher_tokens_per_row": s.fwd_len, "k": CACHE_K}
+    @torch.no_grad()
+    def products():
+        h = teacher.model(input_ids=ids_BU, attention_mask=mask_BU, use_cache=False)
+        flat = h.last_hidden_state.reshape(-1, h.last_hidden_state.shape[-1])
+        w_VH = teacher.lm_head.weight
+        buf = torch.empty(min(span, len(flat)), w_VH.shape[0], device=dev, dtype=w_VH.dtype)
+        for r0 in range(0, len(flat), span):
+            part = flat[r0 : r0 + span]
+            torch.mm(part, w_VH.t(), out=buf[: len(part)])
+
+    out: dict = {"rows": rows, "teacher_tokens_per_row": s.fwd_len, "k": CACHE_K,
+                 "span_rows": span}  # fmt: skip
     meter = PeakMeter(dev)
-    for name, fn in (("cache_forward", lambda: ours(ids_BU, mask_BU)), ("hf_forward", bare)):
+    timed = (("cache_forward", lambda: ours(ids_BU, mask_BU)), ("hf_forward", bare),
+             ("products_only", products))  # fmt: skip
+    for name, fn in timed:
         sync(dev)
         meter.reset()
         secs = median_s(fn, reps=s.reps, device=dev)
@@ -404,5 +422,9 @@ def teacher_program(ctx: Context) -> dict:
         out[f"{name}_peak_gib"] = meter.read()
     out["cache_forward_over_hf"] = (
         out["cache_forward_tokens_per_s"] / out["hf_forward_tokens_per_s"]
+    )
+    # the share of the program's time its passes over the vocabulary take (>= 0 up to noise)
+    out["vocab_passes_share"] = max(
+        1e-3, 1 - out["cache_forward_tokens_per_s"] / out["products_only_tokens_per_s"]
     )
     return out
