@@ -21,8 +21,8 @@ from trainer.config.checks import ConfigError
 from trainer.config.loss_sections import OnPolicyConfig
 from trainer.onpolicy.importance import policy_logprobs, prefix_weights, scale_grad
 from trainer.onpolicy.sampling.decode import LlamaDecoder, make_decoder
-from trainer.onpolicy.sampling.int8 import Int8Linear, int8_available
 from trainer.onpolicy.sampling.draw import drawn_logprobs
+from trainer.onpolicy.sampling.int8 import Int8Linear, int8_available
 from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="no fbgemm in this torch build")
