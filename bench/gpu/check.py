@@ -58,7 +58,7 @@ def parts() -> list[Part]:
         Part("long_row", "4. One 32k-token row: chunked vs whole logits", 60,
              lambda ctx, _: check_train.long_row(ctx)),
         Part("sampler", "5. On-policy sampler vs HF generate", 120,
-             lambda ctx, _: check_cases.sampler_vs_generate(ctx)),
+             lambda ctx, budget: check_cases.sampler_vs_generate(ctx, budget_s=budget)),
         Part("teacher_program", "6. Teacher program (cache job's outputs) vs bare HF forward", 40,
              lambda ctx, _: check_cases.teacher_program(ctx)),
     ]  # fmt: skip
