@@ -2,13 +2,15 @@
 eager here): the static decode step gives the dynamic step's logits; the loop samples exactly
 the dynamic loop's tokens, stops and recorded top-k with the same seeds (float64: draws far
 from rounding), across stop checks and blocks of uniforms; it stops at the first check after
-every row has; what it refuses; on CUDA, the captured graph samples the CPU's tokens."""
+every row has; what the GPU captures reads nothing back to the host; what it refuses; on
+CUDA, the captured graph samples the CPU's tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.tiny import tiny_llama
 from trainer.onpolicy.sampling.decode import LlamaDecoder, StaticLlamaDecoder, make_decoder
@@ -84,6 +86,43 @@ def test_the_static_loop_stops_at_the_first_check_after_every_row_has(model64):
     got = sample(model64, PROMPTS, static=True, on_step=lambda: calls.append(torch.rand(1)), **kw)
     assert got.completions == sample(model64, PROMPTS, **kw).completions
     assert len(calls) == 5  # 6 tokens: the prefill's logits, then 5 decode steps
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any op that reads a device value back to the host (what a CUDA graph cannot
+    capture): ``.item()``/``bool()``, ``nonzero``, boolean-mask indexing, ``masked_select``."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        assert name not in self.SYNCING, f"{func} reads the device from the host"
+        if name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else []
+            assert not any(getattr(i, "dtype", None) == torch.bool for i in indices or []), func
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_the_captured_step_reads_nothing_back_to_the_host(model64):
+    """What the GPU captures (decode step, top-p draw, recording) runs here under a dispatch
+    mode that fails on every op that would sync: top-p with its fallback, stop ids, top-k."""
+    from trainer.onpolicy.sampling.draw import Uniforms
+    from trainer.onpolicy.sampling.static import StaticLoop
+
+    cfg = SamplingConfig(temperature=1.0, top_p=0.3, max_new_tokens=6, record_topk=2)
+    ids, mask = _left_pad(PROMPTS, "cpu")
+    dec = make_decoder(model64, vocab_size=V, max_len=ids.shape[1] + 6, static=True)
+    logits = dec.prefill(ids, mask)
+    loop = StaticLoop(dec, config=cfg, uniforms=Uniforms([1, 2, 3], device="cpu"),
+                      stop_S=torch.tensor([3, 4]), graph=False)  # fmt: skip
+    loop.uniforms.fill(0)
+    loop._draw(logits)
+    loop._step()  # the products' forms measured (orient.tune) outside the mode
+    with _NoHostReads():
+        for _ in range(3):
+            loop._step()
+    assert int(loop.step_1) == 5 and (loop.tokens_RN[:, :5] >= -1).all()
 
 
 def test_what_the_static_loop_refuses():
