@@ -301,12 +301,22 @@ def run_cuda_tests(ctx: Context, *, budget_s: float) -> dict:
 # part 5: our sampler vs HF generate
 
 
-def sampler_vs_generate(ctx: Context) -> dict:
-    """The SmolLM2-shaped student samples the same prompts with our sampler and with
-    `model.generate` (exactly `sample_new` tokens each, top-p 0.9), and the time to read its
-    weights once (the floor of a decode step). Each path is warmed up on a few tokens, then
-    timed once, and printed as it ends: a run cut at the budget still says which path ran
-    long (a first GPU run overran 80 s with no figure)."""
+COMPILED_GENERATE_S = 60.0  # what the compiled generate baseline needs left (its compile most)
+
+
+def sampler_vs_generate(ctx: Context, *, budget_s: float = float("inf")) -> dict:
+    """The SmolLM2-shaped student samples the same prompts (exactly `sample_new` tokens each,
+    top-p 0.9) with our sampler's default path (on a GPU the static loop, its step one CUDA
+    graph: `trainer.onpolicy.sampling.static`), our dynamic loop (rows leave, eager), HF
+    `model.generate` as shipped, and `generate` with its static cache compiled
+    (``cache_implementation="static"``: transformers then compiles the forward itself, with
+    ``torch.compile(mode="reduce-overhead")``, on a GPU only); and the time to read its
+    weights once (the floor of a decode step). Each path is warmed up, then timed once, and
+    printed as it ends: a run cut at the budget still says which path ran long. The compiled
+    baseline runs last and warms up at the timed length (a static cache of another length
+    would compile again); on CPU, or with less than `COMPILED_GENERATE_S` left of
+    ``budget_s``, it is skipped, with the reason recorded."""
+    t_part = time.perf_counter()
     from bench.onpolicy.prompt_texts import prompts_from_lines
     from bench.onpolicy.section import read_weights
     from tokenbridge.tokenizers import load_tokenizer
@@ -320,27 +330,58 @@ def sampler_vs_generate(ctx: Context) -> dict:
     model = random_model(ctx, "student")
     ids, mask = _left_pad(prompts, dev)
 
-    def ours(new: int) -> None:
+    def ours(new: int, static: bool | None = None) -> None:
         cfg = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=new)
         sample(model, prompts, config=cfg, seeds=list(range(len(prompts))), stop_ids=[],
-               vocab_size=tok.vocab_size)  # fmt: skip
+               vocab_size=tok.vocab_size, static=static)  # fmt: skip
 
     @torch.no_grad()
-    def generate(new: int) -> None:
+    def generate(new: int, **extra) -> None:
         model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.9, top_k=0,
-                       temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)  # fmt: skip
+                       temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                       **extra)  # fmt: skip
 
     floor = read_weights(model)
     floor_s = median_s(floor, reps=5, device=dev)
     out = {"rows": s.sample_rows, "prompt_tokens": s.sample_prompt, "new_tokens": s.sample_new,
-           "floor_ms": floor_s * 1e3}  # fmt: skip
-    for name, fn in (("ours", ours), ("hf_generate", generate)):
-        fn(min(8, s.sample_new))  # warm-up: kernels, allocator
-        t = median_s(lambda fn=fn: fn(s.sample_new), reps=1, device=dev, warmup=False)
+           "floor_ms": floor_s * 1e3, "ours_path": "static, CUDA graph" if ctx.gpu else "dynamic"}  # fmt: skip
+    paths_ = {
+        "ours": (ours, min(8, s.sample_new)),
+        "ours_dynamic": (lambda new: ours(new, static=False), min(8, s.sample_new)),
+        "hf_generate": (generate, min(8, s.sample_new)),
+        "hf_generate_static": (
+            lambda new: generate(new, cache_implementation="static"),
+            s.sample_new,
+        ),
+    }
+    for name, (fn, warm) in paths_.items():
+        left = budget_s - (time.perf_counter() - t_part)
+        if name == "hf_generate_static" and (not ctx.gpu or left < COMPILED_GENERATE_S):
+            out[f"{name}_skipped"] = (
+                f"{left:.0f} s left of the part's budget, {COMPILED_GENERATE_S:.0f} s needed"
+                if ctx.gpu else "transformers compiles a static cache's forward on a GPU only"
+            )  # fmt: skip
+            continue
+        try:
+            t0 = time.perf_counter()
+            fn(warm)  # warm-up: kernels, allocator (and the compile, for the static cache)
+            sync(dev)
+            out[f"{name}_warmup_s"] = time.perf_counter() - t0
+            t = median_s(lambda fn=fn: fn(s.sample_new), reps=1, device=dev, warmup=False)
+        except Exception as e:  # a baseline that fails leaves the other figures standing
+            if name == "ours":
+                raise
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"   {name}: failed: {out[f'{name}_error']}", flush=True)
+            continue
         out[f"{name}_tokens_per_s"] = s.sample_rows * s.sample_new / t
         out[f"{name}_step_ms"] = t / s.sample_new * 1e3
         print(f"   {name}: {t:.1f} s for {s.sample_new} tokens x {s.sample_rows} rows", flush=True)
-    out["ours_over_hf"] = out["ours_tokens_per_s"] / out["hf_generate_tokens_per_s"]
+    ratios = {"ours_over_hf": "hf_generate", "ours_over_hf_static": "hf_generate_static",
+              "ours_over_dynamic": "ours_dynamic"}  # fmt: skip
+    for key, base in ratios.items():  # tokens/s over tokens/s: > 1 is ours faster
+        if f"{base}_tokens_per_s" in out:
+            out[key] = out["ours_tokens_per_s"] / out[f"{base}_tokens_per_s"]
     out["ours_over_floor"] = out["ours_step_ms"] / out["floor_ms"]
     return out
 

@@ -82,10 +82,12 @@ def test_lean_sampling_draws_the_hf_paths_tokens_in_float64(overrides):
     greedy = SamplingConfig(temperature=0, max_new_tokens=10, record_topk=4)
     drawn = SamplingConfig(temperature=1.3, top_p=0.9, max_new_tokens=10, n_samples=2,
                            record_topk=4)  # fmt: skip
-    free = sample(model, PROMPTS, config=greedy, seeds=None, stop_ids=[], vocab_size=V)
-    stop = free.completions[0][4]  # a stop id the first row meets: rows leave mid-rollout
     for cfg, seeds in ((greedy, None), (drawn, list(range(6)))):
-        kw = {"config": cfg, "seeds": seeds, "stop_ids": [stop], "vocab_size": V}
+        kw = {"config": cfg, "seeds": seeds, "vocab_size": V}
+        free = sample(model, PROMPTS, stop_ids=[], **kw)
+        # a stop id the first row meets (its draws up to there are the same): rows leave
+        # mid-rollout
+        kw["stop_ids"] = [free.completions[0][4]]
         ours, ref = sample(model, PROMPTS, **kw), sample(model, PROMPTS, lean=False, **kw)
         assert ours.completions == ref.completions
         assert ours.stopped == ref.stopped and any(ours.stopped)

@@ -21,8 +21,9 @@ from trainer.config.checks import ConfigError
 from trainer.config.loss_sections import OnPolicyConfig
 from trainer.onpolicy.importance import policy_logprobs, prefix_weights, scale_grad
 from trainer.onpolicy.sampling.decode import LlamaDecoder, make_decoder
+from trainer.onpolicy.sampling.draw import drawn_logprobs
 from trainer.onpolicy.sampling.int8 import Int8Linear, int8_available
-from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, drawn_logprobs, sample
+from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, sample
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="no fbgemm in this torch build")
 V = 96
@@ -82,7 +83,7 @@ def test_drawn_logprobs_match_a_sorting_reference():
 
 
 def test_the_nucleus_mass_beyond_the_top_k_falls_back_to_a_sort():
-    from trainer.onpolicy.sampling.sampler import _nucleus_mass
+    from trainer.onpolicy.sampling.draw import _nucleus_mass
 
     torch.manual_seed(4)
     peaked = torch.softmax(torch.randn(3, 500) * 4, -1)  # the top 8 hold 0.5

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tests.tiny import tiny_llama
-from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, choose, gathered, sample
+from trainer.onpolicy.sampling.draw import Uniforms, choose
+from trainer.onpolicy.sampling.sampler import SamplingConfig, _left_pad, gathered, sample
 
 V = 96
 PROMPTS = [[1, 5, 9, 11, 40, 41, 2], [1, 7], [1, 30, 31, 32, 33]]  # different lengths
@@ -95,17 +96,18 @@ def test_never_samples_past_the_tokenizer_vocabulary(model):
 
 def test_top_p_is_exact():
     """Frequencies of many draws match p restricted to the nucleus, renormalised; nothing
-    outside the nucleus is ever drawn."""
+    outside the nucleus is ever drawn; the eager and the static chooser draw the same tokens."""
     probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
     logits = probs.log()[None].repeat(4000, 1)
-    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    u = Uniforms(range(4000), device="cpu").at(0)
     cfg = SamplingConfig(temperature=1.0, top_p=0.75)
-    got = choose(logits, config=cfg, generators=gens)
+    got = choose(logits, config=cfg, u_BW=u)
     counts = torch.bincount(got, minlength=6).double() / 4000
     # nucleus: 0.40 + 0.25 < 0.75, then 0.15 reaches it: tokens 0, 1, 2
     want = torch.tensor([0.40, 0.25, 0.15, 0, 0, 0]) / 0.80
     assert counts[3:].sum() == 0
     assert torch.allclose(counts, want.double(), atol=0.03)
+    assert torch.equal(got, choose(logits, config=cfg, u_BW=u, static=True))
 
 
 def test_gathered_is_a_no_op_without_fsdp(model):

@@ -15,7 +15,8 @@ from dataclasses import replace
 import torch
 
 from tokenbridge.losses.ops.head_logits import HeadLogits, project
-from trainer.onpolicy.sampling.sampler import SamplingConfig, drawn_logprobs
+from trainer.onpolicy.sampling.draw import drawn_logprobs
+from trainer.onpolicy.sampling.sampler import SamplingConfig
 
 # the step record's means over target positions (`prefix_weights`)
 RATIO_STATS = ("ratio/weight_mean", "ratio/clipped_frac", "ratio/abs_log_ratio_mean")

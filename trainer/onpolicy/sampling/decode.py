@@ -228,15 +228,26 @@ class LlamaDecoder:
     def step(self, next_B: torch.Tensor) -> torch.Tensor:
         """One token per live row in, its next logits [B, V] out: the same math as HF's
         forward, in few operations per layer (each costs microseconds of dispatch)."""
-        t, B = self.t, len(next_B)
+        t = self.t
         if t >= self.max_len:
             raise ValueError(f"decode step at position {t}: the cache holds {self.max_len}")
-        NH, KV, D = self.heads, self.kv, self.head_dim
         if self.kinds is not None:
-            orient.tune(self.kinds, B)  # once per process, rows and threads
+            orient.tune(self.kinds, len(next_B))  # once per process, rows and threads
         self.pos_B = self.pos_B + 1
+        logits = self._forward(
+            next_B,
+            self.bias_BT[:, None, None, : t + 1],
+            lambda c, x: c.select(2, t).copy_(x),
+            t + 1,
+        )
+        self.t = t + 1
+        return logits
+
+    def _forward(self, next_B, bias_B11T, write, width: int) -> torch.Tensor:
+        """The step's layers over cache positions ``[:width]`` with the additive ``bias_B11T``;
+        ``write(cache_BKTD, x_BKD)`` puts this step's keys or values at its position."""
+        B, NH, KV, D = len(next_B), self.heads, self.kv, self.head_dim
         cos_B11, sin_B11 = self.cos_TD[self.pos_B][:, None], self.sin_TD[self.pos_B][:, None]
-        bias_B11T = self.bias_BT[:, None, None, : t + 1]
         x_BH = self.embed[next_B]
         G, scale = NH // KV, D**-0.5
         for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.blocks):
@@ -244,24 +255,58 @@ class LlamaDecoder:
             qkv_BND = qkv(h).view(B, NH + 2 * KV, D)
             qk = qkv_BND[:, : NH + KV]
             qk = qk * cos_B11 + qk.roll(D // 2, -1) * sin_B11  # RoPE on q and k at once
-            self.k[i].select(2, t).copy_(qk[:, NH:])
-            self.v[i].select(2, t).copy_(qkv_BND[:, NH + KV :])
+            write(self.k[i], qk[:, NH:])
+            write(self.v[i], qkv_BND[:, NH + KV :])
             # attention as HF's eager attention, without repeating the cache for GQA: query
             # head j reads key-value head j // G, as after HF's repeat_kv
-            s_BKGT = torch.matmul(
-                qk[:, :NH].view(B, KV, G, D), self.k[i][:, :, : t + 1].transpose(-1, -2)
-            )
+            k_BKTD, v_BKTD = self.k[i][:, :, :width], self.v[i][:, :, :width]
+            s_BKGT = torch.matmul(qk[:, :NH].view(B, KV, G, D), k_BKTD.transpose(-1, -2))
             p_BKGT = torch.softmax(s_BKGT.mul_(scale).add_(bias_B11T), -1, dtype=self.soft_dtype)
-            a_BKGD = torch.matmul(p_BKGT.to(self.dtype), self.v[i][:, :, : t + 1])
+            a_BKGD = torch.matmul(p_BKGT.to(self.dtype), v_BKTD)
             x_BH = x_BH + o(a_BKGD.view(B, NH * D))
             h = _rms_norm(x_BH, ln2, self.eps)
             g_BI, u_BI = gate_up(h).chunk(2, -1)
             x_BH = x_BH + down(F.silu(g_BI) * u_BI)
-        self.t = t + 1
         logits = self.head(_rms_norm(x_BH, self.norm, self.eps))
         # row-major for the vocabulary work (one column at a time: 4x faster than
         # .contiguous() of the transposed view)
         return torch.stack(logits.unbind(0)) if logits.stride(-1) != 1 else logits
+
+
+class StaticLlamaDecoder(LlamaDecoder):
+    """`LlamaDecoder` at fixed shapes, for a CUDA graph (`trainer.onpolicy.sampling.static`):
+    rows never leave (the sampler masks finished ones), attention reads the whole preallocated
+    cache with the positions past this step masked by the additive bias, and the position is a
+    device tensor the step advances in place, so every step is the same kernels on the same
+    buffers. The model's own weights only (int8 quantizes activations over the live rows)."""
+
+    def prefill(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor) -> torch.Tensor:
+        logits_BV = super().prefill(ids_BP, mask_BP)
+        for k, v in zip(self.k, self.v):  # read under a zero weight: must be finite
+            k[:, :, self.t :].zero_()
+            v[:, :, self.t :].zero_()
+        self.t_1 = torch.tensor([self.t], device=self.device)
+        self.cols_1T = torch.arange(self.max_len, device=self.device)[None]
+        return logits_BV
+
+    def keep(self, keep_B: torch.Tensor) -> None:
+        raise ValueError("a static decoder keeps every row: finished rows are masked, not dropped")
+
+    def step(self, next_B: torch.Tensor) -> torch.Tensor:
+        """As `LlamaDecoder.step`, with no host value read or written: the caller keeps the
+        steps within the cache (the sampler's ``max_new_tokens``)."""
+        if self.kinds is not None:
+            orient.tune(self.kinds, len(next_B))  # on CPU, as the dynamic step
+        self.pos_B.add_(1)  # in place: a captured graph reads these very tensors
+        future_BT = self.cols_1T > self.t_1
+        bias_B11T = self.bias_BT.masked_fill(future_BT, torch.finfo(self.dtype).min)[:, None, None]
+
+        def write(cache_BKTD, x_BKD):
+            cache_BKTD.index_copy_(2, self.t_1, x_BKD[:, :, None])
+
+        logits = self._forward(next_B, bias_B11T, write, self.max_len)
+        self.t_1.add_(1)
+        return logits
 
 
 def _full_attention(cfg, max_len: int) -> bool:
@@ -303,11 +348,13 @@ def make_decoder(
     tp: bool = False,
     weights: str = "model",
     int8: Int8Weights | None = None,
+    static: bool = False,
 ):
     """The decoder for this model: the lean path when it applies (and ``lean``, and not under
     TP), else the HF forward. ``weights="int8"`` (`trainer.onpolicy.sampling.int8`) needs the lean path
     and fbgemm, and says why not in one line; ``int8``: a copy made earlier (else one is made
-    here)."""
+    here). ``static``: a `StaticLlamaDecoder` where the lean path applies (the model's own
+    weights only)."""
     lean_ok = lean and not tp and lean_applies(model, max_len=max_len)
     if weights == "int8":
         why = (
@@ -319,6 +366,10 @@ def make_decoder(
         )  # fmt: skip
         if why:
             raise ValueError(f"onpolicy.sampler_weights=int8: {why}")
+    if lean_ok and static:
+        if weights != "model":
+            raise ValueError(f"a static decode step runs the model's own weights, not {weights}")
+        return StaticLlamaDecoder(model, vocab_size=vocab_size, max_len=max_len)
     if lean_ok:
         chosen = int8 if weights == "int8" and int8 is not None else weights
         return LlamaDecoder(model, vocab_size=vocab_size, max_len=max_len, weights=chosen)

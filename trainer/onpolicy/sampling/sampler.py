@@ -2,9 +2,10 @@
 
 Not ``model.generate``: its per-step machinery costs more than a small model's forward on CPU,
 finished rows keep being computed, and it draws from the global RNG, which a resumed run cannot
-replay. Here rows that stop leave the batch, and every rollout draws from its own generator
-seeded by what the rollout is, so the same prompt gets the same completion in any batch, rank or
-resumed run with no sampler state to save (docs/onpolicy.md, "A step", 2).
+replay. Here every rollout's uniforms are a hash of its seed and step (`draw`), so the same
+prompt gets the same completion in any batch, rank or resumed run with no sampler state to
+save; on CPU rows that stop leave the batch, on a GPU the step is one CUDA graph over fixed
+shapes (`static`) (docs/onpolicy.md, "A step", 2).
 
 Legend: B live rows, P prompt positions, V lm_head width, K recorded top-k, N new tokens.
 """
@@ -22,8 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from trainer.onpolicy.sampling.decode import make_decoder
+from trainer.onpolicy.sampling.decode import StaticLlamaDecoder, make_decoder
+from trainer.onpolicy.sampling.draw import Uniforms, choose, drawn_logprobs
 from trainer.onpolicy.sampling.int8 import Int8Weights
+from trainer.onpolicy.sampling.static import StaticLoop
 
 
 @dataclass(frozen=True)
@@ -84,82 +87,6 @@ def _tp_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _uniforms(generators: Sequence[torch.Generator], device) -> torch.Tensor:
-    """[B, 1] float64: one uniform from each row's generator."""
-    u = [torch.rand(1, generator=g, device=device, dtype=torch.float64) for g in generators]
-    return torch.stack(u)
-
-
-def _draw(probs_BV: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row by inverse CDF: one uniform per row (not one random number per
-    vocabulary entry, as the exponential race of ``torch.multinomial`` draws)."""
-    cdf_BV = probs_BV.double().cumsum(-1)
-    u_B1 = _uniforms(generators, probs_BV.device)
-    ids = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:])
-    return ids[:, 0].clamp(max=probs_BV.shape[-1] - 1)
-
-
-def _in_nucleus(probs_BV: torch.Tensor, ids_B: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[B] bool: the token is in the top-p nucleus, i.e. the tokens more likely than it hold
-    less than top_p of the mass (the most likely token always is)."""
-    p_B1 = probs_BV.gather(1, ids_B[:, None])
-    ahead_B = torch.where(probs_BV > p_B1, probs_BV, 0.0).sum(-1)
-    return ahead_B < top_p
-
-
-def choose(
-    logits_BV: torch.Tensor, *, config: SamplingConfig, generators: Sequence[torch.Generator]
-) -> torch.Tensor:
-    """The next token of every row [B] (greedy when temperature is 0).
-
-    Top-p without sorting the vocabulary: draw from the whole distribution and redraw the rows
-    whose token falls outside the nucleus. Conditioned on acceptance a draw follows p restricted
-    to the nucleus and renormalised, which is top-p sampling exactly; a draw is accepted with
-    probability >= top_p, so about 1 / top_p draws are needed."""
-    x = logits_BV.float()
-    if config.temperature == 0:
-        return x.argmax(-1)
-    probs_BV = torch.softmax(x / config.temperature, dim=-1)
-    ids_B = _draw(probs_BV, generators)
-    if config.top_p >= 1:
-        return ids_B
-    todo_B = ~_in_nucleus(probs_BV, ids_B, config.top_p)
-    while bool(todo_B.any()):
-        rows = todo_B.nonzero().squeeze(1)
-        again = _draw(probs_BV[rows], [generators[i] for i in rows.tolist()])
-        ids_B[rows] = again
-        todo_B[rows] = ~_in_nucleus(probs_BV[rows], again, config.top_p)
-    return ids_B
-
-
-def drawn_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor, *, config: SamplingConfig):
-    """[B] float32: log-probability of each drawn token under the distribution `choose` drew it
-    from: the tempered softmax, restricted to the top-p nucleus and renormalised (the nucleus:
-    the most likely tokens until their mass reaches top_p, as `_in_nucleus` decides)."""
-    logp_BV = torch.log_softmax(logits_BV.float() / config.temperature, dim=-1)
-    out_B = logp_BV.gather(1, ids_B[:, None])[:, 0]
-    if config.top_p < 1:
-        out_B = out_B - _nucleus_mass(logp_BV.exp(), config.top_p).log()
-    return out_B
-
-
-def _nucleus_mass(p_BV: torch.Tensor, top_p: float, k: int = 256) -> torch.Tensor:
-    """[B]: the top-p nucleus's mass, from the k most likely tokens where they hold top_p (then
-    the (k+1)-th is outside: the mass ahead of it is >= top_p), else from the sorted row (a
-    whole sort of 49k columns is ~30x a top-256)."""
-
-    def mass(sorted_BV):
-        ahead_BV = sorted_BV.cumsum(-1) - sorted_BV  # the mass before each token in the order
-        return torch.where(ahead_BV < top_p, sorted_BV, 0.0).sum(-1)
-
-    top_BK = p_BV.topk(min(k, p_BV.shape[-1]), -1).values
-    out_B = mass(top_BK)
-    wide = (top_BK.sum(-1) < top_p).nonzero().squeeze(1)
-    if wide.numel():
-        out_B[wide] = mass(p_BV[wide].sort(-1, descending=True).values)
-    return out_B
-
-
 def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = np.zeros((len(prompts), width), np.int64)
@@ -188,6 +115,7 @@ def sample(
     lean: bool = True,
     int8: Int8Weights | None = None,
     on_step: Callable[[], None] | None = None,
+    static: bool | None = None,
 ) -> Rollouts:
     """Sample ``config.n_samples`` completions of every prompt: left-padded into one batch and
     prefilled once (with ``n_samples > 1`` the prefilled cache is repeated per sample), then
@@ -196,7 +124,7 @@ def sample(
     holds the same tokens whatever the floating-point order of its reductions.
 
     ``seeds``: one per rollout (prompt-major: prompt i's samples are rollouts
-    i * n_samples ...), each rollout's own generator; None only when greedy.
+    i * n_samples ...), the key of its uniforms (`draw.Uniforms`); None only when greedy.
     ``vocab_size``: the tokenizer's size; lm_head columns past it are never sampled.
     ``stop_ids``: ids that end a completion (kept as its last token).
     ``lean``: decode Llama-family models with `decode.LlamaDecoder` where it applies (False:
@@ -204,12 +132,16 @@ def sample(
     ``int8``: with ``config.weights == "int8"``, a copy made earlier (`decode.int8_weights`);
     None: one is made from the current weights.
     ``on_step``: called before every decode step (the caller may change torch's threads there:
-    `trainer.onpolicy.side.OnPolicy.generate`, `ThreadRelease`); it must not draw from the rollouts' generators.
+    `trainer.onpolicy.side.OnPolicy.generate`, `ThreadRelease`).
+    ``static``: the fixed-shape loop (`static.StaticLoop`: rows never leave the batch, the
+    step a CUDA graph on a GPU, eager on CPU), where the lean path applies with the model's
+    own weights; None: on a GPU only. Either loop draws the same tokens.
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     n, k = config.n_samples, config.record_topk
     ids_BP, mask_BP = _left_pad(prompts, device)
+    want_static = device.type == "cuda" and config.weights == "model" if static is None else static
     dec = make_decoder(
         model,
         vocab_size=vocab_size,
@@ -218,7 +150,11 @@ def sample(
         tp=_tp_size(tp_group) > 1,
         weights=config.weights,
         int8=int8,
+        static=want_static,
     )
+    if static and not isinstance(dec, StaticLlamaDecoder):
+        raise ValueError("static=True needs the lean decode path (a Llama-family model with "
+                         "whole parameters, not under TP, lean=True)")  # fmt: skip
     logits_BV = dec.prefill(ids_BP, mask_BP)
     if n > 1:  # one prefill per prompt, the cache copied per sample
         dec.repeat(n)
@@ -226,23 +162,50 @@ def sample(
     rows = len(prompts) * n
     if config.temperature > 0 and (seeds is None or len(seeds) != rows):
         raise ValueError(f"sampling needs one seed per rollout ({rows}), got {seeds!r:.80}")
-    gens = []
-    for s in seeds or []:
-        g = torch.Generator(device=device)
-        g.manual_seed(int(s))
-        gens.append(g)
+    uniforms = Uniforms(seeds, device=device) if config.temperature > 0 else None
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)
+    if isinstance(dec, StaticLlamaDecoder):
+        loop = StaticLoop(dec, config=config, uniforms=uniforms, stop_S=stop,
+                          graph=device.type == "cuda")  # fmt: skip
+        loop.run(logits_BV, on_step=on_step)
+        tokens_RN, topk_RNK, stopped_R = loop.tokens_RN, loop.topk_RNK, loop.stopped_R
+        logp_RN = None
+    else:
+        tokens_RN, topk_RNK, logp_RN, stopped_R = _dynamic(
+            dec, logits_BV, config=config, uniforms=uniforms, stop=stop, tp_group=tp_group,
+            on_step=on_step,
+        )  # fmt: skip
+    tokens = tokens_RN.cpu().numpy()
+    lens = (tokens >= 0).sum(1)
+    topk = topk_RNK.cpu().numpy() if k else None
+    logp = logp_RN.cpu().numpy() if config.records_logprobs else None
+    index = [r // n for r in range(rows)]
+    return Rollouts(
+        prompts=[list(map(int, prompts[i])) for i in index],
+        completions=[tokens[r, : lens[r]].tolist() for r in range(rows)],
+        stopped=stopped_R.cpu().tolist(),
+        prompt_index=index,
+        topk_ids=None if topk is None else [topk[r, : lens[r]] for r in range(rows)],
+        logprobs=None if logp is None else [logp[r, : lens[r]] for r in range(rows)],
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _dynamic(dec, logits_BV, *, config, uniforms, stop, tp_group, on_step):
+    """The token loop where rows that stop leave the batch (a host check per step): tokens
+    [R, N] (-1 past a row's end), top-k [R, N, K], log-probs [R, N], stopped [R]."""
+    device, rows, k = logits_BV.device, len(logits_BV), config.record_topk
     tokens_RN = torch.full((rows, config.max_new_tokens), -1, dtype=torch.int64, device=device)
     topk_RNK = torch.zeros((rows, config.max_new_tokens, k), dtype=torch.int32, device=device)
     logp_RN = torch.zeros((rows, config.max_new_tokens), dtype=torch.float32, device=device)
     stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)
     live_B = torch.arange(rows, device=device)  # the rollout each live row belongs to
-    live = list(range(rows))  # the same on the host: no device sync per step to pick generators
     root = dist.get_global_rank(tp_group, 0) if _tp_size(tp_group) > 1 else None
     for step in range(config.max_new_tokens):
-        next_B = choose(
-            logits_BV, config=config, generators=[gens[i] for i in live] if gens else []
-        )
+        u_BW = None if uniforms is None else uniforms.at(step)
+        if u_BW is not None and len(live_B) < rows:
+            u_BW = u_BW[live_B]
+        next_B = choose(logits_BV, config=config, u_BW=u_BW)
         if root is not None:  # one rank's draw for the whole TP group
             dist.broadcast(next_B, src=root, group=tp_group)
         tokens_RN[live_B, step] = next_B
@@ -260,24 +223,10 @@ def sample(
                 break
             dec.keep(keep_B)
             live_B, next_B = live_B[keep_B], next_B[keep_B]
-            live = live_B.tolist()
         if on_step is not None:
             on_step()
         logits_BV = dec.step(next_B)
-    tokens = tokens_RN.cpu().numpy()
-    lens = (tokens >= 0).sum(1)
-    topk = topk_RNK.cpu().numpy() if k else None
-    logp = logp_RN.cpu().numpy() if config.records_logprobs else None
-    index = [r // n for r in range(rows)]
-    return Rollouts(
-        prompts=[list(map(int, prompts[i])) for i in index],
-        completions=[tokens[r, : lens[r]].tolist() for r in range(rows)],
-        stopped=stopped_R.cpu().tolist(),
-        prompt_index=index,
-        topk_ids=None if topk is None else [topk[r, : lens[r]] for r in range(rows)],
-        logprobs=None if logp is None else [logp[r, : lens[r]] for r in range(rows)],
-        seconds=time.perf_counter() - t0,
-    )
+    return tokens_RN, topk_RNK, logp_RN, stopped_R
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
