@@ -94,19 +94,18 @@ def overrides(
     return [*out, *extra]
 
 
-def trainer_steps(ctx: Context, args: list[str], *, meter: PeakMeter | None = None) -> dict:
+def trainer_steps(ctx: Context, args: list[str]) -> dict:
     """`warmup` + `steps` training steps of the Trainer the overrides `args` compose; the
     figures of the steps after the warm-up, the build's seconds and the first step's apart, the
     peaks of each step (whole, and forward + backward alone), the GPU memory in use by every
-    process at the end (the teacher worker's included), and the student's parameter count.
-    ``meter``: the `PeakMeter` to use (a test passes its own to count the calls)."""
+    process at the end (the teacher worker's included), and the student's parameter count."""
     from tokenbridge import models
     from trainer.config.compose import compose_config
     from trainer.loop import Trainer
     from trainer.preflight import preflight
 
     s = ctx.sizes
-    meter = meter or PeakMeter(ctx.device)
+    meter = PeakMeter(ctx.device)
     meter.reset()
     cfg = compose_config(args)
     t0 = time.perf_counter()
