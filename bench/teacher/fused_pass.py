@@ -110,7 +110,7 @@ def main() -> str:
     rows = measure()
     threads = torch.get_num_threads()
     return (
-        "## teacher_pass\n\n"
+        "## Teacher outputs of one span: blocked passes vs the fused pass (CPU)\n\n"
         f"One span of {ROWS} rows x {WIDTH:,} columns, top-{K} + tail + target, "
         f"{threads} thread{'s' if threads > 1 else ''} on {cpu_model()}: median of {REPS} "
         "alternated runs (`bench/teacher/fused_pass.py`). blocked: the blocked passes (the cap "
