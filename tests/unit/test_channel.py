@@ -273,7 +273,7 @@ def test_inprocess_channel_round_trip_reuse_and_lifetime(tiny_teacher_dir):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_inprocess_teacher_on_its_own_cuda_stream_equals_the_cpu_teacher(tiny_teacher_dir):
+def test_inprocess_teacher_on_its_own_cuda_stream_equals_it_called_directly(tiny_teacher_dir):
     """The GPU twin of the round trip above: the teacher runs on a side stream, a microbatch
     ahead, and the student's stream waits on its event: outputs equal the same teacher called
     directly on the default stream, with nothing synchronised by hand."""
