@@ -18,6 +18,7 @@ Legend: R rollouts (all rows, fixed), N new tokens, K recorded top-k, V vocabula
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -107,5 +108,21 @@ class StaticLoop:
                 if graph is None:
                     if side is not None:
                         torch.cuda.current_stream().wait_stream(side)
-                    graph = self._record()
-                graph.replay()
+                    graph = self._captured()
+                if graph is False:  # the capture failed: the same steps, eagerly
+                    self._step()
+                else:
+                    graph.replay()
+
+    def _captured(self):
+        """The step's graph, or False where capturing fails (a step that syncs with the host
+        on some torch build, a kernel that cannot be captured): the loop then runs the same
+        step eagerly, the same tokens at the launch-bound speed, with one warning. Nothing of
+        the failed capture ran (a capture records, it does not run)."""
+        try:
+            return self._record()
+        except Exception as e:  # noqa: BLE001 - any capture failure has the same remedy
+            torch.cuda.synchronize()
+            warnings.warn(f"sampler: the decode step was not captured as a CUDA graph "
+                          f"({type(e).__name__}: {e}); sampling eagerly", stacklevel=2)  # fmt: skip
+            return False
