@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.zygote import SHIM, SHIM_SOCKET
 from tokenbridge import paths
 from trainer.config.schema import from_dictconfig
 from trainer.loop import Trainer
@@ -57,7 +58,6 @@ TINY = {
 }
 MODES = ("kd_topk", "xtoken", "gold", "alm")
 STEPS = 2
-SHIM_SOCKET = "TOKENBRIDGE_TEST_ZYGOTE"  # tests.zygote.SHIM_SOCKET (not imported: a script)
 
 
 def make_cfg(shards: str, projection: str, run_dir: str, *, layout: dict, **top) -> object:
@@ -377,7 +377,7 @@ def _one_process(*args: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in launcher and "TORCHELASTIC" not in k}
     # launched by the tests' zygote (its shims' server in the environment): the process is forked
     # from it through the shim, as fresh a process without its ~8 s of imports
-    shim = [str(Path(__file__).parents[1] / "zygote_shim.py")] if env.get(SHIM_SOCKET) else []
+    shim = [str(SHIM)] if env.get(SHIM_SOCKET) else []
     proc = subprocess.run([sys.executable, *shim, __file__, *args], env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     if proc.returncode != 0:
