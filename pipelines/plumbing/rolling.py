@@ -118,9 +118,11 @@ class RollingParts:
 
 
 def read_manifest(directory: Location, name: str) -> dict | None:
+    """The part's manifest, or None when it has none (never closed) or a torn one. A store that
+    does not answer is not a missing manifest: its error goes up as it is (ConnectionError)."""
     try:
         return json.loads(storage.read_bytes(storage.join(directory, name + MANIFEST_SUFFIX)))
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return None
 
 

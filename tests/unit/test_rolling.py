@@ -90,3 +90,15 @@ def test_finalize_refuses_unclosed_or_miscounted_parts(tmp_path):
             tmp_path, tmp, {name: {"rows": 5, "key": ("d", 0)}}, name_for=shards.shard_name
         )
     parts.abort()  # nothing open: a no-op
+
+
+def test_a_manifest_that_cannot_be_read_is_an_error_not_an_unclosed_part(tmp_path):
+    """Only a missing or torn manifest means "never closed"; any other failure to read it (on an
+    object store: the server gone mid-job) goes up as itself, not as an internal error."""
+    tmp = tmp_path / "t"
+    (tmp / ("p" + rolling.MANIFEST_SUFFIX)).mkdir(parents=True)  # unreadable: a directory
+    with pytest.raises(IsADirectoryError):
+        rolling.read_manifest(tmp, "p")
+    (tmp / ("q" + rolling.MANIFEST_SUFFIX)).write_text('{"rows": ')  # torn
+    assert rolling.read_manifest(tmp, "q") is None
+    assert rolling.read_manifest(tmp, "absent") is None
