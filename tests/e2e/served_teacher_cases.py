@@ -167,6 +167,7 @@ def fault(cfg_of, *, teacher_dir: str, name: str, port: int) -> dict:
         name=name,
         max_model_len=256,
         eager=True,
+        single_process=True,
         create_venv=False,
     )
     t = Trainer(cfg, preflight(cfg, world_size=1))

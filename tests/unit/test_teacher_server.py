@@ -29,6 +29,9 @@ def test_server_args_carry_what_the_client_needs():
     assert value("--dtype") == "float32" and value("--max-logprobs") == "32"
     assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
     assert value("--distributed-executor-backend") == "uni"  # no worker process of its own
+    # ... which vLLM's CPU platform honours only with V1 multiprocessing off
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in teacher_server.server_env()
+    assert teacher_server.server_env(single_process=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "--enforce-eager" not in teacher_server.server_args(
         "m", name="t", port=1, k=32, max_model_len=64
     )

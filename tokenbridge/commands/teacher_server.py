@@ -113,11 +113,23 @@ def server_args(
         "--max-logprobs", str(max(k, 1)),  # prompt_logprobs=k is refused above it
         "--no-enable-prefix-caching",  # a cached prefix skips prompt log-probs
         "--max-model-len", str(max_model_len),
-        # one model on one device: the engine runs its model itself, no worker process (on
-        # CPU vLLM would otherwise start one: a third interpreter, ~12 s more to start here)
+        # one model on one device: the engine runs its model itself, no worker process (on a
+        # GPU; on CPU vLLM starts one anyway unless `server_env(single_process=True)`)
         "--distributed-executor-backend", "uni",
         *(["--enforce-eager"] if eager else []),
     ]  # fmt: skip
+
+
+def server_env(*, single_process: bool = False) -> dict[str, str]:
+    """The server's environment. `single_process`: on CPU, vLLM turns the "uni" executor into
+    its multiprocess one (a worker process that binds OpenMP threads to cores, and spin-waits on
+    shared memory for the engine's calls) unless V1 multiprocessing is off; off, the engine runs
+    the model itself: ~14 s less start-up and a third less CPU for a tiny test teacher, at the
+    cost of that thread binding (keep it for a real model on many cores)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    if single_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
 
 
 def get_json(url: str, *, timeout_s: float = 5.0) -> dict:
@@ -153,10 +165,12 @@ def start(
     venv: Path = VENV,
     timeout_s: float = 600.0,
     eager: bool = False,
+    single_process: bool = False,
     create_venv: bool = True,
 ) -> Server:
     """Start a server for `model_dir` on 127.0.0.1:`port` (in its own session, so that `stop`
-    ends its engine processes too), wait until it answers, record its pid."""
+    ends its engine processes too), wait until it answers, record its pid. `eager` and
+    `single_process` (`server_env`) start faster; the tests' tiny teacher takes both."""
     python = ensure_venv(venv, create=create_venv)
     name = name or Path(model_dir).name
     STATE.mkdir(exist_ok=True)
@@ -164,7 +178,7 @@ def start(
     url = f"http://127.0.0.1:{port}"
     if pidfile.exists() and _alive(int(pidfile.read_text())):
         raise RuntimeError(f"a teacher server already runs on port {port} (pid file {pidfile})")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = server_env(single_process=single_process)
     args = server_args(model_dir, name=name, port=port, k=k, max_model_len=max_model_len,
                        eager=eager)  # fmt: skip
     with open(log, "ab") as out:  # a restart on this port adds to its log
@@ -227,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--name", default=None, help="served model name (default: the dir's name)")
     s.add_argument("--max-model-len", type=int, default=1024)
     s.add_argument("--eager", action="store_true", help="no torch.compile: faster start-up")
+    s.add_argument("--single-process", action="store_true",
+                   help="CPU: the engine runs the model itself (no worker process, no OpenMP "
+                   "thread binding): faster start-up, less CPU for a small model")  # fmt: skip
     p = sub.add_parser("stop", help="stop the server on --port")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     sub.add_parser("venv", help="create the server's virtualenv only")
@@ -242,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--model {a.model}: no config.json (expected a HF model directory)"
         )
     srv = start(a.model, port=a.port, k=a.k, name=a.name, max_model_len=a.max_model_len,
-                eager=a.eager)  # fmt: skip
+                eager=a.eager, single_process=a.single_process)  # fmt: skip
     print(f"teacher server: {srv.url} serves {srv.model!r} (pid {srv.pid}, log {srv.log})")
     print(f"  train with teachers[0].server={srv.url} teachers[0].served_model={srv.model}")
     print(srv.url)
