@@ -5,8 +5,11 @@ step, more than a tiny test run's steps. The end-to-end tests launch a couple of
 processes; `Zygote.run(["trainer/main.py", ...])` does what ``python trainer/main.py ...`` does
 (``["-m", "module", ...]`` too), in a child forked from this already-imported process: a new
 process per run as before (its own pid, memory, exit code, stdout and stderr), without the
-import. The child is forked while this process has no thread of its own, and a run's teacher
-workers are spawned by it as in any run. Multi-process runs stay under torchrun.
+import. The child is forked while this process has no thread of its own. What a run starts with
+multiprocessing's "spawn" (its teacher workers) is forked from here too, through a stand-in
+process (`spawn_through_shims`): the ~5 s of imports of a fresh worker are gone as well, and a
+run that sets `REAL_SPAWN` spawns fresh interpreters as a user's run does. Multi-process runs
+stay under torchrun.
 
 Protocol (this module's ``main``): one JSON request per line on stdin, ``{"cmd", "env", "out"}``;
 one line back on the saved stdout when the child starts (its pid) and one when it ends (its
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import os
+import re
 import runpy
 import select
 import signal
@@ -38,6 +43,8 @@ SHIM_SOCKET = "TOKENBRIDGE_TEST_ZYGOTE"  # where `tests.zygote_shim` finds the s
 # agent's environment) to have each rank forked from the zygote: torchrun, its rendezvous, its
 # agents, signals and exit codes stay real; only the rank's ~10 s of imports are gone
 SHIM = Path(__file__).with_name("zygote_shim.py")
+# set in a run's environment: its spawns start fresh interpreters (their imports, as any run's)
+REAL_SPAWN = "TOKENBRIDGE_TEST_REAL_SPAWN"
 PRELOAD = (
     "trainer.main",
     "trainer.config.compose",
@@ -65,6 +72,7 @@ def _child(cmd: list[str], out: Path) -> int:
 def _run(cmd: list[str], stdout: int, stderr: int) -> int:
     """``python *cmd`` in this (forked) process, its fds 1 and 2 on `stdout` and `stderr`."""
     os.setpgid(0, 0)  # its own group: a timeout ends the run and its workers together
+    spawn_through_shims()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(stdout, 1), os.dup2(stderr, 2)
@@ -182,10 +190,56 @@ def _serve(requests, replies: int) -> None:
         os.write(replies, (json.dumps({"rc": code}) + "\n").encode())
 
 
+def spawn_through_shims() -> None:
+    """In a process forked from the zygote: what multiprocessing's "spawn" starts from here (a
+    teacher worker) is forked from the zygote too, through `tests.zygote_shim` (the process
+    spawn starts: it stands in for the worker), not a fresh interpreter that imports torch and
+    transformers again. Other spawns (the resource tracker) are left as they are."""
+    from multiprocessing import spawn
+
+    plain = getattr(spawn.get_command_line, "plain", spawn.get_command_line)
+
+    def command_line(**kwds) -> list[str]:  # [python, flags, "-c", prog, "--multiprocessing-fork"]
+        return [sys.executable, "-S", str(SHIM), *plain(**kwds)[-3:]]
+
+    if os.environ.get(SHIM_SOCKET) and not os.environ.get(REAL_SPAWN):
+        command_line.plain = plain
+        spawn.get_command_line = command_line
+
+
+def _spawned(req: dict, fds: list[int]) -> int:
+    """In the forked child: what ``python -c "spawn_main(...)"`` runs, on the fds its stand-in
+    passed, each at the number it had there (the pickled process object names them so)."""
+    from multiprocessing import spawn
+
+    os.setpgid(0, 0)
+    # first out of the way of the numbers they must take (the server has no stdin, so a passed
+    # fd may have landed on one of them), then each onto its number in the stand-in
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, number in zip(moved, req["spawn"]["fds"], strict=True):
+        os.dup2(fd, number)
+        os.close(fd)
+    ppid = req["spawn"]["ppid"]
+    os.getppid = lambda: ppid  # the student the stand-in belongs to, as the worker checks it
+    sys.argv = [sys.executable, "--multiprocessing-fork"]
+    kw = dict(re.findall(r"(tracker_fd|pipe_handle)=(\d+)", req["spawn"]["argv"][1]))
+    try:
+        spawn.spawn_main(tracker_fd=int(kw["tracker_fd"]), pipe_handle=int(kw["pipe_handle"]))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 def _shim_rank(conn: socket.socket, listening: list[int]) -> int:
     """Fork the rank a shim asks for (`tests.zygote_shim`): its command, its whole environment
-    and working directory, its stdout and stderr (the fds the shim passed); the rank's pid."""
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+    and working directory, its stdout and stderr (the fds the shim passed); the rank's pid. Or
+    the spawned process it stands in for (``"spawn"``: `_spawned`)."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
     req = json.loads(data)
     pid = os.fork()
     if pid == 0:
@@ -194,7 +248,7 @@ def _shim_rank(conn: socket.socket, listening: list[int]) -> int:
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
-        code = _run(req["cmd"], *fds)
+        code = _spawned(req, fds) if "spawn" in req else _run(req["cmd"], *fds)
         try:
             atexit._run_exitfuncs()
         finally:

@@ -45,7 +45,7 @@ from tests.e2e import procs
 from tests.e2e.helpers import REPO
 from tests.unit.test_checkpoint_safety import Payload, rewrite_marker
 from tests.unit.test_report import check_numbers, check_page
-from tests.zygote import SHIM
+from tests.zygote import REAL_SPAWN, SHIM
 from tokenbridge import flops, models
 from tokenbridge.alignment.text_shards import write_text_shards
 from tokenbridge.formats import checksums
@@ -98,7 +98,8 @@ def full_run(zygote, inputs) -> Path:
     args = ["conf=debug", f"data.shards={inputs['shards']}", f"run_dir={run_dir}", "steps=8",
             "checkpoint.interval=4", "eval.max_texts=4", f"teachers.0.projection={PROJECTION}",
             f"logging.peak_tflops={PEAK_TFLOPS}"]  # fmt: skip
-    proc = zygote.run([MAIN, *args, *CPU], nproc=2)
+    # its teacher workers spawned as a user's are (fresh interpreters), not forked for the tests
+    proc = zygote.run([MAIN, *args, *CPU], nproc=2, env={REAL_SPAWN: "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "held-out bits/byte  student after" in proc.stdout
     assert "precision:            cpu: student float32 (master float32, reduce float32), " \
