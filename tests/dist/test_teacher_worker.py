@@ -351,6 +351,9 @@ def test_cuda_ipc_round_trip_reuse_and_kill(tiny_dir, batches):
 
 def _student(model_dir: str) -> None:
     """A student loop stepping forever (until a signal or a worker failure ends it)."""
+    # Ctrl-C as a terminal's foreground job gets it: a suite started in the background of a
+    # non-interactive shell hands its children SIGINT ignored, and Python then keeps it so
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     ch = TeacherChannel(program(model_dir), config=config(timeout_s=30, start_timeout_s=60))
     g = torch.Generator().manual_seed(0)
