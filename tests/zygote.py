@@ -83,7 +83,8 @@ def _run(cmd: list[str], stdout: int, stderr: int) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(stdout, 1), os.dup2(stderr, 2)
-    try:
+
+    def main() -> None:
         if cmd[0] == "-m":
             sys.argv = [cmd[1], *cmd[2:]]
             runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
@@ -91,15 +92,23 @@ def _run(cmd: list[str], stdout: int, stderr: int) -> int:
             sys.argv = list(cmd)
             sys.path[0] = str(Path(cmd[0]).resolve().parent)
             runpy.run_path(cmd[0], run_name="__main__")
-        code = 0
+
+    return _exit_code(main)
+
+
+def _exit_code(main) -> int:
+    """`main()` as the interpreter runs a program: its exit code (SystemExit's, printing a
+    message one carries; 1 after printing an exception's traceback)."""
+    try:
+        main()
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
         traceback.print_exc()
-        code = 1
-    return code
+        return 1
+    return 0
 
 
 def _fork(req: dict, replies: int, env: dict, *, store: int | None = None) -> int:
@@ -232,14 +241,8 @@ def _spawned(req: dict, fds: list[int]) -> int:
     os.getppid = lambda: ppid  # the student the stand-in belongs to, as the worker checks it
     sys.argv = [sys.executable, "--multiprocessing-fork"]
     kw = dict(re.findall(r"(tracker_fd|pipe_handle)=(\d+)", req["spawn"]["argv"][1]))
-    try:
-        spawn.spawn_main(tracker_fd=int(kw["tracker_fd"]), pipe_handle=int(kw["pipe_handle"]))
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
+    fd, pipe = int(kw["tracker_fd"]), int(kw["pipe_handle"])
+    return _exit_code(lambda: spawn.spawn_main(tracker_fd=fd, pipe_handle=pipe))
 
 
 def _shim_rank(conn: socket.socket, listening: list[int]) -> int:
