@@ -17,6 +17,7 @@ student process the signal tests launch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -273,17 +274,24 @@ def test_student_exits_cleanly_on_dead_worker_sigterm_ctrl_c_and_sigkill(tiny_di
     cases = ("kill_worker", "kill_worker_debug", "sigterm", "ctrl_c", "sigkill")
     debug = {"TOKENBRIDGE_DEBUG": "1"}
     procs = {case: _launch(tiny_dir, debug if "debug" in case else None) for case in cases}
-    ready = {}
-    for case, p in procs.items():
-        line = p.stdout.readline()  # "READY <worker pid> <shm name>" once it is stepping
-        assert line.startswith("READY"), (case, line, p.stderr.read() if p.poll() else "")
-        ready[case] = (int(line.split()[1]), line.split()[2])
-    os.kill(ready["kill_worker"][0], signal.SIGKILL)
-    os.kill(ready["kill_worker_debug"][0], signal.SIGKILL)
-    procs["sigterm"].send_signal(signal.SIGTERM)
-    os.killpg(procs["ctrl_c"].pid, signal.SIGINT)  # Ctrl-C reaches student and worker
-    procs["sigkill"].kill()  # no cleanup code runs in the student at all
-    results = {case: (p.wait(timeout=30), p.stderr.read()) for case, p in procs.items()}
+    try:
+        ready = {}
+        for case, p in procs.items():
+            line = p.stdout.readline()  # "READY <worker pid> <shm name>" once it is stepping
+            assert line.startswith("READY"), (case, line, p.stderr.read() if p.poll() else "")
+            ready[case] = (int(line.split()[1]), line.split()[2])
+        os.kill(ready["kill_worker"][0], signal.SIGKILL)
+        os.kill(ready["kill_worker_debug"][0], signal.SIGKILL)
+        procs["sigterm"].send_signal(signal.SIGTERM)
+        os.killpg(procs["ctrl_c"].pid, signal.SIGINT)  # Ctrl-C reaches student and worker
+        procs["sigkill"].kill()  # no cleanup code runs in the student at all
+        results = {case: (p.wait(timeout=30), p.stderr.read()) for case, p in procs.items()}
+    finally:  # a student that did not end (the test failed) must not step on, nor its worker
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
     # killed mid-forward, the student's wait sees it; killed idle (a fast worker has already
     # answered: the usual case on many cores), the student's next submit does
