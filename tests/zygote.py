@@ -228,28 +228,34 @@ def _spawned(req: dict, fds: list[int]) -> int:
     passed, each at the number it had there (the pickled process object names them so)."""
     from multiprocessing import spawn
 
-    os.setpgid(0, 0)
-    # first out of the way of the numbers they must take (the server has no stdin, so a passed
-    # fd may have landed on one of them), then each onto its number in the stand-in
-    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
-    for fd in fds:
-        os.close(fd)
-    for fd, number in zip(moved, req["spawn"]["fds"], strict=True):
-        os.dup2(fd, number)
-        os.close(fd)
-    ppid = req["spawn"]["ppid"]
-    os.getppid = lambda: ppid  # the student the stand-in belongs to, as the worker checks it
-    sys.argv = [sys.executable, "--multiprocessing-fork"]
-    kw = dict(re.findall(r"(tracker_fd|pipe_handle)=(\d+)", req["spawn"]["argv"][1]))
-    fd, pipe = int(kw["tracker_fd"]), int(kw["pipe_handle"])
-    return _exit_code(lambda: spawn.spawn_main(tracker_fd=fd, pipe_handle=pipe))
+    def main() -> None:
+        os.setpgid(0, 0)
+        numbers = req["spawn"]["fds"]
+        if len(fds) != len(numbers):
+            raise RuntimeError(f"the stand-in passed {len(numbers)} fds, {len(fds)} came")
+        # first out of the way of the numbers they must take (the server has no stdin, so a
+        # passed fd may have landed on one of them), then each onto its number in the stand-in
+        above = max(*fds, *numbers) + 1
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        for fd, number in zip(moved, numbers, strict=True):
+            os.dup2(fd, number)
+            os.close(fd)
+        ppid = req["spawn"]["ppid"]
+        os.getppid = lambda: ppid  # the student the stand-in belongs to, as the worker checks it
+        sys.argv = [sys.executable, "--multiprocessing-fork"]
+        kw = dict(re.findall(r"(tracker_fd|pipe_handle)=(\d+)", req["spawn"]["argv"][1]))
+        spawn.spawn_main(tracker_fd=int(kw["tracker_fd"]), pipe_handle=int(kw["pipe_handle"]))
+
+    return _exit_code(main)
 
 
 def _shim_rank(conn: socket.socket, listening: list[int]) -> int:
     """Fork the rank a shim asks for (`tests.zygote_shim`): its command, its whole environment
     and working directory, its stdout and stderr (the fds the shim passed); the rank's pid. Or
     the spawned process it stands in for (``"spawn"``: `_spawned`)."""
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 256)
     req = json.loads(data)
     pid = os.fork()
     if pid == 0:

@@ -6,7 +6,7 @@ so it starts in milliseconds) hands its command, environment, working directory,
 stderr to the zygote's shims' server (`tests.zygote._serve_shims`), which forks the rank from
 the already-imported zygote. ``python -S tests/zygote_shim.py -c "...spawn_main(tracker_fd=T,
 pipe_handle=P)" --multiprocessing-fork``: a process that multiprocessing's "spawn" starts (a
-teacher worker: `tests.zygote.spawn_through_shims`), handed over with the two fds named there;
+teacher worker: `tests.zygote.spawn_through_shims`), handed over with every fd spawn passed it;
 the forked worker then runs what the spawned interpreter would have run, without its ~5 s of
 imports. Either way this process then stands in for the forked one towards its parent: signals
 it receives are passed on, its death (``kill -9``, or its parent's: PR_SET_PDEATHSIG) kills it,

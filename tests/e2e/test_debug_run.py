@@ -312,8 +312,11 @@ def test_killed_teacher_worker_fails_the_run_cleanly(zygote, inputs):
            f"run_dir={run_dir}", "steps=1000", "eval.max_texts=0", "checkpoint.save_at_end=false",
            "teachers.0.tp=2",  # the two workers form their own process group (teacher TP)
            f"teachers.0.projection={PROJECTION}", *CPU]  # fmt: skip
+    # the workers spawned for real: the test is about how a worker's death reaches the ranks
+    # (a forked worker behind its stand-in dies a moment after it, which let the peer rank's
+    # line come first in 1 run of 5)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           **zygote.shim_env()}  # fmt: skip
+           **zygote.shim_env(), REAL_SPAWN: "1"}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 240

@@ -22,6 +22,7 @@ import pytest
 
 from bench.common import ensure_projection, shakespeare_docs
 from tests.e2e.helpers import REPO
+from tests.zygote import REAL_SPAWN
 from tokenbridge.alignment.text_shards import write_text_shards
 
 CPU = ["logging.progress=false", "parallel.threads=1", "device=cpu", "eval.max_texts=4"]
@@ -144,7 +145,9 @@ def test_teacher_worker_dying_while_scoring_is_a_clear_error(zygote, shards, tmp
     """The worker is killed with microbatches in flight: the step raises TeacherWorkerError
     naming the worker and its signal, within bounded time (its liveness is polled)."""
     script = REPO / "tests" / "e2e" / "onpolicy_kill.py"
-    proc = zygote.run([str(script), str(shards), str(tmp_path / "run")], timeout=600)
+    # real workers (spawned, not forked behind a stand-in): their death is what is under test
+    proc = zygote.run([str(script), str(shards), str(tmp_path / "run")], timeout=600,
+                      env={REAL_SPAWN: "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["error"] == "TeacherWorkerError"
