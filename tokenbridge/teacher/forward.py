@@ -20,7 +20,7 @@ from tokenbridge.teacher.outputs import (
     TeacherOutputSpec,
     Workspace,
     allocate_teacher_outputs,
-    fused_serves,
+    fused_mode,
     span_rows,
     teacher_outputs_from_logits,
 )
@@ -105,7 +105,9 @@ def teacher_forward(
     )
     # its cap is left to the fused pass (in fp32, in the same read), unless on_logits reads
     # capped logits; other heads cap out of place below
-    fused = plain and fused_serves(spec, ids_BU.device, dtype=head.weight.dtype, softcap=softcap)
+    fused = (
+        plain and fused_mode(spec, ids_BU.device, dtype=head.weight.dtype, softcap=softcap) != "off"
+    )
     defer = softcap if fused and on_logits is None else None
     if ids_BU.device.type == "cuda":  # spans of `span_rows` rows: fewer launches a token
         chunk = max(chunk, span_rows(spec, ids_BU.device) // max(1, ids_BU.shape[0]))

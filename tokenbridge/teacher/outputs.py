@@ -210,7 +210,7 @@ def _check_inputs(logits_BTV, spec, target_ids_BT, columns, tp_group) -> None:
 @torch.no_grad()
 def _rows(x_RV, spec, tgt_R, cols, tp_group, softcap) -> dict[str, Tensor]:
     """All requested fields for R rows of raw teacher logits (vocab-parallel composition)."""
-    x1 = vocab_ops.mask_padded(_capped(x_RV, softcap), spec.vocab_size, tp_group=tp_group)
+    x1 = vocab_ops.mask_padded(_upcast_capped(x_RV, softcap), spec.vocab_size, tp_group=tp_group)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     logz = vocab_ops.logsumexp(xs, tp_group)
     logz = torch.where(torch.isfinite(logz), logz, 0.0)  # an all -inf row -> all-zero outputs
@@ -257,8 +257,8 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None, softcap) -
     (`tokenbridge.teacher.blocked`). Otherwise sharing one exp(x - max) buffer (from
     ``workspace`` when given): every mass outside a set is a sum over that buffer with the set
     zeroed (exact), not 1 - sum and not a masked copy."""
-    if fused_serves(spec, x_RV.device, dtype=x_RV.dtype, softcap=softcap):
-        how = fused_topk.mode(x_RV.device, dtype=x_RV.dtype, softcap=softcap)
+    how = fused_mode(spec, x_RV.device, dtype=x_RV.dtype, softcap=softcap)
+    if how != "off":
         tf = fused_topk.Transform(spec.vocab_size, softcap, spec.temperature, spec.target)
         work = None
         if how == "eager" and workspace is not None:
@@ -267,7 +267,7 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None, softcap) -
         fields_ = fused_topk.topk_fields(x_RV, tgt_R, tf, spec.topk, how=how, work=work)
         if fields_ is not None:
             return fused_topk.spec_fields(fields_, tgt_R)
-    x1 = vocab_ops.mask_padded(_capped(x_RV, softcap), spec.vocab_size)
+    x1 = vocab_ops.mask_padded(_upcast_capped(x_RV, softcap), spec.vocab_size)
     xs = x1 if spec.temperature == 1.0 else x1 / spec.temperature
     R, V = xs.shape
     if spec.topk and not spec.columns:
@@ -310,24 +310,26 @@ def _rows_local(x_RV, spec, tgt_R, cols, workspace: Workspace | None, softcap) -
     return out
 
 
-def _capped(x_RV: Tensor, softcap: float | None) -> Tensor:
+def _upcast_capped(x_RV: Tensor, softcap: float | None) -> Tensor:
     """fp32 logits of raw ``x``, soft-capped when ``softcap`` (in place on fp32 ``x``, as the
     head's product buffer was capped before: the same values)."""
     x1 = x_RV.float()
     return x1.div_(softcap).tanh_().mul_(softcap) if softcap else x1
 
 
-def fused_serves(spec: TeacherOutputSpec, device, **logits) -> bool:
-    """Whether the spec's fields take the fused pass on ``device`` for ``logits`` (dtype,
-    softcap: `fused_topk.mode`), widths where its blocks would not pay aside
-    (`blocked.block_size`)."""
-    return bool(spec.topk) and not spec.columns and fused_topk.mode(device, **logits) != "off"
+def fused_mode(spec: TeacherOutputSpec, device, **logits) -> str:
+    """How the spec's fields take the fused pass on ``device`` for ``logits`` (dtype, softcap):
+    `fused_topk.mode`, or ``off`` for a spec it does not compute (no top-k, or columns); widths
+    where its blocks would not pay aside (`blocked.block_size`)."""
+    if not spec.topk or spec.columns:
+        return "off"
+    return fused_topk.mode(device, **logits)
 
 
 def span_rows(spec: TeacherOutputSpec, device) -> int:
     """Rows of one pass over [rows, V]: ``spec.chunk_size``, and on CUDA at least
     `CUDA_SPAN_ROWS` where the fused pass serves the spec (it holds no fp32 [rows, V])."""
-    if torch.device(device).type == "cuda" and fused_serves(spec, device):
+    if torch.device(device).type == "cuda" and fused_mode(spec, device) != "off":
         return max(spec.chunk_size, CUDA_SPAN_ROWS)
     return spec.chunk_size
 
